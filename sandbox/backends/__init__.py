@@ -1,0 +1,1 @@
+"""Sandbox backends: each hands out sandboxes that run code in isolation."""

@@ -1,0 +1,135 @@
+"""The one small interface every backend implements.
+
+A backend hands out sandboxes; a sandbox executes code (returning an Execution), moves files in
+and out of its workspace, interrupts, restarts and closes. The interface sits at "execute code",
+not at "give me a kernel socket", so a backend that runs its own interpreter (E2B) fits too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Self
+
+from sandbox.kernel.collector import EventSink
+from sandbox.models import DoneEvent, Execution, FileInfo, OutputEvent
+from sandbox.spec import SandboxSpec
+
+# What the sandboxed code sees as its working directory and workspace root.
+WORKSPACE_IN_SANDBOX = "/workspace"
+
+
+class Sandbox(ABC):
+    """One isolated, stateful interpreter with a workspace of files."""
+
+    id: str
+    backend: str
+    spec: SandboxSpec
+
+    @abstractmethod
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        on_event: EventSink | None = None,
+    ) -> Execution:
+        """Run code in the sandbox's kernel; `on_event` sees each output as it happens."""
+
+    async def stream(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> AsyncIterator[OutputEvent]:
+        """Run code and yield its outputs as they happen; the last event is `done`."""
+        queue: asyncio.Queue[OutputEvent | BaseException] = asyncio.Queue()
+
+        async def run() -> None:
+            try:
+                execution = await self.execute(
+                    code, timeout_s=timeout_s, env=env, cwd=cwd, on_event=queue.put
+                )
+                queue.put_nowait(DoneEvent(execution=execution))
+            except Exception as exc:
+                queue.put_nowait(exc)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, DoneEvent):
+                    return
+        finally:
+            if not task.done():  # the consumer left early: cancelling interrupts the code
+                task.cancel()
+
+    @abstractmethod
+    async def interrupt(self) -> bool:
+        """Stop the running execution, if any (it ends as `cancelled`)."""
+
+    @abstractmethod
+    async def restart(self) -> None:
+        """Replace the kernel with a fresh one. Files in the workspace are kept."""
+
+    @abstractmethod
+    async def upload(self, path: str, data: bytes) -> int:
+        """Write a file into the workspace (path relative to it); return the bytes written."""
+
+    @abstractmethod
+    async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
+        """Read a file of the workspace."""
+
+    @abstractmethod
+    async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
+        """List a directory of the workspace."""
+
+    @abstractmethod
+    async def remove_file(self, path: str) -> None:
+        """Delete a file or directory of the workspace."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop everything the sandbox runs and delete its workspace. Safe to call twice."""
+
+    @property
+    @abstractmethod
+    def is_busy(self) -> bool:
+        """Whether an execution is running or queued."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class Backend(ABC):
+    """Creates sandboxes of one kind."""
+
+    name: str
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec | None = None) -> Sandbox:
+        """Start a sandbox and return it once its kernel answers."""
+
+    async def cleanup_orphans(self) -> int:
+        """Remove what an earlier crash of this orchestrator left behind; return how many."""
+        return 0
+
+    async def close(self) -> None:
+        """Release what the backend itself holds (not the sandboxes it handed out)."""

@@ -1,0 +1,358 @@
+"""The embedded default backend: a kernel under bubblewrap on this machine, no daemon needed.
+
+Each sandbox gets its own user, PID, IPC, UTS, mount, cgroup and network namespaces (so only
+`lo`), a read-only view of the system, one writable workspace, a size-capped private /tmp, a
+non-root uid with no capabilities, no nested user namespaces, rlimits, and an environment that
+holds none of the host's variables. When the orchestrator runs as root, each sandbox also runs
+under a host uid of its own, so that even outside the namespaces it is nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import resource
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
+from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.errors import BackendUnavailable
+from sandbox.kernel.command import (
+    STARTUP_FILE,
+    STARTUP_FILE_IN_SANDBOX,
+    kernel_command,
+    kernel_environment,
+)
+from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
+from sandbox.kernel.driver import KernelDriver
+from sandbox.kernel.process import KernelExit
+from sandbox.models import FileInfo
+from sandbox.spec import ResourceLimits, SandboxSpec
+from sandbox.state_dir import SessionDirs, default_state_dir
+from sandbox.workspace_files import Workspace
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "bubblewrap (bwrap) is required by the local sandbox and was not found. Install it with "
+    "`sudo apt-get install bubblewrap` (Debian/Ubuntu) or `sudo dnf install bubblewrap` (Fedora). "
+    "If, and only if, you trust the code completely, the loudly named option "
+    "`unsafe_no_sandbox` (CLI: --unsafe-no-sandbox) runs kernels with no isolation at all."
+)
+# System files the kernel may read; everything else under /etc stays out of sight.
+_ETC_FILES = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf",
+    "hosts", "mime.types", "fonts", "alternatives", "ssl/certs", "ca-certificates",
+    "os-release", "debian_version", "protocols", "services", "matplotlibrc",
+)
+_SANDBOX_UID = 1000  # the uid and gid the code sees
+
+
+class LocalBackendConfig(BaseModel):
+    state_dir: Path = Field(default_factory=default_state_dir)
+    python: str = Field(
+        default=sys.executable,
+        description="Interpreter that runs the kernel; it needs ipykernel and the data libraries.",
+    )
+    bwrap: str = "bwrap"
+    unsafe_no_sandbox: bool = Field(
+        default=False,
+        description="Run kernels with NO isolation: the code can do anything you can. Never "
+        "for untrusted code.",
+    )
+    host_uid_base: int = Field(
+        default=1_500_000,
+        description="As root, sandbox i runs as host uid host_uid_base + i (never a real user).",
+    )
+    host_uid_count: int = 10_000
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, config: LocalBackendConfig | None = None) -> None:
+        self.config = config or LocalBackendConfig()
+        self._uids_in_use: set[int] = set()
+        self._python_roots: list[str] | None = None
+
+    async def create(self, spec: SandboxSpec | None = None) -> LocalSandbox:
+        spec = spec or SandboxSpec()
+        cfg = self.config
+        if not cfg.unsafe_no_sandbox and shutil.which(cfg.bwrap) is None:
+            raise BackendUnavailable(INSTALL_HINT)
+        if cfg.unsafe_no_sandbox:
+            log.warning("UNSAFE: running a kernel with no sandbox (unsafe_no_sandbox is set)")
+        sandbox_id = secrets.token_hex(8)
+        host_uid = self._allocate_uid()
+        dirs = SessionDirs.create(cfg.state_dir, self.name, sandbox_id)
+        owner = (host_uid, host_uid) if host_uid is not None else None
+        try:
+            if owner:
+                for d in (dirs.workspace, dirs.kernel):
+                    os.chown(d, *owner)
+            launcher = _BwrapLauncher(
+                cfg, spec, dirs, host_uid, await self._python_bind_roots()
+            )
+            driver = KernelDriver(
+                launcher,
+                interrupt_grace_s=spec.interrupt_grace_s,
+                output_limit_chars=spec.output_limit_chars,
+            )
+            await driver.start()
+        except BaseException:
+            dirs.remove()
+            self._release_uid(host_uid)
+            raise
+        return LocalSandbox(
+            sandbox_id, spec, driver, dirs, Workspace(str(dirs.workspace), owner=owner),
+            on_close=lambda: self._release_uid(host_uid),
+        )
+
+    async def cleanup_orphans(self) -> int:
+        return SessionDirs.remove_orphans(self.config.state_dir, self.name)
+
+    def _allocate_uid(self) -> int | None:
+        if os.geteuid() != 0 or self.config.unsafe_no_sandbox:
+            return None
+        base, count = self.config.host_uid_base, self.config.host_uid_count
+        start = secrets.randbelow(count)
+        for i in range(count):
+            uid = base + (start + i) % count
+            if uid not in self._uids_in_use:
+                self._uids_in_use.add(uid)
+                return uid
+        raise BackendUnavailable(f"all {count} sandbox uids are in use")
+
+    def _release_uid(self, uid: int | None) -> None:
+        self._uids_in_use.discard(uid)  # type: ignore[arg-type]
+
+    async def _python_bind_roots(self) -> list[str]:
+        """The directories the kernel's interpreter needs that /usr does not already give."""
+        if self._python_roots is None:
+            proc = await asyncio.create_subprocess_exec(
+                self.config.python, "-c",
+                "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, "
+                "sys.exec_prefix, sys.base_exec_prefix]))",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+            out, err = await proc.communicate()
+            if proc.returncode != 0:
+                raise BackendUnavailable(
+                    f"the kernel interpreter {self.config.python!r} does not run: {err.decode()}"
+                )
+            roots: list[str] = []
+            for prefix in json.loads(out):
+                for p in {prefix, os.path.realpath(prefix)}:
+                    if not p.startswith("/usr/") and p != "/usr" and p not in roots:
+                        roots.append(p)
+            if os.geteuid() == 0 and not self.config.unsafe_no_sandbox:
+                for root in roots:
+                    _check_reachable_by_others(root)
+            self._python_roots = roots
+        return self._python_roots
+
+
+def _check_reachable_by_others(path: str) -> None:
+    """As root, sandboxes run as other uids: the interpreter must be readable by anyone."""
+    current = Path(path)
+    for part in [current, *current.parents]:
+        mode = part.stat().st_mode
+        if not mode & 0o001:
+            raise BackendUnavailable(
+                f"the kernel's Python lives under {part}, which other users cannot enter "
+                f"(mode {oct(mode & 0o777)}), and sandboxes run as an unprivileged uid. Create "
+                "the environment from a system Python (e.g. `/usr/bin/python3 -m venv .venv`, "
+                "as `make install` does) or point `python` at one."
+            )
+
+
+class LocalSandbox(KernelSandbox):
+    backend = "local"
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        driver: KernelDriver,
+        dirs: SessionDirs,
+        workspace: Workspace,
+        on_close: Callable[[], None],
+    ) -> None:
+        super().__init__(sandbox_id, spec, driver)
+        self.dirs = dirs
+        self.workspace = workspace
+        self._on_close = on_close
+
+    async def upload(self, path: str, data: bytes) -> int:
+        return await asyncio.to_thread(self.workspace.write, path, data)
+
+    async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
+        return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
+
+    async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
+        entries = await asyncio.to_thread(self.workspace.list, path, recursive=recursive)
+        return [
+            FileInfo(
+                path=e.path, type=e.kind, size=e.size,  # type: ignore[arg-type]
+                modified_at=datetime.fromtimestamp(e.mtime, UTC),
+            )
+            for e in entries
+        ]
+
+    async def remove_file(self, path: str) -> None:
+        await asyncio.to_thread(self.workspace.remove, path)
+
+    async def _teardown(self) -> None:
+        await asyncio.to_thread(self.dirs.remove)
+        self._on_close()
+
+
+class _BwrapKernel:
+    """A kernel running under bwrap. bwrap exits with its child's status (128+N for signal N)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+
+    async def wait(self) -> KernelExit:
+        return KernelExit.from_returncode(await self.proc.wait())
+
+    async def kill(self) -> None:
+        # The sandbox's init dies with bwrap (--die-with-parent), taking its PID namespace,
+        # and so every process the code started, with it.
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        await self.proc.wait()
+
+    def diagnostics(self) -> str:
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4000))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class _BwrapLauncher:
+    def __init__(
+        self,
+        config: LocalBackendConfig,
+        spec: SandboxSpec,
+        dirs: SessionDirs,
+        host_uid: int | None,
+        python_roots: list[str],
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.dirs = dirs
+        self.host_uid = host_uid
+        self.python_roots = python_roots
+
+    @property
+    def kernel_dir(self) -> Path:
+        return self.dirs.kernel
+
+    @property
+    def kernel_dir_in_sandbox(self) -> str:
+        return str(self.dirs.kernel) if self.config.unsafe_no_sandbox else KERNEL_DIR_IN_SANDBOX
+
+    async def launch(self, connection_file_in_sandbox: str) -> _BwrapKernel:
+        cfg, limits = self.config, self.spec.limits
+        python_bin = str(Path(cfg.python).parent)
+        path = ":".join(dict.fromkeys([python_bin, "/usr/local/bin", "/usr/bin", "/bin"]))
+        if cfg.unsafe_no_sandbox:
+            home = self.dirs.root / "home"
+            home.mkdir(exist_ok=True)
+            env = kernel_environment(
+                path=path, home=str(home), limits=limits, extra=self.spec.env
+            )
+            argv = kernel_command(cfg.python, connection_file_in_sandbox, str(STARTUP_FILE))
+            cwd = str(self.dirs.workspace)
+        else:
+            env = kernel_environment(path=path, home="/tmp", limits=limits, extra=self.spec.env)
+            argv = [
+                *self._bwrap_args(),
+                *kernel_command(cfg.python, connection_file_in_sandbox, STARTUP_FILE_IN_SANDBOX),
+            ]
+            cwd = "/"
+        log_path = self.dirs.root / "kernel.log"
+        with log_path.open("ab") as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=env,  # bwrap's own environment too: /proc/1/environ shows only this
+                cwd=cwd,
+                preexec_fn=_rlimits(limits, dedicated_uid=self.host_uid is not None),
+                user=self.host_uid,
+                group=self.host_uid,
+                extra_groups=[] if self.host_uid is not None else None,
+                start_new_session=True,
+            )
+        return _BwrapKernel(proc, log_path)
+
+    def _bwrap_args(self) -> list[str]:
+        limits = self.spec.limits
+        args = [
+            self.config.bwrap,
+            "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session",
+            "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
+            "--hostname", "sandbox",
+            "--cap-drop", "ALL",
+            "--ro-bind", "/usr", "/usr",
+        ]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / top
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), str(host)]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), str(host)]
+        for name in _ETC_FILES:
+            host = Path("/etc") / name
+            if host.exists():
+                args += ["--ro-bind", str(host), str(host)]
+        for name in ("passwd", "group"):
+            args += ["--ro-bind", str(self.dirs.etc / name), f"/etc/{name}"]
+        for root in self.python_roots:
+            args += ["--ro-bind", root, root]
+        args += [
+            "--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX,
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/tmp",
+            "--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX,
+            "--bind", str(self.dirs.kernel), KERNEL_DIR_IN_SANDBOX,
+            "--chdir", WORKSPACE_IN_SANDBOX,
+        ]
+        return args
+
+
+def _rlimits(limits: ResourceLimits, *, dedicated_uid: bool) -> Callable[[], None]:
+    values = [
+        (resource.RLIMIT_AS, limits.memory_mb << 20),
+        (resource.RLIMIT_FSIZE, limits.file_size_mb << 20),
+        (resource.RLIMIT_NOFILE, limits.open_files),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    if dedicated_uid:  # RLIMIT_NPROC counts per host uid: only meaningful when it is ours alone
+        values.append((resource.RLIMIT_NPROC, limits.pids))
+
+    def apply() -> None:
+        for which, value in values:
+            resource.setrlimit(which, (value, value))
+
+    return apply

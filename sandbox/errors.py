@@ -1,0 +1,31 @@
+"""Typed errors of the sandbox layer. Each says what went wrong and, where it can, what to do."""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class BackendUnavailable(SandboxError):
+    """The backend cannot run here (a missing program or engine); the message says how to fix it."""
+
+
+class SandboxStartError(SandboxError):
+    """A sandbox or its kernel failed to start."""
+
+
+class SandboxClosed(SandboxError):
+    """The sandbox was closed; create a new one."""
+
+
+class InvalidPath(SandboxError, ValueError):
+    """A workspace path is absolute, climbs out with '..', holds a NUL byte or is otherwise unsafe."""
+
+
+class FileAccessError(SandboxError):
+    """A workspace file operation was refused (missing file, a symlink, a directory...)."""
+
+
+class FileTooLarge(SandboxError):
+    """A file is over the configured transfer limit."""

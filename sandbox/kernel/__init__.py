@@ -1,0 +1,1 @@
+"""The Jupyter kernel driver shared by the backends that run ipykernel themselves."""

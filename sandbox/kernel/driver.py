@@ -1,0 +1,467 @@
+"""The kernel driver: runs code in one stateful ipykernel and never leaves its caller hanging.
+
+It owns one kernel at a time (a "generation") and replaces it when it dies, when it will not stop
+after an interrupt, or on request. Executions run one at a time, in the order they were asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from queue import Empty
+from typing import Any
+
+from jupyter_client.asynchronous import AsyncKernelClient
+
+from sandbox.errors import SandboxClosed, SandboxStartError
+from sandbox.kernel.collector import EventSink, OutputCollector
+from sandbox.kernel.connection import write_connection_file
+from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
+from sandbox.models import Execution, ExecutionError, ExecutionStatus
+
+log = logging.getLogger(__name__)
+
+# The helper module the kernel's start-up file installs (see startup.py).
+_RUNTIME = "__import__('_cir_runtime')"
+
+
+@dataclass
+class _Run:
+    """The execution in progress, and what others have asked of it."""
+
+    deadline: float
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
+    interrupted: bool = False  # an interrupt was sent (by the time limit or on request)
+    cancelled: bool = False  # interrupted on request rather than by the time limit
+    restart_requested: bool = False
+
+    def wake(self) -> None:
+        self.woken.set()
+
+
+@dataclass
+class _Kernel:
+    """One kernel generation: its process, client and the task that watches it die."""
+
+    generation: int
+    process: KernelProcess
+    client: AsyncKernelClient
+    exited: asyncio.Future[KernelExit]
+    pending_iopub: asyncio.Future[dict[str, Any]] | None = None
+
+    def next_iopub(self) -> asyncio.Future[dict[str, Any]]:
+        # One receive stays pending across waits, so a message is never lost to a cancellation.
+        if self.pending_iopub is None:
+            self.pending_iopub = asyncio.ensure_future(self.client.get_iopub_msg())
+        return self.pending_iopub
+
+
+class KernelDriver:
+    """Drives the ipykernel a `KernelLauncher` starts, over the ipc sockets in its directory."""
+
+    def __init__(
+        self,
+        launcher: KernelLauncher,
+        *,
+        interrupt_grace_s: float = 3.0,
+        output_limit_chars: int = 1_000_000,
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        self._launcher = launcher
+        self.interrupt_grace_s = interrupt_grace_s
+        self.output_limit_chars = output_limit_chars
+        self.startup_timeout_s = startup_timeout_s
+        self._kernel: _Kernel | None = None
+        self._generation = 0
+        self._lock = asyncio.Lock()  # FIFO: queued executions run in the order they came
+        self._run: _Run | None = None
+        self._closed = False
+        self._idle_death: KernelExit | None = None  # died between executions; told to the next
+        self._background: set[asyncio.Task[Any]] = set()
+        self.restarts = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Life cycle
+
+    async def start(self) -> None:
+        """Start the first kernel and wait until it answers."""
+        async with self._lock:
+            await self._start_kernel()
+
+    async def close(self) -> None:
+        """Kill the kernel for good. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._run is not None:
+            self._run.wake()
+        await self._stop_kernel()
+        for task in list(self._background):
+            task.cancel()
+
+    @property
+    def is_busy(self) -> bool:
+        return self._lock.locked()
+
+    async def _start_kernel(self) -> None:
+        self._generation += 1
+        launcher = self._launcher
+        in_sandbox, info = write_connection_file(
+            launcher.kernel_dir, launcher.kernel_dir_in_sandbox, self._generation
+        )
+        process = await launcher.launch(in_sandbox)
+        exited: asyncio.Future[KernelExit] = asyncio.ensure_future(process.wait())
+        client = AsyncKernelClient()
+        client.load_connection_info(info)
+        client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
+        kernel = _Kernel(self._generation, process, client, exited)
+        try:
+            await self._wait_ready(kernel)
+        except BaseException:
+            await self._dispose(kernel)
+            raise
+        self._kernel = kernel
+        exited.add_done_callback(lambda _: self._on_exit(kernel))
+
+    async def _wait_ready(self, kernel: _Kernel) -> None:
+        """Ask for kernel_info until the shell answers and iopub is seen to be connected."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if kernel.exited.done():
+                output = kernel.process.diagnostics().strip()
+                raise SandboxStartError(
+                    f"the kernel {kernel.exited.result().reason} on start-up"
+                    + (f"; its last output:\n{output}" if output else "")
+                )
+            if time.monotonic() > deadline:
+                raise SandboxStartError(
+                    f"the kernel did not answer within {self.startup_timeout_s:.0f} s of starting"
+                )
+            msg_id = kernel.client.kernel_info()
+            try:
+                await self._shell_reply(kernel, msg_id, timeout=0.5)
+                # Each request is answered with busy/idle on iopub: seeing one proves that our
+                # subscription is live, so no output of the first execution can be lost.
+                await kernel.client.get_iopub_msg(timeout=0.2)
+            except Empty:
+                continue
+            while True:  # drain the rest of the start-up chatter
+                try:
+                    await kernel.client.get_iopub_msg(timeout=0.05)
+                except Empty:
+                    return
+
+    async def _shell_reply(self, kernel: _Kernel, msg_id: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Empty
+            msg: dict[str, Any] = await kernel.client.get_shell_msg(timeout=remaining)
+            if msg["parent_header"].get("msg_id") == msg_id:
+                return msg
+
+    async def _stop_kernel(self) -> None:
+        kernel, self._kernel = self._kernel, None
+        if kernel is not None:
+            await self._dispose(kernel)
+
+    async def _dispose(self, kernel: _Kernel) -> None:
+        try:
+            await kernel.process.kill()
+        finally:
+            if kernel.pending_iopub is not None:
+                kernel.pending_iopub.cancel()
+            kernel.client.stop_channels()
+            kernel.exited.cancel()
+
+    async def _replace_kernel(self) -> None:
+        """Kill the current kernel and start a fresh one (the lock is held)."""
+        await self._stop_kernel()
+        await self._start_kernel()
+        self.restarts += 1
+
+    def _on_exit(self, kernel: _Kernel) -> None:
+        """A kernel died. If nobody is executing, replace it now so the next call is quick."""
+        if self._closed or kernel is not self._kernel or kernel.exited.cancelled():
+            return
+        if self._run is not None:
+            return  # the running execution sees it and recovers
+        task = asyncio.ensure_future(self._recover_idle(kernel))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _recover_idle(self, kernel: _Kernel) -> None:
+        async with self._lock:
+            if self._closed or kernel is not self._kernel:
+                return
+            self._idle_death = kernel.exited.result()
+            log.warning("kernel died while idle (%s); restarting", self._idle_death.reason)
+            try:
+                await self._replace_kernel()
+            except Exception:
+                log.exception("could not restart the kernel")
+
+    # ----------------------------------------------------------------------------------------
+    # Control
+
+    async def interrupt(self) -> bool:
+        """Stop the running execution: it ends as `cancelled`. Returns False if none was running.
+
+        An execution that ignores the interrupt is ended by a kernel restart after the grace
+        period, as with a timeout.
+        """
+        run, kernel = self._run, self._kernel
+        if run is None or kernel is None:
+            return False
+        run.cancelled = True
+        if not run.interrupted:
+            run.interrupted = True
+            self._send_interrupt(kernel)
+            run.deadline = time.monotonic() + self.interrupt_grace_s
+        run.wake()
+        return True
+
+    async def restart(self) -> None:
+        """Replace the kernel with a fresh one; a running execution ends as `cancelled`."""
+        if self._closed:
+            raise SandboxClosed("the sandbox is closed")
+        run = self._run
+        if run is not None:
+            run.cancelled = True
+            run.restart_requested = True
+            run.wake()
+        generation = self._generation
+        async with self._lock:
+            if self._generation == generation or self._kernel is None:
+                await self._replace_kernel()
+            self._idle_death = None
+
+    def _send_interrupt(self, kernel: _Kernel) -> None:
+        # Message mode works the same in every backend: no signal has to cross a namespace.
+        client = kernel.client
+        client.control_channel.send(client.session.msg("interrupt_request", {}))
+
+    # ----------------------------------------------------------------------------------------
+    # Execution
+
+    async def execute(
+        self,
+        code: str,
+        *,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        on_event: EventSink | None = None,
+    ) -> Execution:
+        """Run `code`; return everything it produced. Never raises for what the code does."""
+        if self._closed:
+            raise SandboxClosed("the sandbox is closed")
+        await self._lock.acquire()
+        handed_off = False
+        try:
+            if self._closed:
+                raise SandboxClosed("the sandbox is closed")
+            if self._kernel is None:  # a previous restart failed: try again now
+                await self._start_kernel()
+            return await self._execute_locked(code, timeout_s, env, cwd, on_event)
+        except asyncio.CancelledError:
+            # The caller went away mid-run. Stop the code so the session is not left busy, and
+            # keep the lock until the kernel is idle again, so queued calls start on a quiet kernel.
+            if self._run is not None:
+                handed_off = True
+                task = asyncio.ensure_future(self._settle_after_cancel(self._run))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            raise
+        finally:
+            if not handed_off:
+                self._run = None
+                self._lock.release()
+
+    async def _settle_after_cancel(self, run: _Run) -> None:
+        try:
+            kernel = self._kernel
+            if kernel is None:
+                return
+            self._send_interrupt(kernel)
+            try:
+                await asyncio.wait_for(self._wait_idle(kernel), self.interrupt_grace_s)
+            except TimeoutError:
+                await self._replace_kernel()
+        except Exception:
+            log.exception("could not settle the kernel after a cancelled execution")
+        finally:
+            if run is self._run:
+                self._run = None
+            self._lock.release()
+
+    async def _wait_idle(self, kernel: _Kernel) -> None:
+        """Wait until the kernel reports idle for a request of ours that is in flight."""
+        while True:
+            msg = await kernel.next_iopub()
+            kernel.pending_iopub = None
+            if msg["header"]["msg_type"] == "status" and (
+                msg["content"].get("execution_state") == "idle"
+            ):
+                return
+
+    async def _execute_locked(
+        self,
+        code: str,
+        timeout_s: float,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        on_event: EventSink | None,
+    ) -> Execution:
+        started = time.monotonic()
+        collector = OutputCollector(self.output_limit_chars, on_event)
+        notice: str | None = None
+        state_lost = False
+        if self._idle_death is not None:
+            state_lost = True
+            notice = (
+                f"The kernel died between executions ({self._idle_death.reason}) and was "
+                "restarted: variables and imports from earlier calls are gone; files in the "
+                "workspace are kept."
+            )
+            self._idle_death = None
+
+        scoped = bool(env) or cwd is not None
+        if scoped:
+            setup = f"{_RUNTIME}.enter({json.dumps(env or {})}, {json.dumps(cwd)})"
+            status, fields = await self._run_request(setup, timeout_s, collector, silent=True)
+            if status is not ExecutionStatus.OK:
+                return collector.build(
+                    status=status, duration_s=time.monotonic() - started, notice=notice, **fields
+                )
+        status, fields = await self._run_request(code, timeout_s, collector, silent=False)
+        if scoped and not fields.get("state_lost"):
+            await self._run_request(f"{_RUNTIME}.exit()", 10.0, OutputCollector(1000, None), True)
+        fields["state_lost"] = state_lost or fields.get("state_lost", False)
+        return collector.build(
+            status=status, duration_s=time.monotonic() - started, notice=notice, **fields
+        )
+
+    async def _run_request(
+        self, code: str, timeout_s: float, collector: OutputCollector, silent: bool
+    ) -> tuple[ExecutionStatus, dict[str, Any]]:
+        """Send one execute_request and follow it to the end, whatever that end is."""
+        kernel = self._kernel
+        assert kernel is not None
+        run = self._run = _Run(deadline=time.monotonic() + timeout_s)
+        msg_id = kernel.client.execute(
+            code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
+        )
+        while True:
+            if self._closed:
+                raise SandboxClosed("the sandbox was closed during the execution")
+            if run.restart_requested:
+                return await self._after_restart(
+                    collector, ExecutionStatus.CANCELLED, "the kernel was restarted on request"
+                )
+            incoming = kernel.next_iopub()
+            woken = asyncio.ensure_future(run.woken.wait())
+            timeout = max(0.0, run.deadline - time.monotonic())
+            done, _ = await asyncio.wait(
+                {incoming, kernel.exited, woken}, timeout=timeout, return_when="FIRST_COMPLETED"
+            )
+            woken.cancel()
+            run.woken.clear()
+            if incoming in done:
+                kernel.pending_iopub = None
+                msg = incoming.result()
+                if msg["parent_header"].get("msg_id") != msg_id:
+                    continue
+                if msg["header"]["msg_type"] == "status":
+                    if msg["content"].get("execution_state") == "idle":
+                        break
+                    continue
+                await collector.handle(msg)
+            elif kernel.exited in done:
+                death = kernel.exited.result()
+                return await self._after_restart(
+                    collector,
+                    ExecutionStatus.KERNEL_DIED,
+                    f"the kernel {death.reason}",
+                    name="KernelDied",
+                )
+            elif time.monotonic() >= run.deadline:
+                if not run.interrupted:
+                    run.interrupted = True
+                    self._send_interrupt(kernel)
+                    run.deadline = time.monotonic() + self.interrupt_grace_s
+                    continue
+                status = ExecutionStatus.CANCELLED if run.cancelled else ExecutionStatus.TIMEOUT
+                why = (
+                    "the execution was interrupted on request"
+                    if run.cancelled
+                    else f"the execution ran past its {timeout_s:g} s time limit"
+                )
+                return await self._after_restart(
+                    collector,
+                    status,
+                    f"{why} and did not stop within {self.interrupt_grace_s:g} s of the interrupt",
+                    name="ExecutionTimeout" if status is ExecutionStatus.TIMEOUT else "Cancelled",
+                )
+        try:
+            reply = await self._shell_reply(kernel, msg_id, timeout=10.0)
+            content = reply["content"]
+        except Empty:
+            content = {"status": "error"}
+        if collector.execution_count is None and not silent:
+            collector.execution_count = content.get("execution_count")
+        if run.interrupted:
+            status = ExecutionStatus.CANCELLED if run.cancelled else ExecutionStatus.TIMEOUT
+            kernel_error = collector.error
+            message = (
+                "The execution was interrupted on request"
+                if run.cancelled
+                else f"The execution ran past its {timeout_s:g} s time limit and was interrupted"
+            )
+            await collector.emit_error(
+                ExecutionError(
+                    name="Cancelled" if run.cancelled else "ExecutionTimeout",
+                    value=f"{message}; the kernel's state is kept.",
+                    traceback=kernel_error.traceback if kernel_error else "",
+                )
+            )
+            return status, {}
+        if content.get("status") == "ok" and collector.error is None:
+            return ExecutionStatus.OK, {}
+        if collector.error is None:
+            await collector.emit_error(
+                ExecutionError(
+                    name=content.get("ename", "Error"),
+                    value=content.get("evalue", f"the kernel answered {content.get('status')}"),
+                )
+            )
+        return ExecutionStatus.ERROR, {}
+
+    async def _after_restart(
+        self,
+        collector: OutputCollector,
+        status: ExecutionStatus,
+        why: str,
+        name: str = "Cancelled",
+    ) -> tuple[ExecutionStatus, dict[str, Any]]:
+        """Replace the kernel after a run it could not finish, and say so in the result."""
+        try:
+            await self._replace_kernel()
+            after = "it was restarted"
+        except Exception as exc:  # the next execute tries again
+            log.exception("kernel restart failed")
+            self._kernel = None
+            after = f"restarting it failed ({exc}); the next call tries again"
+        await collector.emit_error(
+            ExecutionError(
+                name=name,
+                value=f"{why[0].upper()}{why[1:]}, so {after}: variables and imports are lost "
+                "(files in the workspace are kept).",
+            )
+        )
+        return status, {"state_lost": True}
+

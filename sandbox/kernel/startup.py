@@ -1,0 +1,78 @@
+"""Runs inside every kernel before any user code (ipykernel's `exec_files`), on every backend.
+
+Standard library only: the Docker images copy this file as it is. It must leave nothing behind
+in the user's namespace.
+"""
+
+
+def _setup() -> None:
+    import io
+    import os
+    import sys
+    import types
+
+    class _NoStdin(io.TextIOBase):
+        """Reading stdin fails at once with a clear error instead of hanging the execution."""
+
+        def _refuse(self, *args: object) -> str:
+            raise OSError(
+                "stdin is not available in this sandbox: nobody can type an answer. "
+                "Put the data in the code, or in a file in the workspace, and read it from there."
+            )
+
+        read = readline = _refuse
+
+        def readlines(self, *args: object) -> list[str]:
+            self._refuse()
+            return []
+
+        def readable(self) -> bool:
+            return True
+
+        def isatty(self) -> bool:
+            return False
+
+    sys.stdin = _NoStdin()
+
+    # Per-execution environment variables and working directory, set before the code and put
+    # back after it (see KernelDriver.execute).
+    runtime = types.ModuleType("_cir_runtime")
+    saved: list[tuple[dict[str, str | None], str, str]] = []
+
+    def enter(env: dict[str, str], cwd: str | None) -> None:
+        previous = {key: os.environ.get(key) for key in env}
+        old_cwd = os.getcwd()
+        if cwd is not None:
+            os.chdir(cwd)
+        os.environ.update(env)
+        saved.append((previous, old_cwd, os.getcwd()))
+
+    def exit() -> None:  # noqa: A001 - the helper's own name for "leave the scope"
+        if not saved:
+            return
+        previous, old_cwd, set_cwd = saved.pop()
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if os.getcwd() == set_cwd:  # the code did not move on its own: go back
+            try:
+                os.chdir(old_cwd)
+            except OSError:
+                pass
+
+    runtime.enter = enter  # type: ignore[attr-defined]
+    runtime.exit = exit  # type: ignore[attr-defined]
+    sys.modules["_cir_runtime"] = runtime
+
+    preload = os.environ.get("CIR_PRELOAD_MODULES", "")
+    for name in filter(None, (m.strip() for m in preload.split(","))):
+        try:
+            __import__(name)
+        except Exception:  # a missing optional module must not stop the kernel
+            pass
+
+
+_setup()
+del _setup

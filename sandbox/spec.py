@@ -1,0 +1,42 @@
+"""What a caller asks of a sandbox: resource limits, environment and execution defaults."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ResourceLimits(BaseModel):
+    """Per-sandbox limits. Defaults are safe for untrusted code on a small machine.
+
+    Which backend enforces what is spelled out in the README ("Limits, honestly").
+    """
+
+    memory_mb: int = Field(2048, ge=64, description="Memory for the whole sandbox, in MiB.")
+    cpus: float = Field(1.0, gt=0, description="CPU quota in cores (Docker).")
+    pids: int = Field(256, ge=16, description="Most processes and threads at once.")
+    file_size_mb: int = Field(1024, ge=1, description="Largest single file the code may write.")
+    open_files: int = Field(1024, ge=64, description="Most open file descriptors per process.")
+    tmp_size_mb: int = Field(512, ge=1, description="Size of the private /tmp.")
+    workspace_size_mb: int = Field(1024, ge=1, description="Size of the workspace (Docker).")
+
+
+class SandboxSpec(BaseModel):
+    """Everything needed to start one sandbox."""
+
+    limits: ResourceLimits = Field(default_factory=ResourceLimits)
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables of the kernel, for its lifetime."
+    )
+    image: str | None = Field(None, description="Kernel image (Docker); None for the default.")
+    default_timeout_s: float = Field(
+        300.0, gt=0, description="Time limit of an execution that does not set its own."
+    )
+    interrupt_grace_s: float = Field(
+        3.0, gt=0, description="How long an interrupted execution may take to stop before the "
+        "kernel is restarted.",
+    )
+    output_limit_chars: int = Field(
+        1_000_000, ge=1000, description="Most characters kept of each of stdout and stderr per "
+        "execution; the rest is dropped with a visible marker.",
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

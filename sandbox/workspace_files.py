@@ -1,0 +1,188 @@
+"""File operations inside a workspace directory that no planted symlink can redirect.
+
+Every path is walked one component at a time from a directory descriptor with O_NOFOLLOW, so a
+symlink the sandboxed code left anywhere in the path is refused, never followed. FIFOs, devices
+and hard links are refused too. Used by the host for local workspaces; standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sandbox.errors import FileAccessError, FileTooLarge, InvalidPath
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def clean_path(path: str, *, allow_root: bool = False) -> tuple[str, ...]:
+    """Split a workspace-relative path into safe components, or raise InvalidPath."""
+    if "\x00" in path:
+        raise InvalidPath("the path contains a NUL byte")
+    if any(ord(c) < 32 or ord(c) == 127 for c in path):
+        raise InvalidPath("the path contains a control character")
+    if path.startswith("/") or path.startswith("\\"):
+        raise InvalidPath(f"{path!r} is absolute: give a path relative to the workspace")
+    parts = tuple(p for p in path.split("/") if p not in ("", "."))
+    if ".." in parts:
+        raise InvalidPath(f"{path!r} contains '..': paths must stay inside the workspace")
+    if any(len(p.encode()) > 255 for p in parts):
+        raise InvalidPath("a path component is longer than 255 bytes")
+    if not parts and not allow_root:
+        raise InvalidPath("the path is empty")
+    return parts
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    kind: str  # file | directory | symlink | other
+    size: int
+    mtime: float
+
+
+class Workspace:
+    """A directory on this machine whose contents the sandboxed code controls."""
+
+    def __init__(self, root: str, *, owner: tuple[int, int] | None = None) -> None:
+        self.root = root
+        self.owner = owner  # files created for the sandbox are given to its user
+
+    @contextmanager
+    def _dir(self, parts: tuple[str, ...], *, create: bool = False) -> Iterator[int]:
+        fd = os.open(self.root, _DIR_FLAGS)
+        try:
+            for part in parts:
+                try:
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise FileAccessError(f"no such directory: {part!r}") from None
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    if self.owner:
+                        os.chown(part, *self.owner, dir_fd=fd, follow_symlinks=False)
+                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except (NotADirectoryError, OSError) as exc:
+                    raise FileAccessError(
+                        f"{part!r} is not a directory of the workspace (a symlink or a file)"
+                    ) from exc
+                os.close(fd)
+                fd = nxt
+            yield fd
+        finally:
+            os.close(fd)
+
+    def read(self, path: str, *, max_bytes: int) -> bytes:
+        parts = clean_path(path)
+        with self._dir(parts[:-1]) as dfd:
+            fd = self._open_regular(dfd, parts[-1], os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                size = os.fstat(fd).st_size
+                if size > max_bytes:
+                    raise FileTooLarge(f"{path!r} is {size} bytes; the limit is {max_bytes}")
+                chunks, total = [], 0
+                while chunk := os.read(fd, 1 << 20):
+                    total += len(chunk)
+                    if total > max_bytes:
+                        raise FileTooLarge(f"{path!r} grew past the limit of {max_bytes} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
+
+    def write(self, path: str, data: bytes) -> int:
+        parts = clean_path(path)
+        with self._dir(parts[:-1], create=True) as dfd:
+            name = parts[-1]
+            try:
+                fd = os.open(
+                    name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                    0o644, dir_fd=dfd,
+                )
+            except OSError as exc:
+                raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+                    raise FileAccessError(f"cannot write {path!r}: not a plain file")
+                os.ftruncate(fd, 0)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.owner:
+                    os.fchown(fd, *self.owner)
+            finally:
+                os.close(fd)
+        return len(data)
+
+    def remove(self, path: str) -> None:
+        parts = clean_path(path)
+        with self._dir(parts[:-1]) as dfd:
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise FileAccessError(f"no such file: {path!r}") from None
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(parts[-1], dir_fd=dfd)
+            else:
+                os.unlink(parts[-1], dir_fd=dfd)
+
+    def list(self, path: str = "", *, recursive: bool = False, limit: int = 10_000) -> list[Entry]:
+        parts = clean_path(path, allow_root=True)
+        out: list[Entry] = []
+        with self._dir(parts) as dfd:
+            self._walk(dfd, "/".join(parts), recursive, out, limit)
+        return out
+
+    def _walk(self, dfd: int, prefix: str, recursive: bool, out: list[Entry], limit: int) -> None:
+        for name in sorted(os.listdir(dfd)):
+            if len(out) >= limit:
+                return
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            rel = f"{prefix}/{name}" if prefix else name
+            kind = (
+                "directory" if stat.S_ISDIR(st.st_mode)
+                else "file" if stat.S_ISREG(st.st_mode)
+                else "symlink" if stat.S_ISLNK(st.st_mode)
+                else "other"
+            )
+            out.append(Entry(rel, kind, st.st_size if kind == "file" else 0, st.st_mtime))
+            if recursive and kind == "directory":
+                try:
+                    sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+                except OSError:
+                    continue
+                try:
+                    self._walk(sub, rel, recursive, out, limit)
+                finally:
+                    os.close(sub)
+
+    @staticmethod
+    def _open_regular(dfd: int, name: str, flags: int) -> int:
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        except FileNotFoundError:
+            raise FileAccessError(f"no such file: {name!r}") from None
+        except OSError as exc:
+            raise FileAccessError(f"cannot open {name!r}: {_why(exc)}") from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise FileAccessError(f"{name!r} is not a plain file")
+        return fd
+
+
+def _why(exc: OSError) -> str:
+    import errno
+
+    if exc.errno == errno.ELOOP:
+        return "it is a symlink, and symlinks are never followed"
+    if exc.errno == errno.EISDIR:
+        return "it is a directory"
+    return exc.strerror or str(exc)

@@ -20,7 +20,7 @@ class SandboxClosed(SandboxError):
 
 
 class InvalidPath(SandboxError, ValueError):
-    """A workspace path is absolute, climbs out with '..', holds a NUL byte or is otherwise unsafe."""
+    """A workspace path is absolute, climbs out with '..', holds a NUL byte or is unsafe."""
 
 
 class FileAccessError(SandboxError):

@@ -32,11 +32,15 @@ class SandboxSpec(BaseModel):
         300.0, gt=0, description="Time limit of an execution that does not set its own."
     )
     interrupt_grace_s: float = Field(
-        3.0, gt=0, description="How long an interrupted execution may take to stop before the "
+        3.0,
+        gt=0,
+        description="How long an interrupted execution may take to stop before the "
         "kernel is restarted.",
     )
     output_limit_chars: int = Field(
-        1_000_000, ge=1000, description="Most characters kept of each of stdout and stderr per "
+        1_000_000,
+        ge=1000,
+        description="Most characters kept of each of stdout and stderr per "
         "execution; the rest is dropped with a visible marker.",
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

@@ -13,6 +13,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 from sandbox.errors import FileAccessError, FileTooLarge, InvalidPath
 
@@ -40,7 +41,7 @@ def clean_path(path: str, *, allow_root: bool = False) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Entry:
     path: str
-    kind: str  # file | directory | symlink | other
+    kind: Literal["file", "directory", "symlink", "other"]
     size: int
     mtime: float
 
@@ -100,8 +101,10 @@ class Workspace:
             name = parts[-1]
             try:
                 fd = os.open(
-                    name, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                    0o644, dir_fd=dfd,
+                    name,
+                    os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                    0o644,
+                    dir_fd=dfd,
                 )
             except OSError as exc:
                 raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
@@ -131,7 +134,9 @@ class Workspace:
             else:
                 os.unlink(parts[-1], dir_fd=dfd)
 
-    def list(self, path: str = "", *, recursive: bool = False, limit: int = 10_000) -> list[Entry]:
+    def list_dir(
+        self, path: str = "", *, recursive: bool = False, limit: int = 10_000
+    ) -> list[Entry]:
         parts = clean_path(path, allow_root=True)
         out: list[Entry] = []
         with self._dir(parts) as dfd:
@@ -147,10 +152,13 @@ class Workspace:
             except FileNotFoundError:
                 continue
             rel = f"{prefix}/{name}" if prefix else name
-            kind = (
-                "directory" if stat.S_ISDIR(st.st_mode)
-                else "file" if stat.S_ISREG(st.st_mode)
-                else "symlink" if stat.S_ISLNK(st.st_mode)
+            kind: Literal["file", "directory", "symlink", "other"] = (
+                "directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "file"
+                if stat.S_ISREG(st.st_mode)
+                else "symlink"
+                if stat.S_ISLNK(st.st_mode)
                 else "other"
             )
             out.append(Entry(rel, kind, st.st_size if kind == "file" else 0, st.st_mtime))

@@ -131,5 +131,5 @@ class Backend(ABC):
         """Remove what an earlier crash of this orchestrator left behind; return how many."""
         return 0
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - most backends hold nothing of their own
         """Release what the backend itself holds (not the sandboxes it handed out)."""

@@ -52,9 +52,23 @@ INSTALL_HINT = (
 )
 # System files the kernel may read; everything else under /etc stays out of sight.
 _ETC_FILES = (
-    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf",
-    "hosts", "mime.types", "fonts", "alternatives", "ssl/certs", "ca-certificates",
-    "os-release", "debian_version", "protocols", "services", "matplotlibrc",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "nsswitch.conf",
+    "hosts",
+    "mime.types",
+    "fonts",
+    "alternatives",
+    "ssl/certs",
+    "ca-certificates",
+    "os-release",
+    "debian_version",
+    "protocols",
+    "services",
+    "matplotlibrc",
 )
 _SANDBOX_UID = 1000  # the uid and gid the code sees
 
@@ -101,9 +115,7 @@ class LocalBackend(Backend):
             if owner:
                 for d in (dirs.workspace, dirs.kernel):
                     os.chown(d, *owner)
-            launcher = _BwrapLauncher(
-                cfg, spec, dirs, host_uid, await self._python_bind_roots()
-            )
+            launcher = _BwrapLauncher(cfg, spec, dirs, host_uid, await self._python_bind_roots())
             driver = KernelDriver(
                 launcher,
                 interrupt_grace_s=spec.interrupt_grace_s,
@@ -115,7 +127,11 @@ class LocalBackend(Backend):
             self._release_uid(host_uid)
             raise
         return LocalSandbox(
-            sandbox_id, spec, driver, dirs, Workspace(str(dirs.workspace), owner=owner),
+            sandbox_id,
+            spec,
+            driver,
+            dirs,
+            Workspace(str(dirs.workspace), owner=owner),
             on_close=lambda: self._release_uid(host_uid),
         )
 
@@ -135,45 +151,56 @@ class LocalBackend(Backend):
         raise BackendUnavailable(f"all {count} sandbox uids are in use")
 
     def _release_uid(self, uid: int | None) -> None:
-        self._uids_in_use.discard(uid)  # type: ignore[arg-type]
+        if uid is not None:
+            self._uids_in_use.discard(uid)
 
     async def _python_bind_roots(self) -> list[str]:
         """The directories the kernel's interpreter needs that /usr does not already give."""
         if self._python_roots is None:
             proc = await asyncio.create_subprocess_exec(
-                self.config.python, "-c",
+                self.config.python,
+                "-c",
                 "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, "
                 "sys.exec_prefix, sys.base_exec_prefix]))",
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
             )
             out, err = await proc.communicate()
             if proc.returncode != 0:
                 raise BackendUnavailable(
                     f"the kernel interpreter {self.config.python!r} does not run: {err.decode()}"
                 )
-            roots: list[str] = []
-            for prefix in json.loads(out):
-                for p in {prefix, os.path.realpath(prefix)}:
-                    if not p.startswith("/usr/") and p != "/usr" and p not in roots:
-                        roots.append(p)
+            roots = _outside_usr(json.loads(out))
             if os.geteuid() == 0 and not self.config.unsafe_no_sandbox:
                 for root in roots:
-                    _check_reachable_by_others(root)
+                    _check_reachable_by_others(root, "the kernel's Python")
+                _check_reachable_by_others(str(self.config.state_dir.parent), "the state dir")
             self._python_roots = roots
         return self._python_roots
 
 
-def _check_reachable_by_others(path: str) -> None:
-    """As root, sandboxes run as other uids: the interpreter must be readable by anyone."""
+def _outside_usr(prefixes: list[str]) -> list[str]:
+    """The prefixes (and where their symlinks lead) that binding /usr does not cover."""
+    roots: list[str] = []
+    for prefix in prefixes:
+        for p in (prefix, os.path.realpath(prefix)):
+            if p != "/usr" and not p.startswith("/usr/") and p not in roots:
+                roots.append(p)
+    return roots
+
+
+def _check_reachable_by_others(path: str, what: str) -> None:
+    """As root, sandboxes run as other uids: what they use must be reachable by anyone."""
     current = Path(path)
     for part in [current, *current.parents]:
         mode = part.stat().st_mode
         if not mode & 0o001:
             raise BackendUnavailable(
-                f"the kernel's Python lives under {part}, which other users cannot enter "
-                f"(mode {oct(mode & 0o777)}), and sandboxes run as an unprivileged uid. Create "
-                "the environment from a system Python (e.g. `/usr/bin/python3 -m venv .venv`, "
-                "as `make install` does) or point `python` at one."
+                f"{what} lives under {part}, which other users cannot enter "
+                f"(mode {oct(mode & 0o777)}), and sandboxes run as an unprivileged uid. For "
+                "the Python, create the environment from a system Python (e.g. "
+                "`/usr/bin/python3 -m venv .venv`, as `make install` does); for the state "
+                "dir, choose one under /tmp or /var/lib."
             )
 
 
@@ -201,10 +228,12 @@ class LocalSandbox(KernelSandbox):
         return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
 
     async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
-        entries = await asyncio.to_thread(self.workspace.list, path, recursive=recursive)
+        entries = await asyncio.to_thread(self.workspace.list_dir, path, recursive=recursive)
         return [
             FileInfo(
-                path=e.path, type=e.kind, size=e.size,  # type: ignore[arg-type]
+                path=e.path,
+                type=e.kind,
+                size=e.size,
                 modified_at=datetime.fromtimestamp(e.mtime, UTC),
             )
             for e in entries
@@ -275,9 +304,7 @@ class _BwrapLauncher:
         if cfg.unsafe_no_sandbox:
             home = self.dirs.root / "home"
             home.mkdir(exist_ok=True)
-            env = kernel_environment(
-                path=path, home=str(home), limits=limits, extra=self.spec.env
-            )
+            env = kernel_environment(path=path, home=str(home), limits=limits, extra=self.spec.env)
             argv = kernel_command(cfg.python, connection_file_in_sandbox, str(STARTUP_FILE))
             cwd = str(self.dirs.workspace)
         else:
@@ -308,12 +335,22 @@ class _BwrapLauncher:
         limits = self.spec.limits
         args = [
             self.config.bwrap,
-            "--unshare-all", "--unshare-user", "--disable-userns",
-            "--die-with-parent", "--new-session",
-            "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
-            "--hostname", "sandbox",
-            "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr",
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--uid",
+            str(_SANDBOX_UID),
+            "--gid",
+            str(_SANDBOX_UID),
+            "--hostname",
+            "sandbox",
+            "--cap-drop",
+            "ALL",
+            "--ro-bind",
+            "/usr",
+            "/usr",
         ]
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host = Path("/") / top
@@ -330,13 +367,27 @@ class _BwrapLauncher:
         for root in self.python_roots:
             args += ["--ro-bind", root, root]
         args += [
-            "--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX,
-            "--proc", "/proc",
-            "--dev", "/dev",
-            "--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/tmp",
-            "--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX,
-            "--bind", str(self.dirs.kernel), KERNEL_DIR_IN_SANDBOX,
-            "--chdir", WORKSPACE_IN_SANDBOX,
+            "--ro-bind",
+            str(STARTUP_FILE),
+            STARTUP_FILE_IN_SANDBOX,
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(limits.tmp_size_mb << 20),
+            "--tmpfs",
+            "/tmp",
+            "--bind",
+            str(self.dirs.workspace),
+            WORKSPACE_IN_SANDBOX,
+            "--bind",
+            str(self.dirs.kernel),
+            KERNEL_DIR_IN_SANDBOX,
+            "--remount-ro",
+            "/",  # bwrap's root is a tmpfs: nothing may be created there
+            "--chdir",
+            WORKSPACE_IN_SANDBOX,
         ]
         return args
 

@@ -12,15 +12,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 from queue import Empty
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.errors import SandboxClosed, SandboxStartError
 from sandbox.kernel.collector import EventSink, OutputCollector
 from sandbox.kernel.connection import write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
 from sandbox.models import Execution, ExecutionError, ExecutionStatus
+
+if TYPE_CHECKING:
+    from jupyter_client.connect import KernelConnectionInfo
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ class KernelDriver:
         process = await launcher.launch(in_sandbox)
         exited: asyncio.Future[KernelExit] = asyncio.ensure_future(process.wait())
         client = AsyncKernelClient()
-        client.load_connection_info(info)
+        client.load_connection_info(cast("KernelConnectionInfo", info))
         client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
         kernel = _Kernel(self._generation, process, client, exited)
         try:
@@ -142,7 +145,7 @@ class KernelDriver:
                 )
             msg_id = kernel.client.kernel_info()
             try:
-                await self._shell_reply(kernel, msg_id, timeout=0.5)
+                await self._shell_reply(kernel, msg_id, within_s=0.5)
                 # Each request is answered with busy/idle on iopub: seeing one proves that our
                 # subscription is live, so no output of the first execution can be lost.
                 await kernel.client.get_iopub_msg(timeout=0.2)
@@ -154,8 +157,8 @@ class KernelDriver:
                 except Empty:
                     return
 
-    async def _shell_reply(self, kernel: _Kernel, msg_id: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
+    async def _shell_reply(self, kernel: _Kernel, msg_id: str, within_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + within_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -366,8 +369,9 @@ class KernelDriver:
             incoming = kernel.next_iopub()
             woken = asyncio.ensure_future(run.woken.wait())
             timeout = max(0.0, run.deadline - time.monotonic())
+            waiting: set[asyncio.Future[Any]] = {incoming, kernel.exited, woken}
             done, _ = await asyncio.wait(
-                {incoming, kernel.exited, woken}, timeout=timeout, return_when="FIRST_COMPLETED"
+                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             woken.cancel()
             run.woken.clear()
@@ -408,7 +412,7 @@ class KernelDriver:
                     name="ExecutionTimeout" if status is ExecutionStatus.TIMEOUT else "Cancelled",
                 )
         try:
-            reply = await self._shell_reply(kernel, msg_id, timeout=10.0)
+            reply = await self._shell_reply(kernel, msg_id, within_s=10.0)
             content = reply["content"]
         except Empty:
             content = {"status": "error"}
@@ -464,4 +468,3 @@ class KernelDriver:
             )
         )
         return status, {"state_lost": True}
-

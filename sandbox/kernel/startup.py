@@ -6,6 +6,7 @@ in the user's namespace.
 
 
 def _setup() -> None:
+    import contextlib
     import io
     import os
     import sys
@@ -14,17 +15,20 @@ def _setup() -> None:
     class _NoStdin(io.TextIOBase):
         """Reading stdin fails at once with a clear error instead of hanging the execution."""
 
-        def _refuse(self, *args: object) -> str:
-            raise OSError(
+        def _refuse(self) -> OSError:
+            return OSError(
                 "stdin is not available in this sandbox: nobody can type an answer. "
                 "Put the data in the code, or in a file in the workspace, and read it from there."
             )
 
-        read = readline = _refuse
+        def read(self, size: int | None = -1, /) -> str:
+            raise self._refuse()
 
-        def readlines(self, *args: object) -> list[str]:
-            self._refuse()
-            return []
+        def readline(self, size: int | None = -1, /) -> str:  # type: ignore[override]
+            raise self._refuse()
+
+        def readlines(self, hint: int = -1, /) -> list[str]:  # type: ignore[override]
+            raise self._refuse()
 
         def readable(self) -> bool:
             return True
@@ -47,7 +51,7 @@ def _setup() -> None:
         os.environ.update(env)
         saved.append((previous, old_cwd, os.getcwd()))
 
-    def exit() -> None:  # noqa: A001 - the helper's own name for "leave the scope"
+    def exit() -> None:
         if not saved:
             return
         previous, old_cwd, set_cwd = saved.pop()
@@ -57,10 +61,8 @@ def _setup() -> None:
             else:
                 os.environ[key] = value
         if os.getcwd() == set_cwd:  # the code did not move on its own: go back
-            try:
+            with contextlib.suppress(OSError):
                 os.chdir(old_cwd)
-            except OSError:
-                pass
 
     runtime.enter = enter  # type: ignore[attr-defined]
     runtime.exit = exit  # type: ignore[attr-defined]
@@ -68,10 +70,8 @@ def _setup() -> None:
 
     preload = os.environ.get("CIR_PRELOAD_MODULES", "")
     for name in filter(None, (m.strip() for m in preload.split(","))):
-        try:
+        with contextlib.suppress(Exception):  # a missing module must not stop the kernel
             __import__(name)
-        except Exception:  # a missing optional module must not stop the kernel
-            pass
 
 
 _setup()

@@ -1,0 +1,35 @@
+# The front door. `make install` builds .venv; `make test` runs everything, Docker included.
+# A system Python is preferred: as root, local sandboxes run as unprivileged uids that must be
+# able to read the interpreter (pyenv's under /root is out of their reach).
+PYTHON ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-local lint format demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[kernel,dev]'
+	touch $@
+
+test: install
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+demo: install
+	$(BIN)/code-interpreter run -f examples/quickstart.py --output-dir outputs
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

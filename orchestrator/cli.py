@@ -1,0 +1,81 @@
+"""The `code-interpreter` command."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator.terminal import TerminalPrinter
+from sandbox import BackendUnavailable, SandboxError, SandboxSpec, create_backend
+from sandbox.spec import ResourceLimits
+
+app = typer.Typer(
+    help="A self-hosted, sandboxed, stateful code interpreter for LLM agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+
+
+@app.command()
+def run(
+    code: Annotated[str | None, typer.Argument(help="Python code to run.")] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", "-f", help="Run this script instead.", exists=True)
+    ] = None,
+    backend: Annotated[str, typer.Option(help="Sandbox backend: local or docker.")] = "local",
+    timeout: Annotated[float, typer.Option(help="Time limit of the execution, in seconds.")] = 60,
+    output_dir: Annotated[
+        Path, typer.Option("--output-dir", "-o", help="Where images are saved.")
+    ] = Path("."),
+    memory_mb: Annotated[int, typer.Option(help="Memory limit, MiB.")] = 2048,
+    image: Annotated[str | None, typer.Option(help="Kernel image (docker).")] = None,
+    unsafe_no_sandbox: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-no-sandbox",
+            help="Run with NO isolation (local backend without bubblewrap). Trusted code only.",
+        ),
+    ] = False,
+) -> None:
+    """Run code in a fresh sandbox and print what it produced; images are saved as files."""
+    if (code is None) == (file is None):
+        raise typer.BadParameter("give either CODE or --file, not both and not neither")
+    source = file.read_text() if file is not None else code
+    assert source is not None
+    config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
+    spec = SandboxSpec(limits=ResourceLimits(memory_mb=memory_mb), image=image)
+    try:
+        status = asyncio.run(_run(source, backend, config, spec, timeout, output_dir))
+    except (BackendUnavailable, SandboxError, ValueError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(status)
+
+
+async def _run(
+    source: str,
+    backend_name: str,
+    config: dict[str, object],
+    spec: SandboxSpec,
+    time_limit_s: float,
+    output_dir: Path,
+) -> int:
+    backend = create_backend(backend_name, **config)
+    try:
+        printer = TerminalPrinter(output_dir)
+        async with await backend.create(spec) as sandbox:
+            execution = await sandbox.execute(
+                source, timeout_s=time_limit_s, on_event=printer.on_event
+            )
+        return printer.finish(execution)
+    finally:
+        await backend.close()

@@ -1,0 +1,95 @@
+"""A blocking facade over the async API, for scripts and notebooks.
+
+One background thread runs an event loop for every synchronous sandbox of the process; each call
+hands its coroutine to that loop and waits for the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from sandbox.backends.base import Backend, Sandbox
+from sandbox.models import Execution, FileInfo
+from sandbox.registry import create_backend
+from sandbox.spec import SandboxSpec
+
+T = TypeVar("T")
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="sandbox-loop", daemon=True).start()
+    return asyncio.run_coroutine_threadsafe(coro, _loop).result()
+
+
+class SyncSandbox:
+    """`with SyncSandbox.create() as sb: print(sb.execute("1 + 1").text)`"""
+
+    def __init__(self, sandbox: Sandbox, backend: Backend | None = None) -> None:
+        self.sandbox = sandbox
+        self._backend = backend
+
+    @classmethod
+    def create(
+        cls, backend: str = "local", spec: SandboxSpec | None = None, **config: Any
+    ) -> SyncSandbox:
+        owned = create_backend(backend, **config)
+        return cls(_run(owned.create(spec)), owned)
+
+    @property
+    def id(self) -> str:
+        return self.sandbox.id
+
+    def execute(
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> Execution:
+        return _run(self.sandbox.execute(code, timeout_s=timeout_s, env=env, cwd=cwd))
+
+    def interrupt(self) -> bool:
+        return _run(self.sandbox.interrupt())
+
+    def restart(self) -> None:
+        _run(self.sandbox.restart())
+
+    def upload(self, path: str, data: bytes) -> int:
+        return _run(self.sandbox.upload(path, data))
+
+    def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
+        return _run(self.sandbox.download(path, max_bytes=max_bytes))
+
+    def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
+        return _run(self.sandbox.list_files(path, recursive=recursive))
+
+    def remove_file(self, path: str) -> None:
+        _run(self.sandbox.remove_file(path))
+
+    def close(self) -> None:
+        _run(self.sandbox.close())
+        if self._backend is not None:
+            _run(self._backend.close())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,71 @@
+"""Fixtures: real backends, real sandboxes, real kernels.
+
+Every behaviour test runs once per backend. A backend whose engine is missing is skipped on a
+developer's machine but fails in CI (CI=true), where everything must run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from sandbox import Backend, Sandbox, SandboxSpec, create_backend
+from sandbox.spec import ResourceLimits
+
+ALL_BACKENDS = ("local",)
+SELECTED = [b for b in os.environ.get("CIR_TEST_BACKENDS", ",".join(ALL_BACKENDS)).split(",") if b]
+
+
+def backend_unavailable(name: str) -> str | None:
+    """Why this backend cannot run here, or None when it can."""
+    return None
+
+
+@pytest.fixture(scope="session", params=SELECTED)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    name: str = request.param
+    why = backend_unavailable(name)
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"the {name} backend must run in CI: {why}")
+        pytest.skip(f"{name} backend unavailable: {why}")
+    instance = create_backend(name)
+    await instance.cleanup_orphans()
+    yield instance
+    await instance.close()
+
+
+def small_spec(**overrides: object) -> SandboxSpec:
+    """Limits small enough that abuse tests finish quickly."""
+    fields: dict[str, object] = {
+        "limits": ResourceLimits(memory_mb=1024, tmp_size_mb=64, file_size_mb=64),
+        "interrupt_grace_s": 2.0,
+        "default_timeout_s": 60.0,
+    }
+    fields.update(overrides)
+    return SandboxSpec.model_validate(fields)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    """A state directory of the test's own, reachable by sandbox uids (unlike tmp_path)."""
+    path = Path(tempfile.mkdtemp(prefix="cir-test-", dir="/tmp"))
+    path.chmod(0o711)
+    try:
+        yield path / "state"
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
+    sb = await backend.create(small_spec())
+    try:
+        yield sb
+    finally:
+        await sb.close()

@@ -1,0 +1,241 @@
+"""The sandbox's walls, each shown from inside the sandbox, on every backend."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sandbox import Backend, ExecutionStatus, Sandbox
+from tests.conftest import small_spec
+
+
+async def run_ok(sb: Sandbox, code: str) -> str:
+    ex = await sb.execute(code, timeout_s=60)
+    assert ex.status is ExecutionStatus.OK, (ex.error, ex.stdout, ex.stderr)
+    assert ex.text is not None
+    return ex.text
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A TCP listener on the host's loopback that the sandbox must not reach."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.1)
+    try:
+        yield server.getsockname()[1]
+        # Nothing ever connected.
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+
+
+async def test_network_has_only_loopback_and_cannot_reach_the_host(
+    sandbox: Sandbox, host_listener: int
+) -> None:
+    names = await run_ok(sandbox, "import socket; [n for _, n in socket.if_nameindex()]")
+    assert names == "['lo']"
+    result = await run_ok(
+        sandbox,
+        "import socket\n"
+        "def attempt():\n"
+        "    s = socket.socket(); s.settimeout(3)\n"
+        "    try:\n"
+        f"        s.connect(('127.0.0.1', {host_listener})); return 'connected'\n"
+        "    except OSError as e:\n"
+        "        return type(e).__name__\n"
+        "attempt()",
+    )
+    assert result != "'connected'"
+    udp = await run_ok(
+        sandbox,
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        f"s.sendto(b'x', ('127.0.0.1', {host_listener})); 'sent only to its own lo'",
+    )
+    assert udp == "'sent only to its own lo'"
+    dns = await run_ok(
+        sandbox,
+        "try:\n    socket.getaddrinfo('example.com', 80); r = 'resolved'\n"
+        "except OSError as e:\n    r = type(e).__name__\nr",
+    )
+    assert dns != "'resolved'"
+
+
+async def test_not_root_and_no_capabilities(sandbox: Sandbox) -> None:
+    uid = await run_ok(sandbox, "import os; os.getuid(), os.geteuid(), os.getgid()")
+    assert "0" not in uid.strip("()").replace(" ", "").split(",")
+    caps = await run_ok(
+        sandbox,
+        "[l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapPrm'))]",
+    )
+    assert caps == "['0000000000000000', '0000000000000000']"
+
+
+async def test_writes_outside_the_workspace_fail(sandbox: Sandbox) -> None:
+    code = (
+        "import os\n"
+        "outcomes = {}\n"
+        "for p in ['/usr/evil', '/etc/evil', '/evil', '/opt/evil', '/run/evil']:\n"
+        "    try:\n"
+        "        open(p, 'w').write('x'); outcomes[p] = 'written'\n"
+        "    except OSError as e:\n"
+        "        outcomes[p] = 'refused'\n"
+        "open('/workspace/ok.txt', 'w').write('fine')\n"
+        "open('/tmp/ok.txt', 'w').write('fine')\n"
+        "sorted(set(outcomes.values()))"
+    )
+    assert await run_ok(sandbox, code) == "['refused']"
+
+
+async def test_no_host_secrets_in_any_environment(backend: Backend) -> None:
+    canary = f"cir-canary-{uuid.uuid4().hex}"
+    os.environ["CIR_TEST_CANARY"] = canary
+    try:
+        async with await backend.create(small_spec()) as sb:
+            code = (
+                "import os, glob\n"
+                "seen = [open(p, 'rb').read() for p in glob.glob('/proc/[0-9]*/environ')]\n"
+                f"(any(b'{canary}' in e for e in seen), len(seen) > 0, "
+                f"'{canary}' in str(os.environ), 'CIR_TEST_CANARY' in os.environ)"
+            )
+            assert await run_ok(sb, code) == "(False, True, False, False)"
+            # PID 1 of the sandbox holds nothing of the host either.
+            first = await run_ok(sb, "open('/proc/1/environ', 'rb').read().count(b'HOSTNAME=')")
+            assert first == "0"
+    finally:
+        del os.environ["CIR_TEST_CANARY"]
+
+
+async def test_host_files_are_out_of_sight(sandbox: Sandbox) -> None:
+    code = (
+        "import os\n"
+        "def readable(p):\n"
+        "    try:\n"
+        "        open(p, 'rb').read(1); return True\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "[p for p in ['/etc/shadow', '/root/.bashrc', '/var/run/docker.sock',"
+        " '/run/docker.sock', '/dev/kvm', '/proc/kcore'] if readable(p) or os.path.exists(p)]"
+    )
+    assert await run_ok(sandbox, code) == "[]"
+
+
+async def test_no_new_user_namespaces_or_privileges(sandbox: Sandbox) -> None:
+    code = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000\n"
+        "r1 = libc.unshare(CLONE_NEWUSER)\n"
+        "r2 = libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)\n"
+        "try:\n"
+        "    os.setuid(0); r3 = 0\n"
+        "except OSError:\n"
+        "    r3 = -1\n"
+        "(r1, r2, r3)"
+    )
+    assert await run_ok(sandbox, code) == "(-1, -1, -1)"
+
+
+async def test_private_tmp_is_size_capped(backend: Backend) -> None:
+    async with await backend.create(small_spec()) as sb:  # tmp_size_mb=64
+        code = (
+            "import errno\n"
+            "try:\n"
+            "    with open('/tmp/fill', 'wb') as f:\n"
+            "        for _ in range(100): f.write(b'x' * (1 << 20))\n"
+            "    r = 'filled'\n"
+            "except OSError as e:\n"
+            "    r = errno.errorcode[e.errno]\n"
+            "r"
+        )
+        assert await run_ok(sb, code) == "'ENOSPC'"
+
+
+async def test_rlimits_apply(sandbox: Sandbox) -> None:
+    limits = await run_ok(
+        sandbox,
+        "import resource as r\n"
+        "[r.getrlimit(x)[0] for x in (r.RLIMIT_FSIZE, r.RLIMIT_NOFILE, r.RLIMIT_CORE)]",
+    )
+    assert limits == f"[{64 << 20}, 1024, 0]"
+    too_big = await run_ok(
+        sandbox,
+        "import errno\n"
+        "try:\n"
+        "    with open('big', 'wb') as f: f.write(b'x' * (65 << 20))\n"
+        "    r = 'written'\n"
+        "except OSError as e:\n"
+        "    r = errno.errorcode[e.errno]\n"
+        "r",
+    )
+    assert too_big == "'EFBIG'"
+
+
+def host_processes_with(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+DAEMON = """
+import os, subprocess, sys
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execvp('sleep', ['sleep', '{seconds}'])
+    os._exit(0)
+"""
+
+
+async def test_daemonized_child_does_not_outlive_the_session(backend: Backend) -> None:
+    sb = await backend.create(small_spec())
+    seconds = f"{9000 + uuid.uuid4().int % 900}.{uuid.uuid4().int % 10**6}"
+    ex = await sb.execute(DAEMON.format(seconds=seconds))
+    assert ex.ok, ex.error
+    await asyncio.sleep(0.5)
+    assert host_processes_with(seconds), "the daemon should be running while the session lives"
+    await sb.close()
+    await asyncio.sleep(0.5)
+    assert host_processes_with(seconds) == []
+
+
+async def test_daemonized_child_does_not_outlive_a_kernel_restart(sandbox: Sandbox) -> None:
+    seconds = f"{9000 + uuid.uuid4().int % 900}.{uuid.uuid4().int % 10**6}"
+    assert (await sandbox.execute(DAEMON.format(seconds=seconds))).ok
+    await asyncio.sleep(0.5)
+    assert host_processes_with(seconds)
+    await sandbox.restart()
+    await asyncio.sleep(0.5)
+    assert host_processes_with(seconds) == []
+
+
+async def test_sessions_cannot_see_each_other(backend: Backend) -> None:
+    async with await backend.create(small_spec()) as a, await backend.create(small_spec()) as b:
+        await a.upload("secret-of-a.txt", b"a's")
+        marker = f"{9000 + uuid.uuid4().int % 900}.{uuid.uuid4().int % 10**6}"
+        await a.execute(f"import subprocess; p = subprocess.Popen(['sleep', '{marker}'])")
+        code = (
+            "import glob, os\n"
+            "cmdlines = [open(p, 'rb').read() for p in glob.glob('/proc/[0-9]*/cmdline')]\n"
+            "found = []\n"
+            "for top, dirs, files in os.walk('/'):\n"
+            "    if top in ('/proc', '/sys', '/usr', '/dev'):\n"
+            "        dirs.clear(); continue\n"
+            "    found += [top for f in files if f == 'secret-of-a.txt']\n"
+            f"(any(b'{marker}' in c for c in cmdlines), found, len(cmdlines) < 20)"
+        )
+        assert await run_ok(b, code) == "(False, [], True)"

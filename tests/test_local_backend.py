@@ -1,0 +1,55 @@
+"""What only the local backend does: finding bwrap, the loud opt-out, orphan clean-up."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from sandbox import BackendUnavailable, create_backend
+from sandbox.backends.local import LocalBackend, LocalBackendConfig
+
+
+async def test_missing_bwrap_says_how_to_install_it(state_dir: Path) -> None:
+    backend = create_backend("local", bwrap="/nonexistent/bwrap", state_dir=state_dir)
+    with pytest.raises(BackendUnavailable, match="apt-get install bubblewrap"):
+        await backend.create()
+
+
+async def test_unsandboxed_runs_only_when_asked_by_name(state_dir: Path) -> None:
+    backend = LocalBackend(
+        LocalBackendConfig(bwrap="/nonexistent/bwrap", unsafe_no_sandbox=True, state_dir=state_dir)
+    )
+    async with await backend.create() as sb:
+        ex = await sb.execute("import os; os.getcwd().endswith('/workspace'), 1 + 1")
+        assert ex.text == "(True, 2)"
+        await sb.upload("a.txt", b"x")
+        assert (await sb.execute("open('a.txt').read()")).text == "'x'"
+
+
+async def test_sandbox_directories_are_removed_on_close(state_dir: Path) -> None:
+    backend = create_backend("local", state_dir=state_dir)
+    sb = await backend.create()
+    assert len(list((state_dir / "local").iterdir())) == 1
+    await sb.close()
+    assert list((state_dir / "local").iterdir()) == []
+
+
+async def test_orphans_of_a_dead_orchestrator_are_removed_and_nothing_else(
+    state_dir: Path,
+) -> None:
+    backend = create_backend("local", state_dir=state_dir)
+    live = await backend.create()
+    base = state_dir / "local"
+    orphan = base / "deadbeefdeadbeef"
+    orphan.mkdir()
+    (orphan / "owner").write_text(json.dumps({"pid": 2**22 + 1, "start": "1"}))
+    reused_pid = base / "0123456789abcdef"  # a live pid, but a different process start
+    reused_pid.mkdir()
+    (reused_pid / "owner").write_text(json.dumps({"pid": os.getpid(), "start": "0"}))
+    assert await backend.cleanup_orphans() == 2
+    assert [p.name for p in base.iterdir()] == [live.id]
+    assert (await live.execute("1")).ok
+    await live.close()

@@ -79,3 +79,41 @@ async def _run(
         return printer.finish(execution)
     finally:
         await backend.close()
+
+
+image_app = typer.Typer(help="Build and list the Docker kernel images.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+
+
+@image_app.command("build")
+def image_build(
+    base_image: Annotated[
+        str | None,
+        typer.Option(
+            help="Build on this image (e.g. python:3.11-slim where a registry is reachable) "
+            "instead of the debootstrap base."
+        ),
+    ] = None,
+) -> None:
+    """Build the base and kernel images; seconds when nothing changed."""
+    from kernel_images.build import build_all
+
+    for built in build_all(base_image=base_image):
+        state = "up to date" if built.cached else "built"
+        typer.echo(f"{built.tag:40} {built.image_id[7:19]}  {state}")
+
+
+@image_app.command("list")
+def image_list() -> None:
+    """List the images this project built."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kernel_images.build import list_images
+
+    table = Table("image", "role", "id", "size (MB)", "created")
+    for column in table.columns:
+        column.no_wrap = True
+    for row in list_images():
+        table.add_row(row["tags"], row["role"], row["id"], row["size_mb"], row["created"])
+    Console(width=120).print(table)

@@ -17,7 +17,9 @@ class ResourceLimits(BaseModel):
     file_size_mb: int = Field(1024, ge=1, description="Largest single file the code may write.")
     open_files: int = Field(1024, ge=64, description="Most open file descriptors per process.")
     tmp_size_mb: int = Field(512, ge=1, description="Size of the private /tmp.")
-    workspace_size_mb: int = Field(1024, ge=1, description="Size of the workspace (Docker).")
+    workspace_size_mb: int = Field(
+        1024, ge=1, description="Size of the workspace (a tmpfs when the orchestrator is root)."
+    )
 
 
 class SandboxSpec(BaseModel):

@@ -2,6 +2,10 @@
 
 Layout: <state_dir>/<backend>/<sandbox id>/{workspace,kernel,etc}/ plus an `owner` file naming the
 orchestrator process that made it. A directory whose owner is no longer running is an orphan.
+
+When the orchestrator runs as root, the workspace is a size-capped tmpfs of its own, mounted here
+and bound into the sandbox: a full disk stays inside the session, and the files outlive kernel
+restarts (and, on Docker, containers).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,24 +77,52 @@ class SessionDirs:
         return self.root / "etc"
 
     @classmethod
-    def create(cls, state_dir: Path, backend: str, sandbox_id: str) -> SessionDirs:
+    def create(
+        cls,
+        state_dir: Path,
+        backend: str,
+        sandbox_id: str,
+        *,
+        workspace_size_mb: int | None = None,
+        owner: tuple[int, int] | None = None,
+        root_mode: int = 0o711,
+    ) -> SessionDirs:
+        """Make the directories; `owner` gets the workspace and kernel directories."""
         # 0711: sandboxes running as their own uid may pass through, but not list.
         state_dir.parent.mkdir(parents=True, exist_ok=True)
         _private_dir(state_dir, 0o711)
         _private_dir(state_dir / backend, 0o711)
         dirs = cls(state_dir / backend / sandbox_id)
-        dirs.root.mkdir(mode=0o711)
-        dirs.root.chmod(0o711)
-        for d in (dirs.workspace, dirs.kernel):
-            d.mkdir(mode=0o700)
-        dirs.etc.mkdir(mode=0o755)
-        (dirs.etc / "passwd").write_text(_PASSWD)
-        (dirs.etc / "group").write_text(_GROUP)
+        dirs.root.mkdir(mode=root_mode)
+        dirs.root.chmod(root_mode)
         (dirs.root / "owner").write_text(json.dumps(_this_process()))
+        try:
+            for d in (dirs.workspace, dirs.kernel):
+                d.mkdir(mode=0o700)
+                if owner:
+                    os.chown(d, *owner)
+            if workspace_size_mb and os.geteuid() == 0:
+                uid, gid = owner or (0, 0)
+                options = f"size={workspace_size_mb}m,mode=0700,uid={uid},gid={gid},nosuid,nodev"
+                subprocess.run(
+                    ["mount", "-t", "tmpfs", "-o", options, "cir-workspace", str(dirs.workspace)],
+                    check=True,
+                    capture_output=True,
+                )
+            dirs.etc.mkdir(mode=0o755)
+            (dirs.etc / "passwd").write_text(_PASSWD)
+            (dirs.etc / "group").write_text(_GROUP)
+        except BaseException:
+            dirs.remove()
+            raise
         return dirs
 
+    @property
+    def workspace_is_capped(self) -> bool:
+        return os.path.ismount(self.workspace)
+
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        _remove_tree(self.root)
 
     @classmethod
     def remove_orphans(cls, state_dir: Path, backend: str) -> int:
@@ -106,6 +139,14 @@ class SessionDirs:
             if owner and _process_start_time(int(owner["pid"])) == owner.get("start"):
                 continue  # its orchestrator is alive
             log.info("removing orphaned sandbox directory %s", entry)
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove_tree(entry)
             removed += 1
         return removed
+
+
+def _remove_tree(root: Path) -> None:
+    """Unmount the workspace tmpfs, if any, then delete the directory."""
+    workspace = root / "workspace"
+    if os.path.ismount(workspace):
+        subprocess.run(["umount", "--lazy", str(workspace)], check=False, capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)

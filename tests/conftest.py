@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,13 +18,33 @@ import pytest
 from sandbox import Backend, Sandbox, SandboxSpec, create_backend
 from sandbox.spec import ResourceLimits
 
-ALL_BACKENDS = ("local",)
+ALL_BACKENDS = ("local", "docker")
+# Each test run labels its containers with an id of its own, so clean-up checks are exact.
+TEST_ORCHESTRATOR_ID = f"test-{uuid.uuid4().hex[:8]}"
 SELECTED = [b for b in os.environ.get("CIR_TEST_BACKENDS", ",".join(ALL_BACKENDS)).split(",") if b]
 
 
 def backend_unavailable(name: str) -> str | None:
     """Why this backend cannot run here, or None when it can."""
+    if name == "docker":
+        import docker
+        from docker.errors import DockerException, ImageNotFound
+
+        from sandbox.backends.docker import DEFAULT_IMAGE
+
+        try:
+            client = docker.from_env()
+            client.ping()
+            client.images.get(DEFAULT_IMAGE)
+        except ImageNotFound:
+            return f"the image {DEFAULT_IMAGE} is missing: run `make image`"
+        except DockerException as exc:
+            return f"no Docker engine: {exc}"
     return None
+
+
+def backend_config(name: str) -> dict[str, object]:
+    return {"orchestrator_id": TEST_ORCHESTRATOR_ID} if name == "docker" else {}
 
 
 @pytest.fixture(scope="session", params=SELECTED)
@@ -34,7 +55,7 @@ async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
         if os.environ.get("CI"):
             pytest.fail(f"the {name} backend must run in CI: {why}")
         pytest.skip(f"{name} backend unavailable: {why}")
-    instance = create_backend(name)
+    instance = create_backend(name, **backend_config(name))
     await instance.cleanup_orphans()
     yield instance
     await instance.close()

@@ -109,12 +109,19 @@ class LocalBackend(Backend):
             log.warning("UNSAFE: running a kernel with no sandbox (unsafe_no_sandbox is set)")
         sandbox_id = secrets.token_hex(8)
         host_uid = self._allocate_uid()
-        dirs = SessionDirs.create(cfg.state_dir, self.name, sandbox_id)
         owner = (host_uid, host_uid) if host_uid is not None else None
         try:
-            if owner:
-                for d in (dirs.workspace, dirs.kernel):
-                    os.chown(d, *owner)
+            dirs = SessionDirs.create(
+                cfg.state_dir,
+                self.name,
+                sandbox_id,
+                workspace_size_mb=None if cfg.unsafe_no_sandbox else spec.limits.workspace_size_mb,
+                owner=owner,
+            )
+        except BaseException:
+            self._release_uid(host_uid)
+            raise
+        try:
             launcher = _BwrapLauncher(cfg, spec, dirs, host_uid, await self._python_bind_roots())
             driver = KernelDriver(
                 launcher,

@@ -1,0 +1,1 @@
+"""Builds the sandbox images: a registry-free Debian base and the data-analysis kernel image."""

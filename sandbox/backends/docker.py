@@ -1,0 +1,428 @@
+"""The production backend: one hardened container per kernel, on a real Docker engine.
+
+The container has no network (`network_mode=none`), a read-only root, a size-capped /tmp, no
+capabilities, no new privileges, a pids limit, memory without extra swap, a CPU quota, ulimits,
+an init process, and labels naming the sandbox and the orchestrator that owns it. The kernel is
+the container's main process and is reached over ZeroMQ ipc sockets in a bind-mounted host
+directory: no port is published.
+
+The workspace is a host directory bound in (a size-capped tmpfs when the orchestrator is root),
+so files outlive the container: replacing a dead or stuck kernel is replacing its container, and
+the session's files stay. Deaths are learnt from the engine's event stream, not by polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import Ulimit
+from pydantic import BaseModel, Field
+
+from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
+from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.errors import BackendUnavailable, SandboxStartError
+from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_command, kernel_environment
+from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
+from sandbox.kernel.driver import KernelDriver
+from sandbox.kernel.process import KernelExit
+from sandbox.models import FileInfo
+from sandbox.spec import SandboxSpec
+from sandbox.state_dir import SessionDirs, default_state_dir
+from sandbox.workspace_files import Workspace
+
+log = logging.getLogger(__name__)
+
+LABEL_SANDBOX = "code-interpreter.sandbox"
+LABEL_ORCHESTRATOR = "code-interpreter.orchestrator"
+DEFAULT_IMAGE = "code-interpreter-kernel:latest"
+ENGINE_HINT = (
+    "Start a Docker engine (`sudo systemctl start docker`, or on a machine without systemd "
+    "`sudo dockerd --bridge=none --iptables=false --ip-masq=false &`) or point DOCKER_HOST at one."
+)
+
+
+class DockerBackendConfig(BaseModel):
+    image: str = Field(DEFAULT_IMAGE, description="Kernel image used when a spec names none.")
+    state_dir: Path = Field(default_factory=default_state_dir)
+    orchestrator_id: str = Field(
+        "default",
+        description="Names this orchestrator in container labels. Orphan clean-up removes only "
+        "containers with this id: give each orchestrator sharing an engine its own.",
+    )
+    docker_host: str | None = Field(
+        None, description="Engine URL; None uses DOCKER_HOST or the default socket."
+    )
+    python: str = "/opt/kernel/bin/python"
+    kernel_path: str = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin"
+    sandbox_uid: int = Field(1000, description="The non-root uid the kernel runs as.")
+    runtime: str | None = Field(None, description="OCI runtime, e.g. 'runsc' for gVisor.")
+
+
+class DockerBackend(Backend):
+    name = "docker"
+
+    def __init__(self, config: DockerBackendConfig | None = None) -> None:
+        self.config = config or DockerBackendConfig()
+        self._client: docker.DockerClient | None = None
+        self._deaths: _DeathWatch | None = None
+        self._connect_lock = asyncio.Lock()
+
+    async def _connect(self) -> tuple[docker.DockerClient, _DeathWatch]:
+        async with self._connect_lock:
+            if self._client is None or self._deaths is None:
+                client = await asyncio.to_thread(self._open_client)
+                self._deaths = await asyncio.to_thread(
+                    _DeathWatch, client, self.config.orchestrator_id
+                )
+                self._client = client
+            return self._client, self._deaths
+
+    def _open_client(self) -> docker.DockerClient:
+        where = self.config.docker_host or os.environ.get("DOCKER_HOST") or "the default socket"
+        try:
+            client = (
+                docker.DockerClient(base_url=self.config.docker_host)
+                if self.config.docker_host
+                else docker.from_env()
+            )
+            client.ping()
+        except DockerException as exc:
+            raise BackendUnavailable(
+                f"cannot reach a Docker engine at {where}: {exc}. {ENGINE_HINT}"
+            ) from None
+        return client
+
+    async def create(self, spec: SandboxSpec | None = None) -> DockerSandbox:
+        spec = spec or SandboxSpec()
+        client, deaths = await self._connect()
+        image = spec.image or self.config.image
+        try:
+            await asyncio.to_thread(client.images.get, image)
+        except ImageNotFound:
+            raise BackendUnavailable(
+                f"the kernel image {image!r} is not on this engine: build it with `make image` "
+                "or `code-interpreter image build`"
+            ) from None
+        sandbox_id = secrets.token_hex(8)
+        root = os.geteuid() == 0
+        uid = self.config.sandbox_uid
+        dirs = await asyncio.to_thread(
+            SessionDirs.create,
+            self.config.state_dir,
+            self.name,
+            sandbox_id,
+            workspace_size_mb=spec.limits.workspace_size_mb,
+            owner=(uid, uid) if root else None,
+            root_mode=0o700,  # the engine binds the subdirectories; nobody else needs in
+        )
+        if not root:  # the container's uid must create sockets and files in them
+            for d in (dirs.kernel, dirs.workspace):
+                d.chmod(0o777)
+        launcher = _ContainerLauncher(self.config, client, deaths, spec, dirs, sandbox_id, image)
+        driver = KernelDriver(
+            launcher,
+            interrupt_grace_s=spec.interrupt_grace_s,
+            output_limit_chars=spec.output_limit_chars,
+        )
+        try:
+            await driver.start()
+        except BaseException:
+            await driver.close()
+            await asyncio.to_thread(dirs.remove)
+            raise
+        owner = (uid, uid) if root else None
+        return DockerSandbox(
+            sandbox_id, spec, driver, dirs, Workspace(str(dirs.workspace), owner=owner), launcher
+        )
+
+    async def cleanup_orphans(self) -> int:
+        """Remove containers labelled with our orchestrator id, and their directories."""
+        client, _ = await self._connect()
+        label = f"{LABEL_ORCHESTRATOR}={self.config.orchestrator_id}"
+        containers = await asyncio.to_thread(
+            client.containers.list, all=True, filters={"label": label}
+        )
+        for container in containers:
+            log.info("removing orphaned container %s", container.name)
+            with contextlib.suppress(NotFound):
+                await asyncio.to_thread(container.remove, force=True)
+        dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
+        return len(containers) + dirs
+
+    async def close(self) -> None:
+        if self._deaths is not None:
+            self._deaths.close()
+        if self._client is not None:
+            self._client.close()
+        self._client = self._deaths = None
+
+
+class DockerSandbox(KernelSandbox):
+    backend = "docker"
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        driver: KernelDriver,
+        dirs: SessionDirs,
+        workspace: Workspace,
+        launcher: _ContainerLauncher,
+    ) -> None:
+        super().__init__(sandbox_id, spec, driver)
+        self.dirs = dirs
+        self.workspace = workspace
+        self._launcher = launcher
+
+    @property
+    def container_name(self) -> str | None:
+        """The container running the current kernel."""
+        return self._launcher.current_name
+
+    async def upload(self, path: str, data: bytes) -> int:
+        return await asyncio.to_thread(self.workspace.write, path, data)
+
+    async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
+        return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
+
+    async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
+        entries = await asyncio.to_thread(self.workspace.list_dir, path, recursive=recursive)
+        return [
+            FileInfo(
+                path=e.path,
+                type=e.kind,
+                size=e.size,
+                modified_at=datetime.fromtimestamp(e.mtime, UTC),
+            )
+            for e in entries
+        ]
+
+    async def remove_file(self, path: str) -> None:
+        await asyncio.to_thread(self.workspace.remove, path)
+
+    async def _teardown(self) -> None:
+        await asyncio.to_thread(self.dirs.remove)
+
+
+class _Container:
+    """A kernel's container, as a KernelProcess."""
+
+    def __init__(self, container: Any, exited: asyncio.Future[KernelExit]) -> None:
+        self.container = container
+        self.exited = exited
+        self.logs = ""
+
+    async def wait(self) -> KernelExit:
+        return await asyncio.shield(self.exited)
+
+    async def kill(self) -> None:
+        # Removing the container kills every process in it, daemons included.
+        with contextlib.suppress(NotFound, APIError):
+            await asyncio.to_thread(self.container.remove, force=True)
+        if not self.exited.done():
+            self.exited.set_result(KernelExit("killed by the orchestrator", None, 9))
+
+    def diagnostics(self) -> str:
+        return self.logs
+
+
+class _ContainerLauncher:
+    def __init__(
+        self,
+        config: DockerBackendConfig,
+        client: docker.DockerClient,
+        deaths: _DeathWatch,
+        spec: SandboxSpec,
+        dirs: SessionDirs,
+        sandbox_id: str,
+        image: str,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.deaths = deaths
+        self.spec = spec
+        self.dirs = dirs
+        self.sandbox_id = sandbox_id
+        self.image = image
+        self.generation = 0
+        self.current_name: str | None = None
+
+    @property
+    def kernel_dir(self) -> Path:
+        return self.dirs.kernel
+
+    @property
+    def kernel_dir_in_sandbox(self) -> str:
+        return KERNEL_DIR_IN_SANDBOX
+
+    async def launch(self, connection_file_in_sandbox: str) -> _Container:
+        self.generation += 1
+        name = f"code-interpreter-{self.sandbox_id}-{self.generation}"
+        options = self._container_options(name, connection_file_in_sandbox)
+        try:
+            container = await asyncio.to_thread(self.client.containers.create, **options)
+        except (APIError, DockerException) as exc:
+            raise SandboxStartError(f"the engine refused to create the container: {exc}") from exc
+        process = _Container(container, asyncio.get_running_loop().create_future())
+        self.deaths.watch(container.id, process)
+        try:
+            await asyncio.to_thread(container.start)
+        except (APIError, DockerException) as exc:
+            await process.kill()
+            raise SandboxStartError(f"the container did not start: {exc}") from exc
+        self.current_name = name
+        return process
+
+    def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
+        limits, cfg = self.spec.limits, self.config
+        env = kernel_environment(
+            path=cfg.kernel_path, home="/tmp", limits=limits, extra=self.spec.env
+        )
+        memory = f"{limits.memory_mb}m"
+        options: dict[str, Any] = {
+            "image": self.image,
+            "command": kernel_command(cfg.python, connection_file, STARTUP_FILE_IN_SANDBOX),
+            "name": name,
+            "hostname": "sandbox",
+            "user": f"{cfg.sandbox_uid}:{cfg.sandbox_uid}",
+            "working_dir": WORKSPACE_IN_SANDBOX,
+            "environment": env,
+            "labels": {
+                LABEL_SANDBOX: self.sandbox_id,
+                LABEL_ORCHESTRATOR: cfg.orchestrator_id,
+            },
+            "network_mode": "none",
+            "read_only": True,
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_size_mb}m,mode=1777"},
+            "volumes": {
+                str(self.dirs.kernel): {"bind": KERNEL_DIR_IN_SANDBOX, "mode": "rw"},
+                str(self.dirs.workspace): {"bind": WORKSPACE_IN_SANDBOX, "mode": "rw"},
+            },
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "pids_limit": limits.pids,
+            "mem_limit": memory,
+            "memswap_limit": memory,  # the same figure: no swap on top
+            "nano_cpus": int(limits.cpus * 1e9),
+            "ulimits": [
+                Ulimit(name="nofile", soft=limits.open_files, hard=limits.open_files),
+                Ulimit(
+                    name="fsize", soft=limits.file_size_mb << 20, hard=limits.file_size_mb << 20
+                ),
+                Ulimit(name="core", soft=0, hard=0),
+            ],
+            "init": True,
+            "ipc_mode": "private",
+            "stdin_open": False,
+            "detach": True,
+        }
+        if cfg.runtime:
+            options["runtime"] = cfg.runtime
+        return options
+
+
+class _DeathWatch:
+    """Follows the engine's event stream and tells each kernel's future when its container dies.
+
+    One stream serves every sandbox of the backend, so nothing polls. Subscribed before any
+    container starts, so no death can slip by between start and watch.
+    """
+
+    def __init__(self, client: docker.DockerClient, orchestrator_id: str) -> None:
+        self.client = client
+        self.filters = {
+            "type": "container",
+            "event": ["die", "oom"],
+            "label": [f"{LABEL_ORCHESTRATOR}={orchestrator_id}"],
+        }
+        self._watched: dict[str, tuple[asyncio.AbstractEventLoop, _Container]] = {}
+        self._oom: set[str] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stream = self.client.events(decode=True, filters=self.filters)
+        self._thread = threading.Thread(target=self._run, name="docker-deaths", daemon=True)
+        self._thread.start()
+
+    def watch(self, container_id: str, process: _Container) -> None:
+        with self._lock:
+            self._watched[container_id] = (asyncio.get_running_loop(), process)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._stream.close()
+
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                for event in self._stream:
+                    self._handle(event)
+            except Exception as exc:  # the stream broke: reconnect, then look for missed deaths
+                if self._closed:
+                    return
+                log.warning("docker event stream broke (%s); reconnecting", exc)
+            if self._closed:
+                return
+            try:
+                self._stream = self.client.events(decode=True, filters=self.filters)
+            except DockerException:
+                threading.Event().wait(1.0)
+                continue
+            self._recheck()
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        container_id = event.get("id", "")
+        action = event.get("status") or event.get("Action")
+        if action == "oom":
+            self._oom.add(container_id)
+            return
+        if action != "die":
+            return
+        code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", -1))
+        self._died(container_id, code)
+
+    def _died(self, container_id: str, code: int) -> None:
+        with self._lock:
+            entry = self._watched.pop(container_id, None)
+        if entry is None:
+            return
+        loop, process = entry
+        oom = container_id in self._oom
+        self._oom.discard(container_id)
+        try:
+            container = self.client.containers.get(container_id)
+            oom = oom or bool(container.attrs["State"].get("OOMKilled"))
+            process.logs = container.logs(tail=60).decode(errors="replace")
+        except (NotFound, APIError):
+            pass
+        death = KernelExit.from_returncode(code, out_of_memory=oom)
+        loop.call_soon_threadsafe(_resolve, process.exited, death)
+
+    def _recheck(self) -> None:
+        with self._lock:
+            watched = list(self._watched)
+        for container_id in watched:
+            try:
+                state = self.client.containers.get(container_id).attrs["State"]
+            except NotFound:
+                self._died(container_id, 137)
+                continue
+            except APIError:
+                continue
+            if not state.get("Running"):
+                self._died(container_id, int(state.get("ExitCode", -1)))
+
+
+def _resolve(future: asyncio.Future[KernelExit], value: KernelExit) -> None:
+    if not future.done():
+        future.set_result(value)

@@ -340,63 +340,41 @@ class _BwrapLauncher:
 
     def _bwrap_args(self) -> list[str]:
         limits = self.spec.limits
-        args = [
-            self.config.bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--disable-userns",
-            "--die-with-parent",
-            "--new-session",
-            "--uid",
-            str(_SANDBOX_UID),
-            "--gid",
-            str(_SANDBOX_UID),
-            "--hostname",
-            "sandbox",
-            "--cap-drop",
-            "ALL",
-            "--ro-bind",
-            "/usr",
-            "/usr",
+        flags = [
+            "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID), "--hostname", "sandbox",
+        ]  # fmt: skip
+        # Order matters: a later mount covers an earlier one. /tmp comes before the binds, so a
+        # Python that lives under /tmp (a checkout there) stays visible.
+        mounts: list[tuple[str, ...]] = [
+            ("--ro-bind", "/usr", "/usr"),
+            ("--proc", "/proc"),
+            ("--dev", "/dev"),
+            ("--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/tmp"),
         ]
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host = Path("/") / top
             if host.is_symlink():
-                args += ["--symlink", os.readlink(host), str(host)]
+                mounts.append(("--symlink", os.readlink(host), str(host)))
             elif host.is_dir():
-                args += ["--ro-bind", str(host), str(host)]
+                mounts.append(("--ro-bind", str(host), str(host)))
         for name in _ETC_FILES:
             host = Path("/etc") / name
             if host.exists():
-                args += ["--ro-bind", str(host), str(host)]
+                mounts.append(("--ro-bind", str(host), str(host)))
         for name in ("passwd", "group"):
-            args += ["--ro-bind", str(self.dirs.etc / name), f"/etc/{name}"]
+            mounts.append(("--ro-bind", str(self.dirs.etc / name), f"/etc/{name}"))
         for root in self.python_roots:
-            args += ["--ro-bind", root, root]
-        args += [
-            "--ro-bind",
-            str(STARTUP_FILE),
-            STARTUP_FILE_IN_SANDBOX,
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(limits.tmp_size_mb << 20),
-            "--tmpfs",
-            "/tmp",
-            "--bind",
-            str(self.dirs.workspace),
-            WORKSPACE_IN_SANDBOX,
-            "--bind",
-            str(self.dirs.kernel),
-            KERNEL_DIR_IN_SANDBOX,
-            "--remount-ro",
-            "/",  # bwrap's root is a tmpfs: nothing may be created there
-            "--chdir",
-            WORKSPACE_IN_SANDBOX,
+            mounts.append(("--ro-bind", root, root))
+        mounts += [
+            ("--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX),
+            ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),
+            ("--bind", str(self.dirs.kernel), KERNEL_DIR_IN_SANDBOX),
+            ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there
+            ("--chdir", WORKSPACE_IN_SANDBOX),
         ]
-        return args
+        return [self.config.bwrap, *flags, *(arg for mount in mounts for arg in mount)]
 
 
 def _rlimits(limits: ResourceLimits, *, dedicated_uid: bool) -> Callable[[], None]:

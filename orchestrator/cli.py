@@ -117,3 +117,29 @@ def image_list() -> None:
     for row in list_images():
         table.add_row(row["tags"], row["role"], row["id"], row["size_mb"], row["created"])
     Console(width=120).print(table)
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+) -> None:
+    """Serve the HTTP API (settings from CODE_INTERPRETER_* and CODE_INTERPRETER_CONFIG)."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from orchestrator.app import create_app
+    from orchestrator.config import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        typer.secho(f"error: bad settings: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+    uvicorn.run(
+        create_app(settings),
+        host=host or settings.host,
+        port=port if port is not None else settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=10,
+    )

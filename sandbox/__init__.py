@@ -12,6 +12,7 @@ from sandbox.backends.base import Backend, Sandbox
 from sandbox.errors import (
     BackendUnavailable,
     FileAccessError,
+    FileMissing,
     FileTooLarge,
     InvalidPath,
     SandboxClosed,
@@ -48,6 +49,7 @@ __all__ = [
     "ExecutionStatus",
     "FileAccessError",
     "FileInfo",
+    "FileMissing",
     "FileTooLarge",
     "InvalidPath",
     "OutputEvent",

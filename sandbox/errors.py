@@ -27,5 +27,9 @@ class FileAccessError(SandboxError):
     """A workspace file operation was refused (missing file, a symlink, a directory...)."""
 
 
+class FileMissing(FileAccessError):
+    """The file or directory does not exist in the workspace."""
+
+
 class FileTooLarge(SandboxError):
     """A file is over the configured transfer limit."""

@@ -23,7 +23,8 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
-def _run(coro: Coroutine[Any, Any, T]) -> T:
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on the shared background loop and wait for its result."""
     global _loop
     with _loop_lock:
         if _loop is None:
@@ -44,7 +45,7 @@ class SyncSandbox:
         cls, backend: str = "local", spec: SandboxSpec | None = None, **config: Any
     ) -> SyncSandbox:
         owned = create_backend(backend, **config)
-        return cls(_run(owned.create(spec)), owned)
+        return cls(run_sync(owned.create(spec)), owned)
 
     @property
     def id(self) -> str:
@@ -58,30 +59,30 @@ class SyncSandbox:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
     ) -> Execution:
-        return _run(self.sandbox.execute(code, timeout_s=timeout_s, env=env, cwd=cwd))
+        return run_sync(self.sandbox.execute(code, timeout_s=timeout_s, env=env, cwd=cwd))
 
     def interrupt(self) -> bool:
-        return _run(self.sandbox.interrupt())
+        return run_sync(self.sandbox.interrupt())
 
     def restart(self) -> None:
-        _run(self.sandbox.restart())
+        run_sync(self.sandbox.restart())
 
     def upload(self, path: str, data: bytes) -> int:
-        return _run(self.sandbox.upload(path, data))
+        return run_sync(self.sandbox.upload(path, data))
 
     def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
-        return _run(self.sandbox.download(path, max_bytes=max_bytes))
+        return run_sync(self.sandbox.download(path, max_bytes=max_bytes))
 
     def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
-        return _run(self.sandbox.list_files(path, recursive=recursive))
+        return run_sync(self.sandbox.list_files(path, recursive=recursive))
 
     def remove_file(self, path: str) -> None:
-        _run(self.sandbox.remove_file(path))
+        run_sync(self.sandbox.remove_file(path))
 
     def close(self) -> None:
-        _run(self.sandbox.close())
+        run_sync(self.sandbox.close())
         if self._backend is not None:
-            _run(self._backend.close())
+            run_sync(self._backend.close())
 
     def __enter__(self) -> Self:
         return self

@@ -2,7 +2,7 @@
 
 Every path is walked one component at a time from a directory descriptor with O_NOFOLLOW, so a
 symlink the sandboxed code left anywhere in the path is refused, never followed. FIFOs, devices
-and hard links are refused too. Used by the host for local workspaces; standard library only.
+and hard links are refused too. Both backends keep their workspaces on the host and use this.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from sandbox.errors import FileAccessError, FileTooLarge, InvalidPath
+from sandbox.errors import FileAccessError, FileMissing, FileTooLarge, InvalidPath
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -62,7 +62,7 @@ class Workspace:
                     nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     if not create:
-                        raise FileAccessError(f"no such directory: {part!r}") from None
+                        raise FileMissing(f"no such directory: {part!r}") from None
                     os.mkdir(part, 0o755, dir_fd=fd)
                     if self.owner:
                         os.chown(part, *self.owner, dir_fd=fd, follow_symlinks=False)
@@ -128,7 +128,7 @@ class Workspace:
             try:
                 st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
-                raise FileAccessError(f"no such file: {path!r}") from None
+                raise FileMissing(f"no such file: {path!r}") from None
             if stat.S_ISDIR(st.st_mode):
                 shutil.rmtree(parts[-1], dir_fd=dfd)
             else:
@@ -177,7 +177,7 @@ class Workspace:
         try:
             fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
         except FileNotFoundError:
-            raise FileAccessError(f"no such file: {name!r}") from None
+            raise FileMissing(f"no such file: {name!r}") from None
         except OSError as exc:
             raise FileAccessError(f"cannot open {name!r}: {_why(exc)}") from exc
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 import time
 
 import pytest
@@ -19,6 +20,9 @@ from sandbox import (
     StderrEvent,
     StdoutEvent,
 )
+from sandbox import cgroups
+from sandbox.backends.local import LocalBackend
+from sandbox.spec import ResourceLimits
 from tests.conftest import small_spec
 
 
@@ -222,12 +226,58 @@ async def test_kernel_death_while_idle_is_told_to_the_next_call(sandbox: Sandbox
     assert after.notice is not None and "exited with code 9" in after.notice
 
 
-async def test_memory_bomb_is_contained(sandbox: Sandbox) -> None:
-    ex = await sandbox.execute("b = bytearray(8 * 1024**3)", timeout_s=60)
+def aggregate_memory_limit(backend: Backend) -> bool:
+    """Docker always has a memory cgroup; the local backend has one as root on cgroup v1."""
+    if isinstance(backend, LocalBackend):
+        return cgroups.available() and backend.config.use_cgroups
+    return True
+
+
+async def test_out_of_memory_is_reported_as_such(backend: Backend) -> None:
+    async with await backend.create(small_spec(limits=ResourceLimits(memory_mb=256))) as sb:
+        ex = await sb.execute(
+            "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 1024 * 1024))",
+            timeout_s=60,
+        )
+        assert ex.error is not None
+        if aggregate_memory_limit(backend):
+            assert ex.status is ExecutionStatus.KERNEL_DIED
+            assert "out of memory" in ex.error.value
+        else:  # per-process rlimit: the allocation fails instead
+            assert ex.error.name == "MemoryError"
+        assert (await sb.execute("1 + 1")).text == "2"
+
+
+async def test_one_huge_allocation_fails_cleanly(sandbox: Sandbox) -> None:
+    ex = await sandbox.execute("b = bytearray(64 * 1024**3)", timeout_s=60)
     assert ex.status in (ExecutionStatus.ERROR, ExecutionStatus.KERNEL_DIED)
     assert ex.error is not None
     assert ex.error.name == "MemoryError" or "memory" in ex.error.value
     assert (await sandbox.execute("1")).ok
+
+
+async def test_fork_bomb_is_contained(backend: Backend) -> None:
+    if isinstance(backend, LocalBackend) and os.geteuid() != 0:
+        pytest.skip("the local backend limits processes only as root (see the README)")
+    limits = ResourceLimits(pids=64)
+    async with await backend.create(small_spec(limits=limits)) as sb:
+        ex = await sb.execute(
+            "import os, time\n"
+            "children, failed = 0, None\n"
+            "for _ in range(500):\n"
+            "    try:\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(30); os._exit(0)\n"
+            "        children += 1\n"
+            "    except OSError as e:\n"
+            "        failed = e.strerror; break\n"
+            "(children < 64, failed)",
+            timeout_s=60,
+        )
+        assert ex.ok, ex.error
+        assert ex.text is not None and ex.text.startswith("(True, '")
+        await sb.restart()  # the children go with the old kernel
+        assert (await sb.execute("2 + 2")).text == "4"
 
 
 async def test_stdin_fails_fast(sandbox: Sandbox) -> None:

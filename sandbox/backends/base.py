@@ -74,6 +74,10 @@ class Sandbox(ABC):
                 task.cancel()
 
     @abstractmethod
+    async def set_env(self, env: dict[str, str]) -> None:
+        """Add environment variables for the rest of the sandbox's life, restarts included."""
+
+    @abstractmethod
     async def interrupt(self) -> bool:
         """Stop the running execution, if any (it ends as `cancelled`)."""
 

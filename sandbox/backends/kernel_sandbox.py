@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 
 from sandbox.backends.base import Sandbox
+from sandbox.errors import SandboxError
 from sandbox.kernel.collector import EventSink
 from sandbox.kernel.driver import KernelDriver
 from sandbox.models import Execution
@@ -36,6 +38,13 @@ class KernelSandbox(Sandbox):
             cwd=cwd,
             on_event=on_event,
         )
+
+    async def set_env(self, env: dict[str, str]) -> None:
+        self.spec.env.update(env)  # the launcher reads it again for every new kernel
+        code = f"import os as _o; _o.environ.update({json.dumps(env)}); del _o"
+        execution = await self.driver.execute(code, timeout_s=30, silent=True)
+        if not execution.ok:
+            raise SandboxError(f"could not set the environment: {execution.error}")
 
     async def interrupt(self) -> bool:
         return await self.driver.interrupt()

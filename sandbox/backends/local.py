@@ -25,8 +25,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from sandbox import cgroups
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.cgroups import SandboxCgroup
 from sandbox.errors import BackendUnavailable
 from sandbox.kernel.command import (
     STARTUP_FILE,
@@ -90,6 +92,11 @@ class LocalBackendConfig(BaseModel):
         description="As root, sandbox i runs as host uid host_uid_base + i (never a real user).",
     )
     host_uid_count: int = 10_000
+    use_cgroups: bool = Field(
+        default=True,
+        description="As root on cgroup v1, limit each sandbox's memory, processes and CPU in a "
+        "cgroup of its own (otherwise: per-process rlimits only).",
+    )
 
 
 class LocalBackend(Backend):
@@ -121,8 +128,14 @@ class LocalBackend(Backend):
         except BaseException:
             self._release_uid(host_uid)
             raise
+        cgroup = None
         try:
-            launcher = _BwrapLauncher(cfg, spec, dirs, host_uid, await self._python_bind_roots())
+            if cfg.use_cgroups and not cfg.unsafe_no_sandbox and cgroups.available():
+                cgroup = SandboxCgroup(sandbox_id)
+                cgroup.create(spec.limits)
+            launcher = _BwrapLauncher(
+                cfg, spec, dirs, host_uid, await self._python_bind_roots(), cgroup
+            )
             driver = KernelDriver(
                 launcher,
                 interrupt_grace_s=spec.interrupt_grace_s,
@@ -131,6 +144,8 @@ class LocalBackend(Backend):
             await driver.start()
         except BaseException:
             dirs.remove()
+            if cgroup is not None:
+                cgroup.remove()
             self._release_uid(host_uid)
             raise
         return LocalSandbox(
@@ -139,11 +154,19 @@ class LocalBackend(Backend):
             driver,
             dirs,
             Workspace(str(dirs.workspace), owner=owner),
-            on_close=lambda: self._release_uid(host_uid),
+            on_close=lambda: self._closed(host_uid, cgroup),
         )
 
     async def cleanup_orphans(self) -> int:
-        return SessionDirs.remove_orphans(self.config.state_dir, self.name)
+        removed = SessionDirs.remove_orphans(self.config.state_dir, self.name)
+        if cgroups.available():
+            removed += cgroups.remove_unused()
+        return removed
+
+    def _closed(self, host_uid: int | None, cgroup: SandboxCgroup | None) -> None:
+        if cgroup is not None:
+            cgroup.remove()
+        self._release_uid(host_uid)
 
     def _allocate_uid(self) -> int | None:
         if os.geteuid() != 0 or self.config.unsafe_no_sandbox:
@@ -257,12 +280,18 @@ class LocalSandbox(KernelSandbox):
 class _BwrapKernel:
     """A kernel running under bwrap. bwrap exits with its child's status (128+N for signal N)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+    def __init__(
+        self, proc: asyncio.subprocess.Process, log_path: Path, cgroup: SandboxCgroup | None
+    ) -> None:
         self.proc = proc
         self.log_path = log_path
+        self.cgroup = cgroup
+        self.oom_kills = cgroup.oom_kills() if cgroup else 0
 
     async def wait(self) -> KernelExit:
-        return KernelExit.from_returncode(await self.proc.wait())
+        code = await self.proc.wait()
+        oom = self.cgroup is not None and self.cgroup.oom_kills() > self.oom_kills
+        return KernelExit.from_returncode(code, out_of_memory=oom)
 
     async def kill(self) -> None:
         # The sandbox's init dies with bwrap (--die-with-parent), taking its PID namespace,
@@ -289,12 +318,14 @@ class _BwrapLauncher:
         dirs: SessionDirs,
         host_uid: int | None,
         python_roots: list[str],
+        cgroup: SandboxCgroup | None,
     ) -> None:
         self.config = config
         self.spec = spec
         self.dirs = dirs
         self.host_uid = host_uid
         self.python_roots = python_roots
+        self.cgroup = cgroup
 
     @property
     def kernel_dir(self) -> Path:
@@ -330,13 +361,10 @@ class _BwrapLauncher:
                 stderr=log_file,
                 env=env,  # bwrap's own environment too: /proc/1/environ shows only this
                 cwd=cwd,
-                preexec_fn=_rlimits(limits, dedicated_uid=self.host_uid is not None),
-                user=self.host_uid,
-                group=self.host_uid,
-                extra_groups=[] if self.host_uid is not None else None,
+                preexec_fn=_confine(limits, self.cgroup, self.host_uid),
                 start_new_session=True,
             )
-        return _BwrapKernel(proc, log_path)
+        return _BwrapKernel(proc, log_path, self.cgroup)
 
     def _bwrap_args(self) -> list[str]:
         limits = self.spec.limits
@@ -377,18 +405,31 @@ class _BwrapLauncher:
         return [self.config.bwrap, *flags, *(arg for mount in mounts for arg in mount)]
 
 
-def _rlimits(limits: ResourceLimits, *, dedicated_uid: bool) -> Callable[[], None]:
+def _confine(
+    limits: ResourceLimits, cgroup: SandboxCgroup | None, host_uid: int | None
+) -> Callable[[], None]:
+    """What the child does between fork and exec, in this order: join the cgroup (which needs
+    root), set the rlimits, then drop to the sandbox's own host uid."""
     values = [
-        (resource.RLIMIT_AS, limits.memory_mb << 20),
         (resource.RLIMIT_FSIZE, limits.file_size_mb << 20),
         (resource.RLIMIT_NOFILE, limits.open_files),
         (resource.RLIMIT_CORE, 0),
     ]
-    if dedicated_uid:  # RLIMIT_NPROC counts per host uid: only meaningful when it is ours alone
-        values.append((resource.RLIMIT_NPROC, limits.pids))
+    if cgroup is None:
+        # No aggregate limit: bound each process's private memory instead. (RLIMIT_AS would
+        # count address space, several times what a Python process really uses.)
+        values.append((resource.RLIMIT_DATA, limits.memory_mb << 20))
+        if host_uid is not None:  # counted per host uid: meaningful when the uid is ours alone
+            values.append((resource.RLIMIT_NPROC, limits.pids))
 
     def apply() -> None:
+        if cgroup is not None:
+            cgroup.join_self()
         for which, value in values:
             resource.setrlimit(which, (value, value))
+        if host_uid is not None:
+            os.setgroups([])
+            os.setgid(host_uid)
+            os.setuid(host_uid)
 
     return apply

@@ -259,8 +259,12 @@ class KernelDriver:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_event: EventSink | None = None,
+        silent: bool = False,
     ) -> Execution:
-        """Run `code`; return everything it produced. Never raises for what the code does."""
+        """Run `code`; return everything it produced. Never raises for what the code does.
+
+        `silent` runs housekeeping: no history, no execution count, no result value.
+        """
         if self._closed:
             raise SandboxClosed("the sandbox is closed")
         await self._lock.acquire()
@@ -270,7 +274,7 @@ class KernelDriver:
                 raise SandboxClosed("the sandbox is closed")
             if self._kernel is None:  # a previous restart failed: try again now
                 await self._start_kernel()
-            return await self._execute_locked(code, timeout_s, env, cwd, on_event)
+            return await self._execute_locked(code, timeout_s, env, cwd, on_event, silent)
         except asyncio.CancelledError:
             # The caller went away mid-run. Stop the code so the session is not left busy, and
             # keep the lock until the kernel is idle again, so queued calls start on a quiet kernel.
@@ -319,6 +323,7 @@ class KernelDriver:
         env: dict[str, str] | None,
         cwd: str | None,
         on_event: EventSink | None,
+        silent: bool = False,
     ) -> Execution:
         started = time.monotonic()
         collector = OutputCollector(self.output_limit_chars, on_event)
@@ -341,7 +346,7 @@ class KernelDriver:
                 return collector.build(
                     status=status, duration_s=time.monotonic() - started, notice=notice, **fields
                 )
-        status, fields = await self._run_request(code, timeout_s, collector, silent=False)
+        status, fields = await self._run_request(code, timeout_s, collector, silent=silent)
         if scoped and not fields.get("state_lost"):
             await self._run_request(f"{_RUNTIME}.exit()", 10.0, OutputCollector(1000, None), True)
         fields["state_lost"] = state_lost or fields.get("state_lost", False)

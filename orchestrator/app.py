@@ -1,0 +1,109 @@
+"""The FastAPI application: routers, start-up and shutdown, and one JSON shape for errors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.auth import Authenticator
+from orchestrator.config import Settings
+from orchestrator.metrics import METRICS
+from orchestrator.routes import files, ops, sessions, tools
+from orchestrator.routes.deps import ClientGone
+from orchestrator.service import Service
+from orchestrator.sessions import SessionError
+from sandbox.errors import (
+    BackendUnavailable,
+    FileAccessError,
+    FileMissing,
+    FileTooLarge,
+    InvalidPath,
+    SandboxClosed,
+    SandboxError,
+    SandboxStartError,
+)
+
+log = logging.getLogger(__name__)
+
+# How each typed error of ours reads over HTTP.
+_STATUS: list[tuple[type[Exception], int]] = [
+    (InvalidPath, 400),
+    (FileMissing, 404),
+    (FileAccessError, 403),
+    (FileTooLarge, 413),
+    (SandboxClosed, 410),
+    (BackendUnavailable, 503),
+    (SandboxStartError, 503),
+    (SandboxError, 500),
+    (KeyError, 404),
+]
+
+
+def _error(status: int, kind: str, message: str) -> JSONResponse:
+    METRICS.errors.labels(kind).inc()
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    service = Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = FastAPI(
+        title="code-interpreter-runtime",
+        version="0.1.0",
+        summary="Sandboxed, stateful Python sessions and the code_interpreter tool for agents.",
+        lifespan=lifespan,
+    )
+    app.state.service = service
+    app.state.authenticate = Authenticator(settings)
+    for router in (sessions.router, files.router, tools.router, ops.router):
+        app.include_router(router)
+
+    @app.exception_handler(SessionError)
+    async def session_error(request: Request, exc: SessionError) -> JSONResponse:
+        return _error(exc.status, type(exc).__name__, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {401: "Unauthorized", 404: "NotFound", 413: "TooLarge"}.get(
+            exc.status_code, "HTTPError"
+        )
+        response = _error(exc.status_code, kind, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return _error(422, "InvalidRequest", problems)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> JSONResponse:
+        return _error(499, "ClientClosedRequest", "the client disconnected; its code was stopped")
+
+    @app.exception_handler(Exception)
+    async def typed_error(request: Request, exc: Exception) -> JSONResponse:
+        for kind, status in _STATUS:
+            if isinstance(exc, kind):
+                message = str(exc) if not isinstance(exc, KeyError) else f"not found: {exc}"
+                return _error(status, type(exc).__name__, message)
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "InternalError", "the server failed; see its log")
+
+    return app

@@ -1,0 +1,229 @@
+"""A small Python client for the HTTP API: `AsyncClient`, and `Client` for blocking code.
+
+async with AsyncClient("http://127.0.0.1:8000", api_key="...") as api:
+    session = await api.create_session()
+    execution = await api.execute(session.id, "1 + 1")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from orchestrator.schemas import ExecutionRecord, SessionInfo
+from sandbox.models import FileInfo
+from sandbox.sync import run_sync
+
+
+class APIError(Exception):
+    """The service answered with an error: its HTTP status, error type and message."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(f"{status} {kind}: {message}")
+        self.status = status
+        self.kind = kind
+        self.message = message
+
+
+def _check(response: httpx.Response) -> httpx.Response:
+    if response.is_success:
+        return response
+    try:
+        error = response.json()["error"]
+        raise APIError(response.status_code, error["type"], error["message"])
+    except (ValueError, KeyError, TypeError):
+        raise APIError(response.status_code, "HTTPError", response.text) from None
+
+
+class AsyncClient:
+    def __init__(
+        self, base_url: str, api_key: str | None = None, *, timeout_s: float = 600.0
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def _json(self, method: str, url: str, **kwargs: Any) -> Any:
+        return _check(await self.http.request(method, url, **kwargs)).json()
+
+    # --- sessions
+    async def create_session(self, **body: Any) -> SessionInfo:
+        return SessionInfo.model_validate(await self._json("POST", "/v1/sessions", json=body))
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return SessionInfo.model_validate(await self._json("GET", f"/v1/sessions/{session_id}"))
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        return [SessionInfo.model_validate(s) for s in await self._json("GET", "/v1/sessions")]
+
+    async def delete_session(self, session_id: str) -> None:
+        _check(await self.http.delete(f"/v1/sessions/{session_id}"))
+
+    async def keepalive(self, session_id: str) -> SessionInfo:
+        data = await self._json("POST", f"/v1/sessions/{session_id}/keepalive")
+        return SessionInfo.model_validate(data)
+
+    async def interrupt(self, session_id: str) -> bool:
+        data = await self._json("POST", f"/v1/sessions/{session_id}/interrupt")
+        return bool(data["interrupted"])
+
+    async def restart(self, session_id: str) -> SessionInfo:
+        data = await self._json("POST", f"/v1/sessions/{session_id}/restart")
+        return SessionInfo.model_validate(data)
+
+    # --- execution
+    async def execute(self, session_id: str, code: str, **options: Any) -> ExecutionRecord:
+        data = await self._json(
+            "POST", f"/v1/sessions/{session_id}/execute", json={"code": code, **options}
+        )
+        return ExecutionRecord.model_validate(data)
+
+    async def execute_stream(
+        self, session_id: str, code: str, **options: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield each NDJSON event (keepalives included); the last is `done`."""
+        url = f"/v1/sessions/{session_id}/execute/stream"
+        async with self.http.stream("POST", url, json={"code": code, **options}) as response:
+            if not response.is_success:
+                await response.aread()
+                _check(response)
+            async for line in response.aiter_lines():
+                if line:
+                    yield json.loads(line)
+
+    # --- files
+    async def upload(self, session_id: str, path: str, data: bytes) -> FileInfo:
+        url = f"/v1/sessions/{session_id}/files"
+        response = await self.http.post(
+            url, params={"path": path}, files={"file": (path.rsplit("/", 1)[-1], data)}
+        )
+        return FileInfo.model_validate(_check(response).json())
+
+    async def list_files(
+        self, session_id: str, path: str = "", *, recursive: bool = False
+    ) -> list[FileInfo]:
+        data = await self._json(
+            "GET",
+            f"/v1/sessions/{session_id}/files",
+            params={"path": path, "recursive": recursive},
+        )
+        return [FileInfo.model_validate(f) for f in data]
+
+    async def download(self, session_id: str, path: str) -> bytes:
+        return _check(await self.http.get(f"/v1/sessions/{session_id}/files/{path}")).content
+
+    async def delete_file(self, session_id: str, path: str) -> None:
+        _check(await self.http.delete(f"/v1/sessions/{session_id}/files/{path}"))
+
+    async def artifact(self, session_id: str, artifact_id: str) -> bytes:
+        url = f"/v1/sessions/{session_id}/artifacts/{artifact_id}"
+        return _check(await self.http.get(url)).content
+
+    # --- the tool
+    async def tool_definition(self, format: str | None = None) -> dict[str, Any]:
+        params = {"format": format} if format else {}
+        result: dict[str, Any] = await self._json(
+            "GET", "/v1/tools/code_interpreter", params=params
+        )
+        return result
+
+    async def invoke_tool(
+        self,
+        arguments: Any,
+        *,
+        format: str = "openai_chat",
+        call_id: str | None = None,
+        inline_images: bool = True,
+    ) -> dict[str, Any]:
+        body = {
+            "arguments": arguments,
+            "format": format,
+            "call_id": call_id,
+            "inline_images": inline_images,
+        }
+        result: dict[str, Any] = await self._json(
+            "POST", "/v1/tools/code_interpreter/invoke", json=body
+        )
+        return result
+
+
+class Client:
+    """The same calls, blocking. Each runs the async client on a background event loop."""
+
+    def __init__(
+        self, base_url: str, api_key: str | None = None, *, timeout_s: float = 600.0
+    ) -> None:
+        self.api = run_sync(_make(base_url, api_key, timeout_s))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        run_sync(self.api.close())
+
+    def create_session(self, **body: Any) -> SessionInfo:
+        return run_sync(self.api.create_session(**body))
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        return run_sync(self.api.get_session(session_id))
+
+    def list_sessions(self) -> list[SessionInfo]:
+        return run_sync(self.api.list_sessions())
+
+    def delete_session(self, session_id: str) -> None:
+        run_sync(self.api.delete_session(session_id))
+
+    def execute(self, session_id: str, code: str, **options: Any) -> ExecutionRecord:
+        return run_sync(self.api.execute(session_id, code, **options))
+
+    def execute_stream(
+        self, session_id: str, code: str, **options: Any
+    ) -> Iterator[dict[str, Any]]:
+        events = self.api.execute_stream(session_id, code, **options)
+        while True:
+            try:
+                yield run_sync(anext(events))  # type: ignore[arg-type]
+            except StopAsyncIteration:
+                return
+
+    def interrupt(self, session_id: str) -> bool:
+        return run_sync(self.api.interrupt(session_id))
+
+    def restart(self, session_id: str) -> SessionInfo:
+        return run_sync(self.api.restart(session_id))
+
+    def upload(self, session_id: str, path: str, data: bytes) -> FileInfo:
+        return run_sync(self.api.upload(session_id, path, data))
+
+    def download(self, session_id: str, path: str) -> bytes:
+        return run_sync(self.api.download(session_id, path))
+
+    def list_files(self, session_id: str, path: str = "") -> list[FileInfo]:
+        return run_sync(self.api.list_files(session_id, path))
+
+    def invoke_tool(self, arguments: Any, **options: Any) -> dict[str, Any]:
+        return run_sync(self.api.invoke_tool(arguments, **options))
+
+
+async def _make(base_url: str, api_key: str | None, timeout_s: float) -> AsyncClient:
+    # Made on the background loop, so its connections belong to that loop.
+    return AsyncClient(base_url, api_key, timeout_s=timeout_s)

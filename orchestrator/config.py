@@ -1,0 +1,106 @@
+"""The service's settings: environment variables (CODE_INTERPRETER_*) and an optional TOML file.
+
+CODE_INTERPRETER_API_KEYS=key-one,key-two
+CODE_INTERPRETER_CONFIG=/etc/code-interpreter.toml   # optional; the environment wins
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from sandbox.spec import ResourceLimits
+from sandbox.state_dir import default_state_dir
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CODE_INTERPRETER_", extra="forbid")
+
+    # --- access
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Accepted bearer keys; comma-separated in the env."
+    )
+    auth_disabled: bool = Field(
+        False, description="Serve without keys. Only for a single user on a trusted machine."
+    )
+
+    # --- backends and sessions
+    backends: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["local"], description="Backends sessions may use."
+    )
+    default_backend: str = "local"
+    docker_image: str = "code-interpreter-kernel:latest"
+    orchestrator_id: str = Field("default", description="Labels this service's containers.")
+    state_dir: Path = Field(default_factory=default_state_dir)
+    default_limits: ResourceLimits = Field(default_factory=ResourceLimits)
+    execution_timeout_s: float = Field(300.0, gt=0, description="Default time limit per call.")
+    max_execution_timeout_s: float = Field(3600.0, gt=0)
+    idle_timeout_s: float = Field(1200.0, gt=0, description="Idle sessions expire after this.")
+    max_lifetime_s: float = Field(86400.0, gt=0, description="No session lives longer.")
+    max_sessions_per_key: int = Field(20, ge=1)
+    max_sessions_total: int = Field(200, ge=1)
+    pool_size: int = Field(
+        0, ge=0, description="Ready sandboxes kept per backend for the default spec."
+    )
+    reap_interval_s: float = Field(5.0, gt=0)
+
+    # --- files and outputs
+    max_upload_bytes: int = Field(100 << 20, ge=1)
+    max_download_bytes: int = Field(100 << 20, ge=1)
+    output_limit_chars: int = Field(1_000_000, ge=1000, description="Kept per execution.")
+    tool_output_max_chars: int = Field(
+        20_000,
+        ge=500,
+        description="What a model is shown of one call's text; the rest is "
+        "trimmed with a note and stays downloadable.",
+    )
+    public_url: str | None = Field(
+        None, description="Base URL for artifact links; by default the request's own."
+    )
+
+    # --- server
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @field_validator("api_keys", "backends", mode="before")
+    @classmethod
+    def _split_commas(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if not self.api_keys and not self.auth_disabled:
+            raise ValueError(
+                "no API keys: set CODE_INTERPRETER_API_KEYS=key1,key2, or, for local use only, "
+                "CODE_INTERPRETER_AUTH_DISABLED=true"
+            )
+        if self.default_backend not in self.backends:
+            raise ValueError(f"default_backend {self.default_backend!r} is not in backends")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("CODE_INTERPRETER_CONFIG")
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(config_file)))
+        return tuple(sources)

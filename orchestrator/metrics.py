@@ -1,0 +1,41 @@
+"""Prometheus metrics of the service, served at /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.sessions_active = Gauge(
+            "cir_sessions_active", "Sessions open now.", ["backend"], registry=r
+        )
+        self.sessions_created = Counter(
+            "cir_sessions_created",
+            "Sessions created, by source.",
+            ["backend", "source"],
+            registry=r,
+        )
+        self.sessions_expired = Counter(
+            "cir_sessions_expired", "Sessions ended by expiry.", registry=r
+        )
+        self.executions = Counter(
+            "cir_executions", "Executions, by how they ended.", ["backend", "status"], registry=r
+        )
+        self.execution_seconds = Histogram(
+            "cir_execution_seconds",
+            "Wall time of executions.",
+            ["backend"],
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.errors = Counter("cir_errors", "Requests that failed, by kind.", ["kind"], registry=r)
+
+
+METRICS = Metrics()

@@ -1,0 +1,1 @@
+"""The HTTP API's routers, one per resource."""

@@ -1,0 +1,74 @@
+"""The session workspace's files: upload, list, download, delete. Paths stay inside it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
+
+from orchestrator.routes.deps import ServiceDep, SessionDep
+from sandbox.models import FileInfo
+from sandbox.workspace_files import clean_path
+
+router = APIRouter(prefix="/v1/sessions/{session_id}/files", tags=["files"])
+
+
+@router.post("", status_code=201, summary="Upload a file (multipart field `file`)")
+async def upload(
+    session: SessionDep,
+    service: ServiceDep,
+    file: Annotated[UploadFile, File(description="The file's content.")],
+    path: Annotated[
+        str | None, Query(description="Where in the workspace; the upload's name if unset.")
+    ] = None,
+) -> FileInfo:
+    target = path if path is not None else (file.filename or "")
+    clean_path(target)  # refuse a bad name before reading a byte
+    limit = service.settings.max_upload_bytes
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await file.read(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(413, f"the upload is larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+    async with session.activity():
+        await session.sandbox.upload(target, b"".join(chunks))
+        listing = await session.sandbox.list_files("/".join(clean_path(target)[:-1]))
+    name = "/".join(clean_path(target))
+    return next(f for f in listing if f.path == name)
+
+
+@router.get("", summary="List a directory of the workspace")
+async def list_files(
+    session: SessionDep,
+    path: Annotated[str, Query(description="A directory; the workspace root if unset.")] = "",
+    recursive: bool = False,
+) -> list[FileInfo]:
+    async with session.activity():
+        return await session.sandbox.list_files(path, recursive=recursive)
+
+
+@router.get(
+    "/{path:path}",
+    summary="Download a file",
+    response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+async def download(path: str, session: SessionDep, service: ServiceDep) -> Response:
+    async with session.activity():
+        data = await session.sandbox.download(path, max_bytes=service.settings.max_download_bytes)
+    name = clean_path(path)[-1]
+    quoted = name.replace("\\", "_").replace('"', "_")
+    return Response(
+        data,
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{quoted}"'},
+    )
+
+
+@router.delete("/{path:path}", status_code=204, summary="Delete a file or directory")
+async def delete(path: str, session: SessionDep) -> Response:
+    async with session.activity():
+        await session.sandbox.remove_file(path)
+    return Response(status_code=204)

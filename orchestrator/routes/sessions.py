@@ -1,0 +1,157 @@
+"""Sessions and executions: create, list, get, delete, execute (whole or streamed), control."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
+
+from orchestrator.routes.deps import OwnerDep, ServiceDep, SessionDep, unless_disconnected
+from orchestrator.schemas import (
+    CreateSessionRequest,
+    ExecuteRequest,
+    ExecutionRecord,
+    SessionInfo,
+)
+from sandbox.models import Execution, OutputEvent
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+KEEPALIVE_S = 5.0
+
+
+@router.post("", status_code=201, summary="Create a session")
+async def create_session(
+    body: CreateSessionRequest, service: ServiceDep, owner: OwnerDep
+) -> SessionInfo:
+    session = await service.create_session(owner, body)
+    return service.info(session)
+
+
+@router.get("", summary="List the caller's sessions")
+async def list_sessions(service: ServiceDep, owner: OwnerDep) -> list[SessionInfo]:
+    return [service.info(s) for s in service.sessions.list(owner)]
+
+
+@router.get("/{session_id}", summary="Get a session")
+async def get_session(session: SessionDep, service: ServiceDep) -> SessionInfo:
+    return service.info(session)
+
+
+@router.delete("/{session_id}", status_code=204, summary="Delete a session and its sandbox")
+async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> Response:
+    await service.delete_session(session_id, owner)
+    return Response(status_code=204)
+
+
+@router.post("/{session_id}/keepalive", summary="Mark the session active (resets idle expiry)")
+async def keepalive(session: SessionDep, service: ServiceDep) -> SessionInfo:
+    session.touch()
+    return service.info(session)
+
+
+@router.post("/{session_id}/interrupt", summary="Stop the running execution")
+async def interrupt(session: SessionDep) -> dict[str, bool]:
+    session.touch()
+    return {"interrupted": await session.sandbox.interrupt()}
+
+
+@router.post("/{session_id}/restart", summary="Restart the kernel (files are kept)")
+async def restart(session: SessionDep, service: ServiceDep) -> SessionInfo:
+    async with session.activity():
+        await session.sandbox.restart()
+    return service.info(session)
+
+
+@router.post("/{session_id}/execute", summary="Run code and return the whole Execution")
+async def execute(
+    body: ExecuteRequest, request: Request, session: SessionDep, service: ServiceDep
+) -> ExecutionRecord:
+    """Concurrent calls on one session run one after another, in order. A caller that
+    disconnects interrupts its code."""
+    return await unless_disconnected(
+        request,
+        service.run(session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd),
+    )
+
+
+@router.post(
+    "/{session_id}/execute/stream",
+    summary="Run code, streaming its output as NDJSON",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/x-ndjson": {}}}},
+)
+async def execute_stream(
+    body: ExecuteRequest, session: SessionDep, service: ServiceDep
+) -> StreamingResponse:
+    """One JSON object per line: `stdout`, `stderr`, `result`, `error` events as they happen,
+    `keepalive` at least every 5 s, and last `done` with the whole Execution and its ids.
+    Closing the connection interrupts the code."""
+    queue: asyncio.Queue[OutputEvent] = asyncio.Queue()
+
+    async def lines() -> AsyncIterator[bytes]:
+        task = asyncio.ensure_future(
+            service.run(
+                session,
+                body.code,
+                timeout_s=body.timeout_s,
+                env=body.env,
+                cwd=body.cwd,
+                on_event=queue.put,
+            )
+        )
+        try:
+            while not (task.done() and queue.empty()):
+                getter = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait(
+                    {getter, task}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                if getter in done:
+                    yield getter.result().model_dump_json().encode() + b"\n"
+                    continue
+                getter.cancel()
+                if not done:
+                    yield b'{"type":"keepalive"}\n'
+            record = task.result()
+            done_event: dict[str, Any] = {
+                "type": "done",
+                "execution": record.model_dump(mode="json"),
+            }
+            yield json.dumps(done_event).encode() + b"\n"
+        finally:
+            if not task.done():
+                task.cancel()  # the client left: interrupt the code
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/{session_id}/executions/{execution_id}", summary="A kept Execution, in full")
+async def get_execution(execution_id: str, session: SessionDep, service: ServiceDep) -> Execution:
+    return service.outputs.execution(session.id, execution_id)
+
+
+@router.get(
+    "/{session_id}/executions/{execution_id}/{stream}",
+    summary="The full stdout or stderr of a kept execution",
+    response_class=PlainTextResponse,
+)
+async def get_execution_stream(
+    execution_id: str, stream: str, session: SessionDep, service: ServiceDep
+) -> PlainTextResponse:
+    if stream not in ("stdout", "stderr"):
+        raise KeyError(stream)
+    execution = service.outputs.execution(session.id, execution_id)
+    return PlainTextResponse(getattr(execution, stream))
+
+
+@router.get(
+    "/{session_id}/artifacts/{artifact_id}",
+    summary="An image an execution produced",
+    response_class=FileResponse,
+)
+async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> FileResponse:
+    path, mime = service.outputs.artifact(session.id, artifact_id)
+    return FileResponse(path, media_type=mime, headers={"Cache-Control": "private, max-age=86400"})

@@ -1,0 +1,89 @@
+"""The HTTP API's request and response bodies. Executions travel as `sandbox.models.Execution`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from orchestrator.tool import ToolFormat
+from sandbox.models import Execution
+
+
+class LimitsRequest(BaseModel):
+    """Limits to change from the service's defaults; each within the service's ceiling."""
+
+    memory_mb: int | None = None
+    cpus: float | None = None
+    pids: int | None = None
+    file_size_mb: int | None = None
+    open_files: int | None = None
+    tmp_size_mb: int | None = None
+    workspace_size_mb: int | None = None
+
+
+class InitialFile(BaseModel):
+    path: str
+    content_base64: str
+
+
+class CreateSessionRequest(BaseModel):
+    backend: str | None = Field(
+        None, description="local or docker; the service's default if unset."
+    )
+    image: str | None = Field(None, description="Kernel image (docker).")
+    limits: LimitsRequest | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    files: list[InitialFile] = Field(default_factory=list, description="Written before any code.")
+
+
+class SessionInfo(BaseModel):
+    id: str
+    backend: str
+    created_at: datetime
+    idle_expires_in_s: float
+    lifetime_expires_in_s: float
+    busy: bool
+    executions: int
+    from_pool: bool
+
+
+class ExecuteRequest(BaseModel):
+    code: str
+    timeout_s: float | None = Field(None, gt=0)
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+
+
+class ExecutionRecord(Execution):
+    """An Execution with where it is kept: its full output stays downloadable by these ids."""
+
+    session_id: str
+    execution_id: str
+
+
+class InvokeRequest(BaseModel):
+    arguments: Any = Field(description="The model's raw tool-call arguments: JSON text or object.")
+    format: ToolFormat = ToolFormat.OPENAI_CHAT
+    call_id: str | None = Field(None, description="The tool call's id, echoed in the output.")
+    inline_images: bool = Field(
+        True, description="Images as base64 in the output; false links to the stored artifact."
+    )
+
+
+class InvokeResponse(BaseModel):
+    session_id: str | None
+    execution_id: str | None
+    status: str  # an ExecutionStatus, or "invalid_call"
+    output: dict[str, Any]
+    extra_messages: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

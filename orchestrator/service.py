@@ -1,0 +1,113 @@
+"""The service's core, below HTTP: sessions plus the one way an execution is run and kept."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+
+from orchestrator.config import Settings
+from orchestrator.metrics import METRICS
+from orchestrator.outputs import OutputStore
+from orchestrator.schemas import (
+    CreateSessionRequest,
+    ExecutionRecord,
+    LimitsRequest,
+    SessionInfo,
+)
+from orchestrator.sessions import Session, SessionError, SessionManager
+from sandbox.kernel.collector import EventSink
+from sandbox.spec import ResourceLimits, SandboxSpec
+
+# A ceiling no request may pass, whatever it asks for.
+LIMITS_CEILING = ResourceLimits(
+    memory_mb=16384, cpus=4, pids=4096, file_size_mb=8192, open_files=65536,
+    tmp_size_mb=8192, workspace_size_mb=16384,
+)  # fmt: skip
+
+
+class LimitTooHigh(SessionError):
+    status = 400
+
+
+class Service:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.sessions = SessionManager(settings)
+        self.outputs = OutputStore(settings.state_dir / "outputs")
+
+    async def start(self) -> None:
+        await self.sessions.start()
+
+    async def close(self) -> None:
+        await self.sessions.close()
+
+    def spec_for(self, request: CreateSessionRequest) -> SandboxSpec:
+        spec = self.sessions.default_spec()
+        if request.limits is not None:
+            spec.limits = self._limits(request.limits)
+        if request.image is not None:
+            spec.image = request.image
+        return spec
+
+    def _limits(self, request: LimitsRequest) -> ResourceLimits:
+        wanted = request.model_dump(exclude_none=True)
+        for name, value in wanted.items():
+            ceiling = getattr(LIMITS_CEILING, name)
+            if value > ceiling:
+                raise LimitTooHigh(
+                    f"limits.{name}={value} is above this service's ceiling of {ceiling}"
+                )
+        return self.settings.default_limits.model_copy(update=wanted)
+
+    async def create_session(self, owner: str, request: CreateSessionRequest) -> Session:
+        session = await self.sessions.create(
+            owner, backend=request.backend, spec=self.spec_for(request), env=request.env
+        )
+        try:
+            for f in request.files:
+                await session.sandbox.upload(f.path, base64.b64decode(f.content_base64))
+        except Exception:
+            await self.sessions.delete(session.id, owner)
+            raise
+        return session
+
+    async def delete_session(self, session_id: str, owner: str) -> None:
+        await self.sessions.delete(session_id, owner)
+        self.outputs.drop(session_id)
+
+    async def run(
+        self,
+        session: Session,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        on_event: EventSink | None = None,
+    ) -> ExecutionRecord:
+        """Run code in a session, count it, keep its output, and return it with its ids."""
+        limit = min(
+            timeout_s or self.settings.execution_timeout_s, self.settings.max_execution_timeout_s
+        )
+        async with session.activity():
+            execution = await session.sandbox.execute(
+                code, timeout_s=limit, env=env, cwd=cwd, on_event=on_event
+            )
+        session.executions += 1
+        METRICS.executions.labels(session.backend, execution.status).inc()
+        METRICS.execution_seconds.labels(session.backend).observe(execution.duration_s)
+        execution_id = await self.outputs.save(session.id, execution)
+        return ExecutionRecord(**dict(execution), session_id=session.id, execution_id=execution_id)
+
+    def info(self, session: Session) -> SessionInfo:
+        s = self.settings
+        return SessionInfo(
+            id=session.id,
+            backend=session.backend,
+            created_at=datetime.fromtimestamp(session.created_at, UTC),
+            idle_expires_in_s=max(0.0, s.idle_timeout_s - session.idle_for()),
+            lifetime_expires_in_s=max(0.0, s.max_lifetime_s - session.age()),
+            busy=session.busy > 0,
+            executions=session.executions,
+            from_pool=session.from_pool,
+        )

@@ -1,0 +1,256 @@
+"""Sessions: a sandbox with an owner, a clock and a history of executions.
+
+The manager enforces who may touch a session (its owner's key only), how many each key and the
+service may hold, and how long they live: an idle session expires, and so does any session past
+the maximum lifetime. An expired id answers "expired" (for a while), never a silent new kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from orchestrator.config import Settings
+from orchestrator.metrics import METRICS
+from sandbox import Backend, Sandbox, SandboxSpec, create_backend
+from sandbox.pool import WarmPool
+
+log = logging.getLogger(__name__)
+_TOMBSTONES = 10_000  # how many ended session ids are remembered, to answer "expired"
+
+
+class SessionError(Exception):
+    """Base of the session errors; each maps to one HTTP status."""
+
+    status = 400
+
+
+class SessionNotFound(SessionError):
+    status = 404
+
+
+class SessionExpired(SessionError):
+    status = 410
+
+
+class SessionLimitReached(SessionError):
+    status = 429
+
+
+class BackendNotEnabled(SessionError):
+    status = 400
+
+
+@dataclass
+class Session:
+    id: str
+    owner: str  # a digest of the owner's API key, never the key
+    backend: str
+    sandbox: Sandbox
+    created_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    started_monotonic: float = field(default_factory=time.monotonic)
+    from_pool: bool = False
+    executions: int = 0
+    busy: int = 0  # requests in flight that keep the session from being idle
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def idle_for(self) -> float:
+        return 0.0 if self.busy else time.monotonic() - self.last_active
+
+    def age(self) -> float:
+        return time.monotonic() - self.started_monotonic
+
+    @contextlib.asynccontextmanager
+    async def activity(self) -> AsyncIterator[None]:
+        """Marks the session in use: it cannot go idle while this runs."""
+        self.busy += 1
+        self.touch()
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            self.touch()
+
+
+class SessionManager:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.backends: dict[str, Backend] = {}
+        self.pools: dict[str, WarmPool] = {}
+        self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (owner, why)
+        self._creating: dict[str, int] = {}  # owner -> sessions being created
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ----------------------------------------------------------------------------------------
+
+    def default_spec(self) -> SandboxSpec:
+        s = self.settings
+        return SandboxSpec(
+            limits=s.default_limits,
+            default_timeout_s=s.execution_timeout_s,
+            output_limit_chars=s.output_limit_chars,
+        )
+
+    async def start(self) -> None:
+        """Make the backends, clear what a crash left, fill the pools, start the reaper."""
+        s = self.settings
+        for name in s.backends:
+            config: dict[str, object] = {"state_dir": s.state_dir}
+            if name == "docker":
+                config |= {"orchestrator_id": s.orchestrator_id, "image": s.docker_image}
+            backend = create_backend(name, **config)
+            removed = await backend.cleanup_orphans()
+            if removed:
+                log.info("removed %d orphans of the %s backend", removed, name)
+            self.backends[name] = backend
+            if s.pool_size:
+                pool = WarmPool(backend, self.default_spec(), s.pool_size)
+                pool.fill()
+                self.pools[name] = pool
+        self._reaper = asyncio.ensure_future(self._reap_forever())
+
+    async def close(self) -> None:
+        """Close every session and pool: nothing is left running."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await asyncio.gather(
+            *(self._end(sid, "the service shut down") for sid in list(self._sessions)),
+            return_exceptions=True,
+        )
+        for pool in self.pools.values():
+            await pool.close()
+        for backend in self.backends.values():
+            await backend.close()
+
+    # ----------------------------------------------------------------------------------------
+
+    async def create(
+        self,
+        owner: str,
+        *,
+        backend: str | None = None,
+        spec: SandboxSpec | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Session:
+        name = backend or self.settings.default_backend
+        if name not in self.backends:
+            raise BackendNotEnabled(
+                f"backend {name!r} is not enabled here; enabled: {', '.join(self.backends)}"
+            )
+        self._check_limits(owner)
+        self._creating[owner] = self._creating.get(owner, 0) + 1
+        try:
+            spec = spec or self.default_spec()
+            pool = self.pools.get(name)
+            sandbox = pool.take() if pool is not None and pool.fits(spec) else None
+            from_pool = sandbox is not None
+            if sandbox is None:
+                sandbox = await self.backends[name].create(spec)
+            if env:
+                await sandbox.set_env(env)
+        finally:
+            self._creating[owner] -= 1
+        session = Session(
+            id=f"s-{secrets.token_hex(12)}",
+            owner=owner,
+            backend=name,
+            sandbox=sandbox,
+            from_pool=from_pool,
+        )
+        self._sessions[session.id] = session
+        METRICS.sessions_created.labels(name, "pool" if from_pool else "cold").inc()
+        METRICS.sessions_active.labels(name).inc()
+        return session
+
+    def _check_limits(self, owner: str) -> None:
+        s = self.settings
+        total = len(self._sessions) + sum(self._creating.values())
+        if total >= s.max_sessions_total:
+            raise SessionLimitReached(
+                f"the service holds its maximum of {s.max_sessions_total} sessions; "
+                "close one or try again later"
+            )
+        mine = sum(1 for x in self._sessions.values() if x.owner == owner)
+        mine += self._creating.get(owner, 0)
+        if mine >= s.max_sessions_per_key:
+            raise SessionLimitReached(
+                f"this API key holds its maximum of {s.max_sessions_per_key} sessions; "
+                "delete one first"
+            )
+
+    async def get(self, session_id: str, owner: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is not None and session.owner == owner:
+            if (why := self._expiry(session)) is not None:
+                # Found expired before the reaper's turn: end it now and say so.
+                await self._end(session_id, why)
+                raise SessionExpired(f"session {session_id} {why}")
+            return session
+        ended = self._ended.get(session_id)
+        if ended is not None and ended[0] == owner:
+            raise SessionExpired(f"session {session_id} {ended[1]}")
+        # Another key's session is reported exactly like a missing one.
+        raise SessionNotFound(f"no session {session_id}")
+
+    def list(self, owner: str) -> list[Session]:
+        return [s for s in self._sessions.values() if s.owner == owner]
+
+    async def delete(self, session_id: str, owner: str) -> None:
+        await self.get(session_id, owner)
+        await self._end(session_id, "was deleted")
+
+    async def _end(self, session_id: str, why: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        self._ended[session_id] = (session.owner, why)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+        METRICS.sessions_active.labels(session.backend).dec()
+        try:
+            await session.sandbox.close()
+        except Exception:
+            log.exception("closing the sandbox of %s failed", session_id)
+
+    # ----------------------------------------------------------------------------------------
+
+    def _expiry(self, session: Session) -> str | None:
+        s = self.settings
+        if session.age() > s.max_lifetime_s:
+            return f"expired: it reached the maximum lifetime of {s.max_lifetime_s:g} s"
+        if session.idle_for() > s.idle_timeout_s:
+            return f"expired after {s.idle_timeout_s:g} s without activity"
+        return None
+
+    async def reap(self) -> int:
+        """End every session past its time; return how many."""
+        due = [(sid, why) for sid, x in self._sessions.items() if (why := self._expiry(x))]
+        for sid, why in due:
+            log.info("session %s %s", sid, why)
+            METRICS.sessions_expired.inc()
+            await self._end(sid, why)
+        return len(due)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reap_interval_s)
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaping sessions failed")
+
+    @property
+    def count(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,83 @@
+"""Aggregate limits for local sandboxes through cgroup v1: memory (no swap), pids and CPU.
+
+Each sandbox gets `<controller>/code-interpreter/<sandbox id>` in the memory, pids and cpu
+hierarchies. The kernel's process joins them before it drops privileges, so everything it starts
+is counted, and an OOM kill is told apart from other deaths by the memory cgroup's counter.
+Needs root and writable cgroup v1 hierarchies; `available()` says whether this machine has them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from sandbox.spec import ResourceLimits
+
+ROOT = Path("/sys/fs/cgroup")
+PARENT = "code-interpreter"
+_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+def available() -> bool:
+    return os.geteuid() == 0 and all(
+        (ROOT / c / "cgroup.procs").exists() and os.access(ROOT / c, os.W_OK) for c in _CONTROLLERS
+    )
+
+
+class SandboxCgroup:
+    def __init__(self, sandbox_id: str) -> None:
+        self.dirs = [ROOT / c / PARENT / sandbox_id for c in _CONTROLLERS]
+
+    @property
+    def memory(self) -> Path:
+        return self.dirs[0]
+
+    def create(self, limits: ResourceLimits) -> None:
+        for d in self.dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        memory = str(limits.memory_mb << 20)
+        (self.memory / "memory.limit_in_bytes").write_text(memory)
+        swap = self.memory / "memory.memsw.limit_in_bytes"
+        if swap.exists():  # only where swap accounting is on
+            swap.write_text(memory)
+        (self.dirs[1] / "pids.max").write_text(str(limits.pids))
+        period = 100_000
+        (self.dirs[2] / "cpu.cfs_period_us").write_text(str(period))
+        (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * period)))
+
+    def join_self(self) -> None:
+        """Move the calling process here (run in the child before it execs)."""
+        for d in self.dirs:
+            with open(d / "cgroup.procs", "w") as f:
+                f.write("0")
+
+    def oom_kills(self) -> int:
+        try:
+            for line in (self.memory / "memory.oom_control").read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def remove(self) -> None:
+        """Remove the groups once their processes are gone."""
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+
+
+def remove_unused() -> int:
+    """Remove the empty sandbox groups an earlier crash left behind; return how many."""
+    removed = 0
+    for c in _CONTROLLERS:
+        parent = ROOT / c / PARENT
+        if not parent.is_dir():
+            continue
+        for d in parent.iterdir():
+            if d.is_dir() and not (d / "cgroup.procs").read_text().strip():
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+                    removed += 1
+    return removed

@@ -1,0 +1,84 @@
+"""Warm pools: sandboxes started ahead of demand, so creating a session is a hand-over.
+
+A pool holds up to `size` ready sandboxes of one backend and one spec. Taking one hands it over
+at once and starts a replacement in the background. A sandbox leaves the pool once and is never
+put back: sessions never share a sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from sandbox.backends.base import Backend, Sandbox
+from sandbox.spec import SandboxSpec
+
+log = logging.getLogger(__name__)
+
+
+class WarmPool:
+    def __init__(self, backend: Backend, spec: SandboxSpec, size: int) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.size = size
+        self._ready: deque[Sandbox] = deque()
+        self._starting = 0
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.failures = 0
+
+    @property
+    def ready(self) -> int:
+        return len(self._ready)
+
+    def fits(self, spec: SandboxSpec) -> bool:
+        """Whether a request for `spec` can be served from this pool."""
+        return self.size > 0 and spec == self.spec
+
+    def fill(self) -> None:
+        """Start as many sandboxes as the pool lacks, in the background."""
+        while not self._closed and len(self._ready) + self._starting < self.size:
+            self._starting += 1
+            task = asyncio.ensure_future(self._start_one())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _start_one(self) -> None:
+        try:
+            sandbox = await self.backend.create(self.spec.model_copy(deep=True))
+        except Exception:
+            self.failures += 1
+            log.exception("the %s pool could not start a sandbox", self.backend.name)
+            await asyncio.sleep(min(30.0, 0.5 * 2**self.failures))  # back off, then try again
+            self._starting -= 1
+            self.fill()
+            return
+        self.failures = 0
+        self._starting -= 1
+        if self._closed:
+            await sandbox.close()
+            return
+        self._ready.append(sandbox)
+
+    def take(self) -> Sandbox | None:
+        """A ready sandbox, or None when the pool is empty; the pool refills either way."""
+        sandbox = self._ready.popleft() if self._ready else None
+        self.fill()
+        return sandbox
+
+    async def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until the pool is full (for start-up and tests)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while len(self._ready) < self.size:
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"the {self.backend.name} pool did not fill in {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._ready:
+            await self._ready.popleft().close()

@@ -1,0 +1,243 @@
+"""Sessions and executions over HTTP: auth, ownership, execute, stream, disconnects, control."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from orchestrator.client import APIError, AsyncClient, Client
+from tests.service.conftest import KEY_A, KEY_B, Server
+
+
+def test_health_and_openapi(api: httpx.Client) -> None:
+    health = api.get("/healthz").json()
+    assert health["status"] == "ok"
+    spec = api.get("/openapi.json").json()
+    assert "/v1/sessions/{session_id}/execute" in spec["paths"]
+    assert "/v1/tools/code_interpreter/invoke" in spec["paths"]
+
+
+def test_auth_is_required_and_checked(server: Server) -> None:
+    with server.client(key=None) as anonymous:
+        r = anonymous.get("/v1/sessions")
+        assert r.status_code == 401
+        assert r.json()["error"]["message"].startswith("missing API key")
+    with server.client(key="wrong") as wrong:
+        assert wrong.post("/v1/sessions", json={}).status_code == 401
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Basic {KEY_A}"}) as basic:
+        assert basic.get("/v1/sessions").status_code == 401
+
+
+def test_a_key_cannot_see_or_touch_another_keys_session(server: Server, session_id: str) -> None:
+    with server.client(KEY_A) as a, server.client(KEY_B) as b:
+        assert session_id in [s["id"] for s in a.get("/v1/sessions").json()]
+        assert session_id not in [s["id"] for s in b.get("/v1/sessions").json()]
+        for method, path, body in [
+            ("GET", "", None),
+            ("POST", "/execute", {"code": "1"}),
+            ("POST", "/interrupt", None),
+            ("POST", "/restart", None),
+            ("GET", "/files", None),
+            ("DELETE", "", None),
+        ]:
+            r = b.request(method, f"/v1/sessions/{session_id}{path}", json=body)
+            assert r.status_code == 404, (method, path, r.text)
+        invoked = b.post(
+            "/v1/tools/code_interpreter/invoke",
+            json={"arguments": {"code": "1", "session_id": session_id}},
+        ).json()
+        assert invoked["status"] == "session_error"
+        assert a.get(f"/v1/sessions/{session_id}").status_code == 200  # still there
+
+
+def test_execute_returns_the_whole_execution(api: httpx.Client, session_id: str) -> None:
+    first = api.post(f"/v1/sessions/{session_id}/execute", json={"code": "x = 20\nprint('hi')"})
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["status"] == "ok" and body["stdout"] == "hi\n"
+    assert body["session_id"] == session_id and body["execution_id"].startswith("e-")
+    second = api.post(f"/v1/sessions/{session_id}/execute", json={"code": "x + 1"}).json()
+    assert second["results"][0]["text"] == "21"
+    assert second["execution_count"] == 2
+    kept = api.get(f"/v1/sessions/{session_id}/executions/{second['execution_id']}").json()
+    assert kept["results"][0]["text"] == "21"
+    failed = api.post(f"/v1/sessions/{session_id}/execute", json={"code": "1/0"}).json()
+    assert failed["status"] == "error" and failed["error"]["name"] == "ZeroDivisionError"
+    timed = api.post(
+        f"/v1/sessions/{session_id}/execute",
+        json={"code": "import time; time.sleep(30)", "timeout_s": 1},
+    ).json()
+    assert timed["status"] == "timeout"
+
+
+def test_stream_sends_events_as_they_happen(api: httpx.Client, session_id: str) -> None:
+    code = "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.4)\n'end'"
+    arrivals: list[tuple[float, dict[str, object]]] = []
+    with api.stream(
+        "POST", f"/v1/sessions/{session_id}/execute/stream", json={"code": code}
+    ) as response:
+        assert response.headers["content-type"].startswith("application/x-ndjson")
+        for line in response.iter_lines():
+            arrivals.append((time.monotonic(), json.loads(line)))
+    events = [e for _, e in arrivals]
+    assert [e["type"] for e in events] == ["stdout", "stdout", "stdout", "result", "done"]
+    assert [e.get("text") for e in events[:3]] == ["0\n", "1\n", "2\n"]
+    assert events[-1]["execution"]["stdout"] == "0\n1\n2\n"  # type: ignore[index]
+    assert arrivals[-1][0] - arrivals[0][0] > 0.6  # the first line came before the end
+
+
+def test_stream_keepalive_during_silence(server: Server) -> None:
+    with server.client() as api:
+        sid = api.post("/v1/sessions", json={}).json()["id"]
+        with api.stream(
+            "POST",
+            f"/v1/sessions/{sid}/execute/stream",
+            json={"code": "import time; time.sleep(6)"},
+        ) as response:
+            kinds = [json.loads(line)["type"] for line in response.iter_lines()]
+        assert kinds[0] == "keepalive" and kinds[-1] == "done"
+        api.delete(f"/v1/sessions/{sid}")
+
+
+def test_client_disconnect_interrupts_the_code(server: Server, session_id: str) -> None:
+    code = "import time\nprint('started', flush=True)\ntime.sleep(60)\nfinished = True"
+    with server.client() as api:
+        with api.stream(
+            "POST", f"/v1/sessions/{session_id}/execute/stream", json={"code": code}
+        ) as response:
+            for line in response.iter_lines():
+                assert json.loads(line)["type"] == "stdout"
+                break  # leave mid-execution: the connection closes
+        # A plain execute that the client abandons is interrupted too.
+        with pytest.raises(httpx.ReadTimeout):
+            api.post(
+                f"/v1/sessions/{session_id}/execute",
+                json={"code": "import time; time.sleep(60); finished = True"},
+                timeout=2,
+            )
+        started = time.monotonic()
+        after = api.post(
+            f"/v1/sessions/{session_id}/execute",
+            json={"code": "'finished' in globals()"},
+            timeout=30,
+        ).json()
+        assert after["results"][0]["text"] == "False"
+        assert time.monotonic() - started < 20  # not behind a 60 s sleep
+        assert api.get(f"/v1/sessions/{session_id}").json()["busy"] is False
+
+
+def test_concurrent_executes_queue_in_order(server: Server, session_id: str) -> None:
+    with server.client() as api:
+        api.post(f"/v1/sessions/{session_id}/execute", json={"code": "order = []"})
+        outcomes: dict[int, str] = {}
+
+        def call(i: int) -> None:
+            with server.client() as own:
+                r = own.post(
+                    f"/v1/sessions/{session_id}/execute",
+                    json={"code": f"import time; time.sleep(0.2); order.append({i}); {i}"},
+                )
+                outcomes[i] = r.json()["results"][0]["text"]
+
+        threads = []
+        for i in range(4):
+            threads.append(threading.Thread(target=call, args=(i,)))
+            threads[-1].start()
+            time.sleep(0.05)  # so the arrival order is known
+        for t in threads:
+            t.join()
+        assert outcomes == {i: str(i) for i in range(4)}
+        order = api.post(f"/v1/sessions/{session_id}/execute", json={"code": "order"}).json()
+        assert order["results"][0]["text"] == "[0, 1, 2, 3]"
+
+
+def test_interrupt_restart_keepalive(api: httpx.Client, session_id: str) -> None:
+    base = f"/v1/sessions/{session_id}"
+    assert api.post(f"{base}/interrupt").json() == {"interrupted": False}
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        outcome["r"] = api.post(
+            f"{base}/execute", json={"code": "import time; time.sleep(60)"}
+        ).json()
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.5)
+    assert api.post(f"{base}/interrupt").json() == {"interrupted": True}
+    t.join(timeout=30)
+    assert outcome["r"]["status"] == "cancelled"  # type: ignore[index]
+    api.post(f"{base}/execute", json={"code": "v = 1"})
+    info = api.post(f"{base}/restart").json()
+    assert info["id"] == session_id
+    r = api.post(f"{base}/execute", json={"code": "'v' in globals()"}).json()
+    assert r["results"][0]["text"] == "False"
+    alive = api.post(f"{base}/keepalive").json()
+    assert alive["idle_expires_in_s"] > 1000
+
+
+def test_session_creation_options(api: httpx.Client) -> None:
+    import base64
+
+    created = api.post(
+        "/v1/sessions",
+        json={
+            "env": {"GREETING": "hello"},
+            "limits": {"memory_mb": 512},
+            "files": [{"path": "in/data.txt", "content_base64": base64.b64encode(b"abc").decode()}],
+        },
+    )
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
+    r = api.post(
+        f"/v1/sessions/{sid}/execute",
+        json={
+            "code": "import os, resource\n(os.environ['GREETING'], open('in/data.txt').read(), "
+            "resource.getrlimit(resource.RLIMIT_AS)[0] >> 20 if os.path.exists('/proc') else 0)"
+        },
+    ).json()
+    assert r["results"][0]["text"] in ("('hello', 'abc', 512)", "('hello', 'abc', 0)"), r
+    api.delete(f"/v1/sessions/{sid}")
+    too_much = api.post("/v1/sessions", json={"limits": {"memory_mb": 10**7}})
+    assert too_much.status_code == 400 and "ceiling" in too_much.json()["error"]["message"]
+    unknown = api.post("/v1/sessions", json={"backend": "vmware"})
+    assert unknown.status_code == 400 and "not enabled" in unknown.json()["error"]["message"]
+    deleted = api.get(f"/v1/sessions/{sid}")
+    assert deleted.status_code == 410 and "deleted" in deleted.json()["error"]["message"]
+
+
+def test_metrics_count_executions(api: httpx.Client, session_id: str) -> None:
+    api.post(f"/v1/sessions/{session_id}/execute", json={"code": "1"})
+    text = api.get("/metrics").text
+    assert "cir_executions_total{" in text and 'status="ok"' in text
+    assert "cir_sessions_active" in text and "cir_execution_seconds_bucket" in text
+
+
+def test_python_clients(server: Server) -> None:
+    with Client(server.url, KEY_A) as client:
+        info = client.create_session()
+        try:
+            assert client.execute(info.id, "21 * 2").text == "42"
+            events = list(client.execute_stream(info.id, "print('streamed')"))
+            assert events[0] == {"type": "stdout", "text": "streamed\n"}
+            client.upload(info.id, "f.txt", b"data")
+            assert client.download(info.id, "f.txt") == b"data"
+            assert [f.path for f in client.list_files(info.id)] == ["f.txt"]
+        finally:
+            client.delete_session(info.id)
+        with pytest.raises(APIError) as caught:
+            client.get_session(info.id)
+        assert caught.value.status == 410
+
+
+async def test_async_client(server: Server) -> None:
+    async with AsyncClient(server.url, KEY_B) as client:
+        info = await client.create_session()
+        record = await client.execute(info.id, "import sys; sys.version_info[0]")
+        assert record.text == "3" and record.session_id == info.id
+        assert [s.id for s in await client.list_sessions()] == [info.id]
+        await client.delete_session(info.id)

@@ -97,12 +97,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def client_gone(request: Request, exc: ClientGone) -> JSONResponse:
         return _error(499, "ClientClosedRequest", "the client disconnected; its code was stopped")
 
-    @app.exception_handler(Exception)
     async def typed_error(request: Request, exc: Exception) -> JSONResponse:
         for kind, status in _STATUS:
             if isinstance(exc, kind):
                 message = str(exc) if not isinstance(exc, KeyError) else f"not found: {exc}"
                 return _error(status, type(exc).__name__, message)
+        raise exc
+
+    # Handled here (not by the catch-all below), so the server does not re-raise them.
+    app.add_exception_handler(SandboxError, typed_error)
+    app.add_exception_handler(KeyError, typed_error)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return _error(500, "InternalError", "the server failed; see its log")
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from orchestrator.tool import ToolFormat
 from sandbox.models import Execution
+from sandbox.spec import ResourceLimits
 
 
 class LimitsRequest(BaseModel):
@@ -41,6 +42,7 @@ class CreateSessionRequest(BaseModel):
 class SessionInfo(BaseModel):
     id: str
     backend: str
+    limits: ResourceLimits
     created_at: datetime
     idle_expires_in_s: float
     lifetime_expires_in_s: float

@@ -104,6 +104,7 @@ class Service:
         return SessionInfo(
             id=session.id,
             backend=session.backend,
+            limits=session.sandbox.spec.limits,
             created_at=datetime.fromtimestamp(session.created_at, UTC),
             idle_expires_in_s=max(0.0, s.idle_timeout_s - session.idle_for()),
             lifetime_expires_in_s=max(0.0, s.max_lifetime_s - session.age()),

@@ -8,14 +8,16 @@ Needs root and writable cgroup v1 hierarchies; `available()` says whether this m
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
+import time
 from pathlib import Path
 
 from sandbox.spec import ResourceLimits
 
 ROOT = Path("/sys/fs/cgroup")
 PARENT = "code-interpreter"
+log = logging.getLogger(__name__)
 _CONTROLLERS = ("memory", "pids", "cpu")
 
 
@@ -61,23 +63,15 @@ class SandboxCgroup:
             pass
         return 0
 
-    def remove(self) -> None:
-        """Remove the groups once their processes are gone."""
+    def remove(self, wait_s: float = 3.0) -> None:
+        """Remove the groups, waiting for killed processes to finish exiting (blocking)."""
+        deadline = time.monotonic() + wait_s
         for d in self.dirs:
-            with contextlib.suppress(OSError):
-                d.rmdir()
-
-
-def remove_unused() -> int:
-    """Remove the empty sandbox groups an earlier crash left behind; return how many."""
-    removed = 0
-    for c in _CONTROLLERS:
-        parent = ROOT / c / PARENT
-        if not parent.is_dir():
-            continue
-        for d in parent.iterdir():
-            if d.is_dir() and not (d / "cgroup.procs").read_text().strip():
-                with contextlib.suppress(OSError):
+            while d.exists():
+                try:
                     d.rmdir()
-                    removed += 1
-    return removed
+                except OSError:
+                    if time.monotonic() > deadline:
+                        log.warning("could not remove cgroup %s: still in use", d)
+                        break
+                    time.sleep(0.02)

@@ -125,12 +125,13 @@ class SessionDirs:
         _remove_tree(self.root)
 
     @classmethod
-    def remove_orphans(cls, state_dir: Path, backend: str) -> int:
-        """Delete the directories whose orchestrator is gone; never touch a live one's."""
+    def remove_orphans(cls, state_dir: Path, backend: str) -> list[str]:
+        """Delete the directories whose orchestrator is gone; never touch a live one's.
+        Returns the sandbox ids removed."""
         base = state_dir / backend
         if not base.is_dir():
-            return 0
-        removed = 0
+            return []
+        removed: list[str] = []
         for entry in base.iterdir():
             try:
                 owner = json.loads((entry / "owner").read_text())
@@ -140,7 +141,7 @@ class SessionDirs:
                 continue  # its orchestrator is alive
             log.info("removing orphaned sandbox directory %s", entry)
             _remove_tree(entry)
-            removed += 1
+            removed.append(entry.name)
         return removed
 
 

@@ -19,8 +19,8 @@ from sandbox import (
     Sandbox,
     StderrEvent,
     StdoutEvent,
+    cgroups,
 )
-from sandbox import cgroups
 from sandbox.backends.local import LocalBackend
 from sandbox.spec import ResourceLimits
 from tests.conftest import small_spec

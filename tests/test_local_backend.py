@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import BackendUnavailable, create_backend
+from sandbox import BackendUnavailable, cgroups, create_backend
 from sandbox.backends.local import LocalBackend, LocalBackendConfig
+from sandbox.cgroups import SandboxCgroup
 
 
 async def test_missing_bwrap_says_how_to_install_it(state_dir: Path) -> None:
@@ -33,8 +34,11 @@ async def test_sandbox_directories_are_removed_on_close(state_dir: Path) -> None
     backend = create_backend("local", state_dir=state_dir)
     sb = await backend.create()
     assert len(list((state_dir / "local").iterdir())) == 1
+    groups = SandboxCgroup(sb.id).dirs
+    assert all(d.is_dir() for d in groups) == cgroups.available()
     await sb.close()
     assert list((state_dir / "local").iterdir()) == []
+    assert not any(d.exists() for d in groups)
 
 
 async def test_orphans_of_a_dead_orchestrator_are_removed_and_nothing_else(

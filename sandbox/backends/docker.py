@@ -157,7 +157,7 @@ class DockerBackend(Backend):
             with contextlib.suppress(NotFound):
                 await asyncio.to_thread(container.remove, force=True)
         dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
-        return len(containers) + dirs
+        return len(containers) + len(dirs)
 
     async def close(self) -> None:
         if self._deaths is not None:

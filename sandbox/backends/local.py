@@ -145,7 +145,7 @@ class LocalBackend(Backend):
         except BaseException:
             dirs.remove()
             if cgroup is not None:
-                cgroup.remove()
+                await asyncio.to_thread(cgroup.remove)
             self._release_uid(host_uid)
             raise
         return LocalSandbox(
@@ -154,14 +154,15 @@ class LocalBackend(Backend):
             driver,
             dirs,
             Workspace(str(dirs.workspace), owner=owner),
-            on_close=lambda: self._closed(host_uid, cgroup),
+            on_close=lambda: self._closed(host_uid, cgroup),  # called from a worker thread
         )
 
     async def cleanup_orphans(self) -> int:
         removed = SessionDirs.remove_orphans(self.config.state_dir, self.name)
-        if cgroups.available():
-            removed += cgroups.remove_unused()
-        return removed
+        if cgroups.available():  # the groups of exactly those sandboxes, if any were made
+            for sandbox_id in removed:
+                await asyncio.to_thread(SandboxCgroup(sandbox_id).remove, 0.5)
+        return len(removed)
 
     def _closed(self, host_uid: int | None, cgroup: SandboxCgroup | None) -> None:
         if cgroup is not None:
@@ -274,7 +275,7 @@ class LocalSandbox(KernelSandbox):
 
     async def _teardown(self) -> None:
         await asyncio.to_thread(self.dirs.remove)
-        self._on_close()
+        await asyncio.to_thread(self._on_close)
 
 
 class _BwrapKernel:

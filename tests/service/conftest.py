@@ -113,7 +113,9 @@ def server() -> Iterator[Server]:
     srv = make_server(pool_size=1, max_upload_bytes=5 << 20, tool_output_max_chars=2000)
     srv.start()
     yield srv
-    assert srv.stop() == 0
+    # uvicorn shuts down gracefully on SIGTERM, then exits by the same signal.
+    assert srv.stop() in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in srv.log.read_text()
     assert leftovers(srv) == [], "the server left sandboxes behind on shutdown"
     shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
 
@@ -132,3 +134,8 @@ def session_id(request: pytest.FixtureRequest, api: httpx.Client) -> Iterator[st
     sid: str = created.json()["id"]
     yield sid
     api.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.fixture
+def server_url(server: Server) -> str:
+    return server.url

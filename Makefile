@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint format demo image engine clean
+.PHONY: install test lint format demo image engine serve clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ lint: install
 format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The HTTP service on 127.0.0.1:8000 with the local backend and auth off: for one user only.
+serve: install
+	CODE_INTERPRETER_AUTH_DISABLED=true $(BIN)/code-interpreter serve --host 127.0.0.1 --port 8000
 
 demo: install
 	$(BIN)/code-interpreter run -f examples/quickstart.py --output-dir outputs

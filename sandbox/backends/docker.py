@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import threading
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_command, kern
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
-from sandbox.models import FileInfo
 from sandbox.spec import SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.workspace_files import Workspace
@@ -179,39 +177,13 @@ class DockerSandbox(KernelSandbox):
         workspace: Workspace,
         launcher: _ContainerLauncher,
     ) -> None:
-        super().__init__(sandbox_id, spec, driver)
-        self.dirs = dirs
-        self.workspace = workspace
+        super().__init__(sandbox_id, spec, driver, dirs, workspace)
         self._launcher = launcher
 
     @property
     def container_name(self) -> str | None:
         """The container running the current kernel."""
         return self._launcher.current_name
-
-    async def upload(self, path: str, data: bytes) -> int:
-        return await asyncio.to_thread(self.workspace.write, path, data)
-
-    async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
-        return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
-
-    async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
-        entries = await asyncio.to_thread(self.workspace.list_dir, path, recursive=recursive)
-        return [
-            FileInfo(
-                path=e.path,
-                type=e.kind,
-                size=e.size,
-                modified_at=datetime.fromtimestamp(e.mtime, UTC),
-            )
-            for e in entries
-        ]
-
-    async def remove_file(self, path: str) -> None:
-        await asyncio.to_thread(self.workspace.remove, path)
-
-    async def _teardown(self) -> None:
-        await asyncio.to_thread(self.dirs.remove)
 
 
 class _Container:

@@ -1,25 +1,38 @@
-"""The part of a sandbox that local and Docker share: executing through the kernel driver."""
+"""What local and Docker sandboxes share: the kernel driver, and a workspace kept on the host
+(bound into the sandbox), whose files move through `Workspace` without following symlinks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from abc import abstractmethod
+from datetime import UTC, datetime
 
 from sandbox.backends.base import Sandbox
 from sandbox.errors import SandboxError
 from sandbox.kernel.collector import EventSink
 from sandbox.kernel.driver import KernelDriver
-from sandbox.models import Execution
+from sandbox.models import Execution, FileInfo
 from sandbox.spec import SandboxSpec
+from sandbox.state_dir import SessionDirs
+from sandbox.workspace_files import Workspace
 
 
 class KernelSandbox(Sandbox):
     """A sandbox whose code runs in an ipykernel driven by `KernelDriver`."""
 
-    def __init__(self, sandbox_id: str, spec: SandboxSpec, driver: KernelDriver) -> None:
+    def __init__(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        driver: KernelDriver,
+        dirs: SessionDirs,
+        workspace: Workspace,
+    ) -> None:
         self.id = sandbox_id
         self.spec = spec
         self.driver = driver
+        self.dirs = dirs
+        self.workspace = workspace
         self._closed = False
 
     async def execute(
@@ -56,6 +69,27 @@ class KernelSandbox(Sandbox):
     def is_busy(self) -> bool:
         return self.driver.is_busy
 
+    async def upload(self, path: str, data: bytes) -> int:
+        return await asyncio.to_thread(self.workspace.write, path, data)
+
+    async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
+        return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
+
+    async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
+        entries = await asyncio.to_thread(self.workspace.list_dir, path, recursive=recursive)
+        return [
+            FileInfo(
+                path=e.path,
+                type=e.kind,
+                size=e.size,
+                modified_at=datetime.fromtimestamp(e.mtime, UTC),
+            )
+            for e in entries
+        ]
+
+    async def remove_file(self, path: str) -> None:
+        await asyncio.to_thread(self.workspace.remove, path)
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -65,6 +99,6 @@ class KernelSandbox(Sandbox):
         finally:
             await self._teardown()
 
-    @abstractmethod
     async def _teardown(self) -> None:
-        """Remove what the backend created for this sandbox (container, directories)."""
+        """Remove what the backend created for this sandbox beyond the kernel."""
+        await asyncio.to_thread(self.dirs.remove)

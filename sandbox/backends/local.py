@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -39,7 +38,6 @@ from sandbox.kernel.command import (
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
-from sandbox.models import FileInfo
 from sandbox.spec import ResourceLimits, SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.workspace_files import Workspace
@@ -247,34 +245,11 @@ class LocalSandbox(KernelSandbox):
         workspace: Workspace,
         on_close: Callable[[], None],
     ) -> None:
-        super().__init__(sandbox_id, spec, driver)
-        self.dirs = dirs
-        self.workspace = workspace
+        super().__init__(sandbox_id, spec, driver, dirs, workspace)
         self._on_close = on_close
 
-    async def upload(self, path: str, data: bytes) -> int:
-        return await asyncio.to_thread(self.workspace.write, path, data)
-
-    async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
-        return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
-
-    async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
-        entries = await asyncio.to_thread(self.workspace.list_dir, path, recursive=recursive)
-        return [
-            FileInfo(
-                path=e.path,
-                type=e.kind,
-                size=e.size,
-                modified_at=datetime.fromtimestamp(e.mtime, UTC),
-            )
-            for e in entries
-        ]
-
-    async def remove_file(self, path: str) -> None:
-        await asyncio.to_thread(self.workspace.remove, path)
-
     async def _teardown(self) -> None:
-        await asyncio.to_thread(self.dirs.remove)
+        await super()._teardown()
         await asyncio.to_thread(self._on_close)
 
 

@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint format demo image engine serve clean
+.PHONY: install test lint format demo image engine serve bench clean
 
 install: $(STAMP)
 
@@ -42,6 +42,11 @@ format: install
 # The HTTP service on 127.0.0.1:8000 with the local backend and auth off: for one user only.
 serve: install
 	CODE_INTERPRETER_AUTH_DISABLED=true $(BIN)/code-interpreter serve --host 127.0.0.1 --port 8000
+
+# Latencies beside the raw jupyter_client baseline, same run; writes bench/results/latest.*
+bench: install
+	@scripts/ensure-docker-engine.sh && $(MAKE) --no-print-directory image || true
+	$(BIN)/python -m bench.run
 
 demo: install
 	$(BIN)/code-interpreter run -f examples/quickstart.py --output-dir outputs

@@ -20,3 +20,27 @@ def create_backend(name: str, **config: Any) -> Backend:
 
         return DockerBackend(DockerBackendConfig(**config))
     raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+
+
+def why_unavailable(name: str) -> str | None:
+    """Why a backend cannot run on this machine (with its default settings), or None."""
+    if name == "local":
+        import shutil
+
+        return None if shutil.which("bwrap") else "bwrap is not installed"
+    if name == "docker":
+        import docker
+        from docker.errors import DockerException, ImageNotFound
+
+        from sandbox.backends.docker import DEFAULT_IMAGE
+
+        try:
+            client = docker.from_env()
+            client.ping()
+            client.images.get(DEFAULT_IMAGE)
+        except ImageNotFound:
+            return f"the image {DEFAULT_IMAGE} is missing: run `make image`"
+        except DockerException as exc:
+            return f"no Docker engine: {exc}"
+        return None
+    return f"unknown backend {name!r}"

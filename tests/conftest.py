@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from sandbox import Backend, Sandbox, SandboxSpec, create_backend
+from sandbox.registry import why_unavailable
 from sandbox.spec import ResourceLimits
 
 ALL_BACKENDS = ("local", "docker")
@@ -26,21 +27,7 @@ SELECTED = [b for b in os.environ.get("CIR_TEST_BACKENDS", ",".join(ALL_BACKENDS
 
 def backend_unavailable(name: str) -> str | None:
     """Why this backend cannot run here, or None when it can."""
-    if name == "docker":
-        import docker
-        from docker.errors import DockerException, ImageNotFound
-
-        from sandbox.backends.docker import DEFAULT_IMAGE
-
-        try:
-            client = docker.from_env()
-            client.ping()
-            client.images.get(DEFAULT_IMAGE)
-        except ImageNotFound:
-            return f"the image {DEFAULT_IMAGE} is missing: run `make image`"
-        except DockerException as exc:
-            return f"no Docker engine: {exc}"
-    return None
+    return why_unavailable(name)
 
 
 def backend_config(name: str) -> dict[str, object]:

@@ -64,11 +64,11 @@ async def raw_baseline(starts: int, runs: int) -> dict[str, list[float]]:
     start_samples = []
     for _ in range(starts):
         t = time.perf_counter()
-        km, kc = await start_new_async_kernel(kernel_name="python3")
+        km, kc = await start_new_async_kernel(kernel_name="python3", stderr=subprocess.DEVNULL)
         start_samples.append(time.perf_counter() - t)
         kc.stop_channels()
         await km.shutdown_kernel(now=True)
-    km, kc = await start_new_async_kernel(kernel_name="python3")
+    km, kc = await start_new_async_kernel(kernel_name="python3", stderr=subprocess.DEVNULL)
     try:
 
         async def once() -> None:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.auth import Authenticator
+from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
 from orchestrator.routes import files, ops, sessions, tools
@@ -72,6 +73,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.authenticate = Authenticator(settings)
     for router in (sessions.router, files.router, tools.router, ops.router):
         app.include_router(router)
+    app.add_middleware(
+        BodySizeLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes
+    )
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
 
     # --- files and outputs
     max_upload_bytes: int = Field(100 << 20, ge=1)
+    max_request_bytes: int = Field(
+        16 << 20, ge=1024, description="Largest request body other than a file upload."
+    )
     max_download_bytes: int = Field(100 << 20, ge=1)
     output_limit_chars: int = Field(1_000_000, ge=1000, description="Kept per execution.")
     tool_output_max_chars: int = Field(

@@ -136,6 +136,8 @@ class Execution(BaseModel):
     # Characters dropped from stdout/stderr by the output cap (0 when nothing was dropped).
     stdout_dropped: int = 0
     stderr_dropped: int = 0
+    # Rich results left out by the per-execution limits (each leaves a note in its place).
+    results_dropped: int = 0
 
     @property
     def ok(self) -> bool:

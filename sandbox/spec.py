@@ -45,4 +45,13 @@ class SandboxSpec(BaseModel):
         description="Most characters kept of each of stdout and stderr per "
         "execution; the rest is dropped with a visible marker.",
     )
+    result_limit_bytes: int = Field(
+        50 << 20,
+        ge=1 << 16,
+        description="Most bytes of rich results (HTML, images...) kept "
+        "per execution; a result past it is replaced by a note.",
+    )
+    result_limit_count: int = Field(
+        1000, ge=1, description="Most rich results kept per execution; the rest are counted."
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

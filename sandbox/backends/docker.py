@@ -127,11 +127,7 @@ class DockerBackend(Backend):
             for d in (dirs.kernel, dirs.workspace):
                 d.chmod(0o777)
         launcher = _ContainerLauncher(self.config, client, deaths, spec, dirs, sandbox_id, image)
-        driver = KernelDriver(
-            launcher,
-            interrupt_grace_s=spec.interrupt_grace_s,
-            output_limit_chars=spec.output_limit_chars,
-        )
+        driver = KernelDriver.for_spec(launcher, spec)
         try:
             await driver.start()
         except BaseException:

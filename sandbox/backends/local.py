@@ -134,11 +134,7 @@ class LocalBackend(Backend):
             launcher = _BwrapLauncher(
                 cfg, spec, dirs, host_uid, await self._python_bind_roots(), cgroup
             )
-            driver = KernelDriver(
-                launcher,
-                interrupt_grace_s=spec.interrupt_grace_s,
-                output_limit_chars=spec.output_limit_chars,
-            )
+            driver = KernelDriver.for_spec(launcher, spec)
             await driver.start()
         except BaseException:
             dirs.remove()

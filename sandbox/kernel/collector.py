@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -72,13 +73,28 @@ class CappedText:
         return head + marker + tail, dropped
 
 
+def bundle_size(data: dict[str, Any]) -> int:
+    return sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in data.values())
+
+
 class OutputCollector:
     """Accumulates one execution's outputs; forwards each as an event as it arrives."""
 
-    def __init__(self, output_limit: int, sink: EventSink | None) -> None:
+    def __init__(
+        self,
+        output_limit: int,
+        sink: EventSink | None,
+        *,
+        result_limit_bytes: int = 50 << 20,
+        result_limit_count: int = 1000,
+    ) -> None:
         self.stdout = CappedText("stdout", output_limit)
         self.stderr = CappedText("stderr", output_limit)
         self.results: list[Result] = []
+        self.result_bytes_left = result_limit_bytes
+        self.result_limit_count = result_limit_count
+        self.results_too_big = 0  # each replaced by a note in place
+        self.results_over_count = 0  # counted in one note at the end
         self.error: ExecutionError | None = None
         self.execution_count: int | None = None
         self.sink = sink
@@ -97,11 +113,10 @@ class OutputCollector:
                 self.stdout.append(text)
                 event = StdoutEvent(text=text)
         elif kind in ("execute_result", "display_data"):
-            result = Result.from_bundle(
-                content.get("data", {}), is_main_result=kind == "execute_result"
-            )
-            self.results.append(result)
-            event = ResultEvent(result=result)
+            result = self._admit(content.get("data", {}), kind == "execute_result")
+            if result is not None:
+                self.results.append(result)
+                event = ResultEvent(result=result)
         elif kind == "error":
             self.error = ExecutionError(
                 name=content.get("ename", "Error"),
@@ -114,6 +129,23 @@ class OutputCollector:
         if event is not None and self.sink is not None:
             await self.sink(event)
 
+    def _admit(self, data: dict[str, Any], is_main: bool) -> Result | None:
+        """The result as kept: whole, replaced by a note when too big, or None past the count."""
+        if len(self.results) >= self.result_limit_count:
+            self.results_over_count += 1
+            return None
+        size = bundle_size(data)
+        if size > self.result_bytes_left:
+            self.results_too_big += 1
+            return Result(
+                is_main_result=is_main,
+                text=f"[a rich output of {size} bytes ({', '.join(data)}) was left out: it is "
+                "over what one execution may return; save it to a file in the workspace and "
+                "download that instead]",
+            )
+        self.result_bytes_left -= size
+        return Result.from_bundle(data, is_main_result=is_main)
+
     async def emit_error(self, error: ExecutionError) -> None:
         """Record an error the runtime itself raised (timeout, dead kernel...)."""
         self.error = error
@@ -123,12 +155,20 @@ class OutputCollector:
     def build(self, **fields: Any) -> Execution:
         stdout, stdout_dropped = self.stdout.value()
         stderr, stderr_dropped = self.stderr.value()
+        results = self.results
+        if self.results_over_count:
+            note = (
+                f"[{self.results_over_count} more rich outputs were left out: one execution "
+                f"returns at most {self.result_limit_count}]"
+            )
+            results = [*results, Result(text=note)]
         return Execution(
             stdout=stdout,
             stderr=stderr,
             stdout_dropped=stdout_dropped,
             stderr_dropped=stderr_dropped,
-            results=self.results,
+            results=results,
+            results_dropped=self.results_too_big + self.results_over_count,
             error=self.error,
             execution_count=self.execution_count,
             **fields,

@@ -21,6 +21,7 @@ from sandbox.kernel.collector import EventSink, OutputCollector
 from sandbox.kernel.connection import write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
 from sandbox.models import Execution, ExecutionError, ExecutionStatus
+from sandbox.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from jupyter_client.connect import KernelConnectionInfo
@@ -71,11 +72,15 @@ class KernelDriver:
         *,
         interrupt_grace_s: float = 3.0,
         output_limit_chars: int = 1_000_000,
+        result_limit_bytes: int = 50 << 20,
+        result_limit_count: int = 1000,
         startup_timeout_s: float = 60.0,
     ) -> None:
         self._launcher = launcher
         self.interrupt_grace_s = interrupt_grace_s
         self.output_limit_chars = output_limit_chars
+        self.result_limit_bytes = result_limit_bytes
+        self.result_limit_count = result_limit_count
         self.startup_timeout_s = startup_timeout_s
         self._kernel: _Kernel | None = None
         self._generation = 0
@@ -85,6 +90,16 @@ class KernelDriver:
         self._idle_death: KernelExit | None = None  # died between executions; told to the next
         self._background: set[asyncio.Task[Any]] = set()
         self.restarts = 0
+
+    @classmethod
+    def for_spec(cls, launcher: KernelLauncher, spec: SandboxSpec) -> KernelDriver:
+        return cls(
+            launcher,
+            interrupt_grace_s=spec.interrupt_grace_s,
+            output_limit_chars=spec.output_limit_chars,
+            result_limit_bytes=spec.result_limit_bytes,
+            result_limit_count=spec.result_limit_count,
+        )
 
     # ----------------------------------------------------------------------------------------
     # Life cycle
@@ -326,7 +341,12 @@ class KernelDriver:
         silent: bool = False,
     ) -> Execution:
         started = time.monotonic()
-        collector = OutputCollector(self.output_limit_chars, on_event)
+        collector = OutputCollector(
+            self.output_limit_chars,
+            on_event,
+            result_limit_bytes=self.result_limit_bytes,
+            result_limit_count=self.result_limit_count,
+        )
         notice: str | None = None
         state_lost = False
         if self._idle_death is not None:

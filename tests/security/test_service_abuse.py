@@ -1,0 +1,178 @@
+"""Attacks on the service: its secrets, its limits, its resources, its crashes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandbox import cgroups
+from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
+
+SECRET_KEY = "key-from-config-file-" + os.urandom(8).hex()
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Server]:
+    srv = make_server(max_request_bytes=1 << 20, max_upload_bytes=1 << 20)
+    config = srv.state_dir.parent / "service.toml"
+    config.write_text(f'api_keys = ["{SECRET_KEY}"]\n')
+    srv.env["CODE_INTERPRETER_CONFIG"] = str(config)
+    del srv.env["CODE_INTERPRETER_API_KEYS"]
+    srv.start()
+    yield srv
+    srv.stop()
+    assert leftovers(srv) == []
+    shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+def client(srv: Server) -> httpx.Client:
+    return srv.client(SECRET_KEY)
+
+
+@pytest.mark.parametrize("backend", service_backends())
+def test_the_services_secrets_are_out_of_reach(guarded: Server, backend: str) -> None:
+    config = guarded.env["CODE_INTERPRETER_CONFIG"]
+    with client(guarded) as api:
+        sid = api.post("/v1/sessions", json={"backend": backend}).json()["id"]
+        code = (
+            "import glob, os\n"
+            "blobs = []\n"
+            "for p in glob.glob('/proc/[0-9]*/environ') + glob.glob('/proc/[0-9]*/cmdline'):\n"
+            "    try:\n"
+            "        blobs.append(open(p, 'rb').read())\n"
+            "    except OSError:\n"
+            "        pass\n"
+            f"found = any(b'{SECRET_KEY}' in b or b'{KEY_A}' in b for b in blobs)\n"
+            f"visible = [p for p in [{config!r}, {str(guarded.state_dir)!r}] if os.path.exists(p)]\n"
+            "(found, visible)"
+        )
+        r = api.post(f"/v1/sessions/{sid}/execute", json={"code": code}).json()
+        assert r["results"][0]["text"] == "(False, [])", r
+        api.delete(f"/v1/sessions/{sid}")
+
+
+def test_oversized_requests_are_refused_early(guarded: Server) -> None:
+    with client(guarded) as api:
+        sid = api.post("/v1/sessions", json={}).json()["id"]
+        big = api.post(f"/v1/sessions/{sid}/execute", json={"code": "#" * (2 << 20)})
+        assert big.status_code == 413 and big.json()["error"]["type"] == "TooLarge"
+        fits = api.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 1  #" + "#" * 500_000})
+        assert fits.status_code == 200 and fits.json()["status"] == "ok"
+        tool = api.post(
+            "/v1/tools/code_interpreter/invoke", json={"arguments": {"code": "#" * (2 << 20)}}
+        )
+        assert tool.status_code == 413
+
+        def endless() -> Iterator[bytes]:  # chunked: no Content-Length to refuse it by
+            yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\r\n"
+            for _ in range(64):
+                yield b"x" * (1 << 20)
+
+        r = api.post(
+            f"/v1/sessions/{sid}/files", params={"path": "huge.bin"},
+            headers={"content-type": "multipart/form-data; boundary=b"}, content=endless(),
+        )
+        assert r.status_code == 413
+        assert api.get(f"/v1/sessions/{sid}/files").json() == []
+        api.delete(f"/v1/sessions/{sid}")
+
+
+def _census(srv: Server) -> dict[str, int]:
+    assert srv.process is not None
+    pid = srv.process.pid
+    return {
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "children": sum(
+            1 for p in Path("/proc").iterdir()
+            if p.name.isdigit() and _ppid(p) == pid
+        ),
+    }
+
+
+def _ppid(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _groups() -> set[str]:
+    parent = cgroups.ROOT / "memory" / cgroups.PARENT
+    return {p.name for p in parent.iterdir() if p.is_dir()} if parent.is_dir() else set()
+
+
+@pytest.mark.parametrize("backend", service_backends())
+def test_two_hundred_sessions_in_parallel_leak_nothing(backend: str) -> None:
+    srv = make_server(max_sessions_per_key=50, max_sessions_total=50)
+    srv.start()
+    try:
+        groups_before = _groups()
+        with srv.client() as api:
+
+            def cycle(i: int) -> str:
+                with srv.client() as own:
+                    created = own.post("/v1/sessions", json={"backend": backend})
+                    assert created.status_code == 201, created.text
+                    s = created.json()["id"]
+                    r = own.post(f"/v1/sessions/{s}/execute", json={"code": f"{i} * 2"}).json()
+                    assert own.delete(f"/v1/sessions/{s}").status_code == 204
+                    return str(r["results"][0]["text"])
+
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                # A first round at the same concurrency grows what stays (worker threads,
+                # connection pools); the 200 that follow must add nothing to it.
+                list(pool.map(cycle, range(24)))
+                time.sleep(1)
+                before = _census(srv)
+                results = list(pool.map(cycle, range(200)))
+            assert results == [str(i * 2) for i in range(200)]
+            time.sleep(1)
+            after = _census(srv)
+            assert api.get("/v1/sessions").json() == []
+        assert after["children"] == before["children"] == 0, (before, after)
+        assert after["fds"] <= before["fds"] + 2, (before, after)
+        assert after["threads"] <= before["threads"] + 2, (before, after)
+        assert leftovers(srv) == []
+        assert _groups() <= groups_before
+    finally:
+        srv.stop()
+        shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+def test_a_killed_service_leaves_no_process() -> None:
+    srv = make_server()
+    srv.start()
+    with srv.client() as api:
+        for backend in service_backends():
+            sid = api.post("/v1/sessions", json={"backend": backend}).json()["id"]
+            api.post(
+                f"/v1/sessions/{sid}/execute",
+                json={"code": "import subprocess; subprocess.Popen(['sleep', '1000'])"},
+            )
+    marker = str(srv.state_dir)
+    assert _processes_with(marker)  # the local kernels run with the state dir in their command
+    srv.stop(signal.SIGKILL)
+    time.sleep(1.5)
+    assert _processes_with(marker) == []
+    shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+def _processes_with(text: str) -> list[int]:
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if text.encode() in (p / "cmdline").read_bytes():
+                    found.append(int(p.name))
+            except OSError:
+                continue
+    return found

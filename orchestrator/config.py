@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     )
     default_backend: str = "local"
     docker_image: str = "code-interpreter-kernel:latest"
+    docker_images: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Images a session may ask for; by default only docker_image.",
+    )
     orchestrator_id: str = Field("default", description="Labels this service's containers.")
     state_dir: Path = Field(default_factory=default_state_dir)
     default_limits: ResourceLimits = Field(default_factory=ResourceLimits)
@@ -75,7 +79,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
 
-    @field_validator("api_keys", "backends", mode="before")
+    @field_validator("api_keys", "backends", "docker_images", mode="before")
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -21,6 +21,8 @@ _TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
 class OutputStore:
     def __init__(self, root: Path) -> None:
         self.root = root
+        # Sessions do not outlive the service, so neither do their outputs.
+        shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
         root.chmod(0o700)
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import Base64Bytes, BaseModel, Field, StringConstraints, model_validator
 
 from orchestrator.tool import ToolFormat
 from sandbox.models import Execution
 from sandbox.spec import ResourceLimits
+
+# An environment variable's name as shells and os.environ accept it; values hold no NUL.
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+EnvValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$", max_length=65536)]
+Env = dict[EnvName, EnvValue]
 
 
 class LimitsRequest(BaseModel):
@@ -26,7 +31,7 @@ class LimitsRequest(BaseModel):
 
 class InitialFile(BaseModel):
     path: str
-    content_base64: str
+    content_base64: Base64Bytes
 
 
 class CreateSessionRequest(BaseModel):
@@ -35,7 +40,7 @@ class CreateSessionRequest(BaseModel):
     )
     image: str | None = Field(None, description="Kernel image (docker).")
     limits: LimitsRequest | None = None
-    env: dict[str, str] = Field(default_factory=dict)
+    env: Env = Field(default_factory=dict)
     files: list[InitialFile] = Field(default_factory=list, description="Written before any code.")
 
 
@@ -54,7 +59,7 @@ class SessionInfo(BaseModel):
 class ExecuteRequest(BaseModel):
     code: str
     timeout_s: float | None = Field(None, gt=0)
-    env: dict[str, str] | None = None
+    env: Env | None = None
     cwd: str | None = None
 
 
@@ -70,8 +75,20 @@ class InvokeRequest(BaseModel):
     format: ToolFormat = ToolFormat.OPENAI_CHAT
     call_id: str | None = Field(None, description="The tool call's id, echoed in the output.")
     inline_images: bool = Field(
-        True, description="Images as base64 in the output; false links to the stored artifact."
+        True,
+        description="Images as base64 in the output (what model APIs take). False links to the "
+        "stored artifact instead: those URLs need this service's bearer key, so only a host "
+        "that fetches and forwards images itself should use them.",
     )
+
+    @model_validator(mode="after")
+    def _needs_call_id(self) -> InvokeRequest:
+        if self.format is not ToolFormat.MCP and not self.call_id:
+            raise ValueError(
+                f"call_id is required for format {self.format}: pass the id of the model's "
+                "tool call, which the tool output must echo"
+            )
+        return self
 
 
 class InvokeResponse(BaseModel):

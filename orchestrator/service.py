@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import base64
 from datetime import UTC, datetime
+
+from pydantic import ValidationError
 
 from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
@@ -29,11 +30,15 @@ class LimitTooHigh(SessionError):
     status = 400
 
 
+class ImageNotAllowed(SessionError):
+    status = 400
+
+
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.sessions = SessionManager(settings)
         self.outputs = OutputStore(settings.state_dir / "outputs")
+        self.sessions = SessionManager(settings, on_end=self.outputs.drop)
 
     async def start(self) -> None:
         await self.sessions.start()
@@ -46,6 +51,11 @@ class Service:
         if request.limits is not None:
             spec.limits = self._limits(request.limits)
         if request.image is not None:
+            allowed = self.settings.docker_images or [self.settings.docker_image]
+            if request.image not in allowed:
+                raise ImageNotAllowed(
+                    f"image {request.image!r} is not allowed here; allowed: {', '.join(allowed)}"
+                )
             spec.image = request.image
         return spec
 
@@ -57,7 +67,13 @@ class Service:
                 raise LimitTooHigh(
                     f"limits.{name}={value} is above this service's ceiling of {ceiling}"
                 )
-        return self.settings.default_limits.model_copy(update=wanted)
+        # Validated whole: a zero or negative limit would mean "unlimited" to some engines.
+        merged = {**self.settings.default_limits.model_dump(), **wanted}
+        try:
+            return ResourceLimits.model_validate(merged)
+        except ValidationError as exc:
+            problems = "; ".join(f"limits.{e['loc'][0]}: {e['msg']}" for e in exc.errors())
+            raise LimitTooHigh(problems) from None
 
     async def create_session(self, owner: str, request: CreateSessionRequest) -> Session:
         session = await self.sessions.create(
@@ -65,7 +81,7 @@ class Service:
         )
         try:
             for f in request.files:
-                await session.sandbox.upload(f.path, base64.b64decode(f.content_base64))
+                await session.sandbox.upload(f.path, f.content_base64)
         except Exception:
             await self.sessions.delete(session.id, owner)
             raise
@@ -73,7 +89,6 @@ class Service:
 
     async def delete_session(self, session_id: str, owner: str) -> None:
         await self.sessions.delete(session_id, owner)
-        self.outputs.drop(session_id)
 
     async def run(
         self,

@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from orchestrator.config import Settings
@@ -82,8 +82,9 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, on_end: Callable[[str], None] | None = None) -> None:
         self.settings = settings
+        self._on_end = on_end  # told each ended session's id (to drop what is kept for it)
         self.backends: dict[str, Backend] = {}
         self.pools: dict[str, WarmPool] = {}
         self._sessions: dict[str, Session] = {}
@@ -158,8 +159,12 @@ class SessionManager:
             from_pool = sandbox is not None
             if sandbox is None:
                 sandbox = await self.backends[name].create(spec)
-            if env:
-                await sandbox.set_env(env)
+            try:
+                if env:
+                    await sandbox.set_env(env)
+            except BaseException:
+                await sandbox.close()
+                raise
         finally:
             self._creating[owner] -= 1
         session = Session(
@@ -223,6 +228,8 @@ class SessionManager:
             await session.sandbox.close()
         except Exception:
             log.exception("closing the sandbox of %s failed", session_id)
+        if self._on_end is not None:
+            self._on_end(session_id)
 
     # ----------------------------------------------------------------------------------------
 

@@ -21,6 +21,13 @@ TOOL_NAME = "code_interpreter"
 _TRACEBACK_LINES = 30
 # Image types each API accepts inline; others are referred to by link in the text.
 _MODEL_IMAGE_TYPES = {"image/png", "image/jpeg", "image/gif", "image/webp"}
+# What model APIs take in one message (Anthropic: 5 MB an image; all: a bounded count).
+MAX_INLINE_IMAGES = 20
+MAX_INLINE_IMAGE_BYTES = 5 * 1024 * 1024
+
+
+def _attachable(image: Image) -> bool:
+    return image.mime_type in _MODEL_IMAGE_TYPES and len(image.data) <= MAX_INLINE_IMAGE_BYTES
 
 
 class ToolFormat(StrEnum):
@@ -195,6 +202,12 @@ def render(
     if images:
         listed = ", ".join(f"{i.mime_type}" + (f" at {i.url}" if i.url else "") for i in images)
         parts.append(f"[images] {len(images)}: {listed}")
+        attached = min(MAX_INLINE_IMAGES, sum(1 for i in images if _attachable(i)))
+        if attached < len(images):
+            parts.append(
+                f"[note] {attached} of them are attached: at most {MAX_INLINE_IMAGES} PNG, JPEG, "
+                f"GIF or WebP images of up to {MAX_INLINE_IMAGE_BYTES >> 20} MB each"
+            )
     if execution.notice:
         parts.append(f"[notice] {execution.notice}")
     state = " · kernel restarted, earlier variables are gone" if execution.state_lost else ""
@@ -224,7 +237,7 @@ def format_output(
             return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode()}"
         return image.url
 
-    shown = [i for i in output.images if i.mime_type in _MODEL_IMAGE_TYPES]
+    shown = [i for i in output.images if _attachable(i)][:MAX_INLINE_IMAGES]
     extra: list[dict[str, Any]] = []
     result: dict[str, Any]
     if fmt is ToolFormat.OPENAI_CHAT:

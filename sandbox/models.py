@@ -7,6 +7,7 @@ they are plain pydantic v2 models that serialize to JSON without loss.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -81,12 +82,14 @@ class Result(BaseModel):
         return present + sorted(self.extra)
 
     def images(self) -> list[tuple[str, bytes]]:
-        """The image forms present, as (MIME type, raw bytes)."""
+        """The image forms present, as (MIME type, raw bytes); undecodable ones are skipped."""
         out: list[tuple[str, bytes]] = []
-        if self.png is not None:
-            out.append(("image/png", base64.b64decode(self.png)))
-        if self.jpeg is not None:
-            out.append(("image/jpeg", base64.b64decode(self.jpeg)))
+        for mime, encoded in (("image/png", self.png), ("image/jpeg", self.jpeg)):
+            if encoded is not None:
+                try:
+                    out.append((mime, base64.b64decode(encoded, validate=True)))
+                except (binascii.Error, ValueError):
+                    continue
         if self.svg is not None:
             out.append(("image/svg+xml", self.svg.encode()))
         return out

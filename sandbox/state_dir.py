@@ -87,7 +87,8 @@ class SessionDirs:
         owner: tuple[int, int] | None = None,
         root_mode: int = 0o711,
     ) -> SessionDirs:
-        """Make the directories; `owner` gets the workspace and kernel directories."""
+        """Make the directories; `owner` gets the workspace. The kernel directory stays ours:
+        the driver opens it to each new kernel and seals it once the sockets are bound."""
         # 0711: sandboxes running as their own uid may pass through, but not list.
         state_dir.parent.mkdir(parents=True, exist_ok=True)
         _private_dir(state_dir, 0o711)
@@ -97,10 +98,10 @@ class SessionDirs:
         dirs.root.chmod(root_mode)
         (dirs.root / "owner").write_text(json.dumps(_this_process()))
         try:
-            for d in (dirs.workspace, dirs.kernel):
-                d.mkdir(mode=0o700)
-                if owner:
-                    os.chown(d, *owner)
+            dirs.kernel.mkdir(mode=0o700)
+            dirs.workspace.mkdir(mode=0o700)
+            if owner:
+                os.chown(dirs.workspace, *owner)
             if workspace_size_mb and os.geteuid() == 0:
                 uid, gid = owner or (0, 0)
                 options = f"size={workspace_size_mb}m,mode=0700,uid={uid},gid={gid},nosuid,nodev"

@@ -67,7 +67,7 @@ class SyncSandbox:
     def restart(self) -> None:
         run_sync(self.sandbox.restart())
 
-    def upload(self, path: str, data: bytes) -> int:
+    def upload(self, path: str, data: bytes) -> FileInfo:
         return run_sync(self.sandbox.upload(path, data))
 
     def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:

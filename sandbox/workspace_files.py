@@ -7,6 +7,7 @@ and hard links are refused too. Both backends keep their workspaces on the host 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -58,24 +59,32 @@ class Workspace:
         fd = os.open(self.root, _DIR_FLAGS)
         try:
             for part in parts:
-                try:
-                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise FileMissing(f"no such directory: {part!r}") from None
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    if self.owner:
-                        os.chown(part, *self.owner, dir_fd=fd, follow_symlinks=False)
-                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except (NotADirectoryError, OSError) as exc:
-                    raise FileAccessError(
-                        f"{part!r} is not a directory of the workspace (a symlink or a file)"
-                    ) from exc
+                nxt = self._step(fd, part, create)
                 os.close(fd)
                 fd = nxt
             yield fd
         finally:
             os.close(fd)
+
+    def _step(self, fd: int, part: str, create: bool) -> int:
+        """Open the subdirectory `part` of `fd` (making it if asked), never through a symlink."""
+        for _ in range(3):  # the sandbox may be changing the directory meanwhile
+            try:
+                return os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise FileMissing(f"no such directory: {part!r}") from None
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except FileExistsError:
+                    continue
+                if self.owner:
+                    os.chown(part, *self.owner, dir_fd=fd, follow_symlinks=False)
+            except OSError as exc:
+                raise FileAccessError(
+                    f"{part!r} is not a directory of the workspace ({_why(exc)})"
+                ) from exc
+        raise FileAccessError(f"{part!r} keeps changing; try again")
 
     def read(self, path: str, *, max_bytes: int) -> bytes:
         parts = clean_path(path)
@@ -95,7 +104,8 @@ class Workspace:
             finally:
                 os.close(fd)
 
-    def write(self, path: str, data: bytes) -> int:
+    def write(self, path: str, data: bytes) -> Entry:
+        """Write a file; return what is now there."""
         parts = clean_path(path)
         with self._dir(parts[:-1], create=True) as dfd:
             name = parts[-1]
@@ -118,59 +128,73 @@ class Workspace:
                     view = view[os.write(fd, view) :]
                 if self.owner:
                     os.fchown(fd, *self.owner)
+                st = os.fstat(fd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise FileTooLarge(f"cannot write {path!r}: {_why(exc)}") from exc
+                raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
             finally:
                 os.close(fd)
-        return len(data)
+        return Entry("/".join(parts), "file", st.st_size, st.st_mtime)
 
     def remove(self, path: str) -> None:
         parts = clean_path(path)
         with self._dir(parts[:-1]) as dfd:
             try:
                 st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(parts[-1], dir_fd=dfd)
+                else:
+                    os.unlink(parts[-1], dir_fd=dfd)
             except FileNotFoundError:
                 raise FileMissing(f"no such file: {path!r}") from None
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(parts[-1], dir_fd=dfd)
-            else:
-                os.unlink(parts[-1], dir_fd=dfd)
+            except OSError as exc:
+                raise FileAccessError(f"cannot remove {path!r}: {_why(exc)}") from exc
 
     def list_dir(
         self, path: str = "", *, recursive: bool = False, limit: int = 10_000
     ) -> list[Entry]:
-        parts = clean_path(path, allow_root=True)
+        """Entries under `path`, sorted, at most `limit`; a walk holds one directory open."""
         out: list[Entry] = []
-        with self._dir(parts) as dfd:
-            self._walk(dfd, "/".join(parts), recursive, out, limit)
+        top = clean_path(path, allow_root=True)
+        pending = [top]
+        while pending and len(out) < limit:
+            parts = pending.pop(0)
+            prefix = "/".join(parts)
+            try:
+                with self._dir(parts) as dfd:
+                    names = sorted(os.listdir(dfd))
+                    for name in names:
+                        if len(out) >= limit:
+                            break
+                        entry = self._entry(dfd, name, f"{prefix}/{name}" if prefix else name)
+                        if entry is None:
+                            continue
+                        out.append(entry)
+                        if recursive and entry.kind == "directory":
+                            pending.append((*parts, name))
+            except FileAccessError:
+                if parts == top:  # the directory asked for; a subdirectory that changed
+                    raise  # under the walk is skipped
+
         return out
 
-    def _walk(self, dfd: int, prefix: str, recursive: bool, out: list[Entry], limit: int) -> None:
-        for name in sorted(os.listdir(dfd)):
-            if len(out) >= limit:
-                return
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            rel = f"{prefix}/{name}" if prefix else name
-            kind: Literal["file", "directory", "symlink", "other"] = (
-                "directory"
-                if stat.S_ISDIR(st.st_mode)
-                else "file"
-                if stat.S_ISREG(st.st_mode)
-                else "symlink"
-                if stat.S_ISLNK(st.st_mode)
-                else "other"
-            )
-            out.append(Entry(rel, kind, st.st_size if kind == "file" else 0, st.st_mtime))
-            if recursive and kind == "directory":
-                try:
-                    sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
-                except OSError:
-                    continue
-                try:
-                    self._walk(sub, rel, recursive, out, limit)
-                finally:
-                    os.close(sub)
+    @staticmethod
+    def _entry(dfd: int, name: str, rel: str) -> Entry | None:
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        kind: Literal["file", "directory", "symlink", "other"] = (
+            "directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "file"
+            if stat.S_ISREG(st.st_mode)
+            else "symlink"
+            if stat.S_ISLNK(st.st_mode)
+            else "other"
+        )
+        return Entry(rel, kind, st.st_size if kind == "file" else 0, st.st_mtime)
 
     @staticmethod
     def _open_regular(dfd: int, name: str, flags: int) -> int:
@@ -187,8 +211,6 @@ class Workspace:
 
 
 def _why(exc: OSError) -> str:
-    import errno
-
     if exc.errno == errno.ELOOP:
         return "it is a symlink, and symlinks are never followed"
     if exc.errno == errno.EISDIR:

@@ -382,3 +382,57 @@ async def test_a_consumer_that_stops_reading_a_stream_interrupts_the_code(
     await stream.aclose()  # type: ignore[attr-defined]
     ex = await asyncio.wait_for(sandbox.execute("'next'"), timeout=30)
     assert ex.text == "'next'"
+
+
+async def test_env_alone_and_cwd_alone(sandbox: Sandbox) -> None:
+    only_env = await sandbox.execute("import os; os.environ['ONLY']", env={"ONLY": "e'\"\\n"})
+    assert only_env.ok, only_env.error
+    assert only_env.text == repr("e'\"\\n")
+    only_cwd = await sandbox.execute("import os; os.getcwd()", cwd="/tmp")
+    assert only_cwd.text == "'/tmp'"
+
+
+async def test_a_cancelled_call_does_not_poison_the_next(backend: Backend) -> None:
+    async with await backend.create(small_spec(interrupt_grace_s=1.0)) as sb:
+        stubborn = (
+            "import time\n"
+            "while True:\n"
+            "    try:\n"
+            "        time.sleep(0.05)\n"
+            "    except KeyboardInterrupt:\n"
+            "        pass\n"
+        )
+        task = asyncio.ensure_future(sb.execute(stubborn, env={"SCOPED": "1"}))
+        await asyncio.sleep(1.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after = await asyncio.wait_for(
+            sb.execute("import os; str(os.environ.get('SCOPED'))", timeout_s=20), 30
+        )
+        assert after.ok, after.error  # not blamed for the stubborn code
+        assert after.text == "'None'"
+        assert after.state_lost and after.notice is not None and "went away" in after.notice
+
+        polite = asyncio.ensure_future(
+            sb.execute("import time; time.sleep(30)", env={"SCOPED": "2"})
+        )
+        await asyncio.sleep(1.0)
+        polite.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await polite
+        again = await sb.execute("import os; str(os.environ.get('SCOPED'))")
+        assert again.text == "'None'" and not again.state_lost
+
+
+async def test_malformed_rich_output_is_kept_not_fatal(sandbox: Sandbox) -> None:
+    ex = await sandbox.execute(
+        "from IPython.display import display\n"
+        "display({'image/png': ['not', 'a', 'string']}, raw=True)\n"
+        "display({'image/png': 'not base64!'}, raw=True)\n"
+        "'fine'"
+    )
+    assert ex.ok, ex.error
+    assert ex.text == "'fine'"
+    assert ex.results[0].extra == {"image/png": ["not", "a", "string"]}
+    assert ex.artifacts == []  # the undecodable PNG is skipped, not fatal

@@ -10,7 +10,8 @@ from sandbox import FileAccessError, FileTooLarge, InvalidPath, Sandbox
 
 
 async def test_upload_list_download_remove(sandbox: Sandbox) -> None:
-    assert await sandbox.upload("data/in.csv", b"a,b\n1,2\n") == 8
+    info = await sandbox.upload("data/in.csv", b"a,b\n1,2\n")
+    assert (info.path, info.type, info.size) == ("data/in.csv", "file", 8)
     ex = await sandbox.execute(
         "import pandas as pd\n"
         "df = pd.read_csv('data/in.csv'); df['c'] = df.a + df.b\n"
@@ -96,3 +97,13 @@ async def test_fifo_and_size_limit(sandbox: Sandbox) -> None:
         await sandbox.download("sparse", max_bytes=1 << 20)
     with pytest.raises(FileAccessError):
         await sandbox.download("missing.txt")
+
+
+async def test_deep_trees_are_listed_without_recursion_or_fd_growth(sandbox: Sandbox) -> None:
+    ex = await sandbox.execute(
+        "import os\np = 'deep'\nfor i in range(400):\n    p += f'/{i}'\nos.makedirs(p)\n"
+        "open(p + '/leaf.txt', 'w').write('x')"
+    )
+    assert ex.ok, ex.error
+    entries = await sandbox.list_files("deep", recursive=True)
+    assert len(entries) == 401 and entries[-1].path.endswith("/399/leaf.txt")

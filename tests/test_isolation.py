@@ -250,3 +250,24 @@ async def test_sessions_cannot_see_each_other(backend: Backend) -> None:
             f"(any(b'{marker}' in c for c in cmdlines), found, len(cmdlines) < 20)"
         )
         assert await run_ok(b, code) == "(False, [], True)"
+
+
+async def test_the_kernel_directory_cannot_be_tampered_with(sandbox: Sandbox) -> None:
+    ex = await sandbox.execute(
+        "import os\n"
+        "def attempt(f):\n"
+        "    try:\n"
+        "        f(); return 'done'\n"
+        "    except OSError:\n"
+        "        return 'refused'\n"
+        "sockets = sorted(n for n in os.listdir('/run/kernel') if n.startswith('k'))\n"
+        "[attempt(lambda: os.mkfifo('/run/kernel/conn-2.json')),\n"
+        " attempt(lambda: open('/run/kernel/junk', 'w').write('x' * 1000)),\n"
+        " attempt(lambda: os.unlink('/run/kernel/' + sockets[0]))]"
+    )
+    assert ex.ok, ex.error
+    if os.geteuid() == 0:  # the sandbox runs as another uid than the directory's owner
+        assert ex.text == "['refused', 'refused', 'refused']"
+    # Whatever was planted is cleared before the next kernel: the restart cannot hang.
+    await asyncio.wait_for(sandbox.restart(), 60)
+    assert (await sandbox.execute("1 + 1")).text == "2"

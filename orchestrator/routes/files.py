@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
 
@@ -33,10 +34,7 @@ async def upload(
             raise HTTPException(413, f"the upload is larger than the limit of {limit} bytes")
         chunks.append(chunk)
     async with session.activity():
-        await session.sandbox.upload(target, b"".join(chunks))
-        listing = await session.sandbox.list_files("/".join(clean_path(target)[:-1]))
-    name = "/".join(clean_path(target))
-    return next(f for f in listing if f.path == name)
+        return await session.sandbox.upload(target, b"".join(chunks))
 
 
 @router.get("", summary="List a directory of the workspace")
@@ -59,11 +57,13 @@ async def download(path: str, session: SessionDep, service: ServiceDep) -> Respo
     async with session.activity():
         data = await session.sandbox.download(path, max_bytes=service.settings.max_download_bytes)
     name = clean_path(path)[-1]
-    quoted = name.replace("\\", "_").replace('"', "_")
+    ascii_name = name.encode("ascii", "replace").decode().replace("?", "_")
+    ascii_name = ascii_name.replace("\\", "_").replace('"', "_")
+    disposition = f"attachment; filename=\"{ascii_name}\"; filename*=UTF-8''{quote(name)}"
     return Response(
         data,
         media_type="application/octet-stream",
-        headers={"Content-Disposition": f'attachment; filename="{quoted}"'},
+        headers={"Content-Disposition": disposition},
     )
 
 

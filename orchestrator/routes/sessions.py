@@ -17,6 +17,8 @@ from orchestrator.schemas import (
     ExecutionRecord,
     SessionInfo,
 )
+from orchestrator.sessions import SessionError
+from sandbox.errors import SandboxError
 from sandbox.models import Execution, OutputEvent
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
@@ -88,8 +90,9 @@ async def execute_stream(
     body: ExecuteRequest, session: SessionDep, service: ServiceDep
 ) -> StreamingResponse:
     """One JSON object per line: `stdout`, `stderr`, `result`, `error` events as they happen,
-    `keepalive` at least every 5 s, and last `done` with the whole Execution and its ids.
-    Closing the connection interrupts the code."""
+    `keepalive` at least every 5 s, and last `done` with the whole Execution and its ids (or
+    `failure`, if the session itself ended during the run). Closing the connection interrupts
+    the code."""
     queue: asyncio.Queue[OutputEvent] = asyncio.Queue()
 
     async def lines() -> AsyncIterator[bytes]:
@@ -115,7 +118,12 @@ async def execute_stream(
                 getter.cancel()
                 if not done:
                     yield b'{"type":"keepalive"}\n'
-            record = task.result()
+            try:
+                record = task.result()
+            except (SandboxError, SessionError) as exc:  # the session ended under the run
+                error = {"type": type(exc).__name__, "message": str(exc)}
+                yield json.dumps({"type": "failure", "error": error}).encode() + b"\n"
+                return
             done_event: dict[str, Any] = {
                 "type": "done",
                 "execution": record.model_dump(mode="json"),

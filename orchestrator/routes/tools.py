@@ -65,7 +65,10 @@ async def invoke(
     except SandboxError as exc:
         return refuse(f"could not start a sandbox: {exc}", "session_error")
     session_id = session.id
-    record = await unless_disconnected(request, service.run(session, args.code))
+    try:
+        record = await unless_disconnected(request, service.run(session, args.code))
+    except (SessionError, SandboxError) as exc:  # the session ended or broke during the run
+        return refuse(f"the session could not run the code: {exc}", "session_error")
     base = (service.settings.public_url or str(request.base_url)).rstrip("/")
     prefix = f"{base}/v1/sessions/{session.id}"
     rendered = render(

@@ -86,8 +86,8 @@ class Sandbox(ABC):
         """Replace the kernel with a fresh one. Files in the workspace are kept."""
 
     @abstractmethod
-    async def upload(self, path: str, data: bytes) -> int:
-        """Write a file into the workspace (path relative to it); return the bytes written."""
+    async def upload(self, path: str, data: bytes) -> FileInfo:
+        """Write a file into the workspace (path relative to it); return what is there now."""
 
     @abstractmethod
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:

@@ -123,9 +123,8 @@ class DockerBackend(Backend):
             owner=(uid, uid) if root else None,
             root_mode=0o700,  # the engine binds the subdirectories; nobody else needs in
         )
-        if not root:  # the container's uid must create sockets and files in them
-            for d in (dirs.kernel, dirs.workspace):
-                d.chmod(0o777)
+        if not root:  # the container's uid must create files in it
+            dirs.workspace.chmod(0o777)
         launcher = _ContainerLauncher(self.config, client, deaths, spec, dirs, sandbox_id, image)
         driver = KernelDriver.for_spec(launcher, spec)
         try:

@@ -14,7 +14,7 @@ from sandbox.kernel.driver import KernelDriver
 from sandbox.models import Execution, FileInfo
 from sandbox.spec import SandboxSpec
 from sandbox.state_dir import SessionDirs
-from sandbox.workspace_files import Workspace
+from sandbox.workspace_files import Entry, Workspace
 
 
 class KernelSandbox(Sandbox):
@@ -69,23 +69,15 @@ class KernelSandbox(Sandbox):
     def is_busy(self) -> bool:
         return self.driver.is_busy
 
-    async def upload(self, path: str, data: bytes) -> int:
-        return await asyncio.to_thread(self.workspace.write, path, data)
+    async def upload(self, path: str, data: bytes) -> FileInfo:
+        return _info(await asyncio.to_thread(self.workspace.write, path, data))
 
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
         return await asyncio.to_thread(self.workspace.read, path, max_bytes=max_bytes)
 
     async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
         entries = await asyncio.to_thread(self.workspace.list_dir, path, recursive=recursive)
-        return [
-            FileInfo(
-                path=e.path,
-                type=e.kind,
-                size=e.size,
-                modified_at=datetime.fromtimestamp(e.mtime, UTC),
-            )
-            for e in entries
-        ]
+        return [_info(e) for e in entries]
 
     async def remove_file(self, path: str) -> None:
         await asyncio.to_thread(self.workspace.remove, path)
@@ -102,3 +94,12 @@ class KernelSandbox(Sandbox):
     async def _teardown(self) -> None:
         """Remove what the backend created for this sandbox beyond the kernel."""
         await asyncio.to_thread(self.dirs.remove)
+
+
+def _info(entry: Entry) -> FileInfo:
+    return FileInfo(
+        path=entry.path,
+        type=entry.kind,
+        size=entry.size,
+        modified_at=datetime.fromtimestamp(entry.mtime, UTC),
+    )

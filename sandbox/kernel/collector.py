@@ -7,6 +7,8 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from sandbox.models import (
     ErrorEvent,
     Execution,
@@ -144,7 +146,10 @@ class OutputCollector:
                 "download that instead]",
             )
         self.result_bytes_left -= size
-        return Result.from_bundle(data, is_main_result=is_main)
+        try:
+            return Result.from_bundle(data, is_main_result=is_main)
+        except ValidationError:  # raw display() can send anything: keep it, as it came
+            return Result(is_main_result=is_main, extra=dict(data))
 
     async def emit_error(self, error: ExecutionError) -> None:
         """Record an error the runtime itself raised (timeout, dead kernel...)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +42,40 @@ def write_connection_file(
         "kernel_name": "python3",
     }
     name = f"conn-{generation}.json"
-    path = kernel_dir / name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(kernel_dir / name, flags, 0o644)
+    os.fchmod(fd, 0o644)
     with os.fdopen(fd, "w") as f:
         json.dump(info, f)
-    for port in _PORTS.values():  # a stale socket from a killed kernel would refuse the bind
-        (kernel_dir / f"{prefix}-{port}").unlink(missing_ok=True)
     return f"{in_sandbox}/{name}", {**info, "ip": host_ip}
+
+
+def reset_kernel_dir(kernel_dir: Path) -> None:
+    """Empty the directory and open it to the next kernel.
+
+    Called only while nothing of the sandbox runs, so whatever the code planted there (a FIFO
+    that would block our open, a symlink our client would follow) is gone before a kernel binds.
+    """
+    fd = os.open(kernel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for name in os.listdir(fd):
+            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+        os.fchmod(fd, 0o777)  # the kernel's uid creates its sockets here
+    finally:
+        os.close(fd)
+
+
+def seal_kernel_dir(kernel_dir: Path) -> None:
+    """Once the kernel has bound its sockets: nothing may be added, removed or replaced there.
+
+    Effective when the sandbox runs as another uid than ours (Docker; local as root), since
+    only the directory's owner could open it again.
+    """
+    fd = os.open(kernel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o555)
+    finally:
+        os.close(fd)

@@ -7,7 +7,6 @@ after an interrupt, or on request. Executions run one at a time, in the order th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.errors import SandboxClosed, SandboxStartError
 from sandbox.kernel.collector import EventSink, OutputCollector
-from sandbox.kernel.connection import write_connection_file
+from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
 from sandbox.models import Execution, ExecutionError, ExecutionStatus
 from sandbox.spec import SandboxSpec
@@ -37,6 +36,8 @@ class _Run:
     """The execution in progress, and what others have asked of it."""
 
     deadline: float
+    msg_id: str = ""
+    finished: bool = False  # the kernel reported idle for this request
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     interrupted: bool = False  # an interrupt was sent (by the time limit or on request)
     cancelled: bool = False  # interrupted on request rather than by the time limit
@@ -87,7 +88,8 @@ class KernelDriver:
         self._lock = asyncio.Lock()  # FIFO: queued executions run in the order they came
         self._run: _Run | None = None
         self._closed = False
-        self._idle_death: KernelExit | None = None  # died between executions; told to the next
+        self._notice: str | None = None  # state was lost between executions: told to the next
+        self._scope_open = False  # a per-call env/cwd is applied and must be undone
         self._background: set[asyncio.Task[Any]] = set()
         self.restarts = 0
 
@@ -127,6 +129,7 @@ class KernelDriver:
     async def _start_kernel(self) -> None:
         self._generation += 1
         launcher = self._launcher
+        reset_kernel_dir(launcher.kernel_dir)
         in_sandbox, info = write_connection_file(
             launcher.kernel_dir, launcher.kernel_dir_in_sandbox, self._generation
         )
@@ -138,6 +141,9 @@ class KernelDriver:
         kernel = _Kernel(self._generation, process, client, exited)
         try:
             await self._wait_ready(kernel)
+            if self._closed:
+                raise SandboxClosed("the sandbox was closed while its kernel started")
+            seal_kernel_dir(launcher.kernel_dir)
         except BaseException:
             await self._dispose(kernel)
             raise
@@ -216,12 +222,22 @@ class KernelDriver:
         async with self._lock:
             if self._closed or kernel is not self._kernel:
                 return
-            self._idle_death = kernel.exited.result()
-            log.warning("kernel died while idle (%s); restarting", self._idle_death.reason)
-            try:
-                await self._replace_kernel()
-            except Exception:
-                log.exception("could not restart the kernel")
+            await self._replace_dead(kernel)
+
+    async def _replace_dead(self, kernel: _Kernel) -> None:
+        """Replace a kernel that died between executions (the lock is held)."""
+        death = kernel.exited.result()
+        log.warning("kernel died between executions (%s); restarting", death.reason)
+        self._notice = (
+            f"The kernel died between executions ({death.reason}) and was restarted: "
+            "variables and imports from earlier calls are gone; files in the workspace are kept."
+        )
+        self._scope_open = False
+        try:
+            await self._replace_kernel()
+        except Exception:
+            log.exception("could not restart the kernel")
+            self._kernel = None
 
     # ----------------------------------------------------------------------------------------
     # Control
@@ -256,7 +272,8 @@ class KernelDriver:
         async with self._lock:
             if self._generation == generation or self._kernel is None:
                 await self._replace_kernel()
-            self._idle_death = None
+            self._notice = None
+            self._scope_open = False
 
     def _send_interrupt(self, kernel: _Kernel) -> None:
         # Message mode works the same in every backend: no signal has to cross a namespace.
@@ -305,15 +322,28 @@ class KernelDriver:
                 self._lock.release()
 
     async def _settle_after_cancel(self, run: _Run) -> None:
+        """The caller of `run` went away: stop its code, undo its scope, then free the lock."""
         try:
             kernel = self._kernel
             if kernel is None:
                 return
-            self._send_interrupt(kernel)
-            try:
-                await asyncio.wait_for(self._wait_idle(kernel), self.interrupt_grace_s)
-            except TimeoutError:
-                await self._replace_kernel()
+            if not run.finished:
+                self._send_interrupt(kernel)
+                try:
+                    await asyncio.wait_for(
+                        self._wait_idle(kernel, run.msg_id), self.interrupt_grace_s
+                    )
+                except TimeoutError:
+                    self._notice = (
+                        "An execution whose caller went away did not stop when interrupted, so "
+                        "the kernel was restarted: variables and imports from earlier calls are "
+                        "gone; files in the workspace are kept."
+                    )
+                    self._scope_open = False
+                    await self._replace_kernel()
+                    return
+            if self._scope_open:
+                await self._close_scope()
         except Exception:
             log.exception("could not settle the kernel after a cancelled execution")
         finally:
@@ -321,15 +351,21 @@ class KernelDriver:
                 self._run = None
             self._lock.release()
 
-    async def _wait_idle(self, kernel: _Kernel) -> None:
-        """Wait until the kernel reports idle for a request of ours that is in flight."""
+    async def _wait_idle(self, kernel: _Kernel, msg_id: str) -> None:
+        """Wait until the kernel reports idle for the request `msg_id`."""
         while True:
             msg = await kernel.next_iopub()
             kernel.pending_iopub = None
-            if msg["header"]["msg_type"] == "status" and (
-                msg["content"].get("execution_state") == "idle"
+            if (
+                msg["header"]["msg_type"] == "status"
+                and msg["parent_header"].get("msg_id") == msg_id
+                and msg["content"].get("execution_state") == "idle"
             ):
                 return
+
+    async def _close_scope(self) -> None:
+        self._scope_open = False
+        await self._run_request(f"{_RUNTIME}.exit()", 10.0, OutputCollector(1000, None), True)
 
     async def _execute_locked(
         self,
@@ -347,28 +383,27 @@ class KernelDriver:
             result_limit_bytes=self.result_limit_bytes,
             result_limit_count=self.result_limit_count,
         )
-        notice: str | None = None
-        state_lost = False
-        if self._idle_death is not None:
-            state_lost = True
-            notice = (
-                f"The kernel died between executions ({self._idle_death.reason}) and was "
-                "restarted: variables and imports from earlier calls are gone; files in the "
-                "workspace are kept."
-            )
-            self._idle_death = None
+        assert self._kernel is not None
+        if self._kernel.exited.done():  # died since the last call, before its watcher acted
+            await self._replace_dead(self._kernel)
+            if self._kernel is None:
+                raise SandboxStartError("the kernel died and could not be restarted")
+        notice, self._notice = self._notice, None
+        state_lost = notice is not None
 
         scoped = bool(env) or cwd is not None
         if scoped:
-            setup = f"{_RUNTIME}.enter({json.dumps(env or {})}, {json.dumps(cwd)})"
+            # repr() of a dict of strings and of a str or None is valid Python source.
+            setup = f"{_RUNTIME}.enter({dict(env or {})!r}, {cwd!r})"
             status, fields = await self._run_request(setup, timeout_s, collector, silent=True)
             if status is not ExecutionStatus.OK:
                 return collector.build(
                     status=status, duration_s=time.monotonic() - started, notice=notice, **fields
                 )
+            self._scope_open = True
         status, fields = await self._run_request(code, timeout_s, collector, silent=silent)
-        if scoped and not fields.get("state_lost"):
-            await self._run_request(f"{_RUNTIME}.exit()", 10.0, OutputCollector(1000, None), True)
+        if self._scope_open and not fields.get("state_lost"):
+            await self._close_scope()
         fields["state_lost"] = state_lost or fields.get("state_lost", False)
         return collector.build(
             status=status, duration_s=time.monotonic() - started, notice=notice, **fields
@@ -381,7 +416,7 @@ class KernelDriver:
         kernel = self._kernel
         assert kernel is not None
         run = self._run = _Run(deadline=time.monotonic() + timeout_s)
-        msg_id = kernel.client.execute(
+        msg_id = run.msg_id = kernel.client.execute(
             code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
         )
         while True:
@@ -407,6 +442,7 @@ class KernelDriver:
                     continue
                 if msg["header"]["msg_type"] == "status":
                     if msg["content"].get("execution_state") == "idle":
+                        run.finished = True
                         break
                     continue
                 await collector.handle(msg)
@@ -478,6 +514,7 @@ class KernelDriver:
         name: str = "Cancelled",
     ) -> tuple[ExecutionStatus, dict[str, Any]]:
         """Replace the kernel after a run it could not finish, and say so in the result."""
+        self._scope_open = False
         try:
             await self._replace_kernel()
             after = "it was restarted"

@@ -33,6 +33,8 @@ async def test_no_device_or_kernel_interface_to_abuse(sandbox: Sandbox) -> None:
         "        open(p, 'w').write('1'); return 'written'\n"
         "    except OSError:\n"
         "        return 'refused'\n"
-        "[w(p) for p in ['/proc/sysrq-trigger', '/proc/sys/kernel/hostname', '/sys/kernel/uevent_helper']]"
+        "targets = ['/proc/sysrq-trigger', '/proc/sys/kernel/hostname',\n"
+        "           '/sys/kernel/uevent_helper']\n"
+        "[w(p) for p in targets]"
     )
     assert sysrq.text == "['refused', 'refused', 'refused']"

@@ -68,7 +68,8 @@ async def test_zombies_are_reaped(sandbox: Sandbox, bystander: Sandbox) -> None:
         "for pid in os.listdir('/proc'):\n"
         "    if pid.isdigit():\n"
         "        try:\n"
-        "            zombies += open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z'\n"
+        "            state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+        "            zombies += state == 'Z'\n"
         "        except OSError:\n"
         "            pass\n"
         "zombies",

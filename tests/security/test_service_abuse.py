@@ -51,7 +51,8 @@ def test_the_services_secrets_are_out_of_reach(guarded: Server, backend: str) ->
             "    except OSError:\n"
             "        pass\n"
             f"found = any(b'{SECRET_KEY}' in b or b'{KEY_A}' in b for b in blobs)\n"
-            f"visible = [p for p in [{config!r}, {str(guarded.state_dir)!r}] if os.path.exists(p)]\n"
+            f"paths = [{config!r}, {str(guarded.state_dir)!r}]\n"
+            "visible = [p for p in paths if os.path.exists(p)]\n"
             "(found, visible)"
         )
         r = api.post(f"/v1/sessions/{sid}/execute", json={"code": code}).json()
@@ -72,13 +73,15 @@ def test_oversized_requests_are_refused_early(guarded: Server) -> None:
         assert tool.status_code == 413
 
         def endless() -> Iterator[bytes]:  # chunked: no Content-Length to refuse it by
-            yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f\"\r\n\r\n"
+            yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="f"\r\n\r\n'
             for _ in range(64):
                 yield b"x" * (1 << 20)
 
         r = api.post(
-            f"/v1/sessions/{sid}/files", params={"path": "huge.bin"},
-            headers={"content-type": "multipart/form-data; boundary=b"}, content=endless(),
+            f"/v1/sessions/{sid}/files",
+            params={"path": "huge.bin"},
+            headers={"content-type": "multipart/form-data; boundary=b"},
+            content=endless(),
         )
         assert r.status_code == 413
         assert api.get(f"/v1/sessions/{sid}/files").json() == []
@@ -91,10 +94,7 @@ def _census(srv: Server) -> dict[str, int]:
     return {
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
         "threads": len(os.listdir(f"/proc/{pid}/task")),
-        "children": sum(
-            1 for p in Path("/proc").iterdir()
-            if p.name.isdigit() and _ppid(p) == pid
-        ),
+        "children": sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid),
     }
 
 

@@ -32,7 +32,9 @@ def test_upload_list_download_delete(api: httpx.Client, session_id: str) -> None
     assert [f["path"] for f in deep] == ["in/deep", "in/deep/x.bin"]
     got = api.get(f"{base}/out.csv")
     assert got.status_code == 200 and got.content == b",a,b\n0,1,2\n"
-    assert got.headers["content-disposition"] == 'attachment; filename="out.csv"'
+    assert got.headers["content-disposition"] == (
+        "attachment; filename=\"out.csv\"; filename*=UTF-8''out.csv"
+    )
     assert api.delete(f"{base}/in").status_code == 204
     assert api.get(f"{base}/in/deep/x.bin").status_code == 404
 
@@ -122,3 +124,17 @@ def test_artifacts_are_served(api: httpx.Client, session_id: str) -> None:
     assert png.status_code == 200 and png.headers["content-type"] == "image/png"
     assert Image.open(io.BytesIO(png.content)).format == "PNG"
     assert api.get(url.rsplit("/", 1)[0] + "/nonexistent").status_code == 404
+
+
+def test_unicode_names_download(api: httpx.Client, session_id: str) -> None:
+    name = "数据 résumé.csv"
+    up = api.post(
+        f"/v1/sessions/{session_id}/files", params={"path": name}, files={"file": ("x", b"1")}
+    )
+    assert up.status_code == 201 and up.json()["path"] == name
+    got = api.get(f"/v1/sessions/{session_id}/files/{name}")
+    assert got.status_code == 200 and got.content == b"1"
+    assert (
+        "filename*=UTF-8''%E6%95%B0%E6%8D%AE%20r%C3%A9sum%C3%A9.csv"
+        in got.headers["content-disposition"]
+    )

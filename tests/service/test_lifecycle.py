@@ -161,3 +161,13 @@ def test_a_killed_service_leaves_nothing_after_restart() -> None:
     finally:
         srv.stop()
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+def test_expired_sessions_leave_no_outputs(short_server: Server) -> None:
+    with short_server.client() as api:
+        sid = api.post("/v1/sessions", json={}).json()["id"]
+        api.post(f"/v1/sessions/{sid}/execute", json={"code": "print('kept for now')"})
+        outputs = short_server.state_dir / "outputs" / sid
+        assert outputs.is_dir()
+        time.sleep(3.5)
+        assert not outputs.exists()

@@ -240,3 +240,50 @@ async def test_async_client(server: Server) -> None:
         assert record.text == "3" and record.session_id == info.id
         assert [s.id for s in await client.list_sessions()] == [info.id]
         await client.delete_session(info.id)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"memory_mb": 0}, {"pids": 0}, {"cpus": -1}, {"tmp_size_mb": 0}, {"workspace_size_mb": 0}],
+)
+def test_limits_cannot_be_switched_off(api: httpx.Client, limits: dict[str, int]) -> None:
+    r = api.post("/v1/sessions", json={"limits": limits})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "LimitTooHigh"
+    nan = api.post(
+        "/v1/sessions",
+        content=b'{"limits": {"cpus": NaN}}',
+        headers={"content-type": "application/json"},
+    )
+    assert nan.status_code in (400, 422)
+
+
+def test_bad_env_names_are_refused_and_leak_nothing(server: Server, api: httpx.Client) -> None:
+    before = len(list((server.state_dir / "local").iterdir()))
+    for env in ({"A=B": "1"}, {"": "1"}, {"OK": "nul\u0000byte"}):
+        r = api.post("/v1/sessions", json={"env": env})
+        assert r.status_code == 422, r.text
+    assert api.post("/v1/sessions", json={"image": "someone-elses:image"}).status_code == 400
+    time.sleep(0.5)
+    assert len(list((server.state_dir / "local").iterdir())) == before
+
+
+def test_a_stream_whose_session_is_deleted_ends_with_failure(server: Server) -> None:
+    with server.client() as api:
+        sid = api.post("/v1/sessions", json={}).json()["id"]
+
+        def delete_soon() -> None:
+            time.sleep(1.5)
+            with server.client() as other:
+                other.delete(f"/v1/sessions/{sid}")
+
+        threading.Thread(target=delete_soon).start()
+        with api.stream(
+            "POST",
+            f"/v1/sessions/{sid}/execute/stream",
+            json={"code": "import time; print('go', flush=True); time.sleep(30)"},
+        ) as response:
+            events = [json.loads(line) for line in response.iter_lines()]
+        assert events[0]["type"] == "stdout"
+        assert events[-1]["type"] == "failure"
+        assert "closed" in events[-1]["error"]["message"]

@@ -148,3 +148,26 @@ def test_timeouts_and_dead_kernels_are_explained(api: httpx.Client) -> None:
     again = invoke(api, {"code": "'x' in globals()", "session_id": sid})
     assert "[result]\nFalse" in again["output"]["content"]
     api.delete(f"/v1/sessions/{sid}")
+
+
+def test_call_id_is_required_where_the_api_needs_it(api: httpx.Client) -> None:
+    for fmt in ("openai_chat", "openai_responses", "anthropic"):
+        r = api.post(
+            "/v1/tools/code_interpreter/invoke", json={"arguments": {"code": "1"}, "format": fmt}
+        )
+        assert r.status_code == 422 and "call_id is required" in r.json()["error"]["message"]
+
+
+def test_many_images_are_attached_up_to_the_limit(api: httpx.Client) -> None:
+    out = invoke(
+        api,
+        {
+            "code": "import matplotlib.pyplot as plt\n"
+            "for i in range(25):\n    plt.plot([i]); plt.show()"
+        },
+        "anthropic",
+    )
+    blocks = out["output"]["content"]
+    assert sum(1 for b in blocks if b["type"] == "image") == 20
+    assert "20 of them are attached" in blocks[0]["text"]
+    api.delete(f"/v1/sessions/{out['session_id']}")

@@ -162,7 +162,7 @@ async def service_figures(handovers: int, runs: int) -> dict[str, list[float]]:
             async def invoke() -> None:
                 r = await api.post(
                     "/v1/tools/code_interpreter/invoke",
-                    json={"arguments": {"code": "1+1", "session_id": sid}},
+                    json={"arguments": {"code": "1+1", "session_id": sid}, "call_id": "b"},
                 )
                 assert "[result]\n2" in r.json()["output"]["content"]
 

@@ -114,6 +114,7 @@ def test_artifacts_are_served(api: httpx.Client, session_id: str) -> None:
                 "session_id": session_id,
             },
             "format": "openai_responses",
+            "call_id": "call-art",
             "inline_images": False,
         },
     ).json()

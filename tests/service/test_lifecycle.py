@@ -42,7 +42,7 @@ def test_idle_sessions_expire_with_a_typed_error(short_server: Server) -> None:
         assert "without activity" in r.json()["error"]["message"]
         tool = api.post(
             "/v1/tools/code_interpreter/invoke",
-            json={"arguments": {"code": "x", "session_id": sid}},
+            json={"arguments": {"code": "x", "session_id": sid}, "call_id": "c1"},
         ).json()
         assert tool["status"] == "session_error" and "expired" in tool["output"]["content"]
         assert api.get("/v1/sessions").json() == []

@@ -48,7 +48,7 @@ def test_a_key_cannot_see_or_touch_another_keys_session(server: Server, session_
             assert r.status_code == 404, (method, path, r.text)
         invoked = b.post(
             "/v1/tools/code_interpreter/invoke",
-            json={"arguments": {"code": "1", "session_id": session_id}},
+            json={"arguments": {"code": "1", "session_id": session_id}, "call_id": "c1"},
         ).json()
         assert invoked["status"] == "session_error"
         assert a.get(f"/v1/sessions/{session_id}").status_code == 200  # still there

@@ -1,219 +1,49 @@
-"""`make bench`: our latencies beside the raw jupyter_client floor, measured in the same run.
+"""`make bench`: where we stand against the kernel itself and against peers, in one run.
 
-Absolute times on a shared machine say little, so every figure is printed with its ratio to the
-raw baseline: jupyter_client driving a local ipykernel directly (TCP, no sandbox).
-
-Measures: kernel start (raw) vs sandbox cold start (local, Docker); the `1+1` round trip (raw,
-Python API on local and Docker, HTTP execute, HTTP tool invoke); the warm-pool hand-over over
-HTTP. Writes bench/results/latest.{md,json}. All traffic stays on 127.0.0.1.
+Writes bench/results/latest.{md,json,png}. All traffic stays on this machine; every sandbox,
+ours and the peers', runs with networking off.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import shutil
-import signal
-import socket
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-from jupyter_client.manager import start_new_async_kernel
-
-from sandbox import create_backend
+from bench import memory, ours, peers, raw, report
+from bench.stats import summarize
+from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.registry import why_unavailable
 
-RESULTS = Path(__file__).parent / "results"
+
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
-def summarize(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {
-        "n": len(ordered),
-        "median_ms": statistics.median(ordered) * 1000,
-        "p95_ms": ordered[max(0, int(len(ordered) * 0.95) - 1)] * 1000,
-        "min_ms": ordered[0] * 1000,
-        "max_ms": ordered[-1] * 1000,
-        "stdev_ms": (statistics.stdev(ordered) if len(ordered) > 1 else 0.0) * 1000,
-    }
-
-
-async def timed(n: int, once: Callable[[], Awaitable[Any]], warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        await once()
-    samples = []
-    for _ in range(n):
-        t = time.perf_counter()
-        await once()
-        samples.append(time.perf_counter() - t)
-    return samples
-
-
-async def raw_baseline(starts: int, runs: int) -> dict[str, list[float]]:
-    start_samples = []
-    for _ in range(starts):
-        t = time.perf_counter()
-        km, kc = await start_new_async_kernel(kernel_name="python3", stderr=subprocess.DEVNULL)
-        start_samples.append(time.perf_counter() - t)
-        kc.stop_channels()
-        await km.shutdown_kernel(now=True)
-    km, kc = await start_new_async_kernel(kernel_name="python3", stderr=subprocess.DEVNULL)
-    try:
-
-        async def once() -> None:
-            reply = await kc.execute_interactive("1+1", output_hook=lambda msg: None, timeout=30)
-            assert reply["content"]["status"] == "ok"
-
-        exec_samples = await timed(runs, once)
-    finally:
-        kc.stop_channels()
-        await km.shutdown_kernel(now=True)
-    return {"start": start_samples, "execute": exec_samples}
-
-
-async def sandbox_figures(name: str, starts: int, runs: int) -> dict[str, list[float]]:
-    backend = create_backend(name, **({"orchestrator_id": "bench"} if name == "docker" else {}))
-    try:
-        start_samples = []
-        for _ in range(starts):
-            t = time.perf_counter()
-            sb = await backend.create()
-            start_samples.append(time.perf_counter() - t)
-            await sb.close()
-        async with await backend.create() as sb:
-
-            async def once() -> None:
-                ex = await sb.execute("1+1")
-                assert ex.text == "2"
-
-            exec_samples = await timed(runs, once)
-        return {"start": start_samples, "execute": exec_samples}
-    finally:
-        await backend.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def service_figures(handovers: int, runs: int) -> dict[str, list[float]]:
-    root = Path(tempfile.mkdtemp(prefix="cir-bench-", dir="/tmp"))
-    root.chmod(0o711)
-    port = free_port()
-    env = {
-        **os.environ,
-        "CODE_INTERPRETER_API_KEYS": "bench",
-        "CODE_INTERPRETER_POOL_SIZE": "1",
-        "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
-        "CODE_INTERPRETER_MAX_SESSIONS_PER_KEY": str(handovers + 10),
-    }
-    server = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "orchestrator", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with httpx.AsyncClient(
-            base_url=url, headers={"Authorization": "Bearer bench"}, timeout=60
-        ) as api:
-            for _ in range(300):
-                try:
-                    if (await api.get("/healthz")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
-
-            async def pool_ready() -> None:
-                while (await api.get("/healthz")).json()["pools"]["local"] < 1:
-                    await asyncio.sleep(0.02)
-
-            handover_samples = []
-            for _ in range(handovers):
-                await pool_ready()
-                t = time.perf_counter()
-                r = await api.post("/v1/sessions", json={})
-                handover_samples.append(time.perf_counter() - t)
-                assert r.json()["from_pool"] is True
-                await api.delete(f"/v1/sessions/{r.json()['id']}")
-
-            await pool_ready()
-            sid = (await api.post("/v1/sessions", json={})).json()["id"]
-
-            async def execute() -> None:
-                r = await api.post(f"/v1/sessions/{sid}/execute", json={"code": "1+1"})
-                assert r.json()["results"][0]["text"] == "2"
-
-            async def invoke() -> None:
-                r = await api.post(
-                    "/v1/tools/code_interpreter/invoke",
-                    json={"arguments": {"code": "1+1", "session_id": sid}, "call_id": "b"},
-                )
-                assert "[result]\n2" in r.json()["output"]["content"]
-
-            return {
-                "handover": handover_samples,
-                "execute": await timed(runs, execute),
-                "invoke": await timed(runs, invoke),
-            }
-    finally:
-        server.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(server.wait(), 60)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def render(report: dict[str, Any]) -> str:
-    rows = report["rows"]
-    lines = [
-        f"# Benchmark: {report['date']} on {report['machine']}",
-        "",
-        "Each figure beside the raw jupyter_client baseline measured in the same run; "
-        "ratio = ours / baseline (median).",
-        "",
-        "| measure | median ms | p95 ms | stdev ms | n | baseline | baseline median ms | ratio |",
-        "|---|---:|---:|---:|---:|---|---:|---:|",
-    ]
-    for row in rows:
-        s = row["stats"]
-        lines.append(
-            f"| {row['name']} | {s['median_ms']:.2f} | {s['p95_ms']:.2f} | {s['stdev_ms']:.2f} | "
-            f"{s['n']} | {row['baseline']} | {row['baseline_median_ms']:.2f} | "
-            f"{row['ratio']:.2f}x |"
-        )
-    if report["skipped"]:
-        lines += ["", *[f"- not measured: {why}" for why in report["skipped"]]]
-    return "\n".join(lines) + "\n"
-
-
-async def main(quick: bool) -> dict[str, Any]:
+async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     starts, runs = (3, 30) if quick else (10, 200)
-    raw = await raw_baseline(starts, runs)
-    baselines = {
-        "raw kernel start": summarize(raw["start"]),
-        "raw 1+1 round trip": summarize(raw["execute"]),
-    }
-    rows: list[dict[str, Any]] = []
-    skipped: list[str] = []
+    levels = [1, 4] if quick else [1, 4, 16, 64]
+    counts = [5, 10] if quick else [10, 50, 100]
+    seconds = 2.0 if quick else 4.0
+    backends = [b for b in ("local", "docker") if why_unavailable(b) is None]
+    not_run = {f"{b} backend": why for b in ("local", "docker") if (why := why_unavailable(b))}
+    free = _available_bytes()
 
-    def add(name: str, samples: list[float], baseline: str) -> None:
-        stats = summarize(samples)
-        base = baselines[baseline]["median_ms"]
-        rows.append(
+    samples: dict[str, list[float]] = {}
+    latency: list[dict[str, Any]] = []
+
+    def add(name: str, values: list[float], baseline: str) -> None:
+        samples[name] = values
+        stats = summarize(values)
+        base = summarize(samples[baseline])["median_ms"]
+        latency.append(
             {
                 "name": name,
                 "stats": stats,
@@ -223,37 +53,108 @@ async def main(quick: bool) -> dict[str, Any]:
             }
         )
 
-    add("raw kernel start", raw["start"], "raw kernel start")
-    add("raw 1+1 round trip", raw["execute"], "raw 1+1 round trip")
-    for name in ("local", "docker"):
-        why = why_unavailable(name)
-        if why:
-            skipped.append(f"{name}: {why}")
-            continue
-        figures = await sandbox_figures(name, starts, runs)
-        add(f"{name} cold session start", figures["start"], "raw kernel start")
-        add(f"{name} 1+1 via Python API", figures["execute"], "raw 1+1 round trip")
-    service = await service_figures(starts * 2, runs)
-    add("warm-pool hand-over (HTTP create)", service["handover"], "raw 1+1 round trip")
-    add("local 1+1 via HTTP execute", service["execute"], "raw 1+1 round trip")
-    add("local 1+1 via HTTP tool invoke", service["invoke"], "raw 1+1 round trip")
+    floor = await raw.latencies(starts, runs)
+    add("raw: kernel start", floor["start"], "raw: kernel start")
+    add("raw: 1+1 round trip", floor["execute"], "raw: 1+1 round trip")
+    add(
+        "raw: matplotlib figure, PNG in hand",
+        floor["figure"],
+        "raw: matplotlib figure, PNG in hand",
+    )
+    for name in backends:
+        mine = await ours.latencies(name, starts, runs)
+        add(f"{name}: cold session start", mine["start"], "raw: kernel start")
+        add(f"{name}: 1+1 via Python API", mine["execute"], "raw: 1+1 round trip")
+        add(
+            f"{name}: matplotlib figure, PNG in hand",
+            mine["figure"],
+            "raw: matplotlib figure, PNG in hand",
+        )
+    http = await ours.over_http(starts * 2, runs)
+    add("service: warm-pool hand-over (HTTP)", http["handover"], "raw: 1+1 round trip")
+    add("service: 1+1 via HTTP execute", http["execute"], "raw: 1+1 round trip")
+    add("service: 1+1 via HTTP tool invoke", http["invoke"], "raw: 1+1 round trip")
+
+    peer_figures: dict[str, str] = {}
+    if with_peers and "docker" in backends:
+        llm = peers.llm_sandbox(DEFAULT_IMAGE, starts, runs)
+        add("llm-sandbox (docker): session start", llm["start"], "raw: kernel start")
+        add("llm-sandbox (docker): print(1+1) run", llm["execute"], "raw: 1+1 round trip")
+        peer_figures[f"llm-sandbox {llm['version']}"] = (
+            "Docker backend with our kernel image, networking off; each run writes a file and "
+            "starts a new Python, so it is "
+            + ("stateful" if llm["stateful"] else "not stateful (x = 1, then print(x), fails)")
+            + ". See the latency table."
+        )
+    not_run |= peers.NOT_RUNNABLE
+
+    heavy = []
+    for case in ("stdout_10mb", "image_5mb"):
+        base = ours.heavy_in_subprocess("raw", case)
+        heavy.append(
+            {"case": case, "who": "raw", **base, "time_ratio": "1.00x", "memory_ratio": "1.00x"}
+        )
+        for name in backends:
+            got = ours.heavy_in_subprocess(name, case)
+            heavy.append(
+                {
+                    "case": case,
+                    "who": name,
+                    **got,
+                    "time_ratio": f"{got['seconds'] / base['seconds']:.2f}x",
+                    "memory_ratio": f"{got['peak_mb'] / base['peak_mb']:.2f}x",
+                }
+            )
+
+    throughput: dict[str, dict[str, float]] = {"raw": {}}
+    for n in levels:
+        throughput["raw"][str(n)] = await raw.throughput(n, seconds)
+    for name in backends:
+        throughput[name] = {str(n): await ours.throughput(name, n, seconds) for n in levels}
+
+    density: dict[str, dict[str, float]] = {"raw": await raw_density(counts)}
+    for name in backends:
+        density[name] = {str(k): v for k, v in (await ours.density(name, counts)).items()}
+    capacity = {
+        who: int(free / (by_count[str(counts[-1])] * 2**20)) for who, by_count in density.items()
+    }
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}, "
-        f"Python {platform.python_version()})",
-        "baselines": baselines,
-        "rows": rows,
-        "skipped": skipped,
+        f"{free / 2**30:.1f} GiB free, Python {platform.python_version()})",
+        "latency": latency,
+        "samples": samples,
+        "heavy": heavy,
+        "throughput_levels": levels,
+        "throughput": throughput,
+        "density_counts": counts,
+        "density": density,
+        "capacity": capacity,
+        "peers": peer_figures,
+        "not_run": not_run,
     }
+
+
+async def raw_density(counts: list[int]) -> dict[str, float]:
+    kernels: list[Any] = []
+    out: dict[str, float] = {}
+    try:
+        for count in counts:
+            while len(kernels) < count:
+                kernels += await asyncio.gather(
+                    *(raw.start() for _ in range(min(8, count - len(kernels))))
+                )
+            await asyncio.sleep(2)
+            pids = memory.tree_pids(os.getpid())
+            out[str(count)] = memory.pss_of(sorted(set(pids))) / count / 2**20
+        return out
+    finally:
+        await asyncio.gather(*(raw.stop(km, kc) for km, kc in kernels))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, for a smoke run")
+    parser.add_argument("--no-peers", action="store_true", help="skip the peers")
     args = parser.parse_args()
-    report = asyncio.run(main(args.quick))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2) + "\n")
-    markdown = render(report)
-    (RESULTS / "latest.md").write_text(markdown)
-    print(markdown)
+    print(report.write(asyncio.run(main(args.quick, not args.no_peers))))

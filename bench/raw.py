@@ -1,0 +1,95 @@
+"""The floor: jupyter_client driving a local ipykernel directly (TCP, no sandbox, no service)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import subprocess
+import time
+from typing import Any
+
+from jupyter_client.manager import start_new_async_kernel
+
+from bench import workloads
+from bench.stats import timed
+
+
+async def start() -> tuple[Any, Any]:
+    return await start_new_async_kernel(kernel_name="python3", stderr=subprocess.DEVNULL)
+
+
+async def stop(km: Any, kc: Any) -> None:
+    kc.stop_channels()
+    await km.shutdown_kernel(now=True)
+
+
+async def run(kc: Any, code: str) -> dict[str, Any]:
+    """Execute and gather what came back: stdout length and the PNG bytes."""
+    got: dict[str, Any] = {"stdout": 0, "png": []}
+
+    def hook(msg: dict[str, Any]) -> None:
+        kind, content = msg["header"]["msg_type"], msg["content"]
+        if kind == "stream":
+            got["stdout"] += len(content["text"])
+        elif kind in ("display_data", "execute_result") and "image/png" in content["data"]:
+            got["png"].append(base64.b64decode(content["data"]["image/png"]))
+
+    reply = await kc.execute_interactive(code, output_hook=hook, timeout=120)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    return got
+
+
+async def latencies(starts: int, runs: int) -> dict[str, list[float]]:
+    start_samples = []
+    for _ in range(starts):
+        t = time.perf_counter()
+        km, kc = await start()
+        start_samples.append(time.perf_counter() - t)
+        await stop(km, kc)
+    km, kc = await start()
+    try:
+        await run(kc, workloads.FIGURE_SETUP)
+        trivial = await timed(runs, lambda: run(kc, workloads.TRIVIAL))
+        figure = await timed(max(10, runs // 10), lambda: _figure(kc))
+    finally:
+        await stop(km, kc)
+    return {"start": start_samples, "execute": trivial, "figure": figure}
+
+
+async def _figure(kc: Any) -> None:
+    got = await run(kc, workloads.FIGURE)
+    assert got["png"] and got["png"][0][:4] == b"\x89PNG"
+
+
+async def heavy(code: str) -> float:
+    """Seconds to run `code` and hold all it returned, on a started kernel."""
+    km, kc = await start()
+    try:
+        t = time.perf_counter()
+        await run(kc, code)
+        return time.perf_counter() - t
+    finally:
+        await stop(km, kc)
+
+
+async def throughput(sessions: int, seconds: float) -> float:
+    kernels = await asyncio.gather(*(start() for _ in range(sessions)))
+    try:
+        return await _count(lambda i: run(kernels[i][1], workloads.TRIVIAL), sessions, seconds)
+    finally:
+        await asyncio.gather(*(stop(km, kc) for km, kc in kernels))
+
+
+async def _count(call: Any, sessions: int, seconds: float) -> float:
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def loop(i: int) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await call(i)
+            done += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(loop(i) for i in range(sessions)))
+    return done / (time.perf_counter() - started)

@@ -1,0 +1,38 @@
+"""Timing samples and their summary: median, p95 and spread."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+
+def summarize(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {
+        "n": len(ordered),
+        "median_ms": statistics.median(ordered) * 1000,
+        "p95_ms": ordered[max(0, int(len(ordered) * 0.95) - 1)] * 1000,
+        "min_ms": ordered[0] * 1000,
+        "max_ms": ordered[-1] * 1000,
+        "stdev_ms": (statistics.stdev(ordered) if len(ordered) > 1 else 0.0) * 1000,
+    }
+
+
+async def timed(n: int, once: Callable[[], Awaitable[Any]], warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        await once()
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await once()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

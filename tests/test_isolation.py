@@ -239,17 +239,26 @@ async def test_sessions_cannot_see_each_other(backend: Backend) -> None:
         await a.upload("secret-of-a.txt", b"a's")
         marker = f"{9000 + uuid.uuid4().int % 900}.{uuid.uuid4().int % 10**6}"
         await a.execute(f"import subprocess; p = subprocess.Popen(['sleep', '{marker}'])")
+        a_kernel = str(a.dirs.kernel)  # type: ignore[attr-defined]
         code = (
-            "import glob, os\n"
+            "import glob, os, socket\n"
+            "def reach(path):\n"
+            "    s = socket.socket(socket.AF_UNIX)\n"
+            "    try:\n"
+            "        s.connect(path); return True\n"
+            "    except OSError:\n"
+            "        return False\n"
+            f"sockets = [reach(f'{a_kernel}/k1-{{i}}') for i in range(1, 6)]\n"
             "cmdlines = [open(p, 'rb').read() for p in glob.glob('/proc/[0-9]*/cmdline')]\n"
             "found = []\n"
             "for top, dirs, files in os.walk('/'):\n"
             "    if top in ('/proc', '/sys', '/usr', '/dev'):\n"
             "        dirs.clear(); continue\n"
             "    found += [top for f in files if f == 'secret-of-a.txt']\n"
-            f"(any(b'{marker}' in c for c in cmdlines), found, len(cmdlines) < 20)"
+            f"(any(b'{marker}' in c for c in cmdlines), found, len(cmdlines) < 20, any(sockets))"
         )
-        assert await run_ok(b, code) == "(False, [], True)"
+        assert os.path.exists(f"{a_kernel}/k1-1")  # A's socket is there, on the host
+        assert await run_ok(b, code) == "(False, [], True, False)"
 
 
 async def test_the_kernel_directory_cannot_be_tampered_with(sandbox: Sandbox) -> None:

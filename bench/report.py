@@ -22,6 +22,16 @@ def _ratio(value: float, base: float) -> str:
     return f"{value / base:.2f}x" if base else "n/a"
 
 
+def _cells(table: dict[str, dict[str, float]], who: str, keys: list[int], fmt: str) -> list[str]:
+    """One row's figures, each with its ratio to the raw floor's figure for the same key."""
+    raw = table.get("raw", {})
+    return [
+        fmt.format(table[who][str(k)])
+        + ("" if who == "raw" else f" ({_ratio(table[who][str(k)], raw.get(str(k), 0))})")
+        for k in keys
+    ]
+
+
 def render(report: dict[str, Any]) -> str:
     out = [
         f"# Benchmark: {report['date']} on {report['machine']}",
@@ -57,33 +67,24 @@ def render(report: dict[str, Any]) -> str:
         "",
         "## Throughput (trivial executes per second, all sessions together)",
         "",
-        "| who | " + " | ".join(f"{n} sessions" for n in levels) + " |",
+        "| who | " + " | ".join(f"sessions: {n}" for n in levels) + " |",
         "|---|" + "---:|" * len(levels),
     ]
-    raw_tp = report["throughput"].get("raw", {})
-    for who, by_level in report["throughput"].items():
-        cells = [
-            f"{by_level[str(n)]:.0f}"
-            + ("" if who == "raw" else f" ({_ratio(by_level[str(n)], raw_tp.get(str(n), 0))})")
-            for n in levels
-        ]
-        out.append(f"| {who} | " + " | ".join(cells) + " |")
+    for who in report["throughput"]:
+        out.append(
+            f"| {who} | " + " | ".join(_cells(report["throughput"], who, levels, "{:.0f}")) + " |"
+        )
     counts = report["density_counts"]
     out += [
         "",
         "## Density (memory per idle session, PSS: sandbox plus the caller's process)",
         "",
-        "| who | " + " | ".join(f"{n} sessions, MiB" for n in counts) + " | most sessions the "
+        "| who | " + " | ".join(f"sessions: {n}, MiB" for n in counts) + " | most sessions the "
         "free memory holds |",
         "|---|" + "---:|" * (len(counts) + 1),
     ]
-    raw_d = report["density"].get("raw", {})
-    for who, by_count in report["density"].items():
-        cells = [
-            f"{by_count[str(n)]:.1f}"
-            + ("" if who == "raw" else f" ({_ratio(by_count[str(n)], raw_d.get(str(n), 0))})")
-            for n in counts
-        ]
+    for who in report["density"]:
+        cells = _cells(report["density"], who, counts, "{:.1f}")
         out.append(f"| {who} | " + " | ".join(cells) + f" | {report['capacity'][who]} |")
     out += [
         "",

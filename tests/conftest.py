@@ -77,3 +77,16 @@ async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
         yield sb
     finally:
         await sb.close()
+
+
+def host_processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (sandboxed ones included)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids

@@ -7,12 +7,11 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from sandbox import Backend, ExecutionStatus, Sandbox
-from tests.conftest import small_spec
+from tests.conftest import host_processes_with, small_spec
 
 
 async def run_ok(sb: Sandbox, code: str) -> str:
@@ -188,18 +187,6 @@ async def test_rlimits_apply(sandbox: Sandbox) -> None:
         "r",
     )
     assert too_big == "'EFBIG'"
-
-
-def host_processes_with(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 DAEMON = """

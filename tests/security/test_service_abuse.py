@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from sandbox import cgroups
+from tests.conftest import host_processes_with
 from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
 
 SECRET_KEY = "key-from-config-file-" + os.urandom(8).hex()
@@ -159,25 +160,13 @@ def test_a_killed_service_leaves_no_process() -> None:
                 json={"code": "import subprocess; subprocess.Popen(['sleep', '1000'])"},
             )
     marker = str(srv.state_dir)
-    assert _processes_with(marker)  # the local kernels run with the state dir in their command
+    assert host_processes_with(marker)  # the local kernels run with the state dir in their command
     srv.stop(signal.SIGKILL)
     time.sleep(1.5)
     try:
-        assert _processes_with(marker) == []
+        assert host_processes_with(marker) == []
     finally:  # a restart removes the containers and directories the crash left
         srv.start()
         srv.stop()
         assert leftovers(srv) == []
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
-
-
-def _processes_with(text: str) -> list[int]:
-    found = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if text.encode() in (p / "cmdline").read_bytes():
-                    found.append(int(p.name))
-            except OSError:
-                continue
-    return found

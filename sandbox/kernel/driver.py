@@ -168,15 +168,12 @@ class KernelDriver:
             try:
                 await self._shell_reply(kernel, msg_id, within_s=0.5)
                 # Each request is answered with busy/idle on iopub: seeing one proves that our
-                # subscription is live, so no output of the first execution can be lost.
+                # subscription is live, so no output of the first execution can be lost. What
+                # else start-up left on iopub needs no draining: every read matches its msg_id.
                 await kernel.client.get_iopub_msg(timeout=0.2)
+                return
             except Empty:
                 continue
-            while True:  # drain the rest of the start-up chatter
-                try:
-                    await kernel.client.get_iopub_msg(timeout=0.05)
-                except Empty:
-                    return
 
     async def _shell_reply(self, kernel: _Kernel, msg_id: str, within_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + within_s

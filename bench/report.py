@@ -52,7 +52,8 @@ def render(report: dict[str, Any]) -> str:
         )
     out += [
         "",
-        "## Large outputs (time to have it all in hand; peak memory of the caller's process)",
+        "## Large outputs (time to have it all in hand, median of 3 fresh processes; largest "
+        "peak memory of the caller's process)",
         "",
         "| case | who | seconds | peak MiB | time ratio | memory ratio |",
         "|---|---|---:|---:|---:|---:|",

@@ -11,6 +11,7 @@ import binascii
 import hashlib
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -156,9 +157,11 @@ class Execution(BaseModel):
         main = self.main_result
         return main.text if main else None
 
-    @property
+    @cached_property
     def artifacts(self) -> list[Artifact]:
-        """The images among the results, decoded, each with a stable content-derived id."""
+        """The images among the results, decoded, each with a stable content-derived id.
+
+        Computed once: an execution's results do not change after it is built."""
         out: list[Artifact] = []
         for index, result in enumerate(self.results):
             for mime, data in result.images():

@@ -12,7 +12,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from sandbox.models import Artifact, Execution
+from sandbox.models import Execution
 
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
@@ -66,7 +66,3 @@ class OutputStore:
 
     def drop(self, session_id: str) -> None:
         shutil.rmtree(self._dir(session_id), ignore_errors=True)
-
-    @staticmethod
-    def artifact_path(session_id: str, artifact: Artifact) -> str:
-        return f"/v1/sessions/{session_id}/artifacts/{artifact.id}"

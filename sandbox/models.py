@@ -29,7 +29,6 @@ MIME_FIELDS: dict[str, str] = {
     "application/json": "json",
     "application/javascript": "javascript",
 }
-IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
 
 
 class ExecutionStatus(StrEnum):
@@ -77,11 +76,6 @@ class Result(BaseModel):
                 fields[name] = value
         return cls(**fields, extra=extra)
 
-    def formats(self) -> list[str]:
-        """The MIME types present, in a stable order."""
-        present = [m for m, f in MIME_FIELDS.items() if getattr(self, _attr(f)) is not None]
-        return present + sorted(self.extra)
-
     def images(self) -> list[tuple[str, bytes]]:
         """The image forms present, as (MIME type, raw bytes); undecodable ones are skipped."""
         out: list[tuple[str, bytes]] = []
@@ -94,10 +88,6 @@ class Result(BaseModel):
         if self.svg is not None:
             out.append(("image/svg+xml", self.svg.encode()))
         return out
-
-
-def _attr(field: str) -> str:
-    return "json_data" if field == "json" else field
 
 
 class ExecutionError(BaseModel):

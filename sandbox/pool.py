@@ -67,14 +67,6 @@ class WarmPool:
         self.fill()
         return sandbox
 
-    async def wait_ready(self, timeout_s: float = 60.0) -> None:
-        """Wait until the pool is full (for start-up and tests)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(self._ready) < self.size:
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"the {self.backend.name} pool did not fill in {timeout_s} s")
-            await asyncio.sleep(0.05)
-
     async def close(self) -> None:
         self._closed = True
         for task in list(self._tasks):

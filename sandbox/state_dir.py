@@ -118,10 +118,6 @@ class SessionDirs:
             raise
         return dirs
 
-    @property
-    def workspace_is_capped(self) -> bool:
-        return os.path.ismount(self.workspace)
-
     def remove(self) -> None:
         _remove_tree(self.root)
 

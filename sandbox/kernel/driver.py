@@ -91,7 +91,6 @@ class KernelDriver:
         self._notice: str | None = None  # state was lost between executions: told to the next
         self._scope_open = False  # a per-call env/cwd is applied and must be undone
         self._background: set[asyncio.Task[Any]] = set()
-        self.restarts = 0
 
     @classmethod
     def for_spec(cls, launcher: KernelLauncher, spec: SandboxSpec) -> KernelDriver:
@@ -203,7 +202,6 @@ class KernelDriver:
         """Kill the current kernel and start a fresh one (the lock is held)."""
         await self._stop_kernel()
         await self._start_kernel()
-        self.restarts += 1
 
     def _on_exit(self, kernel: _Kernel) -> None:
         """A kernel died. If nobody is executing, replace it now so the next call is quick."""

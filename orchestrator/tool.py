@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sandbox.models import Execution, ExecutionStatus
 
 TOOL_NAME = "code_interpreter"
+# What the kernel has installed (the `kernel` extra), named in the description.
+LIBRARIES = [
+    "numpy", "pandas", "matplotlib", "scipy", "scikit-learn", "seaborn", "pillow", "openpyxl",
+]  # fmt: skip
 _TRACEBACK_LINES = 30
 # Image types each API accepts inline; others are referred to by link in the text.
 _MODEL_IMAGE_TYPES = {"image/png", "image/jpeg", "image/gif", "image/webp"}
@@ -54,14 +58,22 @@ class ToolCallError(ValueError):
     """A malformed call; the message tells the model what to fix."""
 
 
-def description(*, timeout_s: float, libraries: list[str]) -> str:
+_STATE_BY_ARGUMENT = (
+    "State persists: pass the session_id from an earlier result to keep variables, imports "
+    "and files; omit it to start a fresh session. "
+)
+_STATE_BOUND = "State persists between calls: variables, imports and files stay. "
+
+
+def description(*, timeout_s: float, libraries: list[str], bound_session: bool = False) -> str:
+    """What the model reads. `bound_session`: the caller keeps one session per conversation
+    (an agent framework's tool, an MCP connection), so the model need not pass session_id."""
     return (
         "Run Python 3.11 code in a stateful, sandboxed Jupyter kernel and get back what it "
         "printed, the value of its last expression (as in a notebook), errors with tracebacks, "
         "and images (matplotlib figures shown with plt.show() or left as the last expression). "
-        "State persists: pass the session_id from an earlier result to keep variables, imports "
-        "and files; omit it to start a fresh session. "
-        f"Installed: {', '.join(libraries)}. "
+        + (_STATE_BOUND if bound_session else _STATE_BY_ARGUMENT)
+        + f"Installed: {', '.join(libraries)}. "
         "The working directory is /workspace: files the user uploaded are there, and files you "
         "save there (e.g. df.to_csv('out.csv')) can be downloaded by the user. "
         "There is no network access: pip install and web requests fail. "
@@ -124,19 +136,26 @@ def parse_arguments(raw: Any) -> ToolArguments:
     try:
         return ToolArguments.model_validate(raw)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "arguments"
-            if err["type"] == "missing":
-                problems.append(f"'{where}' is missing")
-            elif err["type"] == "string_too_short":
-                problems.append(f"'{where}' is empty")
-            else:
-                problems.append(f"'{where}' {err['msg'].lower()}")
         raise ToolCallError(
-            f"The arguments are not usable: {'; '.join(problems)}. Send {example}, "
-            'adding "session_id" to continue a session.'
+            explain_invalid(exc) + ' Add "session_id" to continue a session.'
         ) from None
+
+
+def explain_invalid(exc: ValidationError) -> str:
+    """Arguments that failed their schema, told so that a model can fix its call."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "arguments"
+        if err["type"] == "missing":
+            problems.append(f"'{where}' is missing")
+        elif err["type"] == "string_too_short":
+            problems.append(f"'{where}' is empty")
+        else:
+            problems.append(f"'{where}' {err['msg'].lower()}")
+    return (
+        f"The arguments are not usable: {'; '.join(problems)}. "
+        'Send a JSON object such as {"code": "print(1 + 1)"}.'
+    )
 
 
 @dataclass
@@ -151,6 +170,10 @@ class RenderedOutput:
     text: str
     images: list[Image]
     is_error: bool
+
+    def attached(self) -> list[Image]:
+        """The images a model API takes inline: supported types and sizes, a bounded count."""
+        return [i for i in self.images if _attachable(i)][:MAX_INLINE_IMAGES]
 
 
 def _trim(text: str, limit: int) -> tuple[str, int]:
@@ -237,7 +260,7 @@ def format_output(
             return f"data:{image.mime_type};base64,{base64.b64encode(image.data).decode()}"
         return image.url
 
-    shown = [i for i in output.images if _attachable(i)][:MAX_INLINE_IMAGES]
+    shown = output.attached()
     extra: list[dict[str, Any]] = []
     result: dict[str, Any]
     if fmt is ToolFormat.OPENAI_CHAT:

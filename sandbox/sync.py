@@ -23,14 +23,27 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
 
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine on the shared background loop and wait for its result."""
+def _background_loop() -> asyncio.AbstractEventLoop:
     global _loop
     with _loop_lock:
         if _loop is None:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="sandbox-loop", daemon=True).start()
-    return asyncio.run_coroutine_threadsafe(coro, _loop).result()
+    return _loop
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on the shared background loop and wait for its result."""
+    return asyncio.run_coroutine_threadsafe(coro, _background_loop()).result()
+
+
+async def run_in_background(coro: Coroutine[Any, Any, T]) -> T:
+    """Await a coroutine that runs on the shared background loop.
+
+    Sandboxes are bound to the loop that made them; running every call of a shared object there
+    lets sync and async callers on any loop (a framework's, a thread's) use it alike.
+    """
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, _background_loop()))
 
 
 class SyncSandbox:

@@ -10,6 +10,7 @@ from orchestrator.routes.deps import OwnerDep, ServiceDep, unless_disconnected
 from orchestrator.schemas import CreateSessionRequest, InvokeRequest, InvokeResponse
 from orchestrator.sessions import SessionError
 from orchestrator.tool import (
+    LIBRARIES,
     TOOL_NAME,
     RenderedOutput,
     ToolCallError,
@@ -22,11 +23,6 @@ from orchestrator.tool import (
 from sandbox.errors import SandboxError
 
 router = APIRouter(prefix=f"/v1/tools/{TOOL_NAME}", tags=["tool"])
-
-LIBRARIES = [
-    "numpy", "pandas", "matplotlib", "scipy", "scikit-learn", "seaborn", "pillow", "openpyxl",
-]  # fmt: skip
-
 
 @router.get("", summary="The tool's definition for OpenAI, Anthropic, MCP and JSON Schema")
 async def definition(

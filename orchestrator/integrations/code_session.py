@@ -1,0 +1,251 @@
+"""One stateful sandbox session behind an agent framework's tool, made on first use.
+
+A tool object lives as long as the agent, so it holds a session rather than a sandbox: the
+sandbox starts with the first call and keeps variables and files between calls. Two kinds:
+`embedded` runs a sandbox in this process (no server needed), `remote` uses a session of a
+code-interpreter service over HTTP.
+
+Frameworks call tools from their own event loops and threads (LangChain's sync `_run`, the Agents
+SDK's runner), while a sandbox belongs to the loop that made it. So every call runs on the
+shared background loop of `sandbox.sync`, and one CodeSession serves sync and async callers alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Coroutine
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from orchestrator.client import AsyncClient
+from orchestrator.tool import RenderedOutput, render
+from sandbox.backends.base import Backend, Sandbox
+from sandbox.models import Execution, FileInfo
+from sandbox.registry import create_backend
+from sandbox.spec import SandboxSpec
+from sandbox.sync import run_in_background, run_sync
+
+T = TypeVar("T")
+DEFAULT_MAX_CHARS = 20_000  # what a model is shown of one call's text
+
+
+class CodeSession(ABC):
+    """`await session.execute(code)`, or `session.execute_sync(code)`, in one lasting sandbox."""
+
+    def __init__(self, *, max_chars: int = DEFAULT_MAX_CHARS) -> None:
+        self.max_chars = max_chars
+        self._lock: asyncio.Lock | None = None  # made on the background loop, on first use
+
+    @staticmethod
+    def embedded(
+        backend: str | Backend = "local", spec: SandboxSpec | None = None, **config: Any
+    ) -> EmbeddedSession:
+        """A sandbox of this process: `local` (bubblewrap) or `docker` with backend config, or
+        one from a backend you hold (and close yourself)."""
+        return EmbeddedSession(backend, spec, config)
+
+    @staticmethod
+    def remote(base_url: str, api_key: str | None, session_id: str | None = None) -> RemoteSession:
+        """A session of a running service; a new one unless `session_id` names one to reuse."""
+        return RemoteSession(base_url, api_key, session_id)
+
+    # --- what subclasses provide, all run on the background loop
+    @property
+    @abstractmethod
+    def session_id(self) -> str | None:
+        """The session's id once it has started."""
+
+    @abstractmethod
+    async def _start(self) -> None: ...
+
+    @abstractmethod
+    async def _execute(self, code: str, timeout_s: float | None) -> Execution: ...
+
+    @abstractmethod
+    async def _upload(self, path: str, data: bytes) -> FileInfo: ...
+
+    @abstractmethod
+    async def _download(self, path: str) -> bytes: ...
+
+    @abstractmethod
+    async def _list_files(self, path: str) -> list[FileInfo]: ...
+
+    @abstractmethod
+    async def _close(self) -> None: ...
+
+    def _full_output_url(self, execution: Execution) -> str | None:
+        return None
+
+    # --- the public calls
+    async def _started(self, call: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self.session_id is None:
+                await self._start()
+        return await call()
+
+    async def execute(self, code: str, *, timeout_s: float | None = None) -> Execution:
+        return await run_in_background(self._started(lambda: self._execute(code, timeout_s)))
+
+    def execute_sync(self, code: str, *, timeout_s: float | None = None) -> Execution:
+        return run_sync(self._started(lambda: self._execute(code, timeout_s)))
+
+    async def upload(self, path: str, data: bytes) -> FileInfo:
+        return await run_in_background(self._started(lambda: self._upload(path, data)))
+
+    async def download(self, path: str) -> bytes:
+        return await run_in_background(self._started(lambda: self._download(path)))
+
+    async def list_files(self, path: str = "") -> list[FileInfo]:
+        return await run_in_background(self._started(lambda: self._list_files(path)))
+
+    def render(self, execution: Execution) -> RenderedOutput:
+        """The execution as a model should read it: trimmed text, plus its images."""
+        return render(
+            execution,
+            session_id=self.session_id or "",
+            max_chars=self.max_chars,
+            full_output_url=self._full_output_url(execution),
+            artifact_urls={},
+        )
+
+    async def close(self) -> None:
+        """End the session (a remote one only if this object started it)."""
+        await run_in_background(self._close())
+
+    def close_sync(self) -> None:
+        run_sync(self._close())
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close_sync()
+
+
+class EmbeddedSession(CodeSession):
+    def __init__(
+        self, backend: str | Backend, spec: SandboxSpec | None, config: dict[str, Any], **kw: Any
+    ) -> None:
+        super().__init__(**kw)
+        self._backend_name = backend if isinstance(backend, str) else None
+        self._backend: Backend | None = None if isinstance(backend, str) else backend
+        self._spec = spec
+        self._config = config
+        self._sandbox: Sandbox | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        return self._sandbox.id if self._sandbox is not None else None
+
+    @property
+    def sandbox(self) -> Sandbox:
+        if self._sandbox is None:
+            raise RuntimeError("the sandbox starts with the first call")
+        return self._sandbox
+
+    async def _start(self) -> None:
+        if self._backend is None:
+            assert self._backend_name is not None
+            self._backend = create_backend(self._backend_name, **self._config)
+        self._sandbox = await self._backend.create(self._spec)
+
+    async def _execute(self, code: str, timeout_s: float | None) -> Execution:
+        return await self.sandbox.execute(code, timeout_s=timeout_s)
+
+    async def _upload(self, path: str, data: bytes) -> FileInfo:
+        return await self.sandbox.upload(path, data)
+
+    async def _download(self, path: str) -> bytes:
+        return await self.sandbox.download(path)
+
+    async def _list_files(self, path: str) -> list[FileInfo]:
+        return await self.sandbox.list_files(path)
+
+    async def _close(self) -> None:
+        sandbox, self._sandbox = self._sandbox, None
+        if sandbox is not None:
+            await sandbox.close()
+        if self._backend_name is not None and self._backend is not None:  # ours to close
+            backend, self._backend = self._backend, None
+            await backend.close()
+
+
+class RemoteSession(CodeSession):
+    def __init__(
+        self, base_url: str, api_key: str | None, session_id: str | None, **kw: Any
+    ) -> None:
+        super().__init__(**kw)
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._id = session_id
+        self._owned = session_id is None  # only a session this object made is ended by it
+        self._api: AsyncClient | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        return self._id if self._api is not None else None
+
+    @property
+    def api(self) -> AsyncClient:
+        if self._api is None:
+            raise RuntimeError("the client starts with the first call")
+        return self._api
+
+    async def _start(self) -> None:
+        api = AsyncClient(self.base_url, self._api_key)
+        try:
+            if self._id is None:
+                self._id = (await api.create_session()).id
+            else:
+                await api.get_session(self._id)  # fails early on a wrong or expired id
+        except BaseException:
+            await api.close()
+            raise
+        self._api = api
+
+    def _sid(self) -> str:
+        assert self._id is not None
+        return self._id
+
+    async def _execute(self, code: str, timeout_s: float | None) -> Execution:
+        options = {"timeout_s": timeout_s} if timeout_s is not None else {}
+        return await self.api.execute(self._sid(), code, **options)
+
+    def _full_output_url(self, execution: Execution) -> str | None:
+        execution_id = getattr(execution, "execution_id", None)
+        if execution_id is None:
+            return None
+        return f"{self.base_url}/v1/sessions/{self._sid()}/executions/{execution_id}"
+
+    async def _upload(self, path: str, data: bytes) -> FileInfo:
+        return await self.api.upload(self._sid(), path, data)
+
+    async def _download(self, path: str) -> bytes:
+        return await self.api.download(self._sid(), path)
+
+    async def _list_files(self, path: str) -> list[FileInfo]:
+        return await self.api.list_files(self._sid(), path)
+
+    async def _close(self) -> None:
+        api, self._api = self._api, None
+        if api is None:
+            return
+        try:
+            if self._owned and self._id is not None:
+                await api.delete_session(self._id)
+                self._id = None
+        finally:
+            await api.close()

@@ -1,0 +1,75 @@
+"""The code interpreter as a LangChain tool: text for the model, the whole Execution as artifact.
+
+    from orchestrator.integrations.langchain import CodeInterpreterTool
+
+    tool = CodeInterpreterTool()          # an embedded local sandbox, started on first use
+    message = tool.invoke({"type": "tool_call", "id": "call-1", "name": "code_interpreter",
+                           "args": {"code": "1 + 1"}})
+    message.content    # what the model reads
+    message.artifact   # sandbox.models.Execution: results, images, stdout, error...
+
+`response_format="content_and_artifact"` keeps images and full outputs out of the model's
+context while the application still gets them. Sync and async calls share one session.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any, Literal
+
+from langchain_core.tools import BaseTool, ToolException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from orchestrator.client import APIError
+from orchestrator.integrations.code_session import CodeSession
+from orchestrator.tool import LIBRARIES, TOOL_NAME, description, explain_invalid
+from sandbox.errors import SandboxError
+from sandbox.models import Execution
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class CodeInterpreterInput(BaseModel):
+    code: str = Field(min_length=1, description="Python code to run.")
+
+
+def _explain(exc: Any) -> str:
+    return f"[error] {explain_invalid(exc)}" if isinstance(exc, ValidationError) else str(exc)
+
+
+def _default_session() -> CodeSession:
+    session = CodeSession.embedded()
+    atexit.register(session.close_sync)
+    return session
+
+
+class CodeInterpreterTool(BaseTool):
+    """Runs the model's code in one stateful sandbox session (by default an embedded one)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    name: str = TOOL_NAME
+    description: str = description(
+        timeout_s=DEFAULT_TIMEOUT_S, libraries=LIBRARIES, bound_session=True
+    )
+    args_schema: type[BaseModel] = CodeInterpreterInput
+    response_format: Literal["content", "content_and_artifact"] = "content_and_artifact"
+    # A malformed call or a sandbox that cannot start is told to the model, not raised.
+    handle_validation_error: Any = _explain
+    handle_tool_error: Any = True
+    session: CodeSession = Field(default_factory=_default_session, exclude=True)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def _run(self, code: str, **_: Any) -> tuple[str, Execution]:
+        try:
+            execution = self.session.execute_sync(code, timeout_s=self.timeout_s)
+        except (SandboxError, APIError) as exc:
+            raise ToolException(f"[error] the sandbox failed: {exc}") from exc
+        return self.session.render(execution).text, execution
+
+    async def _arun(self, code: str, **_: Any) -> tuple[str, Execution]:
+        try:
+            execution = await self.session.execute(code, timeout_s=self.timeout_s)
+        except (SandboxError, APIError) as exc:
+            raise ToolException(f"[error] the sandbox failed: {exc}") from exc
+        return self.session.render(execution).text, execution

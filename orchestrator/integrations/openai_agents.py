@@ -1,0 +1,69 @@
+"""The code interpreter as an OpenAI Agents SDK tool: text as text, images as ToolOutputImage.
+
+    from agents import Agent, Runner
+    from orchestrator.integrations.openai_agents import code_interpreter_tool
+
+    agent = Agent(name="analyst", tools=[code_interpreter_tool()])
+
+The tool is bound to one CodeSession (an embedded local sandbox unless given one), started with
+the first call, so the model does not juggle session ids: state lasts as long as the tool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+from typing import Any
+
+from agents import FunctionTool, RunContextWrapper, ToolOutputImage, ToolOutputText
+
+from orchestrator.integrations.code_session import CodeSession
+from orchestrator.tool import LIBRARIES, TOOL_NAME, ToolCallError, description, parse_arguments
+
+ToolOutput = ToolOutputText | ToolOutputImage
+
+_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "description": "Python code to run."}},
+    "required": ["code"],
+    "additionalProperties": False,
+}
+
+
+def code_interpreter_tool(
+    session: CodeSession | None = None,
+    *,
+    timeout_s: float = 300.0,
+    name: str = TOOL_NAME,
+) -> FunctionTool:
+    """A FunctionTool running the model's code in `session` (by default a new embedded one).
+
+    Close a session you pass when the agent is done (`await session.close()`); the default
+    one is closed when the process exits.
+    """
+    if session is None:
+        session = CodeSession.embedded()
+        atexit.register(session.close_sync)
+    bound = session
+
+    async def invoke(context: RunContextWrapper[Any], raw_arguments: str) -> list[ToolOutput]:
+        try:
+            arguments = parse_arguments(raw_arguments)
+        except ToolCallError as exc:  # told to the model, which can fix its call
+            return [ToolOutputText(text=f"[error] {exc}")]
+        execution = await bound.execute(arguments.code, timeout_s=timeout_s)
+        rendered = bound.render(execution)
+        outputs: list[ToolOutput] = [ToolOutputText(text=rendered.text)]
+        for image in rendered.attached():
+            data = base64.b64encode(image.data).decode()
+            outputs.append(ToolOutputImage(image_url=f"data:{image.mime_type};base64,{data}"))
+        return outputs
+
+    tool = FunctionTool(
+        name=name,
+        description=description(timeout_s=timeout_s, libraries=LIBRARIES, bound_session=True),
+        params_json_schema=_SCHEMA,
+        on_invoke_tool=invoke,
+        strict_json_schema=True,
+    )
+    return tool

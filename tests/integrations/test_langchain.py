@@ -1,0 +1,71 @@
+"""The LangChain tool, invoked as a model's ToolCall; the ToolMessage is what we read."""
+
+from __future__ import annotations
+
+import asyncio
+
+from langchain_core.messages import ToolMessage
+from langchain_core.messages.tool import ToolCall
+
+from orchestrator.integrations.code_session import CodeSession
+from orchestrator.integrations.langchain import CodeInterpreterTool
+from sandbox.models import Execution, ExecutionStatus
+
+PLOT = "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [2, 5])\nplt.show()\nprint('plotted')"
+
+
+def call(code: object, call_id: str = "call-1", **extra: object) -> ToolCall:
+    args = {"code": code} if code is not None else {}
+    return ToolCall(name="code_interpreter", args={**args, **extra}, id=call_id, type="tool_call")
+
+
+async def test_async_call_gives_text_to_the_model_and_the_execution_as_artifact(
+    code_session: CodeSession,
+) -> None:
+    tool = CodeInterpreterTool(session=code_session)
+
+    message = await tool.ainvoke(call(PLOT))
+
+    assert isinstance(message, ToolMessage) and message.tool_call_id == "call-1"
+    assert "plotted" in message.content and "[images] 1: image/png" in message.content
+    assert "base64" not in message.content  # the image stays out of the model's context
+    execution = message.artifact
+    assert isinstance(execution, Execution) and execution.status is ExecutionStatus.OK
+    [image] = execution.artifacts
+    assert image.mime_type == "image/png" and image.data.startswith(b"\x89PNG")
+
+
+def test_sync_call_shares_the_session_with_async_calls(code_session: CodeSession) -> None:
+    tool = CodeInterpreterTool(session=code_session)
+    asyncio.run(tool.ainvoke(call("answer = 40")))  # another event loop, the same kernel
+
+    message = tool.invoke(call("answer + 2", call_id="call-2"))
+
+    assert message.tool_call_id == "call-2"
+    assert "[result]\n42" in message.content
+    assert message.artifact.results[0].text == "42"
+
+
+def test_errors_reach_the_model_as_tool_output(code_session: CodeSession) -> None:
+    tool = CodeInterpreterTool(session=code_session)
+
+    failed = tool.invoke(call("1 / 0"))
+    assert "ZeroDivisionError" in failed.content
+    assert failed.artifact.error.name == "ZeroDivisionError"
+
+    malformed = tool.invoke(call(None, cod="1 + 1"))
+    assert malformed.status == "error" and malformed.artifact is None
+    assert "'code' is missing" in malformed.content
+
+    empty = tool.invoke(call(""))
+    assert "'code' is empty" in empty.content
+
+
+def test_a_sandbox_that_cannot_start_is_reported() -> None:
+    broken = CodeSession.embedded("local", bwrap="/nonexistent/bwrap")
+    tool = CodeInterpreterTool(session=broken)
+
+    message = tool.invoke(call("1 + 1"))
+
+    assert message.status == "error"
+    assert "the sandbox failed" in message.content and "bwrap" in message.content

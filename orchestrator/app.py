@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.auth import Authenticator
 from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
+from orchestrator.integrations.mcp_http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.routes import files, ops, sessions, tools
 from orchestrator.routes.deps import ClientGone
@@ -54,12 +55,15 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     service = Service(settings)
+    authenticate = Authenticator(settings)
+    mcp = McpHttpFront(service, authenticate)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
         try:
-            yield
+            async with mcp.running():
+                yield
         finally:
             await service.close()
 
@@ -70,9 +74,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.service = service
-    app.state.authenticate = Authenticator(settings)
+    app.state.authenticate = authenticate
     for router in (sessions.router, files.router, tools.router, ops.router):
         app.include_router(router)
+    app.router.routes.append(mcp.route())
     app.add_middleware(
         BodySizeLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes
     )

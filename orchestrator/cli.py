@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from orchestrator.terminal import TerminalPrinter
 from sandbox import BackendUnavailable, SandboxError, SandboxSpec, create_backend
 from sandbox.spec import ResourceLimits
+
+if TYPE_CHECKING:
+    from orchestrator.config import Settings
 
 app = typer.Typer(
     help="A self-hosted, sandboxed, stateful code interpreter for LLM agents.",
@@ -119,23 +123,59 @@ def image_list() -> None:
     Console(width=120).print(table)
 
 
+def _settings(**overrides: Any) -> Settings:
+    from pydantic import ValidationError
+
+    from orchestrator.config import Settings
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        typer.secho(f"error: bad settings: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
 ) -> None:
-    """Serve the HTTP API (settings from CODE_INTERPRETER_* and CODE_INTERPRETER_CONFIG)."""
+    """Serve the HTTP API and MCP at /mcp (settings from CODE_INTERPRETER_* and
+    CODE_INTERPRETER_CONFIG)."""
+    _serve_http(_settings(), host, port)
+
+
+class McpTransport(StrEnum):
+    STDIO = "stdio"
+    STREAMABLE_HTTP = "streamable-http"
+
+
+@app.command()
+def mcp(
+    transport: Annotated[
+        McpTransport, typer.Option(help="stdio for a desktop client; or streamable-http.")
+    ] = McpTransport.STDIO,
+    host: Annotated[str | None, typer.Option(help="Address to listen on (HTTP).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on (HTTP).")] = None,
+) -> None:
+    """Serve the code_interpreter tool and the workspace's files over MCP.
+
+    stdio serves the one client that started this process, needing no key; streamable-http
+    serves the whole service (MCP at /mcp) with its bearer keys, like `serve`.
+    """
+    if transport is McpTransport.STDIO:
+        from orchestrator.integrations.mcp_server import serve_stdio
+
+        asyncio.run(serve_stdio(_settings(auth_disabled=True)))
+    else:
+        _serve_http(_settings(), host, port)
+
+
+def _serve_http(settings: Settings, host: str | None, port: int | None) -> None:
     import uvicorn
-    from pydantic import ValidationError
 
     from orchestrator.app import create_app
-    from orchestrator.config import Settings
 
-    try:
-        settings = Settings()
-    except ValidationError as exc:
-        typer.secho(f"error: bad settings: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
     uvicorn.run(
         create_app(settings),
         host=host or settings.host,

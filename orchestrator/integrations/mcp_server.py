@@ -1,0 +1,263 @@
+"""The code interpreter as an MCP server: `code_interpreter`, plus the workspace's files.
+
+Each MCP connection gets one session of ours, made on its first call, so state persists across
+calls without the model passing ids: over stdio the connection is the process; over streamable
+HTTP it is the `Mcp-Session-Id` of protocol versions with a handshake. The 2026-07-28 protocol
+has no connections (every request stands alone), so there each result names its session_id and
+the model passes it back to continue; any client may do the same to reach a session explicitly.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import functools
+import logging
+import mimetypes
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp_types import (
+    BlobResourceContents,
+    CallToolResult,
+    EmbeddedResource,
+    ImageContent,
+    TextContent,
+)
+from pydantic import Field
+
+from orchestrator.auth import LOCAL_OWNER
+from orchestrator.config import Settings
+from orchestrator.schemas import CreateSessionRequest
+from orchestrator.service import Service
+from orchestrator.sessions import Session, SessionError, SessionExpired, SessionNotFound
+from orchestrator.tool import (
+    LIBRARIES,
+    MAX_INLINE_IMAGE_BYTES,
+    TOOL_NAME,
+    ToolFormat,
+    description,
+    format_output,
+    render,
+)
+from sandbox.errors import SandboxError
+
+log = logging.getLogger(__name__)
+
+# Where an authenticated HTTP request carries its caller (set by the HTTP front, see mcp_http).
+OWNER_SCOPE_KEY = "code_interpreter.owner"
+STDIO_CONNECTION = "stdio"
+_ARGUMENT_HINT = (
+    "Each result names its session_id; pass it back as session_id to continue that session "
+    "from a client that does not keep a connection."
+)
+
+SessionIdArg = Annotated[
+    str | None,
+    Field(description="Only to reach a session by id; this connection's session by default."),
+]
+
+
+class ToolFailure(Exception):
+    """A call the model can fix or must know about; told to it as an error result."""
+
+
+def _error(message: str) -> CallToolResult:
+    return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)
+
+
+@dataclass
+class ConnectionSessions:
+    """Which session of ours each MCP connection uses, per owner."""
+
+    service: Service
+    by_connection: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    async def resolve(
+        self, owner: str, connection: str | None, session_id: str | None
+    ) -> tuple[Session, str | None]:
+        """The session to use, and a note for the model when it is not the one it had."""
+        sessions = self.service.sessions
+        if session_id is not None:
+            try:
+                return await sessions.get(session_id, owner), None
+            except SessionError as exc:
+                raise ToolFailure(
+                    f"[error] {exc}. Omit session_id to use this connection's session."
+                ) from None
+        note = None
+        known = self.by_connection.get((owner, connection)) if connection else None
+        if known is not None:
+            try:
+                return await sessions.get(known, owner), None
+            except (SessionExpired, SessionNotFound) as exc:
+                note = f"[notice] {exc}; this is a new session: earlier variables are gone."
+        try:
+            session = await self.service.create_session(owner, CreateSessionRequest())
+        except (SessionError, SandboxError) as exc:
+            raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
+        if connection is not None:
+            self.by_connection[(owner, connection)] = session.id
+        return session, note
+
+    async def end(self, owner: str, connection: str) -> None:
+        """The connection ended: so does its session."""
+        session_id = self.by_connection.pop((owner, connection), None)
+        if session_id is not None:
+            with contextlib.suppress(SessionError):  # already expired or deleted
+                await self.service.delete_session(session_id, owner)
+
+
+def _caller(ctx: Context) -> tuple[str, str | None]:
+    """(owner, connection) of a call: stdio is one local connection; HTTP says who and which."""
+    request = ctx.request_context.request
+    if request is None:
+        return LOCAL_OWNER, STDIO_CONNECTION
+    scope = request.scope
+    owner = scope.get(OWNER_SCOPE_KEY)
+    if not isinstance(owner, str):  # the HTTP front always sets it; never guess an owner
+        raise ToolFailure("[error] unauthenticated request")
+    connection = request.headers.get("mcp-session-id")  # checked by the transport
+    return owner, connection or None
+
+
+def build_mcp_server(
+    service: Service, *, connections: ConnectionSessions | None = None
+) -> tuple[MCPServer, ConnectionSessions]:
+    """The MCP server over `service`, and its connection-to-session map."""
+    settings = service.settings
+    sessions = connections or ConnectionSessions(service)
+    server: MCPServer = MCPServer(
+        name="code-interpreter",
+        instructions="Run Python in a stateful sandbox; move files in and out of its workspace.",
+        log_level="WARNING",
+    )
+
+    async def session_for(ctx: Context, session_id: str | None) -> tuple[Session, str | None]:
+        owner, connection = _caller(ctx)
+        return await sessions.resolve(owner, connection, session_id)
+
+    def tool(fn: Callable[..., Awaitable[CallToolResult]], text: str) -> None:
+        @functools.wraps(fn)  # the schema is read from fn's signature
+        async def told_to_model(*args: Any, **kwargs: Any) -> CallToolResult:
+            try:
+                return await fn(*args, **kwargs)
+            except ToolFailure as exc:
+                return _error(str(exc))
+            except (SessionError, SandboxError) as exc:
+                return _error(f"[error] {exc}")
+
+        server.add_tool(told_to_model, name=fn.__name__, description=text)
+
+    async def code_interpreter(
+        code: Annotated[str, Field(min_length=1, description="Python code to run.")],
+        ctx: Context,
+        session_id: SessionIdArg = None,
+    ) -> CallToolResult:
+        session, note = await session_for(ctx, session_id)
+        record = await service.run(session, code)
+        rendered = render(
+            record,
+            session_id=session.id,
+            max_chars=settings.tool_output_max_chars,
+            full_output_url=None,
+            artifact_urls={},
+        )
+        if note:
+            rendered.text = f"{note}\n{rendered.text}"
+        out = format_output(ToolFormat.MCP, rendered, call_id=None, inline_images=True)
+        return CallToolResult.model_validate(out["output"])
+
+    async def upload_file(
+        path: Annotated[str, Field(description="Where in the workspace (/workspace).")],
+        content: Annotated[str, Field(description="The file's content.")],
+        ctx: Context,
+        encoding: Annotated[
+            Literal["text", "base64"], Field(description="How `content` is given.")
+        ] = "text",
+        session_id: SessionIdArg = None,
+    ) -> CallToolResult:
+        try:
+            data = base64.b64decode(content, validate=True) if encoding == "base64" else None
+        except binascii.Error as exc:
+            raise ToolFailure(f"[error] content is not valid base64: {exc}") from None
+        if data is None:
+            data = content.encode()
+        if len(data) > settings.max_upload_bytes:
+            limit = settings.max_upload_bytes
+            raise ToolFailure(f"[error] the file is over the limit of {limit} bytes")
+        session, _ = await session_for(ctx, session_id)
+        async with session.activity():
+            info = await session.sandbox.upload(path, data)
+        return CallToolResult(
+            content=[
+                TextContent(type="text", text=f"wrote /workspace/{info.path} ({info.size} bytes)")
+            ]
+        )
+
+    async def list_files(
+        ctx: Context,
+        path: Annotated[str, Field(description="A directory; the workspace root if empty.")] = "",
+        session_id: SessionIdArg = None,
+    ) -> CallToolResult:
+        session, _ = await session_for(ctx, session_id)
+        async with session.activity():
+            files = await session.sandbox.list_files(path, recursive=True)
+        lines = [f"{f.path}{'/' if f.type == 'directory' else ''}\t{f.size}" for f in files]
+        text = "\n".join(lines) if lines else "(empty)"
+        return CallToolResult(content=[TextContent(type="text", text=text)])
+
+    async def download_file(
+        path: Annotated[str, Field(description="A file of the workspace.")],
+        ctx: Context,
+        session_id: SessionIdArg = None,
+    ) -> CallToolResult:
+        session, _ = await session_for(ctx, session_id)
+        async with session.activity():
+            data = await session.sandbox.download(path, max_bytes=settings.max_download_bytes)
+        mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
+        if mime.startswith("image/") and len(data) <= MAX_INLINE_IMAGE_BYTES:
+            encoded = base64.b64encode(data).decode()
+            image = ImageContent(type="image", data=encoded, mime_type=mime)
+            return CallToolResult(content=[image])
+        try:
+            return CallToolResult(content=[TextContent(type="text", text=data.decode("utf-8"))])
+        except UnicodeDecodeError:
+            blob = BlobResourceContents(
+                uri=f"file:///workspace/{path.lstrip('/')}",
+                mime_type=mime,
+                blob=base64.b64encode(data).decode(),
+            )
+            return CallToolResult(content=[EmbeddedResource(type="resource", resource=blob)])
+
+    timeout = settings.execution_timeout_s
+    tool(
+        code_interpreter,
+        description(timeout_s=timeout, libraries=LIBRARIES, bound_session=True)
+        + " "
+        + _ARGUMENT_HINT,
+    )
+    tool(upload_file, "Write a file into the sandbox's workspace (/workspace), text or base64.")
+    tool(list_files, "List the files of the sandbox's workspace (/workspace), with sizes.")
+    tool(
+        download_file,
+        "Read a file of the sandbox's workspace: text as text, images as images, "
+        "other files as an embedded blob.",
+    )
+    assert code_interpreter.__name__ == TOOL_NAME
+    return server, sessions
+
+
+async def serve_stdio(settings: Settings) -> None:
+    """Serve one MCP client over stdin/stdout (how desktop clients launch servers) until it
+    leaves; every sandbox is closed on the way out."""
+    service = Service(settings)
+    await service.start()
+    try:
+        server, _ = build_mcp_server(service)
+        await server.run_stdio_async()
+    finally:
+        await service.close()

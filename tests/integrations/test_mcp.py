@@ -1,0 +1,191 @@
+"""The MCP server, reached with the `mcp` package's own client over stdio and streamable HTTP."""
+
+from __future__ import annotations
+
+import base64
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CallToolResult, EmbeddedResource, ImageContent, TextContent
+
+from tests.conftest import TEST_ORCHESTRATOR_ID
+from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server, service_backends
+
+PLOT = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.show()\nprint('plotted')"
+MODES = ["auto", "legacy"]  # auto speaks 2026-07-28 (no connections); legacy has a handshake
+
+
+def text_of(result: CallToolResult) -> str:
+    return "\n".join(c.text for c in result.content if isinstance(c, TextContent))
+
+
+def session_of(result: CallToolResult) -> str:
+    return text_of(result).rsplit("session_id ", 1)[1].split()[0]
+
+
+async def check_state_images_and_files(client: Client) -> None:
+    """What every transport must do: state across calls, images as images, files both ways."""
+    first = await client.call_tool("code_interpreter", {"code": "x = 20"})
+    assert not first.is_error, text_of(first)
+    second = await client.call_tool("code_interpreter", {"code": "x * 2 + 2"})
+    assert "[result]\n42" in text_of(second)
+    assert session_of(first) == session_of(second)
+
+    plotted = await client.call_tool("code_interpreter", {"code": PLOT})
+    images = [c for c in plotted.content if isinstance(c, ImageContent)]
+    assert "plotted" in text_of(plotted) and len(images) == 1
+    assert images[0].mime_type == "image/png"
+    assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
+
+    await client.call_tool("upload_file", {"path": "in/data.csv", "content": "a,b\n1,2\n3,4\n"})
+    png = base64.b64encode(base64.b64decode(images[0].data)).decode()
+    await client.call_tool(
+        "upload_file", {"path": "plot.png", "content": png, "encoding": "base64"}
+    )
+    summed = await client.call_tool(
+        "code_interpreter",
+        {"code": "import pandas as pd\nd = pd.read_csv('in/data.csv')\n"
+         "open('out.bin', 'wb').write(bytes(range(256)))\nint(d.b.sum())"},
+    )  # fmt: skip
+    assert "[result]\n6" in text_of(summed)
+    listed = text_of(await client.call_tool("list_files", {}))
+    assert "in/data.csv\t12" in listed and "plot.png" in listed and "out.bin\t256" in listed
+    csv = await client.call_tool("download_file", {"path": "in/data.csv"})
+    assert text_of(csv) == "a,b\n1,2\n3,4\n"
+    image = await client.call_tool("download_file", {"path": "plot.png"})
+    assert isinstance(image.content[0], ImageContent)
+    binary = await client.call_tool("download_file", {"path": "out.bin"})
+    [blob] = binary.content
+    assert isinstance(blob, EmbeddedResource)
+    assert base64.b64decode(blob.resource.blob) == bytes(range(256))  # type: ignore[union-attr]
+
+
+async def check_errors_are_results(client: Client) -> None:
+    raised = await client.call_tool("code_interpreter", {"code": "1 / 0"})
+    assert raised.is_error and "ZeroDivisionError" in text_of(raised)
+    empty = await client.call_tool("code_interpreter", {"code": ""})
+    assert empty.is_error
+    outside = await client.call_tool("download_file", {"path": "../../etc/passwd"})
+    assert outside.is_error and "path" in text_of(outside).lower()
+    unknown = await client.call_tool("code_interpreter", {"code": "1", "session_id": "s-nope"})
+    assert unknown.is_error and "no session s-nope" in text_of(unknown)
+
+
+# --- stdio: the way a desktop client starts the server
+
+
+@pytest.fixture
+def stdio_env(backend_name: str) -> Iterator[dict[str, str]]:
+    root = Path(tempfile.mkdtemp(prefix="cir-mcp-", dir="/tmp"))
+    root.chmod(0o711)
+    env = {
+        **os.environ,
+        "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
+        "CODE_INTERPRETER_BACKENDS": backend_name,
+        "CODE_INTERPRETER_DEFAULT_BACKEND": backend_name,
+        "CODE_INTERPRETER_ORCHESTRATOR_ID": TEST_ORCHESTRATOR_ID,
+    }
+    env.pop("CODE_INTERPRETER_API_KEYS", None)  # stdio needs none
+    try:
+        yield env
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_stdio_keeps_one_session_for_the_connection(
+    stdio_env: dict[str, str], mode: Any
+) -> None:
+    command = StdioServerParameters(
+        command=sys.executable, args=["-m", "orchestrator", "mcp"], env=stdio_env
+    )
+    async with Client(command, mode=mode) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert set(tools) == {"code_interpreter", "upload_file", "list_files", "download_file"}
+        schema = tools["code_interpreter"].input_schema
+        assert schema["required"] == ["code"]
+        await check_state_images_and_files(client)
+        await check_errors_are_results(client)
+    # The client left: the server closed its sandbox and removed its workspace.
+    backend = stdio_env["CODE_INTERPRETER_BACKENDS"]
+    state = Path(stdio_env["CODE_INTERPRETER_STATE_DIR"]) / backend
+    assert not state.exists() or list(state.iterdir()) == []
+
+
+# --- streamable HTTP: the service's /mcp, with its keys
+
+
+@pytest.fixture(scope="module", params=service_backends())
+def mcp_server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    backend = request.param
+    srv = make_server(default_backend=backend).start()
+    yield srv
+    srv.stop()
+    assert leftovers(srv) == []
+    shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+@asynccontextmanager
+async def http_client(server: Server, mode: Any, key: str = KEY_A) -> AsyncIterator[Client]:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
+        transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
+        async with Client(transport, mode=mode) as client:
+            yield client
+
+
+def session_count(server: Server, key: str = KEY_A) -> int:
+    with server.client(key) as api:
+        return len(api.get("/v1/sessions").json())
+
+
+async def test_http_connection_keeps_a_session_and_ending_it_ends_the_sandbox(
+    mcp_server: Server,
+) -> None:
+    before = session_count(mcp_server)
+    async with http_client(mcp_server, "legacy") as client:
+        await check_state_images_and_files(client)
+        await check_errors_are_results(client)
+        assert session_count(mcp_server) == before + 1
+    assert session_count(mcp_server) == before  # the client's DELETE ended it
+
+
+async def test_http_without_connections_continues_by_session_id(mcp_server: Server) -> None:
+    async with http_client(mcp_server, "auto") as client:
+        first = await client.call_tool("code_interpreter", {"code": "y = 5"})
+        sid = session_of(first)
+        again = await client.call_tool("code_interpreter", {"code": "y + 1", "session_id": sid})
+        assert "[result]\n6" in text_of(again) and session_of(again) == sid
+        fresh = await client.call_tool("code_interpreter", {"code": "'y' in dir()"})
+        assert "[result]\nFalse" in text_of(fresh) and session_of(fresh) != sid
+    with mcp_server.client() as api:
+        for session in (sid, session_of(fresh)):
+            assert api.delete(f"/v1/sessions/{session}").status_code == 204
+
+
+async def test_http_needs_a_key_and_keeps_keys_apart(mcp_server: Server) -> None:
+    async with http_client(mcp_server, "legacy") as client:
+        mine = session_of(await client.call_tool("code_interpreter", {"code": "secret = 1"}))
+        async with http_client(mcp_server, "legacy", key=KEY_B) as other:
+            stolen = await other.call_tool(
+                "code_interpreter", {"code": "secret", "session_id": mine}
+            )
+            assert stolen.is_error and f"no session {mine}" in text_of(stolen)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(
+            f"{mcp_server.url}/mcp",
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            headers={**headers, "Accept": "application/json, text/event-stream"},
+        )
+        assert response.status_code == 401

@@ -81,6 +81,16 @@ def description(*, timeout_s: float, libraries: list[str], bound_session: bool =
     )
 
 
+# The arguments when the caller keeps the session (bound_session): the code alone. Strict-mode
+# valid (every property required, no others), as OpenAI's strict function calling wants.
+CODE_ONLY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "description": "Python code to run."}},
+    "required": ["code"],
+    "additionalProperties": False,
+}
+
+
 def definitions(*, timeout_s: float, libraries: list[str]) -> dict[str, Any]:
     """The tool's definition in every supported format."""
     text = description(timeout_s=timeout_s, libraries=libraries)

@@ -18,17 +18,16 @@ from typing import Any
 from agents import FunctionTool, RunContextWrapper, ToolOutputImage, ToolOutputText
 
 from orchestrator.integrations.code_session import CodeSession
-from orchestrator.tool import LIBRARIES, TOOL_NAME, ToolCallError, description, parse_arguments
+from orchestrator.tool import (
+    CODE_ONLY_SCHEMA,
+    LIBRARIES,
+    TOOL_NAME,
+    ToolCallError,
+    description,
+    parse_arguments,
+)
 
 ToolOutput = ToolOutputText | ToolOutputImage
-
-_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"code": {"type": "string", "description": "Python code to run."}},
-    "required": ["code"],
-    "additionalProperties": False,
-}
-
 
 def code_interpreter_tool(
     session: CodeSession | None = None,
@@ -62,7 +61,7 @@ def code_interpreter_tool(
     tool = FunctionTool(
         name=name,
         description=description(timeout_s=timeout_s, libraries=LIBRARIES, bound_session=True),
-        params_json_schema=_SCHEMA,
+        params_json_schema=CODE_ONLY_SCHEMA,
         on_invoke_tool=invoke,
         strict_json_schema=True,
     )

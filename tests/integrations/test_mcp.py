@@ -182,10 +182,11 @@ async def test_http_needs_a_key_and_keeps_keys_apart(mcp_server: Server) -> None
                 "code_interpreter", {"code": "secret", "session_id": mine}
             )
             assert stolen.is_error and f"no session {mine}" in text_of(stolen)
-    for headers in ({}, {"Authorization": "Bearer wrong"}):
-        response = httpx.post(
-            f"{mcp_server.url}/mcp",
-            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
-            headers={**headers, "Accept": "application/json, text/event-stream"},
-        )
-        assert response.status_code == 401
+    async with httpx.AsyncClient() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = await http.post(
+                f"{mcp_server.url}/mcp",
+                json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                headers={**headers, "Accept": "application/json, text/event-stream"},
+            )
+            assert response.status_code == 401

@@ -34,14 +34,19 @@ def backend_config(name: str) -> dict[str, object]:
     return {"orchestrator_id": TEST_ORCHESTRATOR_ID} if name == "docker" else {}
 
 
-@pytest.fixture(scope="session", params=SELECTED)
-async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
-    name: str = request.param
+def require_backend(name: str) -> None:
+    """Skip a test whose backend cannot run here; in CI, fail it instead."""
     why = backend_unavailable(name)
     if why:
         if os.environ.get("CI"):
             pytest.fail(f"the {name} backend must run in CI: {why}")
         pytest.skip(f"{name} backend unavailable: {why}")
+
+
+@pytest.fixture(scope="session", params=SELECTED)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    name: str = request.param
+    require_backend(name)
     instance = create_backend(name, **backend_config(name))
     await instance.cleanup_orphans()
     yield instance

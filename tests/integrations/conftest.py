@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 
 import pytest
 
 from orchestrator.integrations.code_session import CodeSession
-from tests.conftest import SELECTED, backend_config, backend_unavailable, small_spec
+from tests.conftest import SELECTED, backend_config, require_backend, small_spec
 
 
 @pytest.fixture(params=SELECTED)
 def backend_name(request: pytest.FixtureRequest) -> str:
     name: str = request.param
-    why = backend_unavailable(name)
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"the {name} backend must run in CI: {why}")
-        pytest.skip(f"{name} backend unavailable: {why}")
+    require_backend(name)
     return name
 
 

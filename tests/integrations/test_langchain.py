@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+from collections.abc import Iterator
 
+import pytest
 from langchain_core.messages import ToolMessage
 from langchain_core.messages.tool import ToolCall
 
 from orchestrator.integrations.code_session import CodeSession
 from orchestrator.integrations.langchain import CodeInterpreterTool
 from sandbox.models import Execution, ExecutionStatus
+from tests.service.conftest import KEY_A, Server, make_server
 
 PLOT = "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [2, 5])\nplt.show()\nprint('plotted')"
 
@@ -69,3 +73,34 @@ def test_a_sandbox_that_cannot_start_is_reported() -> None:
 
     assert message.status == "error"
     assert "the sandbox failed" in message.content and "bwrap" in message.content
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Server]:
+    srv = make_server().start()
+    yield srv
+    srv.stop()
+    shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+async def test_a_remote_session_lives_in_the_service(service: Server) -> None:
+    with service.client() as api:
+        before = {s["id"] for s in api.get("/v1/sessions").json()}
+        remote = CodeSession.remote(service.url, KEY_A)
+        tool = CodeInterpreterTool(session=remote)
+        await tool.ainvoke(call("total = 40"))
+        message = tool.invoke(call("total + 2"))
+        assert "[result]\n42" in message.content and message.artifact.results[0].text == "42"
+        [created] = {s["id"] for s in api.get("/v1/sessions").json()} - before
+        assert remote.session_id == created
+
+        # Another CodeSession may join that session by id; closing it leaves the session alone.
+        async with CodeSession.remote(service.url, KEY_A, session_id=created) as joined:
+            assert (await joined.execute("total")).text == "40"
+        assert api.get(f"/v1/sessions/{created}").status_code == 200
+        await remote.close()  # the session this object made ends with it
+        assert api.get(f"/v1/sessions/{created}").status_code == 410
+
+    wrong = CodeInterpreterTool(session=CodeSession.remote(service.url, KEY_A, "s-missing"))
+    failed = wrong.invoke(call("1"))
+    assert failed.status == "error" and "404" in failed.content

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.auth import Authenticator
 from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
+from orchestrator.e2b import mount as mount_e2b
+from orchestrator.host_tools import ToolRegistry
 from orchestrator.integrations.mcp_http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.routes import files, ops, sessions, tools
@@ -21,6 +24,8 @@ from orchestrator.routes.deps import ClientGone
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
 from sandbox.errors import (
+    BackendRateLimited,
+    BackendTimeout,
     BackendUnavailable,
     FileAccessError,
     FileMissing,
@@ -40,6 +45,8 @@ _STATUS: list[tuple[type[Exception], int]] = [
     (FileAccessError, 403),
     (FileTooLarge, 413),
     (SandboxClosed, 410),
+    (BackendRateLimited, 429),
+    (BackendTimeout, 504),
     (BackendUnavailable, 503),
     (SandboxStartError, 503),
     (SandboxError, 500),
@@ -52,9 +59,10 @@ def _error(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None = None) -> FastAPI:
+    """The app; `host_tools` registers tools for sandboxed code in code (settings can add)."""
     settings = settings or Settings()
-    service = Service(settings)
+    service = Service(settings, host_tools)
     authenticate = Authenticator(settings)
     mcp = McpHttpFront(service, authenticate)
 
@@ -62,7 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
         try:
-            async with mcp.running():
+            async with mcp.running(), e2b_running():
                 yield
         finally:
             await service.close()
@@ -78,6 +86,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (sessions.router, files.router, tools.router, ops.router):
         app.include_router(router)
     app.router.routes.append(mcp.route())
+    # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.
+    e2b_running = mount_e2b(app, service).running if settings.e2b_compat else contextlib.nullcontext
     app.add_middleware(
         BodySizeLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes
     )

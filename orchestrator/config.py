@@ -19,6 +19,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from orchestrator.host_tools.settings import HostToolsSettings
 from sandbox.spec import ResourceLimits
 from sandbox.state_dir import default_state_dir
 
@@ -58,6 +59,13 @@ class Settings(BaseSettings):
     )
     reap_interval_s: float = Field(5.0, gt=0)
 
+    # --- host tools sandboxed code may call (docs/programmatic-tool-calling.md)
+    host_tools: HostToolsSettings = Field(
+        default_factory=HostToolsSettings,
+        description="Python callables, HTTP endpoints and MCP servers; a TOML table, or JSON "
+        "in the environment.",
+    )
+
     # --- files and outputs
     max_upload_bytes: int = Field(100 << 20, ge=1)
     max_request_bytes: int = Field(
@@ -73,6 +81,16 @@ class Settings(BaseSettings):
     )
     public_url: str | None = Field(
         None, description="Base URL for artifact links; by default the request's own."
+    )
+
+    # --- E2B: the e2b backend's connection, and the E2B-compatible front (docs/e2b.md)
+    e2b_api_key: str | None = Field(None, description="E2B API key of the e2b backend.")
+    e2b_domain: str | None = Field(None, description="A self-hosted E2B's domain.")
+    e2b_api_url: str | None = Field(None, description="The E2B API's URL, if not api.<domain>.")
+    e2b_sandbox_url: str | None = Field(None, description="One URL for all E2B sandbox traffic.")
+    e2b_template: str = Field("code-interpreter-v1", description="Template of e2b sessions.")
+    e2b_compat: bool = Field(
+        True, description="Serve E2B's API, so the unmodified E2B SDK runs on these sandboxes."
     )
 
     # --- server
@@ -96,6 +114,18 @@ class Settings(BaseSettings):
         if self.default_backend not in self.backends:
             raise ValueError(f"default_backend {self.default_backend!r} is not in backends")
         return self
+
+    def e2b_backend_config(self) -> dict[str, object]:
+        """The e2b backend's configuration; what is unset leaves E2B_* variables in force."""
+        config: dict[str, object] = {
+            "api_key": self.e2b_api_key,
+            "domain": self.e2b_domain,
+            "api_url": self.e2b_api_url,
+            "sandbox_url": self.e2b_sandbox_url,
+            "template": self.e2b_template,
+            "orchestrator_id": self.orchestrator_id,
+        }
+        return {k: v for k, v in config.items() if v is not None}
 
     @classmethod
     def settings_customise_sources(

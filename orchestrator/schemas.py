@@ -42,6 +42,12 @@ class CreateSessionRequest(BaseModel):
     limits: LimitsRequest | None = None
     env: Env = Field(default_factory=dict)
     files: list[InitialFile] = Field(default_factory=list, description="Written before any code.")
+    tools: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Host tools the session's code may call (`import host_tools`); each must be "
+        "registered with the service. None by default: no channel to the host at all.",
+    )
 
 
 class SessionInfo(BaseModel):
@@ -54,6 +60,7 @@ class SessionInfo(BaseModel):
     busy: bool
     executions: int
     from_pool: bool
+    tools: list[str] = Field(default_factory=list, description="Host tools its code may call.")
 
 
 class ExecuteRequest(BaseModel):

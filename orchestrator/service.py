@@ -7,6 +7,13 @@ from datetime import UTC, datetime
 from pydantic import ValidationError
 
 from orchestrator.config import Settings
+from orchestrator.host_tools import (
+    ChannelLimits,
+    HostTool,
+    ToolChannel,
+    ToolRegistry,
+    UnknownTools,
+)
 from orchestrator.metrics import METRICS
 from orchestrator.outputs import OutputStore
 from orchestrator.schemas import (
@@ -34,17 +41,43 @@ class ImageNotAllowed(SessionError):
     status = 400
 
 
+class ToolsNotAvailable(SessionError):
+    """A session asked for host tools that are not registered, or its backend has no channel."""
+
+    status = 400
+
+
 class Service:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tools: ToolRegistry | None = None) -> None:
         self.settings = settings
         self.outputs = OutputStore(settings.state_dir / "outputs")
-        self.sessions = SessionManager(settings, on_end=self.outputs.drop)
+        self.sessions = SessionManager(settings, on_end=self._session_ended)
+        # Host tools sessions may call: those given in code, then those the settings name.
+        self.tools = tools if tools is not None else ToolRegistry()
+        self.tools.configure(settings.host_tools)
+        self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
 
     async def start(self) -> None:
+        await self.tools.start()
+        self.tools.select(self.settings.host_tools.session_default)  # all must exist
         await self.sessions.start()
 
     async def close(self) -> None:
         await self.sessions.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+        await self.tools.close()
+
+    def _session_ended(self, session_id: str) -> None:
+        self.outputs.drop(session_id)
+        channel = self._channels.pop(session_id, None)
+        if channel is not None:
+            channel.close()
+
+    def session_tools(self, session: Session) -> list[str]:
+        channel = self._channels.get(session.id)
+        return list(channel.tools) if channel is not None else []
 
     def spec_for(self, request: CreateSessionRequest) -> SandboxSpec:
         spec = self.sessions.default_spec()
@@ -57,6 +90,7 @@ class Service:
                     f"image {request.image!r} is not allowed here; allowed: {', '.join(allowed)}"
                 )
             spec.image = request.image
+        spec.host_tools = bool(request.tools)  # a pooled sandbox (no channel) will not fit
         return spec
 
     def _limits(self, request: LimitsRequest) -> ResourceLimits:
@@ -76,16 +110,37 @@ class Service:
             raise LimitTooHigh(problems) from None
 
     async def create_session(self, owner: str, request: CreateSessionRequest) -> Session:
+        try:
+            tools = self.tools.select(request.tools)
+        except UnknownTools as exc:
+            raise ToolsNotAvailable(str(exc)) from None
         session = await self.sessions.create(
             owner, backend=request.backend, spec=self.spec_for(request), env=request.env
         )
         try:
+            if tools:
+                await self._open_channel(session, tools)
             for f in request.files:
                 await session.sandbox.upload(f.path, f.content_base64)
         except Exception:
             await self.sessions.delete(session.id, owner)
             raise
         return session
+
+    async def _open_channel(self, session: Session, tools: dict[str, HostTool]) -> None:
+        channel = session.sandbox.host_channel
+        if channel is None:
+            raise ToolsNotAvailable(
+                f"the {session.backend} backend cannot give sandboxed code host tools"
+            )
+        t = self.settings.host_tools
+        limits = ChannelLimits(
+            call_timeout_s=t.call_timeout_s,
+            max_call_bytes=t.max_call_bytes,
+            max_result_bytes=t.max_result_bytes,
+            max_calls_in_flight=t.max_calls_in_flight,
+        )
+        self._channels[session.id] = await ToolChannel.open(channel, tools, limits)
 
     async def delete_session(self, session_id: str, owner: str) -> None:
         await self.sessions.delete(session_id, owner)
@@ -126,4 +181,5 @@ class Service:
             busy=session.busy > 0,
             executions=session.executions,
             from_pool=session.from_pool,
+            tools=self.session_tools(session),
         )

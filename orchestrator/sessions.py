@@ -109,6 +109,8 @@ class SessionManager:
             config: dict[str, object] = {"state_dir": s.state_dir}
             if name == "docker":
                 config |= {"orchestrator_id": s.orchestrator_id, "image": s.docker_image}
+            if name == "e2b":
+                config = s.e2b_backend_config()
             backend = create_backend(name, **config)
             removed = await backend.cleanup_orphans()
             if removed:

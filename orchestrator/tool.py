@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -65,19 +66,44 @@ _STATE_BY_ARGUMENT = (
 _STATE_BOUND = "State persists between calls: variables, imports and files stay. "
 
 
-def description(*, timeout_s: float, libraries: list[str], bound_session: bool = False) -> str:
+def description(
+    *,
+    timeout_s: float,
+    libraries: list[str],
+    bound_session: bool = False,
+    host_tools: Sequence[tuple[str, str]] = (),
+    session_note: str = "",
+) -> str:
     """What the model reads. `bound_session`: the caller keeps one session per conversation
-    (an agent framework's tool, an MCP connection), so the model need not pass session_id."""
+    (an agent framework's tool, an MCP connection), so the model need not pass session_id.
+    `host_tools`: (call signature, summary) of each host tool the code may call.
+    `session_note`: more on sessions, said right after how state persists."""
     return (
         "Run Python 3.11 code in a stateful, sandboxed Jupyter kernel and get back what it "
         "printed, the value of its last expression (as in a notebook), errors with tracebacks, "
         "and images (matplotlib figures shown with plt.show() or left as the last expression). "
         + (_STATE_BOUND if bound_session else _STATE_BY_ARGUMENT)
+        + (f"{session_note} " if session_note else "")
         + f"Installed: {', '.join(libraries)}. "
         "The working directory is /workspace: files the user uploaded are there, and files you "
         "save there (e.g. df.to_csv('out.csv')) can be downloaded by the user. "
         "There is no network access: pip install and web requests fail. "
         f"Each call may run for up to {timeout_s:g} seconds; input() is not available."
+        + host_tools_text(host_tools)
+    )
+
+
+def host_tools_text(tools: Sequence[tuple[str, str]]) -> str:
+    """The paragraph that tells the model it can script the host's tools; empty without any."""
+    if not tools:
+        return ""
+    listed = "\n".join(f"- {call}: {text}" if text else f"- {call}" for call, text in tools)
+    return (
+        "\nHost tools: the code can call these functions, which run on the host. "
+        "`import host_tools`; each is async: `await host_tools.NAME(...)`, many at once with "
+        "`await asyncio.gather(...)`; blocking: `host_tools.sync.NAME(...)`. "
+        "`help(host_tools.NAME)` shows the parameters; failures raise host_tools.ToolError. "
+        "To save context, call them from one program and print only what you need.\n" + listed
     )
 
 
@@ -91,9 +117,11 @@ CODE_ONLY_SCHEMA: dict[str, Any] = {
 }
 
 
-def definitions(*, timeout_s: float, libraries: list[str]) -> dict[str, Any]:
+def definitions(
+    *, timeout_s: float, libraries: list[str], host_tools: Sequence[tuple[str, str]] = ()
+) -> dict[str, Any]:
     """The tool's definition in every supported format."""
-    text = description(timeout_s=timeout_s, libraries=libraries)
+    text = description(timeout_s=timeout_s, libraries=libraries, host_tools=host_tools)
     schema = {
         "type": "object",
         "properties": {

@@ -10,6 +10,8 @@ This package knows nothing of HTTP; the orchestrator builds the service on it.
 
 from sandbox.backends.base import Backend, Sandbox
 from sandbox.errors import (
+    BackendRateLimited,
+    BackendTimeout,
     BackendUnavailable,
     FileAccessError,
     FileMissing,
@@ -41,6 +43,8 @@ __all__ = [
     "BACKENDS",
     "Artifact",
     "Backend",
+    "BackendRateLimited",
+    "BackendTimeout",
     "BackendUnavailable",
     "DoneEvent",
     "ErrorEvent",

@@ -33,3 +33,11 @@ class FileMissing(FileAccessError):
 
 class FileTooLarge(SandboxError):
     """A file is over the configured transfer limit."""
+
+
+class BackendRateLimited(SandboxError):
+    """A remote backend (E2B) is rate-limiting this service; retry later."""
+
+
+class BackendTimeout(SandboxError):
+    """A remote backend (E2B) did not answer in time; the sandbox may still be running."""

@@ -6,11 +6,11 @@ from typing import Any
 
 from sandbox.backends.base import Backend
 
-BACKENDS = ("local", "docker")
+BACKENDS = ("local", "docker", "e2b")
 
 
 def create_backend(name: str, **config: Any) -> Backend:
-    """Make a backend: `local` (bubblewrap, the default) or `docker`."""
+    """Make a backend: `local` (bubblewrap, the default), `docker` or `e2b`."""
     if name == "local":
         from sandbox.backends.local import LocalBackend, LocalBackendConfig
 
@@ -19,11 +19,15 @@ def create_backend(name: str, **config: Any) -> Backend:
         from sandbox.backends.docker import DockerBackend, DockerBackendConfig
 
         return DockerBackend(DockerBackendConfig(**config))
+    if name == "e2b":
+        from sandbox.backends.e2b import E2BBackend, E2BBackendConfig
+
+        return E2BBackend(E2BBackendConfig(**config))
     raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
 
 
-def why_unavailable(name: str) -> str | None:
-    """Why a backend cannot run on this machine (with its default settings), or None."""
+def why_unavailable(name: str, **config: Any) -> str | None:
+    """Why a backend cannot run on this machine (with these or its default settings), or None."""
     if name == "local":
         import shutil
 
@@ -43,4 +47,9 @@ def why_unavailable(name: str) -> str | None:
         except DockerException as exc:
             return f"no Docker engine: {exc}"
         return None
+    if name == "e2b":
+        from sandbox.backends.e2b import E2BBackendConfig
+        from sandbox.backends.e2b import why_unavailable as e2b_missing
+
+        return e2b_missing(E2BBackendConfig(**config))
     return f"unknown backend {name!r}"

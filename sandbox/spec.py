@@ -54,4 +54,10 @@ class SandboxSpec(BaseModel):
     result_limit_count: int = Field(
         1000, ge=1, description="Most rich results kept per execution; the rest are counted."
     )
+    host_tools: bool = Field(
+        False,
+        description="Give the sandbox a host-tool channel: a directory bound read-only at "
+        "/run/host-tools where the host puts a Unix socket, so the code can call tools the host "
+        "allows (see sandbox/host_channel.py). No network is involved.",
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

@@ -1,7 +1,8 @@
 """Per-sandbox directories on the host, and the clean-up of those an earlier crash left behind.
 
-Layout: <state_dir>/<backend>/<sandbox id>/{workspace,kernel,etc}/ plus an `owner` file naming the
-orchestrator process that made it. A directory whose owner is no longer running is an orphan.
+Layout: <state_dir>/<backend>/<sandbox id>/{workspace,kernel,etc,host-tools}/ plus an `owner`
+file naming the orchestrator process that made it. A directory whose owner is no longer running is
+an orphan.
 
 When the orchestrator runs as root, the workspace is a size-capped tmpfs of its own, mounted here
 and bound into the sandbox: a full disk stays inside the session, and the files outlive kernel
@@ -75,6 +76,11 @@ class SessionDirs:
     @property
     def etc(self) -> Path:
         return self.root / "etc"
+
+    @property
+    def host_tools(self) -> Path:
+        """The host-tool channel's directory, when the sandbox has one (see host_channel.py)."""
+        return self.root / "host-tools"
 
     @classmethod
     def create(

@@ -11,13 +11,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
-from orchestrator.integrations.mcp_server import OWNER_SCOPE_KEY, build_mcp_server
+from orchestrator.integrations.mcp_server import (
+    OWNER_SCOPE_KEY,
+    ConnectionSessions,
+    build_mcp_server,
+)
 from orchestrator.service import Service
 
 MCP_PATH = "/mcp"
@@ -27,24 +31,32 @@ class McpHttpFront:
     """An ASGI endpoint: authenticate, hand over to the MCP transport, end what the client ends."""
 
     def __init__(self, service: Service, authenticate: Authenticator) -> None:
-        settings = service.settings
-        server, self.connections = build_mcp_server(service)
+        self._service = service
+        self._authenticate = authenticate
+        self.connections = ConnectionSessions(service)
+        self._transport: StreamableHTTPASGIApp | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Serve while the service runs; the server is made once the service has started, so
+        the tool's description can list the host tools (an MCP server's among them)."""
+        settings = self._service.settings
+        server, _ = build_mcp_server(self._service, connections=self.connections)
         # Builds the session manager (with DNS-rebinding protection on a loopback host); the
-        # Starlette app it returns is not used: the endpoint below is mounted in ours instead.
+        # Starlette app it returns is not used: this endpoint is mounted in ours instead.
         server.streamable_http_app(
             streamable_http_path=MCP_PATH,
             host=settings.host,
             session_idle_timeout=settings.idle_timeout_s,
             max_request_body_size=settings.max_request_bytes,
         )
-        self.manager: StreamableHTTPSessionManager = server.session_manager
-        self._transport = StreamableHTTPASGIApp(self.manager)
-        self._authenticate = authenticate
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        async with self.manager.run():
-            yield
+        manager: StreamableHTTPSessionManager = server.session_manager
+        async with manager.run():
+            self._transport = StreamableHTTPASGIApp(manager)
+            try:
+                yield
+            finally:
+                self._transport = None
 
     def route(self) -> Route:
         return Route(MCP_PATH, endpoint=self, methods=["GET", "POST", "DELETE"])
@@ -52,6 +64,8 @@ class McpHttpFront:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope)
         owner = self._authenticate(request)  # raises 401, answered by the app's handler
+        if self._transport is None:
+            raise HTTPException(503, "the MCP endpoint is starting or stopping")
         scope[OWNER_SCOPE_KEY] = owner
         await self._transport(scope, receive, send)
         connection = request.headers.get("mcp-session-id")

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
+from orchestrator.host_tools.describe import summaries
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError, SessionExpired, SessionNotFound
@@ -95,8 +96,10 @@ class ConnectionSessions:
                 return await sessions.get(known, owner), None
             except (SessionExpired, SessionNotFound) as exc:
                 note = f"[notice] {exc}; this is a new session: earlier variables are gone."
+        # Sessions made here get the host tools the settings give sessions by default.
+        request = CreateSessionRequest(tools=self.service.settings.host_tools.session_default)
         try:
-            session = await self.service.create_session(owner, CreateSessionRequest())
+            session = await self.service.create_session(owner, request)
         except (SessionError, SandboxError) as exc:
             raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
         if connection is not None:
@@ -127,7 +130,8 @@ def _caller(ctx: Context) -> tuple[str, str | None]:
 def build_mcp_server(
     service: Service, *, connections: ConnectionSessions | None = None
 ) -> tuple[MCPServer, ConnectionSessions]:
-    """The MCP server over `service`, and its connection-to-session map."""
+    """The MCP server over `service` (started: its host tools are known), and its
+    connection-to-session map."""
     settings = service.settings
     sessions = connections or ConnectionSessions(service)
     server: MCPServer = MCPServer(
@@ -233,13 +237,15 @@ def build_mcp_server(
             )
             return CallToolResult(content=[EmbeddedResource(type="resource", resource=blob)])
 
-    timeout = settings.execution_timeout_s
-    tool(
-        code_interpreter,
-        description(timeout_s=timeout, libraries=LIBRARIES, bound_session=True)
-        + " "
-        + _ARGUMENT_HINT,
+    host_tools = summaries(service.tools.select(settings.host_tools.session_default).values())
+    text = description(
+        timeout_s=settings.execution_timeout_s,
+        libraries=LIBRARIES,
+        bound_session=True,
+        host_tools=host_tools,
+        session_note=_ARGUMENT_HINT,
     )
+    tool(code_interpreter, text)
     tool(upload_file, "Write a file into the sandbox's workspace (/workspace), text or base64.")
     tool(list_files, "List the files of the sandbox's workspace (/workspace), with sizes.")
     tool(

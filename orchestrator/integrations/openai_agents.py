@@ -29,6 +29,7 @@ from orchestrator.tool import (
 
 ToolOutput = ToolOutputText | ToolOutputImage
 
+
 def code_interpreter_tool(
     session: CodeSession | None = None,
     *,

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from orchestrator.host_tools.describe import summaries
 from orchestrator.routes.deps import OwnerDep, ServiceDep, unless_disconnected
 from orchestrator.schemas import CreateSessionRequest, InvokeRequest, InvokeResponse
 from orchestrator.sessions import SessionError
@@ -24,11 +25,25 @@ from sandbox.errors import SandboxError
 
 router = APIRouter(prefix=f"/v1/tools/{TOOL_NAME}", tags=["tool"])
 
+
 @router.get("", summary="The tool's definition for OpenAI, Anthropic, MCP and JSON Schema")
 async def definition(
-    service: ServiceDep, owner: OwnerDep, format: ToolFormat | None = None
+    service: ServiceDep,
+    owner: OwnerDep,
+    format: ToolFormat | None = None,
+    session_id: str | None = None,
 ) -> dict[str, Any]:
-    defs = definitions(timeout_s=service.settings.execution_timeout_s, libraries=LIBRARIES)
+    """With `session_id`, the description lists that session's host tools; otherwise those of
+    the sessions the tool creates itself (settings: host_tools.session_default)."""
+    if session_id is not None:
+        names = service.session_tools(await service.sessions.get(session_id, owner))
+    else:
+        names = service.settings.host_tools.session_default
+    defs = definitions(
+        timeout_s=service.settings.execution_timeout_s,
+        libraries=LIBRARIES,
+        host_tools=summaries(service.tools.select(names).values()),
+    )
     return defs[format] if format is not None else defs
 
 
@@ -54,7 +69,8 @@ async def invoke(
         if args.session_id is not None:
             session = await service.sessions.get(args.session_id, owner)
         else:
-            session = await service.create_session(owner, CreateSessionRequest())
+            default_tools = service.settings.host_tools.session_default
+            session = await service.create_session(owner, CreateSessionRequest(tools=default_tools))
     except SessionError as exc:
         hint = " Omit session_id to start a new session (earlier variables will be gone)."
         return refuse(f"{exc}.{hint if args.session_id else ''}", "session_error")

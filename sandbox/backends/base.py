@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
 
+from sandbox.host_channel import HostChannel
 from sandbox.kernel.collector import EventSink
 from sandbox.models import DoneEvent, Execution, FileInfo, OutputEvent
 from sandbox.spec import SandboxSpec
@@ -27,6 +28,8 @@ class Sandbox(ABC):
     id: str
     backend: str
     spec: SandboxSpec
+    # Where the host listens for this sandbox's tool calls; None: it has no channel.
+    host_channel: HostChannel | None = None
 
     @abstractmethod
     async def execute(

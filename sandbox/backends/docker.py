@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.errors import BackendUnavailable, SandboxStartError
+from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_command, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
@@ -125,7 +126,16 @@ class DockerBackend(Backend):
         )
         if not root:  # the container's uid must create files in it
             dirs.workspace.chmod(0o777)
-        launcher = _ContainerLauncher(self.config, client, deaths, spec, dirs, sandbox_id, image)
+        channel = None
+        if spec.host_tools:
+            try:
+                channel = HostChannel.create(dirs.host_tools, peer_uid=uid, peer_gid=uid)
+            except BaseException:
+                await asyncio.to_thread(dirs.remove)
+                raise
+        launcher = _ContainerLauncher(
+            self.config, client, deaths, spec, dirs, sandbox_id, image, channel
+        )
         driver = KernelDriver.for_spec(launcher, spec)
         try:
             await driver.start()
@@ -134,9 +144,11 @@ class DockerBackend(Backend):
             await asyncio.to_thread(dirs.remove)
             raise
         owner = (uid, uid) if root else None
-        return DockerSandbox(
+        sandbox = DockerSandbox(
             sandbox_id, spec, driver, dirs, Workspace(str(dirs.workspace), owner=owner), launcher
         )
+        sandbox.host_channel = channel
+        return sandbox
 
     async def cleanup_orphans(self) -> int:
         """Remove containers labelled with our orchestrator id, and their directories."""
@@ -213,6 +225,7 @@ class _ContainerLauncher:
         dirs: SessionDirs,
         sandbox_id: str,
         image: str,
+        channel: HostChannel | None = None,
     ) -> None:
         self.config = config
         self.client = client
@@ -221,6 +234,7 @@ class _ContainerLauncher:
         self.dirs = dirs
         self.sandbox_id = sandbox_id
         self.image = image
+        self.channel = channel
         self.generation = 0
         self.current_name: str | None = None
 
@@ -252,9 +266,10 @@ class _ContainerLauncher:
 
     def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
         limits, cfg = self.spec.limits, self.config
-        env = kernel_environment(
-            path=cfg.kernel_path, home="/tmp", limits=limits, extra=self.spec.env
-        )
+        extra = dict(self.spec.env)
+        if self.channel is not None:  # last: the caller's variables cannot move it
+            extra[HOST_TOOLS_ENV] = HOST_TOOLS_DIR_IN_SANDBOX
+        env = kernel_environment(path=cfg.kernel_path, home="/tmp", limits=limits, extra=extra)
         memory = f"{limits.memory_mb}m"
         options: dict[str, Any] = {
             "image": self.image,
@@ -293,6 +308,11 @@ class _ContainerLauncher:
             "stdin_open": False,
             "detach": True,
         }
+        if self.channel is not None:
+            options["volumes"][str(self.channel.path)] = {
+                "bind": HOST_TOOLS_DIR_IN_SANDBOX,
+                "mode": "ro",
+            }
         if cfg.runtime:
             options["runtime"] = cfg.runtime
         return options

@@ -29,6 +29,7 @@ from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.cgroups import SandboxCgroup
 from sandbox.errors import BackendUnavailable
+from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.kernel.command import (
     STARTUP_FILE,
     STARTUP_FILE_IN_SANDBOX,
@@ -128,11 +129,15 @@ class LocalBackend(Backend):
             raise
         cgroup = None
         try:
+            channel = None
+            if spec.host_tools:  # the kernel's uid (and gid) as the host sees them
+                peer = host_uid if host_uid is not None else os.geteuid()
+                channel = HostChannel.create(dirs.host_tools, peer_uid=peer, peer_gid=peer)
             if cfg.use_cgroups and not cfg.unsafe_no_sandbox and cgroups.available():
                 cgroup = SandboxCgroup(sandbox_id)
                 cgroup.create(spec.limits)
             launcher = _BwrapLauncher(
-                cfg, spec, dirs, host_uid, await self._python_bind_roots(), cgroup
+                cfg, spec, dirs, host_uid, await self._python_bind_roots(), cgroup, channel
             )
             driver = KernelDriver.for_spec(launcher, spec)
             await driver.start()
@@ -142,7 +147,7 @@ class LocalBackend(Backend):
                 await asyncio.to_thread(cgroup.remove)
             self._release_uid(host_uid)
             raise
-        return LocalSandbox(
+        sandbox = LocalSandbox(
             sandbox_id,
             spec,
             driver,
@@ -150,6 +155,8 @@ class LocalBackend(Backend):
             Workspace(str(dirs.workspace), owner=owner),
             on_close=lambda: self._closed(host_uid, cgroup),  # called from a worker thread
         )
+        sandbox.host_channel = channel
+        return sandbox
 
     async def cleanup_orphans(self) -> int:
         removed = SessionDirs.remove_orphans(self.config.state_dir, self.name)
@@ -291,6 +298,7 @@ class _BwrapLauncher:
         host_uid: int | None,
         python_roots: list[str],
         cgroup: SandboxCgroup | None,
+        channel: HostChannel | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -298,6 +306,7 @@ class _BwrapLauncher:
         self.host_uid = host_uid
         self.python_roots = python_roots
         self.cgroup = cgroup
+        self.channel = channel
 
     @property
     def kernel_dir(self) -> Path:
@@ -311,14 +320,18 @@ class _BwrapLauncher:
         cfg, limits = self.config, self.spec.limits
         python_bin = str(Path(cfg.python).parent)
         path = ":".join(dict.fromkeys([python_bin, "/usr/local/bin", "/usr/bin", "/bin"]))
+        extra = dict(self.spec.env)
+        if self.channel is not None:  # last: the caller's variables cannot move it
+            where = self.channel.path if cfg.unsafe_no_sandbox else HOST_TOOLS_DIR_IN_SANDBOX
+            extra[HOST_TOOLS_ENV] = str(where)
         if cfg.unsafe_no_sandbox:
             home = self.dirs.root / "home"
             home.mkdir(exist_ok=True)
-            env = kernel_environment(path=path, home=str(home), limits=limits, extra=self.spec.env)
+            env = kernel_environment(path=path, home=str(home), limits=limits, extra=extra)
             argv = kernel_command(cfg.python, connection_file_in_sandbox, str(STARTUP_FILE))
             cwd = str(self.dirs.workspace)
         else:
-            env = kernel_environment(path=path, home="/tmp", limits=limits, extra=self.spec.env)
+            env = kernel_environment(path=path, home="/tmp", limits=limits, extra=extra)
             argv = [
                 *self._bwrap_args(),
                 *kernel_command(cfg.python, connection_file_in_sandbox, STARTUP_FILE_IN_SANDBOX),
@@ -371,6 +384,10 @@ class _BwrapLauncher:
             ("--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX),
             ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),
             ("--bind", str(self.dirs.kernel), KERNEL_DIR_IN_SANDBOX),
+        ]
+        if self.channel is not None:
+            mounts.append(("--ro-bind", str(self.channel.path), HOST_TOOLS_DIR_IN_SANDBOX))
+        mounts += [
             ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there
             ("--chdir", WORKSPACE_IN_SANDBOX),
         ]

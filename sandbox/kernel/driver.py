@@ -425,10 +425,12 @@ class KernelDriver:
             woken = asyncio.ensure_future(run.woken.wait())
             timeout = max(0.0, run.deadline - time.monotonic())
             waiting: set[asyncio.Future[Any]] = {incoming, kernel.exited, woken}
-            done, _ = await asyncio.wait(
-                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            woken.cancel()
+            try:
+                done, _ = await asyncio.wait(
+                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:  # also when this call is cancelled: no waiter is left pending
+                woken.cancel()
             run.woken.clear()
             if incoming in done:
                 kernel.pending_iopub = None

@@ -68,6 +68,11 @@ def _setup() -> None:
     runtime.exit = exit  # type: ignore[attr-defined]
     sys.modules["_cir_runtime"] = runtime
 
+    # Host tools: the orchestrator's channel directory holds the `host_tools` module.
+    tools_dir = os.environ.get("CIR_HOST_TOOLS_DIR")
+    if tools_dir and tools_dir not in sys.path:
+        sys.path.append(tools_dir)
+
     preload = os.environ.get("CIR_PRELOAD_MODULES", "")
     for name in filter(None, (m.strip() for m in preload.split(","))):
         with contextlib.suppress(Exception):  # a missing module must not stop the kernel

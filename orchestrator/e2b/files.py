@@ -1,0 +1,120 @@
+"""E2B's file transfers (envd's `/files`): read a file, write files (multipart or octet-stream,
+optionally gzip-compressed). Paths are E2B's, mapped onto the workspace (see paths.py); the
+`username` E2B passes is ignored: everything in a sandbox here runs as its one user.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import zlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response
+from starlette.datastructures import UploadFile
+
+from orchestrator.e2b.deps import ReachedDep, ServiceDep
+from orchestrator.e2b.errors import E2BError, E2BRoute
+from orchestrator.e2b.paths import to_sandbox, to_workspace
+from orchestrator.sessions import Session
+
+router = APIRouter(route_class=E2BRoute, tags=["e2b"])
+PathQuery = Annotated[str, Query(description="A path in the sandbox (under /workspace).")]
+
+
+@router.get(
+    "/files",
+    summary="E2B: read a file",
+    response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {}}}},
+)
+async def read_file(
+    reached: ReachedDep,
+    service: ServiceDep,
+    path: PathQuery,
+    username: str | None = None,
+) -> Response:
+    relative = to_workspace(path)
+    if not relative:
+        raise E2BError(400, f"{path!r} is a directory")
+    session = reached.session
+    async with session.activity():
+        data = await session.sandbox.download(
+            relative, max_bytes=service.settings.max_download_bytes
+        )
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.post("/files", summary="E2B: write files (multipart `file` parts, or an octet-stream)")
+async def write_files(
+    request: Request,
+    reached: ReachedDep,
+    service: ServiceDep,
+    path: str | None = None,
+    username: str | None = None,
+) -> list[dict[str, Any]]:
+    if any(name.lower().startswith("x-metadata-") for name in request.headers):
+        raise E2BError(400, "file metadata is not supported by this server")
+    limit = service.settings.max_upload_bytes
+    written: list[tuple[str, bytes]] = []
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form()
+        parts = [p for p in form.getlist("file") if isinstance(p, UploadFile)]
+        if not parts:
+            raise E2BError(400, "no multipart part named `file`")
+        for part in parts:
+            target = path if path and len(parts) == 1 else part.filename
+            if not target:
+                raise E2BError(400, "a file part has no path: set ?path= or its filename")
+            written.append((to_workspace(target), await _read_upload(part, limit)))
+    else:
+        if not path:
+            raise E2BError(400, "an octet-stream upload needs ?path=")
+        data = await _read_body(request, limit)
+        written.append((to_workspace(path), data))
+    return [await _write(reached.session, relative, data) for relative, data in written]
+
+
+async def _write(session: Session, relative: str, data: bytes) -> dict[str, Any]:
+    if not relative:
+        raise E2BError(400, "cannot write to the workspace directory itself")
+    async with session.activity():
+        await session.sandbox.upload(relative, data)
+    return {"name": posixpath.basename(relative), "type": "file", "path": to_sandbox(relative)}
+
+
+def _too_large(limit: int) -> E2BError:
+    return E2BError(413, f"the upload is larger than the limit of {limit} bytes")
+
+
+async def _read_upload(part: UploadFile, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await part.read(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, gunzipped if it says so, refused past `limit` (after decompression)."""
+    gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzipped else None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        if inflate is not None:
+            try:
+                chunk = inflate.decompress(chunk, limit + 1 - size)
+            except zlib.error as exc:
+                raise E2BError(400, f"the gzip body is corrupt: {exc}") from None
+            if inflate.unconsumed_tail:
+                raise _too_large(limit)
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    if inflate is not None:
+        chunks.append(inflate.flush())
+    return b"".join(chunks)

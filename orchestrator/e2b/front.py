@@ -1,0 +1,34 @@
+"""Puts the E2B-compatible front on the app: routers at `/` and `/e2b`, the Connect services."""
+
+from __future__ import annotations
+
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process.process_connect import ProcessASGIApplication
+from fastapi import FastAPI
+
+from orchestrator.e2b import contexts, control, execute, files
+from orchestrator.e2b.filesystem import NoProcesses, StripPrefix, WorkspaceFilesystem
+from orchestrator.e2b.sandboxes import E2BSandboxes
+from orchestrator.service import Service
+
+PREFIX = "/e2b"
+
+
+def mount(app: FastAPI, service: Service) -> E2BSandboxes:
+    """Serve E2B's control plane, code interpreter and file API; return the sandboxes' registry
+    (its `start`/`close` run E2B's timeouts)."""
+    sandboxes = E2BSandboxes(service)
+    app.state.e2b = sandboxes
+    routers = (control.router, execute.router, contexts.router, files.router)
+    for router in routers:
+        app.include_router(router)
+    for router in routers:
+        app.include_router(router, prefix=PREFIX, include_in_schema=False)
+    connect_apps = (
+        FilesystemASGIApplication(WorkspaceFilesystem(sandboxes)),
+        ProcessASGIApplication(NoProcesses()),
+    )
+    for connect_app in connect_apps:
+        app.mount(connect_app.path, connect_app)
+        app.mount(PREFIX + connect_app.path, StripPrefix(connect_app, PREFIX))
+    return sandboxes

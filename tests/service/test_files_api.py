@@ -81,7 +81,11 @@ def test_bad_download_paths_are_refused(server_url: str, session_id: str, raw: s
 
 
 def test_planted_symlinks_are_refused(api: httpx.Client, session_id: str) -> None:
-    host = Path(tempfile.mkdtemp(prefix="cir-host-", dir="/tmp"))
+    with tempfile.TemporaryDirectory(prefix="cir-host-", dir="/tmp") as name:
+        check_planted_symlinks(api, session_id, Path(name))
+
+
+def check_planted_symlinks(api: httpx.Client, session_id: str, host: Path) -> None:
     secret = host / "secret.txt"
     secret.write_text("host only")
     host.chmod(0o755)

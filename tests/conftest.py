@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -95,3 +96,19 @@ def host_processes_with(marker: str) -> list[int]:
             except OSError:
                 continue
     return pids
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A TCP listener on the host's loopback that the sandbox must not reach."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.1)
+    try:
+        yield server.getsockname()[1]
+        # Nothing ever connected.
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import uuid
-from collections.abc import Iterator
-
-import pytest
 
 from sandbox import Backend, ExecutionStatus, Sandbox
 from tests.conftest import host_processes_with, small_spec
@@ -19,22 +15,6 @@ async def run_ok(sb: Sandbox, code: str) -> str:
     assert ex.status is ExecutionStatus.OK, (ex.error, ex.stdout, ex.stderr)
     assert ex.text is not None
     return ex.text
-
-
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    """A TCP listener on the host's loopback that the sandbox must not reach."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    server.settimeout(0.1)
-    try:
-        yield server.getsockname()[1]
-        # Nothing ever connected.
-        with pytest.raises(TimeoutError):
-            server.accept()
-    finally:
-        server.close()
 
 
 async def test_network_has_only_loopback_and_cannot_reach_the_host(

@@ -278,32 +278,24 @@ async def connect(
     return _created(record)
 
 
-@router.post("/sandboxes/{sandbox_id}/pause", include_in_schema=False)
-async def pause(sandbox_id: str, owner: ApiOwnerDep) -> None:
-    raise E2BError(501, f"pausing {_UNSUPPORTED}")
+# What only a microVM can do: answered 501 with what is missing, never a silent success.
+_NEEDS_A_MICROVM = [
+    ("POST", "/sandboxes/{sandbox_id}/pause", "pausing"),
+    ("POST", "/sandboxes/{sandbox_id}/snapshots", "snapshots"),
+    ("POST", "/sandboxes/{sandbox_id}/fork", "forking"),
+    ("GET", "/sandboxes/{sandbox_id}/metrics", "sandbox metrics"),
+    ("PUT", "/sandboxes/{sandbox_id}/network", "network rules (sandboxes have no network at all)"),
+    ("GET", "/sandboxes/{sandbox_id}/logs", "sandbox logs"),
+    ("GET", "/v2/sandboxes/{sandbox_id}/logs", "sandbox logs"),
+]
 
 
-@router.post("/sandboxes/{sandbox_id}/snapshots", include_in_schema=False)
-async def snapshot(sandbox_id: str, owner: ApiOwnerDep) -> None:
-    raise E2BError(501, f"snapshots {_UNSUPPORTED}")
+def _unsupported(what: str) -> Any:
+    async def refuse(sandbox_id: str, owner: ApiOwnerDep) -> None:
+        raise E2BError(501, f"{what} {_UNSUPPORTED}")
+
+    return refuse
 
 
-@router.post("/sandboxes/{sandbox_id}/fork", include_in_schema=False)
-async def fork(sandbox_id: str, owner: ApiOwnerDep) -> None:
-    raise E2BError(501, f"forking {_UNSUPPORTED}")
-
-
-@router.get("/sandboxes/{sandbox_id}/metrics", include_in_schema=False)
-async def metrics(sandbox_id: str, owner: ApiOwnerDep) -> None:
-    raise E2BError(501, f"sandbox metrics {_UNSUPPORTED}")
-
-
-@router.put("/sandboxes/{sandbox_id}/network", include_in_schema=False)
-async def network(sandbox_id: str, owner: ApiOwnerDep) -> None:
-    raise E2BError(501, f"network rules {_UNSUPPORTED}; sandboxes have no network at all")
-
-
-@router.get("/sandboxes/{sandbox_id}/logs", include_in_schema=False)
-@router.get("/v2/sandboxes/{sandbox_id}/logs", include_in_schema=False)
-async def logs(sandbox_id: str, owner: ApiOwnerDep) -> None:
-    raise E2BError(501, f"sandbox logs {_UNSUPPORTED}")
+for _method, _path, _what in _NEEDS_A_MICROVM:
+    router.add_api_route(_path, _unsupported(_what), methods=[_method], include_in_schema=False)

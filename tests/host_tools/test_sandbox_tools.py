@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Iterator
 
 import pytest
 
@@ -182,20 +181,6 @@ async def test_a_kernel_restart_keeps_the_channel(tool_sandbox: ToolSandbox) -> 
         "os.waitpid(pid, 0)[1]"
     )
     assert out == "0"
-
-
-@pytest.fixture
-def host_listener() -> Iterator[int]:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    server.settimeout(0.1)
-    try:
-        yield server.getsockname()[1]
-        with pytest.raises(TimeoutError):
-            server.accept()  # nothing ever connected
-    finally:
-        server.close()
 
 
 async def test_the_network_stays_off_while_the_channel_works(

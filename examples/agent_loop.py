@@ -85,7 +85,7 @@ class AgentLoop:
             text = f"[error] there is no tool {call.function.name!r}; use {TOOL_NAME}"
             return {"role": "tool", "tool_call_id": call.id, "content": text}, []
         try:
-            code = parse_arguments(call.function.arguments).code
+            code = parse_arguments(call.function.arguments, bound_session=True).code
         except ToolCallError as exc:
             return {"role": "tool", "tool_call_id": call.id, "content": f"[error] {exc}"}, []
         print(f"\n--- {TOOL_NAME} ({call.id})\n{code}")

@@ -155,8 +155,9 @@ def definitions(
     }
 
 
-def parse_arguments(raw: Any) -> ToolArguments:
-    """Read a model's raw arguments (a JSON string or an object), or explain what is wrong."""
+def parse_arguments(raw: Any, *, bound_session: bool = False) -> ToolArguments:
+    """Read a model's raw arguments (a JSON string or an object), or explain what is wrong.
+    `bound_session`: the caller keeps the session, so the model is not told of session_id."""
     example = '{"code": "print(1 + 1)"}'
     if isinstance(raw, str):
         try:
@@ -175,7 +176,8 @@ def parse_arguments(raw: Any) -> ToolArguments:
         return ToolArguments.model_validate(raw)
     except ValidationError as exc:
         raise ToolCallError(
-            explain_invalid(exc) + ' Add "session_id" to continue a session.'
+            explain_invalid(exc)
+            + ("" if bound_session else ' Add "session_id" to continue a session.')
         ) from None
 
 

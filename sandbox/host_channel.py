@@ -20,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandbox.errors import SandboxStartError
+
 HOST_TOOLS_DIR_IN_SANDBOX = "/run/host-tools"
 # Tells the kernel's start-up file where the module lives (the host path without a sandbox).
 HOST_TOOLS_ENV = "CIR_HOST_TOOLS_DIR"
@@ -43,7 +45,7 @@ class HostChannel:
         """Make the directory with the kernel module in it; `peer_gid` only as root."""
         channel = cls(path, peer_uid, peer_gid if os.geteuid() == 0 else None)
         if len(str(channel.socket_path)) > _MAX_SOCKET_PATH:
-            raise ValueError(
+            raise SandboxStartError(
                 f"the host-tool socket path {channel.socket_path} is longer than Unix sockets "
                 "allow; use a shorter state directory"
             )

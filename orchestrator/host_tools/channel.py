@@ -149,6 +149,8 @@ class ToolChannel:
                 task = asyncio.ensure_future(self._answer(call_id, name, arguments, writer, lock))
                 calls.add(task)
                 task.add_done_callback(calls.discard)
+                # Released when the task ends in any way: one cancelled before it ran included.
+                task.add_done_callback(lambda _: self._slots.release())
         except _Refused as exc:
             log.warning("host tools: refused and closed a connection: %s", exc)
             with contextlib.suppress(ConnectionError):
@@ -165,10 +167,7 @@ class ToolChannel:
         writer: asyncio.StreamWriter,
         lock: asyncio.Lock,
     ) -> None:
-        try:
-            reply = await self._run(call_id, name, arguments)
-        finally:
-            self._slots.release()
+        reply = await self._run(call_id, name, arguments)
         self.calls += 1
         with contextlib.suppress(ConnectionError):
             await self._send(writer, lock, reply)

@@ -9,6 +9,7 @@ the model passes it back to continue; any client may do the same to reach a sess
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -76,11 +77,24 @@ class ConnectionSessions:
 
     service: Service
     by_connection: dict[tuple[str, str], str] = field(default_factory=dict)
+    # One start at a time per connection: parallel first calls share one new session.
+    _starting: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
     async def resolve(
-        self, owner: str, connection: str | None, session_id: str | None
+        self, owner: str, connection: str | None, session_id: str | None, *, create: bool = True
     ) -> tuple[Session, str | None]:
-        """The session to use, and a note for the model when it is not the one it had."""
+        """The session to use, and a note for the model when it is not the one it had.
+        Without `create`, a call that has no session to use is refused (files of a session
+        that does not exist yet are of no use)."""
+        if connection is None or session_id is not None:
+            return await self._resolve(owner, connection, session_id, create)
+        lock = self._starting.setdefault((owner, connection), asyncio.Lock())
+        async with lock:
+            return await self._resolve(owner, connection, session_id, create)
+
+    async def _resolve(
+        self, owner: str, connection: str | None, session_id: str | None, create: bool
+    ) -> tuple[Session, str | None]:
         sessions = self.service.sessions
         if session_id is not None:
             try:
@@ -96,6 +110,11 @@ class ConnectionSessions:
                 return await sessions.get(known, owner), None
             except (SessionExpired, SessionNotFound) as exc:
                 note = f"[notice] {exc}; this is a new session: earlier variables are gone."
+        if not create:
+            raise ToolFailure(
+                "[error] there is no session to use yet: run code first, or pass the session_id "
+                "an earlier result named."
+            )
         # Sessions made here get the host tools the settings give sessions by default.
         request = CreateSessionRequest(tools=self.service.settings.host_tools.session_default)
         try:
@@ -103,11 +122,17 @@ class ConnectionSessions:
         except (SessionError, SandboxError) as exc:
             raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
         if connection is not None:
+            live = {s.id for s in self.service.sessions.list(owner)}
+            for key in [k for k, sid in self.by_connection.items() if k[0] == owner]:
+                if self.by_connection[key] not in live:  # ended or expired meanwhile
+                    del self.by_connection[key]
+                    self._starting.pop(key, None)
             self.by_connection[(owner, connection)] = session.id
         return session, note
 
     async def end(self, owner: str, connection: str) -> None:
         """The connection ended: so does its session."""
+        self._starting.pop((owner, connection), None)
         session_id = self.by_connection.pop((owner, connection), None)
         if session_id is not None:
             with contextlib.suppress(SessionError):  # already expired or deleted
@@ -140,9 +165,11 @@ def build_mcp_server(
         log_level="WARNING",
     )
 
-    async def session_for(ctx: Context, session_id: str | None) -> tuple[Session, str | None]:
+    async def session_for(
+        ctx: Context, session_id: str | None, *, create: bool = True
+    ) -> tuple[Session, str | None]:
         owner, connection = _caller(ctx)
-        return await sessions.resolve(owner, connection, session_id)
+        return await sessions.resolve(owner, connection, session_id, create=create)
 
     def tool(fn: Callable[..., Awaitable[CallToolResult]], text: str) -> None:
         @functools.wraps(fn)  # the schema is read from fn's signature
@@ -207,7 +234,7 @@ def build_mcp_server(
         path: Annotated[str, Field(description="A directory; the workspace root if empty.")] = "",
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
-        session, _ = await session_for(ctx, session_id)
+        session, _ = await session_for(ctx, session_id, create=False)
         async with session.activity():
             files = await session.sandbox.list_files(path, recursive=True)
         lines = [f"{f.path}{'/' if f.type == 'directory' else ''}\t{f.size}" for f in files]
@@ -219,7 +246,7 @@ def build_mcp_server(
         ctx: Context,
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
-        session, _ = await session_for(ctx, session_id)
+        session, _ = await session_for(ctx, session_id, create=False)
         async with session.activity():
             data = await session.sandbox.download(path, max_bytes=settings.max_download_bytes)
         mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
@@ -228,7 +255,7 @@ def build_mcp_server(
             image = ImageContent(type="image", data=encoded, mime_type=mime)
             return CallToolResult(content=[image])
         try:
-            return CallToolResult(content=[TextContent(type="text", text=data.decode("utf-8"))])
+            text = data.decode("utf-8")
         except UnicodeDecodeError:
             blob = BlobResourceContents(
                 uri=f"file:///workspace/{path.lstrip('/')}",
@@ -236,6 +263,13 @@ def build_mcp_server(
                 blob=base64.b64encode(data).decode(),
             )
             return CallToolResult(content=[EmbeddedResource(type="resource", resource=blob)])
+        limit = settings.tool_output_max_chars  # what a model is shown of one call
+        if len(text) > limit:
+            text = (
+                f"{text[:limit]}\n[note] {len(text) - limit} more characters are left out; "
+                "read the rest with code_interpreter."
+            )
+        return CallToolResult(content=[TextContent(type="text", text=text)])
 
     host_tools = summaries(service.tools.select(settings.host_tools.session_default).values())
     text = description(

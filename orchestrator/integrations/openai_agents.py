@@ -48,7 +48,7 @@ def code_interpreter_tool(
 
     async def invoke(context: RunContextWrapper[Any], raw_arguments: str) -> list[ToolOutput]:
         try:
-            arguments = parse_arguments(raw_arguments)
+            arguments = parse_arguments(raw_arguments, bound_session=True)
         except ToolCallError as exc:  # told to the model, which can fix its call
             return [ToolOutputText(text=f"[error] {exc}")]
         execution = await bound.execute(arguments.code, timeout_s=timeout_s)

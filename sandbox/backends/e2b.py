@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from datetime import UTC, datetime
@@ -52,6 +53,7 @@ from sandbox.models import Execution, ExecutionError, ExecutionStatus, FileInfo
 from sandbox.spec import SandboxSpec
 from sandbox.workspace_files import clean_path
 
+log = logging.getLogger(__name__)
 DEFAULT_TEMPLATE = "code-interpreter-v1"
 ORCHESTRATOR_LABEL = "code-interpreter.orchestrator"
 # E2B's home directory, where relative paths land when the sandbox does not say otherwise.
@@ -332,8 +334,8 @@ class E2BSandbox(Sandbox):
         try:
             await self.remote.set_timeout(self.config.sandbox_timeout_s)
             self._extended_at = time.monotonic()
-        except Exception as exc:
-            raise await self._failure(exc) from exc
+        except Exception:  # the execution is done and is returned; the next call retries
+            log.warning("extending the timeout of E2B sandbox %s failed", self.id, exc_info=True)
 
     # ----------------------------------------------------------------------------------------
     # Control

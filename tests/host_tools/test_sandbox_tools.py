@@ -255,3 +255,25 @@ async def test_a_sandbox_without_tools_has_no_channel(backend: Backend) -> None:
             "'CIR_HOST_TOOLS_DIR' in os.environ)"
         )
         assert ex.text == "(False, None, False)", (ex.error, ex.text)
+
+
+async def test_calls_dropped_with_their_connection_give_back_their_slots(
+    tool_sandbox: ToolSandbox,
+) -> None:
+    # More calls than slots, then the connection closes at once: the host reads the rest while
+    # it is already closed and cancels those calls, some before they ever ran.
+    burst = (
+        RAW_CLIENT
+        + "for _ in range(3):\n"
+        + "    s = socket.socket(socket.AF_UNIX)\n"
+        + "    s.connect(os.path.join(os.environ['CIR_HOST_TOOLS_DIR'], 'sock'))\n"
+        + "    s.sendall(b''.join(frame({'id': i, 'tool': 'slow', 'arguments': {'seconds': 0.05}})"
+        + " for i in range(100)))\n"
+        + "    s.close()\n"
+        + "    time.sleep(0.5)\n"
+    )
+    await tool_sandbox.run(burst)
+    await asyncio.sleep(1)
+    slots = tool_sandbox.channel._slots
+    assert slots._value == tool_sandbox.channel.limits.max_calls_in_flight
+    assert "3" in await tool_sandbox.run("await host_tools.add(1, b=2)")

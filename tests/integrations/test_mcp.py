@@ -169,6 +169,15 @@ async def test_http_without_connections_continues_by_session_id(mcp_server: Serv
         assert "[result]\n6" in text_of(again) and session_of(again) == sid
         fresh = await client.call_tool("code_interpreter", {"code": "'y' in dir()"})
         assert "[result]\nFalse" in text_of(fresh) and session_of(fresh) != sid
+        # Files need a session named: a new, empty one would be of no use.
+        nowhere = await client.call_tool("list_files", {})
+        assert nowhere.is_error and "no session to use yet" in text_of(nowhere)
+        # A text file longer than a model is shown is trimmed, with a note.
+        long = {"path": "long.txt", "content": "x" * 30_000, "session_id": sid}
+        assert not (await client.call_tool("upload_file", long)).is_error
+        named = {"path": "long.txt", "session_id": sid}
+        read = text_of(await client.call_tool("download_file", named))
+        assert read.startswith("x" * 20_000) and "10000 more characters are left out" in read
     with mcp_server.client() as api:
         for session in (sid, session_of(fresh)):
             assert api.delete(f"/v1/sessions/{session}").status_code == 204

@@ -58,9 +58,13 @@ class Service:
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
 
     async def start(self) -> None:
-        await self.tools.start()
-        self.tools.select(self.settings.host_tools.session_default)  # all must exist
-        await self.sessions.start()
+        try:
+            await self.tools.start()
+            self.tools.select(self.settings.host_tools.session_default)  # all must exist
+            await self.sessions.start()
+        except BaseException:  # what did start (MCP tool servers, backends) is stopped
+            await self.close()
+            raise
 
     async def close(self) -> None:
         await self.sessions.close()
@@ -114,6 +118,10 @@ class Service:
             tools = self.tools.select(request.tools)
         except UnknownTools as exc:
             raise ToolsNotAvailable(str(exc)) from None
+        name = request.backend or self.settings.default_backend
+        backend = self.sessions.backends.get(name)
+        if tools and backend is not None and not backend.supports_host_tools:
+            raise ToolsNotAvailable(f"the {name} backend cannot give sandboxed code host tools")
         session = await self.sessions.create(
             owner, backend=request.backend, spec=self.spec_for(request), env=request.env
         )
@@ -129,10 +137,7 @@ class Service:
 
     async def _open_channel(self, session: Session, tools: dict[str, HostTool]) -> None:
         channel = session.sandbox.host_channel
-        if channel is None:
-            raise ToolsNotAvailable(
-                f"the {session.backend} backend cannot give sandboxed code host tools"
-            )
+        assert channel is not None, "a backend that supports host tools made no channel"
         t = self.settings.host_tools
         limits = ChannelLimits(
             call_timeout_s=t.call_timeout_s,

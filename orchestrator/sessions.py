@@ -116,7 +116,7 @@ class SessionManager:
             if removed:
                 log.info("removed %d orphans of the %s backend", removed, name)
             self.backends[name] = backend
-            if s.pool_size:
+            if s.pool_size and backend.keeps_warm:
                 pool = WarmPool(backend, self.default_spec(), s.pool_size)
                 pool.fill()
                 self.pools[name] = pool

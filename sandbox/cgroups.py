@@ -8,6 +8,7 @@ Needs root and writable cgroup v1 hierarchies; `available()` says whether this m
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -62,6 +63,23 @@ class SandboxCgroup:
         except OSError:
             pass
         return 0
+
+    async def wait_empty(self, wait_s: float = 5.0) -> bool:
+        """Wait until none of the sandbox's processes is left. The processes of a PID namespace
+        die after its init, not with it; a kernel started before they are gone would find the
+        pids limit still taken by them (a fork bomb's children, say) and fail to start."""
+        procs = self.dirs[1] / "cgroup.procs"
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if not procs.read_text().strip():
+                    return True
+            except OSError:  # the group is gone: nothing is left in it
+                return True
+            if time.monotonic() > deadline:
+                log.warning("processes of %s outlived its kernel by %g s", self.dirs[1], wait_s)
+                return False
+            await asyncio.sleep(0.02)
 
     def remove(self, wait_s: float = 3.0) -> None:
         """Remove the groups, waiting for killed processes to finish exiting (blocking)."""

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from orchestrator.e2b.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b.errors import E2BError, E2BRoute
 from orchestrator.e2b.execute import DEFAULT_CONTEXT, check_language, context_session
+from orchestrator.e2b.sandboxes import SandboxGone
 from orchestrator.schemas import CreateSessionRequest
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 
@@ -48,6 +49,12 @@ async def create_context(
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
     spec = CreateSessionRequest(backend=session.backend, image=session.sandbox.spec.image)
     new = await service.create_session(record.owner, spec)
+    # Checked again after the wait: the sandbox may have ended, or other contexts filled it.
+    if not sandboxes.is_live(record) or len(record.contexts) >= MAX_CONTEXTS:
+        await service.delete_session(new.id, record.owner)
+        if not sandboxes.is_live(record):
+            raise SandboxGone(record.sandbox_id)
+        raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
     context = sandboxes.add_context(record, new, body.cwd)
     return ContextInfo(id=context.id, cwd=body.cwd or WORKSPACE_IN_SANDBOX)
 

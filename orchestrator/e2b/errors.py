@@ -3,8 +3,8 @@
 
 Every E2B route uses `E2BRoute`, so a typed error of ours becomes the E2B status its SDK turns into
 the matching exception: 404 NotFound, 401 Authentication, 429 RateLimit, 502 "was not found"
-(the sandbox is gone). Errors no retry can fix carry `Should-Retry: false`, so the SDK does not
-retry them with back-off.
+(the sandbox is gone). Only a rate limit carries `Should-Retry: true`; every other error says
+false, so the SDK does not wait and retry what waiting cannot fix.
 """
 
 from __future__ import annotations
@@ -60,9 +60,15 @@ class E2BError(Exception):
         self.status = status
 
 
+# The one error of ours that waiting fixes: the SDK retries it with back-off (its default for 429).
+_WORTH_RETRYING = ("BackendRateLimited",)
+
+
 def e2b_error(status: int, message: str, kind: str = "E2BError") -> JSONResponse:
+    """E2B's error body. The SDK retries 429, 502, 503 and 504 unless told otherwise; only a rate
+    limit is worth it here (a gone sandbox or a full quota does not come back by waiting)."""
     METRICS.errors.labels(kind).inc()
-    headers = {"Should-Retry": "false"} if status in (429, 503) else None
+    headers = {"Should-Retry": "true" if kind in _WORTH_RETRYING else "false"}
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
 
 

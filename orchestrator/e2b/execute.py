@@ -9,10 +9,10 @@ the /v1 stream does: the kernel is interrupted, or replaced if it ignores the in
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,10 +22,12 @@ from pydantic import BaseModel
 from orchestrator.e2b.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b.errors import E2BError, E2BRoute
 from orchestrator.e2b.sandboxes import E2BRecord
-from orchestrator.schemas import Env
+from orchestrator.schemas import Env, ExecutionRecord
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
+from orchestrator.streaming import Finished, Keepalive, follow
 from sandbox.errors import SandboxError
+from sandbox.kernel.collector import EventSink
 from sandbox.models import (
     ErrorEvent,
     OutputEvent,
@@ -36,7 +38,6 @@ from sandbox.models import (
 )
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
-KEEPALIVE_S = 5.0
 DEFAULT_CONTEXT = "default"
 _TEXT_FORMS = ("text", "html", "markdown", "latex", "png", "jpeg", "svg", "pdf", "javascript")
 
@@ -89,51 +90,35 @@ async def execute(body: ExecuteBody, reached: ReachedDep, service: ServiceDep) -
     if body.context_id is None:
         check_language(body.language)
     session, cwd = await context_session(service, reached.record, reached.session, body.context_id)
-    queue: asyncio.Queue[OutputEvent] = asyncio.Queue()
+
+    def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
+        # The client's own deadline governs (it disconnects); ours is the service's ceiling.
+        return service.run(
+            session,
+            body.code,
+            timeout_s=service.settings.max_execution_timeout_s,
+            env=dict(body.env_vars or {}) or None,
+            cwd=cwd,
+            on_event=sink,
+        )
 
     async def lines() -> AsyncIterator[bytes]:
-        # The client's own deadline governs (it disconnects); ours is the service's ceiling.
-        task = asyncio.ensure_future(
-            service.run(
-                session,
-                body.code,
-                timeout_s=service.settings.max_execution_timeout_s,
-                env=dict(body.env_vars or {}) or None,
-                cwd=cwd,
-                on_event=queue.put,
-            )
-        )
-        getter: asyncio.Future[OutputEvent] | None = None
         try:
-            while not (task.done() and queue.empty()):
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait(
-                    {getter, task}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                if getter in done:
-                    line = _line(getter.result())
-                    if line is not None:
-                        yield _encode(line)
-                    continue
-                getter.cancel()
-                if not done:
-                    yield _encode({"type": "keepalive"})
-            try:
-                record = task.result()
-            except (SandboxError, SessionError) as exc:  # the session ended under the run
-                error = {"name": type(exc).__name__, "value": str(exc), "traceback": ""}
-                yield _encode({"type": "error", **error})
-            else:
-                if record.execution_count is not None:
-                    yield _encode(
-                        {"type": "number_of_executions", "execution_count": record.execution_count}
-                    )
-            yield _encode({"type": "end_of_execution"})
-        finally:
-            if getter is not None:
-                getter.cancel()
-            if not task.done():
-                task.cancel()  # the client left: interrupt the code
+            async with aclosing(follow(start)) as events:  # closed at once if the client leaves
+                async for item in events:
+                    if isinstance(item, Keepalive):
+                        yield _encode({"type": "keepalive"})
+                    elif isinstance(item, Finished):
+                        count = item.value.execution_count
+                        if count is not None:
+                            line = {"type": "number_of_executions", "execution_count": count}
+                            yield _encode(line)
+                    elif (event := _line(item)) is not None:
+                        yield _encode(event)
+        except (SandboxError, SessionError) as exc:  # the session ended under the run
+            error = {"name": type(exc).__name__, "value": str(exc), "traceback": ""}
+            yield _encode({"type": "error", **error})
+        yield _encode({"type": "end_of_execution"})
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

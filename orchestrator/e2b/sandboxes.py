@@ -94,6 +94,10 @@ class E2BSandboxes:
         self._context_sessions.add(session.id)
         return context
 
+    def is_live(self, record: E2BRecord) -> bool:
+        """Whether the sandbox is still tracked (not killed, timed out or forgotten)."""
+        return self._records.get(record.sandbox_id) is record
+
     def is_context(self, session_id: str) -> bool:
         return session_id in self._context_sessions
 

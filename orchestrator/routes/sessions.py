@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
@@ -18,11 +17,12 @@ from orchestrator.schemas import (
     SessionInfo,
 )
 from orchestrator.sessions import SessionError
+from orchestrator.streaming import Finished, Keepalive, follow
 from sandbox.errors import SandboxError
-from sandbox.models import Execution, OutputEvent
+from sandbox.kernel.collector import EventSink
+from sandbox.models import Execution
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
-KEEPALIVE_S = 5.0
 
 
 @router.post("", status_code=201, summary="Create a session")
@@ -93,45 +93,26 @@ async def execute_stream(
     `keepalive` at least every 5 s, and last `done` with the whole Execution and its ids (or
     `failure`, if the session itself ended during the run). Closing the connection interrupts
     the code."""
-    queue: asyncio.Queue[OutputEvent] = asyncio.Queue()
+
+    def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
+        return service.run(
+            session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd, on_event=sink
+        )
 
     async def lines() -> AsyncIterator[bytes]:
-        task = asyncio.ensure_future(
-            service.run(
-                session,
-                body.code,
-                timeout_s=body.timeout_s,
-                env=body.env,
-                cwd=body.cwd,
-                on_event=queue.put,
-            )
-        )
         try:
-            while not (task.done() and queue.empty()):
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait(
-                    {getter, task}, timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                if getter in done:
-                    yield getter.result().model_dump_json().encode() + b"\n"
-                    continue
-                getter.cancel()
-                if not done:
-                    yield b'{"type":"keepalive"}\n'
-            try:
-                record = task.result()
-            except (SandboxError, SessionError) as exc:  # the session ended under the run
-                error = {"type": type(exc).__name__, "message": str(exc)}
-                yield json.dumps({"type": "failure", "error": error}).encode() + b"\n"
-                return
-            done_event: dict[str, Any] = {
-                "type": "done",
-                "execution": record.model_dump(mode="json"),
-            }
-            yield json.dumps(done_event).encode() + b"\n"
-        finally:
-            if not task.done():
-                task.cancel()  # the client left: interrupt the code
+            async with aclosing(follow(start)) as events:  # closed at once if the client leaves
+                async for item in events:
+                    if isinstance(item, Keepalive):
+                        yield b'{"type":"keepalive"}\n'
+                    elif isinstance(item, Finished):
+                        done = {"type": "done", "execution": item.value.model_dump(mode="json")}
+                        yield json.dumps(done).encode() + b"\n"
+                    else:
+                        yield item.model_dump_json().encode() + b"\n"
+        except (SandboxError, SessionError) as exc:  # the session ended under the run
+            error = {"type": type(exc).__name__, "message": str(exc)}
+            yield json.dumps({"type": "failure", "error": error}).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

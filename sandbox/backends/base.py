@@ -129,6 +129,11 @@ class Backend(ABC):
     """Creates sandboxes of one kind."""
 
     name: str
+    # Whether its sandboxes can open a host-tool channel (SandboxSpec.host_tools).
+    supports_host_tools: bool = True
+    # Whether a warm pool may keep its sandboxes ready: not where an idle one costs money or
+    # expires on its own.
+    keeps_warm: bool = True
 
     @abstractmethod
     async def create(self, spec: SandboxSpec | None = None) -> Sandbox:

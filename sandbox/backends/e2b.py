@@ -105,6 +105,8 @@ class E2BBackendConfig(BaseModel):
 
 class E2BBackend(Backend):
     name = "e2b"
+    supports_host_tools = False  # a microVM elsewhere: no socket of ours reaches it
+    keeps_warm = False  # an idle E2B sandbox is billed, and E2B kills it at its timeout
 
     def __init__(self, config: E2BBackendConfig | None = None) -> None:
         self.config = config or E2BBackendConfig()
@@ -143,7 +145,7 @@ class E2BBackend(Backend):
         cfg = self.config
         if not (cfg.api_key or os.environ.get("E2B_API_KEY")):
             raise BackendUnavailable(why_unavailable(cfg) or "no E2B API key")
-        if getattr(spec, "host_tools", False):
+        if spec.host_tools:  # the service refuses earlier (400); a direct caller learns here
             raise SandboxStartError("host tools need a local or Docker sandbox: E2B has no channel")
         try:
             remote = await AsyncSandbox.create(

@@ -279,6 +279,8 @@ class _BwrapKernel:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
         await self.proc.wait()
+        if self.cgroup is not None:  # the next kernel shares the group and its limits
+            await self.cgroup.wait_empty()
 
     def diagnostics(self) -> str:
         try:

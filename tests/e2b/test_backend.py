@@ -144,6 +144,8 @@ def chained(e2b_server: Server) -> Iterator[Server]:
     """A second service whose e2b backend is the first service's E2B front."""
     server = make_server(
         backends="local,e2b",
+        pool_size=1,  # kept for local only: an idle E2B sandbox is billed
+        host_tools='{"python": ["tests.host_tools.tools_for_tests:add"]}',
         e2b_api_key=KEY_A,
         e2b_api_url=e2b_server.url,
         e2b_sandbox_url=e2b_server.url,
@@ -160,6 +162,10 @@ def test_the_orchestrator_uses_the_e2b_backend_like_any_other(chained: Server) -
         created = api.post("/v1/sessions", json={"backend": "e2b"})
         assert created.status_code == 201, created.text
         sid = created.json()["id"]
+        assert list(api.get("/healthz").json()["pools"]) == ["local"]  # never e2b
+        with_tools = api.post("/v1/sessions", json={"backend": "e2b", "tools": ["add"]})
+        assert with_tools.status_code == 400
+        assert "cannot give sandboxed code host tools" in with_tools.text
         try:
             api.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 5"})
             done = api.post(f"/v1/sessions/{sid}/execute", json={"code": "x * 2"}).json()

@@ -211,6 +211,7 @@ def test_another_key_cannot_see_or_touch_the_sandbox(sbx: Sandbox, e2b_env: Serv
             assert reply.status_code == 502 and "was not found" in reply.json()["message"]
             listing = httpx.get(f"{e2b_env.url}/contexts", headers=headers)
             assert listing.status_code == 502
+            assert listing.headers["Should-Retry"] == "false"  # gone: no use waiting
     finally:
         theirs.kill()
     assert sbx.run_code("'still here'").text == "'still here'"

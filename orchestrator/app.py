@@ -17,41 +17,16 @@ from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
 from orchestrator.e2b import mount as mount_e2b
 from orchestrator.host_tools import ToolRegistry
+from orchestrator.http_errors import problems, status_of
 from orchestrator.integrations.mcp_http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.routes import files, ops, sessions, tools
 from orchestrator.routes.deps import ClientGone
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
-from sandbox.errors import (
-    BackendRateLimited,
-    BackendTimeout,
-    BackendUnavailable,
-    FileAccessError,
-    FileMissing,
-    FileTooLarge,
-    InvalidPath,
-    SandboxClosed,
-    SandboxError,
-    SandboxStartError,
-)
+from sandbox.errors import SandboxError
 
 log = logging.getLogger(__name__)
-
-# How each typed error of ours reads over HTTP.
-_STATUS: list[tuple[type[Exception], int]] = [
-    (InvalidPath, 400),
-    (FileMissing, 404),
-    (FileAccessError, 403),
-    (FileTooLarge, 413),
-    (SandboxClosed, 410),
-    (BackendRateLimited, 429),
-    (BackendTimeout, 504),
-    (BackendUnavailable, 503),
-    (SandboxStartError, 503),
-    (SandboxError, 500),
-    (KeyError, 404),
-]
 
 
 def _error(status: int, kind: str, message: str) -> JSONResponse:
@@ -107,21 +82,19 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        return _error(422, "InvalidRequest", problems)
+        return _error(422, "InvalidRequest", problems(exc.errors()))
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> JSONResponse:
         return _error(499, "ClientClosedRequest", "the client disconnected; its code was stopped")
 
     async def typed_error(request: Request, exc: Exception) -> JSONResponse:
-        for kind, status in _STATUS:
-            if isinstance(exc, kind):
-                message = str(exc) if not isinstance(exc, KeyError) else f"not found: {exc}"
-                return _error(status, type(exc).__name__, message)
-        raise exc
+        if isinstance(exc, KeyError):
+            return _error(404, type(exc).__name__, f"not found: {exc}")
+        status = status_of(exc)
+        if status is None:
+            raise exc
+        return _error(status, type(exc).__name__, str(exc))
 
     # Handled here (not by the catch-all below), so the server does not re-raise them.
     app.add_exception_handler(SandboxError, typed_error)

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 from orchestrator.e2b.deps import ApiOwnerDep, E2BDep, ServiceDep
 from orchestrator.e2b.errors import E2BError, E2BRoute
 from orchestrator.e2b.sandboxes import DEFAULT_TIMEOUT_S, E2BRecord, E2BSandboxes
+from orchestrator.http_errors import problems
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
@@ -173,8 +174,7 @@ async def create(
     try:
         spec = CreateSessionRequest(backend=backend, image=image, env=env)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise E2BError(400, problems) from None
+        raise E2BError(400, problems(exc.errors())) from None
     session = await service.create_session(owner, spec)
     record = sandboxes.add(session, template=request.template_id, metadata=metadata)
     record.set_timeout(timeout)

@@ -20,36 +20,20 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from orchestrator.e2b.sandboxes import SandboxGone
+from orchestrator.http_errors import problems, status_of
 from orchestrator.metrics import METRICS
 from orchestrator.routes.deps import ClientGone
 from orchestrator.sessions import SessionError, SessionExpired
 from sandbox.errors import (
-    BackendRateLimited,
-    BackendTimeout,
-    BackendUnavailable,
     FileAccessError,
-    FileMissing,
-    FileTooLarge,
-    InvalidPath,
     SandboxClosed,
-    SandboxError,
-    SandboxStartError,
 )
 
 log = logging.getLogger(__name__)
 
-_STATUS: list[tuple[type[Exception], int]] = [
-    (InvalidPath, 400),
-    (FileMissing, 404),
-    (FileAccessError, 400),
-    (FileTooLarge, 413),
-    (SandboxClosed, 502),
-    (BackendRateLimited, 429),
-    (BackendTimeout, 504),
-    (BackendUnavailable, 503),
-    (SandboxStartError, 503),
-    (SandboxError, 500),
-]
+# Where E2B's SDK expects other statuses than our API gives: a refused path is a bad request,
+# and a sandbox that is gone answers 502 "was not found".
+_E2B_STATUS: dict[type[Exception], int] = {FileAccessError: 400, SandboxClosed: 502}
 
 
 class E2BError(Exception):
@@ -86,15 +70,12 @@ def error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, HTTPException):
         return e2b_error(exc.status_code, str(exc.detail), kind)
     if isinstance(exc, RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        return e2b_error(400, problems, kind)
+        return e2b_error(400, problems(exc.errors()), kind)
     if isinstance(exc, ClientGone):
         return e2b_error(499, "the client disconnected; its code was stopped", kind)
-    for error_type, status in _STATUS:
-        if isinstance(exc, error_type):
-            return e2b_error(status, str(exc), kind)
+    status = status_of(exc, _E2B_STATUS)
+    if status is not None:
+        return e2b_error(status, str(exc), kind)
     log.exception("unhandled error on an E2B route", exc_info=exc)
     return e2b_error(500, "the server failed; see its log", "InternalError")
 

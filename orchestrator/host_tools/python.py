@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from orchestrator.host_tools.base import HostTool, ToolInputError
+from orchestrator.http_errors import problems
 
 # Sync tools wait here, not in the event loop's small default pool.
 _THREADS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="host-tool")
@@ -154,9 +155,7 @@ def _without_titles(node: Any) -> Any:
 
 
 def _explain(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or 'arguments'}: {e['msg']}" for e in exc.errors()
-    )
+    return problems(exc.errors(), whole="arguments")
 
 
 def _label(fn: Callable[..., Any]) -> str:

@@ -1,0 +1,47 @@
+"""How errors read over HTTP: a status for each typed error of the sandbox layer, and invalid
+input told back in one line (`where: what is wrong; ...`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sandbox.errors import (
+    BackendRateLimited,
+    BackendTimeout,
+    BackendUnavailable,
+    FileAccessError,
+    FileMissing,
+    FileTooLarge,
+    InvalidPath,
+    SandboxClosed,
+    SandboxError,
+    SandboxStartError,
+)
+
+# Most specific first: the first match wins.
+STATUS_OF_ERROR: list[tuple[type[Exception], int]] = [
+    (InvalidPath, 400),
+    (FileMissing, 404),
+    (FileAccessError, 403),
+    (FileTooLarge, 413),
+    (SandboxClosed, 410),
+    (BackendRateLimited, 429),
+    (BackendTimeout, 504),
+    (BackendUnavailable, 503),
+    (SandboxStartError, 503),
+    (SandboxError, 500),
+]
+
+
+def status_of(exc: Exception, overrides: Mapping[type[Exception], int] | None = None) -> int | None:
+    """The HTTP status of a typed error (an API's own `overrides` first), or None."""
+    for kind, status in STATUS_OF_ERROR:
+        if isinstance(exc, kind):
+            return (overrides or {}).get(kind, status)
+    return None
+
+
+def problems(errors: Iterable[Mapping[str, Any]], *, whole: str = "") -> str:
+    """pydantic's (or FastAPI's) `exc.errors()`, joined; `whole` names an error with no location."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or whole}: {e['msg']}" for e in errors)

@@ -111,50 +111,33 @@ def _created(record: E2BRecord) -> dict[str, Any]:
     return model.to_dict()
 
 
-def _sizes(session: Session) -> tuple[int, int, int]:
-    """CPU count, memory and disk (the workspace) in MiB, from the session's limits."""
+def _described(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
+    """What E2B's sandbox detail and list entry both say; sizes from the session's limits."""
     limits = session.sandbox.spec.limits
-    return max(1, math.ceil(limits.cpus)), limits.memory_mb, limits.workspace_size_mb
+    return {
+        "template_id": record.template,
+        "sandbox_id": record.sandbox_id,
+        "client_id": CLIENT_ID,
+        "started_at": record.started_at,
+        "end_at": _end_at(service, record, session),
+        "envd_version": ENVD_VERSION,
+        "state": SandboxState.RUNNING,
+        "alias": record.template,
+        "metadata": record.metadata,
+        "cpu_count": max(1, math.ceil(limits.cpus)),
+        "memory_mb": limits.memory_mb,
+        "disk_size_mb": limits.workspace_size_mb,  # the workspace
+    }
 
 
 def _detail(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
-    cpus, memory_mb, disk_mb = _sizes(session)
-    model = SandboxDetail(
-        template_id=record.template,
-        sandbox_id=record.sandbox_id,
-        client_id=CLIENT_ID,
-        started_at=record.started_at,
-        end_at=_end_at(service, record, session),
-        envd_version=ENVD_VERSION,
-        state=SandboxState.RUNNING,
-        alias=record.template,
-        allow_internet_access=False,
-        domain=None,
-        metadata=record.metadata,
-        cpu_count=cpus,
-        memory_mb=memory_mb,
-        disk_size_mb=disk_mb,
-    )
+    described = _described(service, record, session)
+    model = SandboxDetail(**described, allow_internet_access=False, domain=None)
     return model.to_dict()
 
 
 def _listed(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
-    cpus, memory_mb, disk_mb = _sizes(session)
-    model = ListedSandbox(
-        template_id=record.template,
-        sandbox_id=record.sandbox_id,
-        client_id=CLIENT_ID,
-        started_at=record.started_at,
-        end_at=_end_at(service, record, session),
-        envd_version=ENVD_VERSION,
-        state=SandboxState.RUNNING,
-        alias=record.template,
-        metadata=record.metadata,
-        cpu_count=cpus,
-        memory_mb=memory_mb,
-        disk_size_mb=disk_mb,
-    )
-    return model.to_dict()
+    return ListedSandbox(**_described(service, record, session)).to_dict()
 
 
 @router.post("/v2/sandboxes", status_code=201, summary="E2B: create a sandbox (a session)")

@@ -13,6 +13,8 @@ shared background loop of `sandbox.sync`, and one CodeSession serves sync and as
 from __future__ import annotations
 
 import asyncio
+import atexit
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from types import TracebackType
@@ -44,6 +46,16 @@ class CodeSession(ABC):
         """A sandbox of this process: `local` (bubblewrap) or `docker` with backend config, or
         one from a backend you hold (and close yourself)."""
         return EmbeddedSession(backend, spec, config)
+
+    @staticmethod
+    def for_process() -> EmbeddedSession:
+        """A tool's default: an embedded local session, closed when the process exits."""
+        session = CodeSession.embedded()
+        # Not atexit: by then the thread pools that closing a sandbox uses are shut down. This
+        # hook (the one concurrent.futures itself uses) runs first, while the pools still work.
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(session.close_sync)
+        return session
 
     @staticmethod
     def remote(base_url: str, api_key: str | None, session_id: str | None = None) -> RemoteSession:

@@ -14,7 +14,6 @@ context while the application still gets them. Sync and async calls share one se
 
 from __future__ import annotations
 
-import atexit
 from typing import Any, Literal
 
 from langchain_core.tools import BaseTool, ToolException
@@ -37,12 +36,6 @@ def _explain(exc: Any) -> str:
     return f"[error] {explain_invalid(exc)}" if isinstance(exc, ValidationError) else str(exc)
 
 
-def _default_session() -> CodeSession:
-    session = CodeSession.embedded()
-    atexit.register(session.close_sync)
-    return session
-
-
 class CodeInterpreterTool(BaseTool):
     """Runs the model's code in one stateful sandbox session (by default an embedded one)."""
 
@@ -57,7 +50,7 @@ class CodeInterpreterTool(BaseTool):
     # A malformed call or a sandbox that cannot start is told to the model, not raised.
     handle_validation_error: Any = _explain
     handle_tool_error: Any = True
-    session: CodeSession = Field(default_factory=_default_session, exclude=True)
+    session: CodeSession = Field(default_factory=CodeSession.for_process, exclude=True)
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def _run(self, code: str, **_: Any) -> tuple[str, Execution]:

@@ -11,7 +11,6 @@ the first call, so the model does not juggle session ids: state lasts as long as
 
 from __future__ import annotations
 
-import atexit
 import base64
 from typing import Any
 
@@ -41,10 +40,7 @@ def code_interpreter_tool(
     Close a session you pass when the agent is done (`await session.close()`); the default
     one is closed when the process exits.
     """
-    if session is None:
-        session = CodeSession.embedded()
-        atexit.register(session.close_sync)
-    bound = session
+    bound = session if session is not None else CodeSession.for_process()
 
     async def invoke(context: RunContextWrapper[Any], raw_arguments: str) -> list[ToolOutput]:
         try:

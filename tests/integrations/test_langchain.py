@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from langchain_core.messages import ToolMessage
@@ -104,3 +108,20 @@ async def test_a_remote_session_lives_in_the_service(service: Server) -> None:
     wrong = CodeInterpreterTool(session=CodeSession.remote(service.url, KEY_A, "s-missing"))
     failed = wrong.invoke(call("1"))
     assert failed.status == "error" and "404" in failed.content
+
+
+def test_the_default_session_is_closed_when_the_process_exits(state_dir: Path) -> None:
+    # XDG_RUNTIME_DIR moves the embedded session's state directory to one of the test's own.
+    script = (
+        "from orchestrator.integrations.langchain import CodeInterpreterTool\n"
+        "print(CodeInterpreterTool().invoke({'code': '6 * 7'}))\n"
+    )
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(state_dir.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[result]\n42" in done.stdout, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    sessions = state_dir.parent / "code-interpreter" / "local"
+    assert list(sessions.iterdir()) == []  # the workspace and its directory are gone

@@ -156,7 +156,7 @@ async def over_http(handovers: int, runs: int) -> dict[str, list[float]]:
                 await asyncio.sleep(0.1)
 
             async def pool_ready() -> None:
-                while (await api.get("/healthz")).json()["pools"]["local"] < 1:
+                while (await api.get("/v1/status")).json()["pools"]["local"] < 1:
                     await asyncio.sleep(0.02)
 
             handover = []

@@ -20,8 +20,10 @@ from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
 from orchestrator.integrations.mcp_http import McpHttpFront
 from orchestrator.metrics import METRICS
+from orchestrator.request_guard import RequestGuard
 from orchestrator.routes import files, ops, sessions, tools
 from orchestrator.routes.deps import ClientGone
+from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
 from sandbox.errors import SandboxError
@@ -62,10 +64,20 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
         app.include_router(router)
     app.router.routes.append(mcp.route())
     # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.
-    e2b_running = mount_e2b(app, service).running if settings.e2b_compat else contextlib.nullcontext
+    sandboxes = mount_e2b(app, service) if settings.e2b_compat else None
+    e2b_running = sandboxes.running if sandboxes is not None else contextlib.nullcontext
+    # Outermost last: headers on every answer; sizes, then callers and nesting, before the app.
+    app.add_middleware(
+        RequestGuard,
+        authenticate=authenticate,
+        sandboxes=sandboxes,
+        max_json_depth=settings.max_json_depth,
+        metrics_public=settings.metrics_public,
+    )
     app.add_middleware(
         BodySizeLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes
     )
+    app.add_middleware(NoSniff)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:

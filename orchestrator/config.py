@@ -72,6 +72,13 @@ class Settings(BaseSettings):
         16 << 20, ge=1024, description="Largest request body other than a file upload."
     )
     max_download_bytes: int = Field(100 << 20, ge=1)
+    max_json_depth: int = Field(
+        64,
+        ge=8,
+        le=512,
+        description="Deepest nesting of arrays and objects a JSON request body may have; deeper "
+        "bodies are refused (400) before any parser reads them.",
+    )
     output_limit_chars: int = Field(1_000_000, ge=1000, description="Kept per execution.")
     tool_output_max_chars: int = Field(
         20_000,
@@ -81,6 +88,16 @@ class Settings(BaseSettings):
     )
     public_url: str | None = Field(
         None, description="Base URL for artifact links; by default the request's own."
+    )
+    outputs_max_bytes_per_session: int = Field(
+        256 << 20,
+        ge=1 << 16,
+        description="Kept executions and images per session; the oldest are evicted past it.",
+    )
+    outputs_max_bytes_total: int = Field(
+        4 << 30,
+        ge=1 << 16,
+        description="Kept executions and images of all sessions; the oldest are evicted past it.",
     )
 
     # --- E2B: the e2b backend's connection, and the E2B-compatible front (docs/e2b.md)
@@ -93,9 +110,20 @@ class Settings(BaseSettings):
         True, description="Serve E2B's API, so the unmodified E2B SDK runs on these sandboxes."
     )
 
+    # --- MCP over HTTP (/mcp)
+    mcp_idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="MCP connections and the sessions they made end after this long idle: "
+        "one-shot clients never say goodbye.",
+    )
+
     # --- server
     host: str = "127.0.0.1"
     port: int = 8000
+    metrics_public: bool = Field(
+        False, description="Serve /metrics without a key (a scraper on a private network)."
+    )
 
     @field_validator("api_keys", "backends", "docker_images", mode="before")
     @classmethod

@@ -2,29 +2,103 @@
 
 Per session, on disk: `<dir>/<session>/<execution id>.json` (the whole Execution) and
 `<dir>/<session>/<artifact id>.<ext>` (each image). They go with the session.
+
+Kept outputs have two quotas: bytes per session and bytes in all. Saving past either evicts the
+oldest executions (that session's first, then anyone's), with the images only they used. The
+accounting is kept in memory, in save order, so a save costs O(1) plus what it evicts, never a
+walk of the disk. Asking for an evicted execution or image answers `OutputEvicted` (410).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
 import secrets
 import shutil
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
+from orchestrator.json_responses import encode_large
+from orchestrator.sessions import SessionError
 from sandbox.models import Execution
 
+_DROPPED_REMEMBERED = 100_000  # ended sessions whose late saves are refused
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
+_REMEMBERED_EVICTIONS = 100_000  # ids still answered "evicted" (410) rather than "not found"
+_CHUNK = 1 << 20
+
+
+class OutputEvicted(SessionError):
+    """A kept execution or image was dropped to respect the quota on kept outputs."""
+
+    status = 410
+
+
+@dataclass
+class _Kept:
+    json_bytes: int
+    artifacts: tuple[str, ...]  # file names of the images it shows
+
+
+@dataclass
+class _SessionOutputs:
+    executions: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)  # oldest first
+    artifacts: dict[str, list[int]] = field(default_factory=dict)  # file name -> [users, bytes]
+    bytes: int = 0
+
+
+@dataclass
+class KeptFile:
+    """A kept execution's JSON, opened: eviction may remove its name, never what is read."""
+
+    file: BinaryIO
+    size: int
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            while chunk := await asyncio.to_thread(self.file.read, _CHUNK):
+                yield chunk
+        finally:
+            self.file.close()
 
 
 class OutputStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(
+        self, root: Path, *, max_bytes_per_session: int = 256 << 20, max_bytes_total: int = 4 << 30
+    ) -> None:
         self.root = root
-        # Sessions do not outlive the service, so neither do their outputs.
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True, exist_ok=True)
-        root.chmod(0o700)
+        self.max_bytes_per_session = max_bytes_per_session
+        self.max_bytes_total = max_bytes_total
+        self._lock = threading.Lock()  # saves run on threads
+        self._sessions: dict[str, _SessionOutputs] = {}
+        self._order: OrderedDict[tuple[str, str], None] = OrderedDict()  # every save, oldest first
+        self._bytes = 0
+        self._evicted: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, id) -> why
+        self._dropped: OrderedDict[str, None] = OrderedDict()  # ended sessions: keep nothing more
+
+    def clear(self) -> None:
+        """Start empty: sessions do not outlive the service, so neither do their outputs.
+        Called once this instance owns the state directory, never before."""
+        with self._lock:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.chmod(0o700)
+            self._sessions.clear()
+            self._order.clear()
+            self._evicted.clear()
+            self._dropped.clear()
+            self._bytes = 0
+
+    @property
+    def bytes_kept(self) -> int:
+        return self._bytes
 
     def _dir(self, session_id: str) -> Path:
         if not _ID.match(session_id):
@@ -32,28 +106,100 @@ class OutputStore:
         return self.root / session_id
 
     async def save(self, session_id: str, execution: Execution) -> str:
-        """Keep an execution and its images; return the execution's id."""
+        """Keep an execution and its images (evicting older ones past a quota); return its id."""
         execution_id = f"e-{secrets.token_hex(8)}"
         await asyncio.to_thread(self._save, session_id, execution_id, execution)
         return execution_id
 
     def _save(self, session_id: str, execution_id: str, execution: Execution) -> None:
         d = self._dir(session_id)
-        d.mkdir(exist_ok=True)
-        (d / f"{execution_id}.json").write_text(execution.model_dump_json())
-        for artifact in execution.artifacts:
-            path = d / f"{artifact.id}.{artifact.extension}"
-            if not path.exists():
-                path.write_bytes(artifact.data)
+        # The slow part, outside the lock, in small encodings: one native call over a big
+        # execution would hold the interpreter's lock (and every other request) until done.
+        data = encode_large(execution.model_dump(mode="json"))
+        images = {f"{a.id}.{a.extension}": a.data for a in execution.artifacts}
+        with self._lock:
+            if session_id in self._dropped:  # it ended while this run was finishing
+                return
+            kept = self._sessions.setdefault(session_id, _SessionOutputs())
+            new = {name: blob for name, blob in images.items() if name not in kept.artifacts}
+            size = len(data) + sum(len(blob) for blob in new.values())
+            if size > min(self.max_bytes_per_session, self.max_bytes_total):
+                self._remember(session_id, execution_id, f"its {size} bytes are over the quota")
+                return
+            for name in images:  # taken first: evictions below keep what this one shows
+                kept.artifacts.setdefault(name, [0, len(images[name])])[0] += 1
+            kept.executions[execution_id] = _Kept(len(data), tuple(images))
+            self._order[(session_id, execution_id)] = None
+            kept.bytes += size
+            self._bytes += size
+            gone: list[str] = []
+            while kept.bytes > self.max_bytes_per_session:
+                gone += self._evict(session_id, next(iter(kept.executions)))
+            while self._bytes > self.max_bytes_total:
+                gone += self._evict(*next(iter(self._order)))
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            d.mkdir(exist_ok=True)
+            _write(d / f"{execution_id}.json", data)
+            for name, blob in new.items():
+                _write(d / name, blob)
+            for path in gone:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
-    def execution(self, session_id: str, execution_id: str) -> Execution:
+    def _evict(self, session_id: str, execution_id: str) -> list[str]:
+        """Forget the execution (and images no other one shows); return the files to delete."""
+        kept = self._sessions[session_id]
+        item = kept.executions.pop(execution_id)
+        del self._order[(session_id, execution_id)]
+        d = self.root / session_id
+        gone = [str(d / f"{execution_id}.json")]
+        freed = item.json_bytes
+        self._remember(session_id, execution_id, "evicted")
+        for name in item.artifacts:
+            users = kept.artifacts[name]
+            users[0] -= 1
+            if users[0] == 0:
+                del kept.artifacts[name]
+                freed += users[1]
+                gone.append(str(d / name))
+                self._remember(session_id, name.rsplit(".", 1)[0], "evicted")
+        kept.bytes -= freed
+        self._bytes -= freed
+        return gone
+
+    def _remember(self, session_id: str, item_id: str, why: str) -> None:
+        self._evicted[(session_id, item_id)] = why
+        if len(self._evicted) > _REMEMBERED_EVICTIONS:
+            self._evicted.popitem(last=False)
+
+    def _missing(self, session_id: str, what: str, item_id: str) -> Exception:
+        """The error for an id not on disk: evicted (410, saying what to do) or unknown (404)."""
+        why = self._evicted.get((session_id, item_id))
+        if why is None:
+            return KeyError(item_id)
+        reason = "was evicted" if why == "evicted" else f"was not kept ({why})"
+        return OutputEvicted(
+            f"{what} {item_id} {reason} to respect the quota on kept outputs "
+            f"({self.max_bytes_per_session} bytes per session, {self.max_bytes_total} in all; "
+            "the oldest go first): run the code again, or have it write what you need to a "
+            "file in the workspace"
+        )
+
+    def open_execution(self, session_id: str, execution_id: str) -> KeptFile:
+        """The kept JSON of an execution, as stored (it is already a serialised Execution)."""
         if not _ID.match(execution_id):
             raise KeyError(execution_id)
-        path = self._dir(session_id) / f"{execution_id}.json"
         try:
-            return Execution.model_validate_json(path.read_text())
+            f = open(self._dir(session_id) / f"{execution_id}.json", "rb")  # noqa: SIM115
         except FileNotFoundError:
-            raise KeyError(execution_id) from None
+            raise self._missing(session_id, "execution", execution_id) from None
+        return KeptFile(f, os.fstat(f.fileno()).st_size)
+
+    def execution(self, session_id: str, execution_id: str) -> Execution:
+        """A kept execution, parsed: blocking, so callers on the event loop use a thread."""
+        kept = self.open_execution(session_id, execution_id)
+        with kept.file:
+            return Execution.model_validate_json(kept.file.read())
 
     def artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
         if not _ID.match(artifact_id):
@@ -62,7 +208,22 @@ class OutputStore:
             path = self._dir(session_id) / f"{artifact_id}.{ext}"
             if path.is_file():
                 return path, mime
-        raise KeyError(artifact_id)
+        raise self._missing(session_id, "image", artifact_id)
 
     def drop(self, session_id: str) -> None:
-        shutil.rmtree(self._dir(session_id), ignore_errors=True)
+        """Forget an ended session's outputs (blocking: call it from a worker thread)."""
+        with self._lock:
+            self._dropped[session_id] = None
+            while len(self._dropped) > _DROPPED_REMEMBERED:
+                self._dropped.popitem(last=False)
+            kept = self._sessions.pop(session_id, None)
+            if kept is not None:
+                for execution_id in kept.executions:
+                    del self._order[(session_id, execution_id)]
+                self._bytes -= kept.bytes
+            shutil.rmtree(self._dir(session_id), ignore_errors=True)
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)

@@ -5,15 +5,38 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import Base64Bytes, BaseModel, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    Base64Bytes,
+    BaseModel,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from orchestrator.tool import ToolFormat
 from sandbox.models import Execution
 from sandbox.spec import ResourceLimits
 
+
+def _encodable(text: str) -> str:
+    """JSON may spell a lone surrogate (`"\\udc80"`), which no UTF-8 text can hold: refused here
+    with where it is, rather than failing later on its way to the kernel."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), "
+            "which is not valid Unicode text; send well-formed UTF-8"
+        ) from None
+    return text
+
+
+# Every string that reaches a kernel (code, environment, working directory): valid Unicode.
+KernelText = Annotated[str, AfterValidator(_encodable)]
 # An environment variable's name as shells and os.environ accept it; values hold no NUL.
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
-EnvValue = Annotated[str, StringConstraints(pattern=r"^[^\x00]*$", max_length=65536)]
+EnvValue = Annotated[KernelText, StringConstraints(pattern=r"^[^\x00]*$", max_length=65536)]
 Env = dict[EnvName, EnvValue]
 
 
@@ -64,10 +87,10 @@ class SessionInfo(BaseModel):
 
 
 class ExecuteRequest(BaseModel):
-    code: str
+    code: KernelText
     timeout_s: float | None = Field(None, gt=0)
     env: Env | None = None
-    cwd: str | None = None
+    cwd: KernelText | None = None
 
 
 class ExecutionRecord(Execution):

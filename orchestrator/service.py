@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 from pydantic import ValidationError
@@ -14,6 +15,7 @@ from orchestrator.host_tools import (
     ToolRegistry,
     UnknownTools,
 )
+from orchestrator.instance_lock import InstanceLock
 from orchestrator.metrics import METRICS
 from orchestrator.outputs import OutputStore
 from orchestrator.schemas import (
@@ -50,15 +52,25 @@ class ToolsNotAvailable(SessionError):
 class Service:
     def __init__(self, settings: Settings, tools: ToolRegistry | None = None) -> None:
         self.settings = settings
-        self.outputs = OutputStore(settings.state_dir / "outputs")
+        self.outputs = OutputStore(
+            settings.state_dir / "outputs",
+            max_bytes_per_session=settings.outputs_max_bytes_per_session,
+            max_bytes_total=settings.outputs_max_bytes_total,
+        )
         self.sessions = SessionManager(settings, on_end=self._session_ended)
         # Host tools sessions may call: those given in code, then those the settings name.
         self.tools = tools if tools is not None else ToolRegistry()
         self.tools.configure(settings.host_tools)
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
+        self._instance_lock: InstanceLock | None = None  # held from start to close
 
     async def start(self) -> None:
+        # First of all: a second instance on this state dir stops here, before it clears
+        # anything that belongs to the live one.
+        s = self.settings
+        self._instance_lock = InstanceLock.acquire(s.state_dir, s.orchestrator_id)
         try:
+            self.outputs.clear()
             await self.tools.start()
             self.tools.select(self.settings.host_tools.session_default)  # all must exist
             await self.sessions.start()
@@ -67,14 +79,20 @@ class Service:
             raise
 
     async def close(self) -> None:
-        await self.sessions.close()
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
-        await self.tools.close()
+        try:
+            await self.sessions.close()
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+            await self.tools.close()
+        finally:  # last: nothing of this instance is left running
+            if self._instance_lock is not None:
+                self._instance_lock.release()
+                self._instance_lock = None
 
-    def _session_ended(self, session_id: str) -> None:
-        self.outputs.drop(session_id)
+    async def _session_ended(self, session_id: str) -> None:
+        # Off the loop: it may wait for a save writing a large execution, then delete files.
+        await asyncio.to_thread(self.outputs.drop, session_id)
         channel = self._channels.pop(session_id, None)
         if channel is not None:
             channel.close()
@@ -181,7 +199,9 @@ class Service:
             backend=session.backend,
             limits=session.sandbox.spec.limits,
             created_at=datetime.fromtimestamp(session.created_at, UTC),
-            idle_expires_in_s=max(0.0, s.idle_timeout_s - session.idle_for()),
+            idle_expires_in_s=max(
+                0.0, (session.idle_timeout_s or s.idle_timeout_s) - session.idle_for()
+            ),
             lifetime_expires_in_s=max(0.0, s.max_lifetime_s - session.age()),
             busy=session.busy > 0,
             executions=session.executions,

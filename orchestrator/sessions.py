@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from orchestrator.config import Settings
@@ -59,6 +59,7 @@ class Session:
     from_pool: bool = False
     executions: int = 0
     busy: int = 0  # requests in flight that keep the session from being idle
+    idle_timeout_s: float | None = None  # its own idle expiry (MCP's); None: the service's
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -82,7 +83,9 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, settings: Settings, on_end: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, settings: Settings, on_end: Callable[[str], Awaitable[None]] | None = None
+    ) -> None:
         self.settings = settings
         self._on_end = on_end  # told each ended session's id (to drop what is kept for it)
         self.backends: dict[str, Backend] = {}
@@ -231,7 +234,7 @@ class SessionManager:
         except Exception:
             log.exception("closing the sandbox of %s failed", session_id)
         if self._on_end is not None:
-            self._on_end(session_id)
+            await self._on_end(session_id)
 
     # ----------------------------------------------------------------------------------------
 
@@ -239,8 +242,9 @@ class SessionManager:
         s = self.settings
         if session.age() > s.max_lifetime_s:
             return f"expired: it reached the maximum lifetime of {s.max_lifetime_s:g} s"
-        if session.idle_for() > s.idle_timeout_s:
-            return f"expired after {s.idle_timeout_s:g} s without activity"
+        idle_timeout_s = session.idle_timeout_s or s.idle_timeout_s
+        if session.idle_for() > idle_timeout_s:
+            return f"expired after {idle_timeout_s:g} s without activity"
         return None
 
     async def reap(self) -> int:

@@ -202,3 +202,8 @@ class FileInfo(BaseModel):
     type: Literal["file", "directory", "symlink", "other"]
     size: int
     modified_at: datetime
+    name_escaped: bool = Field(
+        False,
+        description="A name on the path is not valid UTF-8: its bytes are shown as \\xNN "
+        "escapes, so the path names no file here; rename it from code to reach it.",
+    )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, Field
 
 
 class ResourceLimits(BaseModel):
@@ -22,11 +24,22 @@ class ResourceLimits(BaseModel):
     )
 
 
+def check_environment(env: dict[str, str]) -> dict[str, str]:
+    """Refuse what no environment can hold: a NUL anywhere (it would end the string, or an
+    argument of a launcher), an empty name, or `=` in a name."""
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(f"{name!r} is not an environment variable name")
+        if "\0" in value:
+            raise ValueError(f"the value of {name} holds a NUL character")
+    return env
+
+
 class SandboxSpec(BaseModel):
     """Everything needed to start one sandbox."""
 
     limits: ResourceLimits = Field(default_factory=ResourceLimits)
-    env: dict[str, str] = Field(
+    env: Annotated[dict[str, str], AfterValidator(check_environment)] = Field(
         default_factory=dict, description="Environment variables of the kernel, for its lifetime."
     )
     image: str | None = Field(None, description="Kernel image (Docker); None for the default.")

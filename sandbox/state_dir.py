@@ -6,7 +6,10 @@ an orphan.
 
 When the orchestrator runs as root, the workspace is a size-capped tmpfs of its own, mounted here
 and bound into the sandbox: a full disk stays inside the session, and the files outlive kernel
-restarts (and, on Docker, containers).
+restarts (and, on Docker, containers). The sandbox's directory and its kernel directory are then
+small tmpfs mounts too, so that what the sandbox sees of its binds in /proc/self/mountinfo (each
+mount's path within its own filesystem) names neither the state dir nor a sandbox id: only `/`,
+`/etc/passwd`, `/host-tools`.
 """
 
 from __future__ import annotations
@@ -14,17 +17,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
+import re
 import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from sandbox.host_commands import HOST_ENVIRONMENT, system_program
+from sandbox.process_identity import process_start_time
+from sandbox.tree_removal import remove_tree_at
 
 log = logging.getLogger(__name__)
 
 _PASSWD = "root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:1000:1000:sandbox:/tmp:/bin/sh\n"
 _PASSWD += "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
 _GROUP = "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n"
+# The sandbox's own directory holds small files only (passwd, group, the host-tool module and
+# manifest); the kernel directory holds connection files and sockets.
+_ROOT_TMPFS = "size=4m,nr_inodes=1024"
+_KERNEL_TMPFS = "size=1m,nr_inodes=256"
 
 
 def default_state_dir() -> Path:
@@ -49,16 +60,8 @@ def _private_dir(path: Path, mode: int) -> None:
     path.chmod(mode)
 
 
-def _process_start_time(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _this_process() -> dict[str, object]:
-    return {"pid": os.getpid(), "start": _process_start_time(os.getpid())}
+    return {"pid": os.getpid(), "start": process_start_time(os.getpid())}
 
 
 @dataclass(frozen=True)
@@ -101,21 +104,24 @@ class SessionDirs:
         _private_dir(state_dir / backend, 0o711)
         dirs = cls(state_dir / backend / sandbox_id)
         dirs.root.mkdir(mode=root_mode)
-        dirs.root.chmod(root_mode)
-        (dirs.root / "owner").write_text(json.dumps(_this_process()))
+        # As root, a sandbox with a workspace of its own size gets private mounts; otherwise
+        # (no sandbox at all, or not root) the directories stay plain ones on disk.
+        private_mounts = bool(workspace_size_mb) and os.geteuid() == 0
         try:
+            if private_mounts:
+                _mount_tmpfs(dirs.root, f"{_ROOT_TMPFS},mode={root_mode:o},uid=0,gid=0")
+            dirs.root.chmod(root_mode)
+            (dirs.root / "owner").write_text(json.dumps(_this_process()))
             dirs.kernel.mkdir(mode=0o700)
+            if private_mounts:
+                _mount_tmpfs(dirs.kernel, f"{_KERNEL_TMPFS},mode=0700,uid=0,gid=0,noexec")
             dirs.workspace.mkdir(mode=0o700)
             if owner:
                 os.chown(dirs.workspace, *owner)
-            if workspace_size_mb and os.geteuid() == 0:
+            if private_mounts:
                 uid, gid = owner or (0, 0)
-                options = f"size={workspace_size_mb}m,mode=0700,uid={uid},gid={gid},nosuid,nodev"
-                subprocess.run(
-                    ["mount", "-t", "tmpfs", "-o", options, "cir-workspace", str(dirs.workspace)],
-                    check=True,
-                    capture_output=True,
-                )
+                options = f"size={workspace_size_mb}m,mode=0700,uid={uid},gid={gid}"
+                _mount_tmpfs(dirs.workspace, options)
             dirs.etc.mkdir(mode=0o755)
             (dirs.etc / "passwd").write_text(_PASSWD)
             (dirs.etc / "group").write_text(_GROUP)
@@ -140,7 +146,7 @@ class SessionDirs:
                 owner = json.loads((entry / "owner").read_text())
             except (OSError, ValueError):
                 owner = None
-            if owner and _process_start_time(int(owner["pid"])) == owner.get("start"):
+            if owner and process_start_time(int(owner["pid"])) == owner.get("start"):
                 continue  # its orchestrator is alive
             log.info("removing orphaned sandbox directory %s", entry)
             _remove_tree(entry)
@@ -148,9 +154,57 @@ class SessionDirs:
         return removed
 
 
+def _mount_tmpfs(path: Path, options: str) -> None:
+    """Mount a tmpfs of its own on `path`; its source name says what it is, nothing more."""
+    subprocess.run(
+        [system_program("mount"), "-t", "tmpfs", "-o", f"{options},nosuid,nodev", "cir", str(path)],
+        check=True,
+        capture_output=True,
+        env=HOST_ENVIRONMENT,
+    )
+
+
+def _mounts_under(root: Path) -> list[str]:
+    """The mount points at or below `root`, deepest first."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode(errors="surrogateescape").splitlines()
+    except OSError:
+        return []
+    top = os.path.realpath(root)
+    found = []
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            # mountinfo escapes space, tab, newline and backslash as \ooo.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point == top or point.startswith(top + "/"):
+                found.append(point)
+    return sorted(set(found), key=len, reverse=True)
+
+
+def _unmount_all(root: Path) -> None:
+    """Unmount every mount at or below `root` (workspace, kernel dir, the root itself)."""
+    for _ in range(8):  # a point mounted twice needs a second round
+        points = _mounts_under(root)
+        if not points:
+            return
+        for point in points:
+            subprocess.run(
+                [system_program("umount"), "--lazy", point],
+                check=False,
+                capture_output=True,
+                env=HOST_ENVIRONMENT,
+            )
+
+
 def _remove_tree(root: Path) -> None:
-    """Unmount the workspace tmpfs, if any, then delete the directory."""
-    workspace = root / "workspace"
-    if os.path.ismount(workspace):
-        subprocess.run(["umount", "--lazy", str(workspace)], check=False, capture_output=True)
-    shutil.rmtree(root, ignore_errors=True)
+    """Unmount the workspace tmpfs, if any, then delete the directory: without recursion, since
+    the sandbox may have left a tree there deeper than recursion or PATH_MAX allow."""
+    _unmount_all(root)
+    try:
+        remove_tree_at(root)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove all of %s: %s", root, exc)

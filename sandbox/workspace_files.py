@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from sandbox.dir_stack import DirStack, TreeChanged
 from sandbox.errors import FileAccessError, FileMissing, FileTooLarge, InvalidPath
+from sandbox.tree_removal import remove_tree
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Listings go this deep below the directory asked for; deeper directories are shown, not entered.
+MAX_LIST_DEPTH = 4096
 
 
 def clean_path(path: str, *, allow_root: bool = False) -> tuple[str, ...]:
@@ -45,6 +48,9 @@ class Entry:
     kind: Literal["file", "directory", "symlink", "other"]
     size: int
     mtime: float
+    # True when a name on the path is not valid UTF-8: `path` shows its bytes as \xNN escapes,
+    # so it reads safely but names no file; the sandboxed code can rename it.
+    name_escaped: bool = False
 
 
 class Workspace:
@@ -138,49 +144,71 @@ class Workspace:
         return Entry("/".join(parts), "file", st.st_size, st.st_mtime)
 
     def remove(self, path: str) -> None:
+        """Remove a file, a symlink (never what it points at) or a directory tree of any depth."""
         parts = clean_path(path)
         with self._dir(parts[:-1]) as dfd:
             try:
-                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(parts[-1], dir_fd=dfd)
-                else:
-                    os.unlink(parts[-1], dir_fd=dfd)
+                remove_tree(dfd, parts[-1])
             except FileNotFoundError:
                 raise FileMissing(f"no such file: {path!r}") from None
             except OSError as exc:
                 raise FileAccessError(f"cannot remove {path!r}: {_why(exc)}") from exc
 
     def list_dir(
-        self, path: str = "", *, recursive: bool = False, limit: int = 10_000
+        self,
+        path: str = "",
+        *,
+        recursive: bool = False,
+        limit: int = 10_000,
+        max_depth: int = MAX_LIST_DEPTH,
     ) -> list[Entry]:
-        """Entries under `path`, sorted, at most `limit`; a walk holds one directory open."""
-        out: list[Entry] = []
-        top = clean_path(path, allow_root=True)
-        pending = [top]
-        while pending and len(out) < limit:
-            parts = pending.pop(0)
-            prefix = "/".join(parts)
-            try:
-                with self._dir(parts) as dfd:
-                    names = sorted(os.listdir(dfd))
-                    for name in names:
-                        if len(out) >= limit:
-                            break
-                        entry = self._entry(dfd, name, f"{prefix}/{name}" if prefix else name)
-                        if entry is None:
-                            continue
-                        out.append(entry)
-                        if recursive and entry.kind == "directory":
-                            pending.append((*parts, name))
-            except FileAccessError:
-                if parts == top:  # the directory asked for; a subdirectory that changed
-                    raise  # under the walk is skipped
+        """Entries under `path`, at most `limit`: depth first, sorted within each directory.
 
+        Each directory is opened once, from its parent's descriptor, so a walk costs O(entries)
+        whatever the depth; directories more than `max_depth` below `path` are listed but not
+        entered. A subdirectory that changes under the walk is skipped.
+        """
+        top = clean_path(path, allow_root=True)
+        out: list[Entry] = []
+        with self._dir(top) as top_fd:
+            stack = DirStack(top_fd)
+            try:
+                pending = [_sorted_names(top_fd, path)]
+                prefixes = [("/".join(top), False)]  # shown path, and whether it was escaped
+                while pending and len(out) < limit:
+                    if not pending[-1]:
+                        pending.pop()
+                        prefixes.pop()
+                        if stack.depth:
+                            stack.pop()
+                        continue
+                    name = pending[-1].pop()
+                    prefix, escaped = prefixes[-1]
+                    shown, name_escaped = shown_name(name)
+                    rel = f"{prefix}/{shown}" if prefix else shown
+                    entry = self._entry(stack.fd, name, rel, escaped or name_escaped)
+                    if entry is None:
+                        continue
+                    out.append(entry)
+                    if recursive and entry.kind == "directory" and stack.depth < max_depth:
+                        try:
+                            stack.push(name)
+                        except OSError:
+                            continue  # no longer a directory
+                        try:
+                            pending.append(_sorted_names(stack.fd, rel))
+                        except FileAccessError:
+                            stack.pop()
+                            continue
+                        prefixes.append((rel, entry.name_escaped))
+            except TreeChanged as exc:
+                raise FileAccessError(f"{path!r} changed while it was listed; try again") from exc
+            finally:
+                stack.close()
         return out
 
     @staticmethod
-    def _entry(dfd: int, name: str, rel: str) -> Entry | None:
+    def _entry(dfd: int, name: str, rel: str, escaped: bool) -> Entry | None:
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
@@ -194,7 +222,7 @@ class Workspace:
             if stat.S_ISLNK(st.st_mode)
             else "other"
         )
-        return Entry(rel, kind, st.st_size if kind == "file" else 0, st.st_mtime)
+        return Entry(rel, kind, st.st_size if kind == "file" else 0, st.st_mtime, escaped)
 
     @staticmethod
     def _open_regular(dfd: int, name: str, flags: int) -> int:
@@ -208,6 +236,27 @@ class Workspace:
             os.close(fd)
             raise FileAccessError(f"{name!r} is not a plain file")
         return fd
+
+
+def shown_name(name: str) -> tuple[str, bool]:
+    """A name as listed: itself when it is valid UTF-8, else its bytes with \\xNN escapes
+    (JSON and protobuf carry only valid text), and whether it was escaped."""
+    if name.isascii():
+        return name, False
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raw = name.encode("utf-8", "surrogateescape")
+        return raw.decode("utf-8", "backslashreplace"), True
+    return name, False
+
+
+def _sorted_names(dfd: int, path: str) -> list[str]:
+    """The directory's names in reverse order (the walk pops them from the end)."""
+    try:
+        return sorted(os.listdir(dfd), reverse=True)
+    except OSError as exc:
+        raise FileAccessError(f"cannot list {path!r}: {_why(exc)}") from exc
 
 
 def _why(exc: OSError) -> str:

@@ -6,6 +6,7 @@ developer's machine but fails in CI (CI=true), where everything must run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -19,6 +20,7 @@ import pytest
 from sandbox import Backend, Sandbox, SandboxSpec, create_backend
 from sandbox.registry import why_unavailable
 from sandbox.spec import ResourceLimits
+from sandbox.tree_removal import remove_tree_at
 
 ALL_BACKENDS = ("local", "docker")
 # Each test run labels its containers with an id of its own, so clean-up checks are exact.
@@ -63,6 +65,19 @@ def small_spec(**overrides: object) -> SandboxSpec:
     }
     fields.update(overrides)
     return SandboxSpec.model_validate(fields)
+
+
+@pytest.fixture(autouse=True)
+def _tmp_path_removed_without_recursion(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests plant trees thousands of levels deep; pytest's own clean-up of old temporary
+    directories recurses and would crash a later run on them, so each is removed here."""
+    if "tmp_path" not in request.fixturenames:
+        yield
+        return
+    path: Path = request.getfixturevalue("tmp_path")  # set up first, so torn down after this
+    yield
+    with contextlib.suppress(FileNotFoundError):
+        remove_tree_at(path)
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import asyncio
 import os
 import uuid
 
+import pytest
+
 from sandbox import Backend, ExecutionStatus, Sandbox
 from tests.conftest import host_processes_with, small_spec
 
@@ -247,3 +249,57 @@ async def test_the_kernel_directory_cannot_be_tampered_with(sandbox: Sandbox) ->
     # Whatever was planted is cleared before the next kernel: the restart cannot hang.
     await asyncio.wait_for(sandbox.restart(), 60)
     assert (await sandbox.execute("1 + 1")).text == "2"
+
+
+# x86-64 numbers: io_uring_setup, userfaultfd, perf_event_open, keyctl, add_key, unshare, bpf,
+# mount, init_module, kexec_load, ptrace.
+DANGEROUS_CALLS = (
+    "calls = {'io_uring_setup': (425, 8, None), 'userfaultfd': (323, 1),\n"
+    "         'perf_event_open': (298, None, 0, -1, -1, 0), 'keyctl': (250, 0, -3, 1),\n"
+    "         'add_key': (248, b'user', b'k', b'v', 1, -3), 'unshare': (272, 0x20000),\n"
+    "         'bpf': (321, 0, None, 0), 'mount': (165, b'none', b'/tmp', b'tmpfs', 0, None),\n"
+    "         'init_module': (175, None, 0, b''), 'kexec_load': (246, 0, 0, None, 0),\n"
+    "         'ptrace': (101, 16, 1, None, None)}\n"
+)
+
+
+async def test_dangerous_system_calls_are_refused(sandbox: Sandbox) -> None:
+    code = (
+        "import ctypes, errno, platform\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n" + DANGEROUS_CALLS + "def outcome(args):\n"
+        "    ctypes.set_errno(0)\n"
+        "    r = libc.syscall(*args)\n"
+        "    return errno.errorcode.get(ctypes.get_errno(), 'OK') if r == -1 else 'allowed'\n"
+        "platform.machine(), {name: outcome(args) for name, args in calls.items()}"
+    )
+    machine, outcomes = eval(await run_ok(sandbox, code))
+    if machine != "x86_64":
+        pytest.skip("the system call numbers above are x86-64's")
+    refused = {name: r for name, r in outcomes.items() if r in ("EPERM", "ENOSYS")}
+    assert refused == outcomes, {n: r for n, r in outcomes.items() if n not in refused}
+    # What the kernel's own work needs still runs: threads, subprocesses, numpy, pandas.
+    work = await run_ok(
+        sandbox,
+        "import subprocess, threading, numpy as np, pandas as pd\n"
+        "box = []\n"
+        "t = threading.Thread(target=lambda: box.append(int(np.arange(10).sum()))); t.start()\n"
+        "t.join()\n"
+        "out = subprocess.run(['sh', '-c', 'echo $((6*7))'], capture_output=True, text=True)\n"
+        "(box[0], out.stdout.strip(), int(pd.Series([1, 2]).sum()))",
+    )
+    assert work == "(45, '42', 3)"
+
+
+async def test_shared_memory_is_size_capped(sandbox: Sandbox) -> None:
+    code = (  # files of 8 MiB, each below the file-size limit: only the size cap can stop them
+        "import errno, glob, os\n"
+        "try:\n"
+        "    for i in range(40):\n"
+        "        with open(f'/dev/shm/fill-{i}', 'wb') as f: f.write(b'x' * (8 << 20))\n"
+        "    r = 'filled'\n"
+        "except OSError as e:\n"
+        "    r = errno.errorcode[e.errno]\n"
+        "for p in glob.glob('/dev/shm/fill-*'): os.unlink(p)\n"
+        "r"
+    )
+    assert await run_ok(sandbox, code) == "'ENOSPC'"

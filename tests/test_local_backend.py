@@ -11,6 +11,7 @@ import pytest
 from sandbox import BackendUnavailable, cgroups, create_backend
 from sandbox.backends.local import LocalBackend, LocalBackendConfig
 from sandbox.cgroups import SandboxCgroup
+from sandbox.spec import ResourceLimits, SandboxSpec
 
 
 async def test_missing_bwrap_says_how_to_install_it(state_dir: Path) -> None:
@@ -57,3 +58,27 @@ async def test_orphans_of_a_dead_orchestrator_are_removed_and_nothing_else(
     assert [p.name for p in base.iterdir()] == [live.id]
     assert (await live.execute("1")).ok
     await live.close()
+
+
+async def test_host_wide_proc_files_describe_the_sandbox_or_nothing(state_dir: Path) -> None:
+    backend = create_backend("local", state_dir=state_dir)
+    spec = SandboxSpec(limits=ResourceLimits(memory_mb=1536, cpus=1))
+    async with await backend.create(spec) as sb:
+        ex = await sb.execute(
+            "import os\n"
+            "def read(p):\n"
+            "    try:\n"
+            "        return open(p).read()\n"
+            "    except OSError:\n"
+            "        return ''\n"
+            "masked = ['/proc/pressure/cpu', '/proc/pressure/memory', '/proc/vmstat',\n"
+            "          '/proc/diskstats', '/proc/interrupts', '/proc/softirqs', '/proc/swaps',\n"
+            "          '/proc/zoneinfo', '/proc/keys', '/proc/timer_list', '/proc/kcore']\n"
+            "mem = dict(l.split(':') for l in read('/proc/meminfo').splitlines())\n"
+            "cpus = [l for l in read('/proc/stat').splitlines()\n"
+            "        if l.startswith('cpu') and l[3:4].isdigit()]\n"
+            "([p for p in masked if read(p)], mem['MemTotal'].strip(), len(cpus),\n"
+            " read('/proc/loadavg').split()[:3], os.cpu_count())"
+        )
+        assert ex.ok, ex.error
+        assert ex.text == f"([], '{1536 << 10} kB', 1, ['0.00', '0.00', '0.00'], 1)"

@@ -22,10 +22,10 @@ from pydantic import BaseModel
 from orchestrator.e2b.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b.errors import E2BError, E2BRoute
 from orchestrator.e2b.sandboxes import E2BRecord
-from orchestrator.schemas import Env, ExecutionRecord
+from orchestrator.schemas import Env, ExecutionRecord, KernelText
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
-from orchestrator.streaming import Finished, Keepalive, follow
+from orchestrator.streaming import Dropped, Finished, Keepalive, follow
 from sandbox.errors import SandboxError
 from sandbox.kernel.collector import EventSink
 from sandbox.models import (
@@ -43,7 +43,7 @@ _TEXT_FORMS = ("text", "html", "markdown", "latex", "png", "jpeg", "svg", "pdf",
 
 
 class ExecuteBody(BaseModel):
-    code: str
+    code: KernelText
     context_id: str | None = None
     language: str | None = None
     env_vars: Env | None = None
@@ -108,6 +108,8 @@ async def execute(body: ExecuteBody, reached: ReachedDep, service: ServiceDep) -
                 async for item in events:
                     if isinstance(item, Keepalive):
                         yield _encode({"type": "keepalive"})
+                    elif isinstance(item, Dropped):  # E2B's stream has no other way to say it
+                        yield _encode(_line(StderrEvent(text=item.message)) or {})
                     elif isinstance(item, Finished):
                         count = item.value.execution_count
                         if count is not None:

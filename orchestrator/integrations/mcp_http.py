@@ -2,8 +2,9 @@
 
 The same bearer keys as the REST API guard it, and the caller's owner travels in the request's
 scope to the tools, so one key never reaches another key's sessions. When a client ends its MCP
-session (DELETE with its Mcp-Session-Id), the sandbox session behind it ends too; an MCP session
-that is never ended expires with the service's idle timeout, like any session.
+session (DELETE with its Mcp-Session-Id), the sandbox session behind it ends too. Each connection
+belongs to the key that opened it. Connections, and the sessions MCP makes, that are never ended
+expire after `mcp_idle_timeout_s` idle: one-shot clients seldom say goodbye.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import HTTPException, Request
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
 from orchestrator.integrations.mcp_server import (
@@ -47,7 +50,7 @@ class McpHttpFront:
         server.streamable_http_app(
             streamable_http_path=MCP_PATH,
             host=settings.host,
-            session_idle_timeout=settings.idle_timeout_s,
+            session_idle_timeout=settings.mcp_idle_timeout_s,
             max_request_body_size=settings.max_request_bytes,
         )
         manager: StreamableHTTPSessionManager = server.session_manager
@@ -67,7 +70,18 @@ class McpHttpFront:
         if self._transport is None:
             raise HTTPException(503, "the MCP endpoint is starting or stopping")
         scope[OWNER_SCOPE_KEY] = owner
-        await self._transport(scope, receive, send)
+        # The transport binds each connection to the principal that opened it: another key's
+        # request on it answers 404, exactly like an unknown connection.
+        scope["user"] = AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[]))
+        status = 0
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self._transport(scope, receive, watched)
         connection = request.headers.get("mcp-session-id")
-        if request.method == "DELETE" and connection:
+        if request.method == "DELETE" and connection and 200 <= status < 300:
             await self.connections.end(owner, connection)

@@ -33,9 +33,16 @@ from pydantic import Field
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.host_tools.describe import summaries
+from orchestrator.integrations.stdio_state_dir import remove_own, stdio_state_dir
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
-from orchestrator.sessions import Session, SessionError, SessionExpired, SessionNotFound
+from orchestrator.sessions import (
+    Session,
+    SessionError,
+    SessionExpired,
+    SessionLimitReached,
+    SessionNotFound,
+)
 from orchestrator.tool import (
     LIBRARIES,
     MAX_INLINE_IMAGE_BYTES,
@@ -119,8 +126,12 @@ class ConnectionSessions:
         request = CreateSessionRequest(tools=self.service.settings.host_tools.session_default)
         try:
             session = await self.service.create_session(owner, request)
+        except SessionLimitReached as exc:
+            raise ToolFailure(self._quota_full(owner, exc)) from None
         except (SessionError, SandboxError) as exc:
             raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
+        # Clients that never end their connection are common: what MCP makes expires soon.
+        session.idle_timeout_s = self.service.settings.mcp_idle_timeout_s
         if connection is not None:
             live = {s.id for s in self.service.sessions.list(owner)}
             for key in [k for k, sid in self.by_connection.items() if k[0] == owner]:
@@ -129,6 +140,23 @@ class ConnectionSessions:
                     self._starting.pop(key, None)
             self.by_connection[(owner, connection)] = session.id
         return session, note
+
+    def _quota_full(self, owner: str, exc: SessionLimitReached) -> str:
+        """The way out of a full quota, in MCP's terms, naming the sessions that hold it."""
+        idle_s = self.service.settings.mcp_idle_timeout_s
+        held = sorted(self.service.sessions.list(owner), key=lambda s: -s.idle_for())
+        listed = "\n".join(
+            f"- {s.id}: idle {s.idle_for():.0f} s"
+            + (f", ends in {max(0.0, idle_s - s.idle_for()):.0f} s" if s.idle_timeout_s else "")
+            for s in held
+        )
+        return (
+            f"[error] could not start a sandbox: {exc}.\nIts sessions:\n{listed}\n"
+            "To go on: reuse one MCP connection for many calls (or pass an earlier result's "
+            "session_id); close MCP clients you are done with (closing sends DELETE, which ends "
+            f"their sandbox); sessions made over MCP end after {idle_s:g} s without a call, so "
+            "waiting frees them; or end one with DELETE /v1/sessions/<id> and this API key."
+        )
 
     async def end(self, owner: str, connection: str) -> None:
         """The connection ended: so does its session."""
@@ -294,10 +322,14 @@ def build_mcp_server(
 async def serve_stdio(settings: Settings) -> None:
     """Serve one MCP client over stdin/stdout (how desktop clients launch servers) until it
     leaves; every sandbox is closed on the way out."""
-    service = Service(settings)
-    await service.start()
+    own = stdio_state_dir(settings.state_dir)  # several clients may each start one
+    service = Service(settings.model_copy(update={"state_dir": own}))
     try:
-        server, _ = build_mcp_server(service)
-        await server.run_stdio_async()
+        await service.start()
+        try:
+            server, _ = build_mcp_server(service)
+            await server.run_stdio_async()
+        finally:
+            await service.close()
     finally:
-        await service.close()
+        remove_own(own)

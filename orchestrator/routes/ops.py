@@ -1,27 +1,44 @@
-"""Health and metrics, for load balancers and Prometheus."""
+"""Liveness for load balancers (public, says nothing else), the service's status and Prometheus
+metrics (behind a key: they count every tenant's sessions and errors)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.metrics import METRICS
-from orchestrator.routes.deps import ServiceDep
+from orchestrator.routes.deps import OwnerDep, ServiceDep, get_owner
 
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/healthz", summary="Liveness and what the service holds")
-async def healthz(service: ServiceDep) -> dict[str, object]:
+@router.get("/healthz", summary="Liveness: the service answers")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/v1/status", summary="The caller's sessions, the backends and their warm pools")
+async def status(service: ServiceDep, owner: OwnerDep) -> dict[str, object]:
     return {
         "status": "ok",
-        "sessions": service.sessions.count,
+        "sessions": len(service.sessions.list(owner)),
         "backends": list(service.sessions.backends),
         "pools": {name: pool.ready for name, pool in service.sessions.pools.items()},
     }
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+def metrics_reader(request: Request, service: ServiceDep) -> None:
+    """A key is needed unless the operator made the metrics public (`metrics_public`)."""
+    if not service.settings.metrics_public:
+        get_owner(request)
+
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (a bearer key, unless metrics_public)",
+    response_class=Response,
+    dependencies=[Depends(metrics_reader)],
+)
 async def metrics() -> Response:
     return Response(generate_latest(METRICS.registry), media_type=CONTENT_TYPE_LATEST)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -9,6 +10,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 
+from orchestrator.json_responses import json_response
 from orchestrator.routes.deps import OwnerDep, ServiceDep, SessionDep, unless_disconnected
 from orchestrator.schemas import (
     CreateSessionRequest,
@@ -17,12 +19,18 @@ from orchestrator.schemas import (
     SessionInfo,
 )
 from orchestrator.sessions import SessionError
-from orchestrator.streaming import Finished, Keepalive, follow
+from orchestrator.streaming import Dropped, Finished, Keepalive, follow
 from sandbox.errors import SandboxError
 from sandbox.kernel.collector import EventSink
 from sandbox.models import Execution
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+# An artifact a sandbox made (an SVG can hold script) is shown, never run: no script, no
+# requests, a unique origin; `nosniff` on every response keeps its declared type.
+ARTIFACT_HEADERS = {
+    "Cache-Control": "private, max-age=86400",
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; sandbox",
+}
 
 
 @router.post("", status_code=201, summary="Create a session")
@@ -68,16 +76,21 @@ async def restart(session: SessionDep, service: ServiceDep) -> SessionInfo:
     return service.info(session)
 
 
-@router.post("/{session_id}/execute", summary="Run code and return the whole Execution")
+@router.post(
+    "/{session_id}/execute",
+    summary="Run code and return the whole Execution",
+    response_model=ExecutionRecord,
+)
 async def execute(
     body: ExecuteRequest, request: Request, session: SessionDep, service: ServiceDep
-) -> ExecutionRecord:
+) -> Response:
     """Concurrent calls on one session run one after another, in order. A caller that
     disconnects interrupts its code."""
-    return await unless_disconnected(
+    record = await unless_disconnected(
         request,
         service.run(session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd),
     )
+    return await json_response(record)  # a large one is serialised off the event loop
 
 
 @router.post(
@@ -105,6 +118,14 @@ async def execute_stream(
                 async for item in events:
                     if isinstance(item, Keepalive):
                         yield b'{"type":"keepalive"}\n'
+                    elif isinstance(item, Dropped):
+                        dropped = {
+                            "type": "dropped",
+                            "events": item.events,
+                            "characters": item.characters,
+                            "message": item.message.strip(),
+                        }
+                        yield json.dumps(dropped).encode() + b"\n"
                     elif isinstance(item, Finished):
                         done = {"type": "done", "execution": item.value.model_dump(mode="json")}
                         yield json.dumps(done).encode() + b"\n"
@@ -117,9 +138,20 @@ async def execute_stream(
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
-@router.get("/{session_id}/executions/{execution_id}", summary="A kept Execution, in full")
-async def get_execution(execution_id: str, session: SessionDep, service: ServiceDep) -> Execution:
-    return service.outputs.execution(session.id, execution_id)
+@router.get(
+    "/{session_id}/executions/{execution_id}",
+    summary="A kept Execution, in full",
+    response_model=Execution,
+    responses={410: {"description": "Evicted to respect the quota on kept outputs."}},
+)
+async def get_execution(execution_id: str, session: SessionDep, service: ServiceDep) -> Response:
+    """Sent as it was stored (already a serialised Execution): never parsed again here."""
+    kept = await asyncio.to_thread(service.outputs.open_execution, session.id, execution_id)
+    return StreamingResponse(
+        kept.chunks(),
+        media_type="application/json",
+        headers={"Content-Length": str(kept.size)},
+    )
 
 
 @router.get(
@@ -132,7 +164,7 @@ async def get_execution_stream(
 ) -> PlainTextResponse:
     if stream not in ("stdout", "stderr"):
         raise KeyError(stream)
-    execution = service.outputs.execution(session.id, execution_id)
+    execution = await asyncio.to_thread(service.outputs.execution, session.id, execution_id)
     return PlainTextResponse(getattr(execution, stream))
 
 
@@ -143,4 +175,4 @@ async def get_execution_stream(
 )
 async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> FileResponse:
     path, mime = service.outputs.artifact(session.id, artifact_id)
-    return FileResponse(path, media_type=mime, headers={"Cache-Control": "private, max-age=86400"})
+    return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

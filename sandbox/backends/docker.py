@@ -2,9 +2,10 @@
 
 The container has no network (`network_mode=none`), a read-only root, a size-capped /tmp, no
 capabilities, no new privileges, a pids limit, memory without extra swap, a CPU quota, ulimits,
-an init process, and labels naming the sandbox and the orchestrator that owns it. The kernel is
-the container's main process and is reached over ZeroMQ ipc sockets in a bind-mounted host
-directory: no port is published.
+an init process, a capped engine log, and labels naming the sandbox, the orchestrator id and the
+very process that owns it. Each sandbox runs as a host uid of its own (per-uid kernel quotas are
+not shared between sessions). The kernel is the container's main process and is reached over
+ZeroMQ ipc sockets in a bind-mounted host directory: no port is published.
 
 The workspace is a host directory bound in (a size-capped tmpfs when the orchestrator is root),
 so files outlive the container: replacing a dead or stuck kernel is replacing its container, and
@@ -19,14 +20,16 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
-from docker.types import Ulimit
+from docker.types import LogConfig, Ulimit
 from pydantic import BaseModel, Field
 
+from sandbox import seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.errors import BackendUnavailable, SandboxStartError
@@ -35,14 +38,22 @@ from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_command, kern
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
+from sandbox.process_identity import OwnerState, ProcessIdentity
 from sandbox.spec import SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
+from sandbox.uids import HostUidPool
 from sandbox.workspace_files import Workspace
 
 log = logging.getLogger(__name__)
 
 LABEL_SANDBOX = "code-interpreter.sandbox"
 LABEL_ORCHESTRATOR = "code-interpreter.orchestrator"
+LABEL_OWNER = "code-interpreter.owner"  # prefix of the owner process's labels (pid, start...)
+# What the kernel writes to its original stdout and stderr lands in the engine's log, outside
+# every quota of the sandbox: at most two files of this size. `diagnostics()` needs only the
+# last lines of a kernel that died at start-up.
+KERNEL_LOG_FILE_BYTES = 512 << 10
+KERNEL_LOG_FILES = 2
 DEFAULT_IMAGE = "code-interpreter-kernel:latest"
 ENGINE_HINT = (
     "Start a Docker engine (`sudo systemctl start docker`, or on a machine without systemd "
@@ -56,14 +67,19 @@ class DockerBackendConfig(BaseModel):
     orchestrator_id: str = Field(
         "default",
         description="Names this orchestrator in container labels. Orphan clean-up removes only "
-        "containers with this id: give each orchestrator sharing an engine its own.",
+        "containers with this id whose owner process is provably gone.",
     )
     docker_host: str | None = Field(
         None, description="Engine URL; None uses DOCKER_HOST or the default socket."
     )
     python: str = "/opt/kernel/bin/python"
     kernel_path: str = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin"
-    sandbox_uid: int = Field(1000, description="The non-root uid the kernel runs as.")
+    host_uid_base: int = Field(
+        1_600_000,
+        description="Sandbox i runs as host uid host_uid_base + i (never a real user); apart "
+        "from the local backend's range, so the two never share a uid.",
+    )
+    host_uid_count: int = 10_000
     runtime: str | None = Field(None, description="OCI runtime, e.g. 'runsc' for gVisor.")
 
 
@@ -74,6 +90,8 @@ class DockerBackend(Backend):
         self.config = config or DockerBackendConfig()
         self._client: docker.DockerClient | None = None
         self._deaths: _DeathWatch | None = None
+        # Each sandbox's host uid, its own while it lives (sandbox/uids.py says why).
+        self.uids = HostUidPool(self.config.host_uid_base, self.config.host_uid_count)
         self._connect_lock = asyncio.Lock()
 
     async def _connect(self) -> tuple[docker.DockerClient, _DeathWatch]:
@@ -114,55 +132,90 @@ class DockerBackend(Backend):
             ) from None
         sandbox_id = secrets.token_hex(8)
         root = os.geteuid() == 0
-        uid = self.config.sandbox_uid
-        dirs = await asyncio.to_thread(
-            SessionDirs.create,
-            self.config.state_dir,
-            self.name,
-            sandbox_id,
-            workspace_size_mb=spec.limits.workspace_size_mb,
-            owner=(uid, uid) if root else None,
-            root_mode=0o700,  # the engine binds the subdirectories; nobody else needs in
-        )
-        if not root:  # the container's uid must create files in it
-            dirs.workspace.chmod(0o777)
-        channel = None
-        if spec.host_tools:
-            try:
-                channel = HostChannel.create(dirs.host_tools, peer_uid=uid, peer_gid=uid)
-            except BaseException:
-                await asyncio.to_thread(dirs.remove)
-                raise
-        launcher = _ContainerLauncher(
-            self.config, client, deaths, spec, dirs, sandbox_id, image, channel
-        )
-        driver = KernelDriver.for_spec(launcher, spec)
-        try:
-            await driver.start()
-        except BaseException:
-            await driver.close()
-            await asyncio.to_thread(dirs.remove)
-            raise
+        uid = self.uids.allocate()  # given back once the sandbox's containers are gone
         owner = (uid, uid) if root else None
+        try:
+            dirs = await asyncio.to_thread(
+                SessionDirs.create,
+                self.config.state_dir,
+                self.name,
+                sandbox_id,
+                workspace_size_mb=spec.limits.workspace_size_mb,
+                owner=owner,
+                root_mode=0o700,  # the engine binds the subdirectories; nobody else needs in
+            )
+        except BaseException:
+            self.uids.release(uid)
+            raise
+        try:
+            _write_user_database(dirs, uid)
+            if not root:  # the container's uid must create files in it
+                dirs.workspace.chmod(0o777)
+            channel = None
+            if spec.host_tools:
+                channel = HostChannel.create(dirs.host_tools, peer_uid=uid, peer_gid=uid)
+            launcher = _ContainerLauncher(
+                self.config, client, deaths, spec, dirs, sandbox_id, image, uid, channel
+            )
+            driver = KernelDriver.for_spec(launcher, spec)
+            try:
+                await driver.start()
+            except BaseException:
+                await driver.close()
+                raise
+        except BaseException:
+            await asyncio.to_thread(dirs.remove)
+            self.uids.release(uid)
+            raise
         sandbox = DockerSandbox(
-            sandbox_id, spec, driver, dirs, Workspace(str(dirs.workspace), owner=owner), launcher
+            sandbox_id,
+            spec,
+            driver,
+            dirs,
+            Workspace(str(dirs.workspace), owner=owner),
+            launcher,
+            on_close=lambda: self.uids.release(uid),
         )
         sandbox.host_channel = channel
         return sandbox
 
     async def cleanup_orphans(self) -> int:
-        """Remove containers labelled with our orchestrator id, and their directories."""
+        """Remove the containers of our orchestrator id whose owner process is provably gone,
+        and the directories of gone owners.
+
+        Only what is provably dead: a live owner's containers (another service sharing the id,
+        or this one) are never touched, and those whose owner cannot be checked from here
+        (another host, boot or PID namespace, or no owner labels) are left and logged.
+        """
         client, _ = await self._connect()
         label = f"{LABEL_ORCHESTRATOR}={self.config.orchestrator_id}"
         containers = await asyncio.to_thread(
             client.containers.list, all=True, filters={"label": label}
         )
+        removed = 0
         for container in containers:
-            log.info("removing orphaned container %s", container.name)
+            owner = ProcessIdentity.from_labels(container.labels, LABEL_OWNER)
+            state = owner.state() if owner is not None else OwnerState.UNKNOWN
+            if state is OwnerState.ALIVE:
+                continue
+            if state is OwnerState.UNKNOWN:
+                log.warning(
+                    "leaving container %s alone: its owner (%s) cannot be checked from here "
+                    "(another host, boot or PID namespace). If it is an orphan, remove it "
+                    "with `docker rm -f %s`.",
+                    container.name,
+                    owner or "not recorded",
+                    container.name,
+                )
+                continue
+            log.info(
+                "removing orphaned container %s (its owner, %s, is gone)", container.name, owner
+            )
             with contextlib.suppress(NotFound):
                 await asyncio.to_thread(container.remove, force=True)
+            removed += 1
         dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
-        return len(containers) + len(dirs)
+        return removed + len(dirs)
 
     async def close(self) -> None:
         if self._deaths is not None:
@@ -183,14 +236,27 @@ class DockerSandbox(KernelSandbox):
         dirs: SessionDirs,
         workspace: Workspace,
         launcher: _ContainerLauncher,
+        on_close: Callable[[], None],
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace)
         self._launcher = launcher
+        self._on_close = on_close
 
     @property
     def container_name(self) -> str | None:
         """The container running the current kernel."""
         return self._launcher.current_name
+
+    @property
+    def uid(self) -> int:
+        """The host uid its containers run as, its alone while it lives."""
+        return self._launcher.uid
+
+    async def _teardown(self) -> None:
+        try:
+            await super()._teardown()
+        finally:  # the container is gone by now: its uid may serve another sandbox
+            self._on_close()
 
 
 class _Container:
@@ -225,6 +291,7 @@ class _ContainerLauncher:
         dirs: SessionDirs,
         sandbox_id: str,
         image: str,
+        uid: int,
         channel: HostChannel | None = None,
     ) -> None:
         self.config = config
@@ -234,6 +301,7 @@ class _ContainerLauncher:
         self.dirs = dirs
         self.sandbox_id = sandbox_id
         self.image = image
+        self.uid = uid
         self.channel = channel
         self.generation = 0
         self.current_name: str | None = None
@@ -245,6 +313,11 @@ class _ContainerLauncher:
     @property
     def kernel_dir_in_sandbox(self) -> str:
         return KERNEL_DIR_IN_SANDBOX
+
+    @property
+    def kernel_uid(self) -> int | None:
+        """The uid the container runs as: it alone may read the connection file."""
+        return self.uid
 
     async def launch(self, connection_file_in_sandbox: str) -> _Container:
         self.generation += 1
@@ -276,12 +349,13 @@ class _ContainerLauncher:
             "command": kernel_command(cfg.python, connection_file, STARTUP_FILE_IN_SANDBOX),
             "name": name,
             "hostname": "sandbox",
-            "user": f"{cfg.sandbox_uid}:{cfg.sandbox_uid}",
+            "user": f"{self.uid}:{self.uid}",
             "working_dir": WORKSPACE_IN_SANDBOX,
             "environment": env,
             "labels": {
                 LABEL_SANDBOX: self.sandbox_id,
                 LABEL_ORCHESTRATOR: cfg.orchestrator_id,
+                **ProcessIdentity.of_this_process().labels(LABEL_OWNER),
             },
             "network_mode": "none",
             "read_only": True,
@@ -289,9 +363,12 @@ class _ContainerLauncher:
             "volumes": {
                 str(self.dirs.kernel): {"bind": KERNEL_DIR_IN_SANDBOX, "mode": "rw"},
                 str(self.dirs.workspace): {"bind": WORKSPACE_IN_SANDBOX, "mode": "rw"},
+                # The image knows only the uid it was built with: name ours (getpass, pwd).
+                str(self.dirs.etc / "passwd"): {"bind": "/etc/passwd", "mode": "ro"},
+                str(self.dirs.etc / "group"): {"bind": "/etc/group", "mode": "ro"},
             },
             "cap_drop": ["ALL"],
-            "security_opt": ["no-new-privileges"],
+            "security_opt": ["no-new-privileges", f"seccomp={seccomp.docker_profile()}"],
             "pids_limit": limits.pids,
             "mem_limit": memory,
             "memswap_limit": memory,  # the same figure: no swap on top
@@ -304,6 +381,10 @@ class _ContainerLauncher:
                 Ulimit(name="core", soft=0, hard=0),
             ],
             "init": True,
+            "log_config": LogConfig(
+                type=LogConfig.types.JSON,
+                config={"max-size": str(KERNEL_LOG_FILE_BYTES), "max-file": str(KERNEL_LOG_FILES)},
+            ),
             "ipc_mode": "private",
             "stdin_open": False,
             "detach": True,
@@ -316,6 +397,16 @@ class _ContainerLauncher:
         if cfg.runtime:
             options["runtime"] = cfg.runtime
         return options
+
+
+def _write_user_database(dirs: SessionDirs, uid: int) -> None:
+    """The container's /etc/passwd and /etc/group: `sandbox` is the sandbox's own uid."""
+    (dirs.etc / "passwd").write_text(
+        "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        f"sandbox:x:{uid}:{uid}:sandbox:/tmp:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    )
+    (dirs.etc / "group").write_text(f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n")
 
 
 class _DeathWatch:

@@ -2,9 +2,15 @@
 
 Each sandbox gets its own user, PID, IPC, UTS, mount, cgroup and network namespaces (so only
 `lo`), a read-only view of the system, one writable workspace, a size-capped private /tmp, a
-non-root uid with no capabilities, no nested user namespaces, rlimits, and an environment that
-holds none of the host's variables. When the orchestrator runs as root, each sandbox also runs
-under a host uid of its own, so that even outside the namespaces it is nobody.
+non-root uid with no capabilities, no nested user namespaces, a seccomp filter (sandbox/seccomp.py),
+a size-capped /dev/shm, a /proc that shows nothing host-wide (sandbox/proc_view.py), rlimits, and an
+environment that holds none of the host's variables. When the orchestrator runs as root, each
+sandbox also runs under a host uid of its own, so that even outside the namespaces it is nobody.
+
+How the host starts it: bwrap by the absolute path found once at construction, with an empty
+environment of its own; the kernel's environment and every option are handed over in memory
+(`--args FD`), so nothing a session sets chooses what the host runs or shows in the host's
+process list. The kernel's own stdout and stderr go to a pipe the host drains (stdio_tail.py).
 """
 
 from __future__ import annotations
@@ -16,20 +22,21 @@ import logging
 import os
 import resource
 import secrets
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from sandbox import cgroups
+from sandbox import cgroups, proc_view, seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.cgroups import SandboxCgroup
-from sandbox.errors import BackendUnavailable
+from sandbox.errors import BackendUnavailable, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
+from sandbox.host_commands import HOST_ENVIRONMENT, memfd_with, resolve
 from sandbox.kernel.command import (
     STARTUP_FILE,
     STARTUP_FILE_IN_SANDBOX,
@@ -39,8 +46,10 @@ from sandbox.kernel.command import (
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
+from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.spec import ResourceLimits, SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
+from sandbox.uids import HostUidPool
 from sandbox.workspace_files import Workspace
 
 log = logging.getLogger(__name__)
@@ -72,6 +81,7 @@ _ETC_FILES = (
     "matplotlibrc",
 )
 _SANDBOX_UID = 1000  # the uid and gid the code sees
+_SHM_SIZE_MB = 64  # as Docker's default /dev/shm
 
 
 class LocalBackendConfig(BaseModel):
@@ -80,7 +90,11 @@ class LocalBackendConfig(BaseModel):
         default=sys.executable,
         description="Interpreter that runs the kernel; it needs ipykernel and the data libraries.",
     )
-    bwrap: str = "bwrap"
+    bwrap: str = Field(
+        default="bwrap",
+        description="bubblewrap: an absolute path, or a name looked up once in the system's own "
+        "directories (never in PATH).",
+    )
     unsafe_no_sandbox: bool = Field(
         default=False,
         description="Run kernels with NO isolation: the code can do anything you can. Never "
@@ -103,13 +117,19 @@ class LocalBackend(Backend):
 
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config or LocalBackendConfig()
-        self._uids_in_use: set[int] = set()
+        self.uids = HostUidPool(self.config.host_uid_base, self.config.host_uid_count)
         self._python_roots: list[str] | None = None
+        # Found once, here: what runs on the host never depends on a PATH.
+        self._python = _absolute_python(self.config.python)
+        try:
+            self._bwrap: str | None = resolve(self.config.bwrap)
+        except BackendUnavailable:
+            self._bwrap = None  # told at create(); the unsafe mode does without
 
     async def create(self, spec: SandboxSpec | None = None) -> LocalSandbox:
         spec = spec or SandboxSpec()
         cfg = self.config
-        if not cfg.unsafe_no_sandbox and shutil.which(cfg.bwrap) is None:
+        if not cfg.unsafe_no_sandbox and self._bwrap is None:
             raise BackendUnavailable(INSTALL_HINT)
         if cfg.unsafe_no_sandbox:
             log.warning("UNSAFE: running a kernel with no sandbox (unsafe_no_sandbox is set)")
@@ -117,7 +137,8 @@ class LocalBackend(Backend):
         host_uid = self._allocate_uid()
         owner = (host_uid, host_uid) if host_uid is not None else None
         try:
-            dirs = SessionDirs.create(
+            dirs = await asyncio.to_thread(  # mounts: subprocesses, off the event loop
+                SessionDirs.create,
                 cfg.state_dir,
                 self.name,
                 sandbox_id,
@@ -137,12 +158,19 @@ class LocalBackend(Backend):
                 cgroup = SandboxCgroup(sandbox_id)
                 cgroup.create(spec.limits)
             launcher = _BwrapLauncher(
-                cfg, spec, dirs, host_uid, await self._python_bind_roots(), cgroup, channel
+                cfg,
+                _HostPrograms(self._python, self._bwrap or ""),
+                spec,
+                dirs,
+                host_uid,
+                await self._python_bind_roots(),
+                cgroup,
+                channel,
             )
             driver = KernelDriver.for_spec(launcher, spec)
             await driver.start()
         except BaseException:
-            dirs.remove()
+            await asyncio.to_thread(dirs.remove)
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.remove)
             self._release_uid(host_uid)
@@ -173,29 +201,23 @@ class LocalBackend(Backend):
     def _allocate_uid(self) -> int | None:
         if os.geteuid() != 0 or self.config.unsafe_no_sandbox:
             return None
-        base, count = self.config.host_uid_base, self.config.host_uid_count
-        start = secrets.randbelow(count)
-        for i in range(count):
-            uid = base + (start + i) % count
-            if uid not in self._uids_in_use:
-                self._uids_in_use.add(uid)
-                return uid
-        raise BackendUnavailable(f"all {count} sandbox uids are in use")
+        return self.uids.allocate()
 
     def _release_uid(self, uid: int | None) -> None:
         if uid is not None:
-            self._uids_in_use.discard(uid)
+            self.uids.release(uid)
 
     async def _python_bind_roots(self) -> list[str]:
         """The directories the kernel's interpreter needs that /usr does not already give."""
         if self._python_roots is None:
             proc = await asyncio.create_subprocess_exec(
-                self.config.python,
+                self._python,
                 "-c",
                 "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, "
                 "sys.exec_prefix, sys.base_exec_prefix]))",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
+                env=HOST_ENVIRONMENT,
             )
             out, err = await proc.communicate()
             if proc.returncode != 0:
@@ -209,6 +231,20 @@ class LocalBackend(Backend):
                 _check_reachable_by_others(str(self.config.state_dir.parent), "the state dir")
             self._python_roots = roots
         return self._python_roots
+
+
+def _absolute_python(python: str) -> str:
+    """The kernel's interpreter as an absolute path (a bare name is looked up in the system's
+    directories), so that no PATH, the unsafe mode's included, ever chooses it."""
+    return python if os.path.isabs(python) else resolve(python)
+
+
+@dataclass(frozen=True)
+class _HostPrograms:
+    """What the launcher executes, resolved once by the backend."""
+
+    python: str
+    bwrap: str
 
 
 def _outside_usr(prefixes: list[str]) -> list[str]:
@@ -259,16 +295,16 @@ class LocalSandbox(KernelSandbox):
 class _BwrapKernel:
     """A kernel running under bwrap. bwrap exits with its child's status (128+N for signal N)."""
 
-    def __init__(
-        self, proc: asyncio.subprocess.Process, log_path: Path, cgroup: SandboxCgroup | None
-    ) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, cgroup: SandboxCgroup | None) -> None:
         self.proc = proc
-        self.log_path = log_path
         self.cgroup = cgroup
         self.oom_kills = cgroup.oom_kills() if cgroup else 0
+        assert proc.stdout is not None
+        self.output = StdioTail(proc.stdout)
 
     async def wait(self) -> KernelExit:
         code = await self.proc.wait()
+        await self.output.settle()  # its last words, for diagnostics()
         oom = self.cgroup is not None and self.cgroup.oom_kills() > self.oom_kills
         return KernelExit.from_returncode(code, out_of_memory=oom)
 
@@ -279,22 +315,19 @@ class _BwrapKernel:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
         await self.proc.wait()
+        self.output.stop()
         if self.cgroup is not None:  # the next kernel shares the group and its limits
             await self.cgroup.wait_empty()
 
     def diagnostics(self) -> str:
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - 4000))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return self.output.text()
 
 
 class _BwrapLauncher:
     def __init__(
         self,
         config: LocalBackendConfig,
+        programs: _HostPrograms,
         spec: SandboxSpec,
         dirs: SessionDirs,
         host_uid: int | None,
@@ -303,6 +336,7 @@ class _BwrapLauncher:
         channel: HostChannel | None = None,
     ) -> None:
         self.config = config
+        self.programs = programs
         self.spec = spec
         self.dirs = dirs
         self.host_uid = host_uid
@@ -318,42 +352,60 @@ class _BwrapLauncher:
     def kernel_dir_in_sandbox(self) -> str:
         return str(self.dirs.kernel) if self.config.unsafe_no_sandbox else KERNEL_DIR_IN_SANDBOX
 
+    @property
+    def kernel_uid(self) -> int | None:
+        return self.host_uid
+
     async def launch(self, connection_file_in_sandbox: str) -> _BwrapKernel:
-        cfg, limits = self.config, self.spec.limits
-        python_bin = str(Path(cfg.python).parent)
+        cfg, limits, python = self.config, self.spec.limits, self.programs.python
+        python_bin = str(Path(python).parent)
         path = ":".join(dict.fromkeys([python_bin, "/usr/local/bin", "/usr/bin", "/bin"]))
         extra = dict(self.spec.env)
         if self.channel is not None:  # last: the caller's variables cannot move it
             where = self.channel.path if cfg.unsafe_no_sandbox else HOST_TOOLS_DIR_IN_SANDBOX
             extra[HOST_TOOLS_ENV] = str(where)
-        if cfg.unsafe_no_sandbox:
-            home = self.dirs.root / "home"
-            home.mkdir(exist_ok=True)
-            env = kernel_environment(path=path, home=str(home), limits=limits, extra=extra)
-            argv = kernel_command(cfg.python, connection_file_in_sandbox, str(STARTUP_FILE))
-            cwd = str(self.dirs.workspace)
-        else:
-            env = kernel_environment(path=path, home="/tmp", limits=limits, extra=extra)
-            argv = [
-                *self._bwrap_args(),
-                *kernel_command(cfg.python, connection_file_in_sandbox, STARTUP_FILE_IN_SANDBOX),
-            ]
-            cwd = "/"
-        log_path = self.dirs.root / "kernel.log"
-        with log_path.open("ab") as log_file:
+        fds: list[int] = []
+        try:
+            if cfg.unsafe_no_sandbox:
+                home = self.dirs.root / "home"
+                home.mkdir(exist_ok=True)
+                # No sandbox: the kernel is a host process with this environment. The
+                # interpreter's path is absolute, so the session's PATH cannot choose it.
+                env = kernel_environment(path=path, home=str(home), limits=limits, extra=extra)
+                argv = kernel_command(python, connection_file_in_sandbox, str(STARTUP_FILE))
+                cwd = str(self.dirs.workspace)
+            else:
+                inner = kernel_environment(path=path, home="/tmp", limits=limits, extra=extra)
+                options = self._bwrap_args(inner, fds)
+                if any("\0" in option for option in options):  # each NUL ends an argument
+                    raise SandboxStartError("an environment variable holds a NUL character")
+                fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
+                argv = [
+                    self.programs.bwrap,
+                    "--args",
+                    str(fds[-1]),
+                    *kernel_command(python, connection_file_in_sandbox, STARTUP_FILE_IN_SANDBOX),
+                ]
+                env = {}  # bwrap's own (the sandbox's pid 1): nothing of the session or host
+                cwd = "/"
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                env=env,  # bwrap's own environment too: /proc/1/environ shows only this
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
                 cwd=cwd,
                 preexec_fn=_confine(limits, self.cgroup, self.host_uid),
                 start_new_session=True,
+                pass_fds=fds,
             )
-        return _BwrapKernel(proc, log_path, self.cgroup)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return _BwrapKernel(proc, self.cgroup)
 
-    def _bwrap_args(self) -> list[str]:
+    def _bwrap_args(self, env: dict[str, str], fds: list[int]) -> list[str]:
+        """bwrap's options; the data they name (seccomp filter, /proc files) is put in `fds`."""
         limits = self.spec.limits
         flags = [
             "--unshare-all", "--unshare-user", "--disable-userns",
@@ -366,8 +418,14 @@ class _BwrapLauncher:
             ("--ro-bind", "/usr", "/usr"),
             ("--proc", "/proc"),
             ("--dev", "/dev"),
+            ("--perms", "1777", "--size", str(_SHM_SIZE_MB << 20), "--tmpfs", "/dev/shm"),
             ("--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/tmp"),
         ]
+        for name, data in proc_view.synthetic_files(limits).items():
+            fds.append(memfd_with(Path(name).name, data))
+            mounts.append(("--ro-bind-data", str(fds[-1]), name))
+        for name in proc_view.masked_present():
+            mounts.append(("--ro-bind", "/dev/null", name))  # nodev there: it cannot be opened
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host = Path("/") / top
             if host.is_symlink():
@@ -393,7 +451,18 @@ class _BwrapLauncher:
             ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there
             ("--chdir", WORKSPACE_IN_SANDBOX),
         ]
-        return [self.config.bwrap, *flags, *(arg for mount in mounts for arg in mount)]
+        # The kernel's environment, applied inside only.
+        environment = ["--clearenv"]
+        for name, value in env.items():
+            environment += ["--setenv", name, value]
+        fds.append(memfd_with("seccomp", seccomp.bpf_program()))
+        return [
+            *flags,
+            *(arg for mount in mounts for arg in mount),
+            *environment,
+            "--seccomp",
+            str(fds[-1]),
+        ]
 
 
 def _confine(

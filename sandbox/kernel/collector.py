@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Awaitable, Callable
@@ -9,6 +10,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sandbox.json_depth import nests_deeper_than
+from sandbox.kernel.wire import INLINE_DECODE_BYTES, KernelMessage, Malformed
 from sandbox.models import (
     ErrorEvent,
     Execution,
@@ -20,6 +23,8 @@ from sandbox.models import (
     StdoutEvent,
 )
 
+# A rich output's content (its MIME bundle within the message) nests at most this deep.
+RESULT_MAX_DEPTH = 100
 EventSink = Callable[[OutputEvent], Awaitable[None]]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -75,8 +80,41 @@ class CappedText:
         return head + marker + tail, dropped
 
 
+# A MIME bundle has a handful of forms; a bundle with more keys than this is left out whole.
+MAX_BUNDLE_KEYS = 64
+# An error's name is a class name: more than this is cut like any other text.
+ERROR_NAME_LIMIT = 1000
+
+
 def bundle_size(data: dict[str, Any]) -> int:
-    return sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in data.values())
+    """Characters a bundle holds: keys count as much as values."""
+    return sum(
+        len(k) + (len(v) if isinstance(v, str) else len(json.dumps(v))) for k, v in data.items()
+    )
+
+
+def capped(text: str, limit: int, name: str) -> str:
+    """`text` within `limit` characters: its head and tail, with a marker where it was cut."""
+    if len(text) <= limit:
+        return text
+    kept = CappedText(name, limit)
+    kept.append(text)
+    return kept.value()[0]
+
+
+def _bundle_label(data: dict[str, Any]) -> str:
+    """A few of a bundle's keys, each short: for a note that must stay small."""
+    keys = [k if len(k) <= 80 else k[:80] + "..." for k in list(data)[:5]]
+    more = f" and {len(data) - 5} more" if len(data) > 5 else ""
+    return ", ".join(keys) + more
+
+
+async def _nests_too_deep(content: bytes) -> bool:
+    """Whether a rich output's JSON nests past `RESULT_MAX_DEPTH` (measured off the loop when
+    large): pydantic refuses to serialise past ~250 levels and recursive encoders fail sooner."""
+    if len(content) > INLINE_DECODE_BYTES:
+        return await asyncio.to_thread(nests_deeper_than, content, RESULT_MAX_DEPTH)
+    return nests_deeper_than(content, RESULT_MAX_DEPTH)
 
 
 class OutputCollector:
@@ -90,6 +128,7 @@ class OutputCollector:
         result_limit_bytes: int = 50 << 20,
         result_limit_count: int = 1000,
     ) -> None:
+        self.output_limit = output_limit
         self.stdout = CappedText("stdout", output_limit)
         self.stderr = CappedText("stderr", output_limit)
         self.results: list[Result] = []
@@ -99,52 +138,114 @@ class OutputCollector:
         self.results_over_count = 0  # counted in one note at the end
         self.error: ExecutionError | None = None
         self.execution_count: int | None = None
+        self.malformed_messages = 0  # kernel messages dropped as unusable during the run
         self.sink = sink
 
+    async def take(self, msg: KernelMessage) -> None:
+        """Take one iopub message that belongs to our request; raise `Malformed` if unusable.
+
+        A rich output larger on the wire than what the run may still keep is left out without
+        being decoded at all.
+        """
+        if msg.msg_type in ("execute_result", "display_data"):
+            is_main = msg.msg_type == "execute_result"
+            if len(self.results) >= self.result_limit_count:
+                self.results_over_count += 1  # counted, never decoded
+                return
+            if msg.content_size > self.result_bytes_left:
+                await self._add_result(self._left_out(msg.content_size, "", is_main))
+                return
+            if await _nests_too_deep(msg.content_bytes):
+                self.results_too_big += 1
+                await self._add_result(
+                    Result(
+                        is_main_result=is_main,
+                        text=f"[a rich output nested deeper than {RESULT_MAX_DEPTH} levels was "
+                        "left out: no encoder downstream can be trusted with it; flatten it]",
+                    )
+                )
+                return
+        await self.handle_content(await msg.content(), msg.msg_type)
+
     async def handle(self, msg: dict[str, Any]) -> None:
-        """Take one iopub message that belongs to our request."""
-        kind = msg["header"]["msg_type"]
-        content = msg["content"]
-        event: OutputEvent | None = None
+        """Take one iopub-shaped message (`header.msg_type`, `content`) built by a backend."""
+        await self.handle_content(msg["content"], msg["header"]["msg_type"])
+
+    async def handle_content(self, content: dict[str, Any], kind: str) -> None:
+        """Take one decoded iopub message's content; raise `Malformed` if it is unusable."""
         if kind == "stream":
-            text = content.get("text", "")
-            if content.get("name") == "stderr":
+            text, name = content.get("text"), content.get("name")
+            if not isinstance(text, str):
+                raise Malformed("a stream message without text")
+            if name == "stderr":
                 self.stderr.append(text)
-                event = StderrEvent(text=text)
+                await self._emit(StderrEvent(text=capped(text, self.output_limit, "stderr")))
             else:
                 self.stdout.append(text)
-                event = StdoutEvent(text=text)
+                await self._emit(StdoutEvent(text=capped(text, self.output_limit, "stdout")))
         elif kind in ("execute_result", "display_data"):
-            result = self._admit(content.get("data", {}), kind == "execute_result")
+            data = content.get("data", {})
+            if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
+                raise Malformed(f"a {kind} message whose data is not a MIME bundle")
+            result = self._admit(data, kind == "execute_result")
             if result is not None:
-                self.results.append(result)
-                event = ResultEvent(result=result)
+                await self._add_result(result)
         elif kind == "error":
-            self.error = ExecutionError(
-                name=content.get("ename", "Error"),
-                value=content.get("evalue", ""),
-                traceback=strip_ansi("\n".join(content.get("traceback", []))),
+            name, value, traceback = (content.get(k) for k in ("ename", "evalue", "traceback"))
+            if not isinstance(traceback, list) or not all(isinstance(t, str) for t in traceback):
+                raise Malformed("an error message whose traceback is not a list of strings")
+            if not isinstance(name, str) or not isinstance(value, str):
+                raise Malformed("an error message whose name or value is not a string")
+            await self.emit_error(
+                ExecutionError(
+                    name=capped(name, ERROR_NAME_LIMIT, "the error name"),
+                    value=capped(value, self.output_limit, "the error value"),
+                    traceback=self._capped_traceback(traceback),
+                )
             )
-            event = ErrorEvent(error=self.error)
         elif kind == "execute_input":
-            self.execution_count = content.get("execution_count")
-        if event is not None and self.sink is not None:
+            count = content.get("execution_count")
+            if isinstance(count, int):
+                self.execution_count = count
+
+    def _capped_traceback(self, lines: list[str]) -> str:
+        kept = CappedText("the traceback", self.output_limit)
+        for i, line in enumerate(lines):
+            kept.append(("\n" if i else "") + strip_ansi(line))
+        return kept.value()[0]
+
+    async def _add_result(self, result: Result) -> None:
+        self.results.append(result)
+        await self._emit(ResultEvent(result=result))
+
+    async def _emit(self, event: OutputEvent) -> None:
+        if self.sink is not None:
             await self.sink(event)
+
+    def _left_out(self, size: int, label: str, is_main: bool) -> Result:
+        self.results_too_big += 1
+        what = f" ({label})" if label else ""
+        return Result(
+            is_main_result=is_main,
+            text=f"[a rich output of {size} bytes{what} was left out: it is over what one "
+            "execution may return; save it to a file in the workspace and download that instead]",
+        )
 
     def _admit(self, data: dict[str, Any], is_main: bool) -> Result | None:
         """The result as kept: whole, replaced by a note when too big, or None past the count."""
         if len(self.results) >= self.result_limit_count:
             self.results_over_count += 1
             return None
-        size = bundle_size(data)
-        if size > self.result_bytes_left:
+        if len(data) > MAX_BUNDLE_KEYS:
             self.results_too_big += 1
             return Result(
                 is_main_result=is_main,
-                text=f"[a rich output of {size} bytes ({', '.join(data)}) was left out: it is "
-                "over what one execution may return; save it to a file in the workspace and "
-                "download that instead]",
+                text=f"[a rich output with {len(data)} MIME types was left out: one output may "
+                f"have at most {MAX_BUNDLE_KEYS}]",
             )
+        size = bundle_size(data)
+        if size > self.result_bytes_left:
+            return self._left_out(size, _bundle_label(data), is_main)
         self.result_bytes_left -= size
         try:
             return Result.from_bundle(data, is_main_result=is_main)
@@ -152,10 +253,9 @@ class OutputCollector:
             return Result(is_main_result=is_main, extra=dict(data))
 
     async def emit_error(self, error: ExecutionError) -> None:
-        """Record an error the runtime itself raised (timeout, dead kernel...)."""
+        """Record an error (the code's, or one the runtime raised: timeout, dead kernel...)."""
         self.error = error
-        if self.sink is not None:
-            await self.sink(ErrorEvent(error=error))
+        await self._emit(ErrorEvent(error=error))
 
     def build(self, **fields: Any) -> Execution:
         stdout, stdout_dropped = self.stdout.value()
@@ -167,6 +267,13 @@ class OutputCollector:
                 f"returns at most {self.result_limit_count}]"
             )
             results = [*results, Result(text=note)]
+        if self.malformed_messages:
+            dropped = (
+                f"{self.malformed_messages} malformed messages from the kernel were dropped "
+                "(bad framing, signature or JSON, a wrong shape, or too big to take)."
+            )
+            notice = fields.pop("notice", None)
+            fields["notice"] = f"{notice}\n{dropped}" if notice else dropped
         return Execution(
             stdout=stdout,
             stderr=stderr,

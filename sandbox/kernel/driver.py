@@ -10,13 +10,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from queue import Empty
 from typing import TYPE_CHECKING, Any, cast
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.errors import SandboxClosed, SandboxStartError
-from sandbox.kernel.collector import EventSink, OutputCollector
+from sandbox.kernel.channels import KernelChannels, Watch, frame_limit_bytes
+from sandbox.kernel.collector import EventSink, OutputCollector, capped
 from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
 from sandbox.models import Execution, ExecutionError, ExecutionStatus
@@ -37,7 +37,9 @@ class _Run:
 
     deadline: float
     msg_id: str = ""
-    finished: bool = False  # the kernel reported idle for this request
+    watch: Watch | None = None  # its output and end, as the iopub reader sees them
+    reply: asyncio.Future[dict[str, Any]] | None = None  # the shell's execute_reply
+    finished: bool = False  # the kernel replied and reported idle (or went quiet) for it
     woken: asyncio.Event = field(default_factory=asyncio.Event)
     interrupted: bool = False  # an interrupt was sent (by the time limit or on request)
     cancelled: bool = False  # interrupted on request rather than by the time limit
@@ -49,19 +51,14 @@ class _Run:
 
 @dataclass
 class _Kernel:
-    """One kernel generation: its process, client and the task that watches it die."""
+    """One kernel generation: its process, client (to send), readers and the task that watches
+    it die."""
 
     generation: int
     process: KernelProcess
     client: AsyncKernelClient
+    channels: KernelChannels
     exited: asyncio.Future[KernelExit]
-    pending_iopub: asyncio.Future[dict[str, Any]] | None = None
-
-    def next_iopub(self) -> asyncio.Future[dict[str, Any]]:
-        # One receive stays pending across waits, so a message is never lost to a cancellation.
-        if self.pending_iopub is None:
-            self.pending_iopub = asyncio.ensure_future(self.client.get_iopub_msg())
-        return self.pending_iopub
 
 
 class KernelDriver:
@@ -128,16 +125,25 @@ class KernelDriver:
     async def _start_kernel(self) -> None:
         self._generation += 1
         launcher = self._launcher
-        reset_kernel_dir(launcher.kernel_dir)
+        reset_kernel_dir(launcher.kernel_dir, launcher.kernel_uid)
         in_sandbox, info = write_connection_file(
-            launcher.kernel_dir, launcher.kernel_dir_in_sandbox, self._generation
+            launcher.kernel_dir,
+            launcher.kernel_dir_in_sandbox,
+            self._generation,
+            launcher.kernel_uid,
         )
         process = await launcher.launch(in_sandbox)
         exited: asyncio.Future[KernelExit] = asyncio.ensure_future(process.wait())
-        client = AsyncKernelClient()
-        client.load_connection_info(cast("KernelConnectionInfo", info))
-        client.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
-        kernel = _Kernel(self._generation, process, client, exited)
+        try:
+            client = AsyncKernelClient()
+            client.load_connection_info(cast("KernelConnectionInfo", info))
+            frame_limit = frame_limit_bytes(self.result_limit_bytes, self.output_limit_chars)
+            channels = KernelChannels(client, frame_limit=frame_limit)
+        except BaseException:  # the kernel runs already: it must not outlive this failure
+            exited.cancel()
+            await process.kill()
+            raise
+        kernel = _Kernel(self._generation, process, client, channels, exited)
         try:
             await self._wait_ready(kernel)
             if self._closed:
@@ -160,29 +166,23 @@ class KernelDriver:
                     + (f"; its last output:\n{output}" if output else "")
                 )
             if time.monotonic() > deadline:
+                channels = kernel.channels
                 raise SandboxStartError(
-                    f"the kernel did not answer within {self.startup_timeout_s:.0f} s of starting"
+                    f"the kernel did not answer within {self.startup_timeout_s:.0f} s of starting "
+                    f"({channels.shell_received} shell messages read; output channel "
+                    f"{'live' if channels.iopub_seen.is_set() else 'silent'})"
                 )
             msg_id = kernel.client.kernel_info()
+            reply = kernel.channels.reply_to(msg_id)
             try:
-                await self._shell_reply(kernel, msg_id, within_s=0.5)
-                # Each request is answered with busy/idle on iopub: seeing one proves that our
-                # subscription is live, so no output of the first execution can be lost. What
-                # else start-up left on iopub needs no draining: every read matches its msg_id.
-                await kernel.client.get_iopub_msg(timeout=0.2)
+                await asyncio.wait_for(asyncio.shield(reply), 0.5)
+                # Each request is answered with busy/idle on iopub: seeing any message proves
+                # that our subscription is live, so no output of the first execution is lost.
+                await asyncio.wait_for(kernel.channels.iopub_seen.wait(), 0.2)
                 return
-            except Empty:
+            except TimeoutError:
+                kernel.channels.forget_reply(msg_id)
                 continue
-
-    async def _shell_reply(self, kernel: _Kernel, msg_id: str, within_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + within_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Empty
-            msg: dict[str, Any] = await kernel.client.get_shell_msg(timeout=remaining)
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return msg
 
     async def _stop_kernel(self) -> None:
         kernel, self._kernel = self._kernel, None
@@ -193,9 +193,7 @@ class KernelDriver:
         try:
             await kernel.process.kill()
         finally:
-            if kernel.pending_iopub is not None:
-                kernel.pending_iopub.cancel()
-            kernel.client.stop_channels()
+            kernel.channels.close()
             kernel.exited.cancel()
 
     async def _replace_kernel(self) -> None:
@@ -322,11 +320,12 @@ class KernelDriver:
             kernel = self._kernel
             if kernel is None:
                 return
-            if not run.finished:
+            if not run.finished and run.watch is not None and run.reply is not None:
                 self._send_interrupt(kernel)
                 try:
                     await asyncio.wait_for(
-                        self._wait_idle(kernel, run.msg_id), self.interrupt_grace_s
+                        kernel.channels.until_finished(run.watch, run.reply),
+                        self.interrupt_grace_s,
                     )
                 except TimeoutError:
                     self._notice = (
@@ -345,18 +344,6 @@ class KernelDriver:
             if run is self._run:
                 self._run = None
             self._lock.release()
-
-    async def _wait_idle(self, kernel: _Kernel, msg_id: str) -> None:
-        """Wait until the kernel reports idle for the request `msg_id`."""
-        while True:
-            msg = await kernel.next_iopub()
-            kernel.pending_iopub = None
-            if (
-                msg["header"]["msg_type"] == "status"
-                and msg["parent_header"].get("msg_id") == msg_id
-                and msg["content"].get("execution_state") == "idle"
-            ):
-                return
 
     async def _close_scope(self) -> None:
         self._scope_open = False
@@ -414,68 +401,71 @@ class KernelDriver:
         msg_id = run.msg_id = kernel.client.execute(
             code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
         )
-        while True:
-            if self._closed:
-                raise SandboxClosed("the sandbox was closed during the execution")
-            if run.restart_requested:
-                return await self._after_restart(
-                    collector, ExecutionStatus.CANCELLED, "the kernel was restarted on request"
-                )
-            incoming = kernel.next_iopub()
-            woken = asyncio.ensure_future(run.woken.wait())
-            timeout = max(0.0, run.deadline - time.monotonic())
-            waiting: set[asyncio.Future[Any]] = {incoming, kernel.exited, woken}
-            try:
-                done, _ = await asyncio.wait(
-                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:  # also when this call is cancelled: no waiter is left pending
-                woken.cancel()
-            run.woken.clear()
-            if incoming in done:
-                kernel.pending_iopub = None
-                msg = incoming.result()
-                if msg["parent_header"].get("msg_id") != msg_id:
-                    continue
-                if msg["header"]["msg_type"] == "status":
-                    if msg["content"].get("execution_state") == "idle":
-                        run.finished = True
-                        break
-                    continue
-                await collector.handle(msg)
-            elif kernel.exited in done:
-                death = kernel.exited.result()
-                return await self._after_restart(
-                    collector,
-                    ExecutionStatus.KERNEL_DIED,
-                    f"the kernel {death.reason}",
-                    name="KernelDied",
-                )
-            elif time.monotonic() >= run.deadline:
-                if not run.interrupted:
-                    run.interrupted = True
-                    self._send_interrupt(kernel)
-                    run.deadline = time.monotonic() + self.interrupt_grace_s
-                    continue
-                status = ExecutionStatus.CANCELLED if run.cancelled else ExecutionStatus.TIMEOUT
-                why = (
-                    "the execution was interrupted on request"
-                    if run.cancelled
-                    else f"the execution ran past its {timeout_s:g} s time limit"
-                )
-                return await self._after_restart(
-                    collector,
-                    status,
-                    f"{why} and did not stop within {self.interrupt_grace_s:g} s of the interrupt",
-                    name="ExecutionTimeout" if status is ExecutionStatus.TIMEOUT else "Cancelled",
-                )
+        # Registered before any await: nothing of this request can arrive before them.
+        watch = run.watch = kernel.channels.follow(msg_id, collector.take)
+        reply = run.reply = kernel.channels.reply_to(msg_id)
+        finished = asyncio.ensure_future(kernel.channels.until_finished(watch, reply))
         try:
-            reply = await self._shell_reply(kernel, msg_id, within_s=10.0)
-            content = reply["content"]
-        except Empty:
-            content = {"status": "error"}
-        if collector.execution_count is None and not silent:
-            collector.execution_count = content.get("execution_count")
+            while True:
+                if self._closed:
+                    raise SandboxClosed("the sandbox was closed during the execution")
+                if run.restart_requested:
+                    return await self._after_restart(
+                        collector, ExecutionStatus.CANCELLED, "the kernel was restarted on request"
+                    )
+                woken = asyncio.ensure_future(run.woken.wait())
+                # Once the kernel has replied, the code is over: no time limit can apply any
+                # more (the wait for its last output is itself bounded).
+                timeout = None if reply.done() else max(0.0, run.deadline - time.monotonic())
+                waiting: set[asyncio.Future[Any]] = {finished, kernel.exited, woken}
+                try:
+                    done, _ = await asyncio.wait(
+                        waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:  # also when this call is cancelled: no waiter is left pending
+                    woken.cancel()
+                run.woken.clear()
+                if finished in done:
+                    run.finished = True
+                    break
+                if kernel.exited in done:
+                    death = kernel.exited.result()
+                    return await self._after_restart(
+                        collector,
+                        ExecutionStatus.KERNEL_DIED,
+                        f"the kernel {death.reason}",
+                        name="KernelDied",
+                    )
+                if time.monotonic() >= run.deadline and not reply.done():
+                    if not run.interrupted:
+                        run.interrupted = True
+                        self._send_interrupt(kernel)
+                        run.deadline = time.monotonic() + self.interrupt_grace_s
+                        continue
+                    status = ExecutionStatus.CANCELLED if run.cancelled else ExecutionStatus.TIMEOUT
+                    why = (
+                        "the execution was interrupted on request"
+                        if run.cancelled
+                        else f"the execution ran past its {timeout_s:g} s time limit"
+                    )
+                    return await self._after_restart(
+                        collector,
+                        status,
+                        f"{why} and did not stop within {self.interrupt_grace_s:g} s of the "
+                        "interrupt",
+                        name="ExecutionTimeout"
+                        if status is ExecutionStatus.TIMEOUT
+                        else "Cancelled",
+                    )
+        finally:
+            finished.cancel()
+            watch.on_output = None  # what still comes for this request is nobody's
+            collector.malformed_messages += watch.malformed
+            watch.malformed = 0
+        content = reply.result()
+        count = content.get("execution_count")
+        if collector.execution_count is None and not silent and isinstance(count, int):
+            collector.execution_count = count
         if run.interrupted:
             status = ExecutionStatus.CANCELLED if run.cancelled else ExecutionStatus.TIMEOUT
             kernel_error = collector.error
@@ -494,11 +484,16 @@ class KernelDriver:
             return status, {}
         if content.get("status") == "ok" and collector.error is None:
             return ExecutionStatus.OK, {}
-        if collector.error is None:
+        if collector.error is None:  # its error message was lost or malformed: use the reply's
+            name, value = content.get("ename"), content.get("evalue")
             await collector.emit_error(
                 ExecutionError(
-                    name=content.get("ename", "Error"),
-                    value=content.get("evalue", f"the kernel answered {content.get('status')}"),
+                    name=capped(name if isinstance(name, str) else "Error", 1000, "the name"),
+                    value=capped(
+                        value if isinstance(value, str) else "the kernel reported an error",
+                        self.output_limit_chars,
+                        "the error value",
+                    ),
                 )
             )
         return ExecutionStatus.ERROR, {}

@@ -70,3 +70,9 @@ class KernelLauncher(Protocol):
     def kernel_dir_in_sandbox(self) -> str:
         """The same directory as the kernel sees it."""
         ...
+
+    @property
+    def kernel_uid(self) -> int | None:
+        """The host uid the kernel runs as, which alone may read its connection file; None when
+        it is the service's own uid."""
+        ...

@@ -162,7 +162,7 @@ def test_the_orchestrator_uses_the_e2b_backend_like_any_other(chained: Server) -
         created = api.post("/v1/sessions", json={"backend": "e2b"})
         assert created.status_code == 201, created.text
         sid = created.json()["id"]
-        assert list(api.get("/healthz").json()["pools"]) == ["local"]  # never e2b
+        assert list(api.get("/v1/status").json()["pools"]) == ["local"]  # never e2b
         with_tools = api.post("/v1/sessions", json={"backend": "e2b", "tools": ["add"]})
         assert with_tools.status_code == 400
         assert "cannot give sandboxed code host tools" in with_tools.text

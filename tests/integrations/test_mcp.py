@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import shutil
@@ -118,10 +119,27 @@ async def test_stdio_keeps_one_session_for_the_connection(
         assert schema["required"] == ["code"]
         await check_state_images_and_files(client)
         await check_errors_are_results(client)
-    # The client left: the server closed its sandbox and removed its workspace.
-    backend = stdio_env["CODE_INTERPRETER_BACKENDS"]
-    state = Path(stdio_env["CODE_INTERPRETER_STATE_DIR"]) / backend
-    assert not state.exists() or list(state.iterdir()) == []
+    # The client left: the server closed its sandbox and removed its own state dir.
+    assert list((Path(stdio_env["CODE_INTERPRETER_STATE_DIR"]) / "mcp-stdio").iterdir()) == []
+
+
+async def test_stdio_servers_of_two_clients_run_side_by_side(stdio_env: dict[str, str]) -> None:
+    """Desktop clients start a server each, on one state dir; a crashed one's leftovers go."""
+    dead = await asyncio.create_subprocess_exec("true")
+    await dead.wait()
+    leftover = Path(stdio_env["CODE_INTERPRETER_STATE_DIR"]) / "mcp-stdio" / str(dead.pid)
+    (leftover / "local" / "0123456789abcdef" / "workspace").mkdir(parents=True)
+    command = StdioServerParameters(
+        command=sys.executable, args=["-m", "orchestrator", "mcp"], env=stdio_env
+    )
+    async with Client(command) as first, Client(command) as second:
+        for client, value in ((first, 1), (second, 2)):
+            await client.call_tool("code_interpreter", {"code": f"x = {value}"})
+        for client, value in ((first, 1), (second, 2)):
+            result = await client.call_tool("code_interpreter", {"code": "x"})
+            assert str(value) in result.content[0].text  # type: ignore[union-attr]
+        assert not leftover.exists()
+    assert list(leftover.parent.iterdir()) == []
 
 
 # --- streamable HTTP: the service's /mcp, with its keys

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,21 +153,23 @@ def test_two_hundred_sessions_in_parallel_leak_nothing(backend: str) -> None:
 def test_a_killed_service_leaves_no_process() -> None:
     srv = make_server()
     srv.start()
+    # A duration of its own marks each backend's sleeper among the host's processes.
+    markers = {b: f"1000.{uuid.uuid4().int % 10**9}" for b in service_backends()}
     with srv.client() as api:
-        for backend in service_backends():
+        for backend, marker in markers.items():
             sid = api.post("/v1/sessions", json={"backend": backend}).json()["id"]
             api.post(
                 f"/v1/sessions/{sid}/execute",
-                json={"code": "import subprocess; subprocess.Popen(['sleep', '1000'])"},
+                json={"code": f"import subprocess; subprocess.Popen(['sleep', '{marker}'])"},
             )
-    marker = str(srv.state_dir)
-    assert host_processes_with(marker)  # the local kernels run with the state dir in their command
+    assert all(len(host_processes_with(marker)) == 1 for marker in markers.values())
     srv.stop(signal.SIGKILL)
     time.sleep(1.5)
-    try:
-        assert host_processes_with(marker) == []
-    finally:  # a restart removes the containers and directories the crash left
+    try:  # a local sandbox dies with the service (bwrap's --die-with-parent)...
+        assert "local" not in markers or host_processes_with(markers["local"]) == []
+    finally:  # ...a container is what a crash leaves: the restart removes it
         srv.start()
         srv.stop()
+        assert all(host_processes_with(marker) == [] for marker in markers.values())
         assert leftovers(srv) == []
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)

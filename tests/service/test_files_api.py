@@ -11,7 +11,8 @@ import httpx
 import pytest
 from PIL import Image
 
-from tests.service.conftest import KEY_A
+from tests.security.test_file_abuse import build_deep_tree
+from tests.service.conftest import KEY_A, Server
 
 
 def test_upload_list_download_delete(api: httpx.Client, session_id: str) -> None:
@@ -143,3 +144,38 @@ def test_unicode_names_download(api: httpx.Client, session_id: str) -> None:
         "filename*=UTF-8''%E6%95%B0%E6%8D%AE%20r%C3%A9sum%C3%A9.csv"
         in got.headers["content-disposition"]
     )
+
+
+def test_a_name_that_is_not_utf8_is_listed_escaped(api: httpx.Client, session_id: str) -> None:
+    ex = api.post(
+        f"/v1/sessions/{session_id}/execute",
+        json={"code": "open(b'caf\\xe9.txt', 'w').write('x'); open('ok.txt', 'w').write('y')"},
+    ).json()
+    assert ex["status"] == "ok", ex
+    for recursive in (False, True):
+        r = api.get(f"/v1/sessions/{session_id}/files", params={"recursive": recursive})
+        assert r.status_code == 200, r.text
+        listed = {f["path"]: f["name_escaped"] for f in r.json()}
+        assert listed == {"caf\\xe9.txt": True, "ok.txt": False}
+
+
+def test_a_tree_3000_deep_is_removed_by_delete_and_by_closing(
+    server: Server, api: httpx.Client, session_id: str
+) -> None:
+    code = build_deep_tree("first") + build_deep_tree("second")
+    ex = api.post(f"/v1/sessions/{session_id}/execute", json={"code": code}).json()
+    assert ex["status"] == "ok", ex
+    r = api.delete(f"/v1/sessions/{session_id}/files/first")
+    assert r.status_code == 204, r.text
+    assert [f["path"] for f in api.get(f"/v1/sessions/{session_id}/files").json()] == ["second"]
+    (own,) = [d for d in session_directories(server) if (d / "workspace" / "second").is_dir()]
+    assert api.delete(f"/v1/sessions/{session_id}").status_code == 204
+    assert not own.exists(), "the session's directory was left behind"
+
+
+def session_directories(server: Server) -> list[Path]:
+    found: list[Path] = []
+    for backend in ("local", "docker"):
+        if (server.state_dir / backend).is_dir():
+            found += (server.state_dir / backend).iterdir()
+    return found

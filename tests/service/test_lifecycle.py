@@ -80,7 +80,7 @@ def test_session_caps_answer_429(short_server: Server) -> None:
 def test_pool_hands_over_fresh_sandboxes(server: Server, backend: str) -> None:
     with server.client() as api:
         deadline = time.monotonic() + 60
-        while api.get("/healthz").json()["pools"][backend] < 1:
+        while api.get("/v1/status").json()["pools"][backend] < 1:
             assert time.monotonic() < deadline, "the pool did not fill"
             time.sleep(0.1)
         first = api.post("/v1/sessions", json={"backend": backend}).json()
@@ -88,7 +88,7 @@ def test_pool_hands_over_fresh_sandboxes(server: Server, backend: str) -> None:
         api.post(f"/v1/sessions/{first['id']}/execute", json={"code": "secret = 'of the first'"})
         api.post(f"/v1/sessions/{first['id']}/files", files={"file": ("mine.txt", b"first")})
         api.delete(f"/v1/sessions/{first['id']}")
-        while api.get("/healthz").json()["pools"][backend] < 1:
+        while api.get("/v1/status").json()["pools"][backend] < 1:
             assert time.monotonic() < deadline, "the pool did not refill"
             time.sleep(0.1)
         second = api.post("/v1/sessions", json={"backend": backend, "env": {"MINE": "2"}}).json()

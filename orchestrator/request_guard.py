@@ -1,0 +1,262 @@
+"""The gate every HTTP request passes before the app, or any parser, sees its body.
+
+1. Who is calling is settled from the headers alone, by path family: a bearer key for /v1, /mcp
+   and /metrics; an API key for E2B's control plane; a sandbox id and its access token for E2B's
+   data plane and its Connect services. FastAPI reads and parses a body before it resolves the
+   dependencies that authenticate, and the Connect application parses before its handler runs:
+   without this gate, anyone could have any parser read anything.
+2. A body that a JSON parser will read is measured first (see json_depth): nesting deeper than
+   `max_json_depth` is refused with 400, because protobuf's JSON parser crashed the whole
+   process on ~30,000 levels. Large bodies are measured in a worker thread. File uploads,
+   octet-stream and other non-JSON bodies pass unmeasured: their brackets are data.
+
+Refusals come in the shape each family's clients parse: ours (`{"error": {...}}`), E2B's
+(`{"code": <status>, ...}`) or Connect's (`{"code": "unauthenticated", ...}`).
+"""
+
+from __future__ import annotations
+
+import email.message
+import json
+from enum import Enum
+from urllib.parse import unquote_to_bytes
+
+import anyio.to_thread
+from fastapi import HTTPException
+from starlette._utils import get_route_path
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from orchestrator.auth import Authenticator
+from orchestrator.e2b.front import PREFIX as E2B_PREFIX
+from orchestrator.e2b.sandboxes import E2BSandboxes, SandboxGone
+from orchestrator.metrics import METRICS
+from sandbox.json_depth import nests_deeper_than
+
+_MEASURE_IN_A_THREAD = 256 * 1024  # bytes; smaller bodies are measured on the event loop
+_PUBLIC = frozenset({"/healthz", "/health", "/docs", "/docs/oauth2-redirect", "/redoc"})
+_CONNECT_SERVICES = ("/filesystem.Filesystem/", "/process.Process/")
+_E2B_DATA = ("/execute", "/contexts", "/files")
+
+
+class Family(Enum):
+    PUBLIC = "public"
+    BEARER = "bearer"  # /v1, /mcp, and /metrics unless it is public
+    E2B_CONTROL = "e2b-control"
+    E2B_DATA = "e2b-data"
+    CONNECT = "connect"
+    OTHER = "other"  # answered 404 by the app; its body is still measured
+
+
+class Refused(Exception):
+    """A request the gate answers itself."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+# Connect's codes for the HTTP statuses the gate answers with (connectrpc.com/docs/protocol).
+_CONNECT_CODES = {400: "invalid_argument", 401: "unauthenticated", 503: "unavailable"}
+
+
+class RequestGuard:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        authenticate: Authenticator,
+        sandboxes: E2BSandboxes | None,
+        max_json_depth: int,
+        metrics_public: bool,
+    ) -> None:
+        self.app = app
+        self.authenticate = authenticate
+        self.sandboxes = sandboxes  # None: the E2B front is off
+        self.max_json_depth = max_json_depth
+        self.metrics_public = metrics_public
+
+    def family(self, path: str) -> Family:
+        if path in _PUBLIC or path == "/openapi.json":
+            return Family.PUBLIC
+        if path == "/metrics":
+            return Family.PUBLIC if self.metrics_public else Family.BEARER
+        if path == "/v1" or path.startswith("/v1/") or path in ("/mcp", "/mcp/"):
+            return Family.BEARER
+        if self.sandboxes is None:
+            return Family.OTHER
+        if path.startswith(E2B_PREFIX + "/"):
+            path = path[len(E2B_PREFIX) :]
+        if path.startswith(_CONNECT_SERVICES):
+            return Family.CONNECT
+        if path.startswith(("/sandboxes", "/v2/sandboxes")):
+            return Family.E2B_CONTROL
+        if path == "/health":
+            return Family.PUBLIC
+        if path.startswith(_E2B_DATA):
+            return Family.E2B_DATA
+        return Family.OTHER
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        family = self.family(get_route_path(scope))
+        request = Request(scope)
+        try:
+            await self._check_caller(family, request)
+            if family is Family.CONNECT:
+                _refuse_compressed(request)
+                if scope["method"] == "GET":
+                    # Connect's GET form carries the message in the query string.
+                    await self._check_depth(unquote_to_bytes(scope.get("query_string", b"")))
+            # Connect picks its JSON codec from content types this gate need not know: every
+            # body it reads is measured, whatever it claims to be.
+            if not (family is Family.CONNECT or _read_as_json(request)):
+                await self.app(scope, receive, send)
+                return
+            body, more = await _read_body(receive)
+            await self._check_depth(body)
+        except Refused as refused:
+            await _answer(send, family, refused)
+            return
+        await self.app(scope, _replay(body, more, receive), send)
+
+    async def _check_caller(self, family: Family, request: Request) -> None:
+        try:
+            if family is Family.BEARER:
+                self.authenticate(request)
+            elif family is Family.E2B_CONTROL:
+                key = _api_key(request)
+                if not key and not self.authenticate.disabled:
+                    raise Refused(
+                        401,
+                        "Unauthorized",
+                        "missing API key: send one of this service's keys as X-API-Key",
+                    )
+                self.authenticate.owner_for_key(key)
+            elif family in (Family.E2B_DATA, Family.CONNECT):
+                await self._check_sandbox(request)
+        except HTTPException as exc:
+            raise Refused(exc.status_code, "Unauthorized", str(exc.detail)) from None
+
+    async def _check_sandbox(self, request: Request) -> None:
+        assert self.sandboxes is not None
+        sandbox_id = request.headers.get("e2b-sandbox-id")
+        token = request.headers.get("x-access-token") or request.headers.get(
+            "e2b-traffic-access-token"
+        )
+        if not sandbox_id:
+            raise Refused(
+                401,
+                "Unauthorized",
+                "missing the E2b-Sandbox-Id header (and the sandbox's X-Access-Token)",
+            )
+        try:
+            await self.sandboxes.reachable(sandbox_id, token)
+        except SandboxGone as exc:
+            # E2B's answer for a sandbox that is gone; its SDK recognises "was not found".
+            raise Refused(502, "SandboxGone", str(exc)) from None
+
+    async def _check_depth(self, body: bytes) -> None:
+        limit = self.max_json_depth
+        if len(body) > _MEASURE_IN_A_THREAD:
+            too_deep = await anyio.to_thread.run_sync(nests_deeper_than, body, limit)
+        else:
+            too_deep = nests_deeper_than(body, limit)
+        if too_deep:
+            raise Refused(
+                400,
+                "JsonTooDeep",
+                f"the JSON body is nested deeper than {limit} levels of arrays and objects; "
+                "flatten it (or send the data as a string or a file)",
+            )
+
+
+def _api_key(request: Request) -> str:
+    """The key E2B's SDK sends (`X-API-Key`), or a bearer key."""
+    key = request.headers.get("x-api-key", "")
+    if not key:
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        key = bearer if scheme.lower() == "bearer" else ""
+    return key
+
+
+def _refuse_compressed(request: Request) -> None:
+    """Connect would inflate a compressed body before its parser reads it, past our measure;
+    E2B's SDK never compresses its Connect requests."""
+    for header in ("content-encoding", "connect-content-encoding", "grpc-encoding"):
+        encoding = request.headers.get(header, "identity").strip().lower()
+        if encoding != "identity":
+            raise Refused(
+                400,
+                "CompressionNotAccepted",
+                f"{header}: {encoding} is not accepted here; send the message uncompressed",
+            )
+
+
+def _read_as_json(request: Request) -> bool:
+    """Whether some parser of the app reads this body as JSON: FastAPI does with no content
+    type or a JSON one; Connect with `application/json` or `application/connect+json`."""
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return False
+    content_type = request.headers.get("content-type")
+    if not content_type:  # FastAPI reads such a body as JSON; an upload route never does
+        return not (request.method == "POST" and get_route_path(request.scope).endswith("/files"))
+    parsed = email.message.Message()
+    parsed["content-type"] = content_type
+    subtype = parsed.get_content_subtype()
+    return parsed.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
+
+
+async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+    """The whole body (the size limit outside this gate bounds it) and whether the client said
+    there is more (never, once read to the end)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left
+            return b"".join(chunks), True
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks), False
+
+
+def _replay(body: bytes, disconnected: bool, receive: Receive) -> Receive:
+    """A receive that hands the app the body already read, then the client's own messages."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            if disconnected:
+                return {"type": "http.disconnect"}
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _answer(send: Send, family: Family, refused: Refused) -> None:
+    METRICS.errors.labels(refused.kind).inc()
+    status, message = refused.status, str(refused)
+    headers = [(b"content-type", b"application/json")]
+    if family is Family.CONNECT:
+        # Connect has no 502: a sandbox that is gone is "unavailable", as E2B's envd says.
+        status = 503 if status == 502 else status
+        payload: dict[str, object] = {"code": _CONNECT_CODES[status], "message": message}
+    elif family in (Family.E2B_CONTROL, Family.E2B_DATA):
+        payload = {"code": status, "message": message}
+        headers.append((b"should-retry", b"false"))
+    else:
+        payload = {"error": {"type": refused.kind, "message": message}}
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    body = json.dumps(payload).encode()
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

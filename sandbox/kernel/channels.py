@@ -1,0 +1,278 @@
+"""Reading a kernel's sockets for its whole life, within a stated bound of memory.
+
+Nothing a kernel sends may pile up in the service: between executions a sandbox can publish
+without end, and the code holds the HMAC key, so any message may be forged. So for each kernel
+generation one task per socket reads without pause: iopub messages go to the request being
+followed, or are dropped; shell replies go to whoever waits for them; control replies are
+dropped. ZeroMQ itself holds at most `RECEIVE_QUEUE_MESSAGES` messages per socket, none with a
+frame over the frame limit (`ZMQ_MAXMSGSIZE`: ZeroMQ drops the connection on a larger frame and
+does not reconnect by itself, so the iopub socket is then replaced, losing that message); the
+kernel keeps any backlog on its side, where its memory limit applies. Between receiving and
+handling, an inbox holds at most `INBOX_BYTES` (or `INBOX_MESSAGES`), plus one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import zmq
+import zmq.asyncio
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from sandbox.kernel.wire import (
+    KernelMessage,
+    Malformed,
+    parse_off_loop,
+    peek_parent_id,
+    receive_frames,
+)
+
+log = logging.getLogger(__name__)
+
+# Complete messages ZeroMQ may queue per socket before it leaves the rest with the kernel.
+RECEIVE_QUEUE_MESSAGES = 2
+# Between receiving iopub messages and handling them: room for bursts of small outputs (a loop
+# of displays) that handling one by one cannot keep up with, bounded in bytes and in count.
+INBOX_BYTES = 32 << 20
+INBOX_MESSAGES = 10_000
+# The floor of the frame limit: room for a 200 MB print, which the output cap then trims.
+MIN_FRAME_BYTES = 256 << 20
+# After the shell's execute_reply, how long iopub may stay quiet before the run is over even
+# though its idle status never came (PUB/SUB drops messages when a subscriber falls behind).
+QUIET_AFTER_REPLY_S = 2.0
+MAX_WAIT_AFTER_REPLY_S = 10.0
+
+
+def frame_limit_bytes(result_limit_bytes: int, output_limit_chars: int) -> int:
+    """The largest frame we take: well above anything the output limits could keep."""
+    return max(MIN_FRAME_BYTES, 4 * result_limit_bytes + 4 * output_limit_chars)
+
+
+OutputHandler = Callable[[KernelMessage], Awaitable[None]]
+
+
+class Inbox:
+    """Raw messages received but not yet handled; a full inbox stops the receiving, which
+    leaves the backlog with ZeroMQ and the kernel. The first message is always taken in."""
+
+    def __init__(self, max_bytes: int = INBOX_BYTES, max_messages: int = INBOX_MESSAGES) -> None:
+        self.max_bytes = max_bytes
+        self.max_messages = max_messages
+        self.items: deque[tuple[list[bytes], int]] = deque()
+        self.size = 0
+        self.not_empty = asyncio.Event()
+        self.not_full = asyncio.Event()
+
+    async def put(self, frames: list[bytes]) -> None:
+        size = sum(len(f) for f in frames)
+        while self.items and (
+            self.size + size > self.max_bytes or len(self.items) >= self.max_messages
+        ):
+            self.not_full.clear()
+            await self.not_full.wait()
+        self.items.append((frames, size))
+        self.size += size
+        self.not_empty.set()
+
+    async def get(self) -> list[bytes]:
+        while not self.items:
+            self.not_empty.clear()
+            await self.not_empty.wait()
+        frames, size = self.items.popleft()
+        self.size -= size
+        self.not_full.set()
+        return frames
+
+
+@dataclass
+class Watch:
+    """One request being followed: its output handler, and how far it has got."""
+
+    msg_id: str
+    on_output: OutputHandler | None = None
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    malformed: int = 0  # messages dropped as unusable while this request was followed
+
+
+class KernelChannels:
+    """The reading side of one kernel generation's sockets (sending stays with the client)."""
+
+    def __init__(self, client: AsyncKernelClient, *, frame_limit: int) -> None:
+        self.client = client
+        self.frame_limit = frame_limit
+        context = client.context
+        context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+        context.setsockopt(zmq.MAXMSGSIZE, frame_limit)
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=True)
+        self.watch: Watch | None = None
+        self.replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.iopub_seen = asyncio.Event()  # any message arrived: our subscription is live
+        self.shell_received = 0  # messages read from the shell socket (for diagnostics)
+        self.inbox = Inbox()
+        self.handling = False  # an iopub message is being handled
+        self.last_activity = time.monotonic()  # when an iopub message last came or was handled
+        self._tasks = [
+            asyncio.ensure_future(self._keep_iopub()),
+            asyncio.ensure_future(self._handle_iopub()),
+            asyncio.ensure_future(self._read_shell(client.shell_channel.socket)),
+            asyncio.ensure_future(self._drain(client.control_channel.socket)),
+        ]
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for waiter in self.replies.values():
+            waiter.cancel()
+        self.client.stop_channels()  # destroys the client's context, and our sockets with it
+
+    def follow(self, msg_id: str, on_output: OutputHandler | None) -> Watch:
+        """From now on, hand this request's output to `on_output` (None: only track its end)."""
+        self.watch = Watch(msg_id, on_output)
+        return self.watch
+
+    def reply_to(self, msg_id: str) -> asyncio.Future[dict[str, Any]]:
+        """The content of the shell's reply to `msg_id`, when it comes."""
+        waiter = self.replies.get(msg_id)
+        if waiter is None:
+            waiter = self.replies[msg_id] = asyncio.get_running_loop().create_future()
+        return waiter
+
+    def forget_reply(self, msg_id: str) -> None:
+        waiter = self.replies.pop(msg_id, None)
+        if waiter is not None:
+            waiter.cancel()
+
+    async def until_finished(self, watch: Watch, reply: asyncio.Future[dict[str, Any]]) -> None:
+        """Return once the request is over: its reply came and its idle status too, or iopub
+        went quiet for a moment after the reply (the idle was dropped on the way)."""
+        await asyncio.shield(reply)
+        replied = time.monotonic()
+        while not watch.idle.is_set():
+            now = time.monotonic()
+            if self.inbox.items or self.handling:
+                self.last_activity = now
+            quiet_until = max(self.last_activity, replied) + QUIET_AFTER_REPLY_S
+            wait = min(quiet_until, replied + MAX_WAIT_AFTER_REPLY_S) - now
+            if wait <= 0:
+                return
+            wait = min(wait, 0.1)
+            try:
+                await asyncio.wait_for(watch.idle.wait(), wait)
+            except TimeoutError:
+                continue
+
+    # ----------------------------------------------------------------------------------------
+
+    async def _messages(self, socket: zmq.asyncio.Socket) -> AsyncIterator[KernelMessage]:
+        """Each usable message of a socket that answers a request we wait for, until the
+        socket is closed; unusable ones are counted, unwanted ones dropped unread."""
+        while True:
+            try:
+                frames = await receive_frames(socket, self.frame_limit)
+            except zmq.ZMQError:  # closed with its kernel
+                return
+            self.shell_received += 1
+            if frames is None:
+                self._count_malformed(f"over {self.frame_limit} bytes")
+                continue
+            if peek_parent_id(frames) not in self.replies:
+                continue
+            try:
+                yield await parse_off_loop(frames, self.client.session.auth)
+            except Malformed as exc:
+                self._count_malformed(str(exc))
+
+    def _count_malformed(self, why: str) -> None:
+        log.debug("dropped a kernel message: %s", why)
+        if self.watch is not None:
+            self.watch.malformed += 1
+
+    async def _keep_iopub(self) -> None:
+        """Read iopub; when ZeroMQ drops the connection (a frame over the limit), start over on
+        a new socket."""
+        while True:
+            socket = cast("zmq.asyncio.Socket", self.client.connect_iopub())
+            monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            reader = asyncio.ensure_future(self._read_iopub(socket))
+            try:
+                await monitor.recv_multipart()  # the only event asked for: disconnected
+                self._count_malformed("output connection reset: a message over the limit")
+            finally:
+                reader.cancel()
+                if not socket.closed:  # else the context went first, with its sockets
+                    socket.disable_monitor()
+                    monitor.close(linger=0)
+                    socket.close(linger=0)
+
+    async def _read_iopub(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await receive_frames(socket, self.frame_limit)
+            except zmq.ZMQError:  # closed with its kernel
+                return
+            self.iopub_seen.set()
+            self.last_activity = time.monotonic()
+            if frames is None:
+                self._count_malformed(f"over {self.frame_limit} bytes")
+            else:
+                await self.inbox.put(frames)
+
+    async def _handle_iopub(self) -> None:
+        while True:
+            frames = await self.inbox.get()
+            self.handling = True
+            try:
+                await self._handle_one(frames)
+            finally:
+                self.handling = False
+                self.last_activity = time.monotonic()
+
+    async def _handle_one(self, frames: list[bytes]) -> None:
+        watch = self.watch
+        if watch is None or peek_parent_id(frames) != watch.msg_id:
+            return  # nobody wants it (a background thread's output, a past run's): unread
+        try:
+            msg = await parse_off_loop(frames, self.client.session.auth)
+        except Malformed as exc:
+            self._count_malformed(str(exc))
+            return
+        watch = self.watch
+        if watch is None or msg.parent_id != watch.msg_id:
+            return  # nobody wants it: output of a background thread, or of a past run
+        try:
+            if msg.msg_type == "status":
+                if (await msg.content()).get("execution_state") == "idle":
+                    watch.idle.set()
+            elif watch.on_output is not None:
+                await watch.on_output(msg)
+        except Malformed as exc:
+            self._count_malformed(str(exc))
+        except Exception:  # whatever a message does to a handler, the reading goes on
+            log.exception("could not handle a kernel message of type %r", msg.msg_type)
+            watch.malformed += 1
+
+    async def _read_shell(self, socket: zmq.asyncio.Socket) -> None:
+        async for msg in self._messages(socket):
+            waiter = self.replies.pop(msg.parent_id, None)
+            if waiter is None or waiter.done():
+                continue
+            try:
+                waiter.set_result(await msg.content())
+            except Malformed as exc:
+                self._count_malformed(str(exc))
+                waiter.set_result({"status": "error", "evalue": f"a malformed reply ({exc})"})
+
+    async def _drain(self, socket: zmq.asyncio.Socket) -> None:
+        """Control replies (to interrupts) are not needed: read them, unparsed, so they never
+        queue."""
+        while True:
+            try:
+                await receive_frames(socket, self.frame_limit)
+            except zmq.ZMQError:  # closed with its kernel
+                return

@@ -28,7 +28,7 @@ def remove_tree(parent_fd: int, name: str) -> None:
     first OSError met. A missing `name` raises FileNotFoundError.
     """
     if not stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
-        _unlink(parent_fd, name)
+        _unlink(parent_fd, name, unlockable=False)
         return
     errors: list[OSError] = []
     stack = DirStack(parent_fd)
@@ -45,7 +45,7 @@ def remove_tree(parent_fd: int, name: str) -> None:
                         pending.append(_enter(stack, entry))
                         passes.append(1)
                     else:
-                        _unlink(stack.fd, entry)
+                        _unlink(stack.fd, entry, unlockable=True)
                 except FileNotFoundError:
                     pass
                 except OSError as exc:
@@ -59,7 +59,7 @@ def remove_tree(parent_fd: int, name: str) -> None:
             passes.pop()
             done = stack.pop()
             try:
-                _rmdir(stack.fd, done)
+                _rmdir(stack.fd, done, unlockable=stack.depth > 0)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -103,18 +103,26 @@ def _unlock(parent_fd: int, name: str) -> None:
         os.close(fd)
 
 
-def _unlink(dir_fd: int, name: str) -> None:
+# `unlockable`: whether `dir_fd` is inside the tree (a directory the code may have made read-only,
+# ours to open up again), never the caller's own directory, whose mode is not ours to change.
+
+
+def _unlink(dir_fd: int, name: str, *, unlockable: bool) -> None:
     try:
         os.unlink(name, dir_fd=dir_fd)
-    except PermissionError:  # a directory the code made read-only: ours to open up again
+    except PermissionError:
+        if not unlockable:
+            raise
         os.fchmod(dir_fd, 0o700)
         os.unlink(name, dir_fd=dir_fd)
 
 
-def _rmdir(dir_fd: int, name: str) -> None:
+def _rmdir(dir_fd: int, name: str, *, unlockable: bool) -> None:
     try:
         os.rmdir(name, dir_fd=dir_fd)
     except PermissionError:
+        if not unlockable:
+            raise
         os.fchmod(dir_fd, 0o700)
         os.rmdir(name, dir_fd=dir_fd)
     except OSError as exc:

@@ -255,8 +255,16 @@ class DockerSandbox(KernelSandbox):
     async def _teardown(self) -> None:
         try:
             await super()._teardown()
-        finally:  # the container is gone by now: its uid may serve another sandbox
-            self._on_close()
+        finally:
+            if await self._launcher.containers_gone():  # only then may its uid serve another
+                self._on_close()
+            else:  # kept claimed until this process ends; the next start's clean-up removes it
+                log.warning(
+                    "the engine did not remove the container of sandbox %s: its uid %d stays "
+                    "out of the pool",
+                    self.id,
+                    self.uid,
+                )
 
 
 class _Container:
@@ -305,6 +313,18 @@ class _ContainerLauncher:
         self.channel = channel
         self.generation = 0
         self.current_name: str | None = None
+
+    async def containers_gone(self) -> bool:
+        """Whether the engine holds no container of this sandbox any more."""
+        try:
+            left = await asyncio.to_thread(
+                self.client.containers.list,
+                all=True,
+                filters={"label": f"{LABEL_SANDBOX}={self.sandbox_id}"},
+            )
+        except DockerException:
+            return False
+        return not left
 
     @property
     def kernel_dir(self) -> Path:

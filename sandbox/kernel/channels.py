@@ -98,6 +98,7 @@ class Watch:
     on_output: OutputHandler | None = None
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     malformed: int = 0  # messages dropped as unusable while this request was followed
+    end_unconfirmed: bool = False  # ended by the quiet after the reply: no idle status came
 
 
 class KernelChannels:
@@ -116,6 +117,8 @@ class KernelChannels:
         self.shell_received = 0  # messages read from the shell socket (for diagnostics)
         self.inbox = Inbox()
         self.handling = False  # an iopub message is being handled
+        self.handler_free = asyncio.Event()  # set while no iopub message is being handled
+        self.handler_free.set()
         self.last_activity = time.monotonic()  # when an iopub message last came or was handled
         self._tasks = [
             asyncio.ensure_future(self._keep_iopub()),
@@ -150,7 +153,8 @@ class KernelChannels:
 
     async def until_finished(self, watch: Watch, reply: asyncio.Future[dict[str, Any]]) -> None:
         """Return once the request is over: its reply came and its idle status too, or iopub
-        went quiet for a moment after the reply (the idle was dropped on the way)."""
+        went quiet for a moment after the reply (the idle was dropped on the way: then
+        `watch.end_unconfirmed` says so, once the message being handled is done)."""
         await asyncio.shield(reply)
         replied = time.monotonic()
         while not watch.idle.is_set():
@@ -160,6 +164,8 @@ class KernelChannels:
             quiet_until = max(self.last_activity, replied) + QUIET_AFTER_REPLY_S
             wait = min(quiet_until, replied + MAX_WAIT_AFTER_REPLY_S) - now
             if wait <= 0:
+                watch.end_unconfirmed = True
+                await self.handler_free.wait()  # a message half taken would change the run
                 return
             wait = min(wait, 0.1)
             try:
@@ -227,10 +233,12 @@ class KernelChannels:
         while True:
             frames = await self.inbox.get()
             self.handling = True
+            self.handler_free.clear()
             try:
                 await self._handle_one(frames)
             finally:
                 self.handling = False
+                self.handler_free.set()
                 self.last_activity = time.monotonic()
 
     async def _handle_one(self, frames: list[bytes]) -> None:

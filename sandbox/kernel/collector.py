@@ -139,6 +139,7 @@ class OutputCollector:
         self.error: ExecutionError | None = None
         self.execution_count: int | None = None
         self.malformed_messages = 0  # kernel messages dropped as unusable during the run
+        self.end_unconfirmed = False  # the kernel's idle status for the run never came
         self.sink = sink
 
     async def take(self, msg: KernelMessage) -> None:
@@ -267,13 +268,20 @@ class OutputCollector:
                 f"returns at most {self.result_limit_count}]"
             )
             results = [*results, Result(text=note)]
+        notes = []
         if self.malformed_messages:
-            dropped = (
+            notes.append(
                 f"{self.malformed_messages} malformed messages from the kernel were dropped "
                 "(bad framing, signature or JSON, a wrong shape, or too big to take)."
             )
+        if self.end_unconfirmed:
+            notes.append(
+                "The kernel finished this run but its end-of-output signal never came (lost "
+                "under a flood of output): output sent just before the end may be missing."
+            )
+        if notes:
             notice = fields.pop("notice", None)
-            fields["notice"] = f"{notice}\n{dropped}" if notice else dropped
+            fields["notice"] = "\n".join([notice, *notes] if notice else notes)
         return Execution(
             stdout=stdout,
             stderr=stderr,

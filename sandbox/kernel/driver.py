@@ -244,6 +244,8 @@ class KernelDriver:
         run, kernel = self._run, self._kernel
         if run is None or kernel is None:
             return False
+        if run.reply is not None and run.reply.done():
+            return False  # the code is over (its last output is on the way): nothing to stop
         run.cancelled = True
         if not run.interrupted:
             run.interrupted = True
@@ -321,12 +323,12 @@ class KernelDriver:
             if kernel is None:
                 return
             if not run.finished and run.watch is not None and run.reply is not None:
-                self._send_interrupt(kernel)
                 try:
-                    await asyncio.wait_for(
-                        kernel.channels.until_finished(run.watch, run.reply),
-                        self.interrupt_grace_s,
-                    )
+                    if not run.reply.done():  # the code still runs: stop it
+                        self._send_interrupt(kernel)
+                        await asyncio.wait_for(asyncio.shield(run.reply), self.interrupt_grace_s)
+                    # Stopped: its last output is drained under a bound of the reader's own.
+                    await kernel.channels.until_finished(run.watch, run.reply)
                 except TimeoutError:
                     self._notice = (
                         "An execution whose caller went away did not stop when interrupted, so "
@@ -461,6 +463,7 @@ class KernelDriver:
             finished.cancel()
             watch.on_output = None  # what still comes for this request is nobody's
             collector.malformed_messages += watch.malformed
+            collector.end_unconfirmed |= watch.end_unconfirmed
             watch.malformed = 0
         content = reply.result()
         count = content.get("execution_count")

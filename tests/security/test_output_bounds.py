@@ -8,6 +8,8 @@ fail the request or the service.
 
 from __future__ import annotations
 
+import asyncio
+
 from sandbox import Backend, ExecutionStatus, Sandbox
 from sandbox.models import ErrorEvent, OutputEvent
 from tests.conftest import small_spec
@@ -183,7 +185,12 @@ async def test_a_finished_run_whose_idle_status_is_lost_is_not_a_timeout(
     )
     assert ex.status is ExecutionStatus.OK, (ex.status, ex.error)
     assert ex.stdout == "done\n"
-    again = await sandbox.execute("print('next'); 1 + 1", timeout_s=10)
+    assert ex.notice and "end-of-output signal never came" in ex.notice
+    # Between the reply and the end the code is over: an interrupt has nothing to stop.
+    running = asyncio.ensure_future(sandbox.execute("print('next'); 1 + 1", timeout_s=10))
+    await asyncio.sleep(0.5)
+    assert not await sandbox.interrupt()
+    again = await running
     assert again.status is ExecutionStatus.OK, (again.status, again.error)
     assert again.stdout == "next\n" and again.text == "2"
     assert not again.state_lost

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from sandbox.dir_stack import DIR_FLAGS, DirStack
@@ -103,29 +104,27 @@ def _unlock(parent_fd: int, name: str) -> None:
         os.close(fd)
 
 
-# `unlockable`: whether `dir_fd` is inside the tree (a directory the code may have made read-only,
-# ours to open up again), never the caller's own directory, whose mode is not ours to change.
-
-
 def _unlink(dir_fd: int, name: str, *, unlockable: bool) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except PermissionError:
-        if not unlockable:
-            raise
-        os.fchmod(dir_fd, 0o700)
-        os.unlink(name, dir_fd=dir_fd)
+    _in_directory(os.unlink, dir_fd, name, unlockable)
 
 
 def _rmdir(dir_fd: int, name: str, *, unlockable: bool) -> None:
     try:
-        os.rmdir(name, dir_fd=dir_fd)
-    except PermissionError:
-        if not unlockable:
-            raise
-        os.fchmod(dir_fd, 0o700)
-        os.rmdir(name, dir_fd=dir_fd)
+        _in_directory(os.rmdir, dir_fd, name, unlockable)
     except OSError as exc:
         if exc.errno == errno.EBUSY:  # a mount point: never ours to remove
             log.warning("not removing %r: it is a mount point", name)
         raise
+
+
+def _in_directory(remove: Callable[..., None], dir_fd: int, name: str, unlockable: bool) -> None:
+    """`remove(name, dir_fd=dir_fd)`; if the directory was made read-only and is inside the tree
+    (`unlockable`: never the caller's own directory, whose mode is not ours to change), open it
+    up to its owner again and retry."""
+    try:
+        remove(name, dir_fd=dir_fd)
+    except PermissionError:
+        if not unlockable:
+            raise
+        os.fchmod(dir_fd, 0o700)
+        remove(name, dir_fd=dir_fd)

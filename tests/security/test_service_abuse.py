@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import shutil
 import signal
@@ -90,14 +91,28 @@ def test_oversized_requests_are_refused_early(guarded: Server) -> None:
         api.delete(f"/v1/sessions/{sid}")
 
 
+# Worker pools grow one thread at a time, on demand, up to their caps: the event loop's default
+# executor (min(32, cores + 4)), AnyIO's (40) and the workspace's file workers (8). Their threads
+# are counted apart, against those caps; every other thread must not grow at all.
+_POOL_THREADS = {"asyncio_": min(32, (os.cpu_count() or 1) + 4), "AnyIO worker": 40}
+_POOL_THREADS["workspace-files"[:15]] = 8  # a thread's name is cut at 15 characters
+
+
 def _census(srv: Server) -> dict[str, int]:
     assert srv.process is not None
     pid = srv.process.pid
-    return {
-        "fds": len(os.listdir(f"/proc/{pid}/fd")),
-        "threads": len(os.listdir(f"/proc/{pid}/task")),
-        "children": sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid),
-    }
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            names.append((task / "comm").read_text().strip())
+    counts = {"fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    for prefix in _POOL_THREADS:
+        counts[f"pool {prefix}"] = sum(1 for n in names if n.startswith(prefix))
+    counts["threads"] = len(names) - sum(counts[f"pool {p}"] for p in _POOL_THREADS)
+    counts["children"] = sum(
+        1 for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid
+    )
+    return counts
 
 
 def _ppid(proc: Path) -> int:
@@ -143,6 +158,8 @@ def test_two_hundred_sessions_in_parallel_leak_nothing(backend: str) -> None:
         assert after["children"] == before["children"] == 0, (before, after)
         assert after["fds"] <= before["fds"] + 2, (before, after)
         assert after["threads"] <= before["threads"] + 2, (before, after)
+        for prefix, cap in _POOL_THREADS.items():
+            assert after[f"pool {prefix}"] <= cap, (before, after)
         assert leftovers(srv) == []
         assert _groups() <= groups_before
     finally:

@@ -15,11 +15,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from sandbox.dir_stack import DirStack, TreeChanged
+from sandbox.dir_stack import DIR_FLAGS, DirStack, TreeChanged
 from sandbox.errors import FileAccessError, FileMissing, FileTooLarge, InvalidPath
 from sandbox.tree_removal import remove_tree
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # Listings go this deep below the directory asked for; deeper directories are shown, not entered.
 MAX_LIST_DEPTH = 4096
 
@@ -62,7 +61,7 @@ class Workspace:
 
     @contextmanager
     def _dir(self, parts: tuple[str, ...], *, create: bool = False) -> Iterator[int]:
-        fd = os.open(self.root, _DIR_FLAGS)
+        fd = os.open(self.root, DIR_FLAGS)
         try:
             for part in parts:
                 nxt = self._step(fd, part, create)
@@ -76,7 +75,7 @@ class Workspace:
         """Open the subdirectory `part` of `fd` (making it if asked), never through a symlink."""
         for _ in range(3):  # the sandbox may be changing the directory meanwhile
             try:
-                return os.open(part, _DIR_FLAGS, dir_fd=fd)
+                return os.open(part, DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
                     raise FileMissing(f"no such directory: {part!r}") from None

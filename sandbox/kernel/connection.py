@@ -18,6 +18,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from sandbox.dir_stack import DIR_FLAGS
 from sandbox.tree_removal import remove_tree
 
 KERNEL_DIR_IN_SANDBOX = "/run/kernel"
@@ -64,7 +65,7 @@ def reset_kernel_dir(kernel_dir: Path, kernel_uid: int | None = None) -> None:
     Called only while nothing of the sandbox runs, so whatever the code planted there (a FIFO
     that would block our open, a symlink our client would follow) is gone before a kernel binds.
     """
-    fd = os.open(kernel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(kernel_dir, DIR_FLAGS)
     try:
         for name in os.listdir(fd):
             remove_tree(fd, name)  # any depth: the code may have planted a tree here
@@ -79,7 +80,7 @@ def seal_kernel_dir(kernel_dir: Path) -> None:
     Effective when the sandbox runs as another uid than ours (Docker; local as root), since
     only the directory's owner could open it again.
     """
-    fd = os.open(kernel_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(kernel_dir, DIR_FLAGS)
     try:
         os.fchown(fd, os.geteuid(), os.getegid())  # ours again: the kernel could chmod its own
         os.fchmod(fd, 0o555)

@@ -23,7 +23,7 @@ from typing import Any
 
 from openai import APIError, AsyncOpenAI
 
-from orchestrator.integrations.code_session import CodeSession
+from code_interpreter_client.code_session import CodeSession
 from orchestrator.tool import (
     CODE_ONLY_SCHEMA,
     LIBRARIES,

@@ -15,10 +15,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.auth import Authenticator
 from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
-from orchestrator.e2b import mount as mount_e2b
+from orchestrator.e2b_compatible import mount as mount_e2b
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
-from orchestrator.integrations.mcp_http import McpHttpFront
+from orchestrator.mcp_front.http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.request_guard import RequestGuard
 from orchestrator.routes import files, ops, sessions, tools

@@ -164,7 +164,7 @@ def mcp(
     serves the whole service (MCP at /mcp) with its bearer keys, like `serve`.
     """
     if transport is McpTransport.STDIO:
-        from orchestrator.integrations.mcp_server import serve_stdio
+        from orchestrator.mcp_front.server import serve_stdio
 
         asyncio.run(serve_stdio(_settings(auth_disabled=True)))
     else:

@@ -28,8 +28,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
-from orchestrator.e2b.front import PREFIX as E2B_PREFIX
-from orchestrator.e2b.sandboxes import E2BSandboxes, SandboxGone
+from orchestrator.e2b_compatible.front import PREFIX as E2B_PREFIX
+from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
 from orchestrator.metrics import METRICS
 from sandbox.json_depth import nests_deeper_than
 

@@ -28,7 +28,7 @@ HOST_TOOLS_ENV = "CIR_HOST_TOOLS_DIR"
 SOCKET_NAME = "sock"
 MANIFEST_NAME = "manifest.json"
 MODULE_NAME = "host_tools.py"
-KERNEL_MODULE = Path(__file__).parent / "kernel" / MODULE_NAME
+KERNEL_MODULE = Path(__file__).parent / "inside_kernel" / MODULE_NAME
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the NUL
 
 

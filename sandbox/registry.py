@@ -20,7 +20,7 @@ def create_backend(name: str, **config: Any) -> Backend:
 
         return DockerBackend(DockerBackendConfig(**config))
     if name == "e2b":
-        from sandbox.backends.e2b import E2BBackend, E2BBackendConfig
+        from sandbox.backends.e2b_cloud import E2BBackend, E2BBackendConfig
 
         return E2BBackend(E2BBackendConfig(**config))
     raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
@@ -48,8 +48,8 @@ def why_unavailable(name: str, **config: Any) -> str | None:
             return f"no Docker engine: {exc}"
         return None
     if name == "e2b":
-        from sandbox.backends.e2b import E2BBackendConfig
-        from sandbox.backends.e2b import why_unavailable as e2b_missing
+        from sandbox.backends.e2b_cloud import E2BBackendConfig
+        from sandbox.backends.e2b_cloud import why_unavailable as e2b_missing
 
         return e2b_missing(E2BBackendConfig(**config))
     return f"unknown backend {name!r}"

@@ -8,7 +8,7 @@ See docs/programmatic-tool-calling.md.
 from orchestrator.host_tools.base import HostTool, HostToolError, ToolInputError
 from orchestrator.host_tools.channel import ChannelLimits, ToolChannel
 from orchestrator.host_tools.http import HttpTool
-from orchestrator.host_tools.mcp_server import McpConnection, McpTool
+from orchestrator.host_tools.mcp_tool_source import McpConnection, McpTool
 from orchestrator.host_tools.python import PythonTool, function_tool
 from orchestrator.host_tools.registry import ToolRegistry, UnknownTools
 from orchestrator.host_tools.settings import HostToolsSettings, HttpToolConfig, McpServerConfig

@@ -19,7 +19,7 @@ from typing import Any
 
 from orchestrator.host_tools.base import HostTool
 from orchestrator.host_tools.http import HttpTool
-from orchestrator.host_tools.mcp_server import McpConnection
+from orchestrator.host_tools.mcp_tool_source import McpConnection
 from orchestrator.host_tools.python import function_tool
 from orchestrator.host_tools.settings import HostToolsSettings, McpServerConfig
 

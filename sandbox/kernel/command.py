@@ -7,7 +7,7 @@ from pathlib import Path
 
 from sandbox.spec import ResourceLimits
 
-STARTUP_FILE = Path(__file__).with_name("startup.py")
+STARTUP_FILE = Path(__file__).parent.parent / "inside_kernel" / "startup.py"
 # Where the start-up file sits inside a sandbox (bound by the local backend, copied by images).
 STARTUP_FILE_IN_SANDBOX = "/opt/code-interpreter/startup.py"
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
 
-MCP_SERVER = str(Path(__file__).with_name("mcp_server.py"))
+MCP_SERVER = str(Path(__file__).with_name("example_mcp_tool_server.py"))
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from orchestrator.host_tools import (
 from orchestrator.host_tools.describe import call_signature
 from tests.service.conftest import free_port
 
-MCP_SERVER = str(Path(__file__).with_name("mcp_server.py"))
+MCP_SERVER = str(Path(__file__).with_name("example_mcp_tool_server.py"))
 
 
 class Expense(BaseModel):

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from orchestrator.integrations.code_session import CodeSession
+from code_interpreter_client.code_session import CodeSession
 from tests.conftest import SELECTED, backend_config, require_backend, small_spec
 
 

@@ -14,8 +14,8 @@ import pytest
 from langchain_core.messages import ToolMessage
 from langchain_core.messages.tool import ToolCall
 
-from orchestrator.integrations.code_session import CodeSession
-from orchestrator.integrations.langchain import CodeInterpreterTool
+from code_interpreter_client.code_session import CodeSession
+from code_interpreter_client.langchain import CodeInterpreterTool
 from sandbox.models import Execution, ExecutionStatus
 from tests.service.conftest import KEY_A, Server, make_server
 
@@ -113,7 +113,7 @@ async def test_a_remote_session_lives_in_the_service(service: Server) -> None:
 def test_the_default_session_is_closed_when_the_process_exits(state_dir: Path) -> None:
     # XDG_RUNTIME_DIR moves the embedded session's state directory to one of the test's own.
     script = (
-        "from orchestrator.integrations.langchain import CodeInterpreterTool\n"
+        "from code_interpreter_client.langchain import CodeInterpreterTool\n"
         "print(CodeInterpreterTool().invoke({'code': '6 * 7'}))\n"
     )
     env = {**os.environ, "XDG_RUNTIME_DIR": str(state_dir.parent)}

@@ -17,8 +17,8 @@ from openai.types.responses import (
 )
 from PIL import Image
 
-from orchestrator.integrations.code_session import CodeSession
-from orchestrator.integrations.openai_agents import code_interpreter_tool
+from code_interpreter_client.code_session import CodeSession
+from code_interpreter_client.openai_agents import code_interpreter_tool
 
 OFFLINE = RunConfig(tracing_disabled=True)  # traces would be sent to OpenAI
 PLOT = (

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from orchestrator.client import APIError, AsyncClient, Client
+from code_interpreter_client.http_client import APIError, AsyncClient, Client
 from tests.service.conftest import KEY_A, KEY_B, Server
 
 

@@ -27,9 +27,9 @@ from e2b.api.client.types import Unset
 from fastapi import APIRouter, Body, Query, Response
 from pydantic import ValidationError
 
-from orchestrator.e2b.deps import ApiOwnerDep, E2BDep, ServiceDep
-from orchestrator.e2b.errors import E2BError, E2BRoute
-from orchestrator.e2b.sandboxes import DEFAULT_TIMEOUT_S, E2BRecord, E2BSandboxes
+from orchestrator.e2b_compatible.deps import ApiOwnerDep, E2BDep, ServiceDep
+from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BRecord, E2BSandboxes
 from orchestrator.http_errors import problems
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service

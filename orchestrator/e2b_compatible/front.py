@@ -6,9 +6,9 @@ from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from fastapi import FastAPI
 
-from orchestrator.e2b import contexts, control, execute, files
-from orchestrator.e2b.filesystem import NoProcesses, StripPrefix, WorkspaceFilesystem
-from orchestrator.e2b.sandboxes import E2BSandboxes
+from orchestrator.e2b_compatible import contexts, control, execute, files
+from orchestrator.e2b_compatible.filesystem import NoProcesses, StripPrefix, WorkspaceFilesystem
+from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.service import Service
 
 PREFIX = "/e2b"

@@ -12,9 +12,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from starlette.datastructures import UploadFile
 
-from orchestrator.e2b.deps import ReachedDep, ServiceDep
-from orchestrator.e2b.errors import E2BError, E2BRoute
-from orchestrator.e2b.paths import to_sandbox, to_workspace
+from orchestrator.e2b_compatible.deps import ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.paths import to_sandbox, to_workspace
 from orchestrator.sessions import Session
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])

@@ -11,7 +11,7 @@ import pytest
 from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
-from tests.e2b.conftest import point_sdk_at, stop_cleanly
+from tests.e2b_compatible.conftest import point_sdk_at, stop_cleanly
 from tests.service.conftest import Server, make_server
 
 

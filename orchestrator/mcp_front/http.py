@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
-from orchestrator.integrations.mcp_server import (
+from orchestrator.mcp_front.server import (
     OWNER_SCOPE_KEY,
     ConnectionSessions,
     build_mcp_server,

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from orchestrator.e2b.sandboxes import SandboxGone
+from orchestrator.e2b_compatible.sandboxes import SandboxGone
 from orchestrator.http_errors import problems, status_of
 from orchestrator.metrics import METRICS
 from orchestrator.routes.deps import ClientGone

@@ -18,10 +18,10 @@ from sandbox import (
     SandboxSpec,
     create_backend,
 )
-from sandbox.backends.e2b import E2BSandbox
+from sandbox.backends.e2b_cloud import E2BSandbox
 from sandbox.models import ExecutionStatus, OutputEvent
 from sandbox.registry import why_unavailable
-from tests.e2b.conftest import E2B_VARIABLES, stop_cleanly
+from tests.e2b_compatible.conftest import E2B_VARIABLES, stop_cleanly
 from tests.service.conftest import KEY_A, Server, make_server
 
 

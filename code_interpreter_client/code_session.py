@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from orchestrator.client import AsyncClient
+from code_interpreter_client.http_client import AsyncClient
 from orchestrator.tool import RenderedOutput, render
 from sandbox.backends.base import Backend, Sandbox
 from sandbox.models import Execution, FileInfo

@@ -1,6 +1,6 @@
 """The code interpreter as a LangChain tool: text for the model, the whole Execution as artifact.
 
-    from orchestrator.integrations.langchain import CodeInterpreterTool
+    from code_interpreter_client.langchain import CodeInterpreterTool
 
     tool = CodeInterpreterTool()          # an embedded local sandbox, started on first use
     message = tool.invoke({"type": "tool_call", "id": "call-1", "name": "code_interpreter",
@@ -19,8 +19,8 @@ from typing import Any, Literal
 from langchain_core.tools import BaseTool, ToolException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from orchestrator.client import APIError
-from orchestrator.integrations.code_session import CodeSession
+from code_interpreter_client.code_session import CodeSession
+from code_interpreter_client.http_client import APIError
 from orchestrator.tool import LIBRARIES, TOOL_NAME, description, explain_invalid
 from sandbox.errors import SandboxError
 from sandbox.models import Execution

@@ -14,10 +14,10 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Response
 from pydantic import BaseModel
 
-from orchestrator.e2b.deps import E2BDep, ReachedDep, ServiceDep
-from orchestrator.e2b.errors import E2BError, E2BRoute
-from orchestrator.e2b.execute import DEFAULT_CONTEXT, check_language, context_session
-from orchestrator.e2b.sandboxes import SandboxGone
+from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.execute import DEFAULT_CONTEXT, check_language, context_session
+from orchestrator.e2b_compatible.sandboxes import SandboxGone
 from orchestrator.schemas import CreateSessionRequest
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 

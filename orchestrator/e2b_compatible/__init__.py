@@ -4,6 +4,6 @@ See docs/e2b.md for what works. `mount` adds it to the app, at the root paths E2
 again under `/e2b`.
 """
 
-from orchestrator.e2b.front import PREFIX, mount
+from orchestrator.e2b_compatible.front import PREFIX, mount
 
 __all__ = ["PREFIX", "mount"]

@@ -19,9 +19,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from orchestrator.e2b.deps import E2BDep, ReachedDep, ServiceDep
-from orchestrator.e2b.errors import E2BError, E2BRoute
-from orchestrator.e2b.sandboxes import E2BRecord
+from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.sandboxes import E2BRecord
 from orchestrator.schemas import Env, ExecutionRecord, KernelText
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError

@@ -33,7 +33,7 @@ from pydantic import Field
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.host_tools.describe import summaries
-from orchestrator.integrations.stdio_state_dir import remove_own, stdio_state_dir
+from orchestrator.mcp_front.stdio_state_dir import remove_own, stdio_state_dir
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import (
@@ -56,7 +56,7 @@ from sandbox.errors import SandboxError
 
 log = logging.getLogger(__name__)
 
-# Where an authenticated HTTP request carries its caller (set by the HTTP front, see mcp_http).
+# Where an authenticated HTTP request carries its caller (set by mcp_front/http.py).
 OWNER_SCOPE_KEY = "code_interpreter.owner"
 STDIO_CONNECTION = "stdio"
 _ARGUMENT_HINT = (

@@ -21,8 +21,8 @@ from e2b.envd.process import process_connect
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from orchestrator.e2b.paths import to_sandbox, to_workspace
-from orchestrator.e2b.sandboxes import E2BSandboxes, SandboxGone
+from orchestrator.e2b_compatible.paths import to_sandbox, to_workspace
+from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
 from orchestrator.sessions import Session
 from sandbox.errors import (
     FileAccessError,

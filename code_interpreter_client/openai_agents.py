@@ -1,7 +1,7 @@
 """The code interpreter as an OpenAI Agents SDK tool: text as text, images as ToolOutputImage.
 
     from agents import Agent, Runner
-    from orchestrator.integrations.openai_agents import code_interpreter_tool
+    from code_interpreter_client.openai_agents import code_interpreter_tool
 
     agent = Agent(name="analyst", tools=[code_interpreter_tool()])
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from agents import FunctionTool, RunContextWrapper, ToolOutputImage, ToolOutputText
 
-from orchestrator.integrations.code_session import CodeSession
+from code_interpreter_client.code_session import CodeSession
 from orchestrator.tool import (
     CODE_ONLY_SCHEMA,
     LIBRARIES,

@@ -1,0 +1,5 @@
+"""Files that run *inside* a sandbox's kernel, not in the service: standard library only.
+
+They are copied or bound into each sandbox as they are (`startup.py` runs before any user code;
+`host_tools.py` is the module sandboxed code imports to call the host's tools).
+"""

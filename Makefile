@@ -6,14 +6,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint format demo image engine serve bench clean
+.PHONY: install test unit lint format demo image engine serve bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[kernel,dev]'
+	$(BIN)/pip install -q -e '.[server,kernel,dev]'
 	touch $@
 
 # The Docker tests need an engine and the images: start and build them when we can. Where no
@@ -22,6 +22,10 @@ test: install
 	@if scripts/ensure-docker-engine.sh; then $(MAKE) --no-print-directory image; \
 	else echo "warning: no Docker engine: the Docker tests cannot run" >&2; fi
 	$(BIN)/pytest
+
+# The fast tier: pure modules only (no bwrap, no Docker, no kernel, no server), in seconds.
+unit: install
+	$(BIN)/pytest tests/unit -q
 
 engine:
 	scripts/ensure-docker-engine.sh

@@ -2,12 +2,12 @@
 
 A tool object lives as long as the agent, so it holds a session rather than a sandbox: the
 sandbox starts with the first call and keeps variables and files between calls. Two kinds:
-`embedded` runs a sandbox in this process (no server needed), `remote` uses a session of a
-code-interpreter service over HTTP.
+`embedded` runs a session of an in-process service (no server to run; needs the `server` extra),
+`remote` uses a session of a code-interpreter service over HTTP.
 
 Frameworks call tools from their own event loops and threads (LangChain's sync `_run`, the Agents
 SDK's runner), while a sandbox belongs to the loop that made it. So every call runs on the
-shared background loop of `sandbox.sync`, and one CodeSession serves sync and async callers alike.
+shared loop of `sandbox.background_loop`, and one CodeSession serves sync and async callers alike.
 """
 
 from __future__ import annotations
@@ -18,18 +18,27 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
-from code_interpreter_client.http_client import AsyncClient
+from pydantic import TypeAdapter
+
+from code_interpreter_client.http_client import APIError, AsyncClient
+from orchestrator.entry import missing_server_module, server_extra_hint
+from orchestrator.schemas import ExecutionRecord
 from orchestrator.tool import RenderedOutput, render
-from sandbox.backends.base import Backend, Sandbox
-from sandbox.models import Execution, FileInfo
-from sandbox.registry import create_backend
+from sandbox.background_loop import run_in_background, run_sync
+from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
 from sandbox.spec import SandboxSpec
-from sandbox.sync import run_in_background, run_sync
+
+if TYPE_CHECKING:
+    from code_interpreter_client.embedded_session import EmbeddedSession
+    from sandbox.backends.base import Backend
 
 T = TypeVar("T")
 DEFAULT_MAX_CHARS = 20_000  # what a model is shown of one call's text
+# The stream's lines that are output events (the others: keepalive, dropped, done, failure).
+_EVENT_TYPES = ("stdout", "stderr", "result", "error")
+_EVENTS: TypeAdapter[OutputEvent] = TypeAdapter(OutputEvent)
 
 
 class CodeSession(ABC):
@@ -43,8 +52,16 @@ class CodeSession(ABC):
     def embedded(
         backend: str | Backend = "local", spec: SandboxSpec | None = None, **config: Any
     ) -> EmbeddedSession:
-        """A sandbox of this process: `local` (bubblewrap) or `docker` with backend config, or
-        one from a backend you hold (and close yourself)."""
+        """A session of a service in this process: on `local` (bubblewrap) or `docker` with
+        backend config, or on a backend you hold (and close yourself). Needs the server extra."""
+        try:
+            from code_interpreter_client.embedded_session import EmbeddedSession
+        except ModuleNotFoundError as exc:  # a client-only install: say what to install
+            module = missing_server_module(exc)
+            if module is None:
+                raise
+            hint = server_extra_hint("CodeSession.embedded", module)
+            raise ModuleNotFoundError(hint, name=exc.name) from None
         return EmbeddedSession(backend, spec, config)
 
     @staticmethod
@@ -72,7 +89,9 @@ class CodeSession(ABC):
     async def _start(self) -> None: ...
 
     @abstractmethod
-    async def _execute(self, code: str, timeout_s: float | None) -> Execution: ...
+    async def _execute(
+        self, code: str, timeout_s: float | None, on_event: EventSink | None
+    ) -> Execution: ...
 
     @abstractmethod
     async def _upload(self, path: str, data: bytes) -> FileInfo: ...
@@ -98,11 +117,19 @@ class CodeSession(ABC):
                 await self._start()
         return await call()
 
-    async def execute(self, code: str, *, timeout_s: float | None = None) -> Execution:
-        return await run_in_background(self._started(lambda: self._execute(code, timeout_s)))
+    async def execute(
+        self, code: str, *, timeout_s: float | None = None, on_event: EventSink | None = None
+    ) -> Execution:
+        """Run code; `on_event` is awaited with each output event as it happens (on the
+        shared background loop, not the caller's)."""
+        return await run_in_background(
+            self._started(lambda: self._execute(code, timeout_s, on_event))
+        )
 
-    def execute_sync(self, code: str, *, timeout_s: float | None = None) -> Execution:
-        return run_sync(self._started(lambda: self._execute(code, timeout_s)))
+    def execute_sync(
+        self, code: str, *, timeout_s: float | None = None, on_event: EventSink | None = None
+    ) -> Execution:
+        return run_sync(self._started(lambda: self._execute(code, timeout_s, on_event)))
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
         return await run_in_background(self._started(lambda: self._upload(path, data)))
@@ -147,54 +174,6 @@ class CodeSession(ABC):
         self.close_sync()
 
 
-class EmbeddedSession(CodeSession):
-    def __init__(
-        self, backend: str | Backend, spec: SandboxSpec | None, config: dict[str, Any], **kw: Any
-    ) -> None:
-        super().__init__(**kw)
-        self._backend_name = backend if isinstance(backend, str) else None
-        self._backend: Backend | None = None if isinstance(backend, str) else backend
-        self._spec = spec
-        self._config = config
-        self._sandbox: Sandbox | None = None
-
-    @property
-    def session_id(self) -> str | None:
-        return self._sandbox.id if self._sandbox is not None else None
-
-    @property
-    def sandbox(self) -> Sandbox:
-        if self._sandbox is None:
-            raise RuntimeError("the sandbox starts with the first call")
-        return self._sandbox
-
-    async def _start(self) -> None:
-        if self._backend is None:
-            assert self._backend_name is not None
-            self._backend = create_backend(self._backend_name, **self._config)
-        self._sandbox = await self._backend.create(self._spec)
-
-    async def _execute(self, code: str, timeout_s: float | None) -> Execution:
-        return await self.sandbox.execute(code, timeout_s=timeout_s)
-
-    async def _upload(self, path: str, data: bytes) -> FileInfo:
-        return await self.sandbox.upload(path, data)
-
-    async def _download(self, path: str) -> bytes:
-        return await self.sandbox.download(path)
-
-    async def _list_files(self, path: str) -> list[FileInfo]:
-        return await self.sandbox.list_files(path)
-
-    async def _close(self) -> None:
-        sandbox, self._sandbox = self._sandbox, None
-        if sandbox is not None:
-            await sandbox.close()
-        if self._backend_name is not None and self._backend is not None:  # ours to close
-            backend, self._backend = self._backend, None
-            await backend.close()
-
-
 class RemoteSession(CodeSession):
     def __init__(
         self, base_url: str, api_key: str | None, session_id: str | None, **kw: Any
@@ -232,9 +211,22 @@ class RemoteSession(CodeSession):
         assert self._id is not None
         return self._id
 
-    async def _execute(self, code: str, timeout_s: float | None) -> Execution:
+    async def _execute(
+        self, code: str, timeout_s: float | None, on_event: EventSink | None
+    ) -> Execution:
         options = {"timeout_s": timeout_s} if timeout_s is not None else {}
-        return await self.api.execute(self._sid(), code, **options)
+        if on_event is None:
+            return await self.api.execute(self._sid(), code, **options)
+        async for line in self.api.execute_stream(self._sid(), code, **options):
+            kind = line.get("type")
+            if kind == "done":
+                return ExecutionRecord.model_validate(line["execution"])
+            if kind == "failure":
+                error = line.get("error", {})
+                raise APIError(410, str(error.get("type")), str(error.get("message")))
+            if kind in _EVENT_TYPES:
+                await on_event(_EVENTS.validate_python(line))
+        raise APIError(502, "StreamEnded", "the stream ended before the execution did")
 
     def _full_output_url(self, execution: Execution) -> str | None:
         execution_id = getattr(execution, "execution_id", None)

@@ -15,8 +15,8 @@ from typing import Any, Self
 import httpx
 
 from orchestrator.schemas import ExecutionRecord, SessionInfo
+from sandbox.background_loop import run_sync
 from sandbox.models import FileInfo
-from sandbox.sync import run_sync
 
 
 class APIError(Exception):

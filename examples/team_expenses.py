@@ -36,7 +36,6 @@ from orchestrator.config import Settings
 from orchestrator.host_tools import HostToolsSettings, ToolRegistry
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
-from orchestrator.tool import render
 
 # --- the data and the two tools (what a real host would fetch from its expense system) ---------
 
@@ -214,14 +213,9 @@ async def main(backend: str) -> dict[str, Any]:
         )
 
         async def code_interpreter(arguments: dict[str, Any]) -> str:
-            record = await service.run(session, arguments["code"])
-            return render(  # exactly what POST /v1/tools/code_interpreter/invoke returns
-                record,
-                session_id=session.id,
-                max_chars=settings.tool_output_max_chars,
-                full_output_url=None,
-                artifact_urls={},
-            ).text
+            # The one tool flow: what POST /v1/tools/code_interpreter/invoke returns, too.
+            outcome = await service.invoke_tool("example", arguments["code"], session=session)
+            return outcome.rendered.text
 
         program_answer, program = await run_agent(
             program_model(), {"code_interpreter": code_interpreter}

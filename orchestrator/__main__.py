@@ -1,3 +1,5 @@
-from orchestrator.cli import app
+"""`python -m orchestrator`: the `code-interpreter` command."""
 
-app(prog_name="code-interpreter")
+from orchestrator.entry import main
+
+main()

@@ -20,9 +20,9 @@ from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
 from orchestrator.mcp_front.http import McpHttpFront
 from orchestrator.metrics import METRICS
+from orchestrator.request_context import ClientGone
 from orchestrator.request_guard import RequestGuard
 from orchestrator.routes import files, ops, sessions, tools
-from orchestrator.routes.deps import ClientGone
 from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
@@ -101,16 +101,15 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
         return _error(499, "ClientClosedRequest", "the client disconnected; its code was stopped")
 
     async def typed_error(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, KeyError):
-            return _error(404, type(exc).__name__, f"not found: {exc}")
         status = status_of(exc)
         if status is None:
             raise exc
         return _error(status, type(exc).__name__, str(exc))
 
-    # Handled here (not by the catch-all below), so the server does not re-raise them.
+    # Handled here (not by the catch-all below), so the server does not re-raise them. Every
+    # intended "not found" is typed (SessionNotFound, OutputNotFound, FileMissing): anything
+    # else, a KeyError included, is a bug, answered 500 and logged.
     app.add_exception_handler(SandboxError, typed_error)
-    app.add_exception_handler(KeyError, typed_error)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

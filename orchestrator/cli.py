@@ -3,45 +3,111 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
+import sys
 from enum import StrEnum
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from orchestrator.terminal import TerminalPrinter
-from sandbox import BackendUnavailable, SandboxError, SandboxSpec, create_backend
+from sandbox import BackendUnavailable, SandboxError, SandboxSpec
+from sandbox.registry import BACKENDS
 from sandbox.spec import ResourceLimits
 
 if TYPE_CHECKING:
+    from code_interpreter_client.code_session import CodeSession
     from orchestrator.config import Settings
 
+DISTRIBUTION = "code-interpreter-runtime"
+BACKEND_NAMES = f"{', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"
+EXIT_USAGE = 2  # bad usage, a backend that cannot run, a file that could not be copied
+AnyPath = TypeVar("AnyPath", Path, PurePosixPath)
+
+# Plain help (no rich markup): rich's help shows a `<bool>` or `<str>` beside every option.
 app = typer.Typer(
     help="A self-hosted, sandboxed, stateful code interpreter for LLM agents.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"code-interpreter {importlib.metadata.version(DISTRIBUTION)}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False) -> None:
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log what happens.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(EXIT_USAGE)
 
 
 @app.command()
 def run(
-    code: Annotated[str | None, typer.Argument(help="Python code to run.")] = None,
-    file: Annotated[
-        Path | None, typer.Option("--file", "-f", help="Run this script instead.", exists=True)
+    code: Annotated[str | None, typer.Argument(metavar="CODE", hidden=True)] = None,
+    script: Annotated[
+        str | None,
+        typer.Option(
+            "--script",
+            "-f",
+            metavar="PATH",
+            help="Run this Python script instead of CODE; - reads it from stdin.",
+        ),
     ] = None,
-    backend: Annotated[str, typer.Option(help="Sandbox backend: local or docker.")] = "local",
-    timeout: Annotated[float, typer.Option(help="Time limit of the execution, in seconds.")] = 60,
+    files: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--file",
+            metavar="PATH",
+            help="Copy this local file into the workspace before the run, under its own name, "
+            "so the code can open it. Repeatable.",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+    downloads: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--download",
+            metavar="PATH",
+            help="After the run, copy this file of the workspace (e.g. results/table.csv) into "
+            "--output-dir, under its own name. Repeatable.",
+        ),
+    ] = None,
+    backend: Annotated[
+        str, typer.Option(metavar="NAME", help=f"Sandbox backend: {BACKEND_NAMES}.")
+    ] = "local",
+    timeout: Annotated[
+        float, typer.Option(metavar="SECONDS", help="Time limit of the execution.")
+    ] = 60,
     output_dir: Annotated[
-        Path, typer.Option("--output-dir", "-o", help="Where images are saved.")
+        Path,
+        typer.Option(
+            "--output-dir", "-o", metavar="DIR", help="Where images and --download files go."
+        ),
     ] = Path("."),
-    memory_mb: Annotated[int, typer.Option(help="Memory limit, MiB.")] = 2048,
-    image: Annotated[str | None, typer.Option(help="Kernel image (docker).")] = None,
+    memory_mb: Annotated[int, typer.Option(metavar="MIB", help="Memory limit, MiB.")] = 2048,
+    image: Annotated[
+        str | None, typer.Option(metavar="IMAGE", help="Kernel image (docker).")
+    ] = None,
     unsafe_no_sandbox: Annotated[
         bool,
         typer.Option(
@@ -50,19 +116,51 @@ def run(
         ),
     ] = False,
 ) -> None:
-    """Run code in a fresh sandbox and print what it produced; images are saved as files."""
-    if (code is None) == (file is None):
-        raise typer.BadParameter("give either CODE or --file, not both and not neither")
-    source = file.read_text() if file is not None else code
-    assert source is not None
+    """Run CODE (Python) in a fresh sandbox and print what it produced.
+
+    stdout goes to stdout, everything else to stderr; images are saved in --output-dir. Exit
+    codes: 0 ok, 1 the code raised, 124 timed out, 125 the kernel died, 2 bad usage or a
+    backend, upload or download that failed.
+    """
+    source = _source(code, script)
+    uploads = _unique_names(files or [], "--file")
+    wanted = _unique_names([PurePosixPath(p) for p in downloads or []], "--download")
     config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
     spec = SandboxSpec(limits=ResourceLimits(memory_mb=memory_mb), image=image)
+    printer = TerminalPrinter(output_dir)
+    from orchestrator.sessions import SessionError  # what the service refuses, e.g. a limit
+
     try:
-        status = asyncio.run(_run(source, backend, config, spec, timeout, output_dir))
-    except (BackendUnavailable, SandboxError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+        status = asyncio.run(_run(source, backend, config, spec, timeout, uploads, wanted, printer))
+    except (BackendUnavailable, SandboxError, SessionError, ValueError) as exc:
+        raise _fail(str(exc)) from None
     raise typer.Exit(status)
+
+
+def _source(code: str | None, script: str | None) -> str:
+    if (code is None) == (script is None):
+        raise typer.BadParameter("give either CODE or --script (-f), not both and not neither")
+    if script is None:
+        assert code is not None
+        return code
+    if script == "-":
+        return sys.stdin.read()
+    try:
+        return Path(script).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise typer.BadParameter(f"cannot read the script {script}: {exc}") from None
+
+
+def _unique_names(paths: list[AnyPath], option: str) -> list[AnyPath]:
+    """Files land under their own names, so two with one name would overwrite each other."""
+    seen: dict[str, AnyPath] = {}
+    for path in paths:
+        if path.name in seen:
+            raise typer.BadParameter(
+                f"{seen[path.name]} and {path} would both be {path.name!r}", param_hint=option
+            )
+        seen[path.name] = path
+    return paths
 
 
 async def _run(
@@ -71,18 +169,35 @@ async def _run(
     config: dict[str, object],
     spec: SandboxSpec,
     time_limit_s: float,
-    output_dir: Path,
+    uploads: list[Path],
+    downloads: list[PurePosixPath],
+    printer: TerminalPrinter,
 ) -> int:
-    backend = create_backend(backend_name, **config)
-    try:
-        printer = TerminalPrinter(output_dir)
-        async with await backend.create(spec) as sandbox:
-            execution = await sandbox.execute(
-                source, timeout_s=time_limit_s, on_event=printer.on_event
-            )
-        return printer.finish(execution)
-    finally:
-        await backend.close()
+    from code_interpreter_client.code_session import CodeSession
+
+    async with CodeSession.embedded(backend_name, spec, **config) as session:
+        for path in uploads:
+            await session.upload(path.name, path.read_bytes())
+        execution = await session.execute(source, timeout_s=time_limit_s, on_event=printer.on_event)
+        status = printer.finish(execution)
+        all_copied = await _download(session, downloads, printer)
+    return EXIT_USAGE if status == 0 and not all_copied else status
+
+
+async def _download(
+    session: CodeSession, paths: list[PurePosixPath], printer: TerminalPrinter
+) -> bool:
+    """Copy workspace files out; each one missing is named. Whether all were copied."""
+    all_copied = True
+    for path in paths:
+        try:
+            data = await session.download(str(path))
+        except SandboxError as exc:
+            printer.error(f"cannot download {str(path)!r}: {exc}")
+            all_copied = False
+        else:
+            printer.save(path.name, data)
+    return all_copied
 
 
 image_app = typer.Typer(help="Build and list the Docker kernel images.", no_args_is_help=True)
@@ -94,8 +209,9 @@ def image_build(
     base_image: Annotated[
         str | None,
         typer.Option(
+            metavar="IMAGE",
             help="Build on this image (e.g. python:3.11-slim where a registry is reachable) "
-            "instead of the debootstrap base."
+            "instead of the debootstrap base.",
         ),
     ] = None,
 ) -> None:
@@ -124,6 +240,8 @@ def image_list() -> None:
 
 
 def _settings(**overrides: Any) -> Settings:
+    """The service's settings; what is wrong with them is said one line each, by the name the
+    user sets (the environment variable), never as pydantic's report."""
     from pydantic import ValidationError
 
     from orchestrator.config import Settings
@@ -131,17 +249,44 @@ def _settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        typer.secho(f"error: bad settings: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
+        for error in exc.errors():
+            message = error["msg"].removeprefix("Value error, ")
+            if error["loc"]:
+                field, *inner = (str(part) for part in error["loc"])
+                where = f"CODE_INTERPRETER_{field.upper()}" + "".join(f"[{p}]" for p in inner)
+                message = f"bad setting {where}: {message}"
+            typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(EXIT_USAGE) from None
 
 
 @app.command()
 def serve(
-    host: Annotated[str | None, typer.Option(help="Address to listen on.")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDRESS",
+            help="Address to listen on; otherwise the setting CODE_INTERPRETER_HOST.  "
+            "[default: 127.0.0.1]",
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            metavar="PORT",
+            help="Port to listen on; otherwise the setting CODE_INTERPRETER_PORT.  [default: 8000]",
+        ),
+    ] = None,
 ) -> None:
-    """Serve the HTTP API and MCP at /mcp (settings from CODE_INTERPRETER_* and
-    CODE_INTERPRETER_CONFIG)."""
+    """Serve the HTTP API, and MCP at /mcp.
+
+    Settings come from CODE_INTERPRETER_* environment variables and, optionally, a TOML file
+    named by CODE_INTERPRETER_CONFIG (the environment wins).
+
+    Keys: clients send "Authorization: Bearer KEY", with KEY one of
+    CODE_INTERPRETER_API_KEYS=key-one,key-two (the api_keys setting). Without keys, set
+    CODE_INTERPRETER_AUTH_DISABLED=true (auth_disabled): for one user on a trusted machine
+    only, since anyone who reaches the port can then run code.
+    """
     _serve_http(_settings(), host, port)
 
 
@@ -153,10 +298,15 @@ class McpTransport(StrEnum):
 @app.command()
 def mcp(
     transport: Annotated[
-        McpTransport, typer.Option(help="stdio for a desktop client; or streamable-http.")
+        McpTransport,
+        typer.Option(metavar="TRANSPORT", help="stdio (for a desktop client) or streamable-http."),
     ] = McpTransport.STDIO,
-    host: Annotated[str | None, typer.Option(help="Address to listen on (HTTP).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to listen on (HTTP).")] = None,
+    host: Annotated[
+        str | None, typer.Option(metavar="ADDRESS", help="Address to listen on (HTTP).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(metavar="PORT", help="Port to listen on (HTTP).")
+    ] = None,
 ) -> None:
     """Serve the code_interpreter tool and the workspace's files over MCP.
 

@@ -35,6 +35,12 @@ _REMEMBERED_EVICTIONS = 100_000  # ids still answered "evicted" (410) rather tha
 _CHUNK = 1 << 20
 
 
+class OutputNotFound(SessionError):
+    """No kept execution or artifact has that id (in that session)."""
+
+    status = 404
+
+
 class OutputEvicted(SessionError):
     """A kept execution or image was dropped to respect the quota on kept outputs."""
 
@@ -102,7 +108,7 @@ class OutputStore:
 
     def _dir(self, session_id: str) -> Path:
         if not _ID.match(session_id):
-            raise KeyError(session_id)
+            raise OutputNotFound(f"no session {session_id}")
         return self.root / session_id
 
     async def save(self, session_id: str, execution: Execution) -> str:
@@ -176,7 +182,7 @@ class OutputStore:
         """The error for an id not on disk: evicted (410, saying what to do) or unknown (404)."""
         why = self._evicted.get((session_id, item_id))
         if why is None:
-            return KeyError(item_id)
+            return OutputNotFound(f"no {what} {item_id} in session {session_id}")
         reason = "was evicted" if why == "evicted" else f"was not kept ({why})"
         return OutputEvicted(
             f"{what} {item_id} {reason} to respect the quota on kept outputs "
@@ -188,7 +194,7 @@ class OutputStore:
     def open_execution(self, session_id: str, execution_id: str) -> KeptFile:
         """The kept JSON of an execution, as stored (it is already a serialised Execution)."""
         if not _ID.match(execution_id):
-            raise KeyError(execution_id)
+            raise OutputNotFound(f"no execution {execution_id} in session {session_id}")
         try:
             f = open(self._dir(session_id) / f"{execution_id}.json", "rb")  # noqa: SIM115
         except FileNotFoundError:
@@ -203,7 +209,7 @@ class OutputStore:
 
     def artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
         if not _ID.match(artifact_id):
-            raise KeyError(artifact_id)
+            raise OutputNotFound(f"no artifact {artifact_id} in session {session_id}")
         for ext, mime in _TYPES.items():
             path = self._dir(session_id) / f"{artifact_id}.{ext}"
             if path.is_file():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     Field,
     StringConstraints,
+    create_model,
     model_validator,
 )
 
@@ -40,16 +41,27 @@ EnvValue = Annotated[KernelText, StringConstraints(pattern=r"^[^\x00]*$", max_le
 Env = dict[EnvName, EnvValue]
 
 
-class LimitsRequest(BaseModel):
-    """Limits to change from the service's defaults; each within the service's ceiling."""
+def _limits_request() -> type[BaseModel]:
+    """Every field of ResourceLimits, optional: what a session may ask to change."""
+    fields: dict[str, Any] = {}
+    for name, info in ResourceLimits.model_fields.items():
+        annotation: Any = info.annotation
+        fields[name] = (annotation | None, Field(None, description=info.description))
+    return create_model(
+        "LimitsRequest",
+        __doc__="Limits to change from the service's defaults; each within the service's "
+        "ceiling (see ResourceLimits).",
+        **fields,
+    )
 
-    memory_mb: int | None = None
-    cpus: float | None = None
-    pids: int | None = None
-    file_size_mb: int | None = None
-    open_files: int | None = None
-    tmp_size_mb: int | None = None
-    workspace_size_mb: int | None = None
+
+if TYPE_CHECKING:
+
+    class LimitsRequest(BaseModel):
+        """Typed as a plain model: its fields are ResourceLimits', each optional."""
+
+else:
+    LimitsRequest = _limits_request()
 
 
 class InitialFile(BaseModel):

@@ -1,9 +1,13 @@
-"""The service's core, below HTTP: sessions plus the one way an execution is run and kept."""
+"""The service's core, below HTTP: sessions, and the one way each thing is done in one."""
 
 from __future__ import annotations
 
 import asyncio
+import posixpath
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -17,7 +21,7 @@ from orchestrator.host_tools import (
 )
 from orchestrator.instance_lock import InstanceLock
 from orchestrator.metrics import METRICS
-from orchestrator.outputs import OutputStore
+from orchestrator.outputs import KeptFile, OutputStore
 from orchestrator.schemas import (
     CreateSessionRequest,
     ExecutionRecord,
@@ -25,14 +29,15 @@ from orchestrator.schemas import (
     SessionInfo,
 )
 from orchestrator.sessions import Session, SessionError, SessionManager
-from sandbox.kernel.collector import EventSink
-from sandbox.spec import ResourceLimits, SandboxSpec
+from orchestrator.streaming import Dropped, Finished, Keepalive, follow
+from orchestrator.tool import RenderedOutput, render
+from sandbox.backends.base import Backend
+from sandbox.errors import FileTooLarge, SandboxError
+from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
+from sandbox.spec import ResourceLimits, SandboxSpec, limit_ceilings
 
-# A ceiling no request may pass, whatever it asks for.
-LIMITS_CEILING = ResourceLimits(
-    memory_mb=16384, cpus=4, pids=4096, file_size_mb=8192, open_files=65536,
-    tmp_size_mb=8192, workspace_size_mb=16384,
-)  # fmt: skip
+# The ceiling no request may pass, whatever it asks for: ResourceLimits' own upper bounds.
+LIMITS_CEILING = limit_ceilings()
 
 
 class LimitTooHigh(SessionError):
@@ -49,15 +54,49 @@ class ToolsNotAvailable(SessionError):
     status = 400
 
 
+_PLACEHOLDER = ".cir-make-dir"
+# Where a rendered tool output points: (the full output's URL, each artifact's URL by id).
+OutputLinks = Callable[[str, ExecutionRecord], tuple[str | None, dict[str, str]]]
+
+
+@dataclass
+class ToolOutcome:
+    """A `code_interpreter` call's result: the session it ran in, the record (None when the
+    call was refused), and the output a model reads."""
+
+    session_id: str | None
+    record: ExecutionRecord | None
+    rendered: RenderedOutput
+    status: str  # an ExecutionStatus, or why the call was refused
+
+    @staticmethod
+    def refused(message: str, status: str, session_id: str | None = None) -> ToolOutcome:
+        return ToolOutcome(session_id, None, RenderedOutput(f"[error] {message}", [], True), status)
+
+
 class Service:
-    def __init__(self, settings: Settings, tools: ToolRegistry | None = None) -> None:
+    """The application layer: the only door into a session. Every front door (REST, tool
+    invoke, MCP, the E2B front, embedded sessions) parses, calls this, and formats; activity,
+    caps and metrics happen here once."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        tools: ToolRegistry | None = None,
+        *,
+        given_backends: Mapping[str, Backend] | None = None,
+    ) -> None:
+        """`given_backends`: backends the caller made and will close (by name), used instead of
+        making them from the settings (an embedded session's own)."""
         self.settings = settings
         self.outputs = OutputStore(
             settings.state_dir / "outputs",
             max_bytes_per_session=settings.outputs_max_bytes_per_session,
             max_bytes_total=settings.outputs_max_bytes_total,
         )
-        self.sessions = SessionManager(settings, on_end=self._session_ended)
+        self.sessions = SessionManager(
+            settings, on_end=self._session_ended, given_backends=given_backends
+        )
         # Host tools sessions may call: those given in code, then those the settings name.
         self.tools = tools if tools is not None else ToolRegistry()
         self.tools.configure(settings.host_tools)
@@ -118,7 +157,7 @@ class Service:
     def _limits(self, request: LimitsRequest) -> ResourceLimits:
         wanted = request.model_dump(exclude_none=True)
         for name, value in wanted.items():
-            ceiling = getattr(LIMITS_CEILING, name)
+            ceiling = LIMITS_CEILING[name]
             if value > ceiling:
                 raise LimitTooHigh(
                     f"limits.{name}={value} is above this service's ceiling of {ceiling}"
@@ -131,7 +170,18 @@ class Service:
             problems = "; ".join(f"limits.{e['loc'][0]}: {e['msg']}" for e in exc.errors())
             raise LimitTooHigh(problems) from None
 
-    async def create_session(self, owner: str, request: CreateSessionRequest) -> Session:
+    async def create_session(
+        self,
+        owner: str,
+        request: CreateSessionRequest,
+        *,
+        idle_timeout_s: float | None = None,
+        spec: SandboxSpec | None = None,
+    ) -> Session:
+        """A new session for `owner`: the only way one is made. `idle_timeout_s`: an expiry of
+        its own (sooner than the service's), for sessions a client may forget. `spec`: a whole
+        spec from in-process code (an embedded session's), taken as it is, past the ceilings a
+        request is held to."""
         try:
             tools = self.tools.select(request.tools)
         except UnknownTools as exc:
@@ -141,14 +191,15 @@ class Service:
         if tools and backend is not None and not backend.supports_host_tools:
             raise ToolsNotAvailable(f"the {name} backend cannot give sandboxed code host tools")
         session = await self.sessions.create(
-            owner, backend=request.backend, spec=self.spec_for(request), env=request.env
+            owner, backend=request.backend, spec=spec or self.spec_for(request), env=request.env
         )
+        session.idle_timeout_s = idle_timeout_s
         try:
             if tools:
                 await self._open_channel(session, tools)
             for f in request.files:
-                await session.sandbox.upload(f.path, f.content_base64)
-        except Exception:
+                await self.upload(session, f.path, f.content_base64)
+        except BaseException:  # a caller that left (cancelled) leaves no session behind
             await self.sessions.delete(session.id, owner)
             raise
         return session
@@ -165,10 +216,42 @@ class Service:
         )
         self._channels[session.id] = await ToolChannel.open(channel, tools, limits)
 
-    async def delete_session(self, session_id: str, owner: str) -> None:
+    # --- sessions: every way in goes through these
+    async def get_session(self, session_id: str, owner: str) -> Session:
+        """The owner's live session, or SessionNotFound/SessionExpired (another key's session
+        is reported exactly like a missing one)."""
+        return await self.sessions.get(session_id, owner)
+
+    def list_sessions(self, owner: str) -> list[Session]:
+        return self.sessions.list(owner)
+
+    async def end_session(self, session_id: str, owner: str) -> None:
+        """End a session and its sandbox; its kept outputs go with it."""
         await self.sessions.delete(session_id, owner)
 
-    async def run(
+    def keepalive(self, session: Session) -> SessionInfo:
+        """Mark the session active: its idle expiry starts again."""
+        session.touch()
+        return self.info(session)
+
+    def status(self, owner: str) -> dict[str, object]:
+        return {
+            "status": "ok",
+            "sessions": len(self.sessions.list(owner)),
+            "backends": self.backend_names(),
+            "pools": {name: pool.ready for name, pool in self.sessions.pools.items()},
+        }
+
+    def backend_names(self) -> list[str]:
+        """The backends this service runs sandboxes on."""
+        return list(self.sessions.backends)
+
+    # --- code
+    def _timeout(self, timeout_s: float | None) -> float:
+        s = self.settings
+        return min(timeout_s or s.execution_timeout_s, s.max_execution_timeout_s)
+
+    async def execute(
         self,
         session: Session,
         code: str,
@@ -179,18 +262,138 @@ class Service:
         on_event: EventSink | None = None,
     ) -> ExecutionRecord:
         """Run code in a session, count it, keep its output, and return it with its ids."""
-        limit = min(
-            timeout_s or self.settings.execution_timeout_s, self.settings.max_execution_timeout_s
-        )
         async with session.activity():
             execution = await session.sandbox.execute(
-                code, timeout_s=limit, env=env, cwd=cwd, on_event=on_event
+                code, timeout_s=self._timeout(timeout_s), env=env, cwd=cwd, on_event=on_event
             )
         session.executions += 1
         METRICS.executions.labels(session.backend, execution.status).inc()
         METRICS.execution_seconds.labels(session.backend).observe(execution.duration_s)
         execution_id = await self.outputs.save(session.id, execution)
         return ExecutionRecord(**dict(execution), session_id=session.id, execution_id=execution_id)
+
+    def stream(
+        self,
+        session: Session,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> AsyncGenerator[OutputEvent | Dropped | Keepalive | Finished[ExecutionRecord]]:
+        """`execute`, followed as it happens: its events, keepalives while it is quiet, then
+        `Finished` with the record. Closing the generator early interrupts the code."""
+
+        def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
+            return self.execute(session, code, timeout_s=timeout_s, env=env, cwd=cwd, on_event=sink)
+
+        return follow(start)
+
+    async def interrupt(self, session: Session) -> bool:
+        """Stop the running execution, if any; whether one was stopped."""
+        session.touch()
+        return await session.sandbox.interrupt()
+
+    async def restart(self, session: Session) -> SessionInfo:
+        """A fresh kernel in the same sandbox: variables go, files stay."""
+        async with session.activity():
+            await session.sandbox.restart()
+        return self.info(session)
+
+    # --- the workspace's files
+    async def upload(self, session: Session, path: str, data: bytes) -> FileInfo:
+        limit = self.settings.max_upload_bytes
+        if len(data) > limit:
+            raise FileTooLarge(f"the file is {len(data)} bytes, over the upload limit of {limit}")
+        async with session.activity():
+            return await session.sandbox.upload(path, data)
+
+    async def download(self, session: Session, path: str) -> bytes:
+        async with session.activity():
+            return await session.sandbox.download(path, max_bytes=self.settings.max_download_bytes)
+
+    async def list_files(
+        self, session: Session, path: str = "", *, recursive: bool = False
+    ) -> list[FileInfo]:
+        async with session.activity():
+            return await session.sandbox.list_files(path, recursive=recursive)
+
+    async def file_info(self, session: Session, path: str) -> FileInfo | None:
+        """What is at `path` (a workspace-relative path, not the root), or None."""
+        parent = posixpath.dirname(path)
+        for info in await self.list_files(session, parent):
+            if info.path == path:
+                return info
+        return None
+
+    async def remove_file(self, session: Session, path: str) -> None:
+        async with session.activity():
+            await session.sandbox.remove_file(path)
+
+    async def make_directory(self, session: Session, path: str) -> None:
+        """Make a directory (and its parents) in the workspace."""
+        # The sandbox interface makes directories as a file's parents: write one, remove it.
+        placeholder = posixpath.join(path, _PLACEHOLDER)
+        async with session.activity():
+            await session.sandbox.upload(placeholder, b"")
+            await session.sandbox.remove_file(placeholder)
+
+    # --- kept outputs
+    async def open_kept_execution(self, session: Session, execution_id: str) -> KeptFile:
+        return await asyncio.to_thread(self.outputs.open_execution, session.id, execution_id)
+
+    async def kept_execution(self, session: Session, execution_id: str) -> Execution:
+        return await asyncio.to_thread(self.outputs.execution, session.id, execution_id)
+
+    def artifact(self, session: Session, artifact_id: str) -> tuple[Path, str]:
+        """The file of an image an execution produced, and its MIME type."""
+        return self.outputs.artifact(session.id, artifact_id)
+
+    # --- the code_interpreter tool
+    def default_tool_session(self) -> CreateSessionRequest:
+        """What a session the tool starts by itself is given."""
+        return CreateSessionRequest(tools=self.settings.host_tools.session_default)
+
+    async def invoke_tool(
+        self,
+        owner: str,
+        code: str,
+        *,
+        session_id: str | None = None,
+        session: Session | None = None,
+        links: OutputLinks | None = None,
+    ) -> ToolOutcome:
+        """One call of the `code_interpreter` tool, as every front door makes it: in the session
+        named (`session_id`), or given (`session`), or a new one; then rendered for a model.
+        Whatever the model can act on (a wrong id, a full quota, a broken sandbox) comes back as
+        an error output telling it what to do, never as an exception."""
+        try:
+            if session is None and session_id is not None:
+                session = await self.get_session(session_id, owner)
+            elif session is None:
+                session = await self.create_session(owner, self.default_tool_session())
+        except SessionError as exc:
+            hint = " Omit session_id to start a new session (earlier variables will be gone)."
+            return ToolOutcome.refused(f"{exc}.{hint if session_id else ''}", "session_error")
+        except SandboxError as exc:
+            return ToolOutcome.refused(f"could not start a sandbox: {exc}", "session_error")
+        try:
+            record = await self.execute(session, code)
+        except (SessionError, SandboxError) as exc:  # the session ended or broke during the run
+            return ToolOutcome.refused(
+                f"the session could not run the code: {exc}", "session_error", session.id
+            )
+        full_output_url, artifact_urls = (
+            links(session.id, record) if links is not None else (None, {})
+        )
+        rendered = render(
+            record,
+            session_id=session.id,
+            max_chars=self.settings.tool_output_max_chars,
+            full_output_url=full_output_url,
+            artifact_urls=artifact_urls,
+        )
+        return ToolOutcome(session.id, record, rendered, str(record.status))
 
     def info(self, session: Session) -> SessionInfo:
         s = self.settings

@@ -13,12 +13,12 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
-from sandbox import Backend, Sandbox, SandboxSpec, create_backend
+from sandbox import Backend, ResourceLimits, Sandbox, SandboxSpec, create_backend
 from sandbox.pool import WarmPool
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,15 @@ class Session:
     def age(self) -> float:
         return time.monotonic() - self.started_monotonic
 
+    @property
+    def limits(self) -> ResourceLimits:
+        return self.sandbox.spec.limits
+
+    @property
+    def image(self) -> str | None:
+        """The kernel image (Docker); None where the backend has none to choose."""
+        return self.sandbox.spec.image
+
     @contextlib.asynccontextmanager
     async def activity(self) -> AsyncIterator[None]:
         """Marks the session in use: it cannot go idle while this runs."""
@@ -84,10 +93,17 @@ class Session:
 
 class SessionManager:
     def __init__(
-        self, settings: Settings, on_end: Callable[[str], Awaitable[None]] | None = None
+        self,
+        settings: Settings,
+        on_end: Callable[[str], Awaitable[None]] | None = None,
+        *,
+        given_backends: Mapping[str, Backend] | None = None,
     ) -> None:
         self.settings = settings
         self._on_end = on_end  # told each ended session's id (to drop what is kept for it)
+        # Backends the caller made and closes itself (an embedded session's): used as they are,
+        # never swept for orphans (their other sandboxes are not ours) nor closed here.
+        self._given = dict(given_backends or {})
         self.backends: dict[str, Backend] = {}
         self.pools: dict[str, WarmPool] = {}
         self._sessions: dict[str, Session] = {}
@@ -109,6 +125,9 @@ class SessionManager:
         """Make the backends, clear what a crash left, fill the pools, start the reaper."""
         s = self.settings
         for name in s.backends:
+            if name in self._given:
+                self.backends[name] = self._given[name]
+                continue
             config: dict[str, object] = {"state_dir": s.state_dir}
             if name == "docker":
                 config |= {"orchestrator_id": s.orchestrator_id, "image": s.docker_image}
@@ -137,8 +156,9 @@ class SessionManager:
         )
         for pool in self.pools.values():
             await pool.close()
-        for backend in self.backends.values():
-            await backend.close()
+        for name, backend in self.backends.items():
+            if name not in self._given:
+                await backend.close()
 
     # ----------------------------------------------------------------------------------------
 

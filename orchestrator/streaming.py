@@ -14,9 +14,10 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sandbox.kernel.collector import EventSink, bundle_size
+from sandbox.kernel.collector import bundle_size
 from sandbox.models import (
     ErrorEvent,
+    EventSink,
     OutputEvent,
     Result,
     ResultEvent,

@@ -1,4 +1,4 @@
-"""Shows an execution in a terminal: output as it streams, then results, images and errors."""
+"""Shows an execution in a terminal: its output, results, images and errors, and copied files."""
 
 from __future__ import annotations
 
@@ -29,15 +29,19 @@ EXIT_CODES = {
 
 
 class TerminalPrinter:
-    """Prints stdout to stdout and everything else to stderr, so pipes get only the output."""
+    """Prints stdout to stdout and everything else to stderr, so pipes get only the output.
+
+    Nothing is wrapped: rich would fold lines at the terminal's width (80 columns in a pipe),
+    breaking a traceback's lines in two; a terminal folds long lines by itself.
+    """
 
     def __init__(self, output_dir: Path) -> None:
         self.output_dir = output_dir
-        self.err = Console(stderr=True, highlight=False)
-        self.saved: list[Path] = []
+        self.err = Console(stderr=True, highlight=False, soft_wrap=True)
         self._shown_traceback = ""
 
     async def on_event(self, event: OutputEvent) -> None:
+        """Print each output as the code makes it."""
         if isinstance(event, StdoutEvent):
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -56,14 +60,12 @@ class TerminalPrinter:
                 self.err.print(f"[bold red]{escape(error.name)}:[/] {escape(error.value)}")
 
     def finish(self, execution: Execution) -> int:
+        """After the events: the notice, the images saved, what the caps dropped; the exit code
+        that says how it ended."""
         if execution.notice:
             self.err.print(f"[bold yellow]Note:[/] {escape(execution.notice)}")
         for artifact in execution.artifacts:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            path = self.output_dir / f"figure-{artifact.id[:12]}.{artifact.extension}"
-            path.write_bytes(artifact.data)
-            self.saved.append(path)
-            self.err.print(f"[cyan]image saved:[/] {escape(str(path))}")
+            self.save(f"figure-{artifact.id[:12]}.{artifact.extension}", artifact.data, "image")
         for name, dropped in (
             ("stdout", execution.stdout_dropped),
             ("stderr", execution.stderr_dropped),
@@ -71,3 +73,14 @@ class TerminalPrinter:
             if dropped:
                 self.err.print(f"[yellow]{dropped} characters of {name} were dropped by the cap[/]")
         return EXIT_CODES[execution.status]
+
+    def save(self, name: str, data: bytes, kind: str = "file") -> Path:
+        """Write a file the run produced into the output directory, and say where."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / name
+        path.write_bytes(data)
+        self.err.print(f"[cyan]{kind} saved:[/] {escape(str(path))}")
+        return path
+
+    def error(self, message: str) -> None:
+        self.err.print(f"[bold red]error:[/] {escape(message)}")

@@ -168,6 +168,11 @@ def parse_arguments(raw: Any, *, bound_session: bool = False) -> ToolArguments:
                 f"{exc.colno}). Send a JSON object such as {example}; put the code in a "
                 "string and escape its quotes and newlines."
             ) from None
+        except (ValueError, RecursionError):  # nested too deep, or an integer too long to read
+            raise ToolCallError(
+                "The arguments could not be read as JSON: they nest too deeply or hold a number "
+                f"too long. Send a JSON object such as {example}."
+            ) from None
     if not isinstance(raw, dict):
         raise ToolCallError(
             f"The arguments must be a JSON object such as {example}, not {type(raw).__name__}."

@@ -5,10 +5,16 @@
     async with await backend.create() as sb:
         execution = await sb.execute("1 + 1")
 
-This package knows nothing of HTTP; the orchestrator builds the service on it.
+This package knows nothing of HTTP; the orchestrator builds the service on it. The models,
+errors and spec load with it; the backends, their registry and `SyncSandbox` only when first
+named, so that a client-only install (no Jupyter, no Docker) can use the models.
 """
 
-from sandbox.backends.base import Backend, Sandbox
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
 from sandbox.errors import (
     BackendRateLimited,
     BackendTimeout,
@@ -35,9 +41,33 @@ from sandbox.models import (
     StderrEvent,
     StdoutEvent,
 )
-from sandbox.registry import BACKENDS, create_backend
 from sandbox.spec import ResourceLimits, SandboxSpec
-from sandbox.sync import SyncSandbox
+
+if TYPE_CHECKING:
+    from sandbox.backends.base import Backend, Sandbox
+    from sandbox.registry import BACKENDS, create_backend
+    from sandbox.sync import SyncSandbox
+
+# Exported names that load their module on first use: name -> module.
+_LAZY = {
+    "Backend": "sandbox.backends.base",
+    "Sandbox": "sandbox.backends.base",
+    "BACKENDS": "sandbox.registry",
+    "create_backend": "sandbox.registry",
+    "SyncSandbox": "sandbox.sync",
+}
+
+
+if not TYPE_CHECKING:  # hidden from mypy, so a misspelled name stays an error there
+
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module 'sandbox' has no attribute {name!r}")
+        value = getattr(import_module(module), name)
+        globals()[name] = value  # found once
+        return value
+
 
 __all__ = [
     "BACKENDS",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import cached_property
@@ -193,6 +194,8 @@ OutputEvent = Annotated[
     StdoutEvent | StderrEvent | ResultEvent | ErrorEvent | DoneEvent,
     Field(discriminator="type"),
 ]
+# Where a run's events go as they happen (a stream's queue); awaited, so it may apply backpressure.
+EventSink = Callable[[OutputEvent], Awaitable[None]]
 
 
 class FileInfo(BaseModel):

@@ -1,49 +1,19 @@
 """A blocking facade over the async API, for scripts and notebooks.
 
-One background thread runs an event loop for every synchronous sandbox of the process; each call
-hands its coroutine to that loop and waits for the answer.
+Every synchronous sandbox of the process lives on the shared loop of `sandbox.background_loop`;
+each call hands its coroutine to that loop and waits for the answer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Coroutine
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
 from sandbox.backends.base import Backend, Sandbox
+from sandbox.background_loop import run_sync
 from sandbox.models import Execution, FileInfo
 from sandbox.registry import create_backend
 from sandbox.spec import SandboxSpec
-
-T = TypeVar("T")
-
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def _background_loop() -> asyncio.AbstractEventLoop:
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="sandbox-loop", daemon=True).start()
-    return _loop
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine on the shared background loop and wait for its result."""
-    return asyncio.run_coroutine_threadsafe(coro, _background_loop()).result()
-
-
-async def run_in_background(coro: Coroutine[Any, Any, T]) -> T:
-    """Await a coroutine that runs on the shared background loop.
-
-    Sandboxes are bound to the loop that made them; running every call of a shared object there
-    lets sync and async callers on any loop (a framework's, a thread's) use it alike.
-    """
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, _background_loop()))
 
 
 class SyncSandbox:

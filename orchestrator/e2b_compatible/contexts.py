@@ -47,11 +47,11 @@ async def create_context(
     record, session = reached.record, reached.session
     if len(record.contexts) >= MAX_CONTEXTS:
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
-    spec = CreateSessionRequest(backend=session.backend, image=session.sandbox.spec.image)
+    spec = CreateSessionRequest(backend=session.backend, image=session.image)
     new = await service.create_session(record.owner, spec)
     # Checked again after the wait: the sandbox may have ended, or other contexts filled it.
     if not sandboxes.is_live(record) or len(record.contexts) >= MAX_CONTEXTS:
-        await service.delete_session(new.id, record.owner)
+        await service.end_session(new.id, record.owner)
         if not sandboxes.is_live(record):
             raise SandboxGone(record.sandbox_id)
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
@@ -72,8 +72,7 @@ async def list_contexts(reached: ReachedDep) -> list[ContextInfo]:
 @router.post("/contexts/{context_id}/restart", summary="E2B: restart a context's kernel")
 async def restart_context(context_id: str, reached: ReachedDep, service: ServiceDep) -> Response:
     session, _ = await context_session(service, reached.record, reached.session, context_id)
-    async with session.activity():
-        await session.sandbox.restart()
+    await service.restart(session)
     return Response(status_code=204)
 
 

@@ -50,7 +50,7 @@ JSONBody = Annotated[dict[str, Any], Body()]
 def _backend_for(service: Service, template: str) -> tuple[str, str | None]:
     """(backend, image) for an E2B template name: a backend's name, an allowed Docker image, or
     one of E2B's default templates (the default backend)."""
-    enabled = list(service.sessions.backends)
+    enabled = service.backend_names()
     if template in enabled:
         return template, None
     if template in DEFAULT_TEMPLATES:
@@ -113,7 +113,7 @@ def _created(record: E2BRecord) -> dict[str, Any]:
 
 def _described(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
     """What E2B's sandbox detail and list entry both say; sizes from the session's limits."""
-    limits = session.sandbox.spec.limits
+    limits = session.limits
     return {
         "template_id": record.template,
         "sandbox_id": record.sandbox_id,
@@ -237,7 +237,7 @@ async def set_timeout(
         raise E2BError(400, f"invalid timeout request: {exc}") from None
     record, session = await sandboxes.owned(sandbox_id, owner)
     record.set_timeout(_timeout(service, request.timeout))
-    session.touch()
+    service.keepalive(session)
     return Response(status_code=204)
 
 
@@ -257,7 +257,7 @@ async def connect(
         wanted = time.time() + _timeout(service, request.timeout)
         if record.deadline is not None and wanted > record.deadline:
             record.deadline = wanted
-    session.touch()
+    service.keepalive(session)
     return _created(record)
 
 

@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 
 from orchestrator.e2b_compatible.sandboxes import E2BRecord, E2BSandboxes
-from orchestrator.routes.deps import ServiceDep
+from orchestrator.request_context import ServiceDep
 from orchestrator.sessions import Session
 
 __all__ = ["ApiOwnerDep", "E2BDep", "Reached", "ReachedDep", "ServiceDep"]

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from orchestrator.e2b_compatible.sandboxes import SandboxGone
 from orchestrator.http_errors import problems, status_of
 from orchestrator.metrics import METRICS
-from orchestrator.routes.deps import ClientGone
+from orchestrator.request_context import ClientGone
 from orchestrator.sessions import SessionError, SessionExpired
 from sandbox.errors import (
     FileAccessError,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -22,12 +22,11 @@ from pydantic import BaseModel
 from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.sandboxes import E2BRecord
-from orchestrator.schemas import Env, ExecutionRecord, KernelText
+from orchestrator.schemas import Env, KernelText
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
-from orchestrator.streaming import Dropped, Finished, Keepalive, follow
+from orchestrator.streaming import Dropped, Finished, Keepalive
 from sandbox.errors import SandboxError
-from sandbox.kernel.collector import EventSink
 from sandbox.models import (
     ErrorEvent,
     OutputEvent,
@@ -64,7 +63,7 @@ async def context_session(
     if context is None:
         raise E2BError(404, f"context {context_id} not found")
     try:
-        return await service.sessions.get(context.id, record.owner), context.cwd
+        return await service.get_session(context.id, record.owner), context.cwd
     except SessionError:
         raise E2BError(404, f"context {context_id} has ended") from None
 
@@ -91,20 +90,17 @@ async def execute(body: ExecuteBody, reached: ReachedDep, service: ServiceDep) -
         check_language(body.language)
     session, cwd = await context_session(service, reached.record, reached.session, body.context_id)
 
-    def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
+    async def lines() -> AsyncIterator[bytes]:
         # The client's own deadline governs (it disconnects); ours is the service's ceiling.
-        return service.run(
+        stream = service.stream(
             session,
             body.code,
             timeout_s=service.settings.max_execution_timeout_s,
             env=dict(body.env_vars or {}) or None,
             cwd=cwd,
-            on_event=sink,
         )
-
-    async def lines() -> AsyncIterator[bytes]:
         try:
-            async with aclosing(follow(start)) as events:  # closed at once if the client leaves
+            async with aclosing(stream) as events:  # closed at once if the client leaves
                 async for item in events:
                     if isinstance(item, Keepalive):
                         yield _encode({"type": "keepalive"})

@@ -15,7 +15,9 @@ from starlette.datastructures import UploadFile
 from orchestrator.e2b_compatible.deps import ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.paths import to_sandbox, to_workspace
+from orchestrator.service import Service
 from orchestrator.sessions import Session
+from sandbox.errors import FileTooLarge
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
 PathQuery = Annotated[str, Query(description="A path in the sandbox (under /workspace).")]
@@ -36,11 +38,7 @@ async def read_file(
     relative = to_workspace(path)
     if not relative:
         raise E2BError(400, f"{path!r} is a directory")
-    session = reached.session
-    async with session.activity():
-        data = await session.sandbox.download(
-            relative, max_bytes=service.settings.max_download_bytes
-        )
+    data = await service.download(reached.session, relative)
     return Response(data, media_type="application/octet-stream")
 
 
@@ -71,19 +69,19 @@ async def write_files(
             raise E2BError(400, "an octet-stream upload needs ?path=")
         data = await _read_body(request, limit)
         written.append((to_workspace(path), data))
-    return [await _write(reached.session, relative, data) for relative, data in written]
+    return [await _write(service, reached.session, relative, data) for relative, data in written]
 
 
-async def _write(session: Session, relative: str, data: bytes) -> dict[str, Any]:
+async def _write(service: Service, session: Session, relative: str, data: bytes) -> dict[str, Any]:
     if not relative:
         raise E2BError(400, "cannot write to the workspace directory itself")
-    async with session.activity():
-        await session.sandbox.upload(relative, data)
+    await service.upload(session, relative, data)
     return {"name": posixpath.basename(relative), "type": "file", "path": to_sandbox(relative)}
 
 
-def _too_large(limit: int) -> E2BError:
-    return E2BError(413, f"the upload is larger than the limit of {limit} bytes")
+def _too_large(limit: int) -> FileTooLarge:
+    """Said while reading, before the whole body is held: the service checks again on upload."""
+    return FileTooLarge(f"the upload is larger than the limit of {limit} bytes")
 
 
 async def _read_upload(part: UploadFile, limit: int) -> bytes:

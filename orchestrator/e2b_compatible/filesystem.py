@@ -39,7 +39,6 @@ _TYPES = {
     "directory": filesystem_pb.FileType.DIRECTORY,
     "symlink": filesystem_pb.FileType.SYMLINK,
 }
-_PLACEHOLDER = ".cir-make-dir"
 
 
 class WorkspaceFilesystem(filesystem_connect.Filesystem):
@@ -47,6 +46,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
 
     def __init__(self, sandboxes: E2BSandboxes) -> None:
         self.sandboxes = sandboxes
+        self.service = sandboxes.service
 
     async def _session(self, ctx: RequestContext[Any, Any]) -> Session:
         headers = ctx.request_headers
@@ -65,7 +65,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         /,
     ) -> filesystem_pb.StatResponse:
         session = await self._session(ctx)
-        entry = await _call(_stat(session, _relative(request.path)))
+        entry = await _call(self._stat(session, _relative(request.path)))
         return filesystem_pb.StatResponse(entry=entry)
 
     async def list_dir(
@@ -77,8 +77,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         session = await self._session(ctx)
         relative = _relative(request.path)
         depth = max(1, request.depth)
-        async with session.activity():
-            found = await _call(session.sandbox.list_files(relative, recursive=depth > 1))
+        found = await _call(self.service.list_files(session, relative, recursive=depth > 1))
         base = len(relative.split("/")) if relative else 0
         entries = [_entry(info) for info in found if len(info.path.split("/")) - base <= depth]
         return filesystem_pb.ListDirResponse(entries=entries)
@@ -93,8 +92,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         relative = _relative(request.path)
         if not relative:
             raise ConnectError(Code.INVALID_ARGUMENT, "the workspace itself cannot be removed")
-        async with session.activity():
-            await _call(session.sandbox.remove_file(relative))
+        await _call(self.service.remove_file(session, relative))
         return filesystem_pb.RemoveResponse()
 
     async def make_dir(
@@ -106,18 +104,26 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         session = await self._session(ctx)
         relative = _relative(request.path)
         try:
-            await _call(_stat(session, relative))
+            await _call(self._stat(session, relative))
         except ConnectError as exc:
             if exc.code != Code.NOT_FOUND:
                 raise
         else:
             raise ConnectError(Code.ALREADY_EXISTS, f"{request.path} already exists")
-        # The sandbox interface makes directories only as a file's parents: write one, remove it.
-        placeholder = posixpath.join(relative, _PLACEHOLDER)
-        async with session.activity():
-            await _call(session.sandbox.upload(placeholder, b""))
-            await _call(session.sandbox.remove_file(placeholder))
-        return filesystem_pb.MakeDirResponse(entry=await _call(_stat(session, relative)))
+        await _call(self.service.make_directory(session, relative))
+        return filesystem_pb.MakeDirResponse(entry=await _call(self._stat(session, relative)))
+
+    async def _stat(self, session: Session, relative: str) -> filesystem_pb.EntryInfo:
+        if not relative:
+            return filesystem_pb.EntryInfo(
+                name=posixpath.basename(to_sandbox("")),
+                type=filesystem_pb.FileType.DIRECTORY,
+                path=to_sandbox(""),
+            )
+        info = await self.service.file_info(session, relative)
+        if info is None:
+            raise FileMissing(f"no such file or directory: {to_sandbox(relative)}")
+        return _entry(info)
 
 
 class NoProcesses(process_connect.Process):
@@ -129,22 +135,6 @@ def _relative(path: str) -> str:
         return to_workspace(path)
     except InvalidPath as exc:
         raise ConnectError(Code.INVALID_ARGUMENT, str(exc)) from None
-
-
-async def _stat(session: Session, relative: str) -> filesystem_pb.EntryInfo:
-    if not relative:
-        return filesystem_pb.EntryInfo(
-            name=posixpath.basename(to_sandbox("")),
-            type=filesystem_pb.FileType.DIRECTORY,
-            path=to_sandbox(""),
-        )
-    parent = posixpath.dirname(relative)
-    async with session.activity():
-        entries = await session.sandbox.list_files(parent)
-    for info in entries:
-        if info.path == relative:
-            return _entry(info)
-    raise FileMissing(f"no such file or directory: {to_sandbox(relative)}")
 
 
 def _entry(info: FileInfo) -> filesystem_pb.EntryInfo:

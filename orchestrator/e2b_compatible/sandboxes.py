@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from orchestrator.auth import LOCAL_OWNER
+from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError, SessionNotFound
 
@@ -110,7 +111,7 @@ class E2BSandboxes:
         if self.is_context(session_id):
             raise SessionNotFound(f"no sandbox {sandbox_id}")
         try:
-            session = await self.service.sessions.get(session_id, owner)
+            session = await self.service.get_session(session_id, owner)
         except SessionError:
             if record is not None and record.owner == owner:
                 await self.forget(record)
@@ -131,7 +132,7 @@ class E2BSandboxes:
         ):
             raise SandboxGone(sandbox_id)  # like a missing one: ids are not confirmed
         try:
-            session = await self.service.sessions.get(record.session_id, record.owner)
+            session = await self.service.get_session(record.session_id, record.owner)
         except SessionError:
             await self.forget(record)
             raise SandboxGone(sandbox_id) from None
@@ -145,7 +146,7 @@ class E2BSandboxes:
             record = self._records.get(DEBUG_SANDBOX_ID)
             if record is not None:
                 return record
-            session = await self.service.sessions.create(LOCAL_OWNER)
+            session = await self.service.create_session(LOCAL_OWNER, CreateSessionRequest())
             record = E2BRecord(
                 sandbox_id=DEBUG_SANDBOX_ID,
                 session_id=session.id,
@@ -158,13 +159,13 @@ class E2BSandboxes:
 
     def listed(self, owner: str) -> list[Session]:
         """The caller's sessions that are sandboxes (not contexts of one)."""
-        return [s for s in self.service.sessions.list(owner) if not self.is_context(s.id)]
+        return [s for s in self.service.list_sessions(owner) if not self.is_context(s.id)]
 
     async def kill(self, record: E2BRecord) -> None:
         """End the sandbox's session and every context's."""
         await self.forget(record)
         with contextlib.suppress(SessionError):
-            await self.service.delete_session(record.session_id, record.owner)
+            await self.service.end_session(record.session_id, record.owner)
 
     async def forget(self, record: E2BRecord) -> None:
         """Drop the record of an ended sandbox, ending its contexts' sessions."""
@@ -176,7 +177,7 @@ class E2BSandboxes:
         record.contexts.pop(context.id, None)
         self._context_sessions.discard(context.id)
         with contextlib.suppress(SessionError):
-            await self.service.delete_session(context.id, record.owner)
+            await self.service.end_session(context.id, record.owner)
 
     # ----------------------------------------------------------------------------------------
     # E2B's timeouts
@@ -198,7 +199,7 @@ class E2BSandboxes:
         now = time.time()
         for record in list(self._records.values()):
             try:
-                session = await self.service.sessions.get(record.session_id, record.owner)
+                session = await self.service.get_session(record.session_id, record.owner)
             except SessionError:
                 await self.forget(record)
                 ended += 1
@@ -210,10 +211,11 @@ class E2BSandboxes:
                 await self.kill(record)
                 ended += 1
                 continue
-            session.touch()  # E2B's timeout, not idleness, ends it
-            for context in record.contexts.values():
+            self.service.keepalive(session)  # E2B's timeout, not idleness, ends it
+            for context in list(record.contexts.values()):
                 with contextlib.suppress(SessionError):
-                    (await self.service.sessions.get(context.id, record.owner)).touch()
+                    context_session = await self.service.get_session(context.id, record.owner)
+                    self.service.keepalive(context_session)
         return ended
 
     async def _sweep_forever(self) -> None:

@@ -34,7 +34,6 @@ from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.host_tools.describe import summaries
 from orchestrator.mcp_front.stdio_state_dir import remove_own, stdio_state_dir
-from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import (
     Session,
@@ -50,9 +49,8 @@ from orchestrator.tool import (
     ToolFormat,
     description,
     format_output,
-    render,
 )
-from sandbox.errors import SandboxError
+from sandbox.errors import FileTooLarge, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +100,10 @@ class ConnectionSessions:
     async def _resolve(
         self, owner: str, connection: str | None, session_id: str | None, create: bool
     ) -> tuple[Session, str | None]:
-        sessions = self.service.sessions
+        service = self.service
         if session_id is not None:
             try:
-                return await sessions.get(session_id, owner), None
+                return await service.get_session(session_id, owner), None
             except SessionError as exc:
                 raise ToolFailure(
                     f"[error] {exc}. Omit session_id to use this connection's session."
@@ -114,7 +112,7 @@ class ConnectionSessions:
         known = self.by_connection.get((owner, connection)) if connection else None
         if known is not None:
             try:
-                return await sessions.get(known, owner), None
+                return await service.get_session(known, owner), None
             except (SessionExpired, SessionNotFound) as exc:
                 note = f"[notice] {exc}; this is a new session: earlier variables are gone."
         if not create:
@@ -122,18 +120,20 @@ class ConnectionSessions:
                 "[error] there is no session to use yet: run code first, or pass the session_id "
                 "an earlier result named."
             )
-        # Sessions made here get the host tools the settings give sessions by default.
-        request = CreateSessionRequest(tools=self.service.settings.host_tools.session_default)
         try:
-            session = await self.service.create_session(owner, request)
+            # What the tool starts by itself; clients that never end their connection are
+            # common, so what MCP makes expires sooner than other sessions.
+            session = await service.create_session(
+                owner,
+                service.default_tool_session(),
+                idle_timeout_s=service.settings.mcp_idle_timeout_s,
+            )
         except SessionLimitReached as exc:
             raise ToolFailure(self._quota_full(owner, exc)) from None
         except (SessionError, SandboxError) as exc:
             raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
-        # Clients that never end their connection are common: what MCP makes expires soon.
-        session.idle_timeout_s = self.service.settings.mcp_idle_timeout_s
         if connection is not None:
-            live = {s.id for s in self.service.sessions.list(owner)}
+            live = {s.id for s in service.list_sessions(owner)}
             for key in [k for k, sid in self.by_connection.items() if k[0] == owner]:
                 if self.by_connection[key] not in live:  # ended or expired meanwhile
                     del self.by_connection[key]
@@ -144,7 +144,7 @@ class ConnectionSessions:
     def _quota_full(self, owner: str, exc: SessionLimitReached) -> str:
         """The way out of a full quota, in MCP's terms, naming the sessions that hold it."""
         idle_s = self.service.settings.mcp_idle_timeout_s
-        held = sorted(self.service.sessions.list(owner), key=lambda s: -s.idle_for())
+        held = sorted(self.service.list_sessions(owner), key=lambda s: -s.idle_for())
         listed = "\n".join(
             f"- {s.id}: idle {s.idle_for():.0f} s"
             + (f", ends in {max(0.0, idle_s - s.idle_for()):.0f} s" if s.idle_timeout_s else "")
@@ -164,7 +164,7 @@ class ConnectionSessions:
         session_id = self.by_connection.pop((owner, connection), None)
         if session_id is not None:
             with contextlib.suppress(SessionError):  # already expired or deleted
-                await self.service.delete_session(session_id, owner)
+                await self.service.end_session(session_id, owner)
 
 
 def _caller(ctx: Context) -> tuple[str, str | None]:
@@ -216,15 +216,11 @@ def build_mcp_server(
         ctx: Context,
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
-        session, note = await session_for(ctx, session_id)
-        record = await service.run(session, code)
-        rendered = render(
-            record,
-            session_id=session.id,
-            max_chars=settings.tool_output_max_chars,
-            full_output_url=None,
-            artifact_urls={},
-        )
+        owner, connection = _caller(ctx)
+        session, note = await sessions.resolve(owner, connection, session_id)
+        # The one tool flow, as the REST invoke route runs it, in the connection's session.
+        outcome = await service.invoke_tool(owner, code, session=session)
+        rendered = outcome.rendered
         if note:
             rendered.text = f"{note}\n{rendered.text}"
         out = format_output(ToolFormat.MCP, rendered, call_id=None, inline_images=True)
@@ -245,12 +241,13 @@ def build_mcp_server(
             raise ToolFailure(f"[error] content is not valid base64: {exc}") from None
         if data is None:
             data = content.encode()
-        if len(data) > settings.max_upload_bytes:
-            limit = settings.max_upload_bytes
-            raise ToolFailure(f"[error] the file is over the limit of {limit} bytes")
         session, _ = await session_for(ctx, session_id)
-        async with session.activity():
-            info = await session.sandbox.upload(path, data)
+        try:
+            info = await service.upload(session, path, data)
+        except FileTooLarge as exc:
+            raise ToolFailure(
+                f"[error] {exc}. Upload it in smaller parts and join them with code_interpreter."
+            ) from None
         return CallToolResult(
             content=[
                 TextContent(type="text", text=f"wrote /workspace/{info.path} ({info.size} bytes)")
@@ -263,8 +260,7 @@ def build_mcp_server(
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
         session, _ = await session_for(ctx, session_id, create=False)
-        async with session.activity():
-            files = await session.sandbox.list_files(path, recursive=True)
+        files = await service.list_files(session, path, recursive=True)
         lines = [f"{f.path}{'/' if f.type == 'directory' else ''}\t{f.size}" for f in files]
         text = "\n".join(lines) if lines else "(empty)"
         return CallToolResult(content=[TextContent(type="text", text=text)])
@@ -275,8 +271,7 @@ def build_mcp_server(
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
         session, _ = await session_for(ctx, session_id, create=False)
-        async with session.activity():
-            data = await session.sandbox.download(path, max_bytes=settings.max_download_bytes)
+        data = await service.download(session, path)
         mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
         if mime.startswith("image/") and len(data) <= MAX_INLINE_IMAGE_BYTES:
             encoded = base64.b64encode(data).decode()

@@ -1,55 +1,34 @@
-"""Shared FastAPI dependencies: the service, the caller, the session in the path."""
+"""The /v1 routes' dependencies: the shared ones, and the session named in the path."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
-from typing import Annotated, TypeVar
+from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends
 
-from orchestrator.service import Service
+from orchestrator.request_context import (
+    ClientGone,
+    OwnerDep,
+    ServiceDep,
+    get_owner,
+    get_service,
+    unless_disconnected,
+)
 from orchestrator.sessions import Session
 
-T = TypeVar("T")
-
-
-def get_service(request: Request) -> Service:
-    service: Service = request.app.state.service
-    return service
-
-
-def get_owner(request: Request) -> str:
-    owner: str = request.app.state.authenticate(request)
-    return owner
-
-
-ServiceDep = Annotated[Service, Depends(get_service)]
-OwnerDep = Annotated[str, Depends(get_owner)]
+__all__ = [
+    "ClientGone",
+    "OwnerDep",
+    "ServiceDep",
+    "SessionDep",
+    "get_owner",
+    "get_service",
+    "unless_disconnected",
+]
 
 
 async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> Session:
-    return await service.sessions.get(session_id, owner)
+    return await service.get_session(session_id, owner)
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
-
-
-class ClientGone(Exception):
-    """The caller disconnected; what it asked for was stopped."""
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`; if the client disconnects first, cancel it (which interrupts the kernel)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise ClientGone
-    finally:
-        if not task.done():
-            task.cancel()

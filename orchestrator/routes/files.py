@@ -25,6 +25,7 @@ async def upload(
 ) -> FileInfo:
     target = path if path is not None else (file.filename or "")
     clean_path(target)  # refuse a bad name before reading a byte
+    # Read in chunks and refuse past the limit before holding it all (the service checks again).
     limit = service.settings.max_upload_bytes
     chunks: list[bytes] = []
     size = 0
@@ -33,18 +34,17 @@ async def upload(
         if size > limit:
             raise HTTPException(413, f"the upload is larger than the limit of {limit} bytes")
         chunks.append(chunk)
-    async with session.activity():
-        return await session.sandbox.upload(target, b"".join(chunks))
+    return await service.upload(session, target, b"".join(chunks))
 
 
 @router.get("", summary="List a directory of the workspace")
 async def list_files(
     session: SessionDep,
+    service: ServiceDep,
     path: Annotated[str, Query(description="A directory; the workspace root if unset.")] = "",
     recursive: bool = False,
 ) -> list[FileInfo]:
-    async with session.activity():
-        return await session.sandbox.list_files(path, recursive=recursive)
+    return await service.list_files(session, path, recursive=recursive)
 
 
 @router.get(
@@ -54,8 +54,7 @@ async def list_files(
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 async def download(path: str, session: SessionDep, service: ServiceDep) -> Response:
-    async with session.activity():
-        data = await session.sandbox.download(path, max_bytes=service.settings.max_download_bytes)
+    data = await service.download(session, path)
     name = clean_path(path)[-1]
     ascii_name = name.encode("ascii", "replace").decode().replace("?", "_")
     ascii_name = ascii_name.replace("\\", "_").replace('"', "_")
@@ -68,7 +67,6 @@ async def download(path: str, session: SessionDep, service: ServiceDep) -> Respo
 
 
 @router.delete("/{path:path}", status_code=204, summary="Delete a file or directory")
-async def delete(path: str, session: SessionDep) -> Response:
-    async with session.activity():
-        await session.sandbox.remove_file(path)
+async def delete(path: str, session: SessionDep, service: ServiceDep) -> Response:
+    await service.remove_file(session, path)
     return Response(status_code=204)

@@ -20,12 +20,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/v1/status", summary="The caller's sessions, the backends and their warm pools")
 async def status(service: ServiceDep, owner: OwnerDep) -> dict[str, object]:
-    return {
-        "status": "ok",
-        "sessions": len(service.sessions.list(owner)),
-        "backends": list(service.sessions.backends),
-        "pools": {name: pool.ready for name, pool in service.sessions.pools.items()},
-    }
+    return service.status(owner)
 
 
 def metrics_reader(request: Request, service: ServiceDep) -> None:

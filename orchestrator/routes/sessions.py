@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 
 from orchestrator.json_responses import json_response
+from orchestrator.outputs import OutputNotFound
 from orchestrator.routes.deps import OwnerDep, ServiceDep, SessionDep, unless_disconnected
 from orchestrator.schemas import (
     CreateSessionRequest,
@@ -19,10 +19,9 @@ from orchestrator.schemas import (
     SessionInfo,
 )
 from orchestrator.sessions import SessionError
-from orchestrator.streaming import Dropped, Finished, Keepalive, follow
+from orchestrator.streaming import Dropped, Finished, Keepalive
 from sandbox.errors import SandboxError
-from sandbox.kernel.collector import EventSink
-from sandbox.models import Execution
+from sandbox.models import Execution, OutputEvent
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 # An artifact a sandbox made (an SVG can hold script) is shown, never run: no script, no
@@ -31,6 +30,7 @@ ARTIFACT_HEADERS = {
     "Cache-Control": "private, max-age=86400",
     "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; sandbox",
 }
+STREAMS = ("stdout", "stderr")  # an execution's kept text streams, each readable alone
 
 
 @router.post("", status_code=201, summary="Create a session")
@@ -43,7 +43,7 @@ async def create_session(
 
 @router.get("", summary="List the caller's sessions")
 async def list_sessions(service: ServiceDep, owner: OwnerDep) -> list[SessionInfo]:
-    return [service.info(s) for s in service.sessions.list(owner)]
+    return [service.info(s) for s in service.list_sessions(owner)]
 
 
 @router.get("/{session_id}", summary="Get a session")
@@ -53,27 +53,23 @@ async def get_session(session: SessionDep, service: ServiceDep) -> SessionInfo:
 
 @router.delete("/{session_id}", status_code=204, summary="Delete a session and its sandbox")
 async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> Response:
-    await service.delete_session(session_id, owner)
+    await service.end_session(session_id, owner)
     return Response(status_code=204)
 
 
 @router.post("/{session_id}/keepalive", summary="Mark the session active (resets idle expiry)")
 async def keepalive(session: SessionDep, service: ServiceDep) -> SessionInfo:
-    session.touch()
-    return service.info(session)
+    return service.keepalive(session)
 
 
 @router.post("/{session_id}/interrupt", summary="Stop the running execution")
-async def interrupt(session: SessionDep) -> dict[str, bool]:
-    session.touch()
-    return {"interrupted": await session.sandbox.interrupt()}
+async def interrupt(session: SessionDep, service: ServiceDep) -> dict[str, bool]:
+    return {"interrupted": await service.interrupt(session)}
 
 
 @router.post("/{session_id}/restart", summary="Restart the kernel (files are kept)")
 async def restart(session: SessionDep, service: ServiceDep) -> SessionInfo:
-    async with session.activity():
-        await session.sandbox.restart()
-    return service.info(session)
+    return await service.restart(session)
 
 
 @router.post(
@@ -88,9 +84,27 @@ async def execute(
     disconnects interrupts its code."""
     record = await unless_disconnected(
         request,
-        service.run(session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd),
+        service.execute(session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd),
     )
     return await json_response(record)  # a large one is serialised off the event loop
+
+
+def ndjson_line(item: OutputEvent | Dropped | Keepalive | Finished[ExecutionRecord]) -> bytes:
+    """How one thing a streamed run yields reads on the wire: one JSON object and a newline."""
+    if isinstance(item, Keepalive):
+        return b'{"type":"keepalive"}\n'
+    if isinstance(item, Dropped):
+        dropped = {
+            "type": "dropped",
+            "events": item.events,
+            "characters": item.characters,
+            "message": item.message.strip(),
+        }
+        return json.dumps(dropped).encode() + b"\n"
+    if isinstance(item, Finished):
+        done = {"type": "done", "execution": item.value.model_dump(mode="json")}
+        return json.dumps(done).encode() + b"\n"
+    return item.model_dump_json().encode() + b"\n"
 
 
 @router.post(
@@ -107,30 +121,14 @@ async def execute_stream(
     `failure`, if the session itself ended during the run). Closing the connection interrupts
     the code."""
 
-    def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
-        return service.run(
-            session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd, on_event=sink
-        )
-
     async def lines() -> AsyncIterator[bytes]:
+        run = service.stream(
+            session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd
+        )
         try:
-            async with aclosing(follow(start)) as events:  # closed at once if the client leaves
+            async with aclosing(run) as events:  # closed at once if the client leaves
                 async for item in events:
-                    if isinstance(item, Keepalive):
-                        yield b'{"type":"keepalive"}\n'
-                    elif isinstance(item, Dropped):
-                        dropped = {
-                            "type": "dropped",
-                            "events": item.events,
-                            "characters": item.characters,
-                            "message": item.message.strip(),
-                        }
-                        yield json.dumps(dropped).encode() + b"\n"
-                    elif isinstance(item, Finished):
-                        done = {"type": "done", "execution": item.value.model_dump(mode="json")}
-                        yield json.dumps(done).encode() + b"\n"
-                    else:
-                        yield item.model_dump_json().encode() + b"\n"
+                    yield ndjson_line(item)
         except (SandboxError, SessionError) as exc:  # the session ended under the run
             error = {"type": type(exc).__name__, "message": str(exc)}
             yield json.dumps({"type": "failure", "error": error}).encode() + b"\n"
@@ -146,7 +144,7 @@ async def execute_stream(
 )
 async def get_execution(execution_id: str, session: SessionDep, service: ServiceDep) -> Response:
     """Sent as it was stored (already a serialised Execution): never parsed again here."""
-    kept = await asyncio.to_thread(service.outputs.open_execution, session.id, execution_id)
+    kept = await service.open_kept_execution(session, execution_id)
     return StreamingResponse(
         kept.chunks(),
         media_type="application/json",
@@ -162,9 +160,11 @@ async def get_execution(execution_id: str, session: SessionDep, service: Service
 async def get_execution_stream(
     execution_id: str, stream: str, session: SessionDep, service: ServiceDep
 ) -> PlainTextResponse:
-    if stream not in ("stdout", "stderr"):
-        raise KeyError(stream)
-    execution = await asyncio.to_thread(service.outputs.execution, session.id, execution_id)
+    if stream not in STREAMS:
+        raise OutputNotFound(
+            f"no output {stream!r} of execution {execution_id}; there are {' and '.join(STREAMS)}"
+        )
+    execution = await service.kept_execution(session, execution_id)
     return PlainTextResponse(getattr(execution, stream))
 
 
@@ -174,5 +174,5 @@ async def get_execution_stream(
     response_class=FileResponse,
 )
 async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> FileResponse:
-    path, mime = service.outputs.artifact(session.id, artifact_id)
+    path, mime = service.artifact(session, artifact_id)
     return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

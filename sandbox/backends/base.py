@@ -14,8 +14,7 @@ from types import TracebackType
 from typing import Self
 
 from sandbox.host_channel import HostChannel
-from sandbox.kernel.collector import EventSink
-from sandbox.models import DoneEvent, Execution, FileInfo, OutputEvent
+from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
 from sandbox.spec import SandboxSpec
 
 # What the sandboxed code sees as its working directory and workspace root.

@@ -48,8 +48,8 @@ from sandbox.errors import (
     SandboxError,
     SandboxStartError,
 )
-from sandbox.kernel.collector import EventSink, OutputCollector
-from sandbox.models import Execution, ExecutionError, ExecutionStatus, FileInfo
+from sandbox.kernel.collector import OutputCollector
+from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus, FileInfo
 from sandbox.spec import SandboxSpec
 from sandbox.workspace_files import clean_path
 

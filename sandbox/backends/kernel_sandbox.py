@@ -20,9 +20,8 @@ from typing import TypeVar
 
 from sandbox.backends.base import Sandbox
 from sandbox.errors import SandboxError
-from sandbox.kernel.collector import EventSink
 from sandbox.kernel.driver import KernelDriver
-from sandbox.models import Execution, FileInfo
+from sandbox.models import EventSink, Execution, FileInfo
 from sandbox.spec import SandboxSpec, check_environment
 from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Entry, Workspace

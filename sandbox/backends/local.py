@@ -56,9 +56,15 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "bubblewrap (bwrap) is required by the local sandbox and was not found. Install it with "
-    "`sudo apt-get install bubblewrap` (Debian/Ubuntu) or `sudo dnf install bubblewrap` (Fedora). "
+    "`apt-get install bubblewrap` as root (Debian/Ubuntu) or `dnf install bubblewrap` (Fedora). "
     "If, and only if, you trust the code completely, the loudly named option "
     "`unsafe_no_sandbox` (CLI: --unsafe-no-sandbox) runs kernels with no isolation at all."
+)
+# An install without the `kernel` extra has no ipykernel: say which extra, not "No module named".
+KERNEL_MISSING_HINT = (
+    "the kernel interpreter {python!r} has no ipykernel, which the local sandbox runs. Install "
+    "the kernel extra into it: `pip install 'code-interpreter-runtime[kernel]'` (or set the "
+    "local backend's `python` to an interpreter that has it)."
 )
 # System files the kernel may read; everything else under /etc stays out of sight.
 _ETC_FILES = (
@@ -213,8 +219,9 @@ class LocalBackend(Backend):
             proc = await asyncio.create_subprocess_exec(
                 self._python,
                 "-c",
-                "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, "
-                "sys.exec_prefix, sys.base_exec_prefix]))",
+                "import sys, json, importlib.util; print(json.dumps([[sys.prefix, "
+                "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix], "
+                "importlib.util.find_spec('ipykernel_launcher') is not None]))",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=HOST_ENVIRONMENT,
@@ -224,7 +231,10 @@ class LocalBackend(Backend):
                 raise BackendUnavailable(
                     f"the kernel interpreter {self.config.python!r} does not run: {err.decode()}"
                 )
-            roots = _outside_usr(json.loads(out))
+            prefixes, has_kernel = json.loads(out)
+            if not has_kernel:
+                raise BackendUnavailable(KERNEL_MISSING_HINT.format(python=self.config.python))
+            roots = _outside_usr(prefixes)
             if os.geteuid() == 0 and not self.config.unsafe_no_sandbox:
                 for root in roots:
                     _check_reachable_by_others(root, "the kernel's Python")

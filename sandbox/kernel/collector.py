@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,10 +21,10 @@ from sandbox.models import (
     StderrEvent,
     StdoutEvent,
 )
+from sandbox.models import EventSink as EventSink  # where it was first; it lives beside the models
 
 # A rich output's content (its MIME bundle within the message) nests at most this deep.
 RESULT_MAX_DEPTH = 100
-EventSink = Callable[[OutputEvent], Awaitable[None]]
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 

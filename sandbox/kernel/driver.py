@@ -16,10 +16,10 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.errors import SandboxClosed, SandboxStartError
 from sandbox.kernel.channels import KernelChannels, Watch, frame_limit_bytes
-from sandbox.kernel.collector import EventSink, OutputCollector, capped
+from sandbox.kernel.collector import OutputCollector, capped
 from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
-from sandbox.models import Execution, ExecutionError, ExecutionStatus
+from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus
 from sandbox.spec import SandboxSpec
 
 if TYPE_CHECKING:

@@ -116,7 +116,10 @@ def test_the_default_session_is_closed_when_the_process_exits(state_dir: Path) -
         "from code_interpreter_client.langchain import CodeInterpreterTool\n"
         "print(CodeInterpreterTool().invoke({'code': '6 * 7'}))\n"
     )
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(state_dir.parent)}
+    # TMPDIR: where the session's in-process service keeps its own state, also the test's.
+    service_tmp = state_dir.parent / "tmp"
+    service_tmp.mkdir()
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(state_dir.parent), "TMPDIR": str(service_tmp)}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
@@ -125,3 +128,4 @@ def test_the_default_session_is_closed_when_the_process_exits(state_dir: Path) -
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     sessions = state_dir.parent / "code-interpreter" / "local"
     assert list(sessions.iterdir()) == []  # the workspace and its directory are gone
+    assert list(service_tmp.iterdir()) == []  # and the service's state dir

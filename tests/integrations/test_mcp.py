@@ -26,6 +26,7 @@ from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server,
 
 PLOT = "import matplotlib.pyplot as plt\nplt.plot([1, 4, 9])\nplt.show()\nprint('plotted')"
 MODES = ["auto", "legacy"]  # auto speaks 2026-07-28 (no connections); legacy has a handshake
+UPLOAD_LIMIT = 100_000  # the HTTP server's max_upload_bytes: small enough to pass in a test
 
 
 def text_of(result: CallToolResult) -> str:
@@ -148,7 +149,7 @@ async def test_stdio_servers_of_two_clients_run_side_by_side(stdio_env: dict[str
 @pytest.fixture(scope="module", params=service_backends())
 def mcp_server(request: pytest.FixtureRequest) -> Iterator[Server]:
     backend = request.param
-    srv = make_server(default_backend=backend).start()
+    srv = make_server(default_backend=backend, max_upload_bytes=UPLOAD_LIMIT).start()
     yield srv
     srv.stop()
     assert leftovers(srv) == []
@@ -199,6 +200,21 @@ async def test_http_without_connections_continues_by_session_id(mcp_server: Serv
     with mcp_server.client() as api:
         for session in (sid, session_of(fresh)):
             assert api.delete(f"/v1/sessions/{session}").status_code == 204
+
+
+async def test_http_upload_over_the_limit_tells_the_model_the_limit(mcp_server: Server) -> None:
+    """The upload cap is the service's: a file one byte over is refused with the limit named
+    and what to do, and nothing is written; a file at the limit goes in."""
+    async with http_client(mcp_server, "legacy") as client:
+        over = {"path": "big.txt", "content": "x" * (UPLOAD_LIMIT + 1)}
+        refused = await client.call_tool("upload_file", over)
+        told = text_of(refused)
+        assert refused.is_error and f"upload limit of {UPLOAD_LIMIT}" in told, told
+        assert "smaller parts" in told, told
+        at_limit = {"path": "fits.txt", "content": "y" * UPLOAD_LIMIT}
+        assert not (await client.call_tool("upload_file", at_limit)).is_error
+        listed = text_of(await client.call_tool("list_files", {}))
+        assert f"fits.txt\t{UPLOAD_LIMIT}" in listed and "big.txt" not in listed, listed
 
 
 async def test_http_needs_a_key_and_keeps_keys_apart(mcp_server: Server) -> None:

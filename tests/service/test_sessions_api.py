@@ -9,7 +9,10 @@ import time
 import httpx
 import pytest
 
+from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError, AsyncClient, Client
+from orchestrator.schemas import ExecutionRecord
+from sandbox.models import OutputEvent, StdoutEvent
 from tests.service.conftest import KEY_A, KEY_B, Server
 
 
@@ -287,3 +290,22 @@ def test_a_stream_whose_session_is_deleted_ends_with_failure(server: Server) -> 
         assert events[0]["type"] == "stdout"
         assert events[-1]["type"] == "failure"
         assert "closed" in events[-1]["error"]["message"]
+
+
+async def test_a_remote_code_session_streams_events_to_its_caller(server: Server) -> None:
+    """`CodeSession.remote(...).execute(on_event=...)` follows the NDJSON stream: each output
+    reaches the caller as it happens, and the whole record comes back at the end."""
+    seen: list[str] = []
+
+    async def sink(event: OutputEvent) -> None:
+        if isinstance(event, StdoutEvent):
+            seen.append(event.text)
+
+    async with CodeSession.remote(server.url, KEY_A) as session:
+        execution = await session.execute(
+            "import time\nprint('a', flush=True)\ntime.sleep(0.5)\nprint('b')\n1/0",
+            on_event=sink,
+        )
+    assert "".join(seen) == "a\nb\n" == execution.stdout
+    assert execution.status == "error" and execution.error is not None
+    assert isinstance(execution, ExecutionRecord)

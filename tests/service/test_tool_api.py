@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import httpx
 import pytest
@@ -102,6 +103,8 @@ def test_errors_read_well(api: httpx.Client) -> None:
         ({"code": 123}, "'code' input should be a valid string"),
         ({"code": ""}, "'code' is empty"),
         ("", "'code' is missing"),
+        ("[" * 100_000, "nest too deeply or hold a number too long"),  # was a 500
+        ("9" * 5_000, "nest too deeply or hold a number too long"),  # was a 500
     ],
 )
 def test_malformed_calls_come_back_as_tool_output(
@@ -171,3 +174,21 @@ def test_many_images_are_attached_up_to_the_limit(api: httpx.Client) -> None:
     assert sum(1 for b in blocks if b["type"] == "image") == 20
     assert "20 of them are attached" in blocks[0]["text"]
     api.delete(f"/v1/sessions/{out['session_id']}")
+
+
+def test_a_caller_that_leaves_an_invoke_interrupts_its_code(api: httpx.Client) -> None:
+    sid = invoke(api, {"code": "import time"})["session_id"]
+    with pytest.raises(httpx.ReadTimeout):  # the caller gives up after 2 s and leaves
+        api.post(
+            "/v1/tools/code_interpreter/invoke",
+            json={
+                "arguments": {"code": "time.sleep(60); finished = True", "session_id": sid},
+                "call_id": "call-1",
+            },
+            timeout=2,
+        )
+    started = time.monotonic()
+    after = invoke(api, {"code": "'finished' in globals()", "session_id": sid})
+    assert "[result]\nFalse" in after["output"]["content"]
+    assert time.monotonic() - started < 20  # not behind a 60 s sleep
+    api.delete(f"/v1/sessions/{sid}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.outputs import OutputEvicted, OutputStore
+from orchestrator.outputs import OutputEvicted, OutputNotFound, OutputStore
 from sandbox.models import Execution, Result
 
 
@@ -45,7 +45,7 @@ async def test_a_session_evicts_its_own_oldest_first(store: OutputStore) -> None
     assert store.execution("s1", ids[-1]).stdout == "x" * 10_000
     with pytest.raises(OutputEvicted, match="run the code again"):
         store.execution("s1", ids[0])
-    with pytest.raises(KeyError):
+    with pytest.raises(OutputNotFound):
         store.execution("s1", "e-never")
 
 

@@ -1,0 +1,136 @@
+"""A CodeSession of a service inside this process: the embedded front door.
+
+It is a front door like REST or MCP, so it goes through `Service` (activity, caps, kept outputs
+and metrics are done there once), on a service made for it alone: a private state dir, the one
+backend it runs on, no pool, no keys, and no expiry (the session lasts as long as this object).
+Needs the `server` extra; `CodeSession.embedded` says so when it is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from code_interpreter_client.code_session import CodeSession
+from orchestrator.auth import LOCAL_OWNER
+from orchestrator.config import Settings
+from orchestrator.schemas import CreateSessionRequest
+from orchestrator.service import Service
+from orchestrator.sessions import Session
+from sandbox.backends.base import Backend
+from sandbox.models import EventSink, Execution, FileInfo
+from sandbox.registry import create_backend
+from sandbox.spec import SandboxSpec
+
+
+class EmbeddedSettings(Settings):
+    """Only what the embedded session sets counts: not the environment nor a config file,
+    which are meant for a served instance (its keys, host tools, state dir)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+def embedded_settings(backend: str, spec: SandboxSpec, state_dir: Path) -> EmbeddedSettings:
+    return EmbeddedSettings(
+        state_dir=state_dir,
+        auth_disabled=True,  # one owner: this process
+        backends=[backend],
+        default_backend=backend,
+        pool_size=0,
+        # The caller's spec governs each call's time, as a bare sandbox's would; no ceiling
+        # above what the caller asks, and no expiry: the session lives as long as its object.
+        execution_timeout_s=spec.default_timeout_s,
+        max_execution_timeout_s=math.inf,
+        idle_timeout_s=math.inf,
+        max_lifetime_s=math.inf,
+        reap_interval_s=3600.0,
+    )
+
+
+class EmbeddedSession(CodeSession):
+    def __init__(
+        self, backend: str | Backend, spec: SandboxSpec | None, config: dict[str, Any], **kw: Any
+    ) -> None:
+        super().__init__(**kw)
+        self._backend_name = backend if isinstance(backend, str) else backend.name
+        self._given_backend = None if isinstance(backend, str) else backend  # the caller's
+        self._spec = spec or SandboxSpec()
+        self._config = config
+        self._made_backend: Backend | None = None  # made from a name: ours to close
+        self._service: Service | None = None
+        self._state_dir: Path | None = None
+        self._session: Session | None = None
+
+    @property
+    def session_id(self) -> str | None:
+        return self._session.id if self._session is not None else None
+
+    def _started_session(self) -> tuple[Service, Session]:
+        if self._service is None or self._session is None:
+            raise RuntimeError("the session starts with the first call")
+        return self._service, self._session
+
+    async def _start(self) -> None:
+        try:
+            backend = self._given_backend
+            if backend is None:
+                backend = self._made_backend = create_backend(self._backend_name, **self._config)
+            self._state_dir = Path(tempfile.mkdtemp(prefix="code-interpreter-embedded-"))
+            settings = embedded_settings(self._backend_name, self._spec, self._state_dir)
+            service = Service(settings, given_backends={self._backend_name: backend})
+            await service.start()
+            self._service = service
+            request = CreateSessionRequest()
+            self._session = await service.create_session(LOCAL_OWNER, request, spec=self._spec)
+        except BaseException:
+            await self._close()
+            raise
+
+    async def _execute(
+        self, code: str, timeout_s: float | None, on_event: EventSink | None
+    ) -> Execution:
+        service, session = self._started_session()
+        return await service.execute(session, code, timeout_s=timeout_s, on_event=on_event)
+
+    async def _upload(self, path: str, data: bytes) -> FileInfo:
+        service, session = self._started_session()
+        return await service.upload(session, path, data)
+
+    async def _download(self, path: str) -> bytes:
+        service, session = self._started_session()
+        return await service.download(session, path)
+
+    async def _list_files(self, path: str) -> list[FileInfo]:
+        service, session = self._started_session()
+        return await service.list_files(session, path)
+
+    async def _close(self) -> None:
+        """End the session, the service, the backend if it was made here, and the state dir."""
+        service, self._service, self._session = self._service, None, None
+        backend, self._made_backend = self._made_backend, None
+        state_dir, self._state_dir = self._state_dir, None
+        try:
+            if service is not None:
+                await service.close()  # ends its sessions; leaves the backends it was given
+        finally:
+            try:
+                if backend is not None:
+                    await backend.close()
+            finally:
+                if state_dir is not None:
+                    await asyncio.to_thread(shutil.rmtree, state_dir, ignore_errors=True)

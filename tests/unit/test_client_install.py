@@ -1,0 +1,167 @@
+"""A client-only install (`pip install code-interpreter-runtime`) pulls a small, listed set of
+packages and works: the client package imports nothing of the server stack.
+
+The import check runs in a fresh interpreter where every server-stack module refuses to load, as
+it would on a machine where the `server` extra is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+DISTRIBUTION = "code-interpreter-runtime"
+# What a client-only install asks for, and nothing else (README "Install" lists the same).
+CLIENT_REQUIREMENTS = {"pydantic>=2.11", "httpx>=0.27"}
+# The top-level modules of the `server` extra's packages (and of their web stack).
+SERVER_MODULES = [
+    "fastapi", "starlette", "uvicorn", "docker", "jupyter_client", "zmq", "mcp", "e2b",
+    "e2b_code_interpreter", "typer", "rich", "prometheus_client", "pyseccomp", "jsonschema",
+    "griffe", "multipart", "python_multipart", "pydantic_settings",
+]  # fmt: skip
+
+REFUSE_SERVER_MODULES = f"""
+import importlib.abc
+import sys
+
+SERVER_MODULES = {SERVER_MODULES!r}
+
+
+class RefuseServerModules(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in SERVER_MODULES:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (not installed)", name=name)
+        return None
+
+
+def refuse_server_modules():
+    sys.meta_path.insert(0, RefuseServerModules())
+"""
+
+
+def run_without_server(body: str) -> subprocess.CompletedProcess[str]:
+    script = REFUSE_SERVER_MODULES + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_client_imports_and_constructs_without_the_server_stack() -> None:
+    done = run_without_server(
+        """
+        refuse_server_modules()
+        import asyncio
+
+        import code_interpreter_client
+        from code_interpreter_client import AsyncClient, Client, CodeSession
+
+        with Client("http://127.0.0.1:9", "key"):
+            pass
+        asyncio.run(AsyncClient("http://127.0.0.1:9", "key").close())
+        remote = CodeSession.remote("http://127.0.0.1:9", "key")
+        assert remote.session_id is None
+        import sandbox
+        from sandbox import Execution, SandboxSpec, SandboxError
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in SERVER_MODULES)
+        assert not loaded, loaded
+        print("client ok")
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "client ok" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("framework", "adapter"),
+    [
+        ("langchain_core.tools", "code_interpreter_client.langchain"),
+        ("agents", "code_interpreter_client.openai_agents"),
+    ],
+)
+def test_the_framework_adapters_import_without_the_server_stack(
+    framework: str, adapter: str
+) -> None:
+    # The framework loads first, with whatever it needs (the Agents SDK brings mcp and
+    # starlette itself); then the adapter and what it brings must stay clear of the server.
+    done = run_without_server(
+        f"""
+        import importlib
+
+        importlib.import_module({framework!r})
+        before = set(sys.modules)
+        refuse_server_modules()
+        importlib.import_module({adapter!r})
+        brought = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in SERVER_MODULES)
+        assert not brought, brought
+        print("adapter ok")
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "adapter ok" in done.stdout
+
+
+def test_an_embedded_session_without_the_server_says_which_extra_to_install() -> None:
+    done = run_without_server(
+        """
+        refuse_server_modules()
+        from code_interpreter_client import CodeSession
+
+        try:
+            CodeSession.embedded("local")
+        except ModuleNotFoundError as exc:
+            print("refused:", exc)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pip install 'code-interpreter-runtime[server]'" in done.stdout, done.stdout
+
+
+def test_the_command_without_the_server_says_which_extra_to_install_in_one_line() -> None:
+    done = run_without_server(
+        """
+        refuse_server_modules()
+        sys.argv = ["code-interpreter", "--help"]
+        from orchestrator.entry import main
+
+        main()
+        """
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert "pip install 'code-interpreter-runtime[server]'" in line, line
+
+
+def test_the_command_runs_through_its_entry_point() -> None:
+    [script] = importlib.metadata.entry_points(group="console_scripts", name="code-interpreter")
+    assert script.value == "orchestrator.entry:main"
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv = ['code-interpreter', '--help']\n"
+         "from orchestrator.entry import main; main()"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "serve" in done.stdout
+
+
+def test_the_refusal_is_real() -> None:
+    """The check can fail: a server module is refused under it."""
+    done = run_without_server("refuse_server_modules()\nimport fastapi\n")
+    assert done.returncode != 0 and "No module named 'fastapi'" in done.stderr
+
+
+def test_a_client_only_install_asks_for_the_listed_packages_only() -> None:
+    declared = importlib.metadata.requires(DISTRIBUTION) or []
+    base = {
+        str(requirement)
+        for requirement in map(Requirement, declared)
+        if requirement.marker is None  # extras carry an `extra == "..."` marker
+    }
+    assert base == CLIENT_REQUIREMENTS

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 from code_interpreter_client.code_session import CodeSession
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
+from orchestrator.process_state_dirs import own_state_dir
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import Session
@@ -27,6 +29,9 @@ from sandbox.backends.base import Backend
 from sandbox.models import EventSink, Execution, FileInfo
 from sandbox.registry import create_backend
 from sandbox.spec import SandboxSpec
+
+EMBEDDED_STATE_DIRS = "code-interpreter-embedded"
+OUTPUTS_KEPT_BYTES = 1 << 16
 
 
 class EmbeddedSettings(Settings):
@@ -59,6 +64,12 @@ def embedded_settings(backend: str, spec: SandboxSpec, state_dir: Path) -> Embed
         idle_timeout_s=math.inf,
         max_lifetime_s=math.inf,
         reap_interval_s=3600.0,
+        # Files move within this process: as large as the workspace can hold.
+        max_upload_bytes=spec.limits.workspace_size_mb << 20,
+        max_download_bytes=spec.limits.workspace_size_mb << 20,
+        # Nothing reads an embedded session's kept outputs back: keep the least the store allows.
+        outputs_max_bytes_per_session=OUTPUTS_KEPT_BYTES,
+        outputs_max_bytes_total=OUTPUTS_KEPT_BYTES,
     )
 
 
@@ -90,7 +101,14 @@ class EmbeddedSession(CodeSession):
             backend = self._given_backend
             if backend is None:
                 backend = self._made_backend = create_backend(self._backend_name, **self._config)
-            self._state_dir = Path(tempfile.mkdtemp(prefix="code-interpreter-embedded-"))
+            # Under a directory of this process's own, which the next process to start sweeps
+            # if this one dies without closing.
+            base = Path(tempfile.gettempdir()) / f"{EMBEDDED_STATE_DIRS}-{os.getuid()}"
+            own = own_state_dir(base)
+            if base.stat().st_uid != os.getuid():  # a shared temp dir: made by someone else
+                raise PermissionError(f"{base} belongs to another user; remove it")
+            own.mkdir(mode=0o700, exist_ok=True)
+            self._state_dir = Path(tempfile.mkdtemp(dir=own))
             settings = embedded_settings(self._backend_name, self._spec, self._state_dir)
             service = Service(settings, given_backends={self._backend_name: backend})
             await service.start()

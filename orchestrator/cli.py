@@ -11,7 +11,9 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from pydantic import ValidationError
 
+from orchestrator.http_errors import problems
 from orchestrator.terminal import TerminalPrinter
 from sandbox import BackendUnavailable, SandboxError, SandboxSpec
 from sandbox.registry import BACKENDS
@@ -126,7 +128,10 @@ def run(
     uploads = _unique_names(files or [], "--file")
     wanted = _unique_names([PurePosixPath(p) for p in downloads or []], "--download")
     config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
-    spec = SandboxSpec(limits=ResourceLimits(memory_mb=memory_mb), image=image)
+    try:
+        spec = SandboxSpec(limits=ResourceLimits(memory_mb=memory_mb), image=image)
+    except ValidationError as exc:
+        raise typer.BadParameter(problems(exc.errors()), param_hint="--memory-mb") from None
     printer = TerminalPrinter(output_dir)
     from orchestrator.sessions import SessionError  # what the service refuses, e.g. a limit
 
@@ -242,7 +247,6 @@ def image_list() -> None:
 def _settings(**overrides: Any) -> Settings:
     """The service's settings; what is wrong with them is said one line each, by the name the
     user sets (the environment variable), never as pydantic's report."""
-    from pydantic import ValidationError
 
     from orchestrator.config import Settings
 

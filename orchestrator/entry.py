@@ -34,7 +34,8 @@ def main() -> None:
     try:
         from orchestrator.cli import app
 
-        app()  # its commands import some of the server's packages only when they run
+        # Its commands import some of the server's packages only when they run.
+        app(prog_name="code-interpreter")
     except ModuleNotFoundError as exc:
         module = missing_server_module(exc)
         if module is None:

@@ -35,6 +35,18 @@ class Metrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
+        self.commands = Counter(
+            "cir_commands",
+            "Commands run to their end, by outcome.",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.processes_started = Counter(
+            "cir_processes_started",
+            "Background processes and terminals started.",
+            ["backend"],
+            registry=r,
+        )
         self.errors = Counter("cir_errors", "Requests that failed, by kind.", ["kind"], registry=r)
 
 

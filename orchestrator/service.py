@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,6 +19,7 @@ from orchestrator.host_tools import (
     ToolRegistry,
     UnknownTools,
 )
+from orchestrator.host_tools.describe import summaries
 from orchestrator.instance_lock import InstanceLock
 from orchestrator.metrics import METRICS
 from orchestrator.outputs import KeptFile, OutputStore
@@ -34,6 +35,8 @@ from orchestrator.tool import RenderedOutput, render
 from sandbox.backends.base import Backend
 from sandbox.errors import FileTooLarge, SandboxError
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
+from sandbox.processes.managed import ProcessEvent
+from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from sandbox.spec import ResourceLimits, SandboxSpec, limit_ceilings
 
 # The ceiling no request may pass, whatever it asks for: ResourceLimits' own upper bounds.
@@ -55,6 +58,14 @@ class ToolsNotAvailable(SessionError):
 
 
 _PLACEHOLDER = ".cir-make-dir"
+
+
+def _outcome(result: CommandResult) -> str:
+    if result.timed_out:
+        return "timeout"
+    return "ok" if result.exit_code == 0 else "error"
+
+
 # Where a rendered tool output points: (the full output's URL, each artifact's URL by id).
 OutputLinks = Callable[[str, ExecutionRecord], tuple[str | None, dict[str, str]]]
 
@@ -135,6 +146,10 @@ class Service:
         channel = self._channels.pop(session_id, None)
         if channel is not None:
             channel.close()
+
+    def host_tool_summaries(self, names: list[str]) -> list[tuple[str, str]]:
+        """(call signature, summary) of each named host tool, for the tool's description."""
+        return summaries(self.tools.select(names).values())
 
     def session_tools(self, session: Session) -> list[str]:
         channel = self._channels.get(session.id)
@@ -300,11 +315,72 @@ class Service:
             await session.sandbox.restart()
         return self.info(session)
 
+    # --- processes beside the kernel (commands, background processes, terminals)
+    def _process_request(self, request: ProcessRequest) -> ProcessRequest:
+        """Within the service's time ceiling: a command may run at most as long as code may."""
+        ceiling = self.settings.max_execution_timeout_s
+        timeout = min(request.timeout_s or ceiling, ceiling)
+        return request.model_copy(update={"timeout_s": timeout})
+
+    async def run_command(self, session: Session, request: ProcessRequest) -> CommandResult:
+        """Run a command to its end (a caller that leaves kills it); its output within caps."""
+        async with session.activity():
+            result = await session.sandbox.run_command(self._process_request(request))
+        METRICS.commands.labels(session.backend, _outcome(result)).inc()
+        return result
+
+    async def start_process(self, session: Session, request: ProcessRequest) -> ProcessInfo:
+        """Start a process that runs on after this call (a background command or a terminal)."""
+        session.touch()
+        process = await session.sandbox.start_process(self._process_request(request))
+        METRICS.processes_started.labels(session.backend).inc()
+        return process.info()
+
+    def list_processes(self, session: Session, *, include_ended: bool = False) -> list[ProcessInfo]:
+        session.touch()
+        return session.sandbox.list_processes(include_ended=include_ended)
+
+    def process_info(self, session: Session, pid: int) -> ProcessInfo:
+        session.touch()
+        return session.sandbox.process(pid).info()
+
+    def process_events(
+        self, session: Session, pid: int, *, replay: bool = False
+    ) -> AsyncIterator[ProcessEvent]:
+        """A process's output from now on (`replay`: the most recent kept first), then its end."""
+        session.touch()
+        return session.sandbox.process(pid).events(replay=replay)
+
+    async def wait_process(self, session: Session, pid: int) -> CommandResult:
+        async with session.activity():
+            return await session.sandbox.process(pid).wait()
+
+    async def send_input(self, session: Session, pid: int, data: bytes) -> None:
+        session.touch()
+        await session.sandbox.process(pid).write_stdin(data)
+
+    async def close_input(self, session: Session, pid: int) -> None:
+        session.touch()
+        await session.sandbox.process(pid).close_stdin()
+
+    async def signal_process(self, session: Session, pid: int, signum: int) -> None:
+        """Send a signal to a process and everything it started (SIGKILL: `kill`)."""
+        session.touch()
+        await session.sandbox.process(pid).signal(signum)
+
+    async def resize_terminal(self, session: Session, pid: int, size: TerminalSize) -> None:
+        session.touch()
+        await session.sandbox.process(pid).resize(size)
+
     # --- the workspace's files
-    async def upload(self, session: Session, path: str, data: bytes) -> FileInfo:
+    def check_upload_size(self, size: int) -> None:
+        """Refuse a file over the upload limit: before a session is found or made for it."""
         limit = self.settings.max_upload_bytes
-        if len(data) > limit:
-            raise FileTooLarge(f"the file is {len(data)} bytes, over the upload limit of {limit}")
+        if size > limit:
+            raise FileTooLarge(f"the file is {size} bytes, over the upload limit of {limit}")
+
+    async def upload(self, session: Session, path: str, data: bytes) -> FileInfo:
+        self.check_upload_size(len(data))
         async with session.activity():
             return await session.sandbox.upload(path, data)
 

@@ -41,3 +41,15 @@ class BackendRateLimited(SandboxError):
 
 class BackendTimeout(SandboxError):
     """A remote backend (E2B) did not answer in time; the sandbox may still be running."""
+
+
+class ProcessNotFound(SandboxError):
+    """No process of this sandbox has that pid (or tag); it may have ended long ago."""
+
+
+class ProcessLimitReached(SandboxError):
+    """The sandbox runs as many processes as it may; wait for one to end or kill one."""
+
+
+class ProcessesUnsupported(SandboxError):
+    """This backend cannot run processes beside its kernel; the message says why."""

@@ -2,47 +2,57 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
-import annotated_types
 from pydantic import AfterValidator, BaseModel, Field
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The most a session may ask for of a limit. Metadata only: pydantic does not enforce it,
+    so an operator's defaults and in-process callers may go past it; the service holds each
+    session's request to it."""
+
+    value: float
 
 
 class ResourceLimits(BaseModel):
     """Per-sandbox limits. Defaults are safe for untrusted code on a small machine; each field's
-    upper bound (`le`) is the ceiling no session may pass, whatever it asks for.
+    `Ceiling` is the most a session's request may ask for.
 
     Which backend enforces what is spelled out in the README ("Limits, honestly").
     """
 
-    memory_mb: int = Field(
-        2048, ge=64, le=16384, description="Memory for the whole sandbox, in MiB."
+    memory_mb: Annotated[int, Ceiling(16384)] = Field(
+        2048, ge=64, description="Memory for the whole sandbox, in MiB."
     )
-    cpus: float = Field(1.0, gt=0, le=4, description="CPU quota in cores (Docker).")
-    pids: int = Field(256, ge=16, le=4096, description="Most processes and threads at once.")
-    file_size_mb: int = Field(
-        1024, ge=1, le=8192, description="Largest single file the code may write."
+    cpus: Annotated[float, Ceiling(4)] = Field(
+        1.0, gt=0, description="CPU quota in cores (Docker)."
     )
-    open_files: int = Field(
-        1024, ge=64, le=65536, description="Most open file descriptors per process."
+    pids: Annotated[int, Ceiling(4096)] = Field(
+        256, ge=16, description="Most processes and threads at once."
     )
-    tmp_size_mb: int = Field(512, ge=1, le=8192, description="Size of the private /tmp.")
-    workspace_size_mb: int = Field(
-        1024,
-        ge=1,
-        le=16384,
-        description="Size of the workspace (a tmpfs when the orchestrator is root).",
+    file_size_mb: Annotated[int, Ceiling(8192)] = Field(
+        1024, ge=1, description="Largest single file the code may write."
+    )
+    open_files: Annotated[int, Ceiling(65536)] = Field(
+        1024, ge=64, description="Most open file descriptors per process."
+    )
+    tmp_size_mb: Annotated[int, Ceiling(8192)] = Field(
+        512, ge=1, description="Size of the private /tmp."
+    )
+    workspace_size_mb: Annotated[int, Ceiling(16384)] = Field(
+        1024, ge=1, description="Size of the workspace (a tmpfs when the orchestrator is root)."
     )
 
 
 def limit_ceilings() -> dict[str, float]:
-    """Each limit's ceiling, read from its field's upper bound."""
-    ceilings: dict[str, float] = {}
-    for name, info in ResourceLimits.model_fields.items():
-        bound = next(m.le for m in info.metadata if isinstance(m, annotated_types.Le))
-        assert isinstance(bound, int | float)
-        ceilings[name] = bound
-    return ceilings
+    """Each limit's ceiling, read from its field's `Ceiling`."""
+    return {
+        name: next(m.value for m in info.metadata if isinstance(m, Ceiling))
+        for name, info in ResourceLimits.model_fields.items()
+    }
 
 
 def check_environment(env: dict[str, str]) -> dict[str, str]:

@@ -168,6 +168,10 @@ def test_bad_usage_is_explained(tmp_path: Path) -> None:
     clash = run_cli("run", "1", "--file", __file__, "--file", str(Path(__file__)))
     assert clash.returncode == 2
     assert "test_cli.py" in clash.stderr
+    tiny = run_cli("run", "1", "--memory-mb", "10")  # was a pydantic traceback
+    assert tiny.returncode == 2
+    assert "--memory-mb" in tiny.stderr and "greater than or equal to 64" in tiny.stderr
+    assert "Traceback" not in tiny.stderr
 
 
 def test_version_is_the_installed_package_version() -> None:

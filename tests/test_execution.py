@@ -436,3 +436,20 @@ async def test_malformed_rich_output_is_kept_not_fatal(sandbox: Sandbox) -> None
     assert ex.text == "'fine'"
     assert ex.results[0].extra == {"image/png": ["not", "a", "string"]}
     assert ex.artifacts == []  # the undecodable PNG is skipped, not fatal
+
+
+async def test_shells_find_the_kernels_python_login_or_not(sandbox: Sandbox) -> None:
+    """Commands see the kernel's interpreter and packages: agent frameworks run them through a
+    login shell (`sh -lc`, `bash -l`), which resets PATH from /etc/profile where there is one."""
+    execution = await sandbox.execute(
+        "import subprocess\n"
+        "probe = \"python3 -c 'import pandas; print(pandas.__name__)'\"\n"
+        "for shell in (['sh', '-c'], ['sh', '-lc'], ['bash', '-c'], ['bash', '-lc']):\n"
+        "    done = subprocess.run([*shell, probe], capture_output=True, text=True)\n"
+        "    print(shell[-1], shell[0], done.returncode, done.stdout.strip(), done.stderr[-300:])\n"
+    )
+    assert execution.error is None, execution.error
+    lines = execution.stdout.splitlines()
+    assert len(lines) == 4
+    for line in lines:
+        assert line.split()[2:4] == ["0", "pandas"], execution.stdout

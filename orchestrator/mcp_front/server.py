@@ -32,8 +32,7 @@ from pydantic import Field
 
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
-from orchestrator.host_tools.describe import summaries
-from orchestrator.mcp_front.stdio_state_dir import remove_own, stdio_state_dir
+from orchestrator.process_state_dirs import remove_own, stdio_state_dir
 from orchestrator.service import Service
 from orchestrator.sessions import (
     Session,
@@ -241,8 +240,9 @@ def build_mcp_server(
             raise ToolFailure(f"[error] content is not valid base64: {exc}") from None
         if data is None:
             data = content.encode()
-        session, _ = await session_for(ctx, session_id)
         try:
+            service.check_upload_size(len(data))  # before a session is made for it
+            session, _ = await session_for(ctx, session_id)
             info = await service.upload(session, path, data)
         except FileTooLarge as exc:
             raise ToolFailure(
@@ -294,7 +294,7 @@ def build_mcp_server(
             )
         return CallToolResult(content=[TextContent(type="text", text=text)])
 
-    host_tools = summaries(service.tools.select(settings.host_tools.session_default).values())
+    host_tools = service.host_tool_summaries(settings.host_tools.session_default)
     text = description(
         timeout_s=settings.execution_timeout_s,
         libraries=LIBRARIES,

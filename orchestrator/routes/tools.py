@@ -6,7 +6,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from orchestrator.host_tools.describe import summaries
 from orchestrator.routes.deps import OwnerDep, ServiceDep, unless_disconnected
 from orchestrator.schemas import ExecutionRecord, InvokeRequest, InvokeResponse
 from orchestrator.service import ToolOutcome
@@ -39,7 +38,7 @@ async def definition(
     defs = definitions(
         timeout_s=service.settings.execution_timeout_s,
         libraries=LIBRARIES,
-        host_tools=summaries(service.tools.select(names).values()),
+        host_tools=service.host_tool_summaries(names),
     )
     return defs[format] if format is not None else defs
 

@@ -13,8 +13,13 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
 
+from sandbox.errors import ProcessesUnsupported
 from sandbox.host_channel import HostChannel
 from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
+from sandbox.processes.managed import ManagedProcess
+from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
+from sandbox.processes.spawned import Spawner
+from sandbox.processes.table import ProcessTable
 from sandbox.spec import SandboxSpec
 
 # What the sandboxed code sees as its working directory and workspace root.
@@ -106,6 +111,41 @@ class Sandbox(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop everything the sandbox runs and delete its workspace. Safe to call twice."""
+
+    # --- processes beside the kernel: same boundary, same workspace (sandbox/processes/)
+    _processes: ProcessTable | None = None
+
+    def spawner(self) -> Spawner:
+        """How this backend starts a process inside the sandbox."""
+        raise ProcessesUnsupported(f"the {self.backend} backend cannot run processes")
+
+    def _process_table(self) -> ProcessTable:
+        if self._processes is None:
+            self._processes = ProcessTable(
+                self.spawner(), output_limit_chars=self.spec.output_limit_chars
+            )
+        return self._processes
+
+    async def start_process(self, request: ProcessRequest) -> ManagedProcess:
+        """Start a process in the sandbox; it runs until it ends, is killed, or the sandbox
+        closes (or its kernel is replaced: processes live in the kernel's sandbox)."""
+        return await self._process_table().start(request)
+
+    async def run_command(self, request: ProcessRequest) -> CommandResult:
+        """Start a process and wait for its end; cancelling kills it."""
+        return await self._process_table().run(request)
+
+    def process(self, pid: int) -> ManagedProcess:
+        return self._process_table().get(pid)
+
+    def list_processes(self, *, include_ended: bool = False) -> list[ProcessInfo]:
+        if self._processes is None:
+            return []
+        return self._processes.list(include_ended=include_ended)
+
+    async def _close_processes(self) -> None:
+        if self._processes is not None:
+            await self._processes.close()
 
     @property
     @abstractmethod

@@ -115,6 +115,7 @@ class KernelSandbox(Sandbox):
             return
         self._closed = True
         try:
+            await self._close_processes()
             await self.driver.close()
         finally:
             await self._teardown()

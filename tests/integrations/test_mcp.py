@@ -204,13 +204,17 @@ async def test_http_without_connections_continues_by_session_id(mcp_server: Serv
 
 async def test_http_upload_over_the_limit_tells_the_model_the_limit(mcp_server: Server) -> None:
     """The upload cap is the service's: a file one byte over is refused with the limit named
-    and what to do, and nothing is written; a file at the limit goes in."""
+    and what to do, before a sandbox is started for it, and nothing is written; a file at the
+    limit goes in."""
     async with http_client(mcp_server, "legacy") as client:
         over = {"path": "big.txt", "content": "x" * (UPLOAD_LIMIT + 1)}
         refused = await client.call_tool("upload_file", over)
         told = text_of(refused)
         assert refused.is_error and f"upload limit of {UPLOAD_LIMIT}" in told, told
         assert "smaller parts" in told, told
+        # Refused before any sandbox was started for it: the connection has no session yet.
+        none_yet = await client.call_tool("list_files", {})
+        assert none_yet.is_error and "no session to use yet" in text_of(none_yet)
         at_limit = {"path": "fits.txt", "content": "y" * UPLOAD_LIMIT}
         assert not (await client.call_tool("upload_file", at_limit)).is_error
         listed = text_of(await client.call_tool("list_files", {}))

@@ -20,17 +20,48 @@ FRONT_DOORS = [
     ROOT / "orchestrator" / "cli.py",
 ]
 # Attributes a front door may not reach on anything: a session's sandbox, the service's
-# session manager, and the session's own activity clock.
-FORBIDDEN_ATTRIBUTES = {"sandbox", "sessions", "activity", "touch", "outputs"}
+# session manager, kept outputs and host-tool registry, and the session's own activity clock.
+FORBIDDEN_ATTRIBUTES = {"sandbox", "sessions", "activity", "touch", "outputs", "tools"}
+# What only the service itself holds and uses.
+FORBIDDEN_IMPORTS = {"SessionManager", "OutputStore", "ToolRegistry", "ToolChannel"}
+# Front doors that build the service itself (the app and the stdio MCP server make one; an
+# embedded session makes its own) may import what configures it.
+MAY_BUILD_THE_SERVICE = {"app.py", "server.py", "embedded_session.py"}
 
 
 def reaches(path: Path, root: Path = ROOT) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
+    where = path.relative_to(root)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRIBUTES:
-            found.append(f"{path.relative_to(root)}:{node.lineno}: .{node.attr}")
-    return found
+            found.append(f"{where}:{node.lineno}: .{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in FORBIDDEN_ATTRIBUTES
+        ):
+            found.append(f"{where}:{node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id
+            in (
+                "vars",
+                "dir",
+            )
+        ):
+            found.append(f"{where}:{node.lineno}: {node.func.id}()")
+        elif isinstance(node, ast.ImportFrom) and path.name not in MAY_BUILD_THE_SERVICE:
+            names = {alias.name for alias in node.names} & FORBIDDEN_IMPORTS
+            found += [f"{where}:{node.lineno}: imports {name}" for name in sorted(names)]
+        elif isinstance(node, ast.ImportFrom) and path.name in MAY_BUILD_THE_SERVICE:
+            names = {alias.name for alias in node.names} & {"SessionManager", "OutputStore"}
+            found += [f"{where}:{node.lineno}: imports {name}" for name in sorted(names)]
+    return sorted(found, key=lambda line: int(line.split(":")[1]))
 
 
 def test_the_front_doors_exist() -> None:
@@ -45,7 +76,20 @@ def test_no_front_door_reaches_past_the_service() -> None:
 
 
 def test_the_rule_sees_a_reach(tmp_path: Path) -> None:
-    """The check itself can fail: a file that reaches a sandbox is named."""
+    """The check itself can fail: each way of reaching past the service is named."""
     planted = tmp_path / "route.py"
-    planted.write_text("async def f(session):\n    await session.sandbox.restart()\n")
-    assert reaches(planted, tmp_path) == ["route.py:2: .sandbox"]
+    planted.write_text(
+        "from orchestrator.sessions import SessionManager\n"
+        "async def f(session, service):\n"
+        "    await session.sandbox.restart()\n"
+        "    box = getattr(session, 'sandbox')\n"
+        "    vars(session)\n"
+        "    service.tools.select([])\n"
+    )
+    assert reaches(planted, tmp_path) == [
+        "route.py:1: imports SessionManager",
+        "route.py:3: .sandbox",
+        "route.py:4: getattr(..., 'sandbox')",
+        "route.py:5: vars()",
+        "route.py:6: .tools",
+    ]

@@ -1,9 +1,11 @@
-"""A state dir of its own for each stdio MCP server, under the configured one.
+"""A state dir of its own for each process that runs a service of its own, under a shared one.
 
-A desktop client starts one `code-interpreter mcp` process per configured server, and several
-clients may run at once; one service may hold a state dir at a time (see instance_lock.py), so
-each stdio server takes `<state dir>/mcp-stdio/<pid>`. What a crashed one left is removed by the
-next one to start: a directory whose process is gone and whose lock is free is provably dead.
+One service may hold a state dir at a time (see instance_lock.py), yet several processes start
+services on one machine: a desktop client starts one `code-interpreter mcp` per configured
+server (each takes `<state dir>/mcp-stdio/<pid>`), and every embedded session runs a private
+service (under `<temp dir>/code-interpreter-embedded/<pid>/`). What a crashed one left is removed
+by the next one to start: a directory whose process is gone and whose lock is free is provably
+dead.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ _BACKENDS_WITH_DIRS = ("local", "docker")
 
 
 def stdio_state_dir(state_dir: Path) -> Path:
-    """This process's own state dir; dead siblings are swept first."""
-    base = state_dir / STDIO_DIR
+    """A stdio MCP server's own state dir; dead siblings are swept first."""
+    return own_state_dir(state_dir / STDIO_DIR)
+
+
+def own_state_dir(base: Path) -> Path:
+    """This process's directory under `base` (not made yet); dead siblings are swept first."""
     base.mkdir(mode=0o711, parents=True, exist_ok=True)
     base.chmod(0o711)  # sandbox uids pass through to their own directories, as in the parent
     sweep_dead(base)
@@ -32,7 +38,7 @@ def stdio_state_dir(state_dir: Path) -> Path:
 
 
 def sweep_dead(base: Path) -> list[Path]:
-    """Remove the directories of stdio servers that are gone; return them."""
+    """Remove the directories of processes that are gone; return them."""
     removed: list[Path] = []
     for entry in base.iterdir():
         if not entry.name.isdigit() or entry.name == str(os.getpid()) or _alive(int(entry.name)):
@@ -46,7 +52,7 @@ def sweep_dead(base: Path) -> list[Path]:
                 SessionDirs.remove_orphans(entry, backend)
             remove_tree_at(entry)
             removed.append(entry)
-            log.info("removed the state dir of a stdio MCP server that is gone: %s", entry)
+            log.info("removed the state dir of a process that is gone: %s", entry)
         except OSError:
             log.exception("could not remove %s", entry)
         finally:
@@ -55,7 +61,7 @@ def sweep_dead(base: Path) -> list[Path]:
 
 
 def remove_own(state_dir: Path) -> None:
-    """On the way out: this server's directory, once its service has closed."""
+    """On the way out: this process's directory, once its service has closed."""
     with contextlib.suppress(FileNotFoundError):
         remove_tree_at(state_dir)
 

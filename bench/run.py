@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import memory, ours, peers, raw, report
+from bench import commands, memory, ours, peers, raw, report
 from bench.stats import summarize
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.registry import why_unavailable
@@ -74,6 +74,25 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     add("service: warm-pool hand-over (HTTP)", http["handover"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP execute", http["execute"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP tool invoke", http["invoke"], "raw: 1+1 round trip")
+
+    # Commands beside the kernel, each beside its floor: a plain subprocess, `docker exec`.
+    add(
+        "raw: echo hi, a subprocess",
+        await commands.subprocess_floor(runs),
+        "raw: echo hi, a subprocess",
+    )
+    if "docker" in backends:
+        floor_exec = await commands.docker_exec_floor(runs)
+        add("raw: echo hi, docker exec", floor_exec, "raw: echo hi, docker exec")
+    for name in backends:
+        floor_name = (
+            "raw: echo hi, docker exec" if name == "docker" else "raw: echo hi, a subprocess"
+        )
+        mine_echo = await commands.through_the_sandbox(name, runs)
+        add(f"{name}: echo hi via Python API", mine_echo, floor_name)
+    served = await commands.through_the_service(runs)
+    add("service: echo hi via HTTP", served["http"], "raw: echo hi, a subprocess")
+    add("service: echo hi via E2B SDK", served["e2b"], "raw: echo hi, a subprocess")
 
     peer_figures: dict[str, str] = {}
     if with_peers and "docker" in backends:

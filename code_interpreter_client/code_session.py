@@ -16,7 +16,7 @@ import asyncio
 import atexit
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -28,6 +28,13 @@ from orchestrator.schemas import ExecutionRecord
 from orchestrator.tool import RenderedOutput, render
 from sandbox.background_loop import run_in_background, run_sync
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
+from sandbox.processes.models import (
+    CommandResult,
+    ProcessEnd,
+    ProcessInfo,
+    ProcessOutput,
+    ProcessRequest,
+)
 from sandbox.spec import SandboxSpec
 
 if TYPE_CHECKING:
@@ -39,6 +46,18 @@ DEFAULT_MAX_CHARS = 20_000  # what a model is shown of one call's text
 # The stream's lines that are output events (the others: keepalive, dropped, done, failure).
 _EVENT_TYPES = ("stdout", "stderr", "result", "error")
 _EVENTS: TypeAdapter[OutputEvent] = TypeAdapter(OutputEvent)
+# What a process's follower is handed: its output as it comes, then its end.
+ProcessStreamEvent = ProcessOutput | ProcessEnd
+# Awaited with each chunk of a command's output as it comes (a gap said by `dropped_marker`).
+CommandOutputSink = Callable[[ProcessOutput], Awaitable[None]]
+
+
+def dropped_marker(count: int) -> ProcessOutput:
+    """Output a follower missed (it read more slowly than the process wrote), said in place."""
+    return ProcessOutput(
+        stream="stdout",
+        data=f"\n[... {count} bytes of output dropped: read too slowly ...]\n".encode(),
+    )
 
 
 class CodeSession(ABC):
@@ -105,6 +124,26 @@ class CodeSession(ABC):
     @abstractmethod
     async def _close(self) -> None: ...
 
+    @abstractmethod
+    async def _run_command(
+        self, request: ProcessRequest, on_output: CommandOutputSink | None
+    ) -> CommandResult: ...
+
+    @abstractmethod
+    async def _start_process(self, request: ProcessRequest) -> ProcessInfo: ...
+
+    @abstractmethod
+    def _process_events(self, pid: int, replay: bool) -> AsyncIterator[ProcessStreamEvent]: ...
+
+    @abstractmethod
+    async def _send_input(self, pid: int, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def _signal_process(self, pid: int, signum: int) -> None: ...
+
+    @abstractmethod
+    async def _wait_process(self, pid: int) -> CommandResult: ...
+
     def _full_output_url(self, execution: Execution) -> str | None:
         return None
 
@@ -140,6 +179,62 @@ class CodeSession(ABC):
     async def list_files(self, path: str = "") -> list[FileInfo]:
         return await run_in_background(self._started(lambda: self._list_files(path)))
 
+    async def start(self) -> str:
+        """Start the session now (the first call otherwise does); its id."""
+
+        async def session_id() -> str:
+            assert self.session_id is not None
+            return self.session_id
+
+        return await run_in_background(self._started(session_id))
+
+    # --- processes beside the kernel, in the same sandbox (sandbox/processes/)
+    async def run_command(
+        self, request: ProcessRequest, *, on_output: CommandOutputSink | None = None
+    ) -> CommandResult:
+        """Run a command (argv, or a shell line as `command`) to its end; leaving early kills
+        it. `on_output` is awaited with its output as it comes (on the shared background
+        loop, not the caller's)."""
+        return await run_in_background(self._started(lambda: self._run_command(request, on_output)))
+
+    def run_command_sync(
+        self, request: ProcessRequest, *, on_output: CommandOutputSink | None = None
+    ) -> CommandResult:
+        return run_sync(self._started(lambda: self._run_command(request, on_output)))
+
+    async def start_process(self, request: ProcessRequest) -> ProcessInfo:
+        """Start a process that runs on in the background (a server, a terminal...)."""
+        return await run_in_background(self._started(lambda: self._start_process(request)))
+
+    async def process_events(
+        self, pid: int, *, replay: bool = False
+    ) -> AsyncIterator[ProcessStreamEvent]:
+        """A process's output from now on (`replay`: the most recent kept first), then its
+        end. Read on the shared background loop and handed over one event at a time; leaving
+        early stops following (the process runs on)."""
+
+        async def opened() -> AsyncIterator[ProcessStreamEvent]:
+            return self._process_events(pid, replay)
+
+        events = await run_in_background(self._started(opened))
+        try:
+            while (event := await run_in_background(_next_or_none(events))) is not None:
+                yield event
+        finally:
+            await run_in_background(_close_iterator(events))
+
+    async def send_input(self, pid: int, data: bytes) -> None:
+        """Write to a process's stdin (its terminal, for one in a terminal)."""
+        await run_in_background(self._started(lambda: self._send_input(pid, data)))
+
+    async def signal_process(self, pid: int, signum: int) -> None:
+        """Send a signal to a process and everything it started."""
+        await run_in_background(self._started(lambda: self._signal_process(pid, signum)))
+
+    async def wait_process(self, pid: int) -> CommandResult:
+        """Wait for a process's end: its exit and its output, within the output limits."""
+        return await run_in_background(self._started(lambda: self._wait_process(pid)))
+
     def render(self, execution: Execution) -> RenderedOutput:
         """The execution as a model should read it: trimmed text, plus its images."""
         return render(
@@ -174,15 +269,36 @@ class CodeSession(ABC):
         self.close_sync()
 
 
+async def _next_or_none(events: AsyncIterator[T]) -> T | None:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+async def _close_iterator(events: AsyncIterator[T]) -> None:
+    close = getattr(events, "aclose", None)
+    if close is not None:
+        await close()
+
+
 class RemoteSession(CodeSession):
     def __init__(
-        self, base_url: str, api_key: str | None, session_id: str | None, **kw: Any
+        self,
+        base_url: str,
+        api_key: str | None,
+        session_id: str | None,
+        *,
+        owned: bool | None = None,
+        **kw: Any,
     ) -> None:
+        """`owned`: whether closing this object ends the session (by default, only a session
+        this object made is ended by it)."""
         super().__init__(**kw)
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
         self._id = session_id
-        self._owned = session_id is None  # only a session this object made is ended by it
+        self._owned = session_id is None if owned is None else owned
         self._api: AsyncClient | None = None
 
     @property
@@ -242,6 +358,52 @@ class RemoteSession(CodeSession):
 
     async def _list_files(self, path: str) -> list[FileInfo]:
         return await self.api.list_files(self._sid(), path)
+
+    async def _run_command(
+        self, request: ProcessRequest, on_output: CommandOutputSink | None
+    ) -> CommandResult:
+        if on_output is None:
+            return await self.api.run_command(self._sid(), request)
+        # The stream route follows it from its first byte and kills it if this call leaves.
+        async for line in self.api.run_command_stream(self._sid(), request):
+            kind = line.get("type")
+            if kind in ("stdout", "stderr", "pty"):
+                await on_output(ProcessOutput(stream=kind, data=str(line.get("text", "")).encode()))
+            elif kind == "dropped":
+                await on_output(dropped_marker(int(line.get("bytes", 0))))
+            elif kind == "end":
+                return CommandResult.model_validate(line["result"])
+        raise APIError(502, "StreamEnded", "the stream ended before the command did")
+
+    async def _start_process(self, request: ProcessRequest) -> ProcessInfo:
+        return await self.api.start_process(self._sid(), request)
+
+    async def _process_events(self, pid: int, replay: bool) -> AsyncIterator[ProcessStreamEvent]:
+        # The API streams output as text (decoded per stream); it goes on as UTF-8 bytes.
+        async for line in self.api.process_output(self._sid(), pid, replay=replay):
+            kind = line.get("type")
+            if kind in ("stdout", "stderr", "pty"):
+                yield ProcessOutput(stream=kind, data=str(line.get("text", "")).encode())
+            elif kind == "dropped":
+                yield dropped_marker(int(line.get("bytes", 0)))
+            elif kind == "end":
+                result = CommandResult.model_validate(line["result"])
+                yield ProcessEnd(
+                    exit_code=result.exit_code,
+                    signal=result.signal,
+                    timed_out=result.timed_out,
+                    error=result.error,
+                )
+                return
+
+    async def _send_input(self, pid: int, data: bytes) -> None:
+        await self.api.send_stdin(self._sid(), pid, data)
+
+    async def _signal_process(self, pid: int, signum: int) -> None:
+        await self.api.signal_process(self._sid(), pid, signum)
+
+    async def _wait_process(self, pid: int) -> CommandResult:
+        return await self.api.wait_process(self._sid(), pid)
 
     async def _close(self) -> None:
         api, self._api = self._api, None

@@ -9,24 +9,41 @@ Needs the `server` extra; `CodeSession.embedded` says so when it is missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import shutil
+import signal
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from code_interpreter_client.code_session import CodeSession
+from code_interpreter_client.code_session import (
+    CodeSession,
+    CommandOutputSink,
+    ProcessStreamEvent,
+    dropped_marker,
+)
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.process_state_dirs import own_state_dir
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
-from orchestrator.sessions import Session
+from orchestrator.sessions import Session, SessionError
 from sandbox.backends.base import Backend
+from sandbox.errors import SandboxError
 from sandbox.models import EventSink, Execution, FileInfo
+from sandbox.processes.managed import Dropped
+from sandbox.processes.models import (
+    CommandResult,
+    ProcessEnd,
+    ProcessInfo,
+    ProcessOutput,
+    ProcessRequest,
+)
 from sandbox.registry import create_backend
 from sandbox.spec import SandboxSpec
 
@@ -136,6 +153,50 @@ class EmbeddedSession(CodeSession):
     async def _list_files(self, path: str) -> list[FileInfo]:
         service, session = self._started_session()
         return await service.list_files(session, path)
+
+    async def _run_command(
+        self, request: ProcessRequest, on_output: CommandOutputSink | None
+    ) -> CommandResult:
+        service, session = self._started_session()
+        if on_output is None:
+            return await service.run_command(session, request)
+        # Followed as it runs: its listener opens before anything else runs on this loop, and
+        # the replay holds what came first; leaving early kills it, as run_command would.
+        pid = (await service.start_process(session, request)).pid
+        try:
+            async for event in service.process_events(session, pid, replay=True):
+                if isinstance(event, ProcessOutput):
+                    await on_output(event)
+                elif isinstance(event, Dropped):
+                    await on_output(dropped_marker(event.bytes))
+                elif isinstance(event, ProcessEnd):
+                    break
+            return await service.wait_process(session, pid)
+        finally:  # quietly: the sandbox may be closing, with its processes
+            with contextlib.suppress(SandboxError, SessionError):
+                if service.process_info(session, pid).running:
+                    await service.signal_process(session, pid, signal.SIGKILL)
+
+    async def _start_process(self, request: ProcessRequest) -> ProcessInfo:
+        service, session = self._started_session()
+        return await service.start_process(session, request)
+
+    async def _process_events(self, pid: int, replay: bool) -> AsyncIterator[ProcessStreamEvent]:
+        service, session = self._started_session()
+        async for event in service.process_events(session, pid, replay=replay):
+            yield dropped_marker(event.bytes) if isinstance(event, Dropped) else event
+
+    async def _send_input(self, pid: int, data: bytes) -> None:
+        service, session = self._started_session()
+        await service.send_input(session, pid, data)
+
+    async def _signal_process(self, pid: int, signum: int) -> None:
+        service, session = self._started_session()
+        await service.signal_process(session, pid, signum)
+
+    async def _wait_process(self, pid: int) -> CommandResult:
+        service, session = self._started_session()
+        return await service.wait_process(session, pid)
 
     async def _close(self) -> None:
         """End the session, the service, the backend if it was made here, and the state dir."""

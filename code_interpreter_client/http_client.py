@@ -8,15 +8,20 @@ async with AsyncClient("http://127.0.0.1:8000", api_key="...") as api:
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import httpx
 
 from orchestrator.schemas import ExecutionRecord, SessionInfo
 from sandbox.background_loop import run_sync
 from sandbox.models import FileInfo
+from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
+
+T = TypeVar("T")
+# Waiting for a command or a process may outlast any read timeout: the service bounds it.
+_NO_READ_TIMEOUT = httpx.Timeout(None, connect=30.0)
 
 
 class APIError(Exception):
@@ -160,6 +165,119 @@ class AsyncClient:
         )
         return result
 
+    # --- processes beside the kernel
+    async def _ndjson(self, method: str, url: str, **kwargs: Any) -> AsyncGenerator[dict[str, Any]]:
+        async with self.http.stream(method, url, timeout=_NO_READ_TIMEOUT, **kwargs) as response:
+            if not response.is_success:
+                await response.aread()
+                _check(response)
+            async for line in response.aiter_lines():
+                if line:
+                    yield json.loads(line)
+
+    async def run_command(
+        self, session_id: str, request: ProcessRequest | None = None, **fields: Any
+    ) -> CommandResult:
+        """Run a command to its end: `request`, or its fields (`command="ls -l"` or
+        `argv=[...]`, `env`, `cwd`, `timeout_s`, ...)."""
+        data = await self._json(
+            "POST",
+            f"/v1/sessions/{session_id}/commands",
+            json=_process_body(request, fields),
+            timeout=_NO_READ_TIMEOUT,
+        )
+        return CommandResult.model_validate(data)
+
+    async def run_command_stream(
+        self, session_id: str, request: ProcessRequest | None = None, **fields: Any
+    ) -> AsyncGenerator[dict[str, Any]]:
+        """Each NDJSON event: `start`, `stdout`/`stderr`/`pty` text, `keepalive`, `dropped`,
+        and last `end` with the result. Closing the iterator early kills the command."""
+        url = f"/v1/sessions/{session_id}/commands/stream"
+        async for event in self._ndjson("POST", url, json=_process_body(request, fields)):
+            yield event
+
+    async def start_process(
+        self, session_id: str, request: ProcessRequest | None = None, **fields: Any
+    ) -> ProcessInfo:
+        """Start a process in the background (a server, a watcher, a terminal)."""
+        data = await self._json(
+            "POST", f"/v1/sessions/{session_id}/processes", json=_process_body(request, fields)
+        )
+        return ProcessInfo.model_validate(data)
+
+    async def list_processes(
+        self, session_id: str, *, include_ended: bool = False
+    ) -> list[ProcessInfo]:
+        data = await self._json(
+            "GET",
+            f"/v1/sessions/{session_id}/processes",
+            params={"include_ended": include_ended},
+        )
+        return [ProcessInfo.model_validate(p) for p in data]
+
+    async def process_info(self, session_id: str, pid: int) -> ProcessInfo:
+        data = await self._json("GET", f"/v1/sessions/{session_id}/processes/{pid}")
+        return ProcessInfo.model_validate(data)
+
+    async def process_output(
+        self, session_id: str, pid: int, *, replay: bool = False
+    ) -> AsyncGenerator[dict[str, Any]]:
+        """A process's output from now on (`replay`: the most recent kept first) as NDJSON
+        events, then `end`. Closing the iterator leaves the process running."""
+        url = f"/v1/sessions/{session_id}/processes/{pid}/output"
+        async for event in self._ndjson("GET", url, params={"replay": replay}):
+            yield event
+
+    async def send_stdin(self, session_id: str, pid: int, data: bytes | str) -> None:
+        body = data.encode() if isinstance(data, str) else data
+        _check(
+            await self.http.post(
+                f"/v1/sessions/{session_id}/processes/{pid}/stdin",
+                content=body,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        )
+
+    async def close_stdin(self, session_id: str, pid: int) -> None:
+        _check(await self.http.post(f"/v1/sessions/{session_id}/processes/{pid}/stdin/close"))
+
+    async def signal_process(self, session_id: str, pid: int, signal: str | int) -> None:
+        """Send SIGTERM, SIGKILL, SIGINT, SIGHUP, SIGUSR1/2, SIGSTOP or SIGCONT (name or
+        number) to a process and everything it started."""
+        url = f"/v1/sessions/{session_id}/processes/{pid}/signal"
+        _check(await self.http.post(url, json={"signal": signal}))
+
+    async def wait_process(self, session_id: str, pid: int) -> CommandResult:
+        url = f"/v1/sessions/{session_id}/processes/{pid}/wait"
+        return CommandResult.model_validate(await self._json("POST", url, timeout=_NO_READ_TIMEOUT))
+
+    async def resize_terminal(self, session_id: str, pid: int, cols: int, rows: int) -> None:
+        size = TerminalSize(cols=cols, rows=rows)
+        url = f"/v1/sessions/{session_id}/processes/{pid}/resize"
+        _check(await self.http.post(url, json=size.model_dump()))
+
+
+def _process_body(request: ProcessRequest | None, fields: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of a process request, checked here first: a mistake is told before a call."""
+    if request is not None and fields:
+        raise TypeError("give a ProcessRequest or its fields, not both")
+    checked = request if request is not None else ProcessRequest.model_validate(fields)
+    return checked.model_dump(mode="json", exclude_unset=True)
+
+
+def _iterate(events: AsyncGenerator[T]) -> Iterator[T]:
+    """An async generator, iterated from blocking code; left early, it is closed (which ends
+    its request: a streamed command is killed)."""
+    try:
+        while True:
+            try:
+                yield run_sync(anext(events))
+            except StopAsyncIteration:
+                return
+    finally:
+        run_sync(events.aclose())
+
 
 class Client:
     """The same calls, blocking. Each runs the async client on a background event loop."""
@@ -222,6 +340,47 @@ class Client:
 
     def invoke_tool(self, arguments: Any, **options: Any) -> dict[str, Any]:
         return run_sync(self.api.invoke_tool(arguments, **options))
+
+    def run_command(
+        self, session_id: str, request: ProcessRequest | None = None, **fields: Any
+    ) -> CommandResult:
+        return run_sync(self.api.run_command(session_id, request, **fields))
+
+    def run_command_stream(
+        self, session_id: str, request: ProcessRequest | None = None, **fields: Any
+    ) -> Iterator[dict[str, Any]]:
+        return _iterate(self.api.run_command_stream(session_id, request, **fields))
+
+    def start_process(
+        self, session_id: str, request: ProcessRequest | None = None, **fields: Any
+    ) -> ProcessInfo:
+        return run_sync(self.api.start_process(session_id, request, **fields))
+
+    def list_processes(self, session_id: str, *, include_ended: bool = False) -> list[ProcessInfo]:
+        return run_sync(self.api.list_processes(session_id, include_ended=include_ended))
+
+    def process_info(self, session_id: str, pid: int) -> ProcessInfo:
+        return run_sync(self.api.process_info(session_id, pid))
+
+    def process_output(
+        self, session_id: str, pid: int, *, replay: bool = False
+    ) -> Iterator[dict[str, Any]]:
+        return _iterate(self.api.process_output(session_id, pid, replay=replay))
+
+    def send_stdin(self, session_id: str, pid: int, data: bytes | str) -> None:
+        run_sync(self.api.send_stdin(session_id, pid, data))
+
+    def close_stdin(self, session_id: str, pid: int) -> None:
+        run_sync(self.api.close_stdin(session_id, pid))
+
+    def signal_process(self, session_id: str, pid: int, signal: str | int) -> None:
+        run_sync(self.api.signal_process(session_id, pid, signal))
+
+    def wait_process(self, session_id: str, pid: int) -> CommandResult:
+        return run_sync(self.api.wait_process(session_id, pid))
+
+    def resize_terminal(self, session_id: str, pid: int, cols: int, rows: int) -> None:
+        run_sync(self.api.resize_terminal(session_id, pid, cols, rows))
 
 
 async def _make(base_url: str, api_key: str | None, timeout_s: float) -> AsyncClient:

@@ -35,7 +35,8 @@ KERNEL_IMAGE = "code-interpreter-kernel:latest"
 HASH_LABEL = "code-interpreter.build-hash"
 ROLE_LABEL = "code-interpreter.image"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ["python3", "python3-venv", "passwd", "ca-certificates"]
+# What commands in a sandbox expect beside Python: git (E2B's git API, agents' repos) and ps.
+BASE_PACKAGES = ["python3", "python3-venv", "passwd", "ca-certificates", "git", "procps"]
 CACHE_DIR = Path.home() / ".cache" / "code-interpreter" / "wheels"
 
 

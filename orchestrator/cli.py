@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
+import os
 import sys
 from enum import StrEnum
 from pathlib import Path, PurePosixPath
@@ -22,10 +23,14 @@ from sandbox.spec import ResourceLimits
 if TYPE_CHECKING:
     from code_interpreter_client.code_session import CodeSession
     from orchestrator.config import Settings
+    from sandbox.processes.models import CommandResult, ProcessOutput
 
 DISTRIBUTION = "code-interpreter-runtime"
 BACKEND_NAMES = f"{', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"
 EXIT_USAGE = 2  # bad usage, a backend that cannot run, a file that could not be copied
+EXIT_TIMEOUT = 124  # as timeout(1)
+EXIT_NO_STATUS = 125  # a command that ended without an exit status or a signal
+DEFAULT_KEY_VARIABLE = "CODE_INTERPRETER_API_KEY"
 AnyPath = TypeVar("AnyPath", Path, PurePosixPath)
 
 # Plain help (no rich markup): rich's help shows a `<bool>` or `<str>` beside every option.
@@ -203,6 +208,178 @@ async def _download(
         else:
             printer.save(path.name, data)
     return all_copied
+
+
+@app.command(
+    "exec",
+    # What follows the command's name is its own: `exec ls -la` passes -la to ls.
+    context_settings={"allow_interspersed_args": False},
+)
+def exec_command(
+    argv: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="CMD", hidden=True),  # told in the text: no type placeholder
+    ] = None,
+    files: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--file",
+            metavar="PATH",
+            help="Copy this local file into the workspace before the command, under its own "
+            "name. Repeatable.",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+        ),
+    ] = None,
+    downloads: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--download",
+            metavar="PATH",
+            help="After the command, copy this file of the workspace into --output-dir, under "
+            "its own name. Repeatable.",
+        ),
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help=f"Sandbox backend: {BACKEND_NAMES}.  [default: local]"),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(metavar="SECONDS", help="Time limit of the command.")
+    ] = 60,
+    output_dir: Annotated[
+        Path,
+        typer.Option("--output-dir", "-o", metavar="DIR", help="Where --download files go."),
+    ] = Path("."),
+    memory_mb: Annotated[
+        int | None, typer.Option(metavar="MIB", help="Memory limit, MiB.  [default: 2048]")
+    ] = None,
+    image: Annotated[
+        str | None, typer.Option(metavar="IMAGE", help="Kernel image (docker).")
+    ] = None,
+    unsafe_no_sandbox: Annotated[
+        bool,
+        typer.Option(
+            "--unsafe-no-sandbox",
+            help="Run with NO isolation (local backend without bubblewrap). Trusted code only.",
+        ),
+    ] = False,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="Run in a session of the code-interpreter service at URL instead of a fresh "
+            "sandbox of this process: the one --session-id names, else a new one ended after.",
+        ),
+    ] = None,
+    session_id: Annotated[
+        str | None,
+        typer.Option(
+            "--session-id", metavar="ID", help="The service's session to run in (with --url)."
+        ),
+    ] = None,
+    api_key_env: Annotated[
+        str,
+        typer.Option(
+            "--api-key-env",
+            metavar="VAR",
+            help="The environment variable holding the service's API key (with --url).",
+        ),
+    ] = DEFAULT_KEY_VARIABLE,
+) -> None:
+    """Run CMD (a command and its arguments) in a sandbox, beside its Python kernel, and print
+    its output as it comes.
+
+    Example: code-interpreter exec -- python3 -c 'import pandas; print(pandas.__version__)'
+
+    CMD is run as it is: no shell reads it unless you run one (sh -c '...'). It runs in a
+    fresh sandbox (the workspace is its working directory), or with --url in a session of a
+    running service. Its stdout goes to stdout and its stderr to stderr. Exit codes: the
+    command's own; 124 it ran past --timeout and was killed; 128+N a signal N ended it; 2 bad
+    usage or a backend, service, upload or download that failed.
+    """
+    if not argv:
+        raise typer.BadParameter("give CMD, the command to run, e.g. exec -- ls -la")
+    if session_id is not None and url is None:
+        raise typer.BadParameter("--session-id needs --url: the service that holds the session")
+    if url is not None:
+        local_only = {"--backend": backend, "--memory-mb": memory_mb, "--image": image}
+        given = [name for name, value in local_only.items() if value is not None]
+        if unsafe_no_sandbox:
+            given.append("--unsafe-no-sandbox")
+        if given:
+            raise typer.BadParameter(
+                f"{', '.join(given)} set a sandbox of this process; with --url the service's "
+                "session is used as it is"
+            )
+    uploads = _unique_names(files or [], "--file")
+    wanted = _unique_names([PurePosixPath(p) for p in downloads or []], "--download")
+    from code_interpreter_client.code_session import CodeSession
+
+    session: CodeSession
+    if url is not None:
+        session = CodeSession.remote(url, os.environ.get(api_key_env), session_id)
+    else:
+        config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
+        try:
+            limits = ResourceLimits(memory_mb=memory_mb if memory_mb is not None else 2048)
+            spec = SandboxSpec(limits=limits, image=image)
+        except ValidationError as exc:
+            raise typer.BadParameter(problems(exc.errors()), param_hint="--memory-mb") from None
+        session = CodeSession.embedded(backend or "local", spec, **config)
+    printer = TerminalPrinter(output_dir)
+    from code_interpreter_client.http_client import APIError
+    from orchestrator.sessions import SessionError
+
+    try:
+        status = asyncio.run(_exec(session, argv, timeout, uploads, wanted, printer))
+    except (BackendUnavailable, SandboxError, SessionError, APIError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    except OSError as exc:  # e.g. the service cannot be reached
+        raise _fail(f"{url or 'the sandbox'}: {exc}") from None
+    raise typer.Exit(status)
+
+
+async def _exec(
+    session: CodeSession,
+    argv: list[str],
+    time_limit_s: float,
+    uploads: list[Path],
+    downloads: list[PurePosixPath],
+    printer: TerminalPrinter,
+) -> int:
+    from sandbox.processes.models import ProcessRequest
+
+    async with session:
+        for path in uploads:
+            await session.upload(path.name, path.read_bytes())
+        request = ProcessRequest(argv=argv, timeout_s=time_limit_s)
+        result = await session.run_command(request, on_output=_print_output)
+        status = _exit_status(result, printer)
+        all_copied = await _download(session, downloads, printer)
+    return EXIT_USAGE if status == 0 and not all_copied else status
+
+
+async def _print_output(output: ProcessOutput) -> None:
+    """Each chunk as it comes, as the bytes it is: stderr to stderr, the rest to stdout."""
+    stream = sys.stderr if output.stream == "stderr" else sys.stdout
+    stream.buffer.write(output.data)
+    stream.buffer.flush()
+
+
+def _exit_status(result: CommandResult, printer: TerminalPrinter) -> int:
+    """The exit code that says how the command ended; how, said on stderr when not by itself."""
+    if result.timed_out:
+        printer.error(f"the command was {result.error or 'killed after its time limit'}")
+        return EXIT_TIMEOUT
+    if result.exit_code is not None:
+        return result.exit_code
+    if result.signal is not None:
+        printer.error(f"the command was ended by signal {result.signal}")
+        return 128 + result.signal
+    printer.error(f"the command ended without an exit status: {result.error or 'unknown'}")
+    return EXIT_NO_STATUS
 
 
 image_app = typer.Typer(help="Build and list the Docker kernel images.", no_args_is_help=True)

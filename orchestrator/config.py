@@ -110,6 +110,13 @@ class Settings(BaseSettings):
         True, description="Serve E2B's API, so the unmodified E2B SDK runs on these sandboxes."
     )
 
+    # --- the shell tool beside code_interpreter (tool invoke and MCP)
+    shell_tool: bool = Field(
+        False,
+        description="Offer models a `run_command` tool: shell commands in the code tool's "
+        "session and sandbox. Off unless turned on.",
+    )
+
     # --- MCP over HTTP (/mcp)
     mcp_idle_timeout_s: float = Field(
         300.0,

@@ -8,7 +8,9 @@
 2. A body that a JSON parser will read is measured first (see json_depth): nesting deeper than
    `max_json_depth` is refused with 400, because protobuf's JSON parser crashed the whole
    process on ~30,000 levels. Large bodies are measured in a worker thread. File uploads,
-   octet-stream and other non-JSON bodies pass unmeasured: their brackets are data.
+   octet-stream and other non-JSON bodies pass unmeasured: their brackets are data. A Connect
+   client stream (input typed into a process) is not read whole first, which would hold its
+   input back until the client ends it: each message is measured as it arrives.
 
 Refusals come in the shape each family's clients parse: ours (`{"error": {...}}`), E2B's
 (`{"code": <status>, ...}`) or Connect's (`{"code": "unauthenticated", ...}`).
@@ -22,6 +24,8 @@ from enum import Enum
 from urllib.parse import unquote_to_bytes
 
 import anyio.to_thread
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 from fastapi import HTTPException
 from starlette._utils import get_route_path
 from starlette.requests import Request
@@ -37,6 +41,10 @@ _MEASURE_IN_A_THREAD = 256 * 1024  # bytes; smaller bodies are measured on the e
 _PUBLIC = frozenset({"/healthz", "/health", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _CONNECT_SERVICES = ("/filesystem.Filesystem/", "/process.Process/")
 _E2B_DATA = ("/execute", "/contexts", "/files")
+# Connect calls whose request is a stream of messages handled as they come.
+_CLIENT_STREAMS = ("/process.Process/StreamInput",)
+_ENVELOPE_HEADER = 5
+_MAX_STREAMED_MESSAGE = 4 << 20  # connectrpc's own default per-message limit
 
 
 class Family(Enum):
@@ -111,6 +119,11 @@ class RequestGuard:
                 if scope["method"] == "GET":
                     # Connect's GET form carries the message in the query string.
                     await self._check_depth(unquote_to_bytes(scope.get("query_string", b"")))
+            if family is Family.CONNECT and _is_client_stream(get_route_path(scope)):
+                # Its messages are handled as they come (input typed into a process): each is
+                # measured as it arrives, never the whole body first.
+                await self.app(scope, self._measured_envelopes(receive), send)
+                return
             # Connect picks its JSON codec from content types this gate need not know: every
             # body it reads is measured, whatever it claims to be.
             if not (family is Family.CONNECT or _read_as_json(request)):
@@ -159,6 +172,56 @@ class RequestGuard:
             # E2B's answer for a sandbox that is gone; its SDK recognises "was not found".
             raise Refused(502, "SandboxGone", str(exc)) from None
 
+    def _measured_envelopes(self, receive: Receive) -> Receive:
+        """A receive that passes a Connect stream's body on as it comes, each envelope (5-byte
+        header: flags, big-endian length; then the message) only once whole and measured. Only
+        the envelope not yet whole is held, at most _MAX_STREAMED_MESSAGE. What came before a
+        refused message is delivered; the refusal comes next, as the stream's error."""
+        pending = bytearray()
+        failure: ConnectError | None = None
+
+        async def measured() -> Message:
+            nonlocal failure
+            if failure is not None:
+                raise failure
+            message = await receive()
+            if message["type"] != "http.request":
+                return message
+            pending.extend(message.get("body", b""))
+            passed = bytearray()
+            while len(pending) >= _ENVELOPE_HEADER and failure is None:
+                size = int.from_bytes(pending[1:_ENVELOPE_HEADER], "big")
+                if size > _MAX_STREAMED_MESSAGE:
+                    failure = ConnectError(
+                        Code.RESOURCE_EXHAUSTED,
+                        f"a message of {size} bytes is over the limit of "
+                        f"{_MAX_STREAMED_MESSAGE}; send input in smaller pieces",
+                    )
+                    break
+                if len(pending) < _ENVELOPE_HEADER + size:
+                    break
+                envelope = bytes(pending[: _ENVELOPE_HEADER + size])
+                try:
+                    await self._check_depth(envelope[_ENVELOPE_HEADER:])
+                except Refused as refused:
+                    failure = ConnectError(Code.INVALID_ARGUMENT, str(refused))
+                    break
+                passed += envelope
+                del pending[: _ENVELOPE_HEADER + size]
+            if failure is not None and not passed:
+                raise failure
+            more = bool(message.get("more_body", False))
+            if not more and failure is None:  # a truncated last envelope: the app says so
+                passed += pending
+                pending.clear()
+            return {
+                "type": "http.request",
+                "body": bytes(passed),
+                "more_body": more or failure is not None,
+            }
+
+        return measured
+
     async def _check_depth(self, body: bytes) -> None:
         limit = self.max_json_depth
         if len(body) > _MEASURE_IN_A_THREAD:
@@ -172,6 +235,12 @@ class RequestGuard:
                 f"the JSON body is nested deeper than {limit} levels of arrays and objects; "
                 "flatten it (or send the data as a string or a file)",
             )
+
+
+def _is_client_stream(path: str) -> bool:
+    if path.startswith(E2B_PREFIX + "/"):
+        path = path[len(E2B_PREFIX) :]
+    return path in _CLIENT_STREAMS
 
 
 def _api_key(request: Request) -> str:
@@ -203,7 +272,9 @@ def _read_as_json(request: Request) -> bool:
         return False
     content_type = request.headers.get("content-type")
     if not content_type:  # FastAPI reads such a body as JSON; an upload route never does
-        return not (request.method == "POST" and get_route_path(request.scope).endswith("/files"))
+        path = get_route_path(request.scope)
+        # Raw bodies with no type: an upload's, a process's input.
+        return not (request.method == "POST" and path.endswith(("/files", "/stdin")))
     parsed = email.message.Message()
     parsed["content-type"] = content_type
     subtype = parsed.get_content_subtype()

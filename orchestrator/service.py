@@ -31,7 +31,7 @@ from orchestrator.schemas import (
 )
 from orchestrator.sessions import Session, SessionError, SessionManager
 from orchestrator.streaming import Dropped, Finished, Keepalive, follow
-from orchestrator.tool import RenderedOutput, render
+from orchestrator.tool import SHELL_TOOL_NAME, RenderedOutput, render, render_command
 from sandbox.backends.base import Backend
 from sandbox.errors import FileTooLarge, SandboxError
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
@@ -57,6 +57,18 @@ class ToolsNotAvailable(SessionError):
     status = 400
 
 
+class ShellToolOff(SessionError):
+    """The `run_command` tool is asked for, but the operator has not turned it on."""
+
+    status = 404
+
+    def __init__(self) -> None:
+        super().__init__(
+            f"the {SHELL_TOOL_NAME} tool is off on this service; the operator turns it on "
+            "with CODE_INTERPRETER_SHELL_TOOL=true (the shell_tool setting)"
+        )
+
+
 _PLACEHOLDER = ".cir-make-dir"
 
 
@@ -72,8 +84,9 @@ OutputLinks = Callable[[str, ExecutionRecord], tuple[str | None, dict[str, str]]
 
 @dataclass
 class ToolOutcome:
-    """A `code_interpreter` call's result: the session it ran in, the record (None when the
-    call was refused), and the output a model reads."""
+    """A tool call's result: the session it ran in, the record (None when the call was
+    refused, and for `run_command`, whose commands are not kept), and the output a model
+    reads."""
 
     session_id: str | None
     record: ExecutionRecord | None
@@ -470,6 +483,52 @@ class Service:
             artifact_urls=artifact_urls,
         )
         return ToolOutcome(session.id, record, rendered, str(record.status))
+
+    def check_shell_tool(self) -> None:
+        """Refuse the `run_command` tool unless the operator turned it on."""
+        if not self.settings.shell_tool:
+            raise ShellToolOff()
+
+    async def invoke_shell_tool(
+        self,
+        owner: str,
+        command: str,
+        *,
+        session_id: str | None = None,
+        session: Session | None = None,
+        timeout_s: float | None = None,
+    ) -> ToolOutcome:
+        """One call of the `run_command` tool: a shell command line in the session named, or
+        given, or a new one (the same sessions as `code_interpreter`'s), within the tool's time
+        limit; then rendered for a model. As `invoke_tool`: what the model can act on comes
+        back as an error output, never as an exception. ShellToolOff when the tool is off."""
+        self.check_shell_tool()
+        limit = self.settings.execution_timeout_s  # the tool's own, said in its description
+        try:  # before a session is made for it
+            request = ProcessRequest(command=command, timeout_s=min(timeout_s or limit, limit))
+        except ValidationError as exc:  # e.g. a NUL character, which no command line can hold
+            problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+            return ToolOutcome.refused(f"the command cannot be run: {problems}", "invalid_call")
+        try:
+            if session is None and session_id is not None:
+                session = await self.get_session(session_id, owner)
+            elif session is None:
+                session = await self.create_session(owner, self.default_tool_session())
+        except SessionError as exc:
+            hint = " Omit session_id to start a new session."
+            return ToolOutcome.refused(f"{exc}.{hint if session_id else ''}", "session_error")
+        except SandboxError as exc:
+            return ToolOutcome.refused(f"could not start a sandbox: {exc}", "session_error")
+        try:
+            result = await self.run_command(session, request)
+        except (SessionError, SandboxError) as exc:  # no processes here, too many, or it broke
+            return ToolOutcome.refused(
+                f"the session could not run the command: {exc}", "session_error", session.id
+            )
+        rendered = render_command(
+            result, session_id=session.id, max_chars=self.settings.tool_output_max_chars
+        )
+        return ToolOutcome(session.id, None, rendered, _outcome(result))
 
     def info(self, session: Session) -> SessionInfo:
         s = self.settings

@@ -1,5 +1,6 @@
-"""The `code_interpreter` tool: its definition in each agent API's format, the parsing of a
-model's raw arguments, and the rendering of an execution as that API's tool output.
+"""The `code_interpreter` tool, and the optional `run_command` shell tool beside it: their
+definitions in each agent API's format, the parsing of a model's raw arguments, and the
+rendering of an execution or a command as that API's tool output.
 
 A model reads the output, so the text says plainly what happened, trims what is too long (and
 says so), and tells how to fix a malformed call instead of failing it.
@@ -17,8 +18,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandbox.models import Execution, ExecutionStatus
+from sandbox.processes.models import CommandResult
 
 TOOL_NAME = "code_interpreter"
+SHELL_TOOL_NAME = "run_command"
+_CODE_EXAMPLE = '{"code": "print(1 + 1)"}'
+_SHELL_EXAMPLE = '{"command": "ls -la"}'
 # What the kernel has installed (the `kernel` extra), named in the description.
 LIBRARIES = [
     "numpy", "pandas", "matplotlib", "scipy", "scikit-learn", "seaborn", "pillow", "openpyxl",
@@ -52,6 +57,30 @@ class ToolArguments(BaseModel):
         None,
         description="The session to run in, from an earlier result. Omit it to start a new "
         "session; pass it again to keep variables, imports and files.",
+    )
+
+
+class ShellToolArguments(BaseModel):
+    """What the model sends to `run_command`. Unknown extra fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    command: str = Field(
+        min_length=1,
+        description="A shell command line, run by bash in /workspace, e.g. `ls -la`, "
+        "`grep -rn TODO .` or `python3 script.py`.",
+    )
+    session_id: str | None = Field(
+        None,
+        description="The session to run in, from an earlier result of this tool or of "
+        f"{TOOL_NAME}. Omit it to start a new session; pass it again to keep working on the "
+        "same files.",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Seconds after which the command is killed, with everything it started. "
+        "At most the tool's own limit, which also applies when this is omitted.",
     )
 
 
@@ -137,28 +166,118 @@ def definitions(
         "required": ["code"],
         "additionalProperties": False,
     }
+    return _in_every_format(TOOL_NAME, text, schema)
+
+
+def _in_every_format(name: str, text: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {
         "json_schema": schema,
         ToolFormat.OPENAI_CHAT: {
             "type": "function",
-            "function": {"name": TOOL_NAME, "description": text, "parameters": schema},
+            "function": {"name": name, "description": text, "parameters": schema},
         },
         ToolFormat.OPENAI_RESPONSES: {
             "type": "function",
-            "name": TOOL_NAME,
+            "name": name,
             "description": text,
             "parameters": schema,
             "strict": False,
         },
-        ToolFormat.ANTHROPIC: {"name": TOOL_NAME, "description": text, "input_schema": schema},
-        ToolFormat.MCP: {"name": TOOL_NAME, "description": text, "inputSchema": schema},
+        ToolFormat.ANTHROPIC: {"name": name, "description": text, "input_schema": schema},
+        ToolFormat.MCP: {"name": name, "description": text, "inputSchema": schema},
     }
+
+
+def shell_description(
+    *, timeout_s: float, libraries: list[str], bound_session: bool = False, session_note: str = ""
+) -> str:
+    """What the model reads of `run_command`. `bound_session` and `session_note`: as for
+    `description`."""
+    state = (
+        f"Files persist between calls, and {TOOL_NAME} works in the same session. "
+        if bound_session
+        else "Files persist: pass the session_id from an earlier result (of this tool or of "
+        f"{TOOL_NAME}) to work in that session; omit it to start a fresh one. "
+    )
+    return (
+        "Run a shell command line with bash (as `bash -l -c`) in the same sandbox as "
+        f"{TOOL_NAME}: the same working directory (/workspace), files and Python (python3 has "
+        f"{', '.join(libraries)}). Get back its exit code, stdout and stderr; long output is "
+        "trimmed and the text says so: write it to a file and read parts of it with head, tail "
+        "or grep. "
+        + state
+        + (f"{session_note} " if session_note else "")
+        + "There is no network access: pip install, git clone and downloads fail. stdin is "
+        "empty, so interactive programs (editors, pagers, prompts) cannot be used. "
+        f"Each command may run for up to {timeout_s:g} seconds (less with timeout_s); then it "
+        "is killed with everything it started."
+    )
+
+
+# The arguments when the caller keeps the session (bound_session): no session_id.
+COMMAND_ONLY_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "command": {
+            "type": "string",
+            "description": ShellToolArguments.model_fields["command"].description,
+        },
+        "timeout_s": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "description": ShellToolArguments.model_fields["timeout_s"].description,
+        },
+    },
+    "required": ["command"],
+    "additionalProperties": False,
+}
+
+
+def shell_definitions(*, timeout_s: float, libraries: list[str]) -> dict[str, Any]:
+    """`run_command`'s definition in every supported format."""
+    text = shell_description(timeout_s=timeout_s, libraries=libraries)
+    schema = {
+        "type": "object",
+        "properties": {
+            **COMMAND_ONLY_SCHEMA["properties"],
+            "session_id": {
+                "type": "string",
+                "description": ShellToolArguments.model_fields["session_id"].description,
+            },
+        },
+        "required": ["command"],
+        "additionalProperties": False,
+    }
+    return _in_every_format(SHELL_TOOL_NAME, text, schema)
 
 
 def parse_arguments(raw: Any, *, bound_session: bool = False) -> ToolArguments:
     """Read a model's raw arguments (a JSON string or an object), or explain what is wrong.
     `bound_session`: the caller keeps the session, so the model is not told of session_id."""
-    example = '{"code": "print(1 + 1)"}'
+    raw = _json_object(raw, _CODE_EXAMPLE)
+    try:
+        return ToolArguments.model_validate(raw)
+    except ValidationError as exc:
+        raise ToolCallError(
+            explain_invalid(exc)
+            + ("" if bound_session else ' Add "session_id" to continue a session.')
+        ) from None
+
+
+def parse_shell_arguments(raw: Any) -> ShellToolArguments:
+    """`run_command`'s raw arguments read, or what is wrong with them explained."""
+    raw = _json_object(raw, _SHELL_EXAMPLE)
+    try:
+        return ShellToolArguments.model_validate(raw)
+    except ValidationError as exc:
+        raise ToolCallError(
+            explain_invalid(exc, example=_SHELL_EXAMPLE)
+            + ' Add "session_id" to continue a session.'
+        ) from None
+
+
+def _json_object(raw: Any, example: str) -> dict[str, Any]:
+    """A model's arguments as an object: JSON text is read; anything else is explained."""
     if isinstance(raw, str):
         try:
             raw = json.loads(raw) if raw.strip() else {}
@@ -177,16 +296,10 @@ def parse_arguments(raw: Any, *, bound_session: bool = False) -> ToolArguments:
         raise ToolCallError(
             f"The arguments must be a JSON object such as {example}, not {type(raw).__name__}."
         )
-    try:
-        return ToolArguments.model_validate(raw)
-    except ValidationError as exc:
-        raise ToolCallError(
-            explain_invalid(exc)
-            + ("" if bound_session else ' Add "session_id" to continue a session.')
-        ) from None
+    return raw
 
 
-def explain_invalid(exc: ValidationError) -> str:
+def explain_invalid(exc: ValidationError, *, example: str = _CODE_EXAMPLE) -> str:
     """Arguments that failed their schema, told so that a model can fix its call."""
     problems = []
     for err in exc.errors():
@@ -197,10 +310,8 @@ def explain_invalid(exc: ValidationError) -> str:
             problems.append(f"'{where}' is empty")
         else:
             problems.append(f"'{where}' {err['msg'].lower()}")
-    return (
-        f"The arguments are not usable: {'; '.join(problems)}. "
-        'Send a JSON object such as {"code": "print(1 + 1)"}.'
-    )
+    listed = "; ".join(problems)
+    return f"The arguments are not usable: {listed}. Send a JSON object such as {example}."
 
 
 @dataclass
@@ -289,6 +400,42 @@ def render(
     text = "\n".join(parts)
     text, _ = _trim(text, max_chars + 500)
     return RenderedOutput(text, images, is_error=execution.status is not ExecutionStatus.OK)
+
+
+def render_command(result: CommandResult, *, session_id: str, max_chars: int) -> RenderedOutput:
+    """A `run_command` result as a model should read it: its output trimmed as the code tool's
+    is, what was left out counted, and how it ended."""
+    parts: list[str] = []
+    trimmed = 0
+    share = max(200, max_chars // 3)
+    for name, body in (("stdout", result.stdout), ("stderr", result.stderr)):
+        if not body:
+            continue
+        body, cut = _trim(body.rstrip("\n"), share)
+        trimmed += cut
+        parts.append(f"[{name}]\n{body}")
+    left_out = trimmed + result.stdout_dropped + result.stderr_dropped
+    if left_out:  # commands are not kept: the way to all of it is a file
+        parts.append(
+            f"[note] {left_out} characters of output were left out here. To read all of it, "
+            "write it to a file (COMMAND > out.txt 2>&1) and read parts with head, tail or grep."
+        )
+    if result.error and (result.exit_code is None or result.timed_out):
+        parts.append(f"[error] {result.error}")
+    if result.timed_out:
+        ended = "timed out, killed with everything it started"
+    elif result.exit_code is not None:
+        ended = f"exit code {result.exit_code}"
+    elif result.signal is not None:
+        ended = f"killed by signal {result.signal}"
+    else:
+        ended = "ended without an exit code"
+    parts.append(f"[status] {ended} · {result.duration_s:.2f} s · session_id {session_id}")
+    failed = result.timed_out or result.exit_code != 0
+    if not failed and len(parts) == 1:
+        parts.insert(0, "(no output)")
+    text, _ = _trim("\n".join(parts), max_chars + 500)
+    return RenderedOutput(text, [], is_error=failed)
 
 
 def format_output(

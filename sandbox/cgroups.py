@@ -4,13 +4,20 @@ Each sandbox gets `<controller>/code-interpreter/<sandbox id>` in the memory, pi
 hierarchies. The kernel's process joins them before it drops privileges, so everything it starts
 is counted, and an OOM kill is told apart from other deaths by the memory cgroup's counter.
 Needs root and writable cgroup v1 hierarchies; `available()` says whether this machine has them.
+
+A process started beside the kernel (sandbox/backends/local_processes.py) also gets a group of
+its own under the sandbox's in the pids hierarchy (`ProcessCgroup`): still counted against the
+sandbox's limits, and the one reliable list of everything it started, even what left its session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -81,10 +88,18 @@ class SandboxCgroup:
                 return False
             await asyncio.sleep(0.02)
 
+    def process_group(self) -> ProcessCgroup:
+        """A new, empty group for one process and all it starts, inside this sandbox's."""
+        group = ProcessCgroup(self.dirs[1] / f"process-{secrets.token_hex(6)}")
+        group.path.mkdir()
+        return group
+
     def remove(self, wait_s: float = 3.0) -> None:
-        """Remove the groups, waiting for killed processes to finish exiting (blocking)."""
+        """Remove the groups (the processes' groups inside first), waiting for killed processes
+        to finish exiting (blocking)."""
         deadline = time.monotonic() + wait_s
-        for d in self.dirs:
+        inner = [p for p in self.dirs[1].glob("process-*") if p.is_dir()]
+        for d in [*inner, *self.dirs]:
             while d.exists():
                 try:
                     d.rmdir()
@@ -93,3 +108,57 @@ class SandboxCgroup:
                         log.warning("could not remove cgroup %s: still in use", d)
                         break
                     time.sleep(0.02)
+
+
+class ProcessCgroup:
+    """One process's group in the pids hierarchy: what it started cannot leave it (the sandbox
+    has no cgroup filesystem), so signalling every member reaches all of them."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def add(self, pid: int) -> None:
+        """Move `pid` (a host pid) here; done before it runs anything of its own."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def members(self) -> list[int]:
+        try:
+            return [int(line) for line in (self.path / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):  # removed: nothing is left in it
+            return []
+
+    def signal(self, signum: int) -> int:
+        """Send `signum` to every member; return how many were found. Each is pinned by a
+        pidfd and checked to still be a member, so a pid reused meanwhile is never signalled."""
+        found = 0
+        member_line = f":pids:/{self.path.relative_to(ROOT / 'pids')}\n"
+        for pid in self.members():
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(pid)
+                try:
+                    if member_line in Path(f"/proc/{pid}/cgroup").read_text():
+                        found += 1
+                        signal.pidfd_send_signal(pidfd, signum)
+                finally:
+                    os.close(pidfd)
+        return found
+
+    async def kill_all(self, wait_s: float = 10.0) -> bool:
+        """SIGKILL every member until none is left (a fork bomb keeps forking meanwhile)."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not await asyncio.to_thread(self.signal, signal.SIGKILL) and not self.members():
+                return True
+            await asyncio.sleep(0.02)
+        log.warning("processes of %s outlived %g s of SIGKILL", self.path, wait_s)
+        return False
+
+    def remove(self) -> bool:
+        """Remove the group if it is empty; say whether it is gone."""
+        try:
+            self.path.rmdir()
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True

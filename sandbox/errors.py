@@ -53,3 +53,8 @@ class ProcessLimitReached(SandboxError):
 
 class ProcessesUnsupported(SandboxError):
     """This backend cannot run processes beside its kernel; the message says why."""
+
+
+class ProcessStateError(SandboxError):
+    """The process cannot do that now: input to one started without stdin or that closed it, a
+    resize of one without a terminal, anything to one that has ended."""

@@ -183,7 +183,10 @@ def test_version_is_the_installed_package_version() -> None:
     )
 
 
-HELP_PAGES = [(), ("run",), ("serve",), ("mcp",), ("image",), ("image", "build"), ("image", "list")]
+HELP_PAGES = [
+    (), ("run",), ("exec",), ("serve",), ("mcp",),
+    ("image",), ("image", "build"), ("image", "list"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", HELP_PAGES, ids=lambda c: " ".join(c) or "top")
@@ -288,3 +291,112 @@ def test_run_prints_output_as_the_code_makes_it(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=60)
+
+
+# --- exec: a command in a sandbox
+
+
+def test_exec_runs_argv_and_exits_with_its_exit_code() -> None:
+    program = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    done = run_cli("exec", "--", "python3", "-c", program)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout == "out\n"
+    assert "err\n" in done.stderr
+    ok = run_cli("exec", "--", "sh", "-c", "echo $((6 * 7))")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == "42\n"
+    # argv as it is: no shell reads it unless the user asks for one.
+    literal = run_cli("exec", "--", "echo", "$HOME", "a;b", "*")
+    assert literal.stdout == "$HOME a;b *\n", literal.stderr
+    # Without --, the command's own options are its own.
+    bare = run_cli("exec", "ls", "-a", "/workspace")
+    assert bare.returncode == 0, bare.stderr
+    assert bare.stdout.split()[:2] == [".", ".."]
+
+
+def test_exec_past_its_time_limit_exits_124() -> None:
+    done = run_cli("exec", "--timeout", "1", "--", "sh", "-c", "echo started; sleep 60")
+    assert done.returncode == 124, done.stderr
+    assert done.stdout == "started\n"
+    assert "time limit of 1 s" in done.stderr
+
+
+@pytest.mark.parametrize("backend_name", SELECTED)
+def test_exec_moves_files_in_and_out_and_finds_the_kernels_python(
+    backend_name: str, tmp_path: Path
+) -> None:
+    require_backend(backend_name)
+    data = tmp_path / "data.csv"
+    data.write_text("month,revenue\n1,10\n2,12\n")
+    out = tmp_path / "out"
+    done = run_cli(
+        "exec", "--backend", backend_name, "--file", str(data),
+        "--download", "counted.txt", "--output-dir", str(out), "--",
+        "bash", "-l", "-c",
+        "wc -l < data.csv > counted.txt && python3 -c 'import pandas; print(pandas.__name__)'",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "pandas\n"
+    assert (out / "counted.txt").read_text() == "3\n"
+
+
+def test_exec_prints_output_as_the_command_makes_it(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*CLI, "exec", "--", "sh", "-c", "echo first; sleep 120; echo never"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "first\n"  # arrives while the command sleeps
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
+def test_exec_bad_usage_is_explained() -> None:
+    nothing = run_cli("exec")
+    assert nothing.returncode == 2
+    assert "CMD" in nothing.stderr
+    no_url = run_cli("exec", "--session-id", "s-123", "--", "ls")
+    assert no_url.returncode == 2
+    assert "--session-id needs --url" in no_url.stderr
+    both = run_cli("exec", "--url", "http://127.0.0.1:9", "--backend", "docker", "--", "ls")
+    assert both.returncode == 2
+    assert "--backend" in both.stderr
+
+
+def test_exec_in_a_session_of_a_running_service(tmp_path: Path) -> None:
+    from tests.service.conftest import KEY_A, make_server
+
+    server = make_server().start()
+    try:
+        with server.client(KEY_A) as api:
+            sid = api.post("/v1/sessions", json={}).json()["id"]
+            api.post(
+                f"/v1/sessions/{sid}/execute",
+                json={"code": "open('made.txt', 'w').write('made by code')"},
+            )
+            env = {**os.environ, "MY_SERVICE_KEY": KEY_A}
+            url = ["--url", server.url, "--api-key-env", "MY_SERVICE_KEY"]
+            done = run_cli("exec", *url, "--session-id", sid, "--", "cat", "made.txt", env=env)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout == "made by code"
+            failed = run_cli("exec", *url, "--session-id", sid, "--", "sh", "-c", "exit 5", env=env)
+            assert failed.returncode == 5, failed.stderr
+            # Without --session-id: a session of its own, ended after the command.
+            fresh = run_cli("exec", *url, "--", "sh", "-c", "ls made.txt || echo absent", env=env)
+            assert fresh.stdout.endswith("absent\n"), fresh.stderr
+            assert [s["id"] for s in api.get("/v1/sessions").json()] == [sid]
+            wrong = run_cli(
+                "exec", *url, "--session-id", sid, "--", "true",
+                env={**env, "MY_SERVICE_KEY": "wrong"},
+            )  # fmt: skip
+            assert wrong.returncode == 2
+            assert "401" in wrong.stderr and "Traceback" not in wrong.stderr
+            api.delete(f"/v1/sessions/{sid}")
+    finally:
+        server.stop()
+        shutil.rmtree(server.state_dir.parent, ignore_errors=True)

@@ -1,5 +1,6 @@
 """E2B's file transfers (envd's `/files`): read a file, write files (multipart or octet-stream,
-optionally gzip-compressed). Paths are E2B's, mapped onto the workspace (see paths.py); the
+optionally gzip-compressed). Paths are E2B's: in the workspace (see paths.py) through the files
+API, elsewhere in the sandbox (`/tmp`) through a command there (sandbox_files.py); the
 `username` E2B passes is ignored: everything in a sandbox here runs as its one user.
 """
 
@@ -12,15 +13,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from starlette.datastructures import UploadFile
 
+from orchestrator.e2b_compatible import sandbox_files
 from orchestrator.e2b_compatible.deps import ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.paths import to_sandbox, to_workspace
+from orchestrator.e2b_compatible.paths import in_sandbox, in_workspace, to_sandbox, to_workspace
 from orchestrator.service import Service
 from orchestrator.sessions import Session
 from sandbox.errors import FileTooLarge
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
-PathQuery = Annotated[str, Query(description="A path in the sandbox (under /workspace).")]
+PathQuery = Annotated[
+    str,
+    Query(description="A path in the sandbox: /workspace (or /home/user) and below, or any other."),
+]
 
 
 @router.get(
@@ -35,6 +40,10 @@ async def read_file(
     path: PathQuery,
     username: str | None = None,
 ) -> Response:
+    if not in_workspace(path):
+        limit = service.settings.max_download_bytes
+        data = await sandbox_files.read(service, reached.session, in_sandbox(path), limit)
+        return Response(data, media_type="application/octet-stream")
     relative = to_workspace(path)
     if not relative:
         raise E2BError(400, f"{path!r} is a directory")
@@ -63,16 +72,22 @@ async def write_files(
             target = path if path and len(parts) == 1 else part.filename
             if not target:
                 raise E2BError(400, "a file part has no path: set ?path= or its filename")
-            written.append((to_workspace(target), await _read_upload(part, limit)))
+            written.append((target, await _read_upload(part, limit)))
     else:
         if not path:
             raise E2BError(400, "an octet-stream upload needs ?path=")
         data = await _read_body(request, limit)
-        written.append((to_workspace(path), data))
-    return [await _write(service, reached.session, relative, data) for relative, data in written]
+        written.append((path, data))
+    return [await _write(service, reached.session, target, data) for target, data in written]
 
 
-async def _write(service: Service, session: Session, relative: str, data: bytes) -> dict[str, Any]:
+async def _write(service: Service, session: Session, path: str, data: bytes) -> dict[str, Any]:
+    if not in_workspace(path):
+        service.check_upload_size(len(data))
+        absolute = in_sandbox(path)
+        await sandbox_files.write(service, session, absolute, data)
+        return {"name": posixpath.basename(absolute), "type": "file", "path": absolute}
+    relative = to_workspace(path)
     if not relative:
         raise E2BError(400, "cannot write to the workspace directory itself")
     await service.upload(session, relative, data)

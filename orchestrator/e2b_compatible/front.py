@@ -7,7 +7,8 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from fastapi import FastAPI
 
 from orchestrator.e2b_compatible import contexts, control, execute, files
-from orchestrator.e2b_compatible.filesystem import NoProcesses, StripPrefix, WorkspaceFilesystem
+from orchestrator.e2b_compatible.filesystem import StripPrefix, WorkspaceFilesystem
+from orchestrator.e2b_compatible.processes import SandboxProcesses
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.service import Service
 
@@ -15,8 +16,8 @@ PREFIX = "/e2b"
 
 
 def mount(app: FastAPI, service: Service) -> E2BSandboxes:
-    """Serve E2B's control plane, code interpreter and file API; return the sandboxes' registry
-    (its `start`/`close` run E2B's timeouts)."""
+    """Serve E2B's control plane, code interpreter, files and processes; return the sandboxes'
+    registry (its `start`/`close` run E2B's timeouts)."""
     sandboxes = E2BSandboxes(service)
     app.state.e2b = sandboxes
     routers = (control.router, execute.router, contexts.router, files.router)
@@ -26,7 +27,7 @@ def mount(app: FastAPI, service: Service) -> E2BSandboxes:
         app.include_router(router, prefix=PREFIX, include_in_schema=False)
     connect_apps = (
         FilesystemASGIApplication(WorkspaceFilesystem(sandboxes)),
-        ProcessASGIApplication(NoProcesses()),
+        ProcessASGIApplication(SandboxProcesses(sandboxes)),
     )
     for connect_app in connect_apps:
         app.mount(connect_app.path, connect_app)

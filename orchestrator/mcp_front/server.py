@@ -1,4 +1,5 @@
-"""The code interpreter as an MCP server: `code_interpreter`, plus the workspace's files.
+"""The code interpreter as an MCP server: `code_interpreter`, plus the workspace's files, and
+`run_command` (shell commands in the same session) when the operator turned it on.
 
 Each MCP connection gets one session of ours, made on its first call, so state persists across
 calls without the model passing ids: over stdio the connection is the process; over streamable
@@ -44,10 +45,13 @@ from orchestrator.sessions import (
 from orchestrator.tool import (
     LIBRARIES,
     MAX_INLINE_IMAGE_BYTES,
+    SHELL_TOOL_NAME,
     TOOL_NAME,
+    ShellToolArguments,
     ToolFormat,
     description,
     format_output,
+    shell_description,
 )
 from sandbox.errors import FileTooLarge, SandboxError
 
@@ -225,6 +229,30 @@ def build_mcp_server(
         out = format_output(ToolFormat.MCP, rendered, call_id=None, inline_images=True)
         return CallToolResult.model_validate(out["output"])
 
+    async def run_command(
+        command: Annotated[
+            str,
+            Field(min_length=1, description=ShellToolArguments.model_fields["command"].description),
+        ],
+        ctx: Context,
+        timeout_s: Annotated[
+            float | None,
+            Field(gt=0, description=ShellToolArguments.model_fields["timeout_s"].description),
+        ] = None,
+        session_id: SessionIdArg = None,
+    ) -> CallToolResult:
+        owner, connection = _caller(ctx)
+        session, note = await sessions.resolve(owner, connection, session_id)
+        # The one shell tool flow, as the REST invoke route runs it, in the connection's session.
+        outcome = await service.invoke_shell_tool(
+            owner, command, session=session, timeout_s=timeout_s
+        )
+        rendered = outcome.rendered
+        if note:
+            rendered.text = f"{note}\n{rendered.text}"
+        out = format_output(ToolFormat.MCP, rendered, call_id=None, inline_images=True)
+        return CallToolResult.model_validate(out["output"])
+
     async def upload_file(
         path: Annotated[str, Field(description="Where in the workspace (/workspace).")],
         content: Annotated[str, Field(description="The file's content.")],
@@ -303,6 +331,14 @@ def build_mcp_server(
         session_note=_ARGUMENT_HINT,
     )
     tool(code_interpreter, text)
+    if settings.shell_tool:  # off unless the operator turned it on
+        shell_text = shell_description(
+            timeout_s=settings.execution_timeout_s,
+            libraries=LIBRARIES,
+            bound_session=True,
+            session_note=_ARGUMENT_HINT,
+        )
+        tool(run_command, shell_text)
     tool(upload_file, "Write a file into the sandbox's workspace (/workspace), text or base64.")
     tool(list_files, "List the files of the sandbox's workspace (/workspace), with sizes.")
     tool(
@@ -310,7 +346,7 @@ def build_mcp_server(
         "Read a file of the sandbox's workspace: text as text, images as images, "
         "other files as an embedded blob.",
     )
-    assert code_interpreter.__name__ == TOOL_NAME
+    assert code_interpreter.__name__ == TOOL_NAME and run_command.__name__ == SHELL_TOOL_NAME
     return server, sessions
 
 

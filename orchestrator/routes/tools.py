@@ -1,4 +1,5 @@
-"""The `code_interpreter` tool over HTTP: its definition, and invoking it with a model's call."""
+"""The tools over HTTP: `code_interpreter`, and `run_command` when the operator turned it on;
+each one's definition, and invoking it with a model's call."""
 
 from __future__ import annotations
 
@@ -11,18 +12,23 @@ from orchestrator.schemas import ExecutionRecord, InvokeRequest, InvokeResponse
 from orchestrator.service import ToolOutcome
 from orchestrator.tool import (
     LIBRARIES,
+    SHELL_TOOL_NAME,
     TOOL_NAME,
     ToolCallError,
     ToolFormat,
     definitions,
     format_output,
     parse_arguments,
+    parse_shell_arguments,
+    shell_definitions,
 )
 
-router = APIRouter(prefix=f"/v1/tools/{TOOL_NAME}", tags=["tool"])
+router = APIRouter(prefix="/v1/tools", tags=["tool"])
 
 
-@router.get("", summary="The tool's definition for OpenAI, Anthropic, MCP and JSON Schema")
+@router.get(
+    f"/{TOOL_NAME}", summary="The tool's definition for OpenAI, Anthropic, MCP and JSON Schema"
+)
 async def definition(
     service: ServiceDep,
     owner: OwnerDep,
@@ -43,7 +49,10 @@ async def definition(
     return defs[format] if format is not None else defs
 
 
-@router.post("/invoke", summary="Run a model's tool call; the output comes back in its API's shape")
+@router.post(
+    f"/{TOOL_NAME}/invoke",
+    summary="Run a model's tool call; the output comes back in its API's shape",
+)
 async def invoke(
     body: InvokeRequest, request: Request, service: ServiceDep, owner: OwnerDep
 ) -> InvokeResponse:
@@ -67,6 +76,10 @@ async def invoke(
         outcome = await unless_disconnected(
             request, service.invoke_tool(owner, args.code, session_id=args.session_id, links=links)
         )
+    return _response(body, outcome)
+
+
+def _response(body: InvokeRequest, outcome: ToolOutcome) -> InvokeResponse:
     out = format_output(
         body.format, outcome.rendered, call_id=body.call_id, inline_images=body.inline_images
     )
@@ -76,3 +89,40 @@ async def invoke(
         status=outcome.status,
         **out,
     )
+
+
+@router.get(
+    f"/{SHELL_TOOL_NAME}",
+    summary="The shell tool's definition, when the operator turned it on (else 404)",
+)
+async def shell_definition(service: ServiceDep, format: ToolFormat | None = None) -> dict[str, Any]:
+    """`run_command`: shell command lines in the same sessions as code_interpreter. Off unless
+    the operator sets CODE_INTERPRETER_SHELL_TOOL=true; then 404 says so."""
+    service.check_shell_tool()
+    defs = shell_definitions(timeout_s=service.settings.execution_timeout_s, libraries=LIBRARIES)
+    return defs[format] if format is not None else defs
+
+
+@router.post(
+    f"/{SHELL_TOOL_NAME}/invoke",
+    summary="Run a model's shell tool call, when the operator turned the tool on (else 404)",
+)
+async def invoke_shell(
+    body: InvokeRequest, request: Request, service: ServiceDep, owner: OwnerDep
+) -> InvokeResponse:
+    """As code_interpreter's invoke: 200 for anything the model did wrong, with a tool output
+    telling it what to fix. Status: ok (exit code 0), error (another exit code), timeout, or
+    why the call was refused. A caller that disconnects kills its command."""
+    service.check_shell_tool()
+    try:
+        args = parse_shell_arguments(body.arguments)
+    except ToolCallError as exc:
+        outcome = ToolOutcome.refused(str(exc), "invalid_call")
+    else:
+        outcome = await unless_disconnected(
+            request,
+            service.invoke_shell_tool(
+                owner, args.command, session_id=args.session_id, timeout_s=args.timeout_s
+            ),
+        )
+    return _response(body, outcome)

@@ -31,6 +31,7 @@ from pydantic import BaseModel, Field
 
 from sandbox import seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
+from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.errors import BackendUnavailable, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
@@ -252,6 +253,17 @@ class DockerSandbox(KernelSandbox):
         """The host uid its containers run as, its alone while it lives."""
         return self._launcher.uid
 
+    def spawner(self) -> DockerSpawner:
+        """Execs in the current kernel's container (docker_processes.py): replacing the kernel
+        replaces its container, and so ends every process started in it."""
+        launcher = self._launcher
+        return DockerSpawner(
+            launcher.client,
+            lambda: launcher.current_name,
+            f"{launcher.uid}:{launcher.uid}",
+            launcher.process_environment,
+        )
+
     async def _teardown(self) -> None:
         try:
             await super()._teardown()
@@ -343,25 +355,41 @@ class _ContainerLauncher:
         self.generation += 1
         name = f"code-interpreter-{self.sandbox_id}-{self.generation}"
         options = self._container_options(name, connection_file_in_sandbox)
+        # Shielded: a sandbox closed while its kernel is replaced (a command can kill the kernel
+        # at any time) cancels this launch; the container then still gets made, and is removed.
+        creating = asyncio.ensure_future(
+            asyncio.to_thread(self.client.containers.create, **options)
+        )
         try:
-            container = await asyncio.to_thread(self.client.containers.create, **options)
+            container = await asyncio.shield(creating)
+        except asyncio.CancelledError:
+            creating.add_done_callback(_remove_once_created)
+            raise
         except (APIError, DockerException) as exc:
             raise SandboxStartError(f"the engine refused to create the container: {exc}") from exc
         process = _Container(container, asyncio.get_running_loop().create_future())
         self.deaths.watch(container.id, process)
         try:
-            await asyncio.to_thread(container.start)
-        except (APIError, DockerException) as exc:
-            await process.kill()
-            raise SandboxStartError(f"the container did not start: {exc}") from exc
+            await asyncio.shield(asyncio.to_thread(container.start))
+        except BaseException as exc:
+            await asyncio.shield(process.kill())
+            if isinstance(exc, APIError | DockerException):
+                raise SandboxStartError(f"the container did not start: {exc}") from exc
+            raise
         self.current_name = name
         return process
 
-    def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
-        limits, cfg = self.spec.limits, self.config
+    def process_environment(self) -> dict[str, str]:
+        """What a process adds to the container's environment: the session's variables as they
+        are now (`set_env` may have added some since the container started)."""
         extra = dict(self.spec.env)
         if self.channel is not None:  # last: the caller's variables cannot move it
             extra[HOST_TOOLS_ENV] = HOST_TOOLS_DIR_IN_SANDBOX
+        return extra
+
+    def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
+        limits, cfg = self.spec.limits, self.config
+        extra = self.process_environment()
         env = kernel_environment(path=cfg.kernel_path, home="/tmp", limits=limits, extra=extra)
         memory = f"{limits.memory_mb}m"
         options: dict[str, Any] = {
@@ -379,7 +407,8 @@ class _ContainerLauncher:
             },
             "network_mode": "none",
             "read_only": True,
-            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={limits.tmp_size_mb}m,mode=1777"},
+            # exec: tools install helpers in /tmp and run them (the code can run anything anyway).
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,exec,size={limits.tmp_size_mb}m,mode=1777"},
             "volumes": {
                 str(self.dirs.kernel): {"bind": KERNEL_DIR_IN_SANDBOX, "mode": "rw"},
                 str(self.dirs.workspace): {"bind": WORKSPACE_IN_SANDBOX, "mode": "rw"},
@@ -417,6 +446,25 @@ class _ContainerLauncher:
         if cfg.runtime:
             options["runtime"] = cfg.runtime
         return options
+
+
+def _remove_once_created(creating: asyncio.Future[Any]) -> None:
+    """Remove a container whose launch was given up while the engine made it."""
+    if creating.cancelled() or creating.exception() is not None:
+        return
+    container = creating.result()
+    removal = asyncio.ensure_future(asyncio.to_thread(container.remove, force=True))
+    _removals.add(removal)
+    removal.add_done_callback(_removal_done)
+
+
+_removals: set[asyncio.Future[None]] = set()  # kept referenced until they finish
+
+
+def _removal_done(removal: asyncio.Future[None]) -> None:
+    _removals.discard(removal)
+    if not removal.cancelled() and removal.exception() is not None:
+        log.warning("could not remove an abandoned kernel container: %s", removal.exception())
 
 
 def _write_user_database(dirs: SessionDirs, uid: int) -> None:

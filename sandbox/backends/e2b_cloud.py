@@ -37,6 +37,7 @@ from e2b_code_interpreter import AsyncSandbox
 from pydantic import BaseModel, Field
 
 from sandbox.backends.base import Backend, Sandbox
+from sandbox.backends.e2b_cloud_processes import E2BSpawner
 from sandbox.errors import (
     BackendRateLimited,
     BackendTimeout,
@@ -50,6 +51,7 @@ from sandbox.errors import (
 )
 from sandbox.kernel.collector import OutputCollector
 from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus, FileInfo
+from sandbox.processes.spawned import Spawner
 from sandbox.spec import SandboxSpec
 from sandbox.workspace_files import clean_path
 
@@ -371,12 +373,19 @@ class E2BSandbox(Sandbox):
     def is_busy(self) -> bool:
         return self._lock.locked()
 
+    def spawner(self) -> Spawner:
+        """E2B's own commands and terminals, beside its kernel (e2b_cloud_processes.py)."""
+        self._check_open()
+        return E2BSpawner(self.remote, str(self.workdir), self._env)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         if self._run is not None:
             self._run.stop.set()
+        with contextlib.suppress(Exception):
+            await self._close_processes()
         with contextlib.suppress(Exception):
             await self.remote.kill()
 

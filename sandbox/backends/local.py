@@ -11,6 +11,10 @@ How the host starts it: bwrap by the absolute path found once at construction, w
 environment of its own; the kernel's environment and every option are handed over in memory
 (`--args FD`), so nothing a session sets chooses what the host runs or shows in the host's
 process list. The kernel's own stdout and stderr go to a pipe the host drains (stdio_tail.py).
+
+Processes beside the kernel (commands, background processes, terminals) join the running
+kernel's sandbox through `nsenter`, with the kernel's uid, namespaces, seccomp filter, cgroup,
+rlimits and environment: see local_processes.py.
 """
 
 from __future__ import annotations
@@ -33,8 +37,15 @@ from pydantic import BaseModel, Field
 from sandbox import cgroups, proc_view, seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.backends.local_processes import (
+    LAUNCHER_FILE,
+    LAUNCHER_IN_SANDBOX,
+    NSENTER_HINT,
+    LocalProcessSettings,
+    LocalSpawner,
+)
 from sandbox.cgroups import SandboxCgroup
-from sandbox.errors import BackendUnavailable, SandboxStartError
+from sandbox.errors import BackendUnavailable, ProcessesUnsupported, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.host_commands import HOST_ENVIRONMENT, memfd_with, resolve
 from sandbox.kernel.command import (
@@ -47,6 +58,7 @@ from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
 from sandbox.kernel.stdio_tail import StdioTail
+from sandbox.processes.spawned import Spawner
 from sandbox.spec import ResourceLimits, SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.uids import HostUidPool
@@ -101,6 +113,11 @@ class LocalBackendConfig(BaseModel):
         description="bubblewrap: an absolute path, or a name looked up once in the system's own "
         "directories (never in PATH).",
     )
+    nsenter: str = Field(
+        default="nsenter",
+        description="util-linux nsenter, which starts processes inside a running sandbox: an "
+        "absolute path, or a name looked up once in the system's own directories.",
+    )
     unsafe_no_sandbox: bool = Field(
         default=False,
         description="Run kernels with NO isolation: the code can do anything you can. Never "
@@ -131,6 +148,10 @@ class LocalBackend(Backend):
             self._bwrap: str | None = resolve(self.config.bwrap)
         except BackendUnavailable:
             self._bwrap = None  # told at create(); the unsafe mode does without
+        try:
+            self._nsenter: str | None = resolve(self.config.nsenter)
+        except BackendUnavailable:
+            self._nsenter = None  # told when a process is asked for; kernels do without
 
     async def create(self, spec: SandboxSpec | None = None) -> LocalSandbox:
         spec = spec or SandboxSpec()
@@ -188,6 +209,7 @@ class LocalBackend(Backend):
             dirs,
             Workspace(str(dirs.workspace), owner=owner),
             on_close=lambda: self._closed(host_uid, cgroup),  # called from a worker thread
+            make_spawner=lambda: self._spawner(launcher),
         )
         sandbox.host_channel = channel
         return sandbox
@@ -198,6 +220,19 @@ class LocalBackend(Backend):
             for sandbox_id in removed:
                 await asyncio.to_thread(SandboxCgroup(sandbox_id).remove, 0.5)
         return len(removed)
+
+    def _spawner(self, launcher: _BwrapLauncher) -> Spawner:
+        unsafe = self.config.unsafe_no_sandbox
+        if not unsafe and self._nsenter is None:
+            raise ProcessesUnsupported(NSENTER_HINT)
+        settings = LocalProcessSettings(
+            python=self._python,
+            nsenter=None if unsafe else self._nsenter,
+            workspace=launcher.dirs.workspace,
+            cgroup=launcher.cgroup,
+            preexec=_confine(launcher.spec.limits, launcher.cgroup, launcher.host_uid),
+        )
+        return LocalSpawner(settings, launcher.sandbox_pid, launcher.process_environment)
 
     def _closed(self, host_uid: int | None, cgroup: SandboxCgroup | None) -> None:
         if cgroup is not None:
@@ -293,9 +328,15 @@ class LocalSandbox(KernelSandbox):
         dirs: SessionDirs,
         workspace: Workspace,
         on_close: Callable[[], None],
+        make_spawner: Callable[[], Spawner],
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace)
         self._on_close = on_close
+        self._make_spawner = make_spawner
+
+    def spawner(self) -> Spawner:
+        """Processes join the running kernel's sandbox; a kernel restart ends them."""
+        return self._make_spawner()
 
     async def _teardown(self) -> None:
         await super()._teardown()
@@ -353,6 +394,31 @@ class _BwrapLauncher:
         self.python_roots = python_roots
         self.cgroup = cgroup
         self.channel = channel
+        self.kernel: _BwrapKernel | None = None  # the one running now
+
+    def sandbox_pid(self) -> int | None:
+        """The host pid of the running kernel's bwrap, which processes join; None if none."""
+        kernel = self.kernel
+        if kernel is None or kernel.proc.returncode is not None:
+            return None
+        return kernel.proc.pid
+
+    def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The kernel's environment (the session's variables included) with `extra` on top; the
+        host tools variable comes last, so no caller's variables can move it."""
+        cfg, python = self.config, self.programs.python
+        path = ":".join(
+            dict.fromkeys([str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"])
+        )
+        variables = {**self.spec.env, **(extra or {})}
+        if self.channel is not None:
+            where = self.channel.path if cfg.unsafe_no_sandbox else HOST_TOOLS_DIR_IN_SANDBOX
+            variables[HOST_TOOLS_ENV] = str(where)
+        home = str(self.dirs.root / "home") if cfg.unsafe_no_sandbox else "/tmp"
+        return kernel_environment(path=path, home=home, limits=self.spec.limits, extra=variables)
+
+    def process_environment(self, request_env: dict[str, str]) -> dict[str, str]:
+        return self.environment(request_env)
 
     @property
     def kernel_dir(self) -> Path:
@@ -368,25 +434,17 @@ class _BwrapLauncher:
 
     async def launch(self, connection_file_in_sandbox: str) -> _BwrapKernel:
         cfg, limits, python = self.config, self.spec.limits, self.programs.python
-        python_bin = str(Path(python).parent)
-        path = ":".join(dict.fromkeys([python_bin, "/usr/local/bin", "/usr/bin", "/bin"]))
-        extra = dict(self.spec.env)
-        if self.channel is not None:  # last: the caller's variables cannot move it
-            where = self.channel.path if cfg.unsafe_no_sandbox else HOST_TOOLS_DIR_IN_SANDBOX
-            extra[HOST_TOOLS_ENV] = str(where)
         fds: list[int] = []
         try:
             if cfg.unsafe_no_sandbox:
-                home = self.dirs.root / "home"
-                home.mkdir(exist_ok=True)
+                (self.dirs.root / "home").mkdir(exist_ok=True)
                 # No sandbox: the kernel is a host process with this environment. The
                 # interpreter's path is absolute, so the session's PATH cannot choose it.
-                env = kernel_environment(path=path, home=str(home), limits=limits, extra=extra)
+                env = self.environment()
                 argv = kernel_command(python, connection_file_in_sandbox, str(STARTUP_FILE))
                 cwd = str(self.dirs.workspace)
             else:
-                inner = kernel_environment(path=path, home="/tmp", limits=limits, extra=extra)
-                options = self._bwrap_args(inner, fds)
+                options = self._bwrap_args(self.environment(), fds)
                 if any("\0" in option for option in options):  # each NUL ends an argument
                     raise SandboxStartError("an environment variable holds a NUL character")
                 fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
@@ -412,7 +470,8 @@ class _BwrapLauncher:
         finally:
             for fd in fds:
                 os.close(fd)
-        return _BwrapKernel(proc, self.cgroup)
+        self.kernel = _BwrapKernel(proc, self.cgroup)
+        return self.kernel
 
     def _bwrap_args(self, env: dict[str, str], fds: list[int]) -> list[str]:
         """bwrap's options; the data they name (seccomp filter, /proc files) is put in `fds`."""
@@ -452,12 +511,15 @@ class _BwrapLauncher:
             mounts.append(("--ro-bind", root, root))
         mounts += [
             ("--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX),
+            ("--ro-bind", str(LAUNCHER_FILE), LAUNCHER_IN_SANDBOX),
             ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),
             ("--bind", str(self.dirs.kernel), KERNEL_DIR_IN_SANDBOX),
         ]
         if self.channel is not None:
             mounts.append(("--ro-bind", str(self.channel.path), HOST_TOOLS_DIR_IN_SANDBOX))
         mounts += [
+            # E2B's home, where clients built on E2B put files: the workspace under that name.
+            ("--symlink", WORKSPACE_IN_SANDBOX, "/home/user"),
             ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there
             ("--chdir", WORKSPACE_IN_SANDBOX),
         ]

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from sandbox.errors import SandboxError
 from sandbox.kernel.collector import CappedText
 from sandbox.processes.models import (
     CommandResult,
@@ -116,6 +117,7 @@ class ManagedProcess:
             self._texts[name].append(decoder.decode(b"", final=True))
         for listener in self._listeners:
             listener.put(end)
+        self._listeners.clear()  # each has its end; one never read is not kept alive here
         self._finished.set()
 
     def _record(self, stream: Stream, data: bytes) -> None:
@@ -138,15 +140,15 @@ class ManagedProcess:
         return self.end is None
 
     async def kill(self, grace_s: float = KILL_GRACE_S) -> None:
-        """SIGTERM to it and everything it started; SIGKILL to what is left after `grace_s`."""
+        """SIGTERM to it and everything it started; after `grace_s` (or as soon as it ended),
+        SIGKILL to whatever is left: what it started may ignore SIGTERM and outlive it."""
         if self.end is not None:
             return
-        with contextlib.suppress(ProcessLookupError, OSError):
+        with contextlib.suppress(ProcessLookupError, OSError, SandboxError):
             await self.spawned.signal(signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._finished.wait()), grace_s)
-            return
-        with contextlib.suppress(ProcessLookupError, OSError):
+        with contextlib.suppress(ProcessLookupError, OSError, SandboxError):
             await self.spawned.signal(signal.SIGKILL)
 
     async def signal(self, signum: int) -> None:
@@ -184,8 +186,9 @@ class ManagedProcess:
             duration_s=time.monotonic() - self.started,
         )
 
-    async def events(self, *, replay: bool = False) -> AsyncIterator[ProcessEvent]:
-        """Its output from now on (`replay`: first the most recent output kept), then its end."""
+    def events(self, *, replay: bool = False) -> AsyncIterator[ProcessEvent]:
+        """Its output from now on, that is from this call, not from the first read (`replay`:
+        first the most recent output kept), then its end."""
         listener = _Listener()
         if replay:
             for chunk in self._replay:
@@ -194,6 +197,9 @@ class ManagedProcess:
             listener.put(self.end)
         else:
             self._listeners.add(listener)
+        return self._drain(listener)
+
+    async def _drain(self, listener: _Listener) -> AsyncIterator[ProcessEvent]:
         try:
             while True:
                 while listener.queue:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,14 +26,17 @@ async def test_an_embedded_call_is_run_and_kept_by_the_service(
         assert isinstance(execution, ExecutionRecord)
         assert execution.session_id == session.session_id and execution.execution_id
         assert execution.text == "42"
-        [state_dir] = tmp_path.iterdir()
-        assert state_dir.name.startswith("code-interpreter-embedded-")
+        [base] = tmp_path.iterdir()  # a directory per user, one per process below it
+        assert base.name == f"code-interpreter-embedded-{os.getuid()}"
+        [own] = base.iterdir()
+        assert own.name == str(os.getpid())
+        assert len(list(own.iterdir())) == 1  # this session's service
         await session.upload("data/in.txt", b"hello")
         assert await session.download("data/in.txt") == b"hello"
         assert [f.path for f in await session.list_files("data")] == ["data/in.txt"]
     finally:
         await session.close()
-    assert list(tmp_path.iterdir()) == []  # the service's state dir went with it
+    assert list(own.iterdir()) == []  # the service's state dir went with it
     # A backend handed in is the caller's: it still makes sandboxes after the session closed.
     async with await backend.create(small_spec()) as sandbox:
         assert (await sandbox.execute("1 + 1")).status is ExecutionStatus.OK
@@ -57,7 +61,10 @@ def test_the_environment_does_not_configure_an_embedded_service(
 
     settings = embedded_settings("docker", small_spec(default_timeout_s=7.0), tmp_path)
 
-    assert settings.max_upload_bytes == 100 << 20 and settings.host_tools.session_default == []
+    # Files move within the process: as large as the workspace can hold.
+    workspace_bytes = small_spec().limits.workspace_size_mb << 20
+    assert settings.max_upload_bytes == workspace_bytes
+    assert settings.host_tools.session_default == []
     assert settings.backends == ["docker"] and settings.default_backend == "docker"
     assert settings.execution_timeout_s == 7.0 and settings.pool_size == 0
     assert settings.state_dir == tmp_path and settings.auth_disabled

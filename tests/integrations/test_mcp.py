@@ -143,6 +143,44 @@ async def test_stdio_servers_of_two_clients_run_side_by_side(stdio_env: dict[str
     assert list(leftover.parent.iterdir()) == []
 
 
+async def test_stdio_offers_run_command_only_when_the_operator_turns_it_on(
+    stdio_env: dict[str, str],
+) -> None:
+    off = StdioServerParameters(
+        command=sys.executable, args=["-m", "orchestrator", "mcp"], env=stdio_env
+    )
+    async with Client(off) as client:
+        assert "run_command" not in {t.name for t in (await client.list_tools()).tools}
+    on = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "orchestrator", "mcp"],
+        env={**stdio_env, "CODE_INTERPRETER_SHELL_TOOL": "true"},
+    )
+    async with Client(on) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+        assert "run_command" in tools and "code_interpreter" in tools
+        schema = tools["run_command"].input_schema
+        assert schema["required"] == ["command"]
+        assert {"command", "timeout_s", "session_id"} <= set(schema["properties"])
+        # The connection's one session: what the code wrote, the shell sees, and back.
+        first = await client.call_tool(
+            "code_interpreter", {"code": "open('from_code.txt', 'w').write('hi from code')"}
+        )
+        listed = await client.call_tool("run_command", {"command": "ls; cat from_code.txt"})
+        assert not listed.is_error, text_of(listed)
+        assert "from_code.txt" in text_of(listed) and "hi from code" in text_of(listed)
+        assert session_of(listed) == session_of(first)
+        await client.call_tool("run_command", {"command": "echo 6 > from_shell.txt"})
+        read = await client.call_tool(
+            "code_interpreter", {"code": "7 * int(open('from_shell.txt').read())"}
+        )
+        assert "[result]\n42" in text_of(read)
+        failed = await client.call_tool("run_command", {"command": "echo nope >&2; exit 4"})
+        assert failed.is_error and "exit code 4" in text_of(failed) and "nope" in text_of(failed)
+        timed = await client.call_tool("run_command", {"command": "sleep 60", "timeout_s": 1})
+        assert timed.is_error and "time limit of 1 s" in text_of(timed), text_of(timed)
+
+
 # --- streamable HTTP: the service's /mcp, with its keys
 
 

@@ -83,6 +83,7 @@ def make_server(**settings: object) -> Server:
         **os.environ,
         "CODE_INTERPRETER_API_KEYS": f"{KEY_A},{KEY_B}",
         "CODE_INTERPRETER_BACKENDS": ",".join(service_backends()),
+        "CODE_INTERPRETER_DEFAULT_BACKEND": service_backends()[0],
         "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
         "CODE_INTERPRETER_ORCHESTRATOR_ID": orchestrator_id,
     }

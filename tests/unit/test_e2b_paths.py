@@ -31,6 +31,9 @@ def test_the_workspace_is_where_the_code_sees_it() -> None:
         ("./data//a.csv", "data/a.csv"),
         ("", ""),
         (".", ""),
+        ("/home/user/a.csv", "a.csv"),  # E2B's home is the sandbox user's workspace
+        ("/home/user", ""),
+        ("~/data/a.csv", "data/a.csv"),
     ],
 )
 def test_paths_inside_the_workspace_map_to_it(path: str, relative: str) -> None:
@@ -40,7 +43,6 @@ def test_paths_inside_the_workspace_map_to_it(path: str, relative: str) -> None:
 @pytest.mark.parametrize(
     "path",
     [
-        "/home/user/a.csv",  # E2B's own home: the code would not find it there
         "/",
         "/etc/passwd",
         "/workspacex/a.csv",  # a sibling whose name starts the same

@@ -1,0 +1,620 @@
+"""The OpenAI Agents SDK's sandbox interface on our sessions: a `SandboxAgent` runs natively in
+a code-interpreter sandbox, embedded in this process or through a running service.
+
+    from agents import Runner, RunConfig
+    from agents.run_config import SandboxRunConfig
+    from code_interpreter_client.agents_sandbox import CodeInterpreterSandboxClient
+
+    client = CodeInterpreterSandboxClient()  # embedded, on the local backend
+    # or: CodeInterpreterSandboxClient(base_url="http://127.0.0.1:8000", api_key="...")
+    config = RunConfig(sandbox=SandboxRunConfig(client=client))
+    result = await Runner.run(agent, "...", run_config=config)
+
+Every call goes through a `CodeSession` (embedded or remote), so it runs on the shared background
+loop and through `Service`, like every other front door. Commands, the model's terminal sessions
+(background processes), files and workspace snapshots all live inside the one sandbox of the
+session: the same user, workspace, limits and no network as its kernel.
+
+Files in the workspace move through the files API (binary-safe, no output caps); other paths
+(only reachable with the manifest's extra path grants) go through commands. A snapshot is a tar of
+the workspace with members relative to it, made and unpacked by `tar` inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import signal
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+import httpx
+from agents.sandbox.errors import (
+    ExecTimeoutError,
+    ExecTransportError,
+    WorkspaceArchiveReadError,
+    WorkspaceArchiveWriteError,
+    WorkspaceReadNotFoundError,
+)
+from agents.sandbox.manifest import Manifest
+from agents.sandbox.session import SandboxSession, SandboxSessionState
+from agents.sandbox.session.base_sandbox_session import BaseSandboxSession
+from agents.sandbox.session.dependencies import Dependencies
+from agents.sandbox.session.manager import Instrumentation
+from agents.sandbox.session.pty_output import collect_pty_output
+from agents.sandbox.session.pty_types import (
+    PTY_PROCESSES_MAX,
+    PtyExecUpdate,
+    allocate_pty_process_id,
+    clamp_pty_yield_time_ms,
+    process_id_to_prune_from_meta,
+    resolve_pty_write_yield_time_ms,
+)
+from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandboxClientOptions
+from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
+from agents.sandbox.types import ExecResult, User
+from agents.sandbox.util.tar_utils import UnsafeTarMemberError, validate_tar_bytes
+from agents.sandbox.workspace_paths import sandbox_path_str
+from pydantic import ValidationError
+
+from code_interpreter_client.code_session import CodeSession, RemoteSession
+from code_interpreter_client.http_client import APIError, AsyncClient
+from sandbox.background_loop import run_in_background
+from sandbox.errors import FileMissing, SandboxError
+from sandbox.processes.models import (
+    CommandResult,
+    ProcessEnd,
+    ProcessOutput,
+    ProcessRequest,
+    TerminalSize,
+)
+from sandbox.spec import SandboxSpec
+
+BACKEND_ID = "code_interpreter"
+WORKSPACE = "/workspace"  # where every code-interpreter sandbox keeps its files
+# A snapshot's tar while it is made or unpacked: in the workspace, where the files API reaches.
+_SNAPSHOT_FILE = ".cir-agents-snapshot-{}.tar"
+# What one terminal session keeps for the model between its polls; older output is dropped.
+TERMINAL_BUFFER_BYTES = 1 << 20
+_TERMINAL_DROPPED = b"\n[... earlier output dropped: it was not read in time ...]\n"
+# Failures of the way to the sandbox (not of the command run in it).
+_TRANSPORT_ERRORS = (SandboxError, APIError, httpx.HTTPError, ValidationError)
+
+
+class CodeInterpreterSandboxClientOptions(BaseSandboxClientOptions):
+    """Per-session choices. `backend`: which backend the sandbox runs on (embedded: `local`
+    unless named; through a service: the service's default unless named)."""
+
+    type: Literal["code_interpreter"] = "code_interpreter"
+    backend: str | None = None
+
+
+class CodeInterpreterSandboxSessionState(SandboxSessionState):
+    """What resumes a session: the service session it runs in, found again by id if alive."""
+
+    type: Literal["code_interpreter"] = "code_interpreter"
+    backend: str | None = None
+    code_session_id: str | None = None
+
+
+class _SingleUser(ValueError):
+    def __init__(self) -> None:
+        super().__init__(
+            "a code-interpreter sandbox runs everything as its one unprivileged user (it has no "
+            "other users and no root); run without `user` / `run_as`"
+        )
+
+
+def _refuse_user(user: str | User | None) -> None:
+    if user is not None:
+        raise _SingleUser()
+
+
+def _exit_code(result: CommandResult | ProcessEnd) -> int:
+    """A shell's view of an end: the exit status, or 128 + the signal that ended it."""
+    if result.exit_code is not None:
+        return result.exit_code
+    return 128 + result.signal if result.signal is not None else -1
+
+
+def _workspace_relative(path: Path) -> str | None:
+    """The path inside the workspace ("" for its root), or None when it is elsewhere."""
+    posix = PurePosixPath(sandbox_path_str(path))
+    try:
+        relative = posix.relative_to(WORKSPACE).as_posix()
+    except ValueError:
+        return None
+    return "" if relative == "." else relative
+
+
+@dataclass
+class _Terminal:
+    """One of the model's running command sessions: a background process of the sandbox, its
+    output gathered here (bounded) until the model polls for it."""
+
+    pid: int
+    tty: bool
+    chunks: deque[bytes] = field(default_factory=deque)
+    buffered: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    notify: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    end: ProcessEnd | None = None
+    follower: asyncio.Task[None] | None = None
+    last_used: float = field(default_factory=time.monotonic)
+
+    async def add(self, data: bytes) -> None:
+        async with self.lock:
+            self.chunks.append(data)
+            self.buffered += len(data)
+            # Drop the oldest output, leaving one marker in its place.
+            while self.buffered > TERMINAL_BUFFER_BYTES and len(self.chunks) > 2:
+                if self.chunks[0] is _TERMINAL_DROPPED:
+                    self.buffered -= len(self.chunks.popleft())
+                self.buffered -= len(self.chunks.popleft())
+                self.chunks.appendleft(_TERMINAL_DROPPED)
+                self.buffered += len(_TERMINAL_DROPPED)
+        self.notify.set()
+
+    async def follow(self, code: CodeSession) -> None:
+        try:
+            async for event in code.process_events(self.pid, replay=True):
+                if isinstance(event, ProcessOutput):
+                    await self.add(event.data)
+                else:
+                    self.end = event
+        except _TRANSPORT_ERRORS as exc:  # the session went away: the process with it
+            self.end = ProcessEnd(exit_code=None, error=f"lost the process: {exc}")
+        finally:
+            self.ended.set()
+            self.notify.set()
+
+
+class CodeInterpreterSandboxSession(BaseSandboxSession):
+    """A sandbox session of the Agents SDK on one code-interpreter session."""
+
+    state: CodeInterpreterSandboxSessionState
+
+    def __init__(
+        self,
+        *,
+        state: CodeInterpreterSandboxSessionState,
+        code: CodeSession,
+        on_shutdown: Callable[[CodeInterpreterSandboxSession], None] | None = None,
+    ) -> None:
+        self.state = state
+        self._code = code
+        self._on_shutdown = on_shutdown  # the client forgets a session that ended
+        self._live = True
+        self._terminals: dict[int, _Terminal] = {}
+        self._terminals_lock = asyncio.Lock()
+
+    @property
+    def code_session(self) -> CodeSession:
+        """The code-interpreter session underneath (the same sandbox: execute code in it too)."""
+        return self._code
+
+    # --- commands
+    def _prepare_exec_command(
+        self, *command: str | Path, shell: bool | list[str], user: str | User | None
+    ) -> list[str]:
+        _refuse_user(user)
+        return super()._prepare_exec_command(*command, shell=shell, user=None)
+
+    async def _request(
+        self, argv: list[str], timeout_s: float | None, terminal: bool = False
+    ) -> ProcessRequest:
+        env = await self.state.manifest.environment.resolve()
+        return ProcessRequest(
+            argv=argv,
+            env=env,
+            timeout_s=timeout_s or None,
+            terminal=TerminalSize() if terminal else None,
+            stdin=terminal,
+        )
+
+    async def _run(self, argv: list[str], timeout_s: float | None) -> CommandResult:
+        """Run argv to its end in the sandbox; a caller that leaves kills it."""
+        request = await self._request(argv, timeout_s)
+        info = await self._code.start_process(request)
+        try:
+            return await self._code.wait_process(info.pid)
+        except asyncio.CancelledError:
+            with contextlib.suppress(*_TRANSPORT_ERRORS):
+                await asyncio.shield(self._code.signal_process(info.pid, signal.SIGKILL))
+            raise
+
+    async def _exec_internal(
+        self,
+        *command: str | Path,
+        timeout: float | None = None,  # noqa: ASYNC109 (the SDK's signature)
+    ) -> ExecResult:
+        argv = [str(part) for part in command]
+        try:
+            result = await self._run(argv, timeout)
+        except _TRANSPORT_ERRORS as exc:
+            raise ExecTransportError(command=argv, cause=exc, message=str(exc)) from exc
+        if result.timed_out:
+            raise ExecTimeoutError(command=argv, timeout_s=timeout)
+        return ExecResult(
+            stdout=result.stdout.encode(),
+            stderr=result.stderr.encode(),
+            exit_code=_exit_code(result),
+        )
+
+    async def _checked(self, argv: list[str], what: str) -> CommandResult:
+        """Run a command of this provider's own; a failure says what it was for and why."""
+        try:
+            result = await self._run(argv, None)
+        except _TRANSPORT_ERRORS as exc:
+            raise ExecTransportError(command=[what], cause=exc, message=str(exc)) from exc
+        if _exit_code(result) != 0:
+            reason = result.error or result.stderr.strip() or f"exit status {_exit_code(result)}"
+            raise ExecTransportError(command=[what], message=f"{what} failed: {reason}")
+        return result
+
+    # --- files
+    async def read(self, path: Path, *, user: str | User | None = None) -> io.IOBase:
+        _refuse_user(user)
+        target = await self._validate_path_access(path)
+        relative = _workspace_relative(target)
+        try:
+            if relative is None:
+                return io.BytesIO(await self._read_with_command(target))
+            return io.BytesIO(await self._code.download(relative))
+        except FileMissing as exc:
+            raise WorkspaceReadNotFoundError(path=path, cause=exc) from exc
+        except APIError as exc:
+            if exc.status == 404:
+                raise WorkspaceReadNotFoundError(path=path, cause=exc) from exc
+            raise WorkspaceArchiveReadError(path=path, cause=exc) from exc
+        except _TRANSPORT_ERRORS as exc:
+            raise WorkspaceArchiveReadError(path=path, cause=exc) from exc
+
+    async def _read_with_command(self, target: Path) -> bytes:
+        """A file outside the workspace, read as base64 by a command (within output limits)."""
+        script = '[ -e "$1" ] || exit 44; exec base64 -w0 -- "$1"'
+        result = await self._run(["sh", "-c", script, "sh", sandbox_path_str(target)], None)
+        if result.exit_code == 44:
+            raise FileMissing(f"{sandbox_path_str(target)} does not exist")
+        if result.exit_code != 0 or result.stdout_dropped:
+            reason = result.stderr.strip() or "it is larger than a command's output limit"
+            raise WorkspaceArchiveReadError(path=target, context={"reason": reason})
+        return base64.b64decode(result.stdout)
+
+    async def write(self, path: Path, data: io.IOBase, *, user: str | User | None = None) -> None:
+        _refuse_user(user)
+        payload = data.read()
+        if isinstance(payload, str):
+            payload = payload.encode()
+        target = await self._validate_path_access(path, for_write=True)
+        relative = _workspace_relative(target)
+        try:
+            if relative is None:
+                await self._write_with_command(target, bytes(payload))
+            else:
+                await self._code.upload(relative, bytes(payload))
+        except _TRANSPORT_ERRORS as exc:
+            raise WorkspaceArchiveWriteError(path=target, cause=exc) from exc
+
+    async def _write_with_command(self, target: Path, payload: bytes) -> None:
+        """A file outside the workspace: sent into the workspace, then copied there."""
+        staged = _SNAPSHOT_FILE.format(uuid.uuid4().hex)
+        await self._code.upload(staged, payload)
+        script = 'mkdir -p -- "$(dirname -- "$2")" && cp -- "$1" "$2"; s=$?; rm -f -- "$1"; exit $s'
+        source = f"{WORKSPACE}/{staged}"
+        await self._checked(
+            ["sh", "-c", script, "sh", source, sandbox_path_str(target)], "writing the file"
+        )
+
+    # --- the sandbox's life
+    async def running(self) -> bool:
+        return self._live and self._code.session_id is not None
+
+    async def _shutdown_backend(self) -> None:
+        """The sandbox ends with the session (a snapshot, if any, was persisted before)."""
+        self._live = False
+        try:
+            await self._code.close()
+        finally:
+            if self._on_shutdown is not None:
+                self._on_shutdown(self)
+
+    # --- snapshots: a tar of the workspace, members relative to it
+    async def persist_workspace(self) -> io.IOBase:
+        name = _SNAPSHOT_FILE.format(uuid.uuid4().hex)
+        skipped = [
+            f"--exclude=./{p.as_posix()}" for p in sorted(self._persist_workspace_skip_relpaths())
+        ]
+        # The archive file exists before tar reads the directory, which then does not change
+        # under it; tar's status 1 (a file changed while it was read) still made an archive.
+        script = 'cd "$1" && shift && tar "$@" -cf - . > "$0"; s=$?; [ $s -le 1 ] || exit $s'
+        argv = ["sh", "-c", script, name, WORKSPACE, f"--exclude=./{name}", *skipped]
+        try:
+            await self._checked(argv, "archiving the workspace")
+            data = await self._code.download(name)
+        except _TRANSPORT_ERRORS as exc:
+            raise WorkspaceArchiveReadError(path=Path(WORKSPACE), cause=exc) from exc
+        finally:
+            with contextlib.suppress(*_TRANSPORT_ERRORS, ExecTransportError):
+                await self._checked(["rm", "-f", "--", f"{WORKSPACE}/{name}"], "removing the tar")
+        return io.BytesIO(data)
+
+    async def hydrate_workspace(self, data: io.IOBase) -> None:
+        raw = data.read()
+        if isinstance(raw, str):
+            raw = raw.encode()
+        root = Path(WORKSPACE)
+        try:
+            validate_tar_bytes(bytes(raw), allow_external_symlink_targets=False)
+        except UnsafeTarMemberError as exc:
+            context = {"reason": exc.reason, "member": exc.member}
+            raise WorkspaceArchiveWriteError(path=root, context=context, cause=exc) from exc
+        name = _SNAPSHOT_FILE.format(uuid.uuid4().hex)
+        # Unpacked by the sandbox's own tar, as its user: nothing lands outside the sandbox.
+        script = 'tar -C "$1" --no-overwrite-dir -xf "$1/$2"; s=$?; rm -f -- "$1/$2"; exit $s'
+        try:
+            await self._code.upload(name, bytes(raw))
+            await self._checked(["sh", "-c", script, "sh", WORKSPACE, name], "unpacking the tar")
+        except (*_TRANSPORT_ERRORS, ExecTransportError) as exc:
+            raise WorkspaceArchiveWriteError(path=root, cause=exc) from exc
+
+    # --- the model's command sessions (unified exec): background processes of the sandbox
+    def supports_pty(self) -> bool:
+        return True
+
+    async def pty_exec_start(
+        self,
+        *command: str | Path,
+        timeout: float | None = None,  # noqa: ASYNC109 (the SDK's signature)
+        shell: bool | list[str] = True,
+        user: str | User | None = None,
+        tty: bool = False,
+        yield_time_s: float | None = None,
+        max_output_tokens: int | None = None,
+    ) -> PtyExecUpdate:
+        argv = self._prepare_exec_command(*command, shell=shell, user=user)
+        try:
+            request = await self._request(argv, timeout, terminal=tty)
+            info = await self._code.start_process(request)
+        except _TRANSPORT_ERRORS as exc:
+            raise ExecTransportError(command=argv, cause=exc, message=str(exc)) from exc
+        terminal = _Terminal(pid=info.pid, tty=tty)
+        terminal.follower = asyncio.ensure_future(terminal.follow(self._code))
+        async with self._terminals_lock:
+            session_id = allocate_pty_process_id(set(self._terminals))
+            pruned = self._prune_terminals()
+            self._terminals[session_id] = terminal
+        if pruned is not None:
+            await self._end_terminal(pruned)
+        wait_ms = 10_000 if yield_time_s is None else int(yield_time_s * 1000)
+        return await self._collect(
+            session_id, terminal, clamp_pty_yield_time_ms(wait_ms), max_output_tokens
+        )
+
+    async def pty_write_stdin(
+        self,
+        *,
+        session_id: int,
+        chars: str,
+        yield_time_s: float | None = None,
+        max_output_tokens: int | None = None,
+    ) -> PtyExecUpdate:
+        async with self._terminals_lock:
+            terminal = self._resolve_pty_session_entry(
+                pty_processes=self._terminals, session_id=session_id
+            )
+        if chars:
+            if not terminal.tty:
+                raise RuntimeError("stdin is not available for this process")
+            with contextlib.suppress(*_TRANSPORT_ERRORS):  # it may have just ended
+                await self._code.send_input(terminal.pid, chars.encode())
+        wait_ms = 250 if yield_time_s is None else int(yield_time_s * 1000)
+        wait_ms = resolve_pty_write_yield_time_ms(yield_time_ms=wait_ms, input_empty=chars == "")
+        terminal.last_used = time.monotonic()
+        return await self._collect(session_id, terminal, wait_ms, max_output_tokens)
+
+    async def pty_terminate_all(self) -> None:
+        async with self._terminals_lock:
+            terminals = list(self._terminals.values())
+            self._terminals.clear()
+        for terminal in terminals:
+            await self._end_terminal(terminal)
+
+    async def _collect(
+        self, session_id: int, terminal: _Terminal, wait_ms: int, max_output_tokens: int | None
+    ) -> PtyExecUpdate:
+        output, original_tokens, ended = await collect_pty_output(
+            output_chunks=terminal.chunks,
+            output_lock=terminal.lock,
+            output_notify=terminal.notify,
+            is_done=terminal.ended.is_set,
+            yield_time_ms=wait_ms,
+            max_output_tokens=max_output_tokens,
+        )
+        async with terminal.lock:
+            terminal.buffered = sum(len(chunk) for chunk in terminal.chunks)
+        if not ended:
+            return PtyExecUpdate(
+                process_id=session_id,
+                output=output,
+                exit_code=None,
+                original_token_count=original_tokens,
+            )
+        async with self._terminals_lock:
+            self._terminals.pop(session_id, None)
+        end = terminal.end or ProcessEnd(exit_code=None, error="the process was lost")
+        return PtyExecUpdate(
+            process_id=None,
+            output=output,
+            exit_code=_exit_code(end),
+            original_token_count=original_tokens,
+        )
+
+    def _prune_terminals(self) -> _Terminal | None:
+        if len(self._terminals) < PTY_PROCESSES_MAX:
+            return None
+        meta = [(sid, t.last_used, t.ended.is_set()) for sid, t in self._terminals.items()]
+        oldest = process_id_to_prune_from_meta(meta)
+        return None if oldest is None else self._terminals.pop(oldest, None)
+
+    async def _end_terminal(self, terminal: _Terminal) -> None:
+        if not terminal.ended.is_set():
+            with contextlib.suppress(*_TRANSPORT_ERRORS):
+                await self._code.signal_process(terminal.pid, signal.SIGKILL)
+        if terminal.follower is not None:
+            terminal.follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await terminal.follower
+
+
+class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClientOptions | None]):
+    """Makes Agents SDK sandbox sessions on code-interpreter sessions.
+
+    `base_url` (and `api_key`): a running service; without it, each sandbox is an embedded
+    session of this process (`CodeSession.embedded`, with `spec` and `backend_config`; needs the
+    server extra). Close the client (`await client.close()`) to end embedded sessions that a run
+    left alive for resuming.
+    """
+
+    backend_id = BACKEND_ID
+    supports_default_options = True
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        spec: SandboxSpec | None = None,
+        backend_config: Mapping[str, Any] | None = None,
+        instrumentation: Instrumentation | None = None,
+        dependencies: Dependencies | None = None,
+    ) -> None:
+        self.base_url = base_url
+        self._api_key = api_key  # kept here, never in a session's (serializable) state
+        self._spec = spec
+        self._backend_config = dict(backend_config or {})
+        self._instrumentation = instrumentation or Instrumentation()
+        self._dependencies = dependencies
+        self._live: dict[str, CodeInterpreterSandboxSession] = {}  # by code session id
+
+    async def _new_code_session(self, backend: str | None) -> CodeSession:
+        if self.base_url is not None:
+            made = await run_in_background(
+                _create_remote_session(self.base_url, self._api_key, backend)
+            )
+            code: CodeSession = RemoteSession(self.base_url, self._api_key, made, owned=True)
+        else:
+            code = CodeSession.embedded(backend or "local", self._spec, **self._backend_config)
+        try:
+            await code.start()
+        except BaseException:
+            await code.close()
+            raise
+        return code
+
+    def _session(
+        self, state: CodeInterpreterSandboxSessionState, code: CodeSession, *, preserved: bool
+    ) -> SandboxSession:
+        inner = CodeInterpreterSandboxSession(state=state, code=code, on_shutdown=self._forget)
+        inner._set_start_state_preserved(preserved, system=preserved)
+        assert code.session_id is not None
+        self._live[code.session_id] = inner
+        return self._wrap_session(inner, instrumentation=self._instrumentation)
+
+    def _forget(self, session: CodeInterpreterSandboxSession) -> None:
+        for key, live in list(self._live.items()):
+            if live is session:
+                del self._live[key]
+
+    async def create(
+        self,
+        *,
+        snapshot: SnapshotSpec | SnapshotBase | None = None,
+        manifest: Manifest | None = None,
+        options: CodeInterpreterSandboxClientOptions | None = None,
+    ) -> SandboxSession:
+        options = options or CodeInterpreterSandboxClientOptions()
+        manifest = self._validate_manifest_for_create(manifest or Manifest())
+        _check_root(manifest)
+        code = await self._new_code_session(options.backend)
+        session_id = uuid.uuid4()
+        state = CodeInterpreterSandboxSessionState(
+            session_id=session_id,
+            manifest=manifest,
+            snapshot=resolve_snapshot(snapshot, str(session_id)),
+            backend=options.backend,
+            code_session_id=code.session_id,
+            workspace_root_ready=True,  # /workspace exists in every sandbox
+        )
+        return self._session(state, code, preserved=False)
+
+    async def delete(self, session: SandboxSession) -> SandboxSession:
+        inner = session._inner
+        if not isinstance(inner, CodeInterpreterSandboxSession):
+            raise TypeError("CodeInterpreterSandboxClient.delete expects one of its own sessions")
+        if await inner.running():
+            await inner.shutdown()
+        return session
+
+    async def resume(self, state: SandboxSessionState) -> SandboxSession:
+        """The live session the state names, if this client (embedded) or the service (remote)
+        still has it; else a new one, which the SDK then hydrates from the state's snapshot."""
+        if not isinstance(state, CodeInterpreterSandboxSessionState):
+            raise TypeError("CodeInterpreterSandboxClient.resume expects its own session state")
+        state.assert_path_grants_rebound()
+        _check_root(state.manifest)
+        code = await self._reattach(state.code_session_id)
+        if code is not None:
+            return self._session(state, code, preserved=True)
+        code = await self._new_code_session(state.backend)
+        state.code_session_id = code.session_id
+        state.workspace_root_ready = True
+        return self._session(state, code, preserved=False)
+
+    async def _reattach(self, code_session_id: str | None) -> CodeSession | None:
+        if code_session_id is None:
+            return None
+        if self.base_url is None:
+            live = self._live.pop(code_session_id, None)
+            return live.code_session if live is not None and await live.running() else None
+        code = RemoteSession(self.base_url, self._api_key, code_session_id, owned=True)
+        try:
+            await code.start()
+        except APIError as exc:
+            if exc.status not in (404, 410):
+                raise
+            return None
+        return code
+
+    def deserialize_session_state(self, payload: dict[str, object]) -> SandboxSessionState:
+        return self._deserialize_session_state_payload(payload, CodeInterpreterSandboxSessionState)
+
+    async def close(self) -> None:
+        """End every session this client still holds (those a run left alive for resuming)."""
+        sessions, self._live = list(self._live.values()), {}
+        for session in sessions:
+            with contextlib.suppress(Exception):
+                await session.shutdown()
+
+
+async def _create_remote_session(base_url: str, api_key: str | None, backend: str | None) -> str:
+    """A new session of the service, on `backend` if named (else the service's default)."""
+    async with AsyncClient(base_url, api_key) as api:
+        body = {"backend": backend} if backend is not None else {}
+        return (await api.create_session(**body)).id
+
+
+def _check_root(manifest: Manifest) -> None:
+    if manifest.root != WORKSPACE:
+        raise ValueError(
+            f"the workspace of a code-interpreter sandbox is {WORKSPACE}; the manifest's root "
+            f"is {manifest.root!r}: leave `root` at its default"
+        )

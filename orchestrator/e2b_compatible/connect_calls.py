@@ -1,0 +1,80 @@
+"""What every Connect service of the E2B front (filesystem, process) does around its calls: find
+the sandbox a call names, and answer our typed errors with the Connect codes E2B's SDK maps to
+its own exceptions (NOT_FOUND: `NotFoundException`, INVALID_ARGUMENT: `InvalidArgumentException`,
+UNAVAILABLE "was not found": the sandbox is gone)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from pydantic import ValidationError
+
+from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
+from orchestrator.http_errors import problems
+from orchestrator.sessions import Session, SessionError
+from sandbox.errors import (
+    FileAccessError,
+    FileMissing,
+    FileTooLarge,
+    InvalidPath,
+    ProcessesUnsupported,
+    ProcessLimitReached,
+    ProcessNotFound,
+    ProcessStateError,
+    SandboxClosed,
+    SandboxError,
+)
+
+T = TypeVar("T")
+
+
+async def session_for(sandboxes: E2BSandboxes, ctx: RequestContext[Any, Any]) -> Session:
+    """The session of the sandbox named by the call's headers (RequestGuard checked them)."""
+    headers = ctx.request_headers
+    sandbox_id = headers.get("e2b-sandbox-id") or ""
+    token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
+    try:
+        _, session = await sandboxes.reachable(sandbox_id, token)
+    except SandboxGone as exc:
+        raise ConnectError(Code.UNAVAILABLE, str(exc)) from None
+    return session
+
+
+@contextmanager
+def connect_errors() -> Iterator[None]:
+    """Our typed errors as Connect errors, each with its message (never a bare INTERNAL)."""
+    try:
+        yield
+    except ConnectError:
+        raise
+    except ValidationError as exc:
+        raise ConnectError(Code.INVALID_ARGUMENT, problems(exc.errors())) from None
+    except (FileMissing, ProcessNotFound) as exc:
+        raise ConnectError(Code.NOT_FOUND, str(exc)) from None
+    except (InvalidPath, FileAccessError) as exc:
+        raise ConnectError(Code.INVALID_ARGUMENT, str(exc)) from None
+    except FileTooLarge as exc:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, str(exc)) from None
+    except ProcessLimitReached as exc:
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, str(exc)) from None
+    except ProcessesUnsupported as exc:
+        raise ConnectError(Code.UNIMPLEMENTED, str(exc)) from None
+    except ProcessStateError as exc:  # envd: "stdin not enabled or closed"
+        raise ConnectError(Code.FAILED_PRECONDITION, str(exc)) from None
+    except SandboxClosed as exc:
+        raise ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}") from None
+    except SessionError as exc:
+        raise ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}") from None
+    except SandboxError as exc:
+        raise ConnectError(Code.INTERNAL, str(exc)) from None
+
+
+async def call(work: Awaitable[T]) -> T:
+    """Await sandbox work under `connect_errors`."""
+    with connect_errors():
+        return await work

@@ -1,0 +1,187 @@
+"""Files outside the workspace (`/tmp/x`, `/etc/hosts`), reached from inside the sandbox.
+
+E2B's file calls take any path of the sandbox; clients write to /tmp and then run a command on
+what they wrote (the Agents SDK's workspace hydration, deepagents' large edits). The files API
+reaches only the workspace, so these paths are read and written by small commands run in the
+sandbox through `Service`: with the sandbox's user, its view of the filesystem, its limits;
+exactly what a command there would see. A rename (E2B's Move) is such a command too, wherever its
+paths are, since the sandbox interface has no rename. Every byte read is capped.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import signal
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from orchestrator.e2b_compatible.processes import INTERNAL_TAG
+from orchestrator.service import Service
+from orchestrator.sessions import Session
+from sandbox.errors import FileAccessError, FileMissing, FileTooLarge, SandboxError
+from sandbox.processes.managed import Dropped
+from sandbox.processes.models import CommandResult, ProcessEnd, ProcessOutput, ProcessRequest
+
+TIME_LIMIT_S = 120.0  # one transfer; a larger file than fits in it is refused with the reason
+WRITE_CHUNK = 64 << 10
+MAX_LISTED = 10_000
+_TYPES = {"f": "file", "d": "directory", "l": "symlink"}
+
+
+@dataclass(frozen=True)
+class SandboxEntry:
+    path: str  # absolute, in the sandbox
+    type: str  # file, directory, symlink, other
+    size: int
+    modified_at: datetime
+
+
+def _request(argv: list[str], *, stdin: bool = False) -> ProcessRequest:
+    return ProcessRequest(
+        argv=argv, stdin=stdin, timeout_s=TIME_LIMIT_S, tag=INTERNAL_TAG + uuid.uuid4().hex
+    )
+
+
+def _failed(result: CommandResult, what: str, path: str) -> SandboxError:
+    said = (result.stderr or result.error or "").strip().splitlines()
+    reason = said[-1] if said else f"exit status {result.exit_code}"
+    if "No such file" in reason or "not found" in reason.lower():
+        return FileMissing(f"{path}: no such file or directory")
+    return FileAccessError(f"could not {what} {path} in the sandbox: {reason}")
+
+
+async def _run(service: Service, session: Session, argv: list[str]) -> CommandResult:
+    return await service.run_command(session, _request(argv))
+
+
+async def read(service: Service, session: Session, path: str, max_bytes: int) -> bytes:
+    """The bytes of a file, read by `cat` in the sandbox; FileTooLarge past `max_bytes`."""
+    info = await service.start_process(session, _request(["cat", "--", path]))
+    data = bytearray()
+    end: ProcessEnd | None = None
+    stderr = bytearray()
+    events = service.process_events(session, info.pid, replay=True)
+    try:
+        async for event in events:
+            if isinstance(event, ProcessOutput):
+                if event.stream == "stdout":
+                    data += event.data
+                elif len(stderr) < 4096:
+                    stderr += event.data
+                if len(data) > max_bytes:
+                    raise FileTooLarge(f"{path} is larger than the limit of {max_bytes} bytes")
+            elif isinstance(event, Dropped):  # cannot happen while this loop keeps up
+                raise FileAccessError(f"reading {path} lost {event.bytes} bytes; try again")
+            else:
+                end = event
+    finally:
+        close = getattr(events, "aclose", None)  # stop listening now, not at collection
+        if close is not None:
+            await close()
+        if end is None:
+            await service.signal_process(session, info.pid, signal.SIGKILL)
+    if end is None:
+        raise FileAccessError(f"reading {path} ended without the command's end")
+    if end.exit_code != 0:
+        reason = stderr.decode(errors="replace").strip() or end.error or "it failed"
+        if "No such file" in reason:
+            raise FileMissing(f"{path}: no such file or directory")
+        if "Is a directory" in reason:
+            raise FileAccessError(f"{path} is a directory")
+        raise FileAccessError(f"could not read {path} in the sandbox: {reason}")
+    return bytes(data)
+
+
+async def write(service: Service, session: Session, path: str, data: bytes) -> None:
+    """Write a file (its parents made), fed to `cat` on its stdin in the sandbox."""
+    script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+    info = await service.start_process(
+        session, _request(["/bin/sh", "-c", script, "sh", path], stdin=True)
+    )
+    try:
+        for start in range(0, len(data), WRITE_CHUNK):
+            await service.send_input(session, info.pid, data[start : start + WRITE_CHUNK])
+        await service.close_input(session, info.pid)
+    except SandboxError:
+        pass  # it ended early: its result says why
+    result = await service.wait_process(session, info.pid)
+    if result.exit_code != 0:
+        raise _failed(result, "write", path)
+
+
+async def stat(service: Service, session: Session, path: str) -> SandboxEntry:
+    result = await _run(service, session, ["stat", "-c", "%F|%s|%Y", "--", path])
+    if result.exit_code != 0:
+        raise _failed(result, "stat", path)
+    kind, size, mtime = result.stdout.strip().split("|")
+    kinds = {"regular file": "file", "regular empty file": "file", "directory": "directory"}
+    return SandboxEntry(
+        path=path,
+        type=kinds.get(kind, "symlink" if kind == "symbolic link" else "other"),
+        size=int(size),
+        modified_at=datetime.fromtimestamp(int(mtime), UTC),
+    )
+
+
+async def list_dir(service: Service, session: Session, path: str, depth: int) -> list[SandboxEntry]:
+    """The entries under a directory, to `depth` levels (at most MAX_LISTED)."""
+    entry = await stat(service, session, path)
+    if entry.type != "directory":
+        raise FileAccessError(f"{path} is not a directory")
+    argv = ["find", path, "-mindepth", "1", "-maxdepth", str(depth), "-printf", "%y|%s|%T@|%p\\0"]
+    result = await _run(service, session, argv)
+    if result.exit_code != 0 and not result.stdout:
+        raise _failed(result, "list", path)
+    if result.stdout_dropped:
+        raise FileAccessError(f"{path} holds too many entries to list here; list a deeper one")
+    found = []
+    for line in result.stdout.split("\0")[:MAX_LISTED]:
+        if line.count("|") < 3:
+            continue  # the last, empty piece
+        kind, size, mtime, name = line.split("|", 3)
+        if not (size.isdigit() and mtime.replace(".", "", 1).isdigit()):
+            continue
+        found.append(
+            SandboxEntry(
+                path=name,
+                type=_TYPES.get(kind, "other"),
+                size=int(size),
+                modified_at=datetime.fromtimestamp(float(mtime), UTC),
+            )
+        )
+    return found
+
+
+async def remove(service: Service, session: Session, path: str) -> None:
+    await stat(service, session, path)  # missing: NOT_FOUND, as envd says
+    result = await _run(service, session, ["rm", "-rf", "--", path])
+    if result.exit_code != 0:
+        raise _failed(result, "remove", path)
+
+
+async def make_dir(service: Service, session: Session, path: str) -> None:
+    result = await _run(service, session, ["mkdir", "-p", "--", path])
+    if result.exit_code != 0:
+        raise _failed(result, "make the directory", path)
+
+
+async def move(service: Service, session: Session, source: str, destination: str) -> None:
+    """Rename `source` to `destination` (absolute sandbox paths), making its parents."""
+    await stat(service, session, source)  # missing: NOT_FOUND "source file not found"
+    parent = posixpath.dirname(destination)
+    result = await _run(
+        service,
+        session,
+        [
+            "/bin/sh",
+            "-c",
+            'mkdir -p -- "$1" && mv -T -- "$2" "$3"',
+            "sh",
+            parent,
+            source,
+            destination,
+        ],
+    )
+    if result.exit_code != 0:
+        raise _failed(result, "move", source)

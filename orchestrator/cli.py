@@ -513,4 +513,7 @@ def _serve_http(settings: Settings, host: str | None, port: int | None) -> None:
         port=port if port is not None else settings.port,
         log_level="info",
         timeout_graceful_shutdown=10,
+        # A terminal's WebSocket: messages of at most 1 MiB, a few queued, per socket.
+        ws_max_size=1 << 20,
+        ws_max_queue=4,
     )

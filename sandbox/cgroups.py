@@ -75,11 +75,13 @@ class SandboxCgroup:
         """Wait until none of the sandbox's processes is left. The processes of a PID namespace
         die after its init, not with it; a kernel started before they are gone would find the
         pids limit still taken by them (a fork bomb's children, say) and fail to start."""
-        procs = self.dirs[1] / "cgroup.procs"
+        # pids.current counts the whole subtree: the processes of commands (in their own
+        # groups below this one) as well as the kernel's.
+        current = self.dirs[1] / "pids.current"
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                if not procs.read_text().strip():
+                if int(current.read_text().strip() or 0) == 0:
                     return True
             except OSError:  # the group is gone: nothing is left in it
                 return True

@@ -72,7 +72,8 @@ SANDBOX_USERS = frozenset({"user", "sandbox"})
 INTERNAL_TAG = "cir-e2b-internal:"
 DEFAULT_KEEPALIVE_S = 90.0  # envd's, when the client sends no Keepalive-Ping-Interval
 KEEPALIVE_BOUNDS_S = (1.0, 300.0)
-REMEMBERED_CONFIGS = 4096  # the configs List reports, as requested (oldest forgotten first)
+REMEMBERED_CONFIGS = 1024  # the configs List reports, as requested (oldest forgotten first)
+REMEMBERED_CONFIG_BYTES = 16 << 20  # and their size in all
 _SIGNALS = {Signal.SIGKILL: signal.SIGKILL, Signal.SIGTERM: signal.SIGTERM}
 
 
@@ -84,6 +85,7 @@ class SandboxProcesses(process_connect.Process):
         self.service = sandboxes.service
         # (session id, pid) -> the config as the client sent it (List reports it back).
         self._configs: OrderedDict[tuple[str, int], ProcessConfig] = OrderedDict()
+        self._config_sizes: dict[tuple[str, int], int] = {}
 
     async def _session(self, ctx: RequestContext[Any, Any]) -> Session:
         return await session_for(self.sandboxes, ctx)
@@ -129,6 +131,9 @@ class SandboxProcesses(process_connect.Process):
         listed = []
         with connect_errors():
             running = self.service.list_processes(session)
+        live = {info.pid for info in running}
+        for key in [k for k in self._configs if k[0] == session.id and k[1] not in live]:
+            self._forget(key)  # ended: List no longer reports it
         for info in running:
             if info.tag is not None and info.tag.startswith(INTERNAL_TAG):
                 continue
@@ -236,10 +241,23 @@ class SandboxProcesses(process_connect.Process):
         raise ConnectError(Code.INVALID_ARGUMENT, "name the process by pid or tag")
 
     def _remember(self, session_id: str, pid: int, config: ProcessConfig) -> None:
-        self._configs[(session_id, pid)] = config
-        self._configs.move_to_end((session_id, pid))
-        while len(self._configs) > REMEMBERED_CONFIGS:
-            self._configs.popitem(last=False)
+        key = (session_id, pid)
+        self._forget(key)
+        self._configs[key] = config
+        self._config_sizes[key] = (
+            len(config.cmd)
+            + sum(len(a) for a in config.args)
+            + sum(len(k) + len(v) for k, v in config.envs.items())
+            + len(config.cwd or "")
+        )
+        while len(self._configs) > REMEMBERED_CONFIGS or (
+            sum(self._config_sizes.values()) > REMEMBERED_CONFIG_BYTES and len(self._configs) > 1
+        ):
+            self._forget(next(iter(self._configs)))
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        self._configs.pop(key, None)
+        self._config_sizes.pop(key, None)
 
 
 def check_user(authorization: str | None) -> None:

@@ -38,6 +38,7 @@ import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import docker
@@ -73,6 +74,9 @@ _SIGNALLER = (
     "done 2>/dev/null; exit 0"
 )
 _SIGNAL_ATTEMPTS = 10
+# Signalling runs an exec as the sandbox's user, which the sandbox can slow or stop: on threads
+# of its own, few, so a sandbox can hold up only other signals, never the service's shared pool.
+_SIGNALLERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="docker-signals")
 _FRAME_HEADER = struct.Struct(">BxxxL")
 _FRAME_STREAMS: dict[int, Stream] = {0: "stdout", 1: "stdout", 2: "stderr"}
 
@@ -178,7 +182,8 @@ class DockerSpawner(Spawner):
         kill = functools.partial(
             _send_signal, self._api, container, self._user, signals.SIGKILL, None, marker
         )
-        _abandoned.add(task := asyncio.ensure_future(asyncio.to_thread(kill)))
+        loop = asyncio.get_running_loop()
+        _abandoned.add(task := asyncio.ensure_future(loop.run_in_executor(_SIGNALLERS, kill)))
         task.add_done_callback(_forget)
 
 
@@ -197,7 +202,11 @@ def _send_signal(
 ) -> None:
     """Signal a process's group (if known) and everything holding its marker, from an exec in
     the container; retried, since a fork bomb may hold every pid for a moment."""
-    command = ["/bin/bash", "-c", _SIGNALLER, "signal", str(int(signum)), str(group or ""), marker]
+    # `timeout`: a signaller the sandbox stops or slows is killed, and its thread freed.
+    command = [
+        "timeout", "-s", "KILL", "20",
+        "/bin/bash", "-c", _SIGNALLER, "signal", str(int(signum)), str(group or ""), marker,
+    ]  # fmt: skip
     for attempt in range(_SIGNAL_ATTEMPTS):
         try:
             created = api.exec_create(container, command, stdout=True, stderr=True, user=user)
@@ -360,9 +369,10 @@ class DockerProcess(SpawnedProcess):
         if self.pid <= 0:
             raise ProcessLookupError("the process has no pid yet")
         self._sent.add(signum)
-        await asyncio.to_thread(
+        send = functools.partial(
             _send_signal, self._api, self._container, self._user, signum, self.pid, self._marker
         )
+        await asyncio.get_running_loop().run_in_executor(_SIGNALLERS, send)
 
     async def resize(self, size: TerminalSize) -> None:
         if not self._tty:

@@ -395,6 +395,8 @@ class LocalProcess(SpawnedProcess):
         return self._proc.stdin
 
     async def signal(self, signum: int) -> None:
+        if self._proc.returncode is not None and self._group is None:
+            return  # reaped: its group's number may be another process's by now
         if self._group is not None:
             await asyncio.to_thread(self._group.signal, signum)
             if signum == signal.SIGKILL:
@@ -402,7 +404,7 @@ class LocalProcess(SpawnedProcess):
         else:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.host_pid, signum)
-        if signum not in (signal.SIGSTOP, signal.SIGTSTP):
+        if signum not in (signal.SIGSTOP, signal.SIGTSTP) and self._proc.returncode is None:
             # nsenter stops itself when its child stops (it mirrors the child's state) and,
             # stopped, never reaps it: wake it after anything but a stop.
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -93,6 +93,7 @@ class ManagedProcess:
         self._task = asyncio.ensure_future(self._follow())
         self._deadline: asyncio.TimerHandle | None = None
         self._killer: asyncio.Future[None] | None = None
+        self._final: CommandResult | None = None
         if request.timeout_s is not None:
             loop = asyncio.get_running_loop()
             self._deadline = loop.call_later(request.timeout_s, self._time_is_up)
@@ -115,6 +116,12 @@ class ManagedProcess:
             self._deadline.cancel()
         for name, decoder in self._decoders.items():
             self._texts[name].append(decoder.decode(b"", final=True))
+        # Ended, it keeps its result only: the texts at their capped size, no replay (a client
+        # that reconnects now gets its end).
+        self._final = self.result()
+        self._texts.clear()
+        self._replay.clear()
+        self._replay_bytes = 0
         for listener in self._listeners:
             listener.put(end)
         self._listeners.clear()  # each has its end; one never read is not kept alive here
@@ -169,6 +176,8 @@ class ManagedProcess:
         return self.result()
 
     def result(self) -> CommandResult:
+        if self._final is not None:
+            return self._final
         end = self.end or ProcessEnd(exit_code=None, error="still running")
         stdout, stdout_dropped = self._texts["stdout"].value()
         stderr, stderr_dropped = self._texts["stderr"].value()

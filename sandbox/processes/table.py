@@ -11,8 +11,8 @@ from sandbox.processes.managed import ManagedProcess
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
 from sandbox.processes.spawned import Spawner
 
-MAX_RUNNING = 64  # processes started through the API at once, per sandbox
-REMEMBERED_ENDED = 64  # ended ones kept for `list` and reconnecting
+MAX_RUNNING = 32  # processes started through the API at once, per sandbox
+REMEMBERED_ENDED = 16  # ended ones kept (their result only) for `list`, `wait` and reconnecting
 
 
 class ProcessTable:
@@ -38,6 +38,9 @@ class ProcessTable:
         finally:
             self._starting -= 1
         process = ManagedProcess(spawned, request, output_limit_chars=self._output_limit_chars)
+        if self._closed:  # the sandbox closed while it started: it ends with it
+            await process.close()
+            raise ProcessNotFound("the sandbox closed while the process started")
         self._processes.pop(process.pid, None)  # a pid reused after an old one ended
         self._processes[process.pid] = process
         self._forget_old()

@@ -212,4 +212,12 @@ class EmbeddedSession(CodeSession):
                     await backend.close()
             finally:
                 if state_dir is not None:
-                    await asyncio.to_thread(shutil.rmtree, state_dir, ignore_errors=True)
+                    await asyncio.to_thread(_remove_state_dir, state_dir)
+
+
+def _remove_state_dir(state_dir: Path) -> None:
+    """This session's service directory, and this process's above it once it is empty (the
+    per-user one stays: another process may be making its own in it right now)."""
+    shutil.rmtree(state_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: another session of this process lives on
+        state_dir.parent.rmdir()

@@ -116,12 +116,10 @@ class ManagedProcess:
             self._deadline.cancel()
         for name, decoder in self._decoders.items():
             self._texts[name].append(decoder.decode(b"", final=True))
-        # Ended, it keeps its result only: the texts at their capped size, no replay (a client
-        # that reconnects now gets its end).
+        # Ended, it keeps its result (the texts at their capped size) and its replay buffer
+        # (at most REPLAY_BYTES), so a client that follows it only now still reads its output.
         self._final = self.result()
         self._texts.clear()
-        self._replay.clear()
-        self._replay_bytes = 0
         for listener in self._listeners:
             listener.put(end)
         self._listeners.clear()  # each has its end; one never read is not kept alive here

@@ -128,4 +128,6 @@ def test_the_default_session_is_closed_when_the_process_exits(state_dir: Path) -
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     sessions = state_dir.parent / "code-interpreter" / "local"
     assert list(sessions.iterdir()) == []  # the workspace and its directory are gone
-    assert list(service_tmp.iterdir()) == []  # and the service's state dir
+    # And the service's state dir: only the per-user directory it was made in is left, empty.
+    assert [p.name for p in service_tmp.iterdir()] == [f"code-interpreter-embedded-{os.getuid()}"]
+    assert list((service_tmp / f"code-interpreter-embedded-{os.getuid()}").iterdir()) == []

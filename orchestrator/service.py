@@ -70,6 +70,8 @@ class ShellToolOff(SessionError):
 
 
 _PLACEHOLDER = ".cir-make-dir"
+HINT_NEW_SESSION = " Omit session_id to start a new session."
+HINT_NEW_SESSION_STATE = " Omit session_id to start a new session (earlier variables will be gone)."
 
 
 def _outcome(result: CommandResult) -> str:
@@ -443,6 +445,22 @@ class Service:
         """What a session the tool starts by itself is given."""
         return CreateSessionRequest(tools=self.settings.host_tools.session_default)
 
+    async def _tool_session(
+        self, owner: str, session_id: str | None, session: Session | None, hint: str
+    ) -> Session | ToolOutcome:
+        """The session a tool call runs in: the one given, the one named, or a new one; or the
+        refusal a model reads (with `hint` when it named one)."""
+        if session is not None:
+            return session
+        try:
+            if session_id is not None:
+                return await self.get_session(session_id, owner)
+            return await self.create_session(owner, self.default_tool_session())
+        except SessionError as exc:
+            return ToolOutcome.refused(f"{exc}.{hint if session_id else ''}", "session_error")
+        except SandboxError as exc:
+            return ToolOutcome.refused(f"could not start a sandbox: {exc}", "session_error")
+
     async def invoke_tool(
         self,
         owner: str,
@@ -456,16 +474,10 @@ class Service:
         named (`session_id`), or given (`session`), or a new one; then rendered for a model.
         Whatever the model can act on (a wrong id, a full quota, a broken sandbox) comes back as
         an error output telling it what to do, never as an exception."""
-        try:
-            if session is None and session_id is not None:
-                session = await self.get_session(session_id, owner)
-            elif session is None:
-                session = await self.create_session(owner, self.default_tool_session())
-        except SessionError as exc:
-            hint = " Omit session_id to start a new session (earlier variables will be gone)."
-            return ToolOutcome.refused(f"{exc}.{hint if session_id else ''}", "session_error")
-        except SandboxError as exc:
-            return ToolOutcome.refused(f"could not start a sandbox: {exc}", "session_error")
+        found = await self._tool_session(owner, session_id, session, HINT_NEW_SESSION_STATE)
+        if isinstance(found, ToolOutcome):
+            return found
+        session = found
         try:
             record = await self.execute(session, code)
         except (SessionError, SandboxError) as exc:  # the session ended or broke during the run
@@ -509,16 +521,10 @@ class Service:
         except ValidationError as exc:  # e.g. a NUL character, which no command line can hold
             problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
             return ToolOutcome.refused(f"the command cannot be run: {problems}", "invalid_call")
-        try:
-            if session is None and session_id is not None:
-                session = await self.get_session(session_id, owner)
-            elif session is None:
-                session = await self.create_session(owner, self.default_tool_session())
-        except SessionError as exc:
-            hint = " Omit session_id to start a new session."
-            return ToolOutcome.refused(f"{exc}.{hint if session_id else ''}", "session_error")
-        except SandboxError as exc:
-            return ToolOutcome.refused(f"could not start a sandbox: {exc}", "session_error")
+        found = await self._tool_session(owner, session_id, session, HINT_NEW_SESSION)
+        if isinstance(found, ToolOutcome):
+            return found
+        session = found
         try:
             result = await self.run_command(session, request)
         except (SessionError, SandboxError) as exc:  # no processes here, too many, or it broke

@@ -5,19 +5,14 @@ subprocess on this machine; `docker exec` into a running container of our image)
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import docker
 import httpx
 
-from bench.ours import _free_port, backend
+from bench.ours import backend
+from bench.served import API_KEY, served
 from bench.stats import timed
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.processes.models import ProcessRequest
@@ -76,32 +71,10 @@ async def through_the_service(runs: int) -> dict[str, list[float]]:
     """`echo hi` over our HTTP API and through E2B's SDK (`commands.run`) against our front."""
     from e2b import AsyncSandbox
 
-    root = Path(tempfile.mkdtemp(prefix="cir-bench-", dir="/tmp"))
-    root.chmod(0o711)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "CODE_INTERPRETER_API_KEYS": "bench",
-        "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
-    }
-    server = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "orchestrator", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    async with served() as url:
         async with httpx.AsyncClient(
-            base_url=url, headers={"Authorization": "Bearer bench"}, timeout=60
+            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
         ) as api:
-            for _ in range(300):
-                try:
-                    if (await api.get("/healthz")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
             sid = (await api.post("/v1/sessions", json={})).json()["id"]
 
             async def over_http() -> None:
@@ -109,7 +82,7 @@ async def through_the_service(runs: int) -> dict[str, list[float]]:
                 assert r.json()["stdout"] == "hi\n"
 
             http = await timed(runs, over_http)
-        sdk: Any = await AsyncSandbox.create(api_key="bench", api_url=url, sandbox_url=url)
+        sdk: Any = await AsyncSandbox.create(api_key=API_KEY, api_url=url, sandbox_url=url)
         try:
 
             async def over_e2b() -> None:
@@ -120,7 +93,3 @@ async def through_the_service(runs: int) -> dict[str, list[float]]:
         finally:
             await sdk.kill()
         return {"http": http, "e2b": e2b}
-    finally:
-        server.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(server.wait(), 60)
-        shutil.rmtree(root, ignore_errors=True)

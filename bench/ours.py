@@ -5,15 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +16,7 @@ import httpx
 from bench import workloads
 from bench.memory import CGROUP_MEMORY, cgroup_pids, pss_of, tree_pids
 from bench.raw import _count
+from bench.served import API_KEY, served
 from bench.stats import timed
 from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.docker import DockerSandbox
@@ -118,78 +114,46 @@ async def density(name: str, counts: list[int]) -> dict[int, float]:
         await b.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def over_http(handovers: int, runs: int) -> dict[str, list[float]]:
-    root = Path(tempfile.mkdtemp(prefix="cir-bench-", dir="/tmp"))
-    root.chmod(0o711)
-    port = _free_port()
-    env = {
-        **os.environ,
-        "CODE_INTERPRETER_API_KEYS": "bench",
-        "CODE_INTERPRETER_POOL_SIZE": "1",
-        "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
-        "CODE_INTERPRETER_MAX_SESSIONS_PER_KEY": str(handovers + 10),
-    }
-    server = await asyncio.create_subprocess_exec(
-        *[sys.executable, "-m", "orchestrator", "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}",
-            headers={"Authorization": "Bearer bench"},
-            timeout=60,
-        ) as api:
-            for _ in range(300):
-                try:
-                    if (await api.get("/healthz")).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
+    settings = {"pool_size": "1", "max_sessions_per_key": str(handovers + 10)}
+    async with (
+        served(**settings) as url,
+        httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        ) as api,
+    ):
 
-            async def pool_ready() -> None:
-                while (await api.get("/v1/status")).json()["pools"]["local"] < 1:
-                    await asyncio.sleep(0.02)
+        async def pool_ready() -> None:
+            while (await api.get("/v1/status")).json()["pools"]["local"] < 1:
+                await asyncio.sleep(0.02)
 
-            handover = []
-            for _ in range(handovers):
-                await pool_ready()
-                t = time.perf_counter()
-                r = await api.post("/v1/sessions", json={})
-                handover.append(time.perf_counter() - t)
-                assert r.json()["from_pool"] is True
-                await api.delete(f"/v1/sessions/{r.json()['id']}")
+        handover = []
+        for _ in range(handovers):
             await pool_ready()
-            sid = (await api.post("/v1/sessions", json={})).json()["id"]
+            t = time.perf_counter()
+            r = await api.post("/v1/sessions", json={})
+            handover.append(time.perf_counter() - t)
+            assert r.json()["from_pool"] is True
+            await api.delete(f"/v1/sessions/{r.json()['id']}")
+        await pool_ready()
+        sid = (await api.post("/v1/sessions", json={})).json()["id"]
 
-            async def execute() -> None:
-                r = await api.post(f"/v1/sessions/{sid}/execute", json={"code": "1+1"})
-                assert r.json()["results"][0]["text"] == "2"
+        async def execute() -> None:
+            r = await api.post(f"/v1/sessions/{sid}/execute", json={"code": "1+1"})
+            assert r.json()["results"][0]["text"] == "2"
 
-            async def invoke() -> None:
-                r = await api.post(
-                    "/v1/tools/code_interpreter/invoke",
-                    json={"arguments": {"code": "1+1", "session_id": sid}, "call_id": "b"},
-                )
-                assert "[result]\n2" in r.json()["output"]["content"]
+        async def invoke() -> None:
+            r = await api.post(
+                "/v1/tools/code_interpreter/invoke",
+                json={"arguments": {"code": "1+1", "session_id": sid}, "call_id": "b"},
+            )
+            assert "[result]\n2" in r.json()["output"]["content"]
 
-            return {
-                "handover": handover,
-                "execute": await timed(runs, execute),
-                "invoke": await timed(runs, invoke),
-            }
-    finally:
-        server.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(server.wait(), 60)
-        shutil.rmtree(root, ignore_errors=True)
+        return {
+            "handover": handover,
+            "execute": await timed(runs, execute),
+            "invoke": await timed(runs, invoke),
+        }
 
 
 def heavy_in_subprocess(who: str, case: str, repeat: int = 3) -> dict[str, Any]:

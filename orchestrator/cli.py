@@ -66,6 +66,25 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
+# Options `run` and `exec` share, for the sandbox of this process they start.
+ImageOption = Annotated[str | None, typer.Option(metavar="IMAGE", help="Kernel image (docker).")]
+UnsafeNoSandboxOption = Annotated[
+    bool,
+    typer.Option(
+        "--unsafe-no-sandbox",
+        help="Run with NO isolation (local backend without bubblewrap). Trusted code only.",
+    ),
+]
+
+
+def _sandbox_spec(memory_mb: int, image: str | None) -> SandboxSpec:
+    """The spec of the sandbox `run` or `exec` starts; a bad limit is a usage error."""
+    try:
+        return SandboxSpec(limits=ResourceLimits(memory_mb=memory_mb), image=image)
+    except ValidationError as exc:
+        raise typer.BadParameter(problems(exc.errors()), param_hint="--memory-mb") from None
+
+
 @app.command()
 def run(
     code: Annotated[str | None, typer.Argument(metavar="CODE", hidden=True)] = None,
@@ -112,16 +131,8 @@ def run(
         ),
     ] = Path("."),
     memory_mb: Annotated[int, typer.Option(metavar="MIB", help="Memory limit, MiB.")] = 2048,
-    image: Annotated[
-        str | None, typer.Option(metavar="IMAGE", help="Kernel image (docker).")
-    ] = None,
-    unsafe_no_sandbox: Annotated[
-        bool,
-        typer.Option(
-            "--unsafe-no-sandbox",
-            help="Run with NO isolation (local backend without bubblewrap). Trusted code only.",
-        ),
-    ] = False,
+    image: ImageOption = None,
+    unsafe_no_sandbox: UnsafeNoSandboxOption = False,
 ) -> None:
     """Run CODE (Python) in a fresh sandbox and print what it produced.
 
@@ -133,10 +144,7 @@ def run(
     uploads = _unique_names(files or [], "--file")
     wanted = _unique_names([PurePosixPath(p) for p in downloads or []], "--download")
     config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
-    try:
-        spec = SandboxSpec(limits=ResourceLimits(memory_mb=memory_mb), image=image)
-    except ValidationError as exc:
-        raise typer.BadParameter(problems(exc.errors()), param_hint="--memory-mb") from None
+    spec = _sandbox_spec(memory_mb, image)
     printer = TerminalPrinter(output_dir)
     from orchestrator.sessions import SessionError  # what the service refuses, e.g. a limit
 
@@ -255,16 +263,8 @@ def exec_command(
     memory_mb: Annotated[
         int | None, typer.Option(metavar="MIB", help="Memory limit, MiB.  [default: 2048]")
     ] = None,
-    image: Annotated[
-        str | None, typer.Option(metavar="IMAGE", help="Kernel image (docker).")
-    ] = None,
-    unsafe_no_sandbox: Annotated[
-        bool,
-        typer.Option(
-            "--unsafe-no-sandbox",
-            help="Run with NO isolation (local backend without bubblewrap). Trusted code only.",
-        ),
-    ] = False,
+    image: ImageOption = None,
+    unsafe_no_sandbox: UnsafeNoSandboxOption = False,
     url: Annotated[
         str | None,
         typer.Option(
@@ -322,11 +322,7 @@ def exec_command(
         session = CodeSession.remote(url, os.environ.get(api_key_env), session_id)
     else:
         config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
-        try:
-            limits = ResourceLimits(memory_mb=memory_mb if memory_mb is not None else 2048)
-            spec = SandboxSpec(limits=limits, image=image)
-        except ValidationError as exc:
-            raise typer.BadParameter(problems(exc.errors()), param_hint="--memory-mb") from None
+        spec = _sandbox_spec(memory_mb if memory_mb is not None else 2048, image)
         session = CodeSession.embedded(backend or "local", spec, **config)
     printer = TerminalPrinter(output_dir)
     from code_interpreter_client.http_client import APIError

@@ -14,6 +14,7 @@ from sandbox.errors import (
     FileMissing,
     FileTooLarge,
     InvalidPath,
+    LanguageUnavailable,
     ProcessesUnsupported,
     ProcessLimitReached,
     ProcessNotFound,
@@ -21,11 +22,16 @@ from sandbox.errors import (
     SandboxClosed,
     SandboxError,
     SandboxStartError,
+    ScopeRefused,
+    UnknownLanguage,
 )
 
 # Most specific first: the first match wins.
 STATUS_OF_ERROR: list[tuple[type[Exception], int]] = [
     (InvalidPath, 400),
+    (UnknownLanguage, 400),
+    (LanguageUnavailable, 400),
+    (ScopeRefused, 400),
     (FileMissing, 404),
     (FileAccessError, 403),
     (FileTooLarge, 413),

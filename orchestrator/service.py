@@ -34,6 +34,7 @@ from orchestrator.streaming import Dropped, Finished, Keepalive, follow
 from orchestrator.tool import SHELL_TOOL_NAME, RenderedOutput, render, render_command
 from sandbox.backends.base import Backend
 from sandbox.errors import FileTooLarge, SandboxError
+from sandbox.languages import PYTHON, check_available
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
 from sandbox.processes.managed import ProcessEvent
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
@@ -290,11 +291,20 @@ class Service:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_event: EventSink | None = None,
+        language: str | None = None,
     ) -> ExecutionRecord:
-        """Run code in a session, count it, keep its output, and return it with its ids."""
+        """Run code in a session's kernel of `language` (None: Python), count it, keep its
+        output, and return it with its ids. An unknown language is `UnknownLanguage`, one the
+        session's sandbox lacks `LanguageUnavailable`: both name the languages there are."""
+        name = check_available(language or PYTHON, session.sandbox.languages)
         async with session.activity():
             execution = await session.sandbox.execute(
-                code, timeout_s=self._timeout(timeout_s), env=env, cwd=cwd, on_event=on_event
+                code,
+                timeout_s=self._timeout(timeout_s),
+                env=env,
+                cwd=cwd,
+                on_event=on_event,
+                language=name,
             )
         session.executions += 1
         METRICS.executions.labels(session.backend, execution.status).inc()
@@ -310,12 +320,22 @@ class Service:
         timeout_s: float | None = None,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        language: str | None = None,
     ) -> AsyncGenerator[OutputEvent | Dropped | Keepalive | Finished[ExecutionRecord]]:
         """`execute`, followed as it happens: its events, keepalives while it is quiet, then
         `Finished` with the record. Closing the generator early interrupts the code."""
+        check_available(language or PYTHON, session.sandbox.languages)  # refused before it starts
 
         def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
-            return self.execute(session, code, timeout_s=timeout_s, env=env, cwd=cwd, on_event=sink)
+            return self.execute(
+                session,
+                code,
+                timeout_s=timeout_s,
+                env=env,
+                cwd=cwd,
+                on_event=sink,
+                language=language,
+            )
 
         return follow(start)
 
@@ -324,10 +344,12 @@ class Service:
         session.touch()
         return await session.sandbox.interrupt()
 
-    async def restart(self, session: Session) -> SessionInfo:
-        """A fresh kernel in the same sandbox: variables go, files stay."""
+    async def restart(self, session: Session, language: str | None = None) -> SessionInfo:
+        """A fresh kernel of `language` (None: every kernel started) in the same sandbox:
+        variables go, files stay."""
+        name = None if language is None else check_available(language, session.sandbox.languages)
         async with session.activity():
-            await session.sandbox.restart()
+            await session.sandbox.restart(name)
         return self.info(session)
 
     # --- processes beside the kernel (commands, background processes, terminals)

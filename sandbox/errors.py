@@ -58,3 +58,15 @@ class ProcessesUnsupported(SandboxError):
 class ProcessStateError(SandboxError):
     """The process cannot do that now: input to one started without stdin or that closed it, a
     resize of one without a terminal, anything to one that has ended."""
+
+
+class UnknownLanguage(SandboxError, ValueError):
+    """A language name nobody knows (not merely one this sandbox lacks)."""
+
+
+class LanguageUnavailable(SandboxError):
+    """A known language whose kernel this sandbox does not have; the message lists those it has."""
+
+
+class ScopeRefused(SandboxError, ValueError):
+    """A per-call variable a language cannot hold (a shell variable named `1-2`)."""

@@ -76,6 +76,16 @@ class SessionDirs:
     def kernel(self) -> Path:
         return self.root / "kernel"
 
+    def kernel_of(self, language: str) -> Path:
+        """The kernel directory of `language`'s kernel: Python's is `kernel`; each other
+        language has one of its own, made on first use (the driver empties and seals each one
+        on its own kernel's schedule)."""
+        if language == "python":
+            return self.kernel
+        path = self.root / f"kernel-{language}"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
     @property
     def etc(self) -> Path:
         return self.root / "etc"

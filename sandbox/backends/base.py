@@ -15,6 +15,7 @@ from typing import Self
 
 from sandbox.errors import ProcessesUnsupported
 from sandbox.host_channel import HostChannel
+from sandbox.languages import PYTHON
 from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
 from sandbox.processes.managed import ManagedProcess
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
@@ -35,6 +36,12 @@ class Sandbox(ABC):
     # Where the host listens for this sandbox's tool calls; None: it has no channel.
     host_channel: HostChannel | None = None
 
+    @property
+    def languages(self) -> list[str]:
+        """The languages its kernels speak (canonical names, sandbox/languages.py), Python
+        first."""
+        return [PYTHON]
+
     @abstractmethod
     async def execute(
         self,
@@ -44,8 +51,10 @@ class Sandbox(ABC):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_event: EventSink | None = None,
+        language: str = PYTHON,
     ) -> Execution:
-        """Run code in the sandbox's kernel; `on_event` sees each output as it happens."""
+        """Run code in the sandbox's kernel of `language` (started on first use); `on_event`
+        sees each output as it happens. `LanguageUnavailable` if the sandbox has no such kernel."""
 
     async def stream(
         self,
@@ -54,6 +63,7 @@ class Sandbox(ABC):
         timeout_s: float | None = None,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
+        language: str = PYTHON,
     ) -> AsyncIterator[OutputEvent]:
         """Run code and yield its outputs as they happen; the last event is `done`."""
         queue: asyncio.Queue[OutputEvent | BaseException] = asyncio.Queue()
@@ -61,7 +71,12 @@ class Sandbox(ABC):
         async def run() -> None:
             try:
                 execution = await self.execute(
-                    code, timeout_s=timeout_s, env=env, cwd=cwd, on_event=queue.put
+                    code,
+                    timeout_s=timeout_s,
+                    env=env,
+                    cwd=cwd,
+                    on_event=queue.put,
+                    language=language,
                 )
                 queue.put_nowait(DoneEvent(execution=execution))
             except Exception as exc:
@@ -86,11 +101,12 @@ class Sandbox(ABC):
 
     @abstractmethod
     async def interrupt(self) -> bool:
-        """Stop the running execution, if any (it ends as `cancelled`)."""
+        """Stop the running executions, if any, in every language (they end as `cancelled`)."""
 
     @abstractmethod
-    async def restart(self) -> None:
-        """Replace the kernel with a fresh one. Files in the workspace are kept."""
+    async def restart(self, language: str | None = None) -> None:
+        """Replace the kernel of `language` (None: every kernel started) with a fresh one.
+        Files in the workspace are kept."""
 
     @abstractmethod
     async def upload(self, path: str, data: bytes) -> FileInfo:
@@ -177,6 +193,11 @@ class Backend(ABC):
     @abstractmethod
     async def create(self, spec: SandboxSpec | None = None) -> Sandbox:
         """Start a sandbox and return it once its kernel answers."""
+
+    async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
+        """The languages a sandbox of this spec would have, before one exists (for a tool's
+        description)."""
+        return [PYTHON]
 
     async def cleanup_orphans(self) -> int:
         """Remove what an earlier crash of this orchestrator left behind; return how many."""

@@ -35,10 +35,19 @@ from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.errors import BackendUnavailable, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
-from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_command, kernel_environment
+from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
+from sandbox.kernel.programs import (
+    LANGUAGES_LABEL,
+    SUPERVISOR_FILE,
+    SUPERVISOR_IN_SANDBOX,
+    KernelPrograms,
+    image_programs,
+    language_environment,
+)
+from sandbox.languages import PYTHON
 from sandbox.process_identity import OwnerState, ProcessIdentity
 from sandbox.spec import SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
@@ -124,13 +133,7 @@ class DockerBackend(Backend):
         spec = spec or SandboxSpec()
         client, deaths = await self._connect()
         image = spec.image or self.config.image
-        try:
-            await asyncio.to_thread(client.images.get, image)
-        except ImageNotFound:
-            raise BackendUnavailable(
-                f"the kernel image {image!r} is not on this engine: build it with `make image` "
-                "or `code-interpreter image build`"
-            ) from None
+        kernels = await self._image_programs(client, image)
         sandbox_id = secrets.token_hex(8)
         root = os.geteuid() == 0
         uid = self.uids.allocate()  # given back once the sandbox's containers are gone
@@ -155,9 +158,23 @@ class DockerBackend(Backend):
             channel = None
             if spec.host_tools:
                 channel = HostChannel.create(dirs.host_tools, peer_uid=uid, peer_gid=uid)
-            launcher = _ContainerLauncher(
-                self.config, client, deaths, spec, dirs, sandbox_id, image, uid, channel
-            )
+
+            def launcher_of(language: str) -> _ContainerLauncher:
+                return _ContainerLauncher(
+                    self.config,
+                    client,
+                    deaths,
+                    spec,
+                    dirs,
+                    sandbox_id,
+                    image,
+                    uid,
+                    channel,
+                    language,
+                    kernels,
+                )
+
+            launcher = launcher_of(PYTHON)
             driver = KernelDriver.for_spec(launcher, spec)
             try:
                 await driver.start()
@@ -176,9 +193,30 @@ class DockerBackend(Backend):
             Workspace(str(dirs.workspace), owner=owner),
             launcher,
             on_close=lambda: self.uids.release(uid),
+            languages=kernels.languages,
+            make_driver=lambda language: KernelDriver.for_spec(
+                launcher_of(language), spec, language
+            ),
         )
         sandbox.host_channel = channel
         return sandbox
+
+    async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
+        client, _ = await self._connect()
+        image = (spec.image if spec else None) or self.config.image
+        return (await self._image_programs(client, image)).languages
+
+    async def _image_programs(self, client: docker.DockerClient, image: str) -> KernelPrograms:
+        """The kernels of `image`, from its languages label."""
+        try:
+            found = await asyncio.to_thread(client.images.get, image)
+        except ImageNotFound:
+            raise BackendUnavailable(
+                f"the kernel image {image!r} is not on this engine: build it with `make image` "
+                "or `code-interpreter image build`"
+            ) from None
+        label = (found.labels or {}).get(LANGUAGES_LABEL)
+        return image_programs(label, self.config.python, STARTUP_FILE_IN_SANDBOX)
 
     async def cleanup_orphans(self) -> int:
         """Remove the containers of our orchestrator id whose owner process is provably gone,
@@ -238,8 +276,10 @@ class DockerSandbox(KernelSandbox):
         workspace: Workspace,
         launcher: _ContainerLauncher,
         on_close: Callable[[], None],
+        languages: list[str] | None = None,
+        make_driver: Callable[[str], KernelDriver] | None = None,
     ) -> None:
-        super().__init__(sandbox_id, spec, driver, dirs, workspace)
+        super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._launcher = launcher
         self._on_close = on_close
 
@@ -313,8 +353,12 @@ class _ContainerLauncher:
         image: str,
         uid: int,
         channel: HostChannel | None = None,
+        language: str = PYTHON,
+        kernels: KernelPrograms | None = None,
     ) -> None:
         self.config = config
+        self.language = language
+        self.kernels = kernels or image_programs(None, config.python, STARTUP_FILE_IN_SANDBOX)
         self.client = client
         self.deaths = deaths
         self.spec = spec
@@ -340,7 +384,7 @@ class _ContainerLauncher:
 
     @property
     def kernel_dir(self) -> Path:
-        return self.dirs.kernel
+        return self.dirs.kernel_of(self.language)
 
     @property
     def kernel_dir_in_sandbox(self) -> str:
@@ -353,7 +397,8 @@ class _ContainerLauncher:
 
     async def launch(self, connection_file_in_sandbox: str) -> _Container:
         self.generation += 1
-        name = f"code-interpreter-{self.sandbox_id}-{self.generation}"
+        which = "" if self.language == PYTHON else f"{self.language}-"
+        name = f"code-interpreter-{self.sandbox_id}-{which}{self.generation}"
         options = self._container_options(name, connection_file_in_sandbox)
         # Shielded: a sandbox closed while its kernel is replaced (a command can kill the kernel
         # at any time) cancels this launch; the container then still gets made, and is removed.
@@ -376,7 +421,8 @@ class _ContainerLauncher:
             if isinstance(exc, APIError | DockerException):
                 raise SandboxStartError(f"the container did not start: {exc}") from exc
             raise
-        self.current_name = name
+        if self.language == PYTHON:  # processes run beside Python's kernel
+            self.current_name = name
         return process
 
     def process_environment(self) -> dict[str, str]:
@@ -389,12 +435,15 @@ class _ContainerLauncher:
 
     def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
         limits, cfg = self.spec.limits, self.config
-        extra = self.process_environment()
+        extra = {**language_environment(self.language), **self.process_environment()}
         env = kernel_environment(path=cfg.kernel_path, home="/tmp", limits=limits, extra=extra)
+        command = self.kernels.command(
+            self.language, connection_file, KERNEL_DIR_IN_SANDBOX, limits
+        )
         memory = f"{limits.memory_mb}m"
         options: dict[str, Any] = {
             "image": self.image,
-            "command": kernel_command(cfg.python, connection_file, STARTUP_FILE_IN_SANDBOX),
+            "command": command,
             "name": name,
             "hostname": "sandbox",
             "user": f"{self.uid}:{self.uid}",
@@ -410,7 +459,10 @@ class _ContainerLauncher:
             # exec: tools install helpers in /tmp and run them (the code can run anything anyway).
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,exec,size={limits.tmp_size_mb}m,mode=1777"},
             "volumes": {
-                str(self.dirs.kernel): {"bind": KERNEL_DIR_IN_SANDBOX, "mode": "rw"},
+                str(self.kernel_dir): {"bind": KERNEL_DIR_IN_SANDBOX, "mode": "rw"},
+                # The supervisor of kernels that need one: this service's own copy, so every
+                # image runs the version the host expects.
+                str(SUPERVISOR_FILE): {"bind": SUPERVISOR_IN_SANDBOX, "mode": "ro"},
                 str(self.dirs.workspace): {"bind": WORKSPACE_IN_SANDBOX, "mode": "rw"},
                 # The image knows only the uid it was built with: name ours (getpass, pwd).
                 str(self.dirs.etc / "passwd"): {"bind": "/etc/passwd", "mode": "ro"},

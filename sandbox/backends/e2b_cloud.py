@@ -48,8 +48,10 @@ from sandbox.errors import (
     SandboxClosed,
     SandboxError,
     SandboxStartError,
+    ScopeRefused,
 )
 from sandbox.kernel.collector import OutputCollector
+from sandbox.languages import LANGUAGES, PYTHON, check_available
 from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus, FileInfo
 from sandbox.processes.spawned import Spawner
 from sandbox.spec import SandboxSpec
@@ -109,6 +111,9 @@ class E2BBackend(Backend):
     name = "e2b"
     supports_host_tools = False  # a microVM elsewhere: no socket of ours reaches it
     keeps_warm = False  # an idle E2B sandbox is billed, and E2B kills it at its timeout
+
+    async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
+        return list(LANGUAGES)
 
     def __init__(self, config: E2BBackendConfig | None = None) -> None:
         self.config = config or E2BBackendConfig()
@@ -203,9 +208,13 @@ class _Run:
 
 
 class E2BSandbox(Sandbox):
-    """One E2B sandbox; code runs in its default Python context."""
+    """One E2B sandbox; code runs in its default context of each language."""
 
     backend = "e2b"
+
+    @property
+    def languages(self) -> list[str]:
+        return list(LANGUAGES)  # E2B's code-interpreter template runs every one of them
 
     def __init__(
         self, remote: AsyncSandbox, spec: SandboxSpec, config: E2BBackendConfig, workdir: str
@@ -232,8 +241,15 @@ class E2BSandbox(Sandbox):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_event: EventSink | None = None,
+        language: str = PYTHON,
     ) -> Execution:
         self._check_open()
+        language = check_available(language, self.languages)
+        if cwd is not None and language != PYTHON:
+            raise ScopeRefused(
+                "a per-call working directory on the E2B backend works in Python only; "
+                "change directory in the code itself"
+            )
         async with self._lock:
             self._check_open()
             started = time.monotonic()
@@ -250,21 +266,26 @@ class E2BSandbox(Sandbox):
                     "import os as _o; _cir_cwd = _o.getcwd(); "
                     f"_o.chdir(_o.path.join(_cir_cwd, {cwd!r})); del _o"
                 )
-                status = await self._run_code(setup, limit, envs, collector)
+                status = await self._run_code(setup, limit, envs, collector, PYTHON)
                 if status is not ExecutionStatus.OK:
                     return collector.build(status=status, duration_s=time.monotonic() - started)
             try:
-                status = await self._run_code(code, limit, envs, collector)
+                status = await self._run_code(code, limit, envs, collector, language)
             finally:
                 if cwd is not None:
                     restore = "import os as _o; _o.chdir(_cir_cwd); del _o, _cir_cwd"
                     with contextlib.suppress(Exception):
-                        await self._run_code(restore, 30.0, {}, OutputCollector(1000, None))
+                        await self._run_code(restore, 30.0, {}, OutputCollector(1000, None), PYTHON)
             await self._extend_if_due()
             return collector.build(status=status, duration_s=time.monotonic() - started)
 
     async def _run_code(
-        self, code: str, timeout_s: float, envs: dict[str, str], collector: OutputCollector
+        self,
+        code: str,
+        timeout_s: float,
+        envs: dict[str, str],
+        collector: OutputCollector,
+        language: str,
     ) -> ExecutionStatus:
         """Run one cell, feeding its outputs to `collector`; end it at the limit or on request."""
         run = self._run = _Run()
@@ -287,6 +308,7 @@ class E2BSandbox(Sandbox):
         request = asyncio.ensure_future(
             self.remote.run_code(
                 code,
+                language=language,  # E2B's server knows our canonical names
                 envs=envs or None,
                 timeout=0,  # no deadline in the SDK: ours, below, closes the request instead
                 on_stdout=on_stdout,
@@ -356,15 +378,16 @@ class E2BSandbox(Sandbox):
         run.stop.set()
         return True
 
-    async def restart(self) -> None:
+    async def restart(self, language: str | None = None) -> None:
         self._check_open()
+        wanted = None if language is None else check_available(language, self.languages)
         if self._run is not None:
             self._run.stop.set()
         async with self._lock:
             try:
                 contexts = await self.remote.list_code_contexts()
                 for context in contexts:
-                    if context.language == "python":
+                    if wanted is None or context.language == wanted:
                         await self.remote.restart_code_context(context)
             except Exception as exc:
                 raise await self._failure(exc) from exc

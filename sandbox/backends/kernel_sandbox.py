@@ -1,5 +1,10 @@
-"""What local and Docker sandboxes share: the kernel driver, and a workspace kept on the host
-(bound into the sandbox), whose files move through `Workspace` without following symlinks.
+"""What local and Docker sandboxes share: kernel drivers, one per language, and a workspace kept
+on the host (bound into the sandbox), whose files move through `Workspace` without following
+symlinks.
+
+Python's kernel starts with the sandbox; another language's starts the first time code in it
+runs (a Python-only session pays nothing for the others), inside the same boundary, sharing the
+workspace, and ends with the sandbox.
 
 Workspace file work blocks (a big tree, a big file), so it runs on threads of its own, not on
 the default pool every execution needs (keeping outputs, Docker calls), and each sandbox has at
@@ -12,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TypeVar
 
 from sandbox.backends.base import Sandbox
-from sandbox.errors import SandboxError
+from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.kernel.driver import KernelDriver
+from sandbox.kernel.scopes import set_env
+from sandbox.languages import PYTHON, check_available
 from sandbox.models import EventSink, Execution, FileInfo
 from sandbox.spec import SandboxSpec, check_environment
 from sandbox.state_dir import SessionDirs
@@ -32,7 +38,7 @@ _FILE_WORKERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="workspace-
 
 
 class KernelSandbox(Sandbox):
-    """A sandbox whose code runs in an ipykernel driven by `KernelDriver`."""
+    """A sandbox whose code runs in Jupyter kernels driven by `KernelDriver`s."""
 
     def __init__(
         self,
@@ -41,14 +47,53 @@ class KernelSandbox(Sandbox):
         driver: KernelDriver,
         dirs: SessionDirs,
         workspace: Workspace,
+        languages: list[str] | None = None,
+        make_driver: Callable[[str], KernelDriver] | None = None,
     ) -> None:
         self.id = sandbox_id
         self.spec = spec
-        self.driver = driver
+        self.driver = driver  # Python's
         self.dirs = dirs
         self.workspace = workspace
+        self._languages = languages or [PYTHON]
+        self._make_driver = make_driver
+        self._drivers: dict[str, KernelDriver] = {PYTHON: driver}
+        self._starting: dict[str, asyncio.Lock] = {}
         self._closed = False
         self._file_slots = asyncio.Semaphore(FILE_OPERATIONS_PER_SANDBOX)
+
+    async def _driver_for(self, language: str) -> KernelDriver:
+        """The kernel of `language`, started now if this is its first use."""
+        name = check_available(language, self.languages)
+        driver = self._drivers.get(name)
+        if driver is not None:
+            return driver
+        if self._make_driver is None:
+            raise SandboxError(f"this sandbox cannot start a {name} kernel")
+        async with self._starting.setdefault(name, asyncio.Lock()):
+            if name in self._drivers:
+                return self._drivers[name]
+            if self._closed:
+                raise SandboxClosed("the sandbox is closed")
+            driver = self._make_driver(name)
+            try:
+                await driver.start()
+            except BaseException:
+                await driver.close()
+                raise
+            if self._closed:  # closed while it started: it must not outlive the sandbox
+                await driver.close()
+                raise SandboxClosed("the sandbox was closed while its kernel started")
+            self._drivers[name] = driver
+            return driver
+
+    @property
+    def languages(self) -> list[str]:
+        return list(self._languages)
+
+    @property
+    def started_languages(self) -> list[str]:
+        return list(self._drivers)
 
     async def execute(
         self,
@@ -58,8 +103,10 @@ class KernelSandbox(Sandbox):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         on_event: EventSink | None = None,
+        language: str = PYTHON,
     ) -> Execution:
-        return await self.driver.execute(
+        driver = await self._driver_for(language)
+        return await driver.execute(
             code,
             timeout_s=timeout_s if timeout_s is not None else self.spec.default_timeout_s,
             env=env,
@@ -69,20 +116,32 @@ class KernelSandbox(Sandbox):
 
     async def set_env(self, env: dict[str, str]) -> None:
         self.spec.env.update(check_environment(env))  # read again for every new kernel
-        code = f"import os as _o; _o.environ.update({json.dumps(env)}); del _o"
-        execution = await self.driver.execute(code, timeout_s=30, silent=True)
-        if not execution.ok:
-            raise SandboxError(f"could not set the environment: {execution.error}")
+        for language, driver in list(self._drivers.items()):
+            execution = await driver.execute(set_env(language, env), timeout_s=30, silent=True)
+            if not execution.ok:
+                raise SandboxError(
+                    f"could not set the environment of the {language} kernel: {execution.error}"
+                )
 
     async def interrupt(self) -> bool:
-        return await self.driver.interrupt()
+        stopped = [await driver.interrupt() for driver in list(self._drivers.values())]
+        return any(stopped)
 
-    async def restart(self) -> None:
-        await self.driver.restart()
+    async def restart(self, language: str | None = None) -> None:
+        if language is None:
+            for driver in list(self._drivers.values()):
+                await driver.restart()
+            return
+        name = check_available(language, self.languages)
+        started = self._drivers.get(name)
+        if started is None:
+            await self._driver_for(name)  # not started yet: starting it is a fresh kernel
+        else:
+            await started.restart()
 
     @property
     def is_busy(self) -> bool:
-        return self.driver.is_busy
+        return any(driver.is_busy for driver in self._drivers.values())
 
     async def _file_work(self, work: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Run blocking workspace work on the file workers, within this sandbox's share. The
@@ -116,7 +175,9 @@ class KernelSandbox(Sandbox):
         self._closed = True
         try:
             await self._close_processes()
-            await self.driver.close()
+            # Python's last: its kernel waits for the sandbox's cgroup to empty (local).
+            for driver in reversed(list(self._drivers.values())):
+                await driver.close()
         finally:
             await self._teardown()
 

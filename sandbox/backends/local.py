@@ -48,16 +48,19 @@ from sandbox.cgroups import SandboxCgroup
 from sandbox.errors import BackendUnavailable, ProcessesUnsupported, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.host_commands import HOST_ENVIRONMENT, memfd_with, resolve
-from sandbox.kernel.command import (
-    STARTUP_FILE,
-    STARTUP_FILE_IN_SANDBOX,
-    kernel_command,
-    kernel_environment,
-)
+from sandbox.kernel.command import STARTUP_FILE, STARTUP_FILE_IN_SANDBOX, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
+from sandbox.kernel.programs import (
+    SUPERVISOR_FILE,
+    SUPERVISOR_IN_SANDBOX,
+    KernelPrograms,
+    host_programs,
+    language_environment,
+)
 from sandbox.kernel.stdio_tail import StdioTail
+from sandbox.languages import PYTHON
 from sandbox.processes.spawned import Spawner
 from sandbox.spec import ResourceLimits, SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
@@ -97,7 +100,10 @@ _ETC_FILES = (
     "protocols",
     "services",
     "matplotlibrc",
+    "R",  # R's Renviron, Rprofile.site, ldpaths: R_HOME/etc links here
 )
+# Java reads its configuration through links into /etc/java-<version>-openjdk.
+_ETC_PATTERNS = ("java-*-openjdk",)
 _SANDBOX_UID = 1000  # the uid and gid the code sees
 _SHM_SIZE_MB = 64  # as Docker's default /dev/shm
 
@@ -141,7 +147,7 @@ class LocalBackend(Backend):
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config or LocalBackendConfig()
         self.uids = HostUidPool(self.config.host_uid_base, self.config.host_uid_count)
-        self._python_roots: list[str] | None = None
+        self._probed: _PythonProbe | None = None
         # Found once, here: what runs on the host never depends on a PATH.
         self._python = _absolute_python(self.config.python)
         try:
@@ -184,16 +190,23 @@ class LocalBackend(Backend):
             if cfg.use_cgroups and not cfg.unsafe_no_sandbox and cgroups.available():
                 cgroup = SandboxCgroup(sandbox_id)
                 cgroup.create(spec.limits)
-            launcher = _BwrapLauncher(
-                cfg,
-                _HostPrograms(self._python, self._bwrap or ""),
-                spec,
-                dirs,
-                host_uid,
-                await self._python_bind_roots(),
-                cgroup,
-                channel,
-            )
+            probe = await self._probe()
+            kernels = self._kernel_programs(probe)
+
+            def launcher_of(language: str) -> _BwrapLauncher:
+                return _BwrapLauncher(
+                    cfg,
+                    _HostPrograms(self._python, self._bwrap or "", kernels),
+                    spec,
+                    dirs,
+                    host_uid,
+                    probe.roots,
+                    cgroup,
+                    channel,
+                    language,
+                )
+
+            launcher = launcher_of(PYTHON)
             driver = KernelDriver.for_spec(launcher, spec)
             await driver.start()
         except BaseException:
@@ -210,9 +223,27 @@ class LocalBackend(Backend):
             Workspace(str(dirs.workspace), owner=owner),
             on_close=lambda: self._closed(host_uid, cgroup),  # called from a worker thread
             make_spawner=lambda: self._spawner(launcher),
+            languages=kernels.languages,
+            make_driver=lambda language: KernelDriver.for_spec(
+                launcher_of(language), spec, language
+            ),
         )
         sandbox.host_channel = channel
         return sandbox
+
+    async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
+        return self._kernel_programs(await self._probe()).languages
+
+    def _kernel_programs(self, probe: _PythonProbe) -> KernelPrograms:
+        """This host's kernels, by the paths a sandbox sees them at."""
+        unsafe = self.config.unsafe_no_sandbox
+        return host_programs(
+            self._python,
+            probe.prefix,
+            probe.has_bash_kernel,
+            startup_file=str(STARTUP_FILE) if unsafe else STARTUP_FILE_IN_SANDBOX,
+            supervisor=str(SUPERVISOR_FILE) if unsafe else SUPERVISOR_IN_SANDBOX,
+        )
 
     async def cleanup_orphans(self) -> int:
         removed = SessionDirs.remove_orphans(self.config.state_dir, self.name)
@@ -248,15 +279,17 @@ class LocalBackend(Backend):
         if uid is not None:
             self.uids.release(uid)
 
-    async def _python_bind_roots(self) -> list[str]:
-        """The directories the kernel's interpreter needs that /usr does not already give."""
-        if self._python_roots is None:
+    async def _probe(self) -> _PythonProbe:
+        """What the kernel's interpreter is: the directories it needs that /usr does not
+        already give, where its environment is, and whether it has the Bash kernel."""
+        if self._probed is None:
             proc = await asyncio.create_subprocess_exec(
                 self._python,
                 "-c",
-                "import sys, json, importlib.util; print(json.dumps([[sys.prefix, "
+                "import sys, json, importlib.util as u; print(json.dumps([[sys.prefix, "
                 "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix], "
-                "importlib.util.find_spec('ipykernel_launcher') is not None]))",
+                "u.find_spec('ipykernel_launcher') is not None, "
+                "u.find_spec('bash_kernel') is not None]))",
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 env=HOST_ENVIRONMENT,
@@ -266,7 +299,7 @@ class LocalBackend(Backend):
                 raise BackendUnavailable(
                     f"the kernel interpreter {self.config.python!r} does not run: {err.decode()}"
                 )
-            prefixes, has_kernel = json.loads(out)
+            prefixes, has_kernel, has_bash_kernel = json.loads(out)
             if not has_kernel:
                 raise BackendUnavailable(KERNEL_MISSING_HINT.format(python=self.config.python))
             roots = _outside_usr(prefixes)
@@ -274,8 +307,8 @@ class LocalBackend(Backend):
                 for root in roots:
                     _check_reachable_by_others(root, "the kernel's Python")
                 _check_reachable_by_others(str(self.config.state_dir.parent), "the state dir")
-            self._python_roots = roots
-        return self._python_roots
+            self._probed = _PythonProbe(roots, prefixes[0], has_bash_kernel)
+        return self._probed
 
 
 def _absolute_python(python: str) -> str:
@@ -290,6 +323,14 @@ class _HostPrograms:
 
     python: str
     bwrap: str
+    kernels: KernelPrograms
+
+
+@dataclass(frozen=True)
+class _PythonProbe:
+    roots: list[str]
+    prefix: str
+    has_bash_kernel: bool
 
 
 def _outside_usr(prefixes: list[str]) -> list[str]:
@@ -329,8 +370,10 @@ class LocalSandbox(KernelSandbox):
         workspace: Workspace,
         on_close: Callable[[], None],
         make_spawner: Callable[[], Spawner],
+        languages: list[str] | None = None,
+        make_driver: Callable[[str], KernelDriver] | None = None,
     ) -> None:
-        super().__init__(sandbox_id, spec, driver, dirs, workspace)
+        super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._on_close = on_close
         self._make_spawner = make_spawner
 
@@ -346,9 +389,17 @@ class LocalSandbox(KernelSandbox):
 class _BwrapKernel:
     """A kernel running under bwrap. bwrap exits with its child's status (128+N for signal N)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, cgroup: SandboxCgroup | None) -> None:
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        cgroup: SandboxCgroup | None,
+        owns_group: bool = True,
+    ) -> None:
         self.proc = proc
         self.cgroup = cgroup
+        # Python's kernel waits for the group to empty before its successor starts; another
+        # language's shares the group with Python's, which is never empty while it runs.
+        self.owns_group = owns_group
         self.oom_kills = cgroup.oom_kills() if cgroup else 0
         assert proc.stdout is not None
         self.output = StdioTail(proc.stdout)
@@ -367,7 +418,7 @@ class _BwrapKernel:
                 self.proc.kill()
         await self.proc.wait()
         self.output.stop()
-        if self.cgroup is not None:  # the next kernel shares the group and its limits
+        if self.cgroup is not None and self.owns_group:  # the next kernel shares its limits
             await self.cgroup.wait_empty()
 
     def diagnostics(self) -> str:
@@ -385,8 +436,10 @@ class _BwrapLauncher:
         python_roots: list[str],
         cgroup: SandboxCgroup | None,
         channel: HostChannel | None = None,
+        language: str = PYTHON,
     ) -> None:
         self.config = config
+        self.language = language
         self.programs = programs
         self.spec = spec
         self.dirs = dirs
@@ -415,6 +468,7 @@ class _BwrapLauncher:
             where = self.channel.path if cfg.unsafe_no_sandbox else HOST_TOOLS_DIR_IN_SANDBOX
             variables[HOST_TOOLS_ENV] = str(where)
         home = str(self.dirs.root / "home") if cfg.unsafe_no_sandbox else "/tmp"
+        variables = {**language_environment(self.language), **variables}
         return kernel_environment(path=path, home=home, limits=self.spec.limits, extra=variables)
 
     def process_environment(self, request_env: dict[str, str]) -> dict[str, str]:
@@ -422,18 +476,18 @@ class _BwrapLauncher:
 
     @property
     def kernel_dir(self) -> Path:
-        return self.dirs.kernel
+        return self.dirs.kernel_of(self.language)
 
     @property
     def kernel_dir_in_sandbox(self) -> str:
-        return str(self.dirs.kernel) if self.config.unsafe_no_sandbox else KERNEL_DIR_IN_SANDBOX
+        return str(self.kernel_dir) if self.config.unsafe_no_sandbox else KERNEL_DIR_IN_SANDBOX
 
     @property
     def kernel_uid(self) -> int | None:
         return self.host_uid
 
     async def launch(self, connection_file_in_sandbox: str) -> _BwrapKernel:
-        cfg, limits, python = self.config, self.spec.limits, self.programs.python
+        cfg, limits = self.config, self.spec.limits
         fds: list[int] = []
         try:
             if cfg.unsafe_no_sandbox:
@@ -441,7 +495,7 @@ class _BwrapLauncher:
                 # No sandbox: the kernel is a host process with this environment. The
                 # interpreter's path is absolute, so the session's PATH cannot choose it.
                 env = self.environment()
-                argv = kernel_command(python, connection_file_in_sandbox, str(STARTUP_FILE))
+                argv = self._kernel_command(connection_file_in_sandbox)
                 cwd = str(self.dirs.workspace)
             else:
                 options = self._bwrap_args(self.environment(), fds)
@@ -452,7 +506,7 @@ class _BwrapLauncher:
                     self.programs.bwrap,
                     "--args",
                     str(fds[-1]),
-                    *kernel_command(python, connection_file_in_sandbox, STARTUP_FILE_IN_SANDBOX),
+                    *self._kernel_command(connection_file_in_sandbox),
                 ]
                 env = {}  # bwrap's own (the sandbox's pid 1): nothing of the session or host
                 cwd = "/"
@@ -470,8 +524,13 @@ class _BwrapLauncher:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.kernel = _BwrapKernel(proc, self.cgroup)
+        self.kernel = _BwrapKernel(proc, self.cgroup, owns_group=self.language == PYTHON)
         return self.kernel
+
+    def _kernel_command(self, connection_file: str) -> list[str]:
+        return self.programs.kernels.command(
+            self.language, connection_file, self.kernel_dir_in_sandbox, self.spec.limits
+        )
 
     def _bwrap_args(self, env: dict[str, str], fds: list[int]) -> list[str]:
         """bwrap's options; the data they name (seccomp filter, /proc files) is put in `fds`."""
@@ -505,6 +564,9 @@ class _BwrapLauncher:
             host = Path("/etc") / name
             if host.exists():
                 mounts.append(("--ro-bind", str(host), str(host)))
+        for pattern in _ETC_PATTERNS:
+            for host in sorted(Path("/etc").glob(pattern)):
+                mounts.append(("--ro-bind", str(host), str(host)))
         for name in ("passwd", "group"):
             mounts.append(("--ro-bind", str(self.dirs.etc / name), f"/etc/{name}"))
         for root in self.python_roots:
@@ -512,8 +574,9 @@ class _BwrapLauncher:
         mounts += [
             ("--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX),
             ("--ro-bind", str(LAUNCHER_FILE), LAUNCHER_IN_SANDBOX),
+            ("--ro-bind", str(SUPERVISOR_FILE), SUPERVISOR_IN_SANDBOX),
             ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),
-            ("--bind", str(self.dirs.kernel), KERNEL_DIR_IN_SANDBOX),
+            ("--bind", str(self.kernel_dir), KERNEL_DIR_IN_SANDBOX),
         ]
         if self.channel is not None:
             mounts.append(("--ro-bind", str(self.channel.path), HOST_TOOLS_DIR_IN_SANDBOX))

@@ -1,4 +1,4 @@
-"""The kernel driver: runs code in one stateful ipykernel and never leaves its caller hanging.
+"""The kernel driver: runs code in one stateful Jupyter kernel and never leaves its caller hanging.
 
 It owns one kernel at a time (a "generation") and replaces it when it dies, when it will not stop
 after an interrupt, or on request. Executions run one at a time, in the order they were asked for.
@@ -7,7 +7,11 @@ after an interrupt, or on request. Executions run one at a time, in the order th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -19,6 +23,9 @@ from sandbox.kernel.channels import KernelChannels, Watch, frame_limit_bytes
 from sandbox.kernel.collector import OutputCollector, capped
 from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
+from sandbox.kernel.programs import INTERRUPT_SOCKET
+from sandbox.kernel.scopes import scope
+from sandbox.languages import LANGUAGES, PYTHON
 from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus
 from sandbox.spec import SandboxSpec
 
@@ -26,9 +33,6 @@ if TYPE_CHECKING:
     from jupyter_client.connect import KernelConnectionInfo
 
 log = logging.getLogger(__name__)
-
-# The helper module the kernel's start-up file installs (see startup.py).
-_RUNTIME = "__import__('_cir_runtime')"
 
 
 @dataclass
@@ -62,12 +66,13 @@ class _Kernel:
 
 
 class KernelDriver:
-    """Drives the ipykernel a `KernelLauncher` starts, over the ipc sockets in its directory."""
+    """Drives the kernel a `KernelLauncher` starts, over the ipc sockets in its directory."""
 
     def __init__(
         self,
         launcher: KernelLauncher,
         *,
+        language: str = PYTHON,
         interrupt_grace_s: float = 3.0,
         output_limit_chars: int = 1_000_000,
         result_limit_bytes: int = 50 << 20,
@@ -75,6 +80,7 @@ class KernelDriver:
         startup_timeout_s: float = 60.0,
     ) -> None:
         self._launcher = launcher
+        self.language = language
         self.interrupt_grace_s = interrupt_grace_s
         self.output_limit_chars = output_limit_chars
         self.result_limit_bytes = result_limit_bytes
@@ -87,12 +93,16 @@ class KernelDriver:
         self._closed = False
         self._notice: str | None = None  # state was lost between executions: told to the next
         self._scope_open = False  # a per-call env/cwd is applied and must be undone
+        self._scope_exit = ""  # the code that undoes it
         self._background: set[asyncio.Task[Any]] = set()
 
     @classmethod
-    def for_spec(cls, launcher: KernelLauncher, spec: SandboxSpec) -> KernelDriver:
+    def for_spec(
+        cls, launcher: KernelLauncher, spec: SandboxSpec, language: str = PYTHON
+    ) -> KernelDriver:
         return cls(
             launcher,
+            language=language,
             interrupt_grace_s=spec.interrupt_grace_s,
             output_limit_chars=spec.output_limit_chars,
             result_limit_bytes=spec.result_limit_bytes,
@@ -271,7 +281,11 @@ class KernelDriver:
             self._scope_open = False
 
     def _send_interrupt(self, kernel: _Kernel) -> None:
-        # Message mode works the same in every backend: no signal has to cross a namespace.
+        # Message mode works the same in every backend: no signal has to cross a namespace. A
+        # kernel that ignores it is sent SIGINT by its supervisor, asked over a socket.
+        if LANGUAGES[self.language].interrupt_by_signal:
+            _poke(self._launcher.kernel_dir / INTERRUPT_SOCKET)
+            return
         client = kernel.client
         client.control_channel.send(client.session.msg("interrupt_request", {}))
 
@@ -349,7 +363,7 @@ class KernelDriver:
 
     async def _close_scope(self) -> None:
         self._scope_open = False
-        await self._run_request(f"{_RUNTIME}.exit()", 10.0, OutputCollector(1000, None), True)
+        await self._run_request(self._scope_exit, 10.0, OutputCollector(1000, None), True)
 
     async def _execute_locked(
         self,
@@ -377,9 +391,9 @@ class KernelDriver:
 
         scoped = bool(env) or cwd is not None
         if scoped:
-            # repr() of a dict of strings and of a str or None is valid Python source.
-            setup = f"{_RUNTIME}.enter({dict(env or {})!r}, {cwd!r})"
-            status, fields = await self._run_request(setup, timeout_s, collector, silent=True)
+            applied = scope(self.language, dict(env or {}), cwd)
+            self._scope_exit = applied.exit
+            status, fields = await self._run_request(applied.enter, timeout_s, collector, True)
             if status is not ExecutionStatus.OK:
                 return collector.build(
                     status=status, duration_s=time.monotonic() - started, notice=notice, **fields
@@ -525,3 +539,25 @@ class KernelDriver:
             )
         )
         return status, {"state_lost": True}
+
+
+def _poke(path: os.PathLike[str] | str) -> None:
+    """Write one byte to the supervisor's interrupt socket, without following a link the
+    sandbox may have put in its place: the socket is opened by O_PATH and reached through
+    /proc/self/fd, and must be a socket."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("cannot interrupt the kernel: %s", exc)
+        return
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            log.warning("the kernel's interrupt socket is not a socket; not interrupting")
+            return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.setblocking(False)  # a full backlog: skip it; the grace period restarts the kernel
+            with contextlib.suppress(OSError):
+                s.connect(f"/proc/self/fd/{fd}")
+                s.send(b"\x03")
+    finally:
+        os.close(fd)

@@ -1,0 +1,171 @@
+"""Where each language's kernel lives in a sandbox, and the command line that starts it.
+
+The Docker backend knows an image's languages from its label and uses fixed paths (the images
+put every kernel there: docs/images.md); the local backend looks at what its host has, once.
+Either way the result is a `KernelPrograms`, and the command lines are built here alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandbox.inside_kernel import kernel_supervisor
+from sandbox.kernel.command import kernel_command
+from sandbox.languages import LANGUAGES, PYTHON
+from sandbox.spec import ResourceLimits
+
+# An image's languages, comma-separated canonical names (kernel_images/build.py sets it).
+LANGUAGES_LABEL = "code-interpreter.languages"
+SUPERVISOR_FILE = Path(kernel_supervisor.__file__)
+SUPERVISOR_IN_SANDBOX = "/opt/code-interpreter/kernel_supervisor.py"
+# The supervisor's interrupt socket, in the kernel's directory.
+INTERRUPT_SOCKET = "interrupt"
+# Where the images put jjava's jar: in the kernel's Python environment, as `pip install jjava`
+# does.
+JJAVA_JAR_IN_PREFIX = "share/jupyter/kernels/java/jjava.jar"
+IRKERNEL_LIBRARIES = (
+    "/usr/lib/R/site-library",
+    "/usr/local/lib/R/site-library",
+    "/usr/lib/R/library",
+)
+
+
+@dataclass(frozen=True)
+class KernelPrograms:
+    """The programs of one sandbox's kernels, as paths inside the sandbox. None: not there."""
+
+    python: str
+    startup_file: str
+    supervisor: str = SUPERVISOR_IN_SANDBOX
+    bash_kernel: bool = False
+    deno: str | None = None
+    java: str | None = None
+    jjava_jar: str | None = None
+    r: str | None = None
+
+    @property
+    def languages(self) -> list[str]:
+        """The canonical names of the languages these programs run, Python first."""
+        has = {
+            PYTHON: True,
+            "bash": self.bash_kernel,
+            "javascript": self.deno is not None,
+            "typescript": self.deno is not None,
+            "r": self.r is not None,
+            "java": self.java is not None and self.jjava_jar is not None,
+        }
+        return [name for name in LANGUAGES if has[name]]
+
+    def command(
+        self, language: str, connection_file: str, kernel_dir: str, limits: ResourceLimits
+    ) -> list[str]:
+        """The command line of `language`'s kernel, reading `connection_file` (in-sandbox)."""
+        if language == PYTHON:
+            return kernel_command(self.python, connection_file, self.startup_file)
+        argv = self._kernel_argv(language, limits)
+        spec = LANGUAGES[language]
+        if not spec.supervised:
+            return [a.replace("{connection_file}", connection_file) for a in argv]
+        supervisor = [self.python, self.supervisor, "--connection-file", connection_file]
+        if spec.relayed:
+            supervisor.append("--relay")
+        if spec.interrupt_by_signal:
+            supervisor += ["--interrupt-socket", f"{kernel_dir}/{INTERRUPT_SOCKET}"]
+        return [*supervisor, "--", *argv]
+
+    def _kernel_argv(self, language: str, limits: ResourceLimits) -> list[str]:
+        placeholder = kernel_supervisor.PLACEHOLDER
+        if language == "bash":
+            return [self.python, "-m", "bash_kernel", "-f", placeholder]
+        if language in ("javascript", "typescript") and self.deno:
+            return [self.deno, "jupyter", "--kernel", "--conn", placeholder]
+        if language == "r" and self.r:
+            r_options = ["--no-echo", "--no-restore", "-e", "IRkernel::main()", "--args"]
+            return [self.r, *r_options, placeholder]
+        if language == "java" and self.java and self.jjava_jar:
+            heap = max(64, limits.memory_mb // 2)
+            return [
+                self.java,
+                f"-Xmx{heap}m",
+                f"-XX:ActiveProcessorCount={max(1, math.ceil(limits.cpus))}",
+                "-XX:+UseSerialGC",
+                "-XX:-UsePerfData",
+                "--add-opens=jdk.jshell/jdk.jshell=ALL-UNNAMED",
+                # Per-call environment variables (sandbox/kernel/scopes.py) need these two.
+                "--add-opens=java.base/java.lang=ALL-UNNAMED",
+                "--add-opens=java.base/java.util=ALL-UNNAMED",
+                "-jar",
+                self.jjava_jar,
+                placeholder,
+            ]
+        raise ValueError(f"no kernel for {language!r} here")
+
+
+def language_environment(language: str) -> dict[str, str]:
+    """Variables a language's kernel needs beyond the common ones."""
+    if language in ("javascript", "typescript"):
+        # Plain text results (no terminal colours), no update check: there is no network.
+        return {"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1", "DENO_NO_PROMPT": "1"}
+    if language == "r":
+        return {"R_LIBS_USER": "/tmp/R/library"}
+    return {}
+
+
+def image_programs(languages_label: str | None, python: str, startup_file: str) -> KernelPrograms:
+    """The programs of a kernel image, from its languages label (no label: Python alone)."""
+    listed = {n.strip() for n in (languages_label or "").split(",") if n.strip()}
+    prefix = str(Path(python).parent.parent)
+    return KernelPrograms(
+        python=python,
+        startup_file=startup_file,
+        bash_kernel="bash" in listed,
+        deno=f"{prefix}/bin/deno" if listed & {"javascript", "typescript"} else None,
+        java="/usr/bin/java" if "java" in listed else None,
+        jjava_jar=f"{prefix}/{JJAVA_JAR_IN_PREFIX}" if "java" in listed else None,
+        r="/usr/bin/R" if "r" in listed else None,
+    )
+
+
+def host_programs(
+    python: str, prefix: str, has_bash_kernel: bool, startup_file: str, supervisor: str
+) -> KernelPrograms:
+    """The programs the local backend's host has, beside its kernel Python at `prefix`."""
+    deno = _first_executable([f"{prefix}/bin/deno", "/usr/local/bin/deno", "/usr/bin/deno"])
+    java = _first_executable(["/usr/bin/java"])
+    jar = _first_file(
+        [
+            f"{prefix}/{JJAVA_JAR_IN_PREFIX}",
+            f"/usr/local/{JJAVA_JAR_IN_PREFIX}",
+            f"/usr/{JJAVA_JAR_IN_PREFIX}",
+        ]
+    )
+    r = _first_executable(["/usr/bin/R"])
+    if r is not None and not any(Path(lib, "IRkernel").is_dir() for lib in IRKERNEL_LIBRARIES):
+        r = None
+    return KernelPrograms(
+        python=python,
+        startup_file=startup_file,
+        supervisor=supervisor,
+        bash_kernel=has_bash_kernel,
+        deno=deno,
+        java=java,
+        jjava_jar=jar,
+        r=r,
+    )
+
+
+def _first_executable(candidates: list[str]) -> str | None:
+    for candidate in candidates:
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _first_file(candidates: list[str]) -> str | None:
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return candidate
+    return None

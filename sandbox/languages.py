@@ -29,6 +29,10 @@ class Language:
     # The kernel ignores Jupyter's interrupt_request (IRkernel): the supervisor turns an
     # interrupt into SIGINT instead.
     interrupt_by_signal: bool = False
+    # The kernel may publish a call's last output after its idle status (Deno's sends stdout
+    # and the result a millisecond or two late): a call is over once its output has been
+    # quiet this long after the idle.
+    linger_s: float = 0.0
 
     @property
     def supervised(self) -> bool:
@@ -40,8 +44,10 @@ LANGUAGES: dict[str, Language] = {
     for language in (
         Language(PYTHON, ("py", "python3", "ipython"), (".py",)),
         Language("bash", ("sh", "shell"), (".sh", ".bash")),
-        Language("javascript", ("js", "deno", "node"), (".js", ".mjs"), relayed=True),
-        Language("typescript", ("ts",), (".ts",), relayed=True),
+        Language(
+            "javascript", ("js", "deno", "node"), (".js", ".mjs"), relayed=True, linger_s=0.05
+        ),
+        Language("typescript", ("ts",), (".ts",), relayed=True, linger_s=0.05),
         Language("r", ("R",), (".r", ".R"), interrupt_by_signal=True),
         Language("java", (), (".java", ".jsh"), relayed=True),
     )

@@ -151,12 +151,33 @@ class KernelChannels:
         if waiter is not None:
             waiter.cancel()
 
-    async def until_finished(self, watch: Watch, reply: asyncio.Future[dict[str, Any]]) -> None:
+    async def until_finished(
+        self, watch: Watch, reply: asyncio.Future[dict[str, Any]], linger_s: float = 0.0
+    ) -> None:
         """Return once the request is over: its reply came and its idle status too, or iopub
         went quiet for a moment after the reply (the idle was dropped on the way: then
-        `watch.end_unconfirmed` says so, once the message being handled is done)."""
+        `watch.end_unconfirmed` says so, once the message being handled is done).
+
+        `linger_s`: for kernels that may publish output after their idle status (Deno's), the
+        request is over only once iopub has also been quiet that long after the idle."""
         await asyncio.shield(reply)
         replied = time.monotonic()
+        await self._until_idle(watch, replied)
+        if linger_s > 0:
+            await self._until_quiet(linger_s, limit=replied + MAX_WAIT_AFTER_REPLY_S)
+
+    async def _until_quiet(self, quiet_s: float, limit: float) -> None:
+        while True:
+            now = time.monotonic()
+            if self.inbox.items or self.handling:
+                self.last_activity = now
+            wait = min(self.last_activity + quiet_s, limit) - now
+            if wait <= 0:
+                await self.handler_free.wait()
+                return
+            await asyncio.sleep(min(wait, 0.01))
+
+    async def _until_idle(self, watch: Watch, replied: float) -> None:
         while not watch.idle.is_set():
             now = time.monotonic()
             if self.inbox.items or self.handling:

@@ -81,6 +81,7 @@ class KernelDriver:
     ) -> None:
         self._launcher = launcher
         self.language = language
+        self._linger_s = LANGUAGES[language].linger_s
         self.interrupt_grace_s = interrupt_grace_s
         self.output_limit_chars = output_limit_chars
         self.result_limit_bytes = result_limit_bytes
@@ -342,7 +343,7 @@ class KernelDriver:
                         self._send_interrupt(kernel)
                         await asyncio.wait_for(asyncio.shield(run.reply), self.interrupt_grace_s)
                     # Stopped: its last output is drained under a bound of the reader's own.
-                    await kernel.channels.until_finished(run.watch, run.reply)
+                    await kernel.channels.until_finished(run.watch, run.reply, self._linger_s)
                 except TimeoutError:
                     self._notice = (
                         "An execution whose caller went away did not stop when interrupted, so "
@@ -420,7 +421,9 @@ class KernelDriver:
         # Registered before any await: nothing of this request can arrive before them.
         watch = run.watch = kernel.channels.follow(msg_id, collector.take)
         reply = run.reply = kernel.channels.reply_to(msg_id)
-        finished = asyncio.ensure_future(kernel.channels.until_finished(watch, reply))
+        finished = asyncio.ensure_future(
+            kernel.channels.until_finished(watch, reply, self._linger_s)
+        )
         try:
             while True:
                 if self._closed:

@@ -112,6 +112,21 @@ class SandboxCgroup:
                     time.sleep(0.02)
 
 
+def remove_engine_parents(sandbox_id: str, wait_s: float = 3.0) -> None:
+    """Remove what a container engine made under a sandbox's group in every controller (it
+    makes the parent in each hierarchy it uses, and removes only the containers' own)."""
+    deadline = time.monotonic() + wait_s
+    for d in sorted(ROOT.glob(f"*/{PARENT}/{sandbox_id}")):
+        while d.is_dir() and not d.is_symlink():
+            try:
+                d.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    log.warning("could not remove cgroup %s: still in use", d)
+                    break
+                time.sleep(0.02)
+
+
 class ProcessCgroup:
     """One process's group in the pids hierarchy: what it started cannot leave it (the sandbox
     has no cgroup filesystem), so signalling every member reaches all of them."""

@@ -232,3 +232,27 @@ async def test_unknown_and_missing_languages_are_refused_with_the_names_there_ar
                 await sb.execute("1", language="R")
         finally:
             await sb.close()
+
+
+async def test_the_memory_limit_binds_the_sandbox_not_each_kernel(backend: Backend) -> None:
+    """Two kernels of one sandbox cannot each take most of its memory: the limit is the
+    sandbox's (one cgroup for the local sandbox; one parent cgroup for Docker's containers)."""
+    from sandbox import cgroups
+
+    if not cgroups.available():
+        pytest.skip("needs root and cgroup v1 (as in CI) for the sandbox-wide memory limit")
+    limits = small_spec().limits.model_copy(update={"memory_mb": 600})
+    image = {"image": FULL_IMAGE} if backend.name == "docker" else {}
+    sb = await backend.create(small_spec(limits=limits, **image))
+    try:
+        held = await sb.execute("import numpy as np; a = np.ones(400 * 2**20 // 8); a[0] = 2")
+        assert held.status is ExecutionStatus.OK, held
+        r = await sb.execute(
+            "x <- numeric(400 * 2^20 / 8); x[] <- 1; cat(length(x))", language="r", timeout_s=120
+        )
+        python = await sb.execute("print(a[0])")
+        both_hold = r.status is ExecutionStatus.OK and python.stdout == "2.0\n"
+        assert not both_hold, "two kernels held 800 MB in a sandbox of 600 MB"
+        assert r.status is ExecutionStatus.KERNEL_DIED or python.status is not ExecutionStatus.OK
+    finally:
+        await sb.close()

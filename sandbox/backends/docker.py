@@ -29,7 +29,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig, Ulimit
 from pydantic import BaseModel, Field
 
-from sandbox import seccomp
+from sandbox import cgroups, seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_sandbox import KernelSandbox
@@ -91,6 +91,13 @@ class DockerBackendConfig(BaseModel):
     )
     host_uid_count: int = 10_000
     runtime: str | None = Field(None, description="OCI runtime, e.g. 'runsc' for gVisor.")
+    session_cgroup: bool = Field(
+        True,
+        description="Where this service runs as root beside the engine (cgroup v1, the "
+        "cgroupfs driver), hold every container of a sandbox (one per language) in one parent "
+        "cgroup with the sandbox's memory, pids and CPU limits, so that the limits bind the "
+        "sandbox as a whole and not each kernel alone.",
+    )
 
 
 class DockerBackend(Backend):
@@ -151,7 +158,12 @@ class DockerBackend(Backend):
         except BaseException:
             self.uids.release(uid)
             raise
+        group: cgroups.SandboxCgroup | None = None
         try:
+            engine = self.config.docker_host or os.environ.get("DOCKER_HOST") or "unix://"
+            if self.config.session_cgroup and await asyncio.to_thread(_shares_cgroups, engine):
+                group = cgroups.SandboxCgroup(sandbox_id)
+                await asyncio.to_thread(group.create, spec.limits)
             _write_user_database(dirs, uid)
             if not root:  # the container's uid must create files in it
                 dirs.workspace.chmod(0o777)
@@ -172,6 +184,7 @@ class DockerBackend(Backend):
                     channel,
                     language,
                     kernels,
+                    cgroup_parent=f"/{cgroups.PARENT}/{sandbox_id}" if group else None,
                 )
 
             launcher = launcher_of(PYTHON)
@@ -183,6 +196,8 @@ class DockerBackend(Backend):
                 raise
         except BaseException:
             await asyncio.to_thread(dirs.remove)
+            if group is not None:
+                await asyncio.to_thread(_remove_group, sandbox_id)
             self.uids.release(uid)
             raise
         sandbox = DockerSandbox(
@@ -192,7 +207,7 @@ class DockerBackend(Backend):
             dirs,
             Workspace(str(dirs.workspace), owner=owner),
             launcher,
-            on_close=lambda: self.uids.release(uid),
+            on_close=lambda: _closed(self.uids, uid, sandbox_id if group else None),
             languages=kernels.languages,
             make_driver=lambda language: KernelDriver.for_spec(
                 launcher_of(language), spec, language
@@ -254,6 +269,9 @@ class DockerBackend(Backend):
                 await asyncio.to_thread(container.remove, force=True)
             removed += 1
         dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
+        if cgroups.available():  # the parent groups of exactly those sandboxes, if any
+            for sandbox_id in dirs:
+                await asyncio.to_thread(_remove_group, sandbox_id)
         return removed + len(dirs)
 
     async def close(self) -> None:
@@ -355,8 +373,10 @@ class _ContainerLauncher:
         channel: HostChannel | None = None,
         language: str = PYTHON,
         kernels: KernelPrograms | None = None,
+        cgroup_parent: str | None = None,
     ) -> None:
         self.config = config
+        self.cgroup_parent = cgroup_parent
         self.language = language
         self.kernels = kernels or image_programs(None, config.python, STARTUP_FILE_IN_SANDBOX)
         self.client = client
@@ -497,6 +517,8 @@ class _ContainerLauncher:
             }
         if cfg.runtime:
             options["runtime"] = cfg.runtime
+        if self.cgroup_parent:
+            options["cgroup_parent"] = self.cgroup_parent
         return options
 
 
@@ -517,6 +539,24 @@ def _removal_done(removal: asyncio.Future[None]) -> None:
     _removals.discard(removal)
     if not removal.cancelled() and removal.exception() is not None:
         log.warning("could not remove an abandoned kernel container: %s", removal.exception())
+
+
+def _shares_cgroups(engine: str) -> bool:
+    """Whether a parent cgroup made here is the one the engine's containers join: this service
+    can make groups (root, cgroup v1) and the engine is on this machine (a Unix socket)."""
+    return engine.startswith("unix://") and cgroups.available()
+
+
+def _remove_group(sandbox_id: str) -> None:
+    cgroups.SandboxCgroup(sandbox_id).remove()
+    cgroups.remove_engine_parents(sandbox_id)
+
+
+def _closed(uids: HostUidPool, uid: int, group_of: str | None) -> None:
+    """Once a sandbox's containers are gone: its parent cgroup, then its uid."""
+    if group_of is not None:
+        _remove_group(group_of)
+    uids.release(uid)
 
 
 def _write_user_database(dirs: SessionDirs, uid: int) -> None:

@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[server,kernel,dev]'
+	$(BIN)/pip install -q -e '.[server,kernel,languages,dev]'
 	touch $@
 
 # The Docker tests need an engine and the images: start and build them when we can. Where no

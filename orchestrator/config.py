@@ -43,7 +43,8 @@ class Settings(BaseSettings):
     docker_image: str = "code-interpreter-kernel:latest"
     docker_images: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Images a session may ask for; by default only docker_image.",
+        description="Images a session may ask for; by default docker_image and the full image "
+        "(every language, code-interpreter-kernel-full:latest).",
     )
     orchestrator_id: str = Field("default", description="Labels this service's containers.")
     state_dir: Path = Field(default_factory=default_state_dir)

@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the project needs: bubblewrap for the local sandbox, a system
 # Python with venv, make; docker.io and debootstrap for the Docker backend and its images; the
-# programs commands in a local sandbox find on the host (git, ps, and nsenter to enter it).
+# programs commands in a local sandbox find on the host (git, ps, and nsenter to enter it); the
+# other languages' kernels the local backend runs (R with IRkernel, a JDK for jjava; Deno and
+# jjava themselves come from PyPI with `make install`), without their recommendations (R's would
+# bring a compiler tool chain).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 packages=(bubblewrap python3 python3-venv python3-dev make docker.io debootstrap git procps util-linux)
-missing=()
-for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
+language_packages=(r-base-core r-cran-irkernel default-jdk-headless)
+
+missing_of() {
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || echo "$p"
+    done
+}
+mapfile -t missing < <(missing_of "${packages[@]}")
+mapfile -t missing_languages < <(missing_of "${language_packages[@]}")
+if ((${#missing[@]} + ${#missing_languages[@]})); then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+    if ((${#missing[@]})); then
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+    fi
+    if ((${#missing_languages[@]})); then
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+            "${missing_languages[@]}"
+    fi
 fi

@@ -175,7 +175,7 @@ async def test_per_call_variables_reach_the_kernel_and_do_not_stick(
     polyglot: Sandbox, language: str
 ) -> None:
     case = CASES[language]
-    value = "it's \"quoted\" $HOME `x` \\ and ünïcode"
+    value = 'it\'s "quoted" $HOME `x` \\ and ünïcode'
     inside = await polyglot.execute(
         case.show_env, language=language, env={"CIR_LANG_VAR": value}, timeout_s=120
     )
@@ -222,13 +222,13 @@ async def test_a_language_starts_on_first_use_only(backend: Backend) -> None:
 async def test_unknown_and_missing_languages_are_refused_with_the_names_there_are(
     polyglot: Sandbox, backend: Backend
 ) -> None:
-    with pytest.raises(UnknownLanguage, match="cobol.*python, bash"):
+    with pytest.raises(UnknownLanguage, match=r"cobol.*python, bash"):
         await polyglot.execute("DISPLAY 'HI'.", language="cobol")
     if backend.name == "docker":  # the default image has Python and Bash only
         sb = await backend.create(small_spec())
         try:
             assert sb.languages == ["python", "bash"]
-            with pytest.raises(LanguageUnavailable, match="'r' is not installed.*python, bash"):
+            with pytest.raises(LanguageUnavailable, match=r"'r' is not installed.*python, bash"):
                 await sb.execute("1", language="R")
         finally:
             await sb.close()
@@ -256,3 +256,16 @@ async def test_the_memory_limit_binds_the_sandbox_not_each_kernel(backend: Backe
         assert r.status is ExecutionStatus.KERNEL_DIED or python.status is not ExecutionStatus.OK
     finally:
         await sb.close()
+
+
+async def test_r_plots_and_data_frames_come_back_as_an_image_and_a_table(
+    polyglot: Sandbox,
+) -> None:
+    plotted = await polyglot.execute("plot(1:10)", language="r", timeout_s=120)
+    assert plotted.status is ExecutionStatus.OK, plotted
+    assert any(r.png for r in plotted.results), plotted.results
+    table = await polyglot.execute("head(mtcars, 3)", language="r")
+    assert table.status is ExecutionStatus.OK, table
+    (frame,) = table.results
+    assert frame.html is not None and "<table" in frame.html
+    assert frame.text is not None and "Mazda RX4" in frame.text

@@ -29,6 +29,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import LogConfig, Ulimit
 from pydantic import BaseModel, Field
 
+from kernel_images.labels import KERNEL_IMAGE
 from sandbox import cgroups, seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.docker_processes import DockerSpawner
@@ -40,7 +41,6 @@ from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelExit
 from sandbox.kernel.programs import (
-    LANGUAGES_LABEL,
     SUPERVISOR_FILE,
     SUPERVISOR_IN_SANDBOX,
     KernelPrograms,
@@ -64,7 +64,7 @@ LABEL_OWNER = "code-interpreter.owner"  # prefix of the owner process's labels (
 # last lines of a kernel that died at start-up.
 KERNEL_LOG_FILE_BYTES = 512 << 10
 KERNEL_LOG_FILES = 2
-DEFAULT_IMAGE = "code-interpreter-kernel:latest"
+DEFAULT_IMAGE = KERNEL_IMAGE
 ENGINE_HINT = (
     "Start a Docker engine (`sudo systemctl start docker`, or on a machine without systemd "
     "`sudo dockerd --bridge=none --iptables=false --ip-masq=false &`) or point DOCKER_HOST at one."
@@ -230,8 +230,7 @@ class DockerBackend(Backend):
                 f"the kernel image {image!r} is not on this engine: build it with `make image` "
                 "or `code-interpreter image build`"
             ) from None
-        label = (found.labels or {}).get(LANGUAGES_LABEL)
-        return image_programs(label, self.config.python, STARTUP_FILE_IN_SANDBOX)
+        return image_programs(found.labels, self.config.python, STARTUP_FILE_IN_SANDBOX)
 
     async def cleanup_orphans(self) -> int:
         """Remove the containers of our orchestrator id whose owner process is provably gone,

@@ -230,6 +230,9 @@ class KernelChannels:
             try:
                 await monitor.recv_multipart()  # the only event asked for: disconnected
                 self._count_malformed("output connection reset: a message over the limit")
+                # Not live again until a message is seen on the new socket: the next request
+                # waits for that, so none of its output is published before we subscribe.
+                self.iopub_seen.clear()
             finally:
                 reader.cancel()
                 if not socket.closed:  # else the context went first, with its sockets

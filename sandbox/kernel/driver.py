@@ -414,6 +414,8 @@ class KernelDriver:
         """Send one execute_request and follow it to the end, whatever that end is."""
         kernel = self._kernel
         assert kernel is not None
+        if not kernel.channels.iopub_seen.is_set():  # output was reset (a message over the cap)
+            await self._wait_ready(kernel)
         run = self._run = _Run(deadline=time.monotonic() + timeout_s)
         msg_id = run.msg_id = kernel.client.execute(
             code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False

@@ -12,13 +12,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernel_images.labels import (
+    DENO_IN_IMAGE,
+    JAVA_IN_IMAGE,
+    JJAVA_JAR_IN_IMAGE,
+    R_IN_IMAGE,
+    languages_of,
+)
 from sandbox.inside_kernel import kernel_supervisor
 from sandbox.kernel.command import kernel_command
 from sandbox.languages import LANGUAGES, PYTHON
 from sandbox.spec import ResourceLimits
 
-# An image's languages, comma-separated canonical names (kernel_images/build.py sets it).
-LANGUAGES_LABEL = "code-interpreter.languages"
 SUPERVISOR_FILE = Path(kernel_supervisor.__file__)
 SUPERVISOR_IN_SANDBOX = "/opt/code-interpreter/kernel_supervisor.py"
 # The supervisor's interrupt socket, in the kernel's directory.
@@ -114,18 +119,18 @@ def language_environment(language: str) -> dict[str, str]:
     return {}
 
 
-def image_programs(languages_label: str | None, python: str, startup_file: str) -> KernelPrograms:
-    """The programs of a kernel image, from its languages label (no label: Python alone)."""
-    listed = {n.strip() for n in (languages_label or "").split(",") if n.strip()}
-    prefix = str(Path(python).parent.parent)
+def image_programs(labels: dict[str, str] | None, python: str, startup_file: str) -> KernelPrograms:
+    """The programs of a kernel image, from its languages label (no label: Python alone), at
+    the paths the images put them (kernel_images/labels.py)."""
+    listed = set(languages_of(labels))
     return KernelPrograms(
         python=python,
         startup_file=startup_file,
         bash_kernel="bash" in listed,
-        deno=f"{prefix}/bin/deno" if listed & {"javascript", "typescript"} else None,
-        java="/usr/bin/java" if "java" in listed else None,
-        jjava_jar=f"{prefix}/{JJAVA_JAR_IN_PREFIX}" if "java" in listed else None,
-        r="/usr/bin/R" if "r" in listed else None,
+        deno=DENO_IN_IMAGE if listed & {"javascript", "typescript"} else None,
+        java=JAVA_IN_IMAGE if "java" in listed else None,
+        jjava_jar=JJAVA_JAR_IN_IMAGE if "java" in listed else None,
+        r=R_IN_IMAGE if "r" in listed else None,
     )
 
 

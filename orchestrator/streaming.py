@@ -77,8 +77,9 @@ def result_size(result: Result) -> int:
     r = result
     forms = (r.text, r.html, r.markdown, r.latex, r.png, r.jpeg, r.svg, r.pdf, r.javascript)
     size = sum(len(form) for form in forms if form)
-    if result.json_data is not None:
-        size += len(json.dumps(result.json_data, default=str))
+    for form in (result.json_data, result.chart, result.data):
+        if form is not None:
+            size += len(json.dumps(form, default=str))
     return size + bundle_size(result.extra)
 
 

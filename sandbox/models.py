@@ -29,7 +29,14 @@ MIME_FIELDS: dict[str, str] = {
     "application/pdf": "pdf",
     "application/json": "json",
     "application/javascript": "javascript",
+    # E2B's structured forms (its kernel's `e2b/*` formatters): a figure's chart, a DataFrame's
+    # columns. Each is a JSON object; any other value stays in `extra`, as it came.
+    "e2b/chart": "chart",
+    "e2b/data": "data",
 }
+# The forms derived from another one the same result carries (a chart from its figure's image,
+# columns from their table): the first to go when a result is too big to keep whole.
+DERIVED_MIME_TYPES = ("e2b/chart", "e2b/data")
 
 
 class ExecutionStatus(StrEnum):
@@ -46,7 +53,8 @@ class Result(BaseModel):
     """One rich output: an `execute_result` (the cell's value) or a `display_data`.
 
     Each field holds one MIME form, as Jupyter sends it: text forms as str, binary images
-    (png, jpeg, pdf) as base64 str, json as a parsed value.
+    (png, jpeg, pdf) as base64 str, json as a parsed value; `chart` (a figure's data, in
+    e2b-charts' shape) and `data` (a DataFrame's columns) as JSON objects.
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
@@ -62,6 +70,8 @@ class Result(BaseModel):
     pdf: str | None = None
     json_data: Any | None = Field(default=None, alias="json")
     javascript: str | None = None
+    chart: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
@@ -71,7 +81,11 @@ class Result(BaseModel):
         extra: dict[str, Any] = {}
         for mime, value in data.items():
             name = MIME_FIELDS.get(mime)
-            if name is None:
+            if mime in DERIVED_MIME_TYPES and not isinstance(value, dict):
+                extra[mime] = value  # not the shape E2B's SDK reads: kept, not lifted
+            elif mime in DERIVED_MIME_TYPES and not value:
+                continue  # an empty chart: a blank figure (E2B's SDK reads it as none)
+            elif name is None:
                 extra[mime] = value
             else:
                 fields[name] = value

@@ -186,7 +186,12 @@ async def _working_directory(remote: AsyncSandbox) -> str:
             f"the E2B sandbox's code interpreter did not answer: {exc}"
         ) from exc
     cwds = [c.cwd for c in contexts if c.language == "python" and c.cwd]
-    return str(cwds[0]) if cwds else E2B_HOME
+    cwd = str(cwds[0]) if cwds else E2B_HOME
+    # Spelled as the file API names its entries (a server whose home is a link to its
+    # workspace names the workspace), so that listed paths are found under it.
+    with contextlib.suppress(Exception):
+        cwd = (await remote.files.get_info(cwd)).path or cwd
+    return cwd
 
 
 def why_unavailable(config: E2BBackendConfig | None = None) -> str | None:
@@ -530,5 +535,11 @@ def _bundle(result: Any) -> dict[str, Any]:
         value = getattr(result, field, None)
         if value is not None:
             bundle[mime] = value
+    # E2B's own chart and column data, as its kernel sent them (sandbox/models.py lifts them).
+    if getattr(result, "data", None):
+        bundle["e2b/data"] = result.data
+    chart = getattr(result, "chart", None)
+    if chart is not None and hasattr(chart, "to_dict"):
+        bundle["e2b/chart"] = chart.to_dict()
     bundle.update(result.extra or {})
     return bundle

@@ -1,8 +1,204 @@
 """Runs inside every kernel before any user code (ipykernel's `exec_files`), on every backend.
 
-Standard library only: the Docker images copy this file as it is. It must leave nothing behind
-in the user's namespace.
+Standard library only, beside what the kernel itself runs on (IPython); the data libraries it
+adapts (pandas, matplotlib, e2b-charts, Pillow, plotly) are used only if the code imports them.
+The Docker images copy this file as it is. It must leave nothing behind in the user's namespace.
 """
+
+
+def _install_e2b_display_forms() -> None:
+    """The display forms E2B's kernel adds, so its SDK's `Result` fields fill as they do there.
+
+    Read from e2b-dev/code-interpreter, template/startup_scripts/0002_data.py (the `e2b/data` and
+    `e2b/chart` formatters) and 0003_images.py (Pillow's show and save display the image). Each
+    form is best effort: a failure leaves the result without it, never without its display.
+    """
+    import contextlib
+    import datetime
+    import functools
+    import importlib.abc
+    import importlib.machinery
+    import json
+    import os
+    import sys
+    import types
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
+    try:
+        from IPython import get_ipython
+        from IPython.core.formatters import BaseFormatter
+        from IPython.display import display
+        from traitlets import ObjectName, Unicode
+    except ImportError:  # not under IPython: nothing to add a form to
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    # A derived form larger than this (as JSON) is left out in the kernel: it would only be
+    # dropped by the result limits further on, after costing the kernel and the wire its size.
+    max_form_chars = 4 << 20
+    max_frame_cells = 1_000_000  # a DataFrame's columns are not even built past this
+
+    def json_default(value: object) -> object:
+        if isinstance(value, datetime.date | datetime.time):
+            return value.isoformat()
+        return str(value)
+
+    def json_form(value: dict[Any, Any]) -> dict[str, Any] | None:
+        """`value` as plain JSON (NaN and infinities as null, other objects as text), or None
+        when it is over `max_form_chars`: Jupyter's wire refuses what is not strict JSON."""
+        keyed = {k if isinstance(k, str) else str(k): v for k, v in value.items()}
+        text = json.dumps(keyed, default=json_default)
+        if len(text) > max_form_chars:
+            return None
+        loaded: dict[str, Any] = json.loads(text, parse_constant=lambda _: None)
+        return loaded
+
+    class DataFormatter(BaseFormatter):
+        """`e2b/data`: a DataFrame's columns, `to_dict(orient="list")` with timestamps in ISO
+        form, as E2B's `E2BDataFormatter` gives them."""
+
+        format_type = Unicode("e2b/data")
+        print_method = ObjectName("_repr_e2b_data_")
+        _return_type = (dict, str)
+
+        def __call__(self, obj: object) -> object:
+            try:
+                pandas = sys.modules.get("pandas")  # no DataFrame exists without it imported
+                if pandas is None or not isinstance(obj, pandas.DataFrame):
+                    return super().__call__(obj)
+                if obj.size > max_frame_cells:
+                    return None
+                columns = obj.to_dict(orient="list")
+                for key, values in columns.items():
+                    columns[key] = [
+                        v.isoformat() if isinstance(v, pandas.Timestamp) else v for v in values
+                    ]
+                return json_form(columns)
+            except Exception:
+                return None
+
+    class ChartFormatter(BaseFormatter):
+        """`e2b/chart`: a matplotlib figure's chart, as E2B's `E2BChartFormatter` extracts it
+        with e2b-charts (`{}` for a blank figure or a failed extraction, as there)."""
+
+        format_type = Unicode("e2b/chart")
+        print_method = ObjectName("_repr_e2b_chart_")
+        _return_type = (dict, str)
+
+        def __call__(self, obj: object) -> object:
+            try:
+                if sys.modules.get("matplotlib") is None:  # no figure exists without it
+                    return super().__call__(obj)
+                from matplotlib.figure import Figure
+
+                if not isinstance(obj, Figure):
+                    return super().__call__(obj)
+            except Exception:
+                return None
+            try:
+                from e2b_charts import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+                    chart_figure_to_dict,
+                )
+
+                return json_form(chart_figure_to_dict(obj)) or {}
+            except Exception:
+                return {}
+
+    formatters = shell.display_formatter.formatters
+    formatters["e2b/data"] = DataFormatter(parent=shell.display_formatter)
+    formatters["e2b/chart"] = ChartFormatter(parent=shell.display_formatter)
+
+    def patch_pillow(image_module: types.ModuleType) -> None:
+        """E2B's 0003_images.py: no external viewer is ever started (none could show anything
+        here); `Image.show()` displays the image, and so does `Image.save(path)` for a path
+        given as text, after writing the file."""
+        from PIL import ImageShow
+
+        def show_file(self: object, path: str, **options: Any) -> int:
+            return 0
+
+        ImageShow.UnixViewer.show_file = show_file  # type: ignore[method-assign]
+        # Only IPython's viewer is left, so a show displays the image once, whatever the host
+        # has installed (each Unix viewer would display it again while saving its temporary).
+        viewers = getattr(ImageShow, "_viewers", None)
+        if isinstance(viewers, list):
+            viewers[:] = [v for v in viewers if not isinstance(v, ImageShow.UnixViewer)]
+        original_save = image_module.Image.save
+
+        @functools.wraps(original_save)
+        def save(image: Any, fp: Any, format: str | None = None, **params: Any) -> None:
+            original_save(image, fp, format, **params)
+            if isinstance(fp, str):
+                display(image)  # type: ignore[no-untyped-call]
+
+        image_module.Image.save = save
+
+    def patch_plotly(renderers_module: types.ModuleType) -> None:
+        """A figure's show gives E2B's bundle (plotly's `plotly_mimetype+notebook` default
+        there: `application/vnd.plotly.v1+json` and `text/html`) and a PNG when kaleido can
+        render one; without kaleido or a browser, no PNG and no error. PLOTLY_RENDERER wins."""
+        if os.environ.get("PLOTLY_RENDERER"):
+            return
+        renderers = renderers_module.renderers
+
+        class FigureWithPng(renderers_module.MimetypeRenderer):  # type: ignore[misc,name-defined]
+            def to_mimebundle(self, fig_dict: dict[str, Any]) -> dict[str, Any]:
+                bundle: dict[str, Any] = {}
+                for name in ("plotly_mimetype", "notebook"):
+                    bundle.update(renderers[name].to_mimebundle(dict(fig_dict)))
+                with contextlib.suppress(Exception):
+                    bundle.update(renderers["png"].to_mimebundle(dict(fig_dict)))
+                return bundle
+
+        renderers["e2b"] = FigureWithPng()
+        renderers.default = "e2b"
+
+    patches: dict[str, Callable[[types.ModuleType], None]] = {
+        "PIL.Image": patch_pillow,
+        "plotly.io._renderers": patch_plotly,
+    }
+
+    class PatchAfterImport(importlib.abc.MetaPathFinder):
+        """Applies a patch right after its module is first imported: the kernel starts without
+        importing any of these libraries, and code that never uses them pays nothing."""
+
+        def find_spec(
+            self,
+            fullname: str,
+            path: Sequence[str] | None,
+            target: types.ModuleType | None = None,
+        ) -> importlib.machinery.ModuleSpec | None:
+            patch = patches.pop(fullname, None)
+            if patch is None:
+                return None
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+            else:
+                return None
+            loader = spec.loader
+            run = getattr(loader, "exec_module", None)
+            if run is None:
+                return spec
+
+            def exec_module(module: types.ModuleType) -> None:
+                run(module)
+                with contextlib.suppress(Exception):
+                    patch(module)
+
+            with contextlib.suppress(AttributeError):  # this spec's own loader only
+                loader.exec_module = exec_module  # type: ignore[method-assign,union-attr]
+            return spec
+
+    sys.meta_path.insert(0, PatchAfterImport())
+    for name in [n for n in patches if n in sys.modules]:  # imported before this file ran
+        with contextlib.suppress(Exception):
+            patches.pop(name)(sys.modules[name])
 
 
 def _setup() -> None:
@@ -79,5 +275,6 @@ def _setup() -> None:
             __import__(name)
 
 
+_install_e2b_display_forms()  # first: the preloads below get their patches as well
 _setup()
-del _setup
+del _setup, _install_e2b_display_forms

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from sandbox.json_depth import nests_deeper_than
 from sandbox.kernel.wire import INLINE_DECODE_BYTES, KernelMessage, Malformed
 from sandbox.models import (
+    DERIVED_MIME_TYPES,
     ErrorEvent,
     Execution,
     ExecutionError,
@@ -108,6 +109,12 @@ def _bundle_label(data: dict[str, Any]) -> str:
     return ", ".join(keys) + more
 
 
+def _may_carry_derived_forms(msg: KernelMessage) -> bool:
+    """Whether a rich output too big to keep may shrink to fit by dropping its derived forms
+    (`DERIVED_MIME_TYPES`): then it is decoded, within the frame limit, to find out."""
+    return b'"e2b/' in msg.content_bytes
+
+
 async def _nests_too_deep(content: bytes) -> bool:
     """Whether a rich output's JSON nests past `RESULT_MAX_DEPTH` (measured off the loop when
     large): pydantic refuses to serialise past ~250 levels and recursive encoders fail sooner."""
@@ -152,7 +159,7 @@ class OutputCollector:
             if len(self.results) >= self.result_limit_count:
                 self.results_over_count += 1  # counted, never decoded
                 return
-            if msg.content_size > self.result_bytes_left:
+            if msg.content_size > self.result_bytes_left and not _may_carry_derived_forms(msg):
                 await self._add_result(self._left_out(msg.content_size, "", is_main))
                 return
             if await _nests_too_deep(msg.content_bytes):
@@ -244,6 +251,10 @@ class OutputCollector:
                 f"have at most {MAX_BUNDLE_KEYS}]",
             )
         size = bundle_size(data)
+        if size > self.result_bytes_left and any(m in data for m in DERIVED_MIME_TYPES):
+            # A chart or a table's columns never cost the figure or the table itself.
+            data = {m: v for m, v in data.items() if m not in DERIVED_MIME_TYPES}
+            size = bundle_size(data)
         if size > self.result_bytes_left:
             return self._left_out(size, _bundle_label(data), is_main)
         self.result_bytes_left -= size

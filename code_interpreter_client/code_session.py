@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+import httpx
 from pydantic import TypeAdapter
 
 from code_interpreter_client.http_client import APIError, AsyncClient
@@ -27,6 +28,8 @@ from orchestrator.entry import missing_server_module, server_extra_hint
 from orchestrator.schemas import ExecutionRecord
 from orchestrator.tool import RenderedOutput, render
 from sandbox.background_loop import run_in_background, run_sync
+from sandbox.errors import SandboxError
+from sandbox.languages import PYTHON
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
 from sandbox.processes.models import (
     CommandResult,
@@ -109,8 +112,12 @@ class CodeSession(ABC):
 
     @abstractmethod
     async def _execute(
-        self, code: str, timeout_s: float | None, on_event: EventSink | None
+        self, code: str, timeout_s: float | None, on_event: EventSink | None, language: str | None
     ) -> Execution: ...
+
+    @abstractmethod
+    async def _languages(self) -> list[str]:
+        """The languages the session has (or, not started yet, would have), Python first."""
 
     @abstractmethod
     async def _upload(self, path: str, data: bytes) -> FileInfo: ...
@@ -157,18 +164,47 @@ class CodeSession(ABC):
         return await call()
 
     async def execute(
-        self, code: str, *, timeout_s: float | None = None, on_event: EventSink | None = None
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_event: EventSink | None = None,
+        language: str | None = None,
     ) -> Execution:
-        """Run code; `on_event` is awaited with each output event as it happens (on the
-        shared background loop, not the caller's)."""
+        """Run code in the session's kernel of `language` (None: Python; aliases such as `js`
+        are accepted); `on_event` is awaited with each output event as it happens (on the
+        shared background loop, not the caller's). A language the session does not have is a
+        `LanguageUnavailable` (embedded) or a 400 `APIError` (remote) naming those it has."""
         return await run_in_background(
-            self._started(lambda: self._execute(code, timeout_s, on_event))
+            self._started(lambda: self._execute(code, timeout_s, on_event, language))
         )
 
     def execute_sync(
-        self, code: str, *, timeout_s: float | None = None, on_event: EventSink | None = None
+        self,
+        code: str,
+        *,
+        timeout_s: float | None = None,
+        on_event: EventSink | None = None,
+        language: str | None = None,
     ) -> Execution:
-        return run_sync(self._started(lambda: self._execute(code, timeout_s, on_event)))
+        return run_sync(self._started(lambda: self._execute(code, timeout_s, on_event, language)))
+
+    async def languages(self) -> list[str]:
+        """The languages `execute` takes here, Python first; asked without starting a sandbox
+        when the session has not started (what a tool's description lists)."""
+        return await run_in_background(self._languages())
+
+    def languages_sync(self) -> list[str]:
+        return run_sync(self._languages())
+
+    def offered_languages(self) -> list[str]:
+        """What a tool built on this session offers a model: its languages, or Python alone
+        when they cannot be known now (a sandbox that cannot start, a service out of reach,
+        a session id that is wrong); the tool's first call then says what is wrong."""
+        try:
+            return self.languages_sync()
+        except (SandboxError, APIError, httpx.HTTPError, OSError):
+            return [PYTHON]
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
         return await run_in_background(self._started(lambda: self._upload(path, data)))
@@ -235,10 +271,11 @@ class CodeSession(ABC):
         """Wait for a process's end: its exit and its output, within the output limits."""
         return await run_in_background(self._started(lambda: self._wait_process(pid)))
 
-    def render(self, execution: Execution) -> RenderedOutput:
+    def render(self, execution: Execution, language: str | None = None) -> RenderedOutput:
         """The execution as a model should read it: trimmed text, plus its images."""
         return render(
             execution,
+            language=language,
             session_id=self.session_id or "",
             max_chars=self.max_chars,
             full_output_url=self._full_output_url(execution),
@@ -328,9 +365,11 @@ class RemoteSession(CodeSession):
         return self._id
 
     async def _execute(
-        self, code: str, timeout_s: float | None, on_event: EventSink | None
+        self, code: str, timeout_s: float | None, on_event: EventSink | None, language: str | None
     ) -> Execution:
-        options = {"timeout_s": timeout_s} if timeout_s is not None else {}
+        options: dict[str, Any] = {"timeout_s": timeout_s} if timeout_s is not None else {}
+        if language is not None:
+            options["language"] = language
         if on_event is None:
             return await self.api.execute(self._sid(), code, **options)
         async for line in self.api.execute_stream(self._sid(), code, **options):
@@ -343,6 +382,14 @@ class RemoteSession(CodeSession):
             if kind in _EVENT_TYPES:
                 await on_event(_EVENTS.validate_python(line))
         raise APIError(502, "StreamEnded", "the stream ended before the execution did")
+
+    async def _languages(self) -> list[str]:
+        if self._api is not None and self._id is not None:
+            return (await self._api.get_session(self._id)).languages
+        async with AsyncClient(self.base_url, self._api_key) as api:
+            if self._id is not None:  # the session to reuse: its own
+                return (await api.get_session(self._id)).languages
+            return (await api.languages()).languages
 
     def _full_output_url(self, execution: Execution) -> str | None:
         execution_id = getattr(execution, "execution_id", None)

@@ -115,9 +115,7 @@ class EmbeddedSession(CodeSession):
 
     async def _start(self) -> None:
         try:
-            backend = self._given_backend
-            if backend is None:
-                backend = self._made_backend = create_backend(self._backend_name, **self._config)
+            backend = self._backend()
             # Under a directory of this process's own, which the next process to start sweeps
             # if this one dies without closing.
             base = Path(tempfile.gettempdir()) / f"{EMBEDDED_STATE_DIRS}-{os.getuid()}"
@@ -136,11 +134,27 @@ class EmbeddedSession(CodeSession):
             await self._close()
             raise
 
+    def _backend(self) -> Backend:
+        """The backend given, or the one made here from its name (once: ours to close)."""
+        if self._given_backend is not None:
+            return self._given_backend
+        if self._made_backend is None:
+            self._made_backend = create_backend(self._backend_name, **self._config)
+        return self._made_backend
+
     async def _execute(
-        self, code: str, timeout_s: float | None, on_event: EventSink | None
+        self, code: str, timeout_s: float | None, on_event: EventSink | None, language: str | None
     ) -> Execution:
         service, session = self._started_session()
-        return await service.execute(session, code, timeout_s=timeout_s, on_event=on_event)
+        return await service.execute(
+            session, code, timeout_s=timeout_s, on_event=on_event, language=language
+        )
+
+    async def _languages(self) -> list[str]:
+        if self._service is not None and self._session is not None:
+            return self._service.session_languages(self._session)
+        # Not started: what a sandbox of this spec would have, asked of its backend alone.
+        return await self._backend().languages(self._spec)
 
     async def _upload(self, path: str, data: bytes) -> FileInfo:
         service, session = self._started_session()

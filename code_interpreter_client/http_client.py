@@ -14,7 +14,7 @@ from typing import Any, Self, TypeVar
 
 import httpx
 
-from orchestrator.schemas import ExecutionRecord, SessionInfo
+from orchestrator.schemas import ExecutionRecord, LanguagesResponse, SessionInfo
 from sandbox.background_loop import run_sync
 from sandbox.models import FileInfo
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
@@ -86,12 +86,19 @@ class AsyncClient:
         data = await self._json("POST", f"/v1/sessions/{session_id}/interrupt")
         return bool(data["interrupted"])
 
-    async def restart(self, session_id: str) -> SessionInfo:
-        data = await self._json("POST", f"/v1/sessions/{session_id}/restart")
+    async def restart(self, session_id: str, language: str | None = None) -> SessionInfo:
+        """A fresh kernel of `language`; every kernel the session started when None."""
+        body = {"language": language} if language is not None else None
+        data = await self._json("POST", f"/v1/sessions/{session_id}/restart", json=body)
         return SessionInfo.model_validate(data)
+
+    async def languages(self) -> LanguagesResponse:
+        """The languages this deployment's new sessions have, on each backend."""
+        return LanguagesResponse.model_validate(await self._json("GET", "/v1/languages"))
 
     # --- execution
     async def execute(self, session_id: str, code: str, **options: Any) -> ExecutionRecord:
+        """`options`: timeout_s, env, cwd, language (Python if unset)."""
         data = await self._json(
             "POST", f"/v1/sessions/{session_id}/execute", json={"code": code, **options}
         )
@@ -326,8 +333,11 @@ class Client:
     def interrupt(self, session_id: str) -> bool:
         return run_sync(self.api.interrupt(session_id))
 
-    def restart(self, session_id: str) -> SessionInfo:
-        return run_sync(self.api.restart(session_id))
+    def restart(self, session_id: str, language: str | None = None) -> SessionInfo:
+        return run_sync(self.api.restart(session_id, language))
+
+    def languages(self) -> LanguagesResponse:
+        return run_sync(self.api.languages())
 
     def upload(self, session_id: str, path: str, data: bytes) -> FileInfo:
         return run_sync(self.api.upload(session_id, path, data))

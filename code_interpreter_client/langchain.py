@@ -5,6 +5,7 @@
     tool = CodeInterpreterTool()          # an embedded local sandbox, started on first use
     message = tool.invoke({"type": "tool_call", "id": "call-1", "name": "code_interpreter",
                            "args": {"code": "1 + 1"}})
+    tool.invoke({"code": "summary(cars)", "language": "r"})   # any language the sandbox has
     message.content    # what the model reads
     message.artifact   # sandbox.models.Execution: results, images, stdout, error...
 
@@ -14,22 +15,29 @@ context while the application still gets them. Sync and async calls share one se
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from langchain_core.tools import BaseTool, ToolException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError
+from code_interpreter_client.language_errors import language_refusal
 from orchestrator.tool import LIBRARIES, TOOL_NAME, description, explain_invalid
 from sandbox.errors import SandboxError
+from sandbox.languages import PYTHON
 from sandbox.models import Execution
 
 DEFAULT_TIMEOUT_S = 300.0
 
 
 class CodeInterpreterInput(BaseModel):
-    code: str = Field(min_length=1, description="Python code to run.")
+    code: str = Field(min_length=1, description="The code to run.")
+    language: str | None = Field(
+        None,
+        max_length=100,
+        description="The language of code (e.g. python, r, bash, javascript); Python if omitted.",
+    )
 
 
 def _explain(exc: Any) -> str:
@@ -43,7 +51,7 @@ class CodeInterpreterTool(BaseTool):
 
     name: str = TOOL_NAME
     description: str = description(
-        timeout_s=DEFAULT_TIMEOUT_S, libraries=LIBRARIES, bound_session=True
+        timeout_s=DEFAULT_TIMEOUT_S, libraries=LIBRARIES, bound_session=True, languages=[PYTHON]
     )
     args_schema: type[BaseModel] = CodeInterpreterInput
     response_format: Literal["content", "content_and_artifact"] = "content_and_artifact"
@@ -52,17 +60,42 @@ class CodeInterpreterTool(BaseTool):
     handle_tool_error: Any = True
     session: CodeSession = Field(default_factory=CodeSession.for_process, exclude=True)
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # The languages the description lists; None: asked of the session (without starting it).
+    languages: list[str] | None = Field(default=None, exclude=True)
 
-    def _run(self, code: str, **_: Any) -> tuple[str, Execution]:
-        try:
-            execution = self.session.execute_sync(code, timeout_s=self.timeout_s)
-        except (SandboxError, APIError) as exc:
-            raise ToolException(f"[error] the sandbox failed: {exc}") from exc
-        return self.session.render(execution).text, execution
+    @model_validator(mode="after")
+    def _describe_languages(self) -> Self:
+        """Unless a description was given, it lists the languages this session has."""
+        if "description" not in self.model_fields_set:
+            languages = self.languages or self.session.offered_languages()
+            self.languages = languages
+            self.description = description(
+                timeout_s=self.timeout_s,
+                libraries=LIBRARIES,
+                bound_session=True,
+                languages=languages,
+            )
+        return self
 
-    async def _arun(self, code: str, **_: Any) -> tuple[str, Execution]:
+    def _run(self, code: str, language: str | None = None, **_: Any) -> tuple[str, Execution]:
         try:
-            execution = await self.session.execute(code, timeout_s=self.timeout_s)
+            execution = self.session.execute_sync(code, timeout_s=self.timeout_s, language=language)
         except (SandboxError, APIError) as exc:
-            raise ToolException(f"[error] the sandbox failed: {exc}") from exc
-        return self.session.render(execution).text, execution
+            raise ToolException(f"[error] {_failure(exc)}") from exc
+        return self.session.render(execution, language).text, execution
+
+    async def _arun(
+        self, code: str, language: str | None = None, **_: Any
+    ) -> tuple[str, Execution]:
+        try:
+            execution = await self.session.execute(
+                code, timeout_s=self.timeout_s, language=language
+            )
+        except (SandboxError, APIError) as exc:
+            raise ToolException(f"[error] {_failure(exc)}") from exc
+        return self.session.render(execution, language).text, execution
+
+
+def _failure(exc: SandboxError | APIError) -> str:
+    """A language there is not is the model's to fix; anything else is the sandbox's."""
+    return language_refusal(exc) or f"the sandbox failed: {exc}"

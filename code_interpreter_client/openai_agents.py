@@ -17,14 +17,17 @@ from typing import Any
 from agents import FunctionTool, RunContextWrapper, ToolOutputImage, ToolOutputText
 
 from code_interpreter_client.code_session import CodeSession
+from code_interpreter_client.http_client import APIError
+from code_interpreter_client.language_errors import language_refusal
 from orchestrator.tool import (
-    CODE_ONLY_SCHEMA,
     LIBRARIES,
     TOOL_NAME,
     ToolCallError,
+    code_only_schema,
     description,
     parse_arguments,
 )
+from sandbox.errors import SandboxError
 
 ToolOutput = ToolOutputText | ToolOutputImage
 
@@ -34,21 +37,33 @@ def code_interpreter_tool(
     *,
     timeout_s: float = 300.0,
     name: str = TOOL_NAME,
+    languages: list[str] | None = None,
 ) -> FunctionTool:
-    """A FunctionTool running the model's code in `session` (by default a new embedded one).
+    """A FunctionTool running the model's code in `session` (by default a new embedded one),
+    in any language it has: `languages`, else asked of the session (without starting it), are
+    listed in the description and the `language` argument's schema.
 
     Close a session you pass when the agent is done (`await session.close()`); the default
     one is closed when the process exits.
     """
     bound = session if session is not None else CodeSession.for_process()
+    offered = languages or bound.offered_languages()
 
     async def invoke(context: RunContextWrapper[Any], raw_arguments: str) -> list[ToolOutput]:
         try:
             arguments = parse_arguments(raw_arguments, bound_session=True)
         except ToolCallError as exc:  # told to the model, which can fix its call
             return [ToolOutputText(text=f"[error] {exc}")]
-        execution = await bound.execute(arguments.code, timeout_s=timeout_s)
-        rendered = bound.render(execution)
+        try:
+            execution = await bound.execute(
+                arguments.code, timeout_s=timeout_s, language=arguments.language
+            )
+        except (SandboxError, APIError) as exc:  # a language there is not: the model's to fix
+            refusal = language_refusal(exc)
+            if refusal is None:
+                raise
+            return [ToolOutputText(text=f"[error] {refusal}")]
+        rendered = bound.render(execution, arguments.language)
         outputs: list[ToolOutput] = [ToolOutputText(text=rendered.text)]
         for image in rendered.attached():
             data = base64.b64encode(image.data).decode()
@@ -57,8 +72,10 @@ def code_interpreter_tool(
 
     tool = FunctionTool(
         name=name,
-        description=description(timeout_s=timeout_s, libraries=LIBRARIES, bound_session=True),
-        params_json_schema=CODE_ONLY_SCHEMA,
+        description=description(
+            timeout_s=timeout_s, libraries=LIBRARIES, bound_session=True, languages=offered
+        ),
+        params_json_schema=code_only_schema(offered),
         on_invoke_tool=invoke,
         strict_json_schema=True,
     )

@@ -22,7 +22,7 @@ from orchestrator.mcp_front.http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.request_context import ClientGone
 from orchestrator.request_guard import RequestGuard
-from orchestrator.routes import files, ops, processes, sessions, tools
+from orchestrator.routes import files, languages, ops, processes, sessions, tools
 from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
@@ -60,7 +60,8 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     )
     app.state.service = service
     app.state.authenticate = authenticate
-    for router in (sessions.router, files.router, processes.router, tools.router, ops.router):
+    routers = (sessions, files, processes, tools, languages, ops)
+    for router in (module.router for module in routers):
         app.include_router(router)
     app.router.routes.append(mcp.route())
     # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from orchestrator.http_errors import problems
 from orchestrator.terminal import TerminalPrinter
 from sandbox import BackendUnavailable, SandboxError, SandboxSpec
+from sandbox.languages import LANGUAGES, canonical_language, language_for_suffix
 from sandbox.registry import BACKENDS
 from sandbox.spec import ResourceLimits
 
@@ -94,7 +95,18 @@ def run(
             "--script",
             "-f",
             metavar="PATH",
-            help="Run this Python script instead of CODE; - reads it from stdin.",
+            help="Run this script instead of CODE; - reads it from stdin. Its suffix names its "
+            "language (.R, .sh, .js, .ts, .java) unless --language does.",
+        ),
+    ] = None,
+    language: Annotated[
+        str | None,
+        typer.Option(
+            "--language",
+            "-l",
+            metavar="NAME",
+            help=f"The language of the code: {', '.join(LANGUAGES)} (or js, ts, sh).  "
+            "[default: the script's suffix's, else python]",
         ),
     ] = None,
     files: Annotated[
@@ -134,13 +146,15 @@ def run(
     image: ImageOption = None,
     unsafe_no_sandbox: UnsafeNoSandboxOption = False,
 ) -> None:
-    """Run CODE (Python) in a fresh sandbox and print what it produced.
+    """Run CODE (Python, or the --language given) in a fresh sandbox and print what it
+    produced.
 
     stdout goes to stdout, everything else to stderr; images are saved in --output-dir. Exit
     codes: 0 ok, 1 the code raised, 124 timed out, 125 the kernel died, 2 bad usage or a
     backend, upload or download that failed.
     """
     source = _source(code, script)
+    kernel = _language(language, script)
     uploads = _unique_names(files or [], "--file")
     wanted = _unique_names([PurePosixPath(p) for p in downloads or []], "--download")
     config: dict[str, object] = {"unsafe_no_sandbox": True} if unsafe_no_sandbox else {}
@@ -149,7 +163,9 @@ def run(
     from orchestrator.sessions import SessionError  # what the service refuses, e.g. a limit
 
     try:
-        status = asyncio.run(_run(source, backend, config, spec, timeout, uploads, wanted, printer))
+        status = asyncio.run(
+            _run(source, kernel, backend, config, spec, timeout, uploads, wanted, printer)
+        )
     except (BackendUnavailable, SandboxError, SessionError, ValueError) as exc:
         raise _fail(str(exc)) from None
     raise typer.Exit(status)
@@ -169,6 +185,18 @@ def _source(code: str | None, script: str | None) -> str:
         raise typer.BadParameter(f"cannot read the script {script}: {exc}") from None
 
 
+def _language(language: str | None, script: str | None) -> str:
+    """The language to run: the one given, else the script's suffix's, else Python. A name
+    that is no language is a usage error naming those there are."""
+    if language is not None:
+        try:
+            return canonical_language(language)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--language") from None
+    by_suffix = language_for_suffix(Path(script).suffix) if script not in (None, "-") else None
+    return by_suffix or canonical_language(None)
+
+
 def _unique_names(paths: list[AnyPath], option: str) -> list[AnyPath]:
     """Files land under their own names, so two with one name would overwrite each other."""
     seen: dict[str, AnyPath] = {}
@@ -183,6 +211,7 @@ def _unique_names(paths: list[AnyPath], option: str) -> list[AnyPath]:
 
 async def _run(
     source: str,
+    language: str,
     backend_name: str,
     config: dict[str, object],
     spec: SandboxSpec,
@@ -196,7 +225,9 @@ async def _run(
     async with CodeSession.embedded(backend_name, spec, **config) as session:
         for path in uploads:
             await session.upload(path.name, path.read_bytes())
-        execution = await session.execute(source, timeout_s=time_limit_s, on_event=printer.on_event)
+        execution = await session.execute(
+            source, timeout_s=time_limit_s, on_event=printer.on_event, language=language
+        )
         status = printer.finish(execution)
         all_copied = await _download(session, downloads, printer)
     return EXIT_USAGE if status == 0 and not all_copied else status

@@ -25,8 +25,12 @@ class Metrics:
         self.sessions_expired = Counter(
             "cir_sessions_expired", "Sessions ended by expiry.", registry=r
         )
+        # `language` is a canonical name (sandbox/languages.py): a bounded set of values.
         self.executions = Counter(
-            "cir_executions", "Executions, by how they ended.", ["backend", "status"], registry=r
+            "cir_executions",
+            "Executions, by how they ended and in which language.",
+            ["backend", "status", "language"],
+            registry=r,
         )
         self.execution_seconds = Histogram(
             "cir_execution_seconds",

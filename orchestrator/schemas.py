@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from orchestrator.tool import ToolFormat
+from sandbox.languages import LANGUAGES, MAX_LANGUAGE_NAME, PYTHON
 from sandbox.models import Execution
 from sandbox.spec import ResourceLimits
 
@@ -96,6 +97,28 @@ class SessionInfo(BaseModel):
     executions: int
     from_pool: bool
     tools: list[str] = Field(default_factory=list, description="Host tools its code may call.")
+    languages: list[str] = Field(
+        default_factory=lambda: [PYTHON],
+        description="The languages its code may be written in (Python first): the `language` "
+        "of an execution.",
+    )
+    started_languages: list[str] = Field(
+        default_factory=lambda: [PYTHON],
+        description="Those whose kernel has started: each other language's starts on first use.",
+    )
+
+
+# A language as a request names it: canonical or an alias (`js`, `R`...), checked by the service.
+LanguageName = Annotated[
+    str,
+    Field(
+        max_length=MAX_LANGUAGE_NAME,
+        description=f"The kernel's language: {', '.join(LANGUAGES)} or an alias (js, ts, sh); "
+        "Python if unset. Each language has its own kernel and variables; all share the "
+        "workspace.",
+        examples=["python", "r"],
+    ),
+]
 
 
 class ExecuteRequest(BaseModel):
@@ -103,6 +126,22 @@ class ExecuteRequest(BaseModel):
     timeout_s: float | None = Field(None, gt=0)
     env: Env | None = None
     cwd: KernelText | None = None
+    language: LanguageName | None = None
+
+
+class RestartRequest(BaseModel):
+    language: LanguageName | None = Field(
+        None, description="The kernel to restart; every kernel started if unset."
+    )
+
+
+class LanguagesResponse(BaseModel):
+    """What this deployment runs: the languages of each backend's new sessions."""
+
+    default_backend: str
+    languages: list[str] = Field(description="The default backend's, Python first.")
+    backends: dict[str, list[str]]
+    aliases: dict[str, list[str]] = Field(description="Other names each language answers to.")
 
 
 class ExecutionRecord(Execution):
@@ -110,6 +149,7 @@ class ExecutionRecord(Execution):
 
     session_id: str
     execution_id: str
+    language: str = Field(PYTHON, description="The language it ran in (its canonical name).")
 
 
 class InvokeRequest(BaseModel):

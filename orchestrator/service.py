@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import posixpath
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from kernel_images.labels import FULL_IMAGE
 from orchestrator.config import Settings
 from orchestrator.host_tools import (
     ChannelLimits,
@@ -29,16 +31,18 @@ from orchestrator.schemas import (
     LimitsRequest,
     SessionInfo,
 )
-from orchestrator.sessions import Session, SessionError, SessionManager
+from orchestrator.sessions import BackendNotEnabled, Session, SessionError, SessionManager
 from orchestrator.streaming import Dropped, Finished, Keepalive, follow
 from orchestrator.tool import SHELL_TOOL_NAME, RenderedOutput, render, render_command
 from sandbox.backends.base import Backend
-from sandbox.errors import FileTooLarge, SandboxError
-from sandbox.languages import PYTHON, check_available
+from sandbox.errors import FileTooLarge, LanguageUnavailable, SandboxError, UnknownLanguage
+from sandbox.languages import PYTHON, canonical_language, check_available
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
 from sandbox.processes.managed import ProcessEvent
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from sandbox.spec import ResourceLimits, SandboxSpec, limit_ceilings
+
+log = logging.getLogger(__name__)
 
 # The ceiling no request may pass, whatever it asks for: ResourceLimits' own upper bounds.
 LIMITS_CEILING = limit_ceilings()
@@ -176,7 +180,7 @@ class Service:
         if request.limits is not None:
             spec.limits = self._limits(request.limits)
         if request.image is not None:
-            allowed = self.settings.docker_images or [self.settings.docker_image]
+            allowed = self.settings.docker_images or [self.settings.docker_image, FULL_IMAGE]
             if request.image not in allowed:
                 raise ImageNotAllowed(
                     f"image {request.image!r} is not allowed here; allowed: {', '.join(allowed)}"
@@ -277,6 +281,40 @@ class Service:
         """The backends this service runs sandboxes on."""
         return list(self.sessions.backends)
 
+    async def languages(self, backend: str | None = None) -> list[str]:
+        """The languages a new session of `backend` (None: the default one) would have, Python
+        first: what the tool's description lists and `GET /v1/languages` answers."""
+        name = backend or self.settings.default_backend
+        found = self.sessions.backends.get(name)
+        if found is None:
+            raise BackendNotEnabled(
+                f"backend {name!r} is not enabled here; enabled: {', '.join(self.backend_names())}"
+            )
+        return await found.languages(self.sessions.default_spec())
+
+    async def tool_languages(self, session: Session | None = None) -> list[str]:
+        """The languages the tool can offer: a session's, or those of the sessions it starts
+        itself. Python alone if the backend cannot say (e.g. its image is missing): the tool's
+        description is still given, and a call says what is wrong."""
+        if session is not None:
+            return self.session_languages(session)
+        try:
+            return await self.languages()
+        except SandboxError as exc:
+            log.warning("the default backend's languages are unknown: %s", exc)
+            return [PYTHON]
+
+    @staticmethod
+    def session_languages(session: Session) -> list[str]:
+        """The languages a session's sandbox has, Python first."""
+        return session.sandbox.languages
+
+    @staticmethod
+    def started_languages(session: Session) -> list[str]:
+        """The languages whose kernel a session has started (Python's starts with it)."""
+        started = getattr(session.sandbox, "started_languages", None)
+        return list(started) if started is not None else [PYTHON]
+
     # --- code
     def _timeout(self, timeout_s: float | None) -> float:
         s = self.settings
@@ -307,10 +345,13 @@ class Service:
                 language=name,
             )
         session.executions += 1
-        METRICS.executions.labels(session.backend, execution.status).inc()
+        # `name` is canonical (one of LANGUAGES): the label's values stay bounded.
+        METRICS.executions.labels(session.backend, execution.status, name).inc()
         METRICS.execution_seconds.labels(session.backend).observe(execution.duration_s)
         execution_id = await self.outputs.save(session.id, execution)
-        return ExecutionRecord(**dict(execution), session_id=session.id, execution_id=execution_id)
+        return ExecutionRecord(
+            **dict(execution), session_id=session.id, execution_id=execution_id, language=name
+        )
 
     def stream(
         self,
@@ -491,17 +532,25 @@ class Service:
         session_id: str | None = None,
         session: Session | None = None,
         links: OutputLinks | None = None,
+        language: str | None = None,
     ) -> ToolOutcome:
         """One call of the `code_interpreter` tool, as every front door makes it: in the session
         named (`session_id`), or given (`session`), or a new one; then rendered for a model.
-        Whatever the model can act on (a wrong id, a full quota, a broken sandbox) comes back as
-        an error output telling it what to do, never as an exception."""
+        Whatever the model can act on (a wrong id, a full quota, a broken sandbox, a language
+        there is not) comes back as an error output telling it what to do, never as an
+        exception."""
+        try:  # a name that is no language at all is refused before a session is made for it
+            canonical_language(language)
+        except UnknownLanguage as exc:
+            return ToolOutcome.refused(f"{exc}. Omit language to run Python.", "invalid_call")
         found = await self._tool_session(owner, session_id, session, HINT_NEW_SESSION_STATE)
         if isinstance(found, ToolOutcome):
             return found
         session = found
         try:
-            record = await self.execute(session, code)
+            record = await self.execute(session, code, language=language)
+        except LanguageUnavailable as exc:  # the model can pick another: said as its mistake
+            return ToolOutcome.refused(str(exc), "invalid_call", session.id)
         except (SessionError, SandboxError) as exc:  # the session ended or broke during the run
             return ToolOutcome.refused(
                 f"the session could not run the code: {exc}", "session_error", session.id
@@ -511,6 +560,7 @@ class Service:
         )
         rendered = render(
             record,
+            language=record.language,
             session_id=session.id,
             max_chars=self.settings.tool_output_max_chars,
             full_output_url=full_output_url,
@@ -573,4 +623,6 @@ class Service:
             executions=session.executions,
             from_pool=session.from_pool,
             tools=self.session_tools(session),
+            languages=self.session_languages(session),
+            started_languages=self.started_languages(session),
         )

@@ -17,7 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sandbox.models import Execution, ExecutionStatus
+from sandbox.languages import PYTHON
+from sandbox.models import Execution, ExecutionStatus, Result
 from sandbox.processes.models import CommandResult
 
 TOOL_NAME = "code_interpreter"
@@ -52,12 +53,14 @@ class ToolArguments(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    code: str = Field(min_length=1, description="Python code to run in the session's kernel.")
+    code: str = Field(min_length=1, description="The code to run in the session's kernel.")
     session_id: str | None = Field(
         None,
         description="The session to run in, from an earlier result. Omit it to start a new "
         "session; pass it again to keep variables, imports and files.",
     )
+    # Checked by the service, which names the languages there are: a wrong one is told.
+    language: str | None = Field(None, max_length=100)
 
 
 class ShellToolArguments(BaseModel):
@@ -102,15 +105,18 @@ def description(
     bound_session: bool = False,
     host_tools: Sequence[tuple[str, str]] = (),
     session_note: str = "",
+    languages: Sequence[str] = (PYTHON,),
 ) -> str:
     """What the model reads. `bound_session`: the caller keeps one session per conversation
     (an agent framework's tool, an MCP connection), so the model need not pass session_id.
     `host_tools`: (call signature, summary) of each host tool the code may call.
-    `session_note`: more on sessions, said right after how state persists."""
+    `session_note`: more on sessions, said right after how state persists.
+    `languages`: those the sessions have (Python first), from the backend: listed when more."""
     return (
         "Run Python 3.11 code in a stateful, sandboxed Jupyter kernel and get back what it "
         "printed, the value of its last expression (as in a notebook), errors with tracebacks, "
         "and images (matplotlib figures shown with plt.show() or left as the last expression). "
+        + languages_text(languages)
         + (_STATE_BOUND if bound_session else _STATE_BY_ARGUMENT)
         + (f"{session_note} " if session_note else "")
         + f"Installed: {', '.join(libraries)}. "
@@ -120,6 +126,29 @@ def description(
         f"Each call may run for up to {timeout_s:g} seconds; input() is not available."
         + host_tools_text(host_tools)
     )
+
+
+def languages_text(languages: Sequence[str]) -> str:
+    """The sentence that tells the model which other languages it may use; empty with none."""
+    others = [name for name in languages if name != PYTHON]
+    if not others:
+        return ""
+    return (
+        f"Other languages: set language to one of {', '.join(others)} (python is the default). "
+        "Each language has its own kernel, whose variables persist between its calls; all "
+        "share the same files in /workspace. "
+    )
+
+
+def language_schema(languages: Sequence[str], *, nullable: bool = False) -> dict[str, Any]:
+    """The `language` argument: one of the languages the sessions have (null too when
+    `nullable`, as strict schemas spell an optional argument)."""
+    names: list[Any] = list(languages)
+    return {
+        "type": ["string", "null"] if nullable else "string",
+        "enum": [*names, None] if nullable else names,
+        "description": f"The language of code: {', '.join(languages)}. Python if omitted.",
+    }
 
 
 def host_tools_text(tools: Sequence[tuple[str, str]]) -> str:
@@ -136,7 +165,7 @@ def host_tools_text(tools: Sequence[tuple[str, str]]) -> str:
     )
 
 
-# The arguments when the caller keeps the session (bound_session): the code alone. Strict-mode
+# The code alone, for a caller that runs Python only (examples/agent_loop.py). Strict-mode
 # valid (every property required, no others), as OpenAI's strict function calling wants.
 CODE_ONLY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -146,11 +175,32 @@ CODE_ONLY_SCHEMA: dict[str, Any] = {
 }
 
 
+def code_only_schema(languages: Sequence[str] = (PYTHON,)) -> dict[str, Any]:
+    """The arguments when the caller keeps the session (bound_session): the code and its
+    language. Strict-mode valid (every property required, no others, the optional language
+    nullable), as OpenAI's strict function calling wants."""
+    return {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "description": "The code to run."},
+            "language": language_schema(languages, nullable=True),
+        },
+        "required": ["code", "language"],
+        "additionalProperties": False,
+    }
+
+
 def definitions(
-    *, timeout_s: float, libraries: list[str], host_tools: Sequence[tuple[str, str]] = ()
+    *,
+    timeout_s: float,
+    libraries: list[str],
+    host_tools: Sequence[tuple[str, str]] = (),
+    languages: Sequence[str] = (PYTHON,),
 ) -> dict[str, Any]:
-    """The tool's definition in every supported format."""
-    text = description(timeout_s=timeout_s, libraries=libraries, host_tools=host_tools)
+    """The tool's definition in every supported format; `languages`: those its sessions have."""
+    text = description(
+        timeout_s=timeout_s, libraries=libraries, host_tools=host_tools, languages=languages
+    )
     schema = {
         "type": "object",
         "properties": {
@@ -158,6 +208,7 @@ def definitions(
                 "type": "string",
                 "description": ToolArguments.model_fields["code"].description,
             },
+            "language": language_schema(languages),
             "session_id": {
                 "type": "string",
                 "description": ToolArguments.model_fields["session_id"].description,
@@ -340,22 +391,49 @@ def _trim(text: str, limit: int) -> tuple[str, int]:
     return text[:head] + "\n[...]\n" + text[len(text) - tail :], len(text) - limit
 
 
+def _result_text(result: Result) -> str | None:
+    """What a model reads of a rich result that is no image: its plain text (R's data frames
+    carry one beside their HTML), else its Markdown, else a word on what it was (an HTML-only
+    display, as Deno's `Deno.jupyter.html` makes)."""
+    if result.text is not None:
+        return result.text
+    if result.markdown is not None:
+        return result.markdown
+    forms = [name for name in ("html", "latex", "json_data", "javascript") if getattr(result, name)]
+    if not forms:
+        return None
+    shown = ", ".join(name.removesuffix("_data").upper() for name in forms)
+    return f"({shown} output with no plain-text form; it is kept in the full execution)"
+
+
+def _error_heading(name: str, value: str) -> str:
+    """An error's first line. A kernel may give no name: Bash's says only the exit status."""
+    if name:
+        return f"{name}: {value}"
+    if value.strip().isdigit():
+        return f"exit status {value.strip()}"
+    return value.strip() or "the code failed"
+
+
 def render(
     execution: Execution,
     *,
+    language: str | None = None,
     session_id: str,
     max_chars: int,
     full_output_url: str | None,
     artifact_urls: dict[str, str],
 ) -> RenderedOutput:
-    """The execution as a model should read it."""
+    """The execution as a model should read it; `language`: the kernel's, said when not
+    Python's."""
     budget = max_chars
     parts: list[str] = []
     trimmed = 0
     sections = [("stdout", execution.stdout), ("stderr", execution.stderr)]
     for r in execution.results:
-        if r.text is not None and not r.images():
-            sections.append(("result" if r.is_main_result else "display", r.text))
+        shown = None if r.images() else _result_text(r)
+        if shown is not None:
+            sections.append(("result" if r.is_main_result else "display", shown))
     share = max(200, budget // max(1, len(sections) + 1))
     for name, body in sections:
         if not body:
@@ -373,7 +451,9 @@ def render(
         if len(lines) > _TRACEBACK_LINES:
             lines = ["(traceback trimmed to its last lines)", *lines[-_TRACEBACK_LINES:]]
         tb = "\n".join(lines)
-        parts.append(f"[error] {error.name}: {error.value}" + (f"\n{tb}" if tb else ""))
+        parts.append(
+            f"[error] {_error_heading(error.name, error.value)}" + (f"\n{tb}" if tb else "")
+        )
     images: list[Image] = []
     for artifact in execution.artifacts:
         url = artifact_urls.get(artifact.id)
@@ -391,6 +471,8 @@ def render(
         parts.append(f"[notice] {execution.notice}")
     state = " · kernel restarted, earlier variables are gone" if execution.state_lost else ""
     count = f" · In[{execution.execution_count}]" if execution.execution_count else ""
+    if language is not None and language != PYTHON:
+        count = f" · {language}{count}"
     parts.append(
         f"[status] {execution.status}{count} · {execution.duration_s:.2f} s · "
         f"session_id {session_id}{state}"

@@ -44,7 +44,7 @@ class McpHttpFront:
         """Serve while the service runs; the server is made once the service has started, so
         the tool's description can list the host tools (an MCP server's among them)."""
         settings = self._service.settings
-        server, _ = build_mcp_server(self._service, connections=self.connections)
+        server, _ = await build_mcp_server(self._service, connections=self.connections)
         # Builds the session manager (with DNS-rebinding protection on a loopback host); the
         # Starlette app it returns is not used: this endpoint is mounted in ours instead.
         server.streamable_http_app(

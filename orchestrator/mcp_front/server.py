@@ -53,7 +53,8 @@ from orchestrator.tool import (
     format_output,
     shell_description,
 )
-from sandbox.errors import FileTooLarge, SandboxError
+from sandbox.errors import FileTooLarge, SandboxError, UnknownLanguage
+from sandbox.languages import canonical_language
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,15 @@ _ARGUMENT_HINT = (
 SessionIdArg = Annotated[
     str | None,
     Field(description="Only to reach a session by id; this connection's session by default."),
+]
+
+# The languages themselves are listed in the tool's description, read from the backend.
+LanguageArg = Annotated[
+    str | None,
+    Field(
+        max_length=100,
+        description="The language of code, one of those the description lists; Python if omitted.",
+    ),
 ]
 
 
@@ -183,16 +193,18 @@ def _caller(ctx: Context) -> tuple[str, str | None]:
     return owner, connection or None
 
 
-def build_mcp_server(
+async def build_mcp_server(
     service: Service, *, connections: ConnectionSessions | None = None
 ) -> tuple[MCPServer, ConnectionSessions]:
-    """The MCP server over `service` (started: its host tools are known), and its
-    connection-to-session map."""
+    """The MCP server over `service` (started: its host tools and languages are known), and
+    its connection-to-session map."""
     settings = service.settings
+    languages = await service.tool_languages()
     sessions = connections or ConnectionSessions(service)
     server: MCPServer = MCPServer(
         name="code-interpreter",
-        instructions="Run Python in a stateful sandbox; move files in and out of its workspace.",
+        instructions="Run code (Python by default) in a stateful sandbox; move files in and "
+        "out of its workspace.",
         log_level="WARNING",
     )
 
@@ -215,14 +227,19 @@ def build_mcp_server(
         server.add_tool(told_to_model, name=fn.__name__, description=text)
 
     async def code_interpreter(
-        code: Annotated[str, Field(min_length=1, description="Python code to run.")],
+        code: Annotated[str, Field(min_length=1, description="The code to run.")],
         ctx: Context,
+        language: LanguageArg = None,
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
         owner, connection = _caller(ctx)
+        try:  # a name that is no language is told before a session is made for it
+            canonical_language(language)
+        except UnknownLanguage as exc:
+            raise ToolFailure(f"[error] {exc}. Omit language to run Python.") from None
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one tool flow, as the REST invoke route runs it, in the connection's session.
-        outcome = await service.invoke_tool(owner, code, session=session)
+        outcome = await service.invoke_tool(owner, code, session=session, language=language)
         rendered = outcome.rendered
         if note:
             rendered.text = f"{note}\n{rendered.text}"
@@ -329,6 +346,7 @@ def build_mcp_server(
         bound_session=True,
         host_tools=host_tools,
         session_note=_ARGUMENT_HINT,
+        languages=languages,
     )
     tool(code_interpreter, text)
     if settings.shell_tool:  # off unless the operator turned it on
@@ -358,7 +376,7 @@ async def serve_stdio(settings: Settings) -> None:
     try:
         await service.start()
         try:
-            server, _ = build_mcp_server(service)
+            server, _ = await build_mcp_server(service)
             await server.run_stdio_async()
         finally:
             await service.close()

@@ -16,6 +16,7 @@ from orchestrator.schemas import (
     CreateSessionRequest,
     ExecuteRequest,
     ExecutionRecord,
+    RestartRequest,
     SessionInfo,
 )
 from orchestrator.sessions import SessionError
@@ -67,9 +68,12 @@ async def interrupt(session: SessionDep, service: ServiceDep) -> dict[str, bool]
     return {"interrupted": await service.interrupt(session)}
 
 
-@router.post("/{session_id}/restart", summary="Restart the kernel (files are kept)")
-async def restart(session: SessionDep, service: ServiceDep) -> SessionInfo:
-    return await service.restart(session)
+@router.post("/{session_id}/restart", summary="Restart a kernel, or all (files are kept)")
+async def restart(
+    session: SessionDep, service: ServiceDep, body: RestartRequest | None = None
+) -> SessionInfo:
+    """Without a body (or `language`), every kernel the session started is replaced."""
+    return await service.restart(session, body.language if body is not None else None)
 
 
 @router.post(
@@ -84,7 +88,14 @@ async def execute(
     disconnects interrupts its code."""
     record = await unless_disconnected(
         request,
-        service.execute(session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd),
+        service.execute(
+            session,
+            body.code,
+            timeout_s=body.timeout_s,
+            env=body.env,
+            cwd=body.cwd,
+            language=body.language,
+        ),
     )
     return await json_response(record)  # a large one is serialised off the event loop
 
@@ -121,10 +132,18 @@ async def execute_stream(
     `failure`, if the session itself ended during the run). Closing the connection interrupts
     the code."""
 
+    # Called here, not in `lines`: a language there is not is refused (400) before the stream
+    # starts, not as a broken stream.
+    run = service.stream(
+        session,
+        body.code,
+        timeout_s=body.timeout_s,
+        env=body.env,
+        cwd=body.cwd,
+        language=body.language,
+    )
+
     async def lines() -> AsyncIterator[bytes]:
-        run = service.stream(
-            session, body.code, timeout_s=body.timeout_s, env=body.env, cwd=body.cwd
-        )
         try:
             async with aclosing(run) as events:  # closed at once if the client leaves
                 async for item in events:

@@ -35,16 +35,19 @@ async def definition(
     format: ToolFormat | None = None,
     session_id: str | None = None,
 ) -> dict[str, Any]:
-    """With `session_id`, the description lists that session's host tools; otherwise those of
-    the sessions the tool creates itself (settings: host_tools.session_default)."""
-    if session_id is not None:
-        names = service.session_tools(await service.get_session(session_id, owner))
+    """With `session_id`, the description lists that session's host tools and languages;
+    otherwise those of the sessions the tool creates itself (settings:
+    host_tools.session_default, and the default backend's languages)."""
+    session = None if session_id is None else await service.get_session(session_id, owner)
+    if session is not None:
+        names = service.session_tools(session)
     else:
         names = service.settings.host_tools.session_default
     defs = definitions(
         timeout_s=service.settings.execution_timeout_s,
         libraries=LIBRARIES,
         host_tools=service.host_tool_summaries(names),
+        languages=await service.tool_languages(session),
     )
     return defs[format] if format is not None else defs
 
@@ -74,7 +77,10 @@ async def invoke(
             )
 
         outcome = await unless_disconnected(
-            request, service.invoke_tool(owner, args.code, session_id=args.session_id, links=links)
+            request,
+            service.invoke_tool(
+                owner, args.code, session_id=args.session_id, links=links, language=args.language
+            ),
         )
     return _response(body, outcome)
 

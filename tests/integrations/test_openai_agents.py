@@ -124,6 +124,6 @@ async def test_a_malformed_call_is_answered_with_what_to_fix(code_session: CodeS
 def test_the_tool_definition_needs_no_session_id() -> None:
     tool = code_interpreter_tool(CodeSession.embedded())
     assert tool.name == "code_interpreter"
-    assert tool.params_json_schema["required"] == ["code"]
+    assert tool.params_json_schema["required"] == ["code", "language"]  # strict: all of them
     assert "session_id" not in tool.params_json_schema["properties"]
     assert "session_id" not in tool.description and "persists" in tool.description

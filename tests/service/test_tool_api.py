@@ -27,7 +27,8 @@ def invoke(api: httpx.Client, arguments: object, fmt: str = "openai_chat", **ext
 def test_definitions_in_every_format(api: httpx.Client) -> None:
     defs = api.get("/v1/tools/code_interpreter").json()
     schema = defs["json_schema"]
-    assert schema["required"] == ["code"] and set(schema["properties"]) == {"code", "session_id"}
+    assert schema["required"] == ["code"]
+    assert set(schema["properties"]) == {"code", "language", "session_id"}
     chat = defs["openai_chat"]
     assert chat["type"] == "function" and chat["function"]["name"] == "code_interpreter"
     assert chat["function"]["parameters"] == schema

@@ -37,9 +37,9 @@ def test_the_session_id_is_kept() -> None:
 
 
 def test_extra_fields_are_ignored_not_refused() -> None:
-    args = parse_arguments({"code": "1", "language": "python", "timeout": [1, 2]})
+    args = parse_arguments({"code": "1", "dialect": "python", "timeout": [1, 2]})
     assert args.code == "1"
-    assert not hasattr(args, "language")
+    assert not hasattr(args, "dialect")
 
 
 def test_code_is_taken_verbatim() -> None:

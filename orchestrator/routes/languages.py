@@ -1,0 +1,31 @@
+"""The languages this deployment runs, per backend: what a client may pass as `language`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from orchestrator.routes.deps import OwnerDep, ServiceDep
+from orchestrator.schemas import LanguagesResponse
+from sandbox.errors import SandboxError
+from sandbox.languages import LANGUAGES
+
+router = APIRouter(prefix="/v1/languages", tags=["languages"])
+
+
+@router.get("", summary="The languages new sessions have, on each backend")
+async def languages(service: ServiceDep, owner: OwnerDep) -> LanguagesResponse:
+    """A backend that cannot say (e.g. its image is missing) lists none: a session there
+    fails to start and says why."""
+    by_backend: dict[str, list[str]] = {}
+    for name in service.backend_names():
+        try:
+            by_backend[name] = await service.languages(name)
+        except SandboxError:
+            by_backend[name] = []
+    default = service.settings.default_backend
+    return LanguagesResponse(
+        default_backend=default,
+        languages=by_backend.get(default, []),
+        backends=by_backend,
+        aliases={name: list(language.aliases) for name, language in LANGUAGES.items()},
+    )

@@ -424,7 +424,8 @@ def image_build(
         ),
     ] = None,
 ) -> None:
-    """Build the base and kernel images; seconds when nothing changed."""
+    """Build the base, the default kernel image and the full one (every language); seconds when
+    nothing changed."""
     from kernel_images.build import build_all
 
     for built in build_all(base_image=base_image):

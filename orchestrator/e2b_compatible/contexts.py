@@ -1,9 +1,13 @@
 """E2B's code contexts: `/contexts` create, list, restart, remove.
 
-The default context is the sandbox's own kernel (id `default`). A context made here is, honestly,
-a new session of the same backend: a kernel of its own, so its variables are separate, as in E2B;
-unlike E2B, it also has a workspace of its own, so files written in one context are not seen by
-another. Its `cwd`, if given, is the working directory of every execution in it. Contexts count
+Every sandbox has a default context per language it can run (E2B's server starts Python's and
+JavaScript's, and one for any other language on first use): each is that language's kernel in
+the sandbox's own session, listed with a stable UUID (and Python's also answering to `default`,
+as in E2B). A context made here is, honestly, a new session of the same backend running the
+context's language: a kernel of its own, so its variables are separate, as in E2B; unlike E2B, it
+also has a workspace of its own, so files written in one context are not seen by another. Its
+`cwd`, if given, is the working directory of every execution in it. Every context's working
+directory reads E2B's `/home/user`, which in our sandboxes is the workspace. Contexts count
 towards the key's session limit and end with their sandbox.
 """
 
@@ -16,13 +20,13 @@ from pydantic import BaseModel
 
 from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.execute import DEFAULT_CONTEXT, check_language, context_session
-from orchestrator.e2b_compatible.sandboxes import SandboxGone
+from orchestrator.e2b_compatible.execute import context_target
+from orchestrator.e2b_compatible.sandboxes import DEFAULT_CONTEXT, E2B_HOME, SandboxGone
 from orchestrator.schemas import CreateSessionRequest
-from sandbox.backends.base import WORKSPACE_IN_SANDBOX
+from sandbox.languages import PYTHON, check_available
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
-MAX_CONTEXTS = 8  # beside the default one, per sandbox
+MAX_CONTEXTS = 8  # beside the default ones, per sandbox
 
 
 class CreateContext(BaseModel):
@@ -31,8 +35,10 @@ class CreateContext(BaseModel):
 
 
 class ContextInfo(BaseModel):
+    """E2B's `Context`: what its SDK reads from every context call."""
+
     id: str
-    language: str = "python"
+    language: str
     cwd: str
 
 
@@ -43,8 +49,9 @@ async def create_context(
     sandboxes: E2BDep,
     body: Annotated[CreateContext, Body()] = CreateContext(),  # noqa: B008 - a constant default
 ) -> ContextInfo:
-    check_language(body.language)
     record, session = reached.record, reached.session
+    # The new session has the same backend and image, so the same languages as this one.
+    language = check_available(body.language or PYTHON, service.session_languages(session))
     if len(record.contexts) >= MAX_CONTEXTS:
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
     spec = CreateSessionRequest(backend=session.backend, image=session.image)
@@ -55,33 +62,45 @@ async def create_context(
         if not sandboxes.is_live(record):
             raise SandboxGone(record.sandbox_id)
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
-    context = sandboxes.add_context(record, new, body.cwd)
-    return ContextInfo(id=context.id, cwd=body.cwd or WORKSPACE_IN_SANDBOX)
+    context = sandboxes.add_context(record, new, body.cwd, language)
+    return ContextInfo(id=context.id, language=language, cwd=body.cwd or E2B_HOME)
 
 
 @router.get("/contexts", summary="E2B: list the code contexts")
-async def list_contexts(reached: ReachedDep) -> list[ContextInfo]:
-    contexts = [ContextInfo(id=DEFAULT_CONTEXT, cwd=WORKSPACE_IN_SANDBOX)]
+async def list_contexts(reached: ReachedDep, service: ServiceDep) -> list[ContextInfo]:
+    record = reached.record
+    contexts = [
+        ContextInfo(id=record.default_context_id(language), language=language, cwd=E2B_HOME)
+        for language in service.session_languages(reached.session)
+    ]
     contexts += [
-        ContextInfo(id=c.id, cwd=c.cwd or WORKSPACE_IN_SANDBOX)
-        for c in reached.record.contexts.values()
+        ContextInfo(id=c.id, language=c.language, cwd=c.cwd or E2B_HOME)
+        for c in record.contexts.values()
     ]
     return contexts
 
 
 @router.post("/contexts/{context_id}/restart", summary="E2B: restart a context's kernel")
 async def restart_context(context_id: str, reached: ReachedDep, service: ServiceDep) -> Response:
-    session, _ = await context_session(service, reached.record, reached.session, context_id)
-    await service.restart(session)
+    target = await context_target(service, reached, context_id)
+    # A kernel not started yet is fresh already: starting one only to restart it is waste.
+    if target.language in service.started_languages(target.session):
+        await service.restart(target.session, target.language)
     return Response(status_code=204)
 
 
 @router.delete("/contexts/{context_id}", summary="E2B: remove a context")
-async def remove_context(context_id: str, reached: ReachedDep, sandboxes: E2BDep) -> Response:
-    if context_id in (DEFAULT_CONTEXT, reached.record.sandbox_id):
-        raise E2BError(400, "the default context cannot be removed; kill the sandbox instead")
-    context = reached.record.contexts.get(context_id)
+async def remove_context(
+    context_id: str, reached: ReachedDep, service: ServiceDep, sandboxes: E2BDep
+) -> Response:
+    record = reached.record
+    default = record.default_context_language(
+        context_id, service.session_languages(reached.session)
+    )
+    if default is not None or context_id == DEFAULT_CONTEXT:
+        raise E2BError(400, "a default context cannot be removed; kill the sandbox instead")
+    context = record.contexts.get(context_id)
     if context is None:
-        raise E2BError(404, f"context {context_id} not found")
-    await sandboxes.remove_context(reached.record, context)
+        raise E2BError(404, f"Context {context_id} not found")  # E2B's words
+    await sandboxes.remove_context(record, context)
     return Response(status_code=204)

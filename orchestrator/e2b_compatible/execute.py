@@ -1,5 +1,9 @@
 """E2B's code-interpreter data plane: `POST /execute` streaming NDJSON, and `/health`.
 
+Code runs in the kernel of its context: the default context of `language` (E2B's names and
+aliases; Python if none) in the sandbox's own session, or a context made at /contexts. A
+language the sandbox lacks is refused (400) naming the languages it has.
+
 One JSON object per line, as E2B's SDK parses them: `stdout`/`stderr` (with a timestamp in
 nanoseconds), `result` (the MIME forms by name, `is_main_result`), `error` (`name`, `value`,
 `traceback`), then `number_of_executions` and `end_of_execution`, with a `keepalive` line at least
@@ -10,23 +14,27 @@ the /v1 stream does: the kernel is interrupted, or replaced if it ignores the in
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Send
 
-from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.deps import E2BDep, Reached, ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.sandboxes import E2BRecord
+from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.schemas import Env, KernelText
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
 from orchestrator.streaming import Dropped, Finished, Keepalive
 from sandbox.errors import SandboxError
+from sandbox.languages import canonical_language
 from sandbox.models import (
     ErrorEvent,
     OutputEvent,
@@ -36,8 +44,8 @@ from sandbox.models import (
     StdoutEvent,
 )
 
+log = logging.getLogger(__name__)
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
-DEFAULT_CONTEXT = "default"
 _TEXT_FORMS = ("text", "html", "markdown", "latex", "png", "jpeg", "svg", "pdf", "javascript")
 
 
@@ -48,24 +56,52 @@ class ExecuteBody(BaseModel):
     env_vars: Env | None = None
 
 
-def check_language(language: str | None) -> None:
-    if language not in (None, "python", "py", "python3"):
-        raise E2BError(400, f"language {language!r} is not supported here: only python is")
+class SandboxKilled(Exception):
+    """The sandbox was killed while code ran in it: the answer is cut off (see `ExecuteStream`)."""
 
 
-async def context_session(
-    service: Service, record: E2BRecord, session: Session, context_id: str | None
-) -> tuple[Session, str | None]:
-    """The session a context runs in, and its working directory (None: the kernel's own)."""
-    if context_id in (None, DEFAULT_CONTEXT, record.sandbox_id):
-        return session, None
-    context = record.contexts.get(context_id or "")
+class ExecuteStream(StreamingResponse):
+    """The NDJSON answer of /execute, cut off without its last chunk if the sandbox is killed
+    under it, as E2B's proxy drops the connection of a sandbox that goes. E2B's SDK reads a
+    stream that breaks off as a broken connection, asks /health whether the sandbox still runs
+    (502: it does not), and raises "The sandbox was killed while the request was in progress"
+    (e2b_code_interpreter: `_handle_connection_error`, `format_sandbox_killed_error`)."""
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        except SandboxKilled as killed:  # the server closes the connection, the body unfinished
+            log.info("E2B sandbox %s was killed during an execution; answer cut off", killed)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where code of a context runs: a session, a language, a working directory (None: the
+    kernel's own, which for the default contexts is the workspace, E2B's /home/user)."""
+
+    session: Session
+    language: str
+    cwd: str | None
+
+
+async def context_target(
+    service: Service, reached: Reached, context_id: str | None, language: str | None = None
+) -> Target:
+    """The target of a context id (None: the default context of `language`, Python if None)."""
+    record, session = reached.record, reached.session
+    if context_id is None:
+        return Target(session, canonical_language(language), None)
+    default = record.default_context_language(context_id, service.session_languages(session))
+    if default is not None:
+        return Target(session, default, None)
+    context = record.contexts.get(context_id)
     if context is None:
-        raise E2BError(404, f"context {context_id} not found")
+        raise E2BError(404, f"Context {context_id} not found")  # E2B's words
     try:
-        return await service.get_session(context.id, record.owner), context.cwd
+        found = await service.get_session(context.id, record.owner)
     except SessionError:
-        raise E2BError(404, f"context {context_id} has ended") from None
+        raise E2BError(404, f"Context {context_id} has ended") from None
+    return Target(found, context.language, context.cwd)
 
 
 @router.get("/health", summary="E2B: health (of the sandbox named by E2b-Sandbox-Id, if any)")
@@ -85,20 +121,24 @@ async def health(request: Request, sandboxes: E2BDep) -> dict[str, str]:
     response_class=StreamingResponse,
     responses={200: {"content": {"application/x-ndjson": {}}}},
 )
-async def execute(body: ExecuteBody, reached: ReachedDep, service: ServiceDep) -> StreamingResponse:
-    if body.context_id is None:
-        check_language(body.language)
-    session, cwd = await context_session(service, reached.record, reached.session, body.context_id)
+async def execute(
+    body: ExecuteBody, reached: ReachedDep, service: ServiceDep, sandboxes: E2BDep
+) -> StreamingResponse:
+    if body.context_id and body.language:
+        raise E2BError(400, "Only one of context_id or language can be provided")  # E2B's words
+    target = await context_target(service, reached, body.context_id, body.language)
+    # The client's own deadline governs (it disconnects); ours is the service's ceiling. An
+    # unknown or missing language is refused here, before the answer starts.
+    stream = service.stream(
+        target.session,
+        body.code,
+        timeout_s=service.settings.max_execution_timeout_s,
+        env=dict(body.env_vars or {}) or None,
+        cwd=target.cwd,
+        language=target.language,
+    )
 
     async def lines() -> AsyncIterator[bytes]:
-        # The client's own deadline governs (it disconnects); ours is the service's ceiling.
-        stream = service.stream(
-            session,
-            body.code,
-            timeout_s=service.settings.max_execution_timeout_s,
-            env=dict(body.env_vars or {}) or None,
-            cwd=cwd,
-        )
         try:
             async with aclosing(stream) as events:  # closed at once if the client leaves
                 async for item in events:
@@ -113,12 +153,27 @@ async def execute(body: ExecuteBody, reached: ReachedDep, service: ServiceDep) -
                             yield _encode(line)
                     elif (event := _line(item)) is not None:
                         yield _encode(event)
-        except (SandboxError, SessionError) as exc:  # the session ended under the run
+        except (SandboxError, SessionError) as exc:  # a session ended under the run
+            if await _killed(service, sandboxes, reached):
+                raise SandboxKilled(reached.record.sandbox_id) from exc
             error = {"name": type(exc).__name__, "value": str(exc), "traceback": ""}
             yield _encode({"type": "error", **error})
+        if await _killed(service, sandboxes, reached):  # its kernel's death was the kill
+            raise SandboxKilled(reached.record.sandbox_id)
         yield _encode({"type": "end_of_execution"})
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    return ExecuteStream(lines(), media_type="application/x-ndjson")
+
+
+async def _killed(service: Service, sandboxes: E2BSandboxes, reached: Reached) -> bool:
+    """Whether the sandbox (not merely a context of it) has ended: killed, timed out, deleted."""
+    if not sandboxes.is_live(reached.record):
+        return True
+    try:
+        await service.get_session(reached.record.session_id, reached.record.owner)
+    except SessionError:
+        return True
+    return False
 
 
 def _encode(line: dict[str, Any]) -> bytes:
@@ -143,14 +198,21 @@ def _line(event: OutputEvent) -> dict[str, Any] | None:
 
 
 def result_fields(result: Result) -> dict[str, Any]:
-    """A result in E2B's shape: each MIME form under its name, the rest in `extra`."""
+    """A result in E2B's shape: each MIME form under its name, the rest in `extra`.
+
+    As E2B's server builds it (template/server/api/models/result.py): a text wholly within one
+    kind of quotes loses them (a string value reads `supertest`, not `'supertest'`); `chart`
+    and `data` carry the `e2b/chart` and `e2b/data` forms."""
     out: dict[str, Any] = {"is_main_result": result.is_main_result}
     for name in _TEXT_FORMS:
         value = getattr(result, name)
         if value is not None:
             out[name] = value
-    if result.json_data is not None:
-        out["json"] = result.json_data
-    if result.extra:
-        out["extra"] = result.extra
+    text = result.text
+    if text and any(text.startswith(q) and text.endswith(q) for q in ("'", '"')):
+        out["text"] = text[1:-1]
+    for name, form in (("json", result.json_data), ("chart", result.chart), ("data", result.data)):
+        if form is not None:
+            out[name] = form
+    out["extra"] = result.extra  # E2B's server sends the forms left over, `{}` when none
     return out

@@ -15,6 +15,7 @@ import hmac
 import logging
 import secrets
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -23,6 +24,7 @@ from orchestrator.auth import LOCAL_OWNER
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError, SessionNotFound
+from sandbox.languages import PYTHON
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,12 @@ log = logging.getLogger(__name__)
 # and sends no credentials): served only by a service whose auth is disabled.
 DEBUG_SANDBOX_ID = "debug_sandbox_id"
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
+# E2B's home, every context's working directory unless one is asked for; in our sandboxes it is
+# a link to the workspace, so files there and in the workspace are the same files.
+E2B_HOME = "/home/user"
+# The id E2B's server also answers to for the default Python context.
+DEFAULT_CONTEXT = "default"
+_CONTEXT_IDS = uuid.UUID("9a4c1f0e-5b7d-4f43-8d8e-2f6a1c3b7e51")
 
 
 class SandboxGone(Exception):
@@ -43,10 +51,11 @@ class SandboxGone(Exception):
 
 @dataclass
 class Context:
-    """A code context made beside the default one: a kernel in a session of its own."""
+    """A code context made beside the default ones: a kernel in a session of its own."""
 
     id: str  # its session's id
     cwd: str | None
+    language: str
 
 
 @dataclass
@@ -63,6 +72,17 @@ class E2BRecord:
 
     def set_timeout(self, timeout_s: float) -> None:
         self.deadline = time.time() + timeout_s
+
+    def default_context_id(self, language: str) -> str:
+        """The id of the sandbox's default context of `language`: a UUID like the kernel id E2B
+        gives it, stable for the sandbox's life, so a listed id can be run in and restarted."""
+        return str(uuid.uuid5(_CONTEXT_IDS, f"{self.sandbox_id}/{language}"))
+
+    def default_context_language(self, context_id: str, languages: list[str]) -> str | None:
+        """The language whose default context `context_id` names, if it names one."""
+        if context_id in (DEFAULT_CONTEXT, self.sandbox_id):
+            return PYTHON
+        return next((x for x in languages if self.default_context_id(x) == context_id), None)
 
 
 class E2BSandboxes:
@@ -89,8 +109,10 @@ class E2BSandboxes:
         self._records[session.id] = record
         return record
 
-    def add_context(self, record: E2BRecord, session: Session, cwd: str | None) -> Context:
-        context = Context(id=session.id, cwd=cwd)
+    def add_context(
+        self, record: E2BRecord, session: Session, cwd: str | None, language: str
+    ) -> Context:
+        context = Context(id=session.id, cwd=cwd, language=language)
         record.contexts[context.id] = context
         self._context_sessions.add(session.id)
         return context

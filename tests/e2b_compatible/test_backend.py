@@ -54,7 +54,7 @@ async def test_state_results_errors_and_events(remote: E2BSandbox) -> None:
         events.append(event)
 
     first = await remote.execute("import os\nx = 41\nprint('hi')\nos.environ['GIVEN']")
-    assert first.ok and first.stdout == "hi\n" and first.text == "'at start'"
+    assert first.ok and first.stdout == "hi\n" and first.text == "at start"
     second = await remote.execute(
         "import sys\nprint('err', file=sys.stderr)\nimport matplotlib.pyplot as plt\n"
         "plt.plot([1, 2]); plt.show()\nx + 1",
@@ -98,7 +98,7 @@ async def test_timeout_interrupt_and_restart(remote: E2BSandbox) -> None:
     await remote.upload("sub/x.txt", b"x")
     scoped = await remote.execute("import os; os.environ['LATER'], os.getcwd()", cwd="sub")
     assert scoped.text == "('set', '/workspace/sub')"
-    assert (await remote.execute("import os; os.getcwd()")).text == "'/workspace'"
+    assert (await remote.execute("import os; os.getcwd()")).text == "/workspace"
 
     await remote.restart()
     assert (await remote.execute("'kept' in globals()")).text == "False"

@@ -81,4 +81,4 @@ def test_a_download_over_the_limit_is_refused(data_plane: tuple[Sandbox, httpx.C
     at_limit = client.get("/files", params={"path": "/workspace/at.bin"})
     assert at_limit.status_code == 200 and at_limit.content == b"x" * LIMIT
     assert_too_large(client.get("/files", params={"path": "over.bin"}))
-    assert sandbox.run_code("'still here'").text == "'still here'"
+    assert sandbox.run_code("'still here'").text == "still here"

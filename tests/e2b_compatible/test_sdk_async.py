@@ -53,11 +53,11 @@ async def test_async_timeout_interrupts_and_executions_queue(asbx: AsyncSandbox)
 async def test_async_contexts_env_and_files(asbx: AsyncSandbox) -> None:
     context = await asbx.create_code_context(cwd="/tmp")
     assert context.cwd == "/tmp"
-    assert (await asbx.run_code("import os; os.getcwd()", context=context)).text == "'/tmp'"
-    assert (await asbx.run_code("import os; os.getcwd()")).text == "'/workspace'"
+    assert (await asbx.run_code("import os; os.getcwd()", context=context)).text == "/tmp"
+    assert (await asbx.run_code("import os; os.getcwd()")).text == "/workspace"
     await asbx.remove_code_context(context.id)
     code = "import os; os.environ['ONLY_NOW']"
-    assert (await asbx.run_code(code, envs={"ONLY_NOW": "1"})).text == "'1'"
+    assert (await asbx.run_code(code, envs={"ONLY_NOW": "1"})).text == "1"
     await asbx.files.write("notes/a.txt", "from the SDK")
     await asbx.run_code("open('notes/b.txt', 'w').write(open('notes/a.txt').read().upper())")
     assert await asbx.files.read("notes/b.txt") == "FROM THE SDK"

@@ -57,7 +57,7 @@ def test_a_command_shares_the_kernels_workspace_and_python(sbx: Sandbox) -> None
     result = sbx.commands.run("python3 -c 'import pandas; print(pandas.__name__)'")
     assert result.stdout == "pandas\n"
     sbx.commands.run("echo c > from_command.txt")
-    assert sbx.run_code("open('from_command.txt').read()").text == "'c\\n'"
+    assert sbx.run_code("open('from_command.txt').read()").text == "c\\n"
 
 
 def test_the_timeout_kills_the_command(sbx: Sandbox) -> None:

@@ -17,7 +17,7 @@ from tests.service.conftest import Server
 def test_e2b_home_is_the_workspace(sbx: Sandbox) -> None:
     sbx.files.write("/home/user/notes.txt", "n")
     assert sbx.files.read("/workspace/notes.txt") == "n"
-    assert sbx.run_code("open('notes.txt').read()").text == "'n'"
+    assert sbx.run_code("open('notes.txt').read()").text == "n"
     assert "notes.txt" in [e.name for e in sbx.files.list("/home/user")]
     assert sbx.files.get_info("/home/user/notes.txt").path == "/workspace/notes.txt"
     assert sbx.files.exists("~/notes.txt")

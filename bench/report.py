@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sandbox.languages import LANGUAGES
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -50,8 +52,10 @@ def render(report: dict[str, Any]) -> str:
             f"| {row['name']} | {s['median_ms']:.2f} | {s['p95_ms']:.2f} | {s['stdev_ms']:.2f} "
             f"| {s['n']} | {row['baseline_median_ms']:.2f} | {row['ratio']:.2f}x |"
         )
+    out.append("")
+    if "languages" in report:
+        out += languages_section(report["languages"])
     out += [
-        "",
         "## Large outputs (time to have it all in hand, median of 3 fresh processes; largest "
         "peak memory of the caller's process)",
         "",
@@ -102,6 +106,43 @@ def render(report: dict[str, Any]) -> str:
         out.append(f"- **{name}**: not run: {why}.")
     out += ["", "![latency distributions](latest.png)", ""]
     return "\n".join(out)
+
+
+def languages_section(figures: dict[str, Any]) -> list[str]:
+    """The report's section on languages, as markdown lines."""
+    out = [
+        "## Languages (each kernel beside Python's; Docker: the full image)",
+        "",
+        "Cold start: the first call in the language in a running sandbox, until its result, "
+        "starting the language's kernel included (Python: the sandbox's creation and its first "
+        "call, as its kernel starts with the sandbox); a fresh sandbox per sample. Raw: the same "
+        "kernel, same command line, started by jupyter_client over TCP, until its first result. "
+        "Round trip: the language's trivial expression (`1+1`; bash: `echo $((1+1))`) on a "
+        "started kernel. Ratio = ours / raw, medians. Raw stops reading at the answer; ours cannot "
+        "know the answer, so for Deno's kernels (JavaScript, TypeScript), which may publish output "
+        "after their idle status, it waits until the output has been quiet for the language's "
+        "`linger_s` (sandbox/languages.py) after the idle. Of few samples, p95 is the largest.",
+        "",
+        "| language | who | cold start median ms | p95 ms | n | raw median ms | ratio "
+        "| round trip median ms | p95 ms | n | raw median ms | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    order = {name: i for i, name in enumerate(LANGUAGES)}
+    for row in sorted(figures["rows"], key=lambda r: order[r["language"]]):
+        cells = []
+        for key in ("cold", "round_trip"):
+            part = row[key]
+            s = part["stats"]
+            cells.append(
+                f"{s['median_ms']:.2f} | {s['p95_ms']:.2f} | {s['n']} | "
+                f"{part['raw_median_ms']:.2f} | {part['ratio']:.2f}x"
+            )
+        out.append(f"| {row['language']} | {row['who']} | " + " | ".join(cells) + " |")
+    if figures["not_run"]:
+        out.append("")
+    for what, why in figures["not_run"].items():
+        out.append(f"- **{what}**: not run: {why}.")
+    return [*out, ""]
 
 
 def chart(report: dict[str, Any], path: Path) -> None:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import commands, memory, ours, peers, raw, report
+from bench import commands, languages, memory, ours, peers, raw, report
 from bench.stats import summarize
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.registry import why_unavailable
@@ -74,6 +74,9 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     add("service: warm-pool hand-over (HTTP)", http["handover"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP execute", http["execute"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP tool invoke", http["invoke"], "raw: 1+1 round trip")
+
+    # Every other language's kernel beside Python's, each against the same kernel run directly.
+    by_language = await languages.measure(*languages.samples(quick))
 
     # Commands beside the kernel, each beside its floor: a plain subprocess, `docker exec`.
     add(
@@ -143,6 +146,7 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
         f"{free / 2**30:.1f} GiB free, Python {platform.python_version()})",
         "latency": latency,
         "samples": samples,
+        "languages": by_language,
         "heavy": heavy,
         "throughput_levels": levels,
         "throughput": throughput,

@@ -212,11 +212,13 @@ class Service:
         *,
         idle_timeout_s: float | None = None,
         spec: SandboxSpec | None = None,
+        workdir: str | None = None,
     ) -> Session:
         """A new session for `owner`: the only way one is made. `idle_timeout_s`: an expiry of
         its own (sooner than the service's), for sessions a client may forget. `spec`: a whole
         spec from in-process code (an embedded session's), taken as it is, past the ceilings a
-        request is held to."""
+        request is held to. `workdir`: where its kernels run (`SandboxSpec.workdir`; the E2B
+        front's are in E2B's home), set after the sandbox is had, so a pooled one fits too."""
         try:
             tools = self.tools.select(request.tools)
         except UnknownTools as exc:
@@ -230,6 +232,8 @@ class Service:
         )
         session.idle_timeout_s = idle_timeout_s
         try:
+            if workdir is not None and workdir != session.sandbox.spec.workdir:
+                await session.sandbox.set_workdir(workdir)
             if tools:
                 await self._open_channel(session, tools)
             for f in request.files:

@@ -56,11 +56,20 @@ class SandboxCgroup:
         (self.dirs[2] / "cpu.cfs_period_us").write_text(str(period))
         (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * period)))
 
-    def join_self(self) -> None:
-        """Move the calling process here (run in the child before it execs)."""
+    def join_self(self, pids_group: Path | None = None) -> None:
+        """Move the calling process here (run in the child before it execs); in the pids
+        hierarchy, into `pids_group` (a kernel's own, inside this one) if given."""
         for d in self.dirs:
-            with open(d / "cgroup.procs", "w") as f:
+            target = pids_group if pids_group is not None and d == self.dirs[1] else d
+            with open(target / "cgroup.procs", "w") as f:
                 f.write("0")
+
+    def kernel_group(self, language: str) -> Path:
+        """A kernel's own group in the pids hierarchy, inside the sandbox's (whose limit it
+        shares): what it leaves behind can be waited for apart from the other kernels."""
+        path = self.dirs[1] / f"kernel-{language}"
+        path.mkdir(exist_ok=True)
+        return path
 
     def oom_kills(self) -> int:
         try:
@@ -71,13 +80,13 @@ class SandboxCgroup:
             pass
         return 0
 
-    async def wait_empty(self, wait_s: float = 5.0) -> bool:
+    async def wait_empty(self, wait_s: float = 5.0, group: Path | None = None) -> bool:
         """Wait until none of the sandbox's processes is left. The processes of a PID namespace
         die after its init, not with it; a kernel started before they are gone would find the
         pids limit still taken by them (a fork bomb's children, say) and fail to start."""
         # pids.current counts the whole subtree: the processes of commands (in their own
         # groups below this one) as well as the kernel's.
-        current = self.dirs[1] / "pids.current"
+        current = (group or self.dirs[1]) / "pids.current"
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -101,6 +110,7 @@ class SandboxCgroup:
         to finish exiting (blocking)."""
         deadline = time.monotonic() + wait_s
         inner = [p for p in self.dirs[1].glob("process-*") if p.is_dir()]
+        inner += [p for p in self.dirs[1].glob("kernel-*") if p.is_dir()]
         for d in [*inner, *self.dirs]:
             while d.exists():
                 try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
@@ -74,6 +74,11 @@ class SandboxSpec(BaseModel):
         default_factory=dict, description="Environment variables of the kernel, for its lifetime."
     )
     image: str | None = Field(None, description="Kernel image (Docker); None for the default.")
+    # The workspace is mounted at both: /home/user is E2B's home (sandbox/backends/base.py).
+    workdir: Literal["/workspace", "/home/user"] = Field(
+        "/workspace",
+        description="Where kernels start: the workspace, under either of its two names.",
+    )
     default_timeout_s: float = Field(
         300.0, gt=0, description="Time limit of an execution that does not set its own."
     )

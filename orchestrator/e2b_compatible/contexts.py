@@ -55,7 +55,7 @@ async def create_context(
     if len(record.contexts) >= MAX_CONTEXTS:
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
     spec = CreateSessionRequest(backend=session.backend, image=session.image)
-    new = await service.create_session(record.owner, spec)
+    new = await service.create_session(record.owner, spec, workdir=E2B_HOME)
     # Checked again after the wait: the sandbox may have ended, or other contexts filled it.
     if not sandboxes.is_live(record) or len(record.contexts) >= MAX_CONTEXTS:
         await service.end_session(new.id, record.owner)

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from orchestrator.e2b_compatible.deps import ApiOwnerDep, E2BDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.paths import E2B_HOME
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BRecord, E2BSandboxes
 from orchestrator.http_errors import problems
 from orchestrator.schemas import CreateSessionRequest
@@ -158,7 +159,7 @@ async def create(
         spec = CreateSessionRequest(backend=backend, image=image, env=env)
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
-    session = await service.create_session(owner, spec)
+    session = await service.create_session(owner, spec, workdir=E2B_HOME)
     record = sandboxes.add(session, template=request.template_id, metadata=metadata)
     record.set_timeout(timeout)
     return _created(record)

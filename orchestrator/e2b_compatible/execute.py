@@ -76,8 +76,9 @@ class ExecuteStream(StreamingResponse):
 
 @dataclass(frozen=True)
 class Target:
-    """Where code of a context runs: a session, a language, a working directory (None: the
-    kernel's own, which for the default contexts is the workspace, E2B's /home/user)."""
+    """Where code of a context runs: a session, a language, a working directory for each call
+    (None: the kernel's own, which is E2B's home on this front: its sessions are made with
+    `workdir` there)."""
 
     session: Session
     language: str

@@ -168,7 +168,9 @@ class E2BSandboxes:
             record = self._records.get(DEBUG_SANDBOX_ID)
             if record is not None:
                 return record
-            session = await self.service.create_session(LOCAL_OWNER, CreateSessionRequest())
+            session = await self.service.create_session(
+                LOCAL_OWNER, CreateSessionRequest(), workdir=E2B_HOME
+            )
             record = E2BRecord(
                 sandbox_id=DEBUG_SANDBOX_ID,
                 session_id=session.id,

@@ -25,6 +25,10 @@ from sandbox.spec import SandboxSpec
 
 # What the sandboxed code sees as its working directory and workspace root.
 WORKSPACE_IN_SANDBOX = "/workspace"
+# The same workspace mounted a second time, where E2B's sandboxes keep the user's files (its
+# home): clients built on E2B write there and expect to run there (`os.getcwd()`), so it is the
+# same directory, not a link to it.
+HOME_IN_SANDBOX = "/home/user"
 
 
 class Sandbox(ABC):
@@ -98,6 +102,11 @@ class Sandbox(ABC):
     @abstractmethod
     async def set_env(self, env: dict[str, str]) -> None:
         """Add environment variables for the rest of the sandbox's life, restarts included."""
+
+    async def set_workdir(self, path: str) -> None:
+        """Make `path` (the workspace under either name, `SandboxSpec.workdir`) the kernels'
+        working directory: the running ones move there, later ones start there."""
+        self.spec.workdir = SandboxSpec.model_validate({"workdir": path}).workdir
 
     @abstractmethod
     async def interrupt(self) -> bool:

@@ -26,12 +26,12 @@ from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
-from docker.types import LogConfig, Ulimit
+from docker.types import LogConfig, Mount, Ulimit
 from pydantic import BaseModel, Field
 
 from kernel_images.labels import KERNEL_IMAGE
 from sandbox import cgroups, seccomp
-from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
+from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.errors import BackendUnavailable, SandboxStartError
@@ -110,6 +110,7 @@ class DockerBackend(Backend):
         # Each sandbox's host uid, its own while it lives (sandbox/uids.py says why).
         self.uids = HostUidPool(self.config.host_uid_base, self.config.host_uid_count)
         self._connect_lock = asyncio.Lock()
+        self._cgroupfs: bool | None = None  # whether sandboxes get a parent cgroup (found once)
 
     async def _connect(self) -> tuple[docker.DockerClient, _DeathWatch]:
         async with self._connect_lock:
@@ -160,8 +161,7 @@ class DockerBackend(Backend):
             raise
         group: cgroups.SandboxCgroup | None = None
         try:
-            engine = self.config.docker_host or os.environ.get("DOCKER_HOST") or "unix://"
-            if self.config.session_cgroup and await asyncio.to_thread(_shares_cgroups, engine):
+            if self.config.session_cgroup and await self._shares_cgroups(client):
                 group = cgroups.SandboxCgroup(sandbox_id)
                 await asyncio.to_thread(group.create, spec.limits)
             _write_user_database(dirs, uid)
@@ -215,6 +215,21 @@ class DockerBackend(Backend):
         )
         sandbox.host_channel = channel
         return sandbox
+
+    async def _shares_cgroups(self, client: docker.DockerClient) -> bool:
+        """Whether a parent cgroup made here is the one the engine's containers join: this
+        service can make groups (root, cgroup v1), the engine is on this machine (a Unix
+        socket) and manages cgroups itself (cgroupfs: systemd's driver wants a slice)."""
+        if self._cgroupfs is None:
+            engine = self.config.docker_host or os.environ.get("DOCKER_HOST") or "unix://"
+            if not engine.startswith("unix://") or not cgroups.available():
+                self._cgroupfs = False
+            else:
+                info = await asyncio.to_thread(client.info)
+                self._cgroupfs = (
+                    info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion")) == "1"
+                )
+        return self._cgroupfs
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
         client, _ = await self._connect()
@@ -466,7 +481,7 @@ class _ContainerLauncher:
             "name": name,
             "hostname": "sandbox",
             "user": f"{self.uid}:{self.uid}",
-            "working_dir": WORKSPACE_IN_SANDBOX,
+            "working_dir": self.spec.workdir,
             "environment": env,
             "labels": {
                 LABEL_SANDBOX: self.sandbox_id,
@@ -487,6 +502,8 @@ class _ContainerLauncher:
                 str(self.dirs.etc / "passwd"): {"bind": "/etc/passwd", "mode": "ro"},
                 str(self.dirs.etc / "group"): {"bind": "/etc/group", "mode": "ro"},
             },
+            # The workspace again, as E2B's home (base.py says why).
+            "mounts": [Mount(target=HOME_IN_SANDBOX, source=str(self.dirs.workspace), type="bind")],
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges", f"seccomp={seccomp.docker_profile()}"],
             "pids_limit": limits.pids,
@@ -538,12 +555,6 @@ def _removal_done(removal: asyncio.Future[None]) -> None:
     _removals.discard(removal)
     if not removal.cancelled() and removal.exception() is not None:
         log.warning("could not remove an abandoned kernel container: %s", removal.exception())
-
-
-def _shares_cgroups(engine: str) -> bool:
-    """Whether a parent cgroup made here is the one the engine's containers join: this service
-    can make groups (root, cgroup v1) and the engine is on this machine (a Unix socket)."""
-    return engine.startswith("unix://") and cgroups.available()
 
 
 def _remove_group(sandbox_id: str) -> None:

@@ -250,6 +250,8 @@ class E2BSandbox(Sandbox):
     ) -> Execution:
         self._check_open()
         language = check_available(language, self.languages)
+        if cwd is not None and PurePosixPath(cwd) in (self.workdir, PurePosixPath(E2B_HOME)):
+            cwd = None  # where E2B's kernels run already
         if cwd is not None and language != PYTHON:
             raise ScopeRefused(
                 "a per-call working directory on the E2B backend works in Python only; "

@@ -25,7 +25,7 @@ from typing import TypeVar
 from sandbox.backends.base import Sandbox
 from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.kernel.driver import KernelDriver
-from sandbox.kernel.scopes import set_env
+from sandbox.kernel.scopes import change_directory, set_env
 from sandbox.languages import PYTHON, check_available
 from sandbox.models import EventSink, Execution, FileInfo
 from sandbox.spec import SandboxSpec, check_environment
@@ -59,6 +59,7 @@ class KernelSandbox(Sandbox):
         self._make_driver = make_driver
         self._drivers: dict[str, KernelDriver] = {PYTHON: driver}
         self._starting: dict[str, asyncio.Lock] = {}
+        self._pending: dict[str, KernelDriver] = {}  # starting now: close() must stop them too
         self._closed = False
         self._file_slots = asyncio.Semaphore(FILE_OPERATIONS_PER_SANDBOX)
 
@@ -76,11 +77,14 @@ class KernelSandbox(Sandbox):
             if self._closed:
                 raise SandboxClosed("the sandbox is closed")
             driver = self._make_driver(name)
+            self._pending[name] = driver
             try:
                 await driver.start()
             except BaseException:
                 await driver.close()
                 raise
+            finally:
+                self._pending.pop(name, None)
             if self._closed:  # closed while it started: it must not outlive the sandbox
                 await driver.close()
                 raise SandboxClosed("the sandbox was closed while its kernel started")
@@ -121,6 +125,18 @@ class KernelSandbox(Sandbox):
             if not execution.ok:
                 raise SandboxError(
                     f"could not set the environment of the {language} kernel: {execution.error}"
+                )
+
+    async def set_workdir(self, path: str) -> None:
+        await super().set_workdir(path)
+        for language, driver in list(self._drivers.items()):
+            code = change_directory(language, self.spec.workdir)
+            if code is None:
+                continue
+            execution = await driver.execute(code, timeout_s=30, silent=True)
+            if not execution.ok:
+                raise SandboxError(
+                    f"could not move the {language} kernel to {path}: {execution.error}"
                 )
 
     async def interrupt(self) -> bool:
@@ -175,6 +191,13 @@ class KernelSandbox(Sandbox):
         self._closed = True
         try:
             await self._close_processes()
+            # A kernel still starting is told (it stops waiting within half a second and kills
+            # what it started); its start is waited for, so nothing of it outlives the sandbox.
+            for starting in list(self._pending.values()):
+                await starting.close()
+            for lock in list(self._starting.values()):
+                async with lock:
+                    pass
             # Python's last: its kernel waits for the sandbox's cgroup to empty (local).
             for driver in reversed(list(self._drivers.values())):
                 await driver.close()

@@ -35,7 +35,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from sandbox import cgroups, proc_view, seccomp
-from sandbox.backends.base import WORKSPACE_IN_SANDBOX, Backend
+from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.backends.local_processes import (
     LAUNCHER_FILE,
@@ -393,13 +393,13 @@ class _BwrapKernel:
         self,
         proc: asyncio.subprocess.Process,
         cgroup: SandboxCgroup | None,
-        owns_group: bool = True,
+        group: Path | None = None,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
         # Python's kernel waits for the group to empty before its successor starts; another
         # language's shares the group with Python's, which is never empty while it runs.
-        self.owns_group = owns_group
+        self.group = group
         self.oom_kills = cgroup.oom_kills() if cgroup else 0
         assert proc.stdout is not None
         self.output = StdioTail(proc.stdout)
@@ -418,8 +418,8 @@ class _BwrapKernel:
                 self.proc.kill()
         await self.proc.wait()
         self.output.stop()
-        if self.cgroup is not None and self.owns_group:  # the next kernel shares its limits
-            await self.cgroup.wait_empty()
+        if self.cgroup is not None:  # the next kernel shares the limits: its leftovers go first
+            await self.cgroup.wait_empty(group=self.group)
 
     def diagnostics(self) -> str:
         return self.output.text()
@@ -488,6 +488,7 @@ class _BwrapLauncher:
 
     async def launch(self, connection_file_in_sandbox: str) -> _BwrapKernel:
         cfg, limits = self.config, self.spec.limits
+        pids_group = self.cgroup.kernel_group(self.language) if self.cgroup else None
         fds: list[int] = []
         try:
             if cfg.unsafe_no_sandbox:
@@ -517,14 +518,14 @@ class _BwrapLauncher:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=cwd,
-                preexec_fn=_confine(limits, self.cgroup, self.host_uid),
+                preexec_fn=_confine(limits, self.cgroup, self.host_uid, pids_group),
                 start_new_session=True,
                 pass_fds=fds,
             )
         finally:
             for fd in fds:
                 os.close(fd)
-        self.kernel = _BwrapKernel(proc, self.cgroup, owns_group=self.language == PYTHON)
+        self.kernel = _BwrapKernel(proc, self.cgroup, group=pids_group)
         return self.kernel
 
     def _kernel_command(self, connection_file: str) -> list[str]:
@@ -581,10 +582,9 @@ class _BwrapLauncher:
         if self.channel is not None:
             mounts.append(("--ro-bind", str(self.channel.path), HOST_TOOLS_DIR_IN_SANDBOX))
         mounts += [
-            # E2B's home, where clients built on E2B put files: the workspace under that name.
-            ("--symlink", WORKSPACE_IN_SANDBOX, "/home/user"),
+            ("--bind", str(self.dirs.workspace), HOME_IN_SANDBOX),
             ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there
-            ("--chdir", WORKSPACE_IN_SANDBOX),
+            ("--chdir", self.spec.workdir),
         ]
         # The kernel's environment, applied inside only.
         environment = ["--clearenv"]
@@ -601,7 +601,10 @@ class _BwrapLauncher:
 
 
 def _confine(
-    limits: ResourceLimits, cgroup: SandboxCgroup | None, host_uid: int | None
+    limits: ResourceLimits,
+    cgroup: SandboxCgroup | None,
+    host_uid: int | None,
+    pids_group: Path | None = None,
 ) -> Callable[[], None]:
     """What the child does between fork and exec, in this order: join the cgroup (which needs
     root), set the rlimits, then drop to the sandbox's own host uid."""
@@ -619,7 +622,7 @@ def _confine(
 
     def apply() -> None:
         if cgroup is not None:
-            cgroup.join_self()
+            cgroup.join_self(pids_group)
         for which, value in values:
             resource.setrlimit(which, (value, value))
         if host_uid is not None:

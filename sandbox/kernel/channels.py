@@ -47,6 +47,7 @@ MIN_FRAME_BYTES = 256 << 20
 # though its idle status never came (PUB/SUB drops messages when a subscriber falls behind).
 QUIET_AFTER_REPLY_S = 2.0
 MAX_WAIT_AFTER_REPLY_S = 10.0
+MAX_LINGER_S = 0.5
 
 
 def frame_limit_bytes(result_limit_bytes: int, output_limit_chars: int) -> int:
@@ -99,6 +100,7 @@ class Watch:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     malformed: int = 0  # messages dropped as unusable while this request was followed
     end_unconfirmed: bool = False  # ended by the quiet after the reply: no idle status came
+    last_message: float = 0.0  # when a message of this request was last taken (monotonic)
 
 
 class KernelChannels:
@@ -159,20 +161,23 @@ class KernelChannels:
         `watch.end_unconfirmed` says so, once the message being handled is done).
 
         `linger_s`: for kernels that may publish output after their idle status (Deno's), the
-        request is over only once iopub has also been quiet that long after the idle."""
+        request is over only once no message of its own has come for that long after the idle,
+        or `MAX_LINGER_S` after the idle at most (a timer printing forever does not hold the
+        call)."""
         await asyncio.shield(reply)
         replied = time.monotonic()
         await self._until_idle(watch, replied)
         if linger_s > 0:
-            await self._until_quiet(linger_s, limit=replied + MAX_WAIT_AFTER_REPLY_S)
+            await self._until_quiet(watch, linger_s)
 
-    async def _until_quiet(self, quiet_s: float, limit: float) -> None:
+    async def _until_quiet(self, watch: Watch, quiet_s: float) -> None:
+        limit = time.monotonic() + MAX_LINGER_S
         while True:
             now = time.monotonic()
-            if self.inbox.items or self.handling:
-                self.last_activity = now
-            wait = min(self.last_activity + quiet_s, limit) - now
-            if wait <= 0:
+            if self.handling:  # a message being taken may be this request's
+                watch.last_message = now
+            wait = min(max(watch.last_message, now - quiet_s) + quiet_s, limit) - now
+            if wait <= 0 or now >= limit:
                 await self.handler_free.wait()
                 return
             await asyncio.sleep(min(wait, 0.01))
@@ -277,6 +282,7 @@ class KernelChannels:
         watch = self.watch
         if watch is None or msg.parent_id != watch.msg_id:
             return  # nobody wants it: output of a background thread, or of a past run
+        watch.last_message = time.monotonic()
         try:
             if msg.msg_type == "status":
                 if (await msg.content()).get("execution_state") == "idle":

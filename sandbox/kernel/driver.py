@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING, Any, cast
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.errors import SandboxClosed, SandboxStartError
-from sandbox.kernel.channels import KernelChannels, Watch, frame_limit_bytes
+from sandbox.kernel.channels import KernelChannels, OutputHandler, Watch, frame_limit_bytes
 from sandbox.kernel.collector import OutputCollector, capped
 from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
 from sandbox.kernel.programs import INTERRUPT_SOCKET
 from sandbox.kernel.scopes import scope
+from sandbox.kernel.wire import KernelMessage
 from sandbox.languages import LANGUAGES, PYTHON
 from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus
 from sandbox.spec import SandboxSpec
@@ -170,6 +171,8 @@ class KernelDriver:
         """Ask for kernel_info until the shell answers and iopub is seen to be connected."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
+            if self._closed:  # closed while it starts: the caller disposes of the kernel
+                raise SandboxClosed("the sandbox was closed while its kernel started")
             if kernel.exited.done():
                 output = kernel.process.diagnostics().strip()
                 raise SandboxStartError(
@@ -421,7 +424,8 @@ class KernelDriver:
             code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
         )
         # Registered before any await: nothing of this request can arrive before them.
-        watch = run.watch = kernel.channels.follow(msg_id, collector.take)
+        take = _without_values(collector.take) if silent else collector.take
+        watch = run.watch = kernel.channels.follow(msg_id, take)
         reply = run.reply = kernel.channels.reply_to(msg_id)
         finished = asyncio.ensure_future(
             kernel.channels.until_finished(watch, reply, self._linger_s)
@@ -566,3 +570,14 @@ def _poke(path: os.PathLike[str] | str) -> None:
                 s.send(b"\x03")
     finally:
         os.close(fd)
+
+
+def _without_values(take: OutputHandler) -> OutputHandler:
+    """Housekeeping code's outputs without its values: kernels that ignore `silent` (jjava,
+    Deno) still show the value of an expression, which is no result of the caller's."""
+
+    async def on_output(msg: KernelMessage) -> None:
+        if msg.msg_type not in ("execute_result", "display_data"):
+            await take(msg)
+
+    return on_output

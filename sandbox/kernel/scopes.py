@@ -6,9 +6,14 @@ after, and `set_env` code when the sandbox's own variables change while kernels 
 travels as a string literal of the kernel's language, built here from JSON (whose string syntax
 R, JavaScript and Java read as their own), never pasted in raw.
 
+Bash's kernel types the code into an interactive shell on a terminal, where a control
+character is a keystroke: values go there in ANSI-C quoting (`$'...'`) with every byte outside
+printable ASCII written as `\\xHH`, so the code itself is printable ASCII only.
+
 Java cannot change its process environment: `System.getenv()` is made to show the new values
-by writing into the map it reads (the kernel starts with `java.base` opened for that), and a
-working directory sets `user.dir`, which relative `File`s and `Path`s resolve against.
+by writing into the map it reads (the kernel starts with `java.base` opened for that), each
+value built from pieces (JShell refuses a string constant over 64 KiB). Nor can a JVM change its
+working directory (`user.dir` is read once, at start): a per-call directory is refused in Java.
 """
 
 from __future__ import annotations
@@ -36,7 +41,26 @@ def _text(value: str) -> str:
 
 
 def _shell_word(value: str) -> str:
-    return "'" + value.replace("'", "'\\''") + "'"
+    """`value` as one bash word of printable ASCII only (ANSI-C quoting)."""
+    out = []
+    for byte in value.encode("utf-8", "surrogateescape"):
+        char = chr(byte)
+        if char in "'\\" or not 0x20 <= byte < 0x7F:
+            out.append(f"\\x{byte:02x}")
+        else:
+            out.append(char)
+    return "$'" + "".join(out) + "'"
+
+
+# Pieces of a Java string: each a constant well under JShell's 65,535 bytes of modified UTF-8.
+_JAVA_PIECE = 8000
+
+
+def _java_text(value: str) -> str:
+    if len(value) <= _JAVA_PIECE:
+        return _text(value)
+    pieces = ", ".join(_text(value[i : i + _JAVA_PIECE]) for i in range(0, len(value), _JAVA_PIECE))
+    return f'String.join("", {pieces})'
 
 
 def scope(language: str, env: dict[str, str], cwd: str | None) -> Scope:
@@ -67,9 +91,23 @@ def set_env(language: str, env: dict[str, str]) -> str:
     if language in ("javascript", "typescript"):
         return f"for (const [k, v] of Object.entries({json.dumps(env)})) Deno.env.set(k, v);"
     if language == "java":
-        puts = (f"__cirEnv.put({_text(k)}, {_text(v)});" for k, v in env.items())
+        puts = (f"__cirEnv.put({_java_text(k)}, {_java_text(v)});" for k, v in env.items())
         return _JAVA_ENV_MAP + "".join(puts)
     raise ScopeRefused(f"cannot set variables in {language}")
+
+
+def change_directory(language: str, path: str) -> str | None:
+    """The code that moves a running kernel to `path` for good; None where a kernel cannot
+    move (a JVM keeps the directory it started in)."""
+    if language == PYTHON:
+        return f"import os as _o; _o.chdir({path!r}); del _o"
+    if language == "bash":
+        return f"cd -- {_shell_word(path)}"
+    if language == "r":
+        return f"invisible(setwd({_text(path)}))"
+    if language in ("javascript", "typescript"):
+        return f"Deno.chdir({_text(path)});"
+    return None
 
 
 def _check_shell_names(env: dict[str, str]) -> None:
@@ -103,7 +141,8 @@ def _r_pairs(env: dict[str, str]) -> str:
 
 def _r_scope(env: dict[str, str], cwd: str | None) -> Scope:
     names = ", ".join(_text(k) for k in env)
-    enter = [f".cir_prev <- Sys.getenv(c({names}), unset = NA, names = TRUE)"]
+    # as.character(): with no names, c() is NULL, and Sys.getenv(NULL) is every variable.
+    enter = [f".cir_prev <- Sys.getenv(as.character(c({names})), unset = NA, names = TRUE)"]
     if env:
         enter.append(f"invisible(do.call(Sys.setenv, as.list(c({_r_pairs(env)}))))")
     enter.append(".cir_wd <- getwd()")
@@ -146,15 +185,17 @@ _JAVA_ENV_MAP = (
 
 
 def _java_scope(env: dict[str, str], cwd: str | None) -> Scope:
+    if cwd is not None:
+        raise ScopeRefused(
+            "a per-call working directory is not possible in Java (a JVM keeps the directory "
+            "it started in, /workspace): use paths under it, or absolute ones"
+        )
     enter = [_JAVA_ENV_MAP, "java.util.Map<String, String> __cirPrev = new java.util.HashMap<>();"]
     for name, value in env.items():
-        enter.append(f"__cirPrev.put({_text(name)}, __cirEnv.put({_text(name)}, {_text(value)}));")
-    enter.append('String __cirDir = System.getProperty("user.dir");')
-    if cwd is not None:
-        enter.append(f'System.setProperty("user.dir", {_text(cwd)});')
+        key = _java_text(name)
+        enter.append(f"{{ __cirPrev.put({key}, __cirEnv.put({key}, {_java_text(value)})); }}")
     exit_ = (
         "__cirPrev.forEach((k, v) -> {"
-        " if (v == null) __cirEnv.remove(k); else __cirEnv.put(k, v); });\n"
-        'System.setProperty("user.dir", __cirDir);'
+        " if (v == null) __cirEnv.remove(k); else __cirEnv.put(k, v); });"
     )
     return Scope("\n".join(enter), exit_)

@@ -97,8 +97,8 @@ async def test_timeout_interrupt_and_restart(remote: E2BSandbox) -> None:
     assert scoped.error is not None  # sub does not exist yet
     await remote.upload("sub/x.txt", b"x")
     scoped = await remote.execute("import os; os.environ['LATER'], os.getcwd()", cwd="sub")
-    assert scoped.text == "('set', '/workspace/sub')"
-    assert (await remote.execute("import os; os.getcwd()")).text == "/workspace"
+    assert scoped.text == "('set', '/home/user/sub')"
+    assert (await remote.execute("import os; os.getcwd()")).text == "/home/user"
 
     await remote.restart()
     assert (await remote.execute("'kept' in globals()")).text == "False"

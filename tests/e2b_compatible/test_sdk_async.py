@@ -54,7 +54,7 @@ async def test_async_contexts_env_and_files(asbx: AsyncSandbox) -> None:
     context = await asbx.create_code_context(cwd="/tmp")
     assert context.cwd == "/tmp"
     assert (await asbx.run_code("import os; os.getcwd()", context=context)).text == "/tmp"
-    assert (await asbx.run_code("import os; os.getcwd()")).text == "/workspace"
+    assert (await asbx.run_code("import os; os.getcwd()")).text == "/home/user"
     await asbx.remove_code_context(context.id)
     code = "import os; os.environ['ONLY_NOW']"
     assert (await asbx.run_code(code, envs={"ONLY_NOW": "1"})).text == "1"

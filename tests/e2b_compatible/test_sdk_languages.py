@@ -163,6 +163,10 @@ def test_the_default_context_works_in_e2b_home(polyglot: Sandbox) -> None:
     assert polyglot.run_code("Deno.readTextFileSync('x.txt')", language="js").text == (
         "written by files"
     )
+    # E2B's kernels run in the home, and say so.
+    assert polyglot.run_code("import os; os.getcwd()").text == HOME
+    assert out(polyglot.run_code("pwd", language="bash")).strip() == HOME
+    assert shown(polyglot.run_code("getwd()", language="r")) == f'[1] "{HOME}"'
 
 
 def test_sandbox_and_call_envs_reach_every_kernel(polyglot: Sandbox) -> None:

@@ -112,14 +112,7 @@ class SandboxCgroup:
         inner = [p for p in self.dirs[1].glob("process-*") if p.is_dir()]
         inner += [p for p in self.dirs[1].glob("kernel-*") if p.is_dir()]
         for d in [*inner, *self.dirs]:
-            while d.exists():
-                try:
-                    d.rmdir()
-                except OSError:
-                    if time.monotonic() > deadline:
-                        log.warning("could not remove cgroup %s: still in use", d)
-                        break
-                    time.sleep(0.02)
+            _remove_group_dir(d, deadline)
 
 
 def remove_engine_parents(sandbox_id: str, wait_s: float = 3.0) -> None:
@@ -127,14 +120,20 @@ def remove_engine_parents(sandbox_id: str, wait_s: float = 3.0) -> None:
     makes the parent in each hierarchy it uses, and removes only the containers' own)."""
     deadline = time.monotonic() + wait_s
     for d in sorted(ROOT.glob(f"*/{PARENT}/{sandbox_id}")):
-        while d.is_dir() and not d.is_symlink():
-            try:
-                d.rmdir()
-            except OSError:
-                if time.monotonic() > deadline:
-                    log.warning("could not remove cgroup %s: still in use", d)
-                    break
-                time.sleep(0.02)
+        if not d.is_symlink():
+            _remove_group_dir(d, deadline)
+
+
+def _remove_group_dir(d: Path, deadline: float) -> None:
+    """Remove one group once its last process has finished exiting, waiting until `deadline`."""
+    while d.is_dir():
+        try:
+            d.rmdir()
+        except OSError:
+            if time.monotonic() > deadline:
+                log.warning("could not remove cgroup %s: still in use", d)
+                return
+            time.sleep(0.02)
 
 
 class ProcessCgroup:

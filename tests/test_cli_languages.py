@@ -35,8 +35,11 @@ def test_language_option_wins_over_the_suffix_and_takes_aliases(tmp_path: Path) 
     assert done.returncode == 0 and done.stdout == "from-bash\n", done.stderr
     inline = run_cli("run", "-l", "bash", "echo $((6 * 7))")
     assert inline.returncode == 0 and inline.stdout == "42\n", inline.stderr
-    python = run_cli("run", "-l", "python", "-f", str(script))  # not bash: a Python error
-    assert python.returncode == 1
+    # A .sh script's suffix names Bash; the option wins: Python reads it, and fails.
+    shell = tmp_path / "script.sh"
+    shell.write_text("echo from-bash\n")
+    python = run_cli("run", "-l", "python", "-f", str(shell))
+    assert python.returncode == 1 and "SyntaxError" in python.stdout + python.stderr
 
 
 def test_an_unknown_language_is_a_usage_error_naming_the_languages() -> None:

@@ -13,16 +13,18 @@ towards the key's session limit and end with their sandbox.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, StringConstraints
 
 from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.execute import context_target
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_CONTEXT, E2B_HOME, SandboxGone
-from orchestrator.schemas import CreateSessionRequest
+from orchestrator.schemas import CreateSessionRequest, KernelText
+from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 from sandbox.languages import PYTHON, check_available
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
@@ -31,7 +33,7 @@ MAX_CONTEXTS = 8  # beside the default ones, per sandbox
 
 class CreateContext(BaseModel):
     language: str | None = None
-    cwd: str | None = None
+    cwd: Annotated[KernelText, StringConstraints(max_length=4096)] | None = None
 
 
 class ContextInfo(BaseModel):
@@ -52,6 +54,15 @@ async def create_context(
     record, session = reached.record, reached.session
     # The new session has the same backend and image, so the same languages as this one.
     language = check_available(body.language or PYTHON, service.session_languages(session))
+    cwd = body.cwd
+    if language == "java" and cwd is not None:
+        if posixpath.normpath(cwd) not in (E2B_HOME, WORKSPACE_IN_SANDBOX):
+            raise E2BError(
+                400,
+                "a Java context cannot have a working directory of its own (a JVM keeps the "
+                f"one it started in, {E2B_HOME}): leave cwd out, or use paths under it",
+            )
+        cwd = None  # where its kernel runs already
     if len(record.contexts) >= MAX_CONTEXTS:
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
     spec = CreateSessionRequest(backend=session.backend, image=session.image)
@@ -62,7 +73,7 @@ async def create_context(
         if not sandboxes.is_live(record):
             raise SandboxGone(record.sandbox_id)
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
-    context = sandboxes.add_context(record, new, body.cwd, language)
+    context = sandboxes.add_context(record, new, cwd, language)
     return ContextInfo(id=context.id, language=language, cwd=body.cwd or E2B_HOME)
 
 

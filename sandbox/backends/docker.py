@@ -245,6 +245,8 @@ class DockerBackend(Backend):
                 f"the kernel image {image!r} is not on this engine: build it with `make image` "
                 "or `code-interpreter image build`"
             ) from None
+        except DockerException as exc:  # the engine went away, or failed: a typed refusal
+            raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
         return image_programs(found.labels, self.config.python, STARTUP_FILE_IN_SANDBOX)
 
     async def cleanup_orphans(self) -> int:

@@ -27,7 +27,7 @@ def _install_e2b_display_forms() -> None:
 
     try:
         from IPython import get_ipython
-        from IPython.core.formatters import BaseFormatter
+        from IPython.core.formatters import BaseFormatter, JSONFormatter
         from IPython.display import display
         from traitlets import ObjectName, Unicode
     except ImportError:  # not under IPython: nothing to add a form to
@@ -39,22 +39,28 @@ def _install_e2b_display_forms() -> None:
     # A derived form larger than this (as JSON) is left out in the kernel: it would only be
     # dropped by the result limits further on, after costing the kernel and the wire its size.
     max_form_chars = 4 << 20
-    max_frame_cells = 1_000_000  # a DataFrame's columns are not even built past this
+    # A DataFrame's columns are not even built past this: at ~18 characters a number, more
+    # cells could not fit in `max_form_chars` anyway.
+    max_frame_cells = 250_000
 
     def json_default(value: object) -> object:
         if isinstance(value, datetime.date | datetime.time):
             return value.isoformat()
         return str(value)
 
-    def json_form(value: dict[Any, Any]) -> dict[str, Any] | None:
+    def json_form(value: Any) -> Any:
         """`value` as plain JSON (NaN and infinities as null, other objects as text), or None
-        when it is over `max_form_chars`: Jupyter's wire refuses what is not strict JSON."""
-        keyed = {k if isinstance(k, str) else str(k): v for k, v in value.items()}
-        text = json.dumps(keyed, default=json_default)
-        if len(text) > max_form_chars:
-            return None
-        loaded: dict[str, Any] = json.loads(text, parse_constant=lambda _: None)
-        return loaded
+        when it is over `max_form_chars` (given up as soon as it is: a huge value costs no more
+        than the form may hold). Jupyter's wire refuses what is not strict JSON."""
+        if isinstance(value, dict):
+            value = {k if isinstance(k, str) else str(k): v for k, v in value.items()}
+        parts, size = [], 0
+        for chunk in json.JSONEncoder(default=json_default).iterencode(value):
+            size += len(chunk)
+            if size > max_form_chars:
+                return None
+            parts.append(chunk)
+        return json.loads("".join(parts), parse_constant=lambda _: None)
 
     class DataFormatter(BaseFormatter):
         """`e2b/data`: a DataFrame's columns, `to_dict(orient="list")` with timestamps in ISO
@@ -69,8 +75,8 @@ def _install_e2b_display_forms() -> None:
                 pandas = sys.modules.get("pandas")  # no DataFrame exists without it imported
                 if pandas is None or not isinstance(obj, pandas.DataFrame):
                     return super().__call__(obj)
-                if obj.size > max_frame_cells:
-                    return None
+                if obj.size > max_frame_cells or not obj.columns.is_unique:
+                    return None  # too big for the form; repeated names would lose columns
                 columns = obj.to_dict(orient="list")
                 for key, values in columns.items():
                     columns[key] = [
@@ -107,7 +113,21 @@ def _install_e2b_display_forms() -> None:
             except Exception:
                 return {}
 
+    class ValueJsonFormatter(JSONFormatter):
+        """`application/json` for a dict or a list, as E2B's `E2BJSONFormatter` gives it
+        (expanded); other objects as IPython does."""
+
+        def __call__(self, obj: object) -> object:
+            if isinstance(obj, dict | list):
+                try:
+                    form = json_form(obj)
+                except Exception:
+                    return None
+                return None if form is None else (form, {"expanded": True})
+            return super().__call__(obj)
+
     formatters = shell.display_formatter.formatters
+    formatters["application/json"] = ValueJsonFormatter(parent=shell.display_formatter)
     formatters["e2b/data"] = DataFormatter(parent=shell.display_formatter)
     formatters["e2b/chart"] = ChartFormatter(parent=shell.display_formatter)
 
@@ -171,7 +191,7 @@ def _install_e2b_display_forms() -> None:
             path: Sequence[str] | None,
             target: types.ModuleType | None = None,
         ) -> importlib.machinery.ModuleSpec | None:
-            patch = patches.pop(fullname, None)
+            patch = patches.get(fullname)  # taken when the module is really loaded, not probed
             if patch is None:
                 return None
             for finder in sys.meta_path:
@@ -188,8 +208,9 @@ def _install_e2b_display_forms() -> None:
 
             def exec_module(module: types.ModuleType) -> None:
                 run(module)
-                with contextlib.suppress(Exception):
-                    patch(module)
+                if patches.pop(fullname, None) is not None:
+                    with contextlib.suppress(Exception):
+                        patch(module)
 
             with contextlib.suppress(AttributeError):  # this spec's own loader only
                 loader.exec_module = exec_module  # type: ignore[method-assign,union-attr]
@@ -275,6 +296,9 @@ def _setup() -> None:
             __import__(name)
 
 
-_install_e2b_display_forms()  # first: the preloads below get their patches as well
+try:  # first: the preloads below get their patches as well; never at the cost of _setup
+    _install_e2b_display_forms()
+except Exception:
+    __import__("logging").getLogger(__name__).debug("display forms unavailable", exc_info=True)
 _setup()
 del _setup, _install_e2b_display_forms

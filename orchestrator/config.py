@@ -6,6 +6,7 @@ CODE_INTERPRETER_CONFIG=/etc/code-interpreter.toml   # optional; the environment
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Any
@@ -20,8 +21,13 @@ from pydantic_settings import (
 )
 
 from orchestrator.host_tools.settings import HostToolsSettings
+from sandbox.network_policy import NO_NETWORK, NetworkPolicy, normalize_host, policy_from_text
 from sandbox.spec import ResourceLimits
 from sandbox.state_dir import default_state_dir
+
+# What a Docker session may ask to run under unless the operator says otherwise: the engine's
+# usual runtime and gVisor (offered only where the engine has it registered).
+DEFAULT_DOCKER_RUNTIMES = ("runc", "runsc")
 
 
 class Settings(BaseSettings):
@@ -46,6 +52,16 @@ class Settings(BaseSettings):
         description="Images a session may ask for; by default docker_image and the full image "
         "(every language, code-interpreter-kernel-full:latest).",
     )
+    docker_runtime: str | None = Field(
+        None,
+        description="The OCI runtime of Docker sessions that ask for none: `runsc` runs every "
+        "one under gVisor (docs/gvisor.md); unset, the engine's default (runc).",
+    )
+    docker_runtimes: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(DEFAULT_DOCKER_RUNTIMES),
+        description="Runtimes a Docker session may ask for (`runtime` on create); those the "
+        "engine lacks are refused too, so the default offers runsc only where it is registered.",
+    )
     orchestrator_id: str = Field("default", description="Labels this service's containers.")
     state_dir: Path = Field(default_factory=default_state_dir)
     default_limits: ResourceLimits = Field(default_factory=ResourceLimits)
@@ -65,6 +81,50 @@ class Settings(BaseSettings):
         default_factory=HostToolsSettings,
         description="Python callables, HTTP endpoints and MCP servers; a TOML table, or JSON "
         "in the environment.",
+    )
+
+    # --- network egress (docs/network.md): sandboxes have none unless the operator allows it
+    network_ceiling: Annotated[NetworkPolicy, NoDecode] = Field(
+        NO_NETWORK,
+        description="The most any session may reach: `none` (the default: no network at all), "
+        "`any`, or comma-separated allowed hosts (`pypi.org:443,*.pythonhosted.org:443`); "
+        "a session asking beyond it is refused (400).",
+    )
+    network_default: Annotated[NetworkPolicy, NoDecode] = Field(
+        NO_NETWORK,
+        description="The policy of a session that asks for none; within the ceiling.",
+    )
+    network_internet: Annotated[NetworkPolicy | None, NoDecode] = Field(
+        None,
+        description="What 'internet access' means to clients that ask for it with a yes (E2B's "
+        "allow_internet_access): by default the ceiling itself.",
+    )
+    egress_private_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names a sandbox may reach although they resolve to private, "
+        "loopback or link-local addresses (an internal package index); comma-separated.",
+    )
+    egress_resolve: Annotated[dict[str, list[str]], NoDecode] = Field(
+        default_factory=dict,
+        description="For tests: names the egress proxy resolves without DNS, as "
+        "`name=address[|address],...`. Such a name must still be in egress_private_hosts to "
+        "reach a private address.",
+    )
+    egress_max_bytes_per_session: int = Field(
+        1 << 30, ge=1 << 16, description="Bytes a session may move through its proxy, both ways."
+    )
+    egress_max_connections_per_session: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Connections a session's proxy holds open at once; one more is answered "
+        "503 and closed at once.",
+    )
+    egress_max_connections_total: int = Field(
+        1024,
+        ge=1,
+        description="Connections every session's proxy together holds open at once (each holds "
+        "two of the service's descriptors); one more is answered 503 and closed at once.",
     )
 
     # --- files and outputs
@@ -133,7 +193,31 @@ class Settings(BaseSettings):
         False, description="Serve /metrics without a key (a scraper on a private network)."
     )
 
-    @field_validator("api_keys", "backends", "docker_images", mode="before")
+    @field_validator("network_ceiling", "network_default", "network_internet", mode="before")
+    @classmethod
+    def _policy_text(cls, value: Any) -> Any:
+        return policy_from_text(value) if isinstance(value, str) else value
+
+    @field_validator("egress_resolve", mode="before")
+    @classmethod
+    def _name_addresses(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        pairs = [part.split("=", 1) for part in value.split(",") if part.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError("egress_resolve is name=address[|address],...")
+        return {
+            name.strip(): [a.strip() for a in addresses.split("|")] for name, addresses in pairs
+        }
+
+    @field_validator(
+        "api_keys",
+        "backends",
+        "docker_images",
+        "docker_runtimes",
+        "egress_private_hosts",
+        mode="before",
+    )
     @classmethod
     def _split_commas(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -149,7 +233,26 @@ class Settings(BaseSettings):
             )
         if self.default_backend not in self.backends:
             raise ValueError(f"default_backend {self.default_backend!r} is not in backends")
+        try:  # as the proxy will read them: refused here, at start, with the setting's name
+            for host in self.egress_private_hosts:
+                normalize_host(host)
+            for host, addresses in self.egress_resolve.items():
+                normalize_host(host)
+                for address in addresses:
+                    ipaddress.ip_address(address)
+        except ValueError as exc:
+            raise ValueError(f"egress_private_hosts or egress_resolve: {exc}") from None
+        for name in ("network_default", "network_internet"):
+            policy = getattr(self, name)
+            why = policy.beyond(self.network_ceiling) if policy is not None else None
+            if why:
+                raise ValueError(f"{name} is beyond network_ceiling: {why}")
         return self
+
+    @property
+    def internet_policy(self) -> NetworkPolicy:
+        """What a client asking for internet access gets: `network_internet`, else the ceiling."""
+        return self.network_internet if self.network_internet is not None else self.network_ceiling
 
     def e2b_backend_config(self) -> dict[str, object]:
         """The e2b backend's configuration; what is unset leaves E2B_* variables in force."""

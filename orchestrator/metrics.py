@@ -51,6 +51,18 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.egress_connections = Counter(
+            "cir_egress_connections",
+            "Connections through sessions' egress proxies, allowed or refused.",
+            ["backend", "decision"],
+            registry=r,
+        )
+        self.egress_bytes = Counter(
+            "cir_egress_bytes",
+            "Bytes through sessions' egress proxies, by direction (up: to the destination).",
+            ["backend", "direction"],
+            registry=r,
+        )
         self.errors = Counter("cir_errors", "Requests that failed, by kind.", ["kind"], registry=r)
 
 

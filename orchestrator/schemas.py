@@ -18,6 +18,7 @@ from pydantic import (
 from orchestrator.tool import ToolFormat
 from sandbox.languages import LANGUAGES, MAX_LANGUAGE_NAME, PYTHON
 from sandbox.models import Execution
+from sandbox.network_policy import NO_NETWORK, NetworkPolicy
 from sandbox.spec import ResourceLimits
 
 
@@ -75,7 +76,20 @@ class CreateSessionRequest(BaseModel):
         None, description="local or docker; the service's default if unset."
     )
     image: str | None = Field(None, description="Kernel image (docker).")
+    runtime: str | None = Field(
+        None,
+        max_length=64,
+        description="The OCI runtime of its containers (docker): `runsc` for gVisor, `runc`; "
+        "the service's default if unset; one the operator does not allow is refused (400).",
+    )
     limits: LimitsRequest | None = None
+    network: NetworkPolicy | None = Field(
+        None,
+        description="What its code may reach: 'none', 'any', a list of allowed hosts "
+        "(`pypi.org:443`, `*.pythonhosted.org`), or {allow, deny}; the service's default if "
+        "unset. Above the operator's ceiling is refused (400). Traffic goes through a proxy at "
+        "127.0.0.1:3128 in the sandbox (docs/network.md).",
+    )
     env: Env = Field(default_factory=dict)
     files: list[InitialFile] = Field(default_factory=list, description="Written before any code.")
     tools: list[str] = Field(
@@ -96,7 +110,13 @@ class SessionInfo(BaseModel):
     busy: bool
     executions: int
     from_pool: bool
+    runtime: str | None = Field(
+        None, description="The OCI runtime of its containers (docker); null on other backends."
+    )
     tools: list[str] = Field(default_factory=list, description="Host tools its code may call.")
+    network: NetworkPolicy = Field(
+        NO_NETWORK, description="What its code may reach, through its egress proxy."
+    )
     languages: list[str] = Field(
         default_factory=lambda: [PYTHON],
         description="The languages its code may be written in (Python first): the `language` "
@@ -119,6 +139,36 @@ LanguageName = Annotated[
         examples=["python", "r"],
     ),
 ]
+
+
+class EgressConnection(BaseModel):
+    """One connection through a session's egress proxy, allowed or refused."""
+
+    time: datetime
+    method: str = Field(description="CONNECT (a tunnel, e.g. for HTTPS) or the HTTP method.")
+    host: str
+    port: int
+    allowed: bool
+    reason: str
+    address: str | None = Field(None, description="The address dialled.")
+    bytes_up: int = Field(description="Bytes sent to the destination.")
+    bytes_down: int = Field(description="Bytes received from it.")
+    duration_s: float
+
+
+class NetworkReport(BaseModel):
+    """A session's network policy and what went through its proxy (the latest connections)."""
+
+    policy: NetworkPolicy
+    ceiling: NetworkPolicy = Field(description="The deployment's: every connection passes both.")
+    connections_allowed: int = 0
+    connections_refused: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    max_bytes: int = Field(description="The session's cap on bytes both ways.")
+    connections: list[EgressConnection] = Field(
+        default_factory=list, description="The latest connections, oldest first."
+    )
 
 
 class ExecuteRequest(BaseModel):

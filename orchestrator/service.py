@@ -27,10 +27,13 @@ from orchestrator.metrics import METRICS
 from orchestrator.outputs import KeptFile, OutputStore
 from orchestrator.schemas import (
     CreateSessionRequest,
+    EgressConnection,
     ExecutionRecord,
     LimitsRequest,
+    NetworkReport,
     SessionInfo,
 )
+from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import BackendNotEnabled, Session, SessionError, SessionManager
 from orchestrator.streaming import Dropped, Finished, Keepalive, follow
 from orchestrator.tool import SHELL_TOOL_NAME, RenderedOutput, render, render_command
@@ -38,6 +41,7 @@ from sandbox.backends.base import Backend
 from sandbox.errors import FileTooLarge, LanguageUnavailable, SandboxError, UnknownLanguage
 from sandbox.languages import PYTHON, canonical_language, check_available
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
+from sandbox.network_policy import NetworkPolicy
 from sandbox.processes.managed import ProcessEvent
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from sandbox.spec import ResourceLimits, SandboxSpec, limit_ceilings
@@ -53,6 +57,18 @@ class LimitTooHigh(SessionError):
 
 
 class ImageNotAllowed(SessionError):
+    status = 400
+
+
+class RuntimeNotAllowed(SessionError):
+    """A runtime the operator does not allow, the engine lacks, or the backend has no choice of."""
+
+    status = 400
+
+
+class NetworkNotAllowed(SessionError):
+    """A network policy beyond the operator's ceiling, or on a backend that cannot hold one."""
+
     status = 400
 
 
@@ -132,6 +148,7 @@ class Service:
         self.tools = tools if tools is not None else ToolRegistry()
         self.tools.configure(settings.host_tools)
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
+        self.egress = SessionEgress(settings)
         self._instance_lock: InstanceLock | None = None  # held from start to close
 
     async def start(self) -> None:
@@ -154,6 +171,7 @@ class Service:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
+            await self.egress.close_all()
             await self.tools.close()
         finally:  # last: nothing of this instance is left running
             if self._instance_lock is not None:
@@ -166,6 +184,7 @@ class Service:
         channel = self._channels.pop(session_id, None)
         if channel is not None:
             channel.close()
+        await self.egress.close(session_id)
 
     def host_tool_summaries(self, names: list[str]) -> list[tuple[str, str]]:
         """(call signature, summary) of each named host tool, for the tool's description."""
@@ -186,8 +205,58 @@ class Service:
                     f"image {request.image!r} is not allowed here; allowed: {', '.join(allowed)}"
                 )
             spec.image = request.image
+        if request.runtime is not None and request.runtime != self._deployment_runtime():
+            spec.runtime = request.runtime  # the deployment's own stays unset: pools fit it
         spec.host_tools = bool(request.tools)  # a pooled sandbox (no channel) will not fit
+        if request.network is not None:
+            spec.network = self.network_policy(request.network)
         return spec
+
+    def network_policy(self, asked: NetworkPolicy) -> NetworkPolicy:
+        """`asked`, if it fits within the operator's ceiling; else `NetworkNotAllowed` saying
+        what the ceiling allows."""
+        why = asked.beyond(self.settings.network_ceiling)
+        if why:
+            raise NetworkNotAllowed(
+                f"network policy refused: {why}. Ask for less, or ask the operator to raise "
+                "the ceiling (network_ceiling)"
+            )
+        return asked
+
+    def _check_network_holdable(self, name: str, backend: Backend, policy: NetworkPolicy) -> None:
+        """Refuse a policy the backend cannot enforce whole, rather than drop part of it: a
+        backend without our proxy (e2b) holds only all or nothing, so no deny rule either."""
+        if policy.mode not in backend.network_modes:
+            raise NetworkNotAllowed(
+                f"the {name} backend cannot hold a {policy.mode} network policy (it can: "
+                f"{', '.join(backend.network_modes)}); use the local or docker backend"
+            )
+        proxied = "allow_list" in backend.network_modes
+        deny = policy.deny or (self.settings.network_ceiling.deny if policy.enabled else ())
+        if deny and not proxied:
+            raise NetworkNotAllowed(
+                f"the {name} backend cannot hold deny rules ({', '.join(map(str, deny[:4]))}, "
+                "from the session's policy or the deployment's ceiling): its network is all or "
+                "nothing; use the local or docker backend"
+            )
+
+    def _deployment_runtime(self) -> str:
+        return self.settings.docker_runtime or "runc"
+
+    async def _check_runtime(self, name: str, backend: Backend, runtime: str) -> None:
+        """Refuse a runtime the backend has no choice of, or that is not both allowed by the
+        operator and known to the engine; the refusal names those that are."""
+        known = await backend.runtimes()
+        if not known:
+            raise RuntimeNotAllowed(
+                f"the {name} backend has no choice of runtime (asked: {runtime!r}); "
+                "use the docker backend, or leave runtime unset"
+            )
+        allowed = [r for r in self.settings.docker_runtimes if r in known]
+        if runtime not in allowed:
+            raise RuntimeNotAllowed(
+                f"runtime {runtime!r} is not allowed here; allowed: {', '.join(allowed) or 'none'}"
+            )
 
     def _limits(self, request: LimitsRequest) -> ResourceLimits:
         wanted = request.model_dump(exclude_none=True)
@@ -227,11 +296,17 @@ class Service:
         backend = self.sessions.backends.get(name)
         if tools and backend is not None and not backend.supports_host_tools:
             raise ToolsNotAvailable(f"the {name} backend cannot give sandboxed code host tools")
+        if request.runtime is not None and backend is not None:
+            await self._check_runtime(name, backend, request.runtime)
+        spec = spec or self.spec_for(request)
+        if backend is not None:
+            self._check_network_holdable(name, backend, spec.network)
         session = await self.sessions.create(
-            owner, backend=request.backend, spec=spec or self.spec_for(request), env=request.env
+            owner, backend=request.backend, spec=spec, env=request.env
         )
         session.idle_timeout_s = idle_timeout_s
         try:
+            await self.egress.open(session)
             if workdir is not None and workdir != session.sandbox.spec.workdir:
                 await session.sandbox.set_workdir(workdir)
             if tools:
@@ -307,6 +382,13 @@ class Service:
         except SandboxError as exc:
             log.warning("the default backend's languages are unknown: %s", exc)
             return [PYTHON]
+
+    def network_of(self, session: Session | None) -> NetworkPolicy:
+        """A session's network policy; with none, the one a new session gets by default (what
+        a tool's model is told of before its session exists)."""
+        if session is not None:
+            return session.sandbox.spec.network
+        return self.settings.network_default
 
     @staticmethod
     def session_languages(session: Session) -> list[str]:
@@ -612,6 +694,42 @@ class Service:
         )
         return ToolOutcome(session.id, None, rendered, _outcome(result))
 
+    def network_report(self, session: Session, most: int = 100) -> NetworkReport:
+        """The session's policy, totals and latest `most` connections through its proxy."""
+        ledger = self.egress.ledger(session.id)
+        report = NetworkReport(
+            policy=session.sandbox.spec.network,
+            ceiling=self.settings.network_ceiling,
+            max_bytes=self.settings.egress_max_bytes_per_session,
+        )
+        if ledger is None:
+            return report
+        totals = ledger.totals
+        records = list(ledger.records)[-most:] if most > 0 else []
+        return report.model_copy(
+            update={
+                "connections_allowed": totals.connections_allowed,
+                "connections_refused": totals.connections_refused,
+                "bytes_up": totals.bytes_up,
+                "bytes_down": totals.bytes_down,
+                "connections": [
+                    EgressConnection(
+                        time=datetime.fromtimestamp(r.time, UTC),
+                        method=r.method,
+                        host=r.host,
+                        port=r.port,
+                        allowed=r.allowed,
+                        reason=r.reason,
+                        address=r.address,
+                        bytes_up=r.bytes_up,
+                        bytes_down=r.bytes_down,
+                        duration_s=r.duration_s,
+                    )
+                    for r in records
+                ],
+            }
+        )
+
     def info(self, session: Session) -> SessionInfo:
         s = self.settings
         return SessionInfo(
@@ -626,7 +744,9 @@ class Service:
             busy=session.busy > 0,
             executions=session.executions,
             from_pool=session.from_pool,
+            runtime=session.sandbox.runtime,
             tools=self.session_tools(session),
+            network=session.sandbox.spec.network,
             languages=self.session_languages(session),
             started_languages=self.started_languages(session),
         )

@@ -119,6 +119,7 @@ class SessionManager:
             limits=s.default_limits,
             default_timeout_s=s.execution_timeout_s,
             output_limit_chars=s.output_limit_chars,
+            network=s.network_default,
         )
 
     async def start(self) -> None:
@@ -131,6 +132,7 @@ class SessionManager:
             config: dict[str, object] = {"state_dir": s.state_dir}
             if name == "docker":
                 config |= {"orchestrator_id": s.orchestrator_id, "image": s.docker_image}
+                config |= {"runtime": s.docker_runtime}
             if name == "e2b":
                 config = s.e2b_backend_config()
             backend = create_backend(name, **config)

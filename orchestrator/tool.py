@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sandbox.languages import PYTHON
 from sandbox.models import Execution, ExecutionStatus, Result
+from sandbox.network_policy import NO_NETWORK, NetworkPolicy
 from sandbox.processes.models import CommandResult
 
 TOOL_NAME = "code_interpreter"
@@ -106,12 +107,14 @@ def description(
     host_tools: Sequence[tuple[str, str]] = (),
     session_note: str = "",
     languages: Sequence[str] = (PYTHON,),
+    network: NetworkPolicy = NO_NETWORK,
 ) -> str:
     """What the model reads. `bound_session`: the caller keeps one session per conversation
     (an agent framework's tool, an MCP connection), so the model need not pass session_id.
     `host_tools`: (call signature, summary) of each host tool the code may call.
     `session_note`: more on sessions, said right after how state persists.
-    `languages`: those the sessions have (Python first), from the backend: listed when more."""
+    `languages`: those the sessions have (Python first), from the backend: listed when more.
+    `network`: the sessions' network policy, told so the model knows whether to try."""
     return (
         "Run Python 3.11 code in a stateful, sandboxed Jupyter kernel and get back what it "
         "printed, the value of its last expression (as in a notebook), errors with tracebacks, "
@@ -122,9 +125,24 @@ def description(
         + f"Installed: {', '.join(libraries)}. "
         "The working directory is /workspace: files the user uploaded are there, and files you "
         "save there (e.g. df.to_csv('out.csv')) can be downloaded by the user. "
-        "There is no network access: pip install and web requests fail. "
-        f"Each call may run for up to {timeout_s:g} seconds; input() is not available."
+        + network_text(network, "pip install and web requests")
+        + f"Each call may run for up to {timeout_s:g} seconds; input() is not available."
         + host_tools_text(host_tools)
+    )
+
+
+def network_text(policy: NetworkPolicy, what: str) -> str:
+    """What the model is told of the network: none, some hosts, or the internet."""
+    if policy.mode == "none":
+        return f"There is no network access: {what} fail. "
+    if policy.mode == "any":
+        where = "the internet (not private addresses)"
+    else:
+        where = f"only these hosts: {policy.describe(most=12)}"
+    return (
+        f"Network access goes through a proxy already set in the environment and reaches "
+        f"{where}; a refused host answers 403 with the reason. pip install puts packages in "
+        "the workspace. "
     )
 
 
@@ -196,10 +214,16 @@ def definitions(
     libraries: list[str],
     host_tools: Sequence[tuple[str, str]] = (),
     languages: Sequence[str] = (PYTHON,),
+    network: NetworkPolicy = NO_NETWORK,
 ) -> dict[str, Any]:
-    """The tool's definition in every supported format; `languages`: those its sessions have."""
+    """The tool's definition in every supported format; `languages`: those its sessions have,
+    `network`: their policy."""
     text = description(
-        timeout_s=timeout_s, libraries=libraries, host_tools=host_tools, languages=languages
+        timeout_s=timeout_s,
+        libraries=libraries,
+        host_tools=host_tools,
+        languages=languages,
+        network=network,
     )
     schema = {
         "type": "object",
@@ -240,10 +264,15 @@ def _in_every_format(name: str, text: str, schema: dict[str, Any]) -> dict[str, 
 
 
 def shell_description(
-    *, timeout_s: float, libraries: list[str], bound_session: bool = False, session_note: str = ""
+    *,
+    timeout_s: float,
+    libraries: list[str],
+    bound_session: bool = False,
+    session_note: str = "",
+    network: NetworkPolicy = NO_NETWORK,
 ) -> str:
-    """What the model reads of `run_command`. `bound_session` and `session_note`: as for
-    `description`."""
+    """What the model reads of `run_command`. `bound_session`, `session_note` and `network`: as
+    for `description`."""
     state = (
         f"Files persist between calls, and {TOOL_NAME} works in the same session. "
         if bound_session
@@ -258,8 +287,8 @@ def shell_description(
         "or grep. "
         + state
         + (f"{session_note} " if session_note else "")
-        + "There is no network access: pip install, git clone and downloads fail. stdin is "
-        "empty, so interactive programs (editors, pagers, prompts) cannot be used. "
+        + network_text(network, "pip install, git clone and downloads")
+        + "stdin is empty, so interactive programs (editors, pagers, prompts) cannot be used. "
         f"Each command may run for up to {timeout_s:g} seconds (less with timeout_s); then it "
         "is killed with everything it started."
     )
@@ -284,9 +313,11 @@ COMMAND_ONLY_SCHEMA: dict[str, Any] = {
 }
 
 
-def shell_definitions(*, timeout_s: float, libraries: list[str]) -> dict[str, Any]:
+def shell_definitions(
+    *, timeout_s: float, libraries: list[str], network: NetworkPolicy = NO_NETWORK
+) -> dict[str, Any]:
     """`run_command`'s definition in every supported format."""
-    text = shell_description(timeout_s=timeout_s, libraries=libraries)
+    text = shell_description(timeout_s=timeout_s, libraries=libraries, network=network)
     schema = {
         "type": "object",
         "properties": {

@@ -70,3 +70,8 @@ class LanguageUnavailable(SandboxError):
 
 class ScopeRefused(SandboxError, ValueError):
     """A per-call variable a language cannot hold (a shell variable named `1-2`)."""
+
+
+class RuntimeUnavailable(SandboxError, ValueError):
+    """An OCI runtime (SandboxSpec.runtime) this backend or engine cannot run sandboxes under;
+    the message names those it can."""

@@ -16,11 +16,11 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox.errors import SandboxStartError
+from sandbox.channel_dir import check_socket_path, make_channel_dir
+from sandbox.socket_peer import SocketPeer
 
 HOST_TOOLS_DIR_IN_SANDBOX = "/run/host-tools"
 # Tells the kernel's start-up file where the module lives (the host path without a sandbox).
@@ -29,7 +29,6 @@ SOCKET_NAME = "sock"
 MANIFEST_NAME = "manifest.json"
 MODULE_NAME = "host_tools.py"
 KERNEL_MODULE = Path(__file__).parent / "inside_kernel" / MODULE_NAME
-_MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the NUL
 
 
 @dataclass(frozen=True)
@@ -39,23 +38,19 @@ class HostChannel:
     path: Path
     peer_uid: int  # the only uid that may connect: the sandbox's, as the host sees it
     peer_gid: int | None  # the group given the directory (as root), or None
+    # The program that must be at the other end, when the uid alone does not say it is the
+    # sandbox: under gVisor the host sees its gofer (`runsc-gofer`, root) connect.
+    peer_program: str | None = None
 
     @classmethod
-    def create(cls, path: Path, *, peer_uid: int, peer_gid: int | None) -> HostChannel:
+    def create(
+        cls, path: Path, *, peer_uid: int, peer_gid: int | None, peer_program: str | None = None
+    ) -> HostChannel:
         """Make the directory with the kernel module in it; `peer_gid` only as root."""
-        channel = cls(path, peer_uid, peer_gid if os.geteuid() == 0 else None)
-        if len(str(channel.socket_path)) > _MAX_SOCKET_PATH:
-            raise SandboxStartError(
-                f"the host-tool socket path {channel.socket_path} is longer than Unix sockets "
-                "allow; use a shorter state directory"
-            )
-        path.mkdir(mode=0o700)
+        channel = cls(path, peer_uid, peer_gid if os.geteuid() == 0 else None, peer_program)
+        check_socket_path(channel.socket_path, "host-tool")
+        make_channel_dir(path, channel.peer_gid)
         channel.write_file(MODULE_NAME, KERNEL_MODULE.read_bytes())
-        if channel.peer_gid is not None:
-            os.chown(path, 0, channel.peer_gid)
-            path.chmod(0o750)  # the sandbox may read and pass through, never add or remove
-        else:
-            path.chmod(0o755)
         return channel
 
     @property
@@ -96,10 +91,9 @@ class HostChannel:
         return sock
 
     def peer_allowed(self, conn: socket.socket) -> bool:
-        """Whether the process at the other end runs as the sandbox's uid."""
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _pid, uid, _gid = struct.unpack("3i", creds)
-        return bool(uid == self.peer_uid)
+        """Whether the process at the other end is the sandbox (its uid; under gVisor, its
+        gofer)."""
+        return SocketPeer(self.peer_uid, self.peer_program).allows(conn)
 
     def _share(self, fd: int, group_mode: int) -> None:
         if self.peer_gid is not None:

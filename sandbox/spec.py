@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
+from sandbox.network_policy import NO_NETWORK, NetworkPolicy
+
 
 @dataclass(frozen=True)
 class Ceiling:
@@ -108,5 +110,17 @@ class SandboxSpec(BaseModel):
         description="Give the sandbox a host-tool channel: a directory bound read-only at "
         "/run/host-tools where the host puts a Unix socket, so the code can call tools the host "
         "allows (see sandbox/host_channel.py). No network is involved.",
+    )
+    runtime: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="The OCI runtime of its containers (Docker only), e.g. `runsc` for gVisor; "
+        "None for the deployment's. Other backends refuse any (docs/gvisor.md).",
+    )
+    network: NetworkPolicy = Field(
+        NO_NETWORK,
+        description="What the sandbox may reach: 'none' (the default), an allow-list of hosts "
+        "and ports, or 'any'; anything but 'none' gives it a proxy on 127.0.0.1:3128 (see "
+        "sandbox/egress_channel.py). The service holds it to the deployment's ceiling.",
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

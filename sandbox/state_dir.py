@@ -95,6 +95,11 @@ class SessionDirs:
         """The host-tool channel's directory, when the sandbox has one (see host_channel.py)."""
         return self.root / "host-tools"
 
+    @property
+    def egress(self) -> Path:
+        """The egress channel's directory, when the sandbox has a network (egress_channel.py)."""
+        return self.root / "egress"
+
     @classmethod
     def create(
         cls,

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the project needs: bubblewrap for the local sandbox, a system
-# Python with venv, make; docker.io and debootstrap for the Docker backend and its images; the
+# Python with venv, make; docker.io and debootstrap for the Docker backend and its images, runsc
+# (gVisor, an optional stronger runtime for it: docs/gvisor.md); the
 # programs commands in a local sandbox find on the host (git, ps, and nsenter to enter it); the
 # other languages' kernels the local backend runs (R with IRkernel, a JDK for jjava; Deno and
 # jjava themselves come from PyPI with `make install`), without their recommendations (R's would
 # bring a compiler tool chain).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
-packages=(bubblewrap python3 python3-venv python3-dev make docker.io debootstrap git procps util-linux)
+packages=(bubblewrap python3 python3-venv python3-dev make docker.io runsc debootstrap git procps
+    util-linux)
 language_packages=(r-base-core r-cran-irkernel default-jdk-headless)
 
 missing_of() {

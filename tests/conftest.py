@@ -33,8 +33,18 @@ def backend_unavailable(name: str) -> str | None:
     return why_unavailable(name)
 
 
+# The OCI runtime of the Docker tests: `CIR_DOCKER_RUNTIME=runsc` runs them under gVisor
+# (`make test-gvisor`); unset, the engine's default (runc).
+DOCKER_RUNTIME = os.environ.get("CIR_DOCKER_RUNTIME") or None
+
+
 def backend_config(name: str) -> dict[str, object]:
-    return {"orchestrator_id": TEST_ORCHESTRATOR_ID} if name == "docker" else {}
+    if name != "docker":
+        return {}
+    config: dict[str, object] = {"orchestrator_id": TEST_ORCHESTRATOR_ID}
+    if DOCKER_RUNTIME:
+        config["runtime"] = DOCKER_RUNTIME
+    return config
 
 
 def require_backend(name: str) -> None:

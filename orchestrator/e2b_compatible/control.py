@@ -1,8 +1,9 @@
 """E2B's control plane, the API its SDK calls at `E2B_API_URL`: sandboxes are our sessions.
 
 Create, get, list, kill, set the timeout, connect. What E2B's microVMs can do and our sandboxes
-cannot (pause, snapshots, forks, metrics, network rules, internet access) is refused with a
-message saying so. Bodies are read and written with the SDK's own models, so the wire format is
+cannot (pause, snapshots, forks, metrics, changing network rules while running) is refused with
+a message saying so. Internet access and network rules on create become a network policy
+(network.py). Bodies are read and written with the SDK's own models, so the wire format is
 E2B's by construction.
 """
 
@@ -29,6 +30,7 @@ from pydantic import ValidationError
 
 from orchestrator.e2b_compatible.deps import ApiOwnerDep, E2BDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.network import policy_for
 from orchestrator.e2b_compatible.paths import E2B_HOME
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BRecord, E2BSandboxes
 from orchestrator.http_errors import problems
@@ -65,8 +67,6 @@ def _backend_for(service: Service, template: str) -> tuple[str, str | None]:
 
 def _refuse_unsupported(body: NewSandboxV2) -> None:
     unsupported = {
-        "allow_internet_access": body.allow_internet_access is True,
-        "network": not isinstance(body.network, Unset),
         "mcp": not isinstance(body.mcp, Unset) and body.mcp is not None,
         "volume_mounts": not isinstance(body.volume_mounts, Unset) and bool(body.volume_mounts),
         "lifecycle (auto-pause)": body.auto_pause is True,
@@ -76,8 +76,8 @@ def _refuse_unsupported(body: NewSandboxV2) -> None:
     if asked:
         raise E2BError(
             400,
-            f"not supported by this server: {', '.join(asked)}. Its sandboxes have no network "
-            "access, no MCP gateway, volumes, pausing or workload identity.",
+            f"not supported by this server: {', '.join(asked)}. Its sandboxes have no MCP "
+            "gateway, volumes, pausing or workload identity.",
         )
 
 
@@ -133,7 +133,8 @@ def _described(service: Service, record: E2BRecord, session: Session) -> dict[st
 
 def _detail(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
     described = _described(service, record, session)
-    model = SandboxDetail(**described, allow_internet_access=False, domain=None)
+    internet = service.network_of(session).enabled
+    model = SandboxDetail(**described, allow_internet_access=internet, domain=None)
     return model.to_dict()
 
 
@@ -156,7 +157,8 @@ async def create(
     env = {} if isinstance(request.env_vars, Unset) else dict(request.env_vars or {})
     metadata = {} if isinstance(request.metadata, Unset) else dict(request.metadata or {})
     try:
-        spec = CreateSessionRequest(backend=backend, image=image, env=env)
+        network = policy_for(service.settings, request.allow_internet_access, request.network)
+        spec = CreateSessionRequest(backend=backend, image=image, env=env, network=network)
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
     session = await service.create_session(owner, spec, workdir=E2B_HOME)
@@ -268,7 +270,7 @@ _NEEDS_A_MICROVM = [
     ("POST", "/sandboxes/{sandbox_id}/snapshots", "snapshots"),
     ("POST", "/sandboxes/{sandbox_id}/fork", "forking"),
     ("GET", "/sandboxes/{sandbox_id}/metrics", "sandbox metrics"),
-    ("PUT", "/sandboxes/{sandbox_id}/network", "network rules (sandboxes have no network at all)"),
+    ("PUT", "/sandboxes/{sandbox_id}/network", "changing network rules of a running sandbox"),
     ("GET", "/sandboxes/{sandbox_id}/logs", "sandbox logs"),
     ("GET", "/v2/sandboxes/{sandbox_id}/logs", "sandbox logs"),
 ]

@@ -347,6 +347,7 @@ async def build_mcp_server(
         host_tools=host_tools,
         session_note=_ARGUMENT_HINT,
         languages=languages,
+        network=service.network_of(None),
     )
     tool(code_interpreter, text)
     if settings.shell_tool:  # off unless the operator turned it on
@@ -355,6 +356,7 @@ async def build_mcp_server(
             libraries=LIBRARIES,
             bound_session=True,
             session_note=_ARGUMENT_HINT,
+            network=service.network_of(None),
         )
         tool(run_command, shell_text)
     tool(upload_file, "Write a file into the sandbox's workspace (/workspace), text or base64.")

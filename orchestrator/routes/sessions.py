@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 
 from orchestrator.json_responses import json_response
@@ -16,6 +17,7 @@ from orchestrator.schemas import (
     CreateSessionRequest,
     ExecuteRequest,
     ExecutionRecord,
+    NetworkReport,
     RestartRequest,
     SessionInfo,
 )
@@ -61,6 +63,18 @@ async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) 
 @router.post("/{session_id}/keepalive", summary="Mark the session active (resets idle expiry)")
 async def keepalive(session: SessionDep, service: ServiceDep) -> SessionInfo:
     return service.keepalive(session)
+
+
+@router.get(
+    "/{session_id}/network",
+    summary="The session's network policy and the latest connections through its proxy",
+)
+async def network(
+    session: SessionDep,
+    service: ServiceDep,
+    limit: Annotated[int, Query(ge=0, le=1000, description="Most connections listed.")] = 100,
+) -> NetworkReport:
+    return service.network_report(session, limit)
 
 
 @router.post("/{session_id}/interrupt", summary="Stop the running execution")

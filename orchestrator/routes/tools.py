@@ -48,6 +48,7 @@ async def definition(
         libraries=LIBRARIES,
         host_tools=service.host_tool_summaries(names),
         languages=await service.tool_languages(session),
+        network=service.network_of(session),
     )
     return defs[format] if format is not None else defs
 
@@ -105,7 +106,11 @@ async def shell_definition(service: ServiceDep, format: ToolFormat | None = None
     """`run_command`: shell command lines in the same sessions as code_interpreter. Off unless
     the operator sets CODE_INTERPRETER_SHELL_TOOL=true; then 404 says so."""
     service.check_shell_tool()
-    defs = shell_definitions(timeout_s=service.settings.execution_timeout_s, libraries=LIBRARIES)
+    defs = shell_definitions(
+        timeout_s=service.settings.execution_timeout_s,
+        libraries=LIBRARIES,
+        network=service.network_of(None),
+    )
     return defs[format] if format is not None else defs
 
 

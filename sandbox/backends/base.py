@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Self
 
-from sandbox.errors import ProcessesUnsupported
+from sandbox.egress_channel import EgressChannel
+from sandbox.errors import ProcessesUnsupported, RuntimeUnavailable
 from sandbox.host_channel import HostChannel
 from sandbox.languages import PYTHON
 from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
@@ -37,8 +38,13 @@ class Sandbox(ABC):
     id: str
     backend: str
     spec: SandboxSpec
+    # The OCI runtime its containers run under (Docker: `runc`, `runsc`...); None where the
+    # backend has no such choice.
+    runtime: str | None = None
     # Where the host listens for this sandbox's tool calls; None: it has no channel.
     host_channel: HostChannel | None = None
+    # Where the host's egress proxy listens for this sandbox; None: it has no network.
+    egress_channel: EgressChannel | None = None
 
     @property
     def languages(self) -> list[str]:
@@ -195,9 +201,23 @@ class Backend(ABC):
     name: str
     # Whether its sandboxes can open a host-tool channel (SandboxSpec.host_tools).
     supports_host_tools: bool = True
+    # The network policy modes its sandboxes can hold (sandbox/network_policy.py).
+    network_modes: tuple[str, ...] = ("none", "allow_list", "any")
     # Whether a warm pool may keep its sandboxes ready: not where an idle one costs money or
     # expires on its own.
     keeps_warm: bool = True
+
+    async def runtimes(self) -> list[str]:
+        """The OCI runtimes a sandbox may ask for (SandboxSpec.runtime); none by default."""
+        return []
+
+    def refuse_runtime(self, spec: SandboxSpec) -> None:
+        """Refuse a spec naming a runtime, on a backend that has no choice of runtime."""
+        if spec.runtime is not None:
+            raise RuntimeUnavailable(
+                f"the {self.name} backend cannot choose an OCI runtime (asked: "
+                f"{spec.runtime!r}); runtimes apply to the docker backend only"
+            )
 
     @abstractmethod
     async def create(self, spec: SandboxSpec | None = None) -> Sandbox:

@@ -34,7 +34,15 @@ from sandbox import cgroups, seccomp
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, Backend
 from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_sandbox import KernelSandbox
-from sandbox.errors import BackendUnavailable, SandboxStartError
+from sandbox.egress_channel import (
+    EGRESS_DIR_IN_SANDBOX,
+    FORWARDER_FILE,
+    FORWARDER_IN_SANDBOX,
+    EgressChannel,
+    proxy_environment,
+    with_forwarder,
+)
+from sandbox.errors import BackendUnavailable, RuntimeUnavailable, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
@@ -49,6 +57,7 @@ from sandbox.kernel.programs import (
 )
 from sandbox.languages import PYTHON
 from sandbox.process_identity import OwnerState, ProcessIdentity
+from sandbox.socket_peer import SocketPeer
 from sandbox.spec import SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.uids import HostUidPool
@@ -65,6 +74,10 @@ LABEL_OWNER = "code-interpreter.owner"  # prefix of the owner process's labels (
 KERNEL_LOG_FILE_BYTES = 512 << 10
 KERNEL_LOG_FILES = 2
 DEFAULT_IMAGE = KERNEL_IMAGE
+GVISOR_PROGRAM = "runsc"  # a runtime whose program this is runs sandboxes under gVisor
+# Who the host sees at the other end of a host socket a gVisor sandbox connects to (uid and
+# program): its gofer, which runs as root (runsc --host-uds), not the sandbox's uid.
+GVISOR_SOCKET_PEER = (0, "runsc-gofer")
 ENGINE_HINT = (
     "Start a Docker engine (`sudo systemctl start docker`, or on a machine without systemd "
     "`sudo dockerd --bridge=none --iptables=false --ip-masq=false &`) or point DOCKER_HOST at one."
@@ -111,6 +124,8 @@ class DockerBackend(Backend):
         self.uids = HostUidPool(self.config.host_uid_base, self.config.host_uid_count)
         self._connect_lock = asyncio.Lock()
         self._cgroupfs: bool | None = None  # whether sandboxes get a parent cgroup (found once)
+        self._engine_default_runtime: str | None = None  # the engine's own default
+        self._engine_runtime_paths: dict[str, str] | None = None  # runtime name -> its program
 
     async def _connect(self) -> tuple[docker.DockerClient, _DeathWatch]:
         async with self._connect_lock:
@@ -142,6 +157,7 @@ class DockerBackend(Backend):
         client, deaths = await self._connect()
         image = spec.image or self.config.image
         kernels = await self._image_programs(client, image)
+        runtime, gvisor = await self._runtime_for(client, spec)
         sandbox_id = secrets.token_hex(8)
         root = os.geteuid() == 0
         uid = self.uids.allocate()  # given back once the sandbox's containers are gone
@@ -163,13 +179,29 @@ class DockerBackend(Backend):
         try:
             if self.config.session_cgroup and await self._shares_cgroups(client):
                 group = cgroups.SandboxCgroup(sandbox_id)
-                await asyncio.to_thread(group.create, spec.limits)
+                host_limits = spec.limits
+                if gvisor:  # the host group holds gVisor's own tasks too: a backstop there
+                    host_limits = host_limits.model_copy(
+                        update={"pids": gvisor_host_pids(host_limits.pids)}
+                    )
+                await asyncio.to_thread(group.create, host_limits)
             _write_user_database(dirs, uid)
             if not root:  # the container's uid must create files in it
                 dirs.workspace.chmod(0o777)
             channel = None
             if spec.host_tools:
-                channel = HostChannel.create(dirs.host_tools, peer_uid=uid, peer_gid=uid)
+                # Under gVisor the host sees its gofer (root) connect, not the sandbox's uid;
+                # the directory is bound into this sandbox alone, which holds the gate there.
+                channel = HostChannel.create(
+                    dirs.host_tools,
+                    peer_uid=GVISOR_SOCKET_PEER[0] if gvisor else uid,
+                    peer_gid=uid,
+                    peer_program=GVISOR_SOCKET_PEER[1] if gvisor else None,
+                )
+            egress = None
+            if spec.network.enabled:
+                peer = SocketPeer(*GVISOR_SOCKET_PEER) if gvisor else SocketPeer(uid)
+                egress = EgressChannel.create(dirs.egress, peer=peer, peer_gid=uid)
 
             def launcher_of(language: str) -> _ContainerLauncher:
                 return _ContainerLauncher(
@@ -185,6 +217,9 @@ class DockerBackend(Backend):
                     language,
                     kernels,
                     cgroup_parent=f"/{cgroups.PARENT}/{sandbox_id}" if group else None,
+                    runtime=runtime,
+                    gvisor=gvisor,
+                    egress=egress,
                 )
 
             launcher = launcher_of(PYTHON)
@@ -214,7 +249,44 @@ class DockerBackend(Backend):
             ),
         )
         sandbox.host_channel = channel
+        sandbox.egress_channel = egress
         return sandbox
+
+    async def runtimes(self) -> list[str]:
+        """The OCI runtimes the engine knows (`runc`, and `runsc` once registered: setup does
+        it), asked afresh: an engine reloaded with SIGHUP may have gained one."""
+        client, _ = await self._connect()
+        return await self._engine_runtimes(client)
+
+    async def _engine_runtimes(self, client: docker.DockerClient) -> list[str]:
+        try:
+            info = await asyncio.to_thread(client.info)
+        except DockerException as exc:
+            raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
+        self._engine_default_runtime = str(info.get("DefaultRuntime") or "runc")
+        runtimes: dict[str, Any] = info.get("Runtimes") or {}
+        self._engine_runtime_paths = {
+            name: str((entry or {}).get("path") or name) for name, entry in runtimes.items()
+        }
+        return sorted(runtimes)
+
+    async def _runtime_for(
+        self, client: docker.DockerClient, spec: SandboxSpec
+    ) -> tuple[str, bool]:
+        """The runtime a sandbox of `spec` runs under (its own, the deployment's, or the
+        engine's default) and whether it is gVisor; one the engine does not know is refused
+        before anything is made."""
+        if spec.runtime is not None or self._engine_runtime_paths is None:
+            known = await self._engine_runtimes(client)  # afresh: a reload may have added one
+            if spec.runtime is not None and spec.runtime not in known:
+                raise RuntimeUnavailable(
+                    f"the Docker engine has no runtime {spec.runtime!r}; it has: "
+                    f"{', '.join(known)}. gVisor (runsc) is registered by "
+                    "scripts/ensure-docker-engine.sh (docs/gvisor.md)"
+                )
+        runtime = spec.runtime or self.config.runtime or self._engine_default_runtime or "runc"
+        program = (self._engine_runtime_paths or {}).get(runtime, runtime)
+        return runtime, Path(program).name == GVISOR_PROGRAM
 
     async def _shares_cgroups(self, client: docker.DockerClient) -> bool:
         """Whether a parent cgroup made here is the one the engine's containers join: this
@@ -327,6 +399,11 @@ class DockerSandbox(KernelSandbox):
         """The host uid its containers run as, its alone while it lives."""
         return self._launcher.uid
 
+    @property
+    def runtime(self) -> str:  # type: ignore[override]
+        """The OCI runtime its containers run under, as the engine names it."""
+        return self._launcher.runtime
+
     def spawner(self) -> DockerSpawner:
         """Execs in the current kernel's container (docker_processes.py): replacing the kernel
         replaces its container, and so ends every process started in it."""
@@ -390,9 +467,15 @@ class _ContainerLauncher:
         language: str = PYTHON,
         kernels: KernelPrograms | None = None,
         cgroup_parent: str | None = None,
+        runtime: str = "runc",
+        gvisor: bool = False,
+        egress: EgressChannel | None = None,
     ) -> None:
         self.config = config
+        self.egress = egress
         self.cgroup_parent = cgroup_parent
+        self.runtime = runtime
+        self.gvisor = gvisor
         self.language = language
         self.kernels = kernels or image_programs(None, config.python, STARTUP_FILE_IN_SANDBOX)
         self.client = client
@@ -465,6 +548,8 @@ class _ContainerLauncher:
         """What a process adds to the container's environment: the session's variables as they
         are now (`set_env` may have added some since the container started)."""
         extra = dict(self.spec.env)
+        if self.egress is not None:  # first: the session's own variables may change them
+            extra = {**proxy_environment(), **extra}
         if self.channel is not None:  # last: the caller's variables cannot move it
             extra[HOST_TOOLS_ENV] = HOST_TOOLS_DIR_IN_SANDBOX
         return extra
@@ -476,6 +561,8 @@ class _ContainerLauncher:
         command = self.kernels.command(
             self.language, connection_file, KERNEL_DIR_IN_SANDBOX, limits
         )
+        if self.egress is not None:
+            command = with_forwarder(self.kernels.python, command)
         memory = f"{limits.memory_mb}m"
         options: dict[str, Any] = {
             "image": self.image,
@@ -499,6 +586,7 @@ class _ContainerLauncher:
                 # The supervisor of kernels that need one: this service's own copy, so every
                 # image runs the version the host expects.
                 str(SUPERVISOR_FILE): {"bind": SUPERVISOR_IN_SANDBOX, "mode": "ro"},
+                str(FORWARDER_FILE): {"bind": FORWARDER_IN_SANDBOX, "mode": "ro"},
                 str(self.dirs.workspace): {"bind": WORKSPACE_IN_SANDBOX, "mode": "rw"},
                 # The image knows only the uid it was built with: name ours (getpass, pwd).
                 str(self.dirs.etc / "passwd"): {"bind": "/etc/passwd", "mode": "ro"},
@@ -533,11 +621,27 @@ class _ContainerLauncher:
                 "bind": HOST_TOOLS_DIR_IN_SANDBOX,
                 "mode": "ro",
             }
-        if cfg.runtime:
-            options["runtime"] = cfg.runtime
+        options["runtime"] = self.runtime
+        if self.gvisor:
+            # gVisor's kernel counts the sandbox's tasks against RLIMIT_NPROC (its uid is the
+            # sandbox's alone in there): the pids limit, with a clean EAGAIN at fork. The host's
+            # pids cgroup holds gVisor's own threads as well, so it gets a backstop instead:
+            # reaching it would end the whole sandbox, not refuse one fork.
+            options["ulimits"].append(Ulimit(name="nproc", soft=limits.pids, hard=limits.pids))
+            options["pids_limit"] = gvisor_host_pids(limits.pids)
+        if self.egress is not None:
+            egress_dir = {"bind": EGRESS_DIR_IN_SANDBOX, "mode": "ro"}
+            options["volumes"][str(self.egress.path)] = egress_dir
         if self.cgroup_parent:
             options["cgroup_parent"] = self.cgroup_parent
         return options
+
+
+def gvisor_host_pids(pids: int) -> int:
+    """The host pids limit of a sandbox under gVisor: its own processes (each costs ~8 host
+    tasks on the ptrace platform: a stub process with its threads, and gVisor's) and gVisor's
+    own (~100 threads). Measured, with room to spare."""
+    return 10 * pids + 256
 
 
 def _remove_once_created(creating: asyncio.Future[Any]) -> None:

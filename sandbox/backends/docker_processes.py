@@ -372,7 +372,13 @@ class DockerProcess(SpawnedProcess):
         send = functools.partial(
             _send_signal, self._api, self._container, self._user, signum, self.pid, self._marker
         )
-        await asyncio.get_running_loop().run_in_executor(_SIGNALLERS, send)
+        try:
+            await asyncio.get_running_loop().run_in_executor(_SIGNALLERS, send)
+        except ProcessLookupError:
+            # Gone with its container. Under gVisor the engine can keep the exec's stream open
+            # after the sandbox died: closed here, so its output ends and its end is read.
+            self._close_connection()
+            raise
 
     async def resize(self, size: TerminalSize) -> None:
         if not self._tty:

@@ -110,6 +110,8 @@ class E2BBackendConfig(BaseModel):
 class E2BBackend(Backend):
     name = "e2b"
     supports_host_tools = False  # a microVM elsewhere: no socket of ours reaches it
+    # No proxy of ours reaches it: E2B's own switch gives all or nothing.
+    network_modes = ("none", "any")
     keeps_warm = False  # an idle E2B sandbox is billed, and E2B kills it at its timeout
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
@@ -149,6 +151,7 @@ class E2BBackend(Backend):
 
     async def create(self, spec: SandboxSpec | None = None) -> E2BSandbox:
         spec = spec or SandboxSpec()
+        self.refuse_runtime(spec)
         cfg = self.config
         if not (cfg.api_key or os.environ.get("E2B_API_KEY")):
             raise BackendUnavailable(why_unavailable(cfg) or "no E2B API key")
@@ -160,6 +163,7 @@ class E2BBackend(Backend):
                 timeout=cfg.sandbox_timeout_s,
                 metadata={**cfg.metadata, **spec.labels, **self._label()},
                 envs=dict(spec.env) or None,
+                allow_internet_access=spec.network.mode == "any",
                 **self.connection(),
             )
         except AuthenticationException as exc:

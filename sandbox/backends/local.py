@@ -45,6 +45,14 @@ from sandbox.backends.local_processes import (
     LocalSpawner,
 )
 from sandbox.cgroups import SandboxCgroup
+from sandbox.egress_channel import (
+    EGRESS_DIR_IN_SANDBOX,
+    FORWARDER_FILE,
+    FORWARDER_IN_SANDBOX,
+    EgressChannel,
+    proxy_environment,
+    with_forwarder,
+)
 from sandbox.errors import BackendUnavailable, ProcessesUnsupported, SandboxStartError
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.host_commands import HOST_ENVIRONMENT, memfd_with, resolve
@@ -62,6 +70,7 @@ from sandbox.kernel.programs import (
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.languages import PYTHON
 from sandbox.processes.spawned import Spawner
+from sandbox.socket_peer import SocketPeer
 from sandbox.spec import ResourceLimits, SandboxSpec
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.uids import HostUidPool
@@ -161,6 +170,7 @@ class LocalBackend(Backend):
 
     async def create(self, spec: SandboxSpec | None = None) -> LocalSandbox:
         spec = spec or SandboxSpec()
+        self.refuse_runtime(spec)
         cfg = self.config
         if not cfg.unsafe_no_sandbox and self._bwrap is None:
             raise BackendUnavailable(INSTALL_HINT)
@@ -187,6 +197,10 @@ class LocalBackend(Backend):
             if spec.host_tools:  # the kernel's uid (and gid) as the host sees them
                 peer = host_uid if host_uid is not None else os.geteuid()
                 channel = HostChannel.create(dirs.host_tools, peer_uid=peer, peer_gid=peer)
+            egress = None
+            if spec.network.enabled and not cfg.unsafe_no_sandbox:  # unsafe: the host's network
+                peer = host_uid if host_uid is not None else os.geteuid()
+                egress = EgressChannel.create(dirs.egress, peer=SocketPeer(peer), peer_gid=peer)
             if cfg.use_cgroups and not cfg.unsafe_no_sandbox and cgroups.available():
                 cgroup = SandboxCgroup(sandbox_id)
                 cgroup.create(spec.limits)
@@ -204,6 +218,7 @@ class LocalBackend(Backend):
                     cgroup,
                     channel,
                     language,
+                    egress,
                 )
 
             launcher = launcher_of(PYTHON)
@@ -229,6 +244,7 @@ class LocalBackend(Backend):
             ),
         )
         sandbox.host_channel = channel
+        sandbox.egress_channel = egress
         return sandbox
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
@@ -437,8 +453,10 @@ class _BwrapLauncher:
         cgroup: SandboxCgroup | None,
         channel: HostChannel | None = None,
         language: str = PYTHON,
+        egress: EgressChannel | None = None,
     ) -> None:
         self.config = config
+        self.egress = egress
         self.language = language
         self.programs = programs
         self.spec = spec
@@ -464,6 +482,8 @@ class _BwrapLauncher:
             dict.fromkeys([str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"])
         )
         variables = {**self.spec.env, **(extra or {})}
+        if self.egress is not None:  # first: the session's own variables may change them
+            variables = {**proxy_environment(), **variables}
         if self.channel is not None:
             where = self.channel.path if cfg.unsafe_no_sandbox else HOST_TOOLS_DIR_IN_SANDBOX
             variables[HOST_TOOLS_ENV] = str(where)
@@ -529,9 +549,12 @@ class _BwrapLauncher:
         return self.kernel
 
     def _kernel_command(self, connection_file: str) -> list[str]:
-        return self.programs.kernels.command(
+        command = self.programs.kernels.command(
             self.language, connection_file, self.kernel_dir_in_sandbox, self.spec.limits
         )
+        if self.egress is not None and not self.config.unsafe_no_sandbox:
+            return with_forwarder(self.programs.kernels.python, command)
+        return command
 
     def _bwrap_args(self, env: dict[str, str], fds: list[int]) -> list[str]:
         """bwrap's options; the data they name (seccomp filter, /proc files) is put in `fds`."""
@@ -576,11 +599,14 @@ class _BwrapLauncher:
             ("--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX),
             ("--ro-bind", str(LAUNCHER_FILE), LAUNCHER_IN_SANDBOX),
             ("--ro-bind", str(SUPERVISOR_FILE), SUPERVISOR_IN_SANDBOX),
+            ("--ro-bind", str(FORWARDER_FILE), FORWARDER_IN_SANDBOX),
             ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),
             ("--bind", str(self.kernel_dir), KERNEL_DIR_IN_SANDBOX),
         ]
         if self.channel is not None:
             mounts.append(("--ro-bind", str(self.channel.path), HOST_TOOLS_DIR_IN_SANDBOX))
+        if self.egress is not None:
+            mounts.append(("--ro-bind", str(self.egress.path), EGRESS_DIR_IN_SANDBOX))
         mounts += [
             ("--bind", str(self.dirs.workspace), HOME_IN_SANDBOX),
             ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there

@@ -220,8 +220,6 @@ def test_another_key_cannot_see_or_touch_the_sandbox(sbx: Sandbox, e2b_env: Serv
 def test_what_is_not_supported_says_why(sbx: Sandbox) -> None:
     with pytest.raises(SandboxException, match="not supported by this server"):
         sbx.pause()
-    with pytest.raises(SandboxException, match="allow_internet_access"):
-        Sandbox.create(allow_internet_access=True)
     with pytest.raises(SandboxException, match="no root"):  # commands work; root does not
         sbx.commands.run("echo hi", user="root")
     with pytest.raises(SandboxException, match="template 'nope' not found"):

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import SELECTED, backend_unavailable
+from tests.conftest import DOCKER_RUNTIME, SELECTED, backend_unavailable
 
 KEY_A, KEY_B = "key-a-" + uuid.uuid4().hex, "key-b-" + uuid.uuid4().hex
 
@@ -87,6 +87,8 @@ def make_server(**settings: object) -> Server:
         "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
         "CODE_INTERPRETER_ORCHESTRATOR_ID": orchestrator_id,
     }
+    if DOCKER_RUNTIME:  # `make test-gvisor`: the server's Docker sessions under it too
+        env["CODE_INTERPRETER_DOCKER_RUNTIME"] = DOCKER_RUNTIME
     for name, value in settings.items():
         env[f"CODE_INTERPRETER_{name.upper()}"] = str(value)
     return Server(f"http://127.0.0.1:{free_port()}", env, root / "state", orchestrator_id)

@@ -1,0 +1,9 @@
+"""The host side of a sandbox's egress: an HTTP/HTTPS proxy on a Unix socket that decides each
+connection by the session's network policy, dials only public addresses it resolved itself, and
+logs every connection in the session's ledger."""
+
+from orchestrator.egress.ledger import EgressLedger, EgressRecord, EgressTotals
+from orchestrator.egress.proxy import EgressProxy
+from orchestrator.egress.settings import EgressSettings
+
+__all__ = ["EgressLedger", "EgressProxy", "EgressRecord", "EgressSettings", "EgressTotals"]

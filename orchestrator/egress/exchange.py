@@ -1,0 +1,339 @@
+"""One client connection to the proxy, from its first byte to its ledger record: read the
+request head, decide, resolve, dial, then tunnel (CONNECT) or forward (plain HTTP).
+
+Every way it can end goes through `run`'s `finally`, so each connection leaves exactly one
+record, and nothing the client sends escapes as an exception."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, NoReturn
+
+import h11
+
+from orchestrator.egress.address_guard import IpAddress
+from orchestrator.egress.decision import decide, denied_address
+from orchestrator.egress.ledger import EgressRecord
+from orchestrator.egress.metering import CapReached, Meter
+from orchestrator.egress.pipe import CHUNK, pump, send
+from orchestrator.egress.plain_http import Forward
+from orchestrator.egress.resolver import Unreachable, resolve
+from orchestrator.egress.responses import CONNECT_ESTABLISHED, answer, refusal
+from orchestrator.egress.target import (
+    BadTarget,
+    Target,
+    host_header_mismatch,
+    parse_absolute,
+    parse_connect,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.egress.proxy import EgressProxy
+
+log = logging.getLogger(__name__)
+_LINGER_S = 2.0  # after an early answer, how long unread request bytes are drained
+_LINGER_BYTES = 1 << 20
+_CHECK_IDLE_EVERY_S = 1.0
+_MAX_ADDRESSES_TRIED = 8  # each may take the connect timeout
+
+
+class _Answered(Exception):
+    """The proxy has answered the client itself (a refusal or an error): the exchange ends."""
+
+
+class Exchange:
+    """The handling of one accepted connection."""
+
+    def __init__(
+        self,
+        proxy: EgressProxy,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        self.proxy = proxy
+        self.reader = reader
+        self.writer = writer
+        self.meter = Meter(proxy.budget)
+        self.upstream_writer: asyncio.StreamWriter | None = None
+        self.started = time.time()
+        self.started_mono = asyncio.get_running_loop().time()
+        self.host = ""
+        self.port = 0
+        self.method = ""
+        self.allowed = False
+        self.reason = "closed before sending a request"
+        self.address: str | None = None
+        self.end_note: str | None = None
+
+    def abort(self, note: str) -> None:
+        """End this connection now, both sides, noting why."""
+        if self.end_note is None:
+            self.end_note = note
+        self.writer.transport.abort()
+        if self.upstream_writer is not None:
+            self.upstream_writer.transport.abort()
+
+    async def run(self) -> None:
+        try:
+            await self._handle()
+        except _Answered:
+            pass
+        except CapReached:
+            self.proxy.end_all(self.proxy.cap_note())
+        except (OSError, h11.ProtocolError, asyncio.IncompleteReadError) as exc:
+            if self.end_note is None:
+                self.end_note = f"ended: {exc or type(exc).__name__}"
+        except Exception:  # a defect here must not take the proxy down
+            log.exception("egress: unexpected error on a connection")
+            self.end_note = self.end_note or "ended by an internal error of the proxy"
+        finally:
+            self._close()
+            self.proxy.ledger.add(self._record())
+
+    # ----------------------------------------------------------------------------------------
+
+    async def _handle(self) -> None:
+        proxy = self.proxy
+        if not self._peer_allowed():
+            self.reason = "refused a connection from a process not of the sandbox's uid"
+            self.writer.transport.abort()
+            return
+        request, connection = await self._read_head()
+        self.method = request.method.decode("ascii", "replace")
+        target = await self._target(request)
+        self.host, self.port = target.host, target.port
+        if proxy.budget.exhausted:
+            note = proxy.cap_note()
+            await self._answer(403, note, f"egress refused: {note}\n")
+        decision = decide(proxy.policy, proxy.ceiling, target.host, target.port)
+        if not decision.allowed:
+            self.reason = decision.reason
+            await self._send_early(refusal(decision.reason, proxy.policy.describe()))
+        try:
+            addresses = await resolve(target.host, target.port, proxy.settings)
+        except Unreachable as exc:
+            if exc.status == 403:
+                self.reason = exc.reason
+                await self._send_early(refusal(exc.reason, proxy.policy.describe()))
+            await self._answer(exc.status, exc.reason, f"egress failed: {exc.reason}\n")
+        for address in addresses:
+            denied = denied_address(proxy.policy, proxy.ceiling, target.host, address, target.port)
+            if denied is not None:
+                self.reason = denied.reason
+                await self._send_early(refusal(denied.reason, proxy.policy.describe()))
+        self.allowed = True
+        self.reason = decision.reason
+        upstream_reader, upstream_writer = await self._dial(target, addresses)
+        self.upstream_writer = upstream_writer
+        if self.method == "CONNECT":
+            self.writer.write(CONNECT_ESTABLISHED)
+            await self.writer.drain()
+            early = connection.trailing_data[0]  # sent by the client before our 200 came
+
+            async def client_to_upstream() -> None:
+                if early:
+                    await send(upstream_writer, early, self.meter, up=True)
+                await pump(self.reader, upstream_writer, self.meter, up=True)
+
+            await self._watched(
+                lambda: _tunnel(
+                    client_to_upstream(),
+                    pump(upstream_reader, self.writer, self.meter, up=False),
+                )
+            )
+        else:
+            forward = Forward(
+                connection,
+                self.reader,
+                self.writer,
+                upstream_reader,
+                upstream_writer,
+                self.meter,
+                proxy.settings.max_head_bytes,
+            )
+            await self._watched(lambda: forward.run(request, target))
+
+    def _peer_allowed(self) -> bool:
+        if self.proxy.peer.uid is None:
+            return True
+        sock: socket.socket | None = self.writer.get_extra_info("socket")
+        return sock is not None and self.proxy.peer.allows(sock)
+
+    async def _read_head(self) -> tuple[h11.Request, h11.Connection]:
+        settings = self.proxy.settings
+        connection = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_head_bytes)
+        try:
+            async with asyncio.timeout(settings.header_timeout_s):
+                while True:
+                    event = connection.next_event()
+                    if event is h11.NEED_DATA:
+                        connection.receive_data(await self.reader.read(CHUNK))
+                    elif isinstance(event, h11.Request):
+                        return event, connection
+                    else:  # the client closed before a whole request
+                        raise _Answered()
+        except TimeoutError:
+            limit = settings.header_timeout_s
+            await self._answer(
+                408,
+                f"the request head did not arrive within {limit:g} s",
+                f"egress refused: the request head did not arrive within {limit:g} s\n",
+            )
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint
+            if status == 431:
+                why = f"the request head is longer than {settings.max_head_bytes} bytes"
+            else:
+                why = f"not an HTTP proxy request: {exc}"
+            await self._answer(
+                status,
+                why,
+                f"egress refused: {why}. This is an HTTP proxy: send CONNECT host:port for TLS "
+                "or an absolute URL (GET http://host/path) for plain HTTP.\n",
+            )
+
+    async def _target(self, request: h11.Request) -> Target:
+        try:
+            if request.method == b"CONNECT":
+                target = parse_connect(request.target)
+                default_port = target.port
+            else:
+                target = parse_absolute(request.target)
+                default_port = 80
+        except BadTarget as exc:
+            await self._answer(400, str(exc), f"egress refused: {exc}\n")
+        for name, value in request.headers:
+            if name == b"host":
+                mismatch = host_header_mismatch(value, target, default_port)
+                if mismatch is not None:
+                    self.host, self.port = target.host, target.port
+                    await self._answer(403, mismatch, f"egress refused: {mismatch}\n")
+        return target
+
+    async def _dial(
+        self, target: Target, addresses: tuple[IpAddress, ...]
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        timeout = self.proxy.settings.connect_timeout_s
+        failures = []
+        for address in addresses[:_MAX_ADDRESSES_TRIED]:
+            self.address = str(address)
+            try:
+                async with asyncio.timeout(timeout):
+                    return await asyncio.open_connection(str(address), target.port, limit=CHUNK)
+            except TimeoutError:
+                failures.append(f"{address}: no answer within {timeout:g} s")
+            except OSError as exc:
+                failures.append(f"{address}: {exc.strerror or exc}")
+        why = f"could not connect to {target.host}:{target.port} ({'; '.join(failures)})"
+        await self._answer(502, why, f"egress failed: {why}\n")
+
+    async def _watched(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Run the relaying, ending it when no byte has moved either way for the idle time."""
+        idle = self.proxy.settings.idle_timeout_s
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(min(_CHECK_IDLE_EVERY_S, idle / 4))
+                if self.meter.idle_for() >= idle:
+                    self.abort(f"closed after {idle:g} s with no byte either way")
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await work()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+    async def _answer(self, status: int, reason: str, body: str) -> NoReturn:
+        """Answer with an error of the proxy's own and end the exchange."""
+        self.reason = reason
+        await self._send_early(answer(status, reason, body))
+
+    async def _send_early(self, response: bytes) -> NoReturn:
+        """Send an answer before the request was read whole, then drain what the client still
+        sends for a moment: closing with unread bytes would reset the connection and the
+        client might never see the answer."""
+        self.allowed = False
+        with contextlib.suppress(OSError):
+            self.writer.write(response)
+            await self.writer.drain()
+            if self.writer.can_write_eof():
+                self.writer.write_eof()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_LINGER_S):
+                    drained = 0
+                    while drained < _LINGER_BYTES:
+                        chunk = await self.reader.read(CHUNK)
+                        if not chunk:
+                            break
+                        drained += len(chunk)
+        raise _Answered()
+
+    def _close(self) -> None:
+        for writer in (self.writer, self.upstream_writer):
+            if writer is None:
+                continue
+            if self.end_note:
+                writer.transport.abort()  # an abnormal end: no flushing to a peer that stalls
+            else:
+                # Flushes what is buffered, for a bounded time: a peer that never reads it is
+                # cut, and nothing of the connection outlives that.
+                writer.close()
+                if writer.transport.get_write_buffer_size():
+                    flushing = asyncio.ensure_future(_flushed_or_cut(writer))
+                    self.proxy.closing.add(flushing)
+                    flushing.add_done_callback(self.proxy.closing.discard)
+
+    def _record(self) -> EgressRecord:
+        reason = self.reason
+        if self.end_note and self.end_note not in reason:
+            reason = f"{reason}; {self.end_note}"
+        return EgressRecord(
+            time=self.started,
+            host=self.host,
+            port=self.port,
+            method=self.method,
+            allowed=self.allowed,
+            reason=reason,
+            address=self.address,
+            bytes_up=self.meter.up,
+            bytes_down=self.meter.down,
+            duration_s=asyncio.get_running_loop().time() - self.started_mono,
+        )
+
+
+async def _tunnel(up: Awaitable[None], down: Awaitable[None]) -> None:
+    """Both directions of a tunnel. The client's end of sending is passed on (a half-close) and
+    the answer still flows back; the destination's end of sending ends the tunnel once all it
+    sent is delivered, as a destination closing means the exchange is over. A failure of either
+    direction ends both."""
+    up_task, down_task = asyncio.ensure_future(up), asyncio.ensure_future(down)
+    waiting = {up_task, down_task}
+    try:
+        while not down_task.done():
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+    finally:
+        for task in (up_task, down_task):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+FLUSH_S = 10.0  # the most a closing connection may take to deliver its last bytes
+
+
+async def _flushed_or_cut(writer: asyncio.StreamWriter) -> None:
+    try:
+        async with asyncio.timeout(FLUSH_S):
+            await writer.wait_closed()
+    except (TimeoutError, OSError):
+        writer.transport.abort()

@@ -1,0 +1,47 @@
+"""What the operator tunes about the egress proxy, one deployment at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from sandbox.network_policy import normalize_host
+
+
+def _no_overrides() -> Mapping[str, tuple[str, ...]]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class EgressSettings:
+    """Limits and exceptions of the egress proxy.
+
+    `private_hosts` is the only way to reach a private, loopback or link-local address: a name
+    (or IP literal) listed there may resolve to one. `resolve_overrides` only answers name
+    lookups without DNS (tests, fixed hosts); it grants nothing, so a name mapped to 127.0.0.1
+    there is still refused unless it is in `private_hosts` too. Keeping the two apart is what
+    lets a test prove that a name resolving to loopback is refused.
+    """
+
+    private_hosts: frozenset[str] = frozenset()
+    resolve_overrides: Mapping[str, tuple[str, ...]] = field(default_factory=_no_overrides)
+    max_bytes_per_session: int = 1 << 30  # up + down; past it, tunnels close, new ones get 403
+    max_connections_per_session: int = 64  # open at once
+    connect_timeout_s: float = 10.0  # per address dialled, and for the name lookup
+    header_timeout_s: float = 20.0  # a client that never finishes its request head
+    idle_timeout_s: float = 300.0  # a connection with no byte either way
+    max_head_bytes: int = 64 * 1024  # a longer request head (or response head) is refused
+
+    def __post_init__(self) -> None:
+        # Compared with normalized destination names, so normalized here once.
+        object.__setattr__(
+            self, "private_hosts", frozenset(normalize_host(h) for h in self.private_hosts)
+        )
+        overrides = {
+            normalize_host(name): tuple(addresses)
+            for name, addresses in self.resolve_overrides.items()
+        }
+        object.__setattr__(self, "resolve_overrides", MappingProxyType(overrides))
+        if self.max_bytes_per_session < 0 or self.max_connections_per_session < 1:
+            raise ValueError("egress caps must be positive")

@@ -1,0 +1,43 @@
+"""Fixtures of the gVisor tests: a Docker backend whose sessions choose their runtime.
+
+They need an engine with `runsc` registered (scripts/ensure-docker-engine.sh does it where
+gVisor is installed); without one they skip on a developer's machine and fail in CI.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import docker
+import pytest
+
+from sandbox import Backend, create_backend
+from tests.conftest import TEST_ORCHESTRATOR_ID, require_backend
+
+GVISOR = "runsc"
+
+
+def require_gvisor() -> None:
+    """Skip where the engine has no runsc; in CI, fail instead."""
+    require_backend("docker")
+    runtimes = docker.from_env().info().get("Runtimes") or {}
+    if GVISOR not in runtimes:
+        why = f"the Docker engine has no {GVISOR} runtime (it has: {', '.join(runtimes)})"
+        if os.environ.get("CI"):
+            pytest.fail(f"gVisor must run in CI: {why}; run scripts/ensure-docker-engine.sh")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+async def docker_backend() -> AsyncIterator[Backend]:
+    """A Docker backend with the engine's default runtime: sessions ask for runsc themselves."""
+    require_gvisor()
+    backend = create_backend("docker", orchestrator_id=TEST_ORCHESTRATOR_ID)
+    yield backend
+    await backend.close()
+
+
+def container_runtime(name: str) -> str:
+    """The runtime the engine says a container runs under."""
+    return str(docker.from_env().containers.get(name).attrs["HostConfig"]["Runtime"])

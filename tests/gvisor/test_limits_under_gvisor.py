@@ -1,0 +1,58 @@
+"""Limits under gVisor, where they work differently from runc (docs/gvisor.md, "What differs")."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sandbox import Backend
+from sandbox.processes.models import ProcessRequest
+from sandbox.spec import ResourceLimits
+from tests.conftest import small_spec
+from tests.gvisor.conftest import GVISOR
+
+MEMORY_BOMB = "chunks = []\nwhile True:\n    chunks.append(b'x' * (64 << 20))"
+
+
+async def test_a_memory_bomb_as_a_command_ends_and_the_session_carries_on(
+    docker_backend: Backend,
+) -> None:
+    """The host's memory limit ends gVisor's whole kernel container, and with it the command:
+    its call ends (by its time limit at the latest) instead of waiting for ever on a stream
+    the engine keeps open, and the next execution finds a new kernel."""
+    sb = await docker_backend.create(
+        small_spec(runtime=GVISOR, limits=ResourceLimits(memory_mb=512))
+    )
+    try:
+        bomb = ProcessRequest(argv=["/opt/kernel/bin/python", "-c", MEMORY_BOMB], timeout_s=20)
+        result = await asyncio.wait_for(sb.run_command(bomb), 120)
+        assert result.exit_code != 0, result
+        after = await sb.execute("6 * 7", timeout_s=60)
+        assert after.text == "42", after
+    finally:
+        await sb.close()
+
+
+async def test_the_pids_limit_refuses_a_fork_without_ending_the_sandbox(
+    docker_backend: Backend,
+) -> None:
+    """Held by gVisor's RLIMIT_NPROC (EAGAIN at fork), not by the host's pids cgroup, which
+    would end gVisor itself."""
+    sb = await docker_backend.create(small_spec(runtime=GVISOR, limits=ResourceLimits(pids=64)))
+    try:
+        ex = await sb.execute(
+            "import os, time\n"
+            "children, failed = 0, None\n"
+            "for _ in range(500):\n"
+            "    try:\n"
+            "        if os.fork() == 0:\n"
+            "            time.sleep(20); os._exit(0)\n"
+            "        children += 1\n"
+            "    except OSError as e:\n"
+            "        failed = e.errno; break\n"
+            "import errno; (children < 64, failed == errno.EAGAIN)",
+            timeout_s=60,
+        )
+        assert ex.text == "(True, True)", ex
+        assert (await sb.execute("2 + 2")).text == "4"
+    finally:
+        await sb.close()

@@ -1,6 +1,6 @@
 """What gVisor costs: the Docker backend under runsc beside the same backend under runc, in one
-run, interleaved so that both see the same machine: cold session start, a `1+1` round trip and
-a pandas workload (a frame of a million rows made and grouped).
+run (cold starts alternating between the two; the `1+1` round trips and the pandas workload, a
+frame of a million rows made and grouped, runc's samples then runsc's).
 
 Each figure is reported as runsc's median over runc's (docs/gvisor.md quotes them).
 """

@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     docker_runtimes: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_DOCKER_RUNTIMES),
         description="Runtimes a Docker session may ask for (`runtime` on create); those the "
-        "engine lacks are refused too, so the default offers runsc only where it is registered.",
+        "engine lacks are refused too, so the default offers runsc only where it is registered. "
+        "With docker_runtime set and this unset: that runtime alone.",
     )
     orchestrator_id: str = Field("default", description="Labels this service's containers.")
     state_dir: Path = Field(default_factory=default_state_dir)
@@ -233,6 +234,16 @@ class Settings(BaseSettings):
             )
         if self.default_backend not in self.backends:
             raise ValueError(f"default_backend {self.default_backend!r} is not in backends")
+        if self.docker_runtime is not None:
+            if "docker_runtimes" not in self.model_fields_set:
+                # A deployment that chose a runtime keeps every session on it unless the
+                # operator lists others: no client may ask its way out of gVisor.
+                self.docker_runtimes = [self.docker_runtime]
+            elif self.docker_runtime not in self.docker_runtimes:
+                raise ValueError(
+                    f"docker_runtime {self.docker_runtime!r} is not in docker_runtimes "
+                    f"({', '.join(self.docker_runtimes)})"
+                )
         try:  # as the proxy will read them: refused here, at start, with the setting's name
             for host in self.egress_private_hosts:
                 normalize_host(host)

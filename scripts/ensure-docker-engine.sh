@@ -21,8 +21,10 @@ engine_has_runsc() {
     docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'
 }
 
-# Writes the runsc entry into daemon.json, keeping every other setting; prints "changed" when
-# it had to change the file.
+# Adds the runsc entry to daemon.json when it has none, keeping every other setting and the
+# file's mode and owner; prints "changed" when it added it. An entry of the operator's own is
+# kept (a warning names the arguments our sandboxes need that it lacks); a file that is not a
+# JSON object is named and left alone (non-zero exit).
 register_runsc() {
     local runsc
     runsc="$(command -v runsc)"
@@ -32,17 +34,35 @@ import json, os, sys
 path, runsc, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 try:
     with open(path) as f:
-        config = json.load(f) if os.path.getsize(path) else {}
+        text = f.read()
+    info = os.stat(path)
 except FileNotFoundError:
-    config = {}
-wanted = {"path": runsc, "runtimeArgs": args}
-if config.get("runtimes", {}).get("runsc") != wanted:
-    config.setdefault("runtimes", {})["runsc"] = wanted
-    with open(path + ".tmp", "w") as f:
-        json.dump(config, f, indent=2)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
-    print("changed")
+    text, info = "", None
+try:
+    config = json.loads(text) if text.strip() else {}
+except json.JSONDecodeError as exc:
+    sys.exit(f"error: {path} is not valid JSON ({exc}): gVisor (runsc) is not registered")
+if not isinstance(config, dict) or not isinstance(config.get("runtimes", {}), dict):
+    sys.exit(f"error: {path} must be a JSON object, its 'runtimes' an object: runsc is not registered")
+entry = config.get("runtimes", {}).get("runsc")
+if entry is not None:
+    given = entry.get("runtimeArgs", []) if isinstance(entry, dict) else []
+    lacking = [arg for arg in args[:2] if arg not in given]  # the platform is the operator's
+    if lacking:
+        print(f"warning: the runsc entry of {path} lacks {' '.join(lacking)}, which the "
+              "sandboxes need (docs/gvisor.md); it is left as it is", file=sys.stderr)
+    sys.exit(0)
+config.setdefault("runtimes", {})["runsc"] = {"path": runsc, "runtimeArgs": args}
+mode = info.st_mode & 0o7777 if info else 0o644
+fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+with os.fdopen(fd, "w") as f:
+    os.fchmod(f.fileno(), mode)
+    if info:
+        os.fchown(f.fileno(), info.st_uid, info.st_gid)
+    json.dump(config, f, indent=2)
+    f.write("\n")
+os.replace(path + ".tmp", path)
+print("changed")
 EOF
 }
 
@@ -52,7 +72,11 @@ if [ "$(id -u)" -eq 0 ] && command -v runsc >/dev/null; then
 fi
 
 if docker info >/dev/null 2>&1; then
-    if $want_runsc && { [ "$(register_runsc)" = changed ] || ! engine_has_runsc; }; then
+    registered=unchanged
+    if $want_runsc; then
+        registered="$(register_runsc)" || registered=failed
+    fi
+    if $want_runsc && [ "$registered" != failed ] && { [ "$registered" = changed ] || ! engine_has_runsc; }; then
         pid="$(pgrep -o -x dockerd || true)"
         if [ -z "$pid" ]; then
             echo "warning: runsc registered in $daemon_json, but no local dockerd to reload" >&2
@@ -73,7 +97,7 @@ if [ "$(id -u)" -ne 0 ] || ! command -v dockerd >/dev/null; then
     exit 1
 fi
 if $want_runsc; then
-    register_runsc >/dev/null
+    register_runsc >/dev/null || true  # named above; dockerd says the rest
 fi
 log="${TMPDIR:-/tmp}/code-interpreter-dockerd.log"
 echo "starting dockerd (log: $log)" >&2

@@ -42,7 +42,9 @@ GVISOR_DIFFERS := \
 	tests/security/test_escape.py::test_no_device_or_kernel_interface_to_abuse[docker] \
 	tests/security/test_process_abuse.py::test_a_command_is_confined_exactly_as_the_kernel[docker] \
 	tests/security/test_process_abuse.py::test_a_terminal_is_the_processs_controlling_terminal[docker] \
-	tests/security/test_process_abuse.py::test_a_memory_bomb_as_a_command_ends_typed_and_the_kernel_carries_on[docker]
+	tests/security/test_process_abuse.py::test_a_memory_bomb_as_a_command_ends_typed_and_the_kernel_carries_on[docker] \
+	tests/test_processes.py::test_a_fork_bomb_in_a_command_is_contained[docker] \
+	tests/security/test_process_abuse.py::test_a_fork_bomb_leaves_the_bystander_and_the_kernel_working[docker]
 test-gvisor: install
 	@if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; then \
 		echo "the Docker tests again, under gVisor (runsc)"; \

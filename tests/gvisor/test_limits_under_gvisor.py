@@ -56,3 +56,24 @@ async def test_the_pids_limit_refuses_a_fork_without_ending_the_sandbox(
         assert (await sb.execute("2 + 2")).text == "4"
     finally:
         await sb.close()
+
+
+async def test_a_fork_bomb_as_a_command_leaves_the_session_and_its_neighbour_working(
+    docker_backend: Backend,
+) -> None:
+    """The bomb and the kernel share the sandbox's process limit (one uid): the kernel may be
+    left unable to start a thread and die. The session carries on (the next execution is told of
+    a new kernel, or was never touched), and another sandbox is not touched at all."""
+    sb = await docker_backend.create(small_spec(runtime=GVISOR))
+    neighbour = await docker_backend.create(small_spec(runtime=GVISOR))
+    try:
+        await neighbour.execute("x = 1")
+        bomb = ProcessRequest(command="bomb() { bomb | bomb & }; bomb", timeout_s=5)
+        await asyncio.wait_for(sb.run_command(bomb), 120)
+        first = await sb.execute("6 * 7", timeout_s=60)
+        assert first.text == "42" or first.status == "kernel_died", first
+        assert (await sb.execute("6 * 7", timeout_s=60)).text == "42"
+        assert (await neighbour.execute("x + 1")).text == "2"
+    finally:
+        await sb.close()
+        await neighbour.close()

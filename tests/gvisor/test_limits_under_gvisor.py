@@ -18,7 +18,7 @@ async def test_a_memory_bomb_as_a_command_ends_and_the_session_carries_on(
 ) -> None:
     """The host's memory limit ends gVisor's whole kernel container, and with it the command:
     its call ends (by its time limit at the latest) instead of waiting for ever on a stream
-    the engine keeps open, and the next execution finds a new kernel."""
+    the engine keeps open, and the session carries on in a new kernel."""
     sb = await docker_backend.create(
         small_spec(runtime=GVISOR, limits=ResourceLimits(memory_mb=512))
     )
@@ -26,8 +26,11 @@ async def test_a_memory_bomb_as_a_command_ends_and_the_session_carries_on(
         bomb = ProcessRequest(argv=["/opt/kernel/bin/python", "-c", MEMORY_BOMB], timeout_s=20)
         result = await asyncio.wait_for(sb.run_command(bomb), 120)
         assert result.exit_code != 0, result
+        # The next execution is told of the new kernel (when the death is seen under it) or
+        # simply runs in it; the one after runs as ever.
         after = await sb.execute("6 * 7", timeout_s=60)
-        assert after.text == "42", after
+        assert after.text == "42" or after.status == "kernel_died", after
+        assert (await sb.execute("6 * 7", timeout_s=60)).text == "42"
     finally:
         await sb.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from sandbox import Backend
+from sandbox.errors import SandboxStartError
 from sandbox.processes.models import ProcessRequest
 from sandbox.spec import ResourceLimits
 from tests.conftest import small_spec
@@ -26,11 +27,24 @@ async def test_a_memory_bomb_as_a_command_ends_and_the_session_carries_on(
         bomb = ProcessRequest(argv=["/opt/kernel/bin/python", "-c", MEMORY_BOMB], timeout_s=20)
         result = await asyncio.wait_for(sb.run_command(bomb), 120)
         assert result.exit_code != 0, result
-        # The next execution is told of the new kernel (when the death is seen under it) or
-        # simply runs in it; the one after runs as ever.
-        after = await sb.execute("6 * 7", timeout_s=60)
-        assert after.text == "42" or after.status == "kernel_died", after
-        assert (await sb.execute("6 * 7", timeout_s=60)).text == "42"
+        # The session carries on in a new kernel. Known limit (docs/gvisor.md): right after
+        # gVisor ended by the memory limit, its memory may still be charged to the sandbox's
+        # cgroup for a moment, so the new kernel's start can fail for memory; a later call
+        # starts it. Nothing else may happen, and it must recover within a few calls.
+        answers = []
+        for _ in range(4):
+            try:
+                after = await sb.execute("6 * 7", timeout_s=60)
+            except SandboxStartError as exc:
+                assert "memory" in str(exc), exc
+                answers.append("start failed for memory")
+                await asyncio.sleep(2)
+                continue
+            answers.append(f"{after.status}: {after.text}")
+            if after.text == "42" and after.status == "ok":
+                break
+            assert after.text == "42" or after.status == "kernel_died", after
+        assert answers[-1] == "ok: 42", answers
     finally:
         await sb.close()
 

@@ -430,6 +430,9 @@ class DockerSandbox(KernelSandbox):
                 )
 
 
+_REMOVAL_ATTEMPTS = 5
+
+
 class _Container:
     """A kernel's container, as a KernelProcess."""
 
@@ -442,9 +445,22 @@ class _Container:
         return await asyncio.shield(self.exited)
 
     async def kill(self) -> None:
-        # Removing the container kills every process in it, daemons included.
-        with contextlib.suppress(NotFound, APIError):
-            await asyncio.to_thread(self.container.remove, force=True)
+        # Removing the container kills every process in it, daemons included. A busy engine
+        # may fail a removal (its root filesystem still busy, a removal already under way):
+        # asked again a few times, so a closed sandbox does not leave a dead container behind.
+        for attempt in range(_REMOVAL_ATTEMPTS):
+            try:
+                await asyncio.to_thread(self.container.remove, force=True)
+                break
+            except NotFound:
+                break
+            except APIError as exc:
+                if attempt + 1 == _REMOVAL_ATTEMPTS:
+                    log.warning(
+                        "the engine did not remove container %s: %s", self.container.id, exc
+                    )
+                else:
+                    await asyncio.sleep(0.5)
         if not self.exited.done():
             self.exited.set_result(KernelExit("killed by the orchestrator", None, 9))
 

@@ -44,7 +44,8 @@ GVISOR_DIFFERS := \
 	tests/security/test_process_abuse.py::test_a_terminal_is_the_processs_controlling_terminal[docker] \
 	tests/security/test_process_abuse.py::test_a_memory_bomb_as_a_command_ends_typed_and_the_kernel_carries_on[docker] \
 	tests/test_processes.py::test_a_fork_bomb_in_a_command_is_contained[docker] \
-	tests/security/test_process_abuse.py::test_a_fork_bomb_leaves_the_bystander_and_the_kernel_working[docker]
+	tests/security/test_process_abuse.py::test_a_fork_bomb_leaves_the_bystander_and_the_kernel_working[docker] \
+	tests/service/test_processes_api.py::test_a_terminal_client_that_does_not_read_misses_output_instead_of_queueing_it[docker]
 test-gvisor: install
 	@if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; then \
 		echo "the Docker tests again, under gVisor (runsc)"; \

@@ -45,7 +45,7 @@ def normalize_host(host: str) -> str:
         text = text[1:-1]
     if not text or len(text) > _MAX_NAME + 1:
         raise PolicyError(f"{host[:80]!r} is not a host name")
-    with_address = _address(text)
+    with_address = address_of(text)
     if with_address is not None:
         return str(with_address)
     text = text.rstrip(".").lower()
@@ -62,7 +62,7 @@ def normalize_host(host: str) -> str:
     return text
 
 
-def _address(text: str) -> IpAddress | None:
+def address_of(text: str) -> IpAddress | None:
     """The IP address `text` spells in a standard form, or None. Only the dotted-quad and IPv6
     forms count; other spellings of numbers (`2130706433`, `0x7f.1`) are caught by
     `is_numeric_name`."""
@@ -109,7 +109,7 @@ class HostPattern:
                 "or '*' alone"
             )
         name = normalize_host(text)
-        address = _address(name)
+        address = address_of(name)
         if address is not None:
             return cls(name, ipaddress.ip_network(address))
         return cls(name, None)
@@ -118,7 +118,7 @@ class HostPattern:
         """Whether a normalized destination host falls under this pattern."""
         if self.text == "*":
             return True
-        address = _address(host)
+        address = address_of(host)
         if self.network is not None or address is not None:
             return self.network is not None and address is not None and address in self.network
         if self.text.startswith("*."):

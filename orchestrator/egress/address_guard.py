@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 
-IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+from sandbox.network_policy import IpAddress
 
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 _SHARED = ipaddress.ip_network("100.64.0.0/10")

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 
-from orchestrator.egress.address_guard import IpAddress, forms_of
-from sandbox.network_policy import Decision, NetworkPolicy, is_numeric_name
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+from orchestrator.egress.address_guard import forms_of
+from sandbox.network_policy import Decision, IpAddress, NetworkPolicy, address_of, is_numeric_name
 
 
 def decide(policy: NetworkPolicy, ceiling: NetworkPolicy, host: str, port: int) -> Decision:
     """The answer for a normalized host and a port; a refusal's reason is a sentence the
     sandboxed code will read."""
-    literal = _is_address(host)
+    literal = address_of(host) is not None
     if not literal and is_numeric_name(host):
         return Decision(
             False,

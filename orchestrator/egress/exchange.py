@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, NoReturn
 
 import h11
 
-from orchestrator.egress.address_guard import IpAddress
 from orchestrator.egress.decision import decide, denied_address
 from orchestrator.egress.ledger import EgressRecord
 from orchestrator.egress.metering import CapReached, Meter
@@ -31,6 +30,7 @@ from orchestrator.egress.target import (
     parse_absolute,
     parse_connect,
 )
+from sandbox.network_policy import IpAddress
 
 if TYPE_CHECKING:
     from orchestrator.egress.proxy import EgressProxy

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.persistence import section as persistence_section
 from sandbox.languages import LANGUAGES
 
 RESULTS = Path(__file__).parent / "results"
@@ -55,6 +56,8 @@ def render(report: dict[str, Any]) -> str:
     out.append("")
     if "languages" in report:
         out += languages_section(report["languages"])
+    if "persistence" in report:
+        out += persistence_section(report["persistence"])
     out += [
         "## Large outputs (time to have it all in hand, median of 3 fresh processes; largest "
         "peak memory of the caller's process)",

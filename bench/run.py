@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import commands, gvisor, languages, memory, ours, peers, raw, report
+from bench import commands, gvisor, languages, memory, ours, peers, persistence, raw, report
 from bench.stats import summarize
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.registry import why_unavailable
@@ -85,6 +85,8 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
 
     # Every other language's kernel beside Python's, each against the same kernel run directly.
     by_language = await languages.measure(*languages.samples(quick))
+    # Pause, resume, snapshot, fork of a session holding ~105 MiB, beside a cold start + re-run.
+    by_persistence = await persistence.measure(persistence.samples(quick))
 
     # Commands beside the kernel, each beside its floor: a plain subprocess, `docker exec`.
     add(
@@ -155,6 +157,7 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
         "latency": latency,
         "samples": samples,
         "languages": by_language,
+        "persistence": by_persistence,
         "heavy": heavy,
         "throughput_levels": levels,
         "throughput": throughput,

@@ -17,7 +17,13 @@ session: the same user, workspace, limits and no network as its kernel.
 
 Files in the workspace move through the files API (binary-safe, no output caps); other paths
 (only reachable with the manifest's extra path grants) go through commands. A snapshot is a tar of
-the workspace with members relative to it, made and unpacked by `tar` inside the sandbox.
+the workspace with members relative to it, made and unpacked by `tar` inside the sandbox; or,
+through a service with `workspace_persistence="snapshot"`, a reference to one of the service's
+snapshots, which keeps the kernel's variables as well as the files.
+
+Through a service, `pause_on_exit=True` pauses the session when the SDK shuts its sandbox down
+(the Runner does at the end of a run) instead of ending it: the service keeps its variables and
+files, and `resume()` wakes that same session, so a later run finds them as they were.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
 import signal
 import time
 import uuid
@@ -82,6 +89,27 @@ BACKEND_ID = "code_interpreter"
 WORKSPACE = "/workspace"  # where every code-interpreter sandbox keeps its files
 # A snapshot's tar while it is made or unpacked: in the workspace, where the files API reaches.
 _SNAPSHOT_FILE = ".cir-agents-snapshot-{}.tar"
+# Where the workspace's own times are kept while that tar comes and goes (outside the workspace).
+_TIMES_FILE = "/tmp/.cir-agents-workspace-times-{}"
+# What `persist_workspace` returns in "snapshot" mode: this line, then {"snapshot_id": ...}.
+NATIVE_SNAPSHOT_MAGIC = b"CODE_INTERPRETER_SNAPSHOT_V1\n"
+WorkspacePersistence = Literal["tar", "snapshot"]
+# The SDK's fingerprint hashes a tar of the workspace, times and all. A paused session's files
+# come back with new times (the service writes them afresh), so ours hashes what a workspace
+# holds: paths, types, modes, link targets and contents, in name order, times and owners
+# left out. A workspace the service brought back unchanged then needs no restore; one that
+# lost something (a mode, a link) does not match, and is restored from the snapshot.
+FINGERPRINT_VERSION = "code_interpreter_content_sha256_v1"
+_FINGERPRINT_SCRIPT = r"""
+root=$1; out=$2; digest=$3; st=$out.status.$$; shift 3
+mkdir -p -- "$(dirname -- "$out")" || exit 1
+h=$( { tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner --no-wildcards "$@" \
+  -C "$root" -cf - .; echo $? > "$st"; } | sha256sum | cut -d' ' -f1 )
+s=$(cat "$st"); rm -f -- "$st"; [ "$s" -le 1 ] || exit "$s"
+fp=$(printf '%s\n%s\n' "$h" "$digest" | sha256sum | cut -d' ' -f1)
+payload=$(printf '{"fingerprint":"%s","version":"%s"}' "$fp" "$VERSION")
+printf '%s' "$payload" > "$out.tmp.$$" && mv -f -- "$out.tmp.$$" "$out" && printf '%s' "$payload"
+"""
 # What one terminal session keeps for the model between its polls; older output is dropped.
 TERMINAL_BUFFER_BYTES = 1 << 20
 _TERMINAL_DROPPED = b"\n[... earlier output dropped: it was not read in time ...]\n"
@@ -94,20 +122,62 @@ class CodeInterpreterSandboxClientOptions(BaseSandboxClientOptions):
     unless named; through a service: the service's default unless named). `network`: what its
     code may reach ('none', 'any', a list of allowed hosts such as `["pypi.org",
     "*.pythonhosted.org"]`; docs/network.md); the service's default (or, embedded, the spec's)
-    unless given."""
+    unless given.
+
+    Through a service only (embedded sessions end with this process, so both are refused
+    there): `pause_on_exit` pauses the service session when the sandbox shuts down instead of
+    ending it, and a resume wakes it with its variables and files. `workspace_persistence`:
+    "tar" (a tar of the workspace, for any snapshot store) or "snapshot" (a snapshot of the
+    service, named after the SDK's snapshot id, that keeps variables too; the SDK's store
+    holds only a reference to it, and a tar is made instead when the SDK asks for paths to be
+    left out)."""
 
     type: Literal["code_interpreter"] = "code_interpreter"
     backend: str | None = None
     network: NetworkPolicy | None = None
+    pause_on_exit: bool = False
+    workspace_persistence: WorkspacePersistence = "tar"
 
 
 class CodeInterpreterSandboxSessionState(SandboxSessionState):
-    """What resumes a session: the service session it runs in, found again by id if alive."""
+    """What resumes a session: the service session it runs in, found again by id if alive
+    (woken if paused)."""
 
     type: Literal["code_interpreter"] = "code_interpreter"
     backend: str | None = None
     network: NetworkPolicy | None = None
     code_session_id: str | None = None
+    pause_on_exit: bool = False
+    workspace_persistence: WorkspacePersistence = "tar"
+
+
+class _ServiceOnly(ValueError):
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what} needs a running service (base_url=...): an embedded session lives and "
+            "ends with this process, so there is nothing to pause or snapshot for a later one"
+        )
+
+
+def _check_service_options(
+    embedded: bool, pause_on_exit: bool, persistence: WorkspacePersistence
+) -> None:
+    if embedded and pause_on_exit:
+        raise _ServiceOnly("pause_on_exit=True")
+    if embedded and persistence == "snapshot":
+        raise _ServiceOnly('workspace_persistence="snapshot"')
+
+
+def native_snapshot_ref(data: bytes) -> str | None:
+    """The service snapshot id a "snapshot"-mode archive names, or None for a tar."""
+    if not data.startswith(NATIVE_SNAPSHOT_MAGIC):
+        return None
+    try:
+        ref = json.loads(data[len(NATIVE_SNAPSHOT_MAGIC) :])
+    except ValueError:
+        return None
+    snapshot_id = ref.get("snapshot_id") if isinstance(ref, dict) else None
+    return snapshot_id if isinstance(snapshot_id, str) and snapshot_id else None
 
 
 class _SingleUser(ValueError):
@@ -128,6 +198,21 @@ def _exit_code(result: CommandResult | ProcessEnd) -> int:
     if result.exit_code is not None:
         return result.exit_code
     return 128 + result.signal if result.signal is not None else -1
+
+
+def _read_bytes(data: io.IOBase) -> bytes:
+    raw = data.read()
+    return raw.encode() if isinstance(raw, str) else bytes(raw)
+
+
+def _validate_tar(raw: bytes) -> None:
+    """Refuse an archive with a member that would land outside the workspace (`..`, an
+    absolute path, a link out of it), before anything of the workspace is touched."""
+    try:
+        validate_tar_bytes(raw, allow_external_symlink_targets=False)
+    except UnsafeTarMemberError as exc:
+        context = {"reason": exc.reason, "member": exc.member}
+        raise WorkspaceArchiveWriteError(path=Path(WORKSPACE), context=context, cause=exc) from exc
 
 
 def _workspace_relative(path: Path) -> str | None:
@@ -194,10 +279,14 @@ class CodeInterpreterSandboxSession(BaseSandboxSession):
         state: CodeInterpreterSandboxSessionState,
         code: CodeSession,
         on_shutdown: Callable[[CodeInterpreterSandboxSession], None] | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.state = state
         self._code = code
         self._on_shutdown = on_shutdown  # the client forgets a session that ended
+        self._base_url = base_url  # the service (None: embedded), for its snapshots
+        self._api_key = api_key
         self._live = True
         self._terminals: dict[int, _Terminal] = {}
         self._terminals_lock = asyncio.Lock()
@@ -325,24 +414,71 @@ class CodeInterpreterSandboxSession(BaseSandboxSession):
         return self._live and self._code.session_id is not None
 
     async def _shutdown_backend(self) -> None:
-        """The sandbox ends with the session (a snapshot, if any, was persisted before)."""
+        """The sandbox ends with the session (a snapshot, if any, was persisted before); with
+        `pause_on_exit`, the service pauses the session instead, to be woken by a resume."""
         self._live = False
         try:
+            code = self._code
+            if (
+                self.state.pause_on_exit
+                and isinstance(code, RemoteSession)
+                and code.session_id is not None
+            ):
+                with contextlib.suppress(*_TRANSPORT_ERRORS):  # it could not pause: it ends
+                    await code.pause()
+                    code.disown()
             await self._code.close()
         finally:
             if self._on_shutdown is not None:
                 self._on_shutdown(self)
 
-    # --- snapshots: a tar of the workspace, members relative to it
-    async def persist_workspace(self) -> io.IOBase:
-        name = _SNAPSHOT_FILE.format(uuid.uuid4().hex)
+    # --- the SDK's workspace fingerprint (see FINGERPRINT_VERSION)
+    def _snapshot_fingerprint_version(self) -> str:
+        return FINGERPRINT_VERSION
+
+    async def _compute_and_cache_snapshot_fingerprint(
+        self, *, version: str | None = None
+    ) -> dict[str, str]:
+        if version is not None and version != FINGERPRINT_VERSION:
+            raise ValueError(f"no fingerprint of version {version!r} here: restore instead")
+        cache = self._snapshot_fingerprint_cache_path().as_posix()
         skipped = [
-            f"--exclude=./{p.as_posix()}" for p in sorted(self._persist_workspace_skip_relpaths())
+            f"--exclude=./{p.as_posix()}"
+            for p in sorted(self._workspace_fingerprint_skip_relpaths(), key=Path.as_posix)
         ]
+        script = f"VERSION={FINGERPRINT_VERSION}\n{_FINGERPRINT_SCRIPT}"
+        argv = ["sh", "-c", script, "sh", WORKSPACE, cache, self._resume_manifest_digest()]
+        result = await self._checked([*argv, *skipped], "fingerprinting the workspace")
+        return self._parse_snapshot_fingerprint_record(result.stdout)
+
+    # --- snapshots: a tar of the workspace, members relative to it, or a service snapshot
+    async def persist_workspace(self) -> io.IOBase:
+        skip = self._persist_workspace_skip_relpaths()
+        if self.state.workspace_persistence == "snapshot" and not skip:
+            return io.BytesIO(await self._persist_native())
+        name = _SNAPSHOT_FILE.format(uuid.uuid4().hex)
+        times = _TIMES_FILE.format(uuid.uuid4().hex)
+        skipped = [f"--exclude=./{p.as_posix()}" for p in sorted(skip)]
         # The archive file exists before tar reads the directory, which then does not change
         # under it; tar's status 1 (a file changed while it was read) still made an archive.
-        script = 'cd "$1" && shift && tar "$@" -cf - . > "$0"; s=$?; [ $s -le 1 ] || exit $s'
-        argv = ["sh", "-c", script, name, WORKSPACE, f"--exclude=./{name}", *skipped]
+        # The workspace's own times are kept aside first and put back once the archive is
+        # gone: the SDK's fingerprint, taken just before, must still match the workspace.
+        script = (
+            'touch -r "$1" "$2" && cd "$1" && shift 2 && tar "$@" -cf - . > "$0"; s=$?;'
+            " [ $s -le 1 ] || exit $s"
+        )
+        argv = [
+            "sh",
+            "-c",
+            script,
+            name,
+            WORKSPACE,
+            times,
+            "--no-wildcards",  # a skipped path is a path, not a pattern
+            f"--exclude=./{name}",
+            *skipped,
+        ]
+        restore = 'rm -f -- "$1"; touch -r "$2" "$3"; s=$?; rm -f -- "$2"; exit $s'
         try:
             await self._checked(argv, "archiving the workspace")
             data = await self._code.download(name)
@@ -350,19 +486,89 @@ class CodeInterpreterSandboxSession(BaseSandboxSession):
             raise WorkspaceArchiveReadError(path=Path(WORKSPACE), cause=exc) from exc
         finally:
             with contextlib.suppress(*_TRANSPORT_ERRORS, ExecTransportError):
-                await self._checked(["rm", "-f", "--", f"{WORKSPACE}/{name}"], "removing the tar")
+                await self._checked(
+                    ["sh", "-c", restore, "sh", f"{WORKSPACE}/{name}", times, WORKSPACE],
+                    "removing the tar",
+                )
         return io.BytesIO(data)
 
-    async def hydrate_workspace(self, data: io.IOBase) -> None:
-        raw = data.read()
-        if isinstance(raw, str):
-            raw = raw.encode()
-        root = Path(WORKSPACE)
+    async def _persist_native(self) -> bytes:
+        """A service snapshot of the session (variables and files), named after the SDK's
+        snapshot id; older ones of that name are deleted, so a name holds one snapshot."""
+        name = self.state.snapshot.id
         try:
-            validate_tar_bytes(bytes(raw), allow_external_symlink_targets=False)
-        except UnsafeTarMemberError as exc:
-            context = {"reason": exc.reason, "member": exc.member}
+            async with AsyncClient(self._service_url(), self._api_key) as api:
+                session_id = self._code.session_id
+                if session_id is None:
+                    raise WorkspaceArchiveReadError(
+                        path=Path(WORKSPACE), context={"reason": "the session is not running"}
+                    )
+                info = await api.snapshot(session_id, name)
+                for older in await api.list_snapshots():
+                    if older.name == name and older.id != info.id:
+                        with contextlib.suppress(APIError):  # deleted meanwhile: fine
+                            await api.delete_snapshot(older.id)
+        except _TRANSPORT_ERRORS as exc:
+            raise WorkspaceArchiveReadError(path=Path(WORKSPACE), cause=exc) from exc
+        return NATIVE_SNAPSHOT_MAGIC + json.dumps({"snapshot_id": info.id}).encode()
+
+    def _service_url(self) -> str:
+        if self._base_url is None:
+            raise _ServiceOnly('workspace_persistence="snapshot"')
+        return self._base_url
+
+    async def _restore_snapshot_into_workspace_on_resume(self) -> None:
+        """A service snapshot replaces the whole session (nothing to clear first); a tar is
+        checked before the live workspace is cleared for it."""
+        archive = await self.state.snapshot.restore(dependencies=self.dependencies)
+        try:
+            raw = _read_bytes(archive)
+        finally:
+            with contextlib.suppress(Exception):
+                archive.close()
+        if native_snapshot_ref(raw) is None:
+            _validate_tar(raw)
+            await self._clear_workspace_root_on_resume()
+        await self.hydrate_workspace(io.BytesIO(raw))
+
+    async def _hydrate_native(self, snapshot_id: str) -> None:
+        """Swap this session's sandbox for a new session started from the service snapshot:
+        its files and its kernel's variables."""
+        root = Path(WORKSPACE)
+        if self._base_url is None:
+            raise WorkspaceArchiveWriteError(
+                path=root,
+                context={"reason": "native_snapshot_needs_a_service", "snapshot_id": snapshot_id},
+            )
+        try:
+            made = await run_in_background(
+                _create_remote_session(
+                    self._base_url,
+                    self._api_key,
+                    self.state.backend,
+                    self.state.network,
+                    snapshot_id=snapshot_id,
+                )
+            )
+            code = RemoteSession(self._base_url, self._api_key, made, owned=True)
+            await code.start()
+        except _TRANSPORT_ERRORS as exc:
+            context = {"reason": "native_snapshot_restore_failed", "snapshot_id": snapshot_id}
             raise WorkspaceArchiveWriteError(path=root, context=context, cause=exc) from exc
+        await self.pty_terminate_all()
+        old, self._code = self._code, code
+        self.state.code_session_id = code.session_id
+        with contextlib.suppress(*_TRANSPORT_ERRORS):
+            await old.close()
+
+    async def hydrate_workspace(self, data: io.IOBase) -> None:
+        raw = _read_bytes(data)
+        snapshot_id = native_snapshot_ref(raw)
+        if snapshot_id is not None:
+            await self._hydrate_native(snapshot_id)
+            return
+        root = Path(WORKSPACE)
+        _validate_tar(raw)
         name = _SNAPSHOT_FILE.format(uuid.uuid4().hex)
         # Unpacked by the sandbox's own tar, as its user: nothing lands outside the sandbox.
         script = 'tar -C "$1" --no-overwrite-dir -xf "$1/$2"; s=$?; rm -f -- "$1/$2"; exit $s'
@@ -534,7 +740,13 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
     def _session(
         self, state: CodeInterpreterSandboxSessionState, code: CodeSession, *, preserved: bool
     ) -> SandboxSession:
-        inner = CodeInterpreterSandboxSession(state=state, code=code, on_shutdown=self._forget)
+        inner = CodeInterpreterSandboxSession(
+            state=state,
+            code=code,
+            on_shutdown=self._forget,
+            base_url=self.base_url,
+            api_key=self._api_key,
+        )
         inner._set_start_state_preserved(preserved, system=preserved)
         assert code.session_id is not None
         self._live[code.session_id] = inner
@@ -555,6 +767,9 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
         options = options or CodeInterpreterSandboxClientOptions()
         manifest = self._validate_manifest_for_create(manifest or Manifest())
         _check_root(manifest)
+        _check_service_options(
+            self.base_url is None, options.pause_on_exit, options.workspace_persistence
+        )
         code = await self._new_code_session(options.backend, options.network)
         session_id = uuid.uuid4()
         state = CodeInterpreterSandboxSessionState(
@@ -564,6 +779,8 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
             backend=options.backend,
             network=options.network,
             code_session_id=code.session_id,
+            pause_on_exit=options.pause_on_exit,
+            workspace_persistence=options.workspace_persistence,
             workspace_root_ready=True,  # /workspace exists in every sandbox
         )
         return self._session(state, code, preserved=False)
@@ -577,18 +794,22 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
         return session
 
     async def resume(self, state: SandboxSessionState) -> SandboxSession:
-        """The live session the state names, if this client (embedded) or the service (remote)
-        still has it; else a new one, which the SDK then hydrates from the state's snapshot."""
+        """The session the state names, if this client (embedded) or the service (remote)
+        still has it, woken if it was paused: its workspace and variables are as they were.
+        Else a new one, which the SDK then hydrates from the state's snapshot."""
         if not isinstance(state, CodeInterpreterSandboxSessionState):
             raise TypeError("CodeInterpreterSandboxClient.resume expects its own session state")
         state.assert_path_grants_rebound()
         _check_root(state.manifest)
+        _check_service_options(
+            self.base_url is None, state.pause_on_exit, state.workspace_persistence
+        )
         code = await self._reattach(state.code_session_id)
         if code is not None:
             return self._session(state, code, preserved=True)
         code = await self._new_code_session(state.backend, state.network)
         state.code_session_id = code.session_id
-        state.workspace_root_ready = True
+        state.workspace_root_ready = False  # a new sandbox: nothing of the old one is in it
         return self._session(state, code, preserved=False)
 
     async def _reattach(self, code_session_id: str | None) -> CodeSession | None:
@@ -600,7 +821,10 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
         code = RemoteSession(self.base_url, self._api_key, code_session_id, owned=True)
         try:
             await code.start()
+            if (await code.state()).state == "paused":
+                await code.resume()  # now, so the SDK's first look finds it running
         except APIError as exc:
+            await code.close()
             if exc.status not in (404, 410):
                 raise
             return None
@@ -618,14 +842,21 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
 
 
 async def _create_remote_session(
-    base_url: str, api_key: str | None, backend: str | None, network: NetworkPolicy | None
+    base_url: str,
+    api_key: str | None,
+    backend: str | None,
+    network: NetworkPolicy | None,
+    *,
+    snapshot_id: str | None = None,
 ) -> str:
     """A new session of the service, on `backend` if named (else the service's default), with
-    `network` if given (else the service's default policy)."""
+    `network` if given (else the service's default policy), from `snapshot_id` if given."""
     async with AsyncClient(base_url, api_key) as api:
         body: dict[str, Any] = {"backend": backend} if backend is not None else {}
         if network is not None:
             body["network"] = network.model_dump(mode="json")
+        if snapshot_id is not None:
+            body["snapshot_id"] = snapshot_id
         return (await api.create_session(**body)).id
 
 

@@ -25,7 +25,7 @@ from pydantic import TypeAdapter
 
 from code_interpreter_client.http_client import APIError, AsyncClient
 from orchestrator.entry import missing_server_module, server_extra_hint
-from orchestrator.schemas import ExecutionRecord
+from orchestrator.schemas import ExecutionRecord, SessionInfo, SnapshotInfo
 from orchestrator.tool import RenderedOutput, render
 from sandbox.background_loop import run_in_background, run_sync
 from sandbox.errors import SandboxError
@@ -103,11 +103,16 @@ class CodeSession(ABC):
         session_id: str | None = None,
         *,
         network: str | list[str] | dict[str, Any] | None = None,
+        snapshot_id: str | None = None,
     ) -> RemoteSession:
-        """A session of a running service; a new one unless `session_id` names one to reuse.
-        `network`: the new session's network policy ('none', 'any', allowed hosts; within the
-        service's ceiling: docs/network.md), else the service's default."""
-        return RemoteSession(base_url, api_key, session_id, network=network)
+        """A session of a running service; a new one unless `session_id` names one to reuse
+        (a paused one wakes on its first call). `network`: the new session's network policy
+        ('none', 'any', allowed hosts; within the service's ceiling: docs/network.md), else the
+        service's default. `snapshot_id`: the new session starts from that snapshot's variables
+        and files."""
+        return RemoteSession(
+            base_url, api_key, session_id, network=network, snapshot_id=snapshot_id
+        )
 
     # --- what subclasses provide, all run on the background loop
     @property
@@ -336,12 +341,20 @@ class RemoteSession(CodeSession):
         *,
         owned: bool | None = None,
         network: str | list[str] | dict[str, Any] | None = None,
+        snapshot_id: str | None = None,
         **kw: Any,
     ) -> None:
         """`owned`: whether closing this object ends the session (by default, only a session
-        this object made is ended by it). `network`: the policy of a session it makes."""
+        this object made is ended by it). `network`: the policy of a session it makes;
+        `snapshot_id`: the snapshot it starts from."""
         super().__init__(**kw)
+        if session_id is not None and snapshot_id is not None:
+            raise ValueError(
+                "a snapshot starts a new session: give `session_id` (to reuse a session) or "
+                "`snapshot_id` (to start one from a snapshot), not both"
+            )
         self._network = network
+        self._snapshot_id = snapshot_id
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
         self._id = session_id
@@ -362,7 +375,9 @@ class RemoteSession(CodeSession):
         api = AsyncClient(self.base_url, self._api_key)
         try:
             if self._id is None:
-                body = {} if self._network is None else {"network": self._network}
+                body: dict[str, Any] = {} if self._network is None else {"network": self._network}
+                if self._snapshot_id is not None:
+                    body["snapshot_id"] = self._snapshot_id
                 self._id = (await api.create_session(**body)).id
             else:
                 await api.get_session(self._id)  # fails early on a wrong or expired id
@@ -462,6 +477,52 @@ class RemoteSession(CodeSession):
 
     async def _wait_process(self, pid: int) -> CommandResult:
         return await self.api.wait_process(self._sid(), pid)
+
+    # --- pause, resume and snapshots (the service keeps variables and files)
+    async def pause(self) -> SessionInfo:
+        """Save the session's variables and files and stop its sandbox: it holds no process,
+        and outlives this process. The next call (or `resume`) brings it back."""
+        return await run_in_background(self._started(lambda: self.api.pause(self._sid())))
+
+    def pause_sync(self) -> SessionInfo:
+        return run_sync(self._started(lambda: self.api.pause(self._sid())))
+
+    async def resume(self) -> str | None:
+        """Wake the paused session now (the next call otherwise does); the notice of what
+        came back and what did not (None when there is nothing to say)."""
+        return await run_in_background(self._started(self._resume))
+
+    def resume_sync(self) -> str | None:
+        return run_sync(self._started(self._resume))
+
+    async def _resume(self) -> str | None:
+        return (await self.api.resume(self._sid())).notice
+
+    async def state(self) -> SessionInfo:
+        """The session's info without waking it: `state` is `running` or `paused`."""
+        return await run_in_background(self._started(lambda: self.api.get_session(self._sid())))
+
+    async def snapshot(self, name: str | None = None) -> SnapshotInfo:
+        """Save the session's variables and files as a snapshot (named `name`); new sessions
+        start from it with `CodeSession.remote(..., snapshot_id=info.id)`. The session runs on."""
+        return await run_in_background(self._started(lambda: self.api.snapshot(self._sid(), name)))
+
+    def snapshot_sync(self, name: str | None = None) -> SnapshotInfo:
+        return run_sync(self._started(lambda: self.api.snapshot(self._sid(), name)))
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        """Every snapshot of this API key, newest first."""
+        async with AsyncClient(self.base_url, self._api_key) as api:
+            return await api.list_snapshots()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        async with AsyncClient(self.base_url, self._api_key) as api:
+            await api.delete_snapshot(snapshot_id)
+
+    def disown(self) -> None:
+        """Closing this object will leave the session to the service (paused, say) rather
+        than end it."""
+        self._owned = False
 
     async def _close(self) -> None:
         api, self._api = self._api, None

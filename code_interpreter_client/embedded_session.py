@@ -90,6 +90,8 @@ def embedded_settings(backend: str, spec: SandboxSpec, state_dir: Path) -> Embed
         # The caller's spec is the policy and its own ceiling: no operator stands between.
         network_ceiling=spec.network,
         network_default=spec.network,
+        # The session ends with its object: nothing to keep for a later process.
+        pause_on_shutdown=False,
     )
 
 

@@ -10,11 +10,18 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import httpx
 
-from orchestrator.schemas import ExecutionRecord, LanguagesResponse, NetworkReport, SessionInfo
+from orchestrator.schemas import (
+    ExecutionRecord,
+    LanguagesResponse,
+    NetworkReport,
+    ResumeInfo,
+    SessionInfo,
+    SnapshotInfo,
+)
 from sandbox.background_loop import run_sync
 from sandbox.models import FileInfo
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
@@ -22,6 +29,7 @@ from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest,
 T = TypeVar("T")
 # Waiting for a command or a process may outlast any read timeout: the service bounds it.
 _NO_READ_TIMEOUT = httpx.Timeout(None, connect=30.0)
+SessionState = Literal["running", "paused"]
 
 
 class APIError(Exception):
@@ -67,13 +75,47 @@ class AsyncClient:
 
     # --- sessions
     async def create_session(self, **body: Any) -> SessionInfo:
+        """`body`: the fields of POST /v1/sessions (`backend`, `network`, `snapshot_id` to start
+        from a snapshot's variables and files, ...)."""
         return SessionInfo.model_validate(await self._json("POST", "/v1/sessions", json=body))
 
     async def get_session(self, session_id: str) -> SessionInfo:
+        """The session's info; a paused one stays paused (its `state` says so)."""
         return SessionInfo.model_validate(await self._json("GET", f"/v1/sessions/{session_id}"))
 
-    async def list_sessions(self) -> list[SessionInfo]:
-        return [SessionInfo.model_validate(s) for s in await self._json("GET", "/v1/sessions")]
+    async def list_sessions(self, state: SessionState | None = None) -> list[SessionInfo]:
+        """The caller's sessions, running and paused; only those in `state` when given."""
+        params = {"state": state} if state is not None else {}
+        data = await self._json("GET", "/v1/sessions", params=params)
+        return [SessionInfo.model_validate(s) for s in data]
+
+    async def pause(self, session_id: str) -> SessionInfo:
+        """Save the session's variables and files and stop its sandbox; the next call on it
+        (or `resume`) brings them back. A 409 while it runs code."""
+        data = await self._json("POST", f"/v1/sessions/{session_id}/pause")
+        return SessionInfo.model_validate(data)
+
+    async def resume(self, session_id: str) -> ResumeInfo:
+        """Wake a paused session now; its `notice` says what came back and what did not."""
+        data = await self._json("POST", f"/v1/sessions/{session_id}/resume")
+        return ResumeInfo.model_validate(data)
+
+    # --- snapshots: a session's variables and files, to start new sessions from
+    async def snapshot(self, session_id: str, name: str | None = None) -> SnapshotInfo:
+        """Save the running session's variables and files under `name`; it runs on."""
+        body = {"name": name} if name is not None else {}
+        data = await self._json("POST", f"/v1/sessions/{session_id}/snapshots", json=body)
+        return SnapshotInfo.model_validate(data)
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        """The caller's snapshots, newest first."""
+        return [SnapshotInfo.model_validate(s) for s in await self._json("GET", "/v1/snapshots")]
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return SnapshotInfo.model_validate(await self._json("GET", f"/v1/snapshots/{snapshot_id}"))
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        _check(await self.http.delete(f"/v1/snapshots/{snapshot_id}"))
 
     async def delete_session(self, session_id: str) -> None:
         _check(await self.http.delete(f"/v1/sessions/{session_id}"))
@@ -318,8 +360,26 @@ class Client:
     def get_session(self, session_id: str) -> SessionInfo:
         return run_sync(self.api.get_session(session_id))
 
-    def list_sessions(self) -> list[SessionInfo]:
-        return run_sync(self.api.list_sessions())
+    def list_sessions(self, state: SessionState | None = None) -> list[SessionInfo]:
+        return run_sync(self.api.list_sessions(state))
+
+    def pause(self, session_id: str) -> SessionInfo:
+        return run_sync(self.api.pause(session_id))
+
+    def resume(self, session_id: str) -> ResumeInfo:
+        return run_sync(self.api.resume(session_id))
+
+    def snapshot(self, session_id: str, name: str | None = None) -> SnapshotInfo:
+        return run_sync(self.api.snapshot(session_id, name))
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return run_sync(self.api.list_snapshots())
+
+    def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
+        return run_sync(self.api.get_snapshot(snapshot_id))
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        run_sync(self.api.delete_snapshot(snapshot_id))
 
     def delete_session(self, session_id: str) -> None:
         run_sync(self.api.delete_session(session_id))

@@ -22,7 +22,7 @@ from orchestrator.mcp_front.http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.request_context import ClientGone
 from orchestrator.request_guard import RequestGuard
-from orchestrator.routes import files, languages, ops, processes, sessions, tools
+from orchestrator.routes import files, languages, ops, processes, sessions, snapshots, tools
 from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
@@ -60,7 +60,7 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     )
     app.state.service = service
     app.state.authenticate = authenticate
-    routers = (sessions, files, processes, tools, languages, ops)
+    routers = (sessions, snapshots, files, processes, tools, languages, ops)
     for router in (module.router for module in routers):
         app.include_router(router)
     app.router.routes.append(mcp.route())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
@@ -70,6 +70,32 @@ class Settings(BaseSettings):
     max_execution_timeout_s: float = Field(3600.0, gt=0)
     idle_timeout_s: float = Field(1200.0, gt=0, description="Idle sessions expire after this.")
     max_lifetime_s: float = Field(86400.0, gt=0, description="No session lives longer.")
+    # --- pause, resume and snapshots (docs/persistence.md)
+    idle_action: Literal["pause", "end"] = Field(
+        "pause",
+        description="What the idle expiry (and the maximum lifetime) does to a session: `pause` "
+        "saves its variables and files and stops its sandbox (the next call resumes it); `end` "
+        "deletes it.",
+    )
+    pause_on_shutdown: bool = Field(
+        True,
+        description="On a graceful shutdown, pause the running sessions (when idle_action is "
+        "`pause`) so that a restart finds them whole; else they end.",
+    )
+    shutdown_pause_timeout_s: float = Field(
+        120.0, gt=0, description="How long a shutdown waits for each session's pause."
+    )
+    paused_retention_s: float = Field(
+        7 * 86400.0, gt=0, description="Paused sessions are deleted for good after this long."
+    )
+    max_paused_sessions_per_key: int = Field(100, ge=0)
+    max_snapshots_per_key: int = Field(50, ge=0, description="Named snapshots each key may keep.")
+    max_saved_bytes_per_key: int = Field(
+        20 << 30, ge=0, description="Bytes of snapshots and paused sessions' states per key."
+    )
+    max_saved_state_bytes: int = Field(
+        4 << 30, ge=1 << 20, description="The most one snapshot or paused state may hold."
+    )
     max_sessions_per_key: int = Field(20, ge=1)
     max_sessions_total: int = Field(200, ge=1)
     pool_size: int = Field(

@@ -24,6 +24,7 @@ from sandbox.errors import (
     SandboxError,
     SandboxStartError,
     ScopeRefused,
+    StateNotSaved,
     UnknownLanguage,
 )
 
@@ -46,6 +47,7 @@ STATUS_OF_ERROR: list[tuple[type[Exception], int]] = [
     (BackendTimeout, 504),
     (BackendUnavailable, 503),
     (SandboxStartError, 503),
+    (StateNotSaved, 409),
     (SandboxError, 500),
 ]
 

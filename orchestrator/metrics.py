@@ -25,6 +25,14 @@ class Metrics:
         self.sessions_expired = Counter(
             "cir_sessions_expired", "Sessions ended by expiry.", registry=r
         )
+        self.sessions_paused = Counter(
+            "cir_sessions_paused",
+            "Sessions paused (their state saved, their sandbox stopped).",
+            registry=r,
+        )
+        self.sessions_resumed = Counter(
+            "cir_sessions_resumed", "Paused sessions started again.", registry=r
+        )
         # `language` is a canonical name (sandbox/languages.py): a bounded set of values.
         self.executions = Counter(
             "cir_executions",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -98,6 +98,12 @@ class CreateSessionRequest(BaseModel):
         description="Host tools the session's code may call (`import host_tools`); each must be "
         "registered with the service. None by default: no channel to the host at all.",
     )
+    snapshot_id: str | None = Field(
+        None,
+        max_length=64,
+        description="Start from this snapshot of yours: its variables and files (and, unless "
+        "given here, its backend and limits).",
+    )
 
 
 class SessionInfo(BaseModel):
@@ -126,6 +132,42 @@ class SessionInfo(BaseModel):
         default_factory=lambda: [PYTHON],
         description="Those whose kernel has started: each other language's starts on first use.",
     )
+    state: Literal["running", "paused"] = Field(
+        "running",
+        description="`paused`: its variables and files are saved and it holds no process; the "
+        "next call (or POST .../resume) resumes it.",
+    )
+    paused_at: datetime | None = None
+    deleted_in_s: float | None = Field(
+        None, description="A paused session is deleted for good this long from now."
+    )
+
+
+class SnapshotRequest(BaseModel):
+    name: str | None = Field(None, max_length=200, description="A name of your choosing.")
+
+
+class SnapshotInfo(BaseModel):
+    """A named snapshot: a session's variables and files, to start new sessions from."""
+
+    id: str
+    name: str | None
+    session_id: str = Field(description="The session it was taken of.")
+    backend: str
+    created_at: datetime
+    bytes: int
+    variables: int = Field(description="Variables saved.")
+    not_saved: dict[str, str] = Field(
+        default_factory=dict, description="Variables that could not be saved, with why."
+    )
+    files: int
+
+
+class ResumeInfo(BaseModel):
+    """What a resume brought back."""
+
+    session: SessionInfo
+    notice: str | None = Field(None, description="What was restored, and what was not.")
 
 
 # A language as a request names it: canonical or an alias (`js`, `R`...), checked by the service.

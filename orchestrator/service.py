@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import posixpath
+import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -25,23 +28,33 @@ from orchestrator.host_tools.describe import summaries
 from orchestrator.instance_lock import InstanceLock
 from orchestrator.metrics import METRICS
 from orchestrator.outputs import KeptFile, OutputStore
+from orchestrator.saved_states import SavedStateQuotaReached, SavedStates
 from orchestrator.schemas import (
     CreateSessionRequest,
     EgressConnection,
     ExecutionRecord,
     LimitsRequest,
     NetworkReport,
+    ResumeInfo,
     SessionInfo,
+    SnapshotInfo,
 )
 from orchestrator.session_egress import SessionEgress
-from orchestrator.sessions import BackendNotEnabled, Session, SessionError, SessionManager
+from orchestrator.sessions import (
+    BackendNotEnabled,
+    Session,
+    SessionBusy,
+    SessionError,
+    SessionManager,
+)
+from orchestrator.state_store import SessionRecord, SnapshotRecord, SqliteStore
 from orchestrator.streaming import Dropped, Finished, Keepalive, follow
 from orchestrator.tool import SHELL_TOOL_NAME, RenderedOutput, render, render_command
 from sandbox.backends.base import Backend
 from sandbox.errors import FileTooLarge, LanguageUnavailable, SandboxError, UnknownLanguage
 from sandbox.languages import PYTHON, canonical_language, check_available
 from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
-from sandbox.network_policy import NetworkPolicy
+from sandbox.network_policy import NO_NETWORK, NetworkPolicy
 from sandbox.processes.managed import ProcessEvent
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from sandbox.spec import ResourceLimits, SandboxSpec, limit_ceilings
@@ -70,6 +83,12 @@ class NetworkNotAllowed(SessionError):
     """A network policy beyond the operator's ceiling, or on a backend that cannot hold one."""
 
     status = 400
+
+
+class ResumeFailed(SessionError):
+    """A paused session could not be started again; it stays paused, nothing lost."""
+
+    status = 503
 
 
 class ToolsNotAvailable(SessionError):
@@ -142,7 +161,19 @@ class Service:
             max_bytes_total=settings.outputs_max_bytes_total,
         )
         self.sessions = SessionManager(
-            settings, on_end=self._session_ended, given_backends=given_backends
+            settings,
+            on_end=self._session_ended,
+            given_backends=given_backends,
+            on_expiry=self._expired,
+            before_cleanup=self._salvage,
+            on_sweep=self._sweep_paused,
+        )
+        # Made in start(), once this instance holds the state dir.
+        self._store: SqliteStore | None = None
+        self._saved: SavedStates | None = None
+        # One change of state (pause, resume) at a time per session; calls wait for it.
+        self._changing: weakref.WeakValueDictionary[str, asyncio.Lock] = (
+            weakref.WeakValueDictionary()
         )
         # Host tools sessions may call: those given in code, then those the settings name.
         self.tools = tools if tools is not None else ToolRegistry()
@@ -158,6 +189,8 @@ class Service:
         self._instance_lock = InstanceLock.acquire(s.state_dir, s.orchestrator_id)
         try:
             self.outputs.clear()
+            self._store = SqliteStore(s.state_dir)
+            self._saved = SavedStates(s, self._store)
             await self.tools.start()
             self.tools.select(self.settings.host_tools.session_default)  # all must exist
             await self.sessions.start()
@@ -167,18 +200,35 @@ class Service:
 
     async def close(self) -> None:
         try:
+            await self._pause_all()
             await self.sessions.close()
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
             await self.egress.close_all()
             await self.tools.close()
+            if self._store is not None:
+                self._store.close()
         finally:  # last: nothing of this instance is left running
             if self._instance_lock is not None:
                 self._instance_lock.release()
                 self._instance_lock = None
 
+    @property
+    def store(self) -> SqliteStore:
+        if self._store is None:
+            raise RuntimeError("the service is not started")
+        return self._store
+
+    @property
+    def saved(self) -> SavedStates:
+        if self._saved is None:
+            raise RuntimeError("the service is not started")
+        return self._saved
+
     async def _session_ended(self, session_id: str) -> None:
+        if self._store is not None:
+            await self._forget_record(session_id)
         # Off the loop: it may wait for a save writing a large execution, then delete files.
         await asyncio.to_thread(self.outputs.drop, session_id)
         channel = self._channels.pop(session_id, None)
@@ -292,6 +342,10 @@ class Service:
             tools = self.tools.select(request.tools)
         except UnknownTools as exc:
             raise ToolsNotAvailable(str(exc)) from None
+        snapshot = None
+        if request.snapshot_id is not None:  # refused before a sandbox is made for it
+            snapshot = self.saved.get(owner, request.snapshot_id)
+            request = _from_snapshot(request, snapshot)
         name = request.backend or self.settings.default_backend
         backend = self.sessions.backends.get(name)
         if tools and backend is not None and not backend.supports_host_tools:
@@ -311,12 +365,55 @@ class Service:
                 await session.sandbox.set_workdir(workdir)
             if tools:
                 await self._open_channel(session, tools)
+            if snapshot is not None:
+                restored = await self.saved.restore(session, snapshot)
+                session.notice = f"started from snapshot {snapshot.id}: {restored.notice}"
             for f in request.files:
                 await self.upload(session, f.path, f.content_base64)
         except BaseException:  # a caller that left (cancelled) leaves no session behind
             await self.sessions.delete(session.id, owner)
             raise
+        if idle_timeout_s is not None:  # a session a client may forget ends, it is not kept
+            session.on_idle = "end"
+        self.store.put_session(self._record_of(session))
         return session
+
+    def _record_of(self, session: Session) -> SessionRecord:
+        return SessionRecord(
+            id=session.id,
+            owner=session.owner,
+            backend=session.backend,
+            spec=session.sandbox.spec,
+            tools=self.session_tools(session),
+            languages=self.session_languages(session),
+            idle_timeout_s=session.idle_timeout_s,
+            on_idle=session.on_idle,
+            created_at=session.created_at,
+            sandbox_id=session.sandbox.id,
+            executions=session.executions,
+            labels=session.labels,
+        )
+
+    def set_labels(self, session: Session, labels: dict[str, str]) -> None:
+        """Keep a front's own data with a session (E2B's metadata, its timeout): it outlives
+        pauses and restarts with the session's record."""
+        session.labels = dict(labels)
+        record = self.store.get_session(session.id)
+        if record is not None:
+            record.labels = session.labels
+            self.store.put_session(record)
+
+    async def _forget_record(self, session_id: str) -> None:
+        """Delete a session's record and its paused state, if any."""
+        record = self.store.get_session(session_id)
+        if record is None:
+            return
+        if record.saved_state is not None:
+            self.store.delete_snapshot(record.saved_state)
+        backend = self.sessions.backends.get(record.backend)
+        if record.suspended is not None and backend is not None:
+            await backend.discard(record.suspended)
+        self.store.delete_session(session_id)
 
     async def _open_channel(self, session: Session, tools: dict[str, HostTool]) -> None:
         channel = session.sandbox.host_channel
@@ -332,16 +429,260 @@ class Service:
 
     # --- sessions: every way in goes through these
     async def get_session(self, session_id: str, owner: str) -> Session:
-        """The owner's live session, or SessionNotFound/SessionExpired (another key's session
-        is reported exactly like a missing one)."""
-        return await self.sessions.get(session_id, owner)
+        """The owner's session, resumed first if it was paused (the call that finds it paused
+        wakes it); else SessionNotFound/SessionExpired (another key's session is reported
+        exactly like a missing one)."""
+        live = self.sessions.live(session_id)
+        if live is not None and session_id not in self._changing:
+            return await self.sessions.get(session_id, owner)
+        async with self._lock_of(session_id):
+            if self.sessions.live(session_id) is None:
+                record = self._paused_record(session_id, owner)
+                if record is not None:
+                    return await self._resume(record)
+            return await self.sessions.get(session_id, owner)
+
+    def _lock_of(self, session_id: str) -> asyncio.Lock:
+        lock = self._changing.get(session_id)
+        if lock is None:
+            lock = self._changing[session_id] = asyncio.Lock()
+        return lock
+
+    def _paused_record(self, session_id: str, owner: str) -> SessionRecord | None:
+        record = self.store.get_session(session_id) if session_id.startswith("s-") else None
+        if record is None or record.owner != owner or record.state != "paused":
+            return None
+        return record
+
+    def session_state(self, session_id: str, owner: str) -> Session | SessionRecord | None:
+        """The owner's session as it is now, without waking it: live, paused, or None."""
+        live = self.sessions.live(session_id)
+        if live is not None and live.owner == owner:
+            return live
+        return self._paused_record(session_id, owner)
+
+    async def describe_session(self, session_id: str, owner: str) -> SessionInfo:
+        """What a session is, running or paused, without waking it."""
+        found = self.session_state(session_id, owner)
+        if isinstance(found, SessionRecord):
+            return self.paused_info(found)
+        return self.info(await self.sessions.get(session_id, owner))
 
     def list_sessions(self, owner: str) -> list[Session]:
         return self.sessions.list(owner)
 
+    def list_paused(self, owner: str | None) -> list[SessionRecord]:
+        """The owner's paused sessions; None: every owner's (a front finding its own records
+        again when it starts)."""
+        return self.store.sessions(owner=owner, state="paused")
+
+    def list_infos(self, owner: str) -> list[SessionInfo]:
+        """Every session of the owner's, running and paused."""
+        running = [self.info(x) for x in self.list_sessions(owner)]
+        return running + [self.paused_info(r) for r in self.list_paused(owner)]
+
     async def end_session(self, session_id: str, owner: str) -> None:
-        """End a session and its sandbox; its kept outputs go with it."""
-        await self.sessions.delete(session_id, owner)
+        """End a session and its sandbox, running or paused; its kept outputs and paused state
+        go with it."""
+        async with self._lock_of(session_id):
+            record = self._paused_record(session_id, owner)
+            if record is None or self.sessions.live(session_id) is not None:
+                await self.sessions.delete(session_id, owner)
+                return
+            await self._delete_paused(record, "was deleted")
+
+    async def _delete_paused(self, record: SessionRecord, why: str) -> None:
+        await self._forget_record(record.id)
+        self.sessions.remember_ended(record.id, record.owner, why)
+        await asyncio.to_thread(self.outputs.drop, record.id)
+
+    # --- pause, resume, snapshots (docs/persistence.md)
+    async def pause_session(self, session_id: str, owner: str) -> SessionInfo:
+        """Save a session's variables and files and stop its sandbox: it holds no process until
+        the next call (or `resume_session`) wakes it. Pausing a paused session changes nothing.
+        SessionBusy while it runs code."""
+        async with self._lock_of(session_id):
+            record = self._paused_record(session_id, owner)
+            if record is not None and self.sessions.live(session_id) is None:
+                return self.paused_info(record)
+            session = await self.sessions.get(session_id, owner)
+            if session.busy:
+                raise SessionBusy(
+                    "the session is running code: wait for it, or interrupt it, then pause"
+                )
+            return self.paused_info(await self._pause(session))
+
+    async def _pause(self, session: Session) -> SessionRecord:
+        """Under the session's lock: save, then stop. If the save fails, it keeps running."""
+        paused = self.store.count_sessions(session.owner, "paused")
+        limit = self.settings.max_paused_sessions_per_key
+        if paused >= limit:
+            raise SavedStateQuotaReached(
+                f"this API key keeps its maximum of {limit} paused sessions; delete one first"
+            )
+        executions = session.executions
+        saved: SnapshotRecord | None = None
+        suspended = await session.sandbox.suspend()  # the engine's own pause, where it has one
+        if suspended is None:
+            saved = await self.saved.save(session, "paused")
+            if session.busy or session.executions != executions:  # used while it was saved
+                self.store.delete_snapshot(saved.id)
+                raise SessionBusy("the session ran code while it was being paused; pause it again")
+        record = self._record_of(session)
+        record.state, record.state_since = "paused", time.time()
+        record.saved_state, record.suspended, record.sandbox_id = (
+            saved.id if saved else None,
+            suspended,
+            None,
+        )
+        record.notice = session.notice
+        self.store.put_session(record)
+        channel = self._channels.pop(session.id, None)
+        if channel is not None:
+            channel.close()
+        await self.egress.close(session.id)
+        await self.sessions.release(session.id)
+        METRICS.sessions_paused.inc()
+        log.info(
+            "session %s paused (%s)",
+            session.id,
+            f"{saved.bytes} bytes saved" if saved else f"suspended by its backend as {suspended}",
+        )
+        return record
+
+    async def resume_session(self, session_id: str, owner: str) -> ResumeInfo:
+        """Wake a paused session now (a running one is left as it is)."""
+        async with self._lock_of(session_id):
+            record = self._paused_record(session_id, owner)
+            if record is None or self.sessions.live(session_id) is not None:
+                session = await self.sessions.get(session_id, owner)
+                return ResumeInfo(session=self.info(session))
+            session = await self._resume(record)
+            return ResumeInfo(session=self.info(session), notice=session.notice)
+
+    async def _resume(self, record: SessionRecord) -> Session:
+        """Under the session's lock: a new sandbox, its state brought back into it. If that
+        fails, the session stays paused and nothing is lost (ResumeFailed)."""
+        saved = self.store.get_snapshot(record.saved_state) if record.saved_state else None
+        spec = record.spec.model_copy(deep=True)
+        notices = [record.notice] if record.notice else []
+        beyond = spec.network.beyond(self.settings.network_ceiling)
+        if beyond:  # the operator lowered the ceiling while it was paused
+            spec.network = NO_NETWORK
+            notices.append(f"its network is now none: {beyond} (the operator's ceiling changed)")
+        session = await self.sessions.create(
+            record.owner,
+            backend=record.backend,
+            spec=spec,
+            session_id=record.id,
+            wake=record.suspended,
+        )
+        session.created_at, session.executions = record.created_at, record.executions
+        session.idle_timeout_s, session.on_idle = record.idle_timeout_s, record.on_idle
+        session.labels = dict(record.labels)
+        try:
+            await self.egress.open(session)
+            tools: dict[str, HostTool] = {}
+            try:
+                tools = self.tools.select(record.tools)
+            except UnknownTools as exc:
+                notices.append(f"its host tools are gone: {exc}")
+            if tools:
+                await self._open_channel(session, tools)
+            if saved is not None:
+                restored = await self.saved.restore(session, saved)
+                notices.append(restored.notice)
+            elif record.suspended is not None:
+                notices.append("its whole sandbox was paused and resumed by its backend")
+        except BaseException as exc:
+            channel = self._channels.pop(session.id, None)
+            if channel is not None:
+                channel.close()
+            await self.egress.close(session.id)
+            if record.suspended is not None:  # paused again as it was, not killed
+                with contextlib.suppress(Exception):
+                    record.suspended = await session.sandbox.suspend() or record.suspended
+            await self.sessions.release(session.id)
+            if isinstance(exc, Exception):
+                log.exception("session %s could not be resumed", record.id)
+                raise ResumeFailed(
+                    f"session {record.id} could not be resumed ({exc}); it stays paused, with "
+                    "nothing lost: try again"
+                ) from None
+            raise
+        session.notice = "resumed: " + "; ".join(notices) if notices else "resumed"
+        session.state_lost = record.state_lost
+        self.store.put_session(self._record_of(session))
+        if saved is not None:
+            self.store.delete_snapshot(saved.id)
+        METRICS.sessions_resumed.inc()
+        log.info("session %s resumed", record.id)
+        return session
+
+    async def _expired(self, session: Session, why: str) -> None:
+        """The reaper's verdict: paused (auto-pause), or ended when that is off or fails."""
+        if session.on_idle != "pause" or self.settings.idle_action != "pause":
+            await self.sessions.end(session.id, why)
+            return
+        async with self._lock_of(session.id):
+            if self.sessions.live(session.id) is not session or session.busy:
+                return
+            try:
+                await self._pause(session)
+            except Exception as exc:
+                log.warning("session %s could not be paused (%s): ending it", session.id, exc)
+                await self.sessions.end(session.id, f"{why}; it could not be paused ({exc})")
+
+    async def _pause_all(self) -> None:
+        """On shutdown: pause what auto-pause would, all at once, so a restart finds it whole;
+        what cannot be paused in time ends with the rest."""
+        s = self.settings
+        if self._store is None or not s.pause_on_shutdown or s.idle_action != "pause":
+            return
+        due = [x for x in self.sessions.all() if x.on_idle == "pause"]
+
+        async def pause(session: Session) -> None:
+            async with self._lock_of(session.id):
+                if self.sessions.live(session.id) is not session:
+                    return
+                try:
+                    await asyncio.wait_for(self._pause(session), s.shutdown_pause_timeout_s)
+                except Exception as exc:  # it ends with the others
+                    log.warning("session %s could not be paused at shutdown: %s", session.id, exc)
+
+        await asyncio.gather(*(pause(x) for x in due))
+
+    async def _salvage(self, name: str, backend: Backend) -> None:
+        """Before a backend clears what a crash left: keep the files of its sessions (or the
+        whole sandbox, where its engine can pause it)."""
+        kept = await self.saved.salvage(name, backend)
+        if kept:
+            log.info("kept %d sessions of the %s backend from before a restart", kept, backend)
+
+    async def _sweep_paused(self) -> None:
+        """Delete paused sessions past their retention, with everything kept for them."""
+        retention = self.settings.paused_retention_s
+        for record in self.store.sessions(state="paused", before=time.time() - retention):
+            async with self._lock_of(record.id):
+                if self.sessions.live(record.id) is None:
+                    log.info("session %s deleted after %g s paused", record.id, retention)
+                    await self._delete_paused(record, f"was deleted after {retention:g} s paused")
+
+    async def snapshot_session(self, session: Session, name: str | None = None) -> SnapshotInfo:
+        """Save a running session's variables and files under a name, to start sessions from;
+        the session runs on."""
+        async with session.activity():
+            record = await self.saved.save(session, "snapshot", name)
+        return snapshot_info(record)
+
+    def list_snapshots(self, owner: str) -> list[SnapshotInfo]:
+        return [snapshot_info(r) for r in self.saved.list(owner)]
+
+    def get_snapshot(self, owner: str, snapshot_id: str) -> SnapshotInfo:
+        return snapshot_info(self.saved.get(owner, snapshot_id))
+
+    def delete_snapshot(self, owner: str, snapshot_id: str) -> None:
+        self.saved.delete(owner, snapshot_id)
 
     def keepalive(self, session: Session) -> SessionInfo:
         """Mark the session active: its idle expiry starts again."""
@@ -431,6 +772,12 @@ class Service:
                 language=name,
             )
         session.executions += 1
+        if session.notice is not None:  # what a resume or a fork brought back, said once
+            told = f"{session.notice}. {execution.notice}" if execution.notice else session.notice
+            execution = execution.model_copy(
+                update={"notice": told, "state_lost": execution.state_lost or session.state_lost}
+            )
+            session.notice, session.state_lost = None, False
         # `name` is canonical (one of LANGUAGES): the label's values stay bounded.
         METRICS.executions.labels(session.backend, execution.status, name).inc()
         METRICS.execution_seconds.labels(session.backend).observe(execution.duration_s)
@@ -730,6 +1077,28 @@ class Service:
             }
         )
 
+    def paused_info(self, record: SessionRecord) -> SessionInfo:
+        retention = self.settings.paused_retention_s
+        return SessionInfo(
+            id=record.id,
+            backend=record.backend,
+            limits=record.spec.limits,
+            created_at=datetime.fromtimestamp(record.created_at, UTC),
+            idle_expires_in_s=0.0,
+            lifetime_expires_in_s=0.0,
+            busy=False,
+            executions=record.executions,
+            from_pool=False,
+            runtime=record.spec.runtime,
+            tools=record.tools,
+            network=record.spec.network,
+            languages=record.languages,
+            started_languages=[],
+            state="paused",
+            paused_at=datetime.fromtimestamp(record.state_since, UTC),
+            deleted_in_s=max(0.0, record.state_since + retention - time.time()),
+        )
+
     def info(self, session: Session) -> SessionInfo:
         s = self.settings
         return SessionInfo(
@@ -750,3 +1119,27 @@ class Service:
             languages=self.session_languages(session),
             started_languages=self.started_languages(session),
         )
+
+
+def snapshot_info(record: SnapshotRecord) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=record.id,
+        name=record.name,
+        session_id=record.session_id,
+        backend=record.backend,
+        created_at=datetime.fromtimestamp(record.created_at, UTC),
+        bytes=record.bytes,
+        variables=record.report.saved_count,
+        not_saved=record.report.unsaved,
+        files=record.report.files,
+    )
+
+
+def _from_snapshot(request: CreateSessionRequest, snapshot: SnapshotRecord) -> CreateSessionRequest:
+    """A request starting from a snapshot: its backend and limits unless the request says."""
+    update: dict[str, object] = {}
+    if request.backend is None:
+        update["backend"] = snapshot.backend
+    if request.limits is None:
+        update["limits"] = LimitsRequest.model_validate(snapshot.spec.limits.model_dump())
+    return request.model_copy(update=update)

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
@@ -47,6 +48,12 @@ class BackendNotEnabled(SessionError):
     status = 400
 
 
+class SessionBusy(SessionError):
+    """The session is running code, or changing state, and cannot do what was asked now."""
+
+    status = 409
+
+
 @dataclass
 class Session:
     id: str
@@ -60,6 +67,10 @@ class Session:
     executions: int = 0
     busy: int = 0  # requests in flight that keep the session from being idle
     idle_timeout_s: float | None = None  # its own idle expiry (MCP's); None: the service's
+    on_idle: Literal["pause", "end"] = "pause"  # what its idle expiry does
+    notice: str | None = None  # said with its next execution (what a resume brought back)
+    state_lost: bool = False  # ... and whether that resume lost its variables
+    labels: dict[str, str] = field(default_factory=dict)  # a front's own (E2B's metadata)
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -98,9 +109,17 @@ class SessionManager:
         on_end: Callable[[str], Awaitable[None]] | None = None,
         *,
         given_backends: Mapping[str, Backend] | None = None,
+        on_expiry: Callable[[Session, str], Awaitable[None]] | None = None,
+        before_cleanup: Callable[[str, Backend], Awaitable[None]] | None = None,
+        on_sweep: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self._on_end = on_end  # told each ended session's id (to drop what is kept for it)
+        # What an expired session becomes (paused, or ended); None: ended.
+        self._on_expiry = on_expiry
+        # Told each backend's name before what a crash left of it is cleared (to save files).
+        self._before_cleanup = before_cleanup
+        self._on_sweep = on_sweep  # called on each of the reaper's rounds (retention)
         # Backends the caller made and closes itself (an embedded session's): used as they are,
         # never swept for orphans (their other sandboxes are not ours) nor closed here.
         self._given = dict(given_backends or {})
@@ -136,6 +155,8 @@ class SessionManager:
             if name == "e2b":
                 config = s.e2b_backend_config()
             backend = create_backend(name, **config)
+            if self._before_cleanup is not None:
+                await self._before_cleanup(name, backend)
             removed = await backend.cleanup_orphans()
             if removed:
                 log.info("removed %d orphans of the %s backend", removed, name)
@@ -171,7 +192,11 @@ class SessionManager:
         backend: str | None = None,
         spec: SandboxSpec | None = None,
         env: dict[str, str] | None = None,
+        session_id: str | None = None,
+        wake: str | None = None,
     ) -> Session:
+        """A session with a new sandbox; `session_id`: the id of a paused one it resumes, and
+        `wake`: the backend's handle of its suspended sandbox, woken instead of a new one."""
         name = backend or self.settings.default_backend
         if name not in self.backends:
             raise BackendNotEnabled(
@@ -182,9 +207,13 @@ class SessionManager:
         try:
             spec = spec or self.default_spec()
             pool = self.pools.get(name)
-            sandbox = pool.take() if pool is not None and pool.fits(spec) else None
+            sandbox = None
+            if wake is None and pool is not None and pool.fits(spec):
+                sandbox = pool.take()
             from_pool = sandbox is not None
-            if sandbox is None:
+            if wake is not None:
+                sandbox = await self.backends[name].wake(wake, spec)
+            elif sandbox is None:
                 sandbox = await self.backends[name].create(spec)
             try:
                 if env:
@@ -195,7 +224,7 @@ class SessionManager:
         finally:
             self._creating[owner] -= 1
         session = Session(
-            id=f"s-{secrets.token_hex(12)}",
+            id=session_id or f"s-{secrets.token_hex(12)}",
             owner=owner,
             backend=name,
             sandbox=sandbox,
@@ -225,7 +254,10 @@ class SessionManager:
     async def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id)
         if session is not None and session.owner == owner:
-            if (why := self._expiry(session)) is not None:
+            why = self._expiry(session)
+            if why is not None and session.on_idle == "pause" and self._on_expiry is not None:
+                return session  # it would be paused, then woken by this very call: keep it
+            if why is not None:
                 # Found expired before the reaper's turn: end it now and say so.
                 await self._end(session_id, why)
                 raise SessionExpired(f"session {session_id} {why}")
@@ -236,6 +268,9 @@ class SessionManager:
         # Another key's session is reported exactly like a missing one.
         raise SessionNotFound(f"no session {session_id}")
 
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())
+
     def list(self, owner: str) -> list[Session]:
         return [s for s in self._sessions.values() if s.owner == owner]
 
@@ -243,13 +278,40 @@ class SessionManager:
         await self.get(session_id, owner)
         await self._end(session_id, "was deleted")
 
+    def live(self, session_id: str) -> Session | None:
+        """The running session of that id, whoever owns it."""
+        return self._sessions.get(session_id)
+
+    def remember_ended(self, session_id: str, owner: str, why: str) -> None:
+        """Answer "expired" (with why) for this id from now on."""
+        self._ended[session_id] = (owner, why)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+
+    async def release(self, session_id: str) -> None:
+        """Stop a session's sandbox but not the session (it is paused: its state is saved).
+        It is found running until its sandbox is gone, then not at all."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return
+        try:
+            await session.sandbox.close()
+        except Exception:
+            log.exception("closing the sandbox of %s failed", session_id)
+        finally:
+            if self._sessions.get(session_id) is session:
+                del self._sessions[session_id]
+                METRICS.sessions_active.labels(session.backend).dec()
+
+    async def end(self, session_id: str, why: str) -> None:
+        """End a session for good, whoever owns it (an expiry, a failed pause)."""
+        await self._end(session_id, why)
+
     async def _end(self, session_id: str, why: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        self._ended[session_id] = (session.owner, why)
-        while len(self._ended) > _TOMBSTONES:
-            self._ended.popitem(last=False)
+        self.remember_ended(session_id, session.owner, why)
         METRICS.sessions_active.labels(session.backend).dec()
         try:
             await session.sandbox.close()
@@ -273,9 +335,15 @@ class SessionManager:
         """End every session past its time; return how many."""
         due = [(sid, why) for sid, x in self._sessions.items() if (why := self._expiry(x))]
         for sid, why in due:
+            session = self._sessions.get(sid)
+            if session is None or session.busy:  # gone, or in use again since
+                continue
             log.info("session %s %s", sid, why)
             METRICS.sessions_expired.inc()
-            await self._end(sid, why)
+            if self._on_expiry is not None:
+                await self._on_expiry(session, why)
+            else:
+                await self._end(sid, why)
         return len(due)
 
     async def _reap_forever(self) -> None:
@@ -283,6 +351,8 @@ class SessionManager:
             await asyncio.sleep(self.settings.reap_interval_s)
             try:
                 await self.reap()
+                if self._on_sweep is not None:
+                    await self._on_sweep()
             except Exception:
                 log.exception("reaping sessions failed")
 

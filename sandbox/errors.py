@@ -75,3 +75,8 @@ class ScopeRefused(SandboxError, ValueError):
 class RuntimeUnavailable(SandboxError, ValueError):
     """An OCI runtime (SandboxSpec.runtime) this backend or engine cannot run sandboxes under;
     the message names those it can."""
+
+
+class StateNotSaved(SandboxError):
+    """The sandbox's state could not be saved or restored as asked (its kernel did not
+    answer, or answered what is not understood)."""

@@ -8,12 +8,13 @@ and hard links are refused too. Both backends keep their workspaces on the host 
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import BinaryIO, Literal
 
 from sandbox.dir_stack import DIR_FLAGS, DirStack, TreeChanged
 from sandbox.errors import FileAccessError, FileMissing, FileTooLarge
@@ -75,6 +76,13 @@ class Workspace:
         raise FileAccessError(f"{part!r} keeps changing; try again")
 
     def read(self, path: str, *, max_bytes: int) -> bytes:
+        sink = io.BytesIO()
+        self.copy_out(path, sink, max_bytes=max_bytes)
+        return sink.getvalue()
+
+    def copy_out(self, path: str, sink: BinaryIO, *, max_bytes: int) -> int:
+        """Copy a file into `sink` a chunk at a time (a large one is never whole in memory);
+        return its size."""
         parts = clean_path(path)
         with self._dir(parts[:-1]) as dfd:
             fd = self._open_regular(dfd, parts[-1], os.O_RDONLY | os.O_NONBLOCK)
@@ -82,18 +90,22 @@ class Workspace:
                 size = os.fstat(fd).st_size
                 if size > max_bytes:
                     raise FileTooLarge(f"{path!r} is {size} bytes; the limit is {max_bytes}")
-                chunks, total = [], 0
+                total = 0
                 while chunk := os.read(fd, 1 << 20):
                     total += len(chunk)
                     if total > max_bytes:
                         raise FileTooLarge(f"{path!r} grew past the limit of {max_bytes} bytes")
-                    chunks.append(chunk)
-                return b"".join(chunks)
+                    sink.write(chunk)
+                return total
             finally:
                 os.close(fd)
 
     def write(self, path: str, data: bytes) -> Entry:
         """Write a file; return what is now there."""
+        return self.copy_in(path, io.BytesIO(data))
+
+    def copy_in(self, path: str, source: BinaryIO) -> Entry:
+        """Write a file from `source`, a chunk at a time; return what is now there."""
         parts = clean_path(path)
         with self._dir(parts[:-1], create=True) as dfd:
             name = parts[-1]
@@ -111,9 +123,10 @@ class Workspace:
                 if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
                     raise FileAccessError(f"cannot write {path!r}: not a plain file")
                 os.ftruncate(fd, 0)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                while chunk := source.read(1 << 20):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
                 if self.owner:
                     os.fchown(fd, *self.owner)
                 st = os.fstat(fd)

@@ -1,10 +1,11 @@
 """E2B's control plane, the API its SDK calls at `E2B_API_URL`: sandboxes are our sessions.
 
-Create, get, list, kill, set the timeout, connect. What E2B's microVMs can do and our sandboxes
-cannot (pause, snapshots, forks, metrics, changing network rules while running) is refused with
-a message saying so. Internet access and network rules on create become a network policy
-(network.py). Bodies are read and written with the SDK's own models, so the wire format is
-E2B's by construction.
+Create, get, list, kill, set the timeout, connect, pause (and resume by connecting), lifecycle
+auto-pause, snapshots (and sandboxes made from them, the snapshot id given as the template). What
+E2B's microVMs can do and our sandboxes cannot (forks, metrics, a filesystem-only pause, a cold
+boot on resume, changing network rules while running) is refused with a message saying so.
+Internet access and network rules on create become a network policy (network.py). Bodies are
+read and written with the SDK's own models, so the wire format is E2B's by construction.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, unquote
 
 from e2b.api.client.models import (
@@ -20,8 +21,14 @@ from e2b.api.client.models import (
     ListedSandbox,
     NewSandboxV2,
     SandboxDetail,
+    SandboxLifecycle,
+    SandboxOnTimeout,
+    SandboxPauseMode,
+    SandboxPauseRequest,
+    SandboxSnapshotRequest,
     SandboxState,
     SandboxTimeoutRequest,
+    SnapshotInfo,
 )
 from e2b.api.client.models import Sandbox as SandboxModel
 from e2b.api.client.types import Unset
@@ -32,11 +39,14 @@ from orchestrator.e2b_compatible.deps import ApiOwnerDep, E2BDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.network import policy_for
 from orchestrator.e2b_compatible.paths import E2B_HOME
-from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BRecord, E2BSandboxes
+from orchestrator.e2b_compatible.sandboxes import (
+    DEFAULT_TIMEOUT_S,
+    E2BRecord,
+)
 from orchestrator.http_errors import problems
-from orchestrator.schemas import CreateSessionRequest
+from orchestrator.schemas import CreateSessionRequest, SessionInfo
 from orchestrator.service import Service
-from orchestrator.sessions import Session, SessionError
+from orchestrator.sessions import Session, SessionBusy, SessionError
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
 
@@ -48,6 +58,9 @@ CLIENT_ID = "code-interpreter-runtime"
 DEFAULT_TEMPLATES = ("code-interpreter-v1", "code-interpreter", "base")
 
 JSONBody = Annotated[dict[str, Any], Body()]
+# Our snapshots' ids: what a template name that starts a sandbox from a snapshot looks like.
+SNAPSHOT_PREFIX = "snap-"
+MAX_PAGE = 100  # E2B's largest and default page of a list
 
 
 def _backend_for(service: Service, template: str) -> tuple[str, str | None]:
@@ -69,7 +82,6 @@ def _refuse_unsupported(body: NewSandboxV2) -> None:
     unsupported = {
         "mcp": not isinstance(body.mcp, Unset) and body.mcp is not None,
         "volume_mounts": not isinstance(body.volume_mounts, Unset) and bool(body.volume_mounts),
-        "lifecycle (auto-pause)": body.auto_pause is True,
         "iam": not isinstance(body.iam, Unset),
     }
     asked = [name for name, given in unsupported.items() if given]
@@ -77,8 +89,23 @@ def _refuse_unsupported(body: NewSandboxV2) -> None:
         raise E2BError(
             400,
             f"not supported by this server: {', '.join(asked)}. Its sandboxes have no MCP "
-            "gateway, volumes, pausing or workload identity.",
+            "gateway, volumes or workload identity.",
         )
+    if body.auto_pause is True and body.auto_pause_memory is False:
+        raise E2BError(
+            400,
+            "lifecycle on_timeout mode 'filesystem' is not supported by this server: its pause "
+            "always keeps the sandbox's variables with its files; leave the mode out (or 'full')",
+        )
+
+
+def _lifecycle(body: NewSandboxV2) -> tuple[bool, bool]:
+    """(auto_pause, auto_resume) a create asks for; E2B's defaults when absent."""
+    auto_pause = body.auto_pause is True
+    auto_resume = not isinstance(body.auto_resume, Unset) and body.auto_resume.enabled
+    if auto_resume and not auto_pause:
+        raise E2BError(400, "lifecycle auto_resume needs on_timeout 'pause'")
+    return auto_pause, auto_resume
 
 
 def _timeout(service: Service, value: object) -> float:
@@ -88,13 +115,15 @@ def _timeout(service: Service, value: object) -> float:
     return float(min(seconds, service.settings.max_lifetime_s))
 
 
-def _end_at(service: Service, record: E2BRecord, session: Session) -> datetime:
-    s = service.settings
-    lifetime_left = s.max_lifetime_s - session.age()
-    if record.deadline is not None:
-        left = min(record.deadline - time.time(), lifetime_left)
+def _end_at(record: E2BRecord, info: SessionInfo) -> datetime:
+    """When it ends: a running one at its timeout (or the service's expiry); a paused one when
+    the service's retention of paused sessions deletes it."""
+    if info.state == "paused":
+        left = info.deleted_in_s or 0.0
+    elif record.deadline is not None:
+        left = min(record.deadline - time.time(), info.lifetime_expires_in_s)
     else:
-        left = min(s.idle_timeout_s - session.idle_for(), lifetime_left)
+        left = min(info.idle_expires_in_s, info.lifetime_expires_in_s)
     return datetime.now(UTC) + timedelta(seconds=max(0.0, left))
 
 
@@ -112,17 +141,18 @@ def _created(record: E2BRecord) -> dict[str, Any]:
     return model.to_dict()
 
 
-def _described(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
-    """What E2B's sandbox detail and list entry both say; sizes from the session's limits."""
-    limits = session.limits
+def _described(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
+    """What E2B's sandbox detail and list entry both say, running or paused; sizes from the
+    session's limits."""
+    limits = info.limits
     return {
         "template_id": record.template,
         "sandbox_id": record.sandbox_id,
         "client_id": CLIENT_ID,
         "started_at": record.started_at,
-        "end_at": _end_at(service, record, session),
+        "end_at": _end_at(record, info),
         "envd_version": ENVD_VERSION,
-        "state": SandboxState.RUNNING,
+        "state": SandboxState(info.state),
         "alias": record.template,
         "metadata": record.metadata,
         "cpu_count": max(1, math.ceil(limits.cpus)),
@@ -131,15 +161,28 @@ def _described(service: Service, record: E2BRecord, session: Session) -> dict[st
     }
 
 
-def _detail(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
-    described = _described(service, record, session)
-    internet = service.network_of(session).enabled
-    model = SandboxDetail(**described, allow_internet_access=internet, domain=None)
+def _detail(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
+    lifecycle = SandboxLifecycle(
+        auto_resume=record.auto_resume,
+        on_timeout=SandboxOnTimeout.PAUSE if record.auto_pause else SandboxOnTimeout.KILL,
+    )
+    model = SandboxDetail(
+        **_described(record, info),
+        allow_internet_access=info.network.enabled,
+        domain=None,
+        lifecycle=lifecycle,
+    )
+    if info.state == "paused":  # what a pause here keeps: memory (variables) and files
+        model.pause_mode = SandboxPauseMode.FULL
     return model.to_dict()
 
 
-def _listed(service: Service, record: E2BRecord, session: Session) -> dict[str, Any]:
-    return ListedSandbox(**_described(service, record, session)).to_dict()
+def _listed(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
+    return ListedSandbox(**_described(record, info)).to_dict()
+
+
+async def _info(service: Service, record: E2BRecord) -> SessionInfo:
+    return await service.describe_session(record.session_id, record.owner)
 
 
 @router.post("/v2/sandboxes", status_code=201, summary="E2B: create a sandbox (a session)")
@@ -152,49 +195,87 @@ async def create(
     except (KeyError, TypeError, ValueError) as exc:
         raise E2BError(400, f"invalid sandbox request: {exc}") from None
     _refuse_unsupported(request)
+    auto_pause, auto_resume = _lifecycle(request)
     timeout = _timeout(service, request.timeout)
-    backend, image = _backend_for(service, request.template_id)
+    from_snapshot = request.template_id.startswith(SNAPSHOT_PREFIX)
+    # A snapshot's own backend and image (the service takes them from it); else the template's.
+    backend, image = (None, None) if from_snapshot else _backend_for(service, request.template_id)
     env = {} if isinstance(request.env_vars, Unset) else dict(request.env_vars or {})
     metadata = {} if isinstance(request.metadata, Unset) else dict(request.metadata or {})
     try:
         network = policy_for(service.settings, request.allow_internet_access, request.network)
-        spec = CreateSessionRequest(backend=backend, image=image, env=env, network=network)
+        spec = CreateSessionRequest(
+            backend=backend,
+            image=image,
+            env=env,
+            network=network,
+            snapshot_id=request.template_id if from_snapshot else None,
+        )
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
     session = await service.create_session(owner, spec, workdir=E2B_HOME)
-    record = sandboxes.add(session, template=request.template_id, metadata=metadata)
+    record = sandboxes.add(
+        session,
+        template=request.template_id,
+        metadata=metadata,
+        auto_pause=auto_pause,
+        auto_resume=auto_resume,
+    )
     record.set_timeout(timeout)
+    sandboxes.keep(record, session)
     return _created(record)
 
 
 @router.get("/v2/sandboxes", summary="E2B: list the caller's sandboxes")
 @router.get("/sandboxes", include_in_schema=False)
 async def list_sandboxes(
+    response: Response,
     service: ServiceDep,
     sandboxes: E2BDep,
     owner: ApiOwnerDep,
     metadata: Annotated[str | None, Query()] = None,
     state: Annotated[str | None, Query()] = None,
+    template: Annotated[str | None, Query()] = None,
+    started_after: Annotated[datetime | None, Query(alias="startedAfter")] = None,
+    order: Annotated[Literal["asc", "desc"], Query()] = "desc",
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
 ) -> list[dict[str, Any]]:
+    """Running and paused ones (those `state` names), newest first unless `order` says; a page
+    at a time, `X-Next-Token` naming the next."""
     wanted = _metadata_query(metadata)
-    if state is not None and "running" not in state.split(","):
-        return []  # nothing here is ever paused
+    states = set(state.split(",")) if state else {"running", "paused"}
+    if unknown := states - {"running", "paused"}:
+        raise E2BError(400, f"unknown sandbox state {sorted(unknown)}: use running, paused")
     out = []
-    for session in sandboxes.listed(owner):
-        record, _ = await _owned_or_none(sandboxes, session.id, owner)
-        if record is None or any(record.metadata.get(k) != v for k, v in wanted.items()):
+    for sandbox_id in sandboxes.listed(owner):
+        try:
+            record, _ = await sandboxes.found(sandbox_id, owner)
+            info = await _info(service, record)
+        except SessionError:
+            continue  # ended meanwhile
+        if (
+            info.state not in states
+            or any(record.metadata.get(k) != v for k, v in wanted.items())
+            or (template is not None and record.template != template)
+            or (started_after is not None and record.started_at <= started_after)
+        ):
             continue
-        out.append(_listed(service, record, session))
-    return out
+        out.append((record.started_at, record.sandbox_id, _listed(record, info)))
+    out.sort(key=lambda x: (x[0], x[1]), reverse=order == "desc")
+    start = _page_start(next_token)
+    if start + limit < len(out):
+        response.headers["X-Next-Token"] = str(start + limit)
+    return [entry for _, _, entry in out[start : start + limit]]
 
 
-async def _owned_or_none(
-    sandboxes: E2BSandboxes, sandbox_id: str, owner: str
-) -> tuple[E2BRecord | None, Session | None]:
-    try:
-        return await sandboxes.owned(sandbox_id, owner)
-    except SessionError:
-        return None, None
+def _page_start(next_token: str | None) -> int:
+    """Where a page starts: our next-page tokens are offsets."""
+    if not next_token:
+        return 0
+    if not next_token.isdigit() or len(next_token) > 9:
+        raise E2BError(400, "invalid nextToken: pass the X-Next-Token of the previous page")
+    return int(next_token)
 
 
 def _metadata_query(metadata: str | None) -> dict[str, str]:
@@ -219,13 +300,13 @@ async def all_metrics(owner: ApiOwnerDep) -> None:
 async def get(
     sandbox_id: str, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
 ) -> dict[str, Any]:
-    record, session = await sandboxes.owned(sandbox_id, owner)
-    return _detail(service, record, session)
+    record, _ = await sandboxes.found(sandbox_id, owner)
+    return _detail(record, await _info(service, record))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, summary="E2B: kill a sandbox")
 async def kill(sandbox_id: str, sandboxes: E2BDep, owner: ApiOwnerDep) -> Response:
-    record, _ = await sandboxes.owned(sandbox_id, owner)
+    record, _ = await sandboxes.found(sandbox_id, owner)  # running or paused
     await sandboxes.kill(record)
     return Response(status_code=204)
 
@@ -238,8 +319,9 @@ async def set_timeout(
         request = SandboxTimeoutRequest.from_dict(body)
     except (KeyError, TypeError, ValueError) as exc:
         raise E2BError(400, f"invalid timeout request: {exc}") from None
-    record, session = await sandboxes.owned(sandbox_id, owner)
+    record, session = await sandboxes.owned(sandbox_id, owner)  # a paused one: 409, say why
     record.set_timeout(_timeout(service, request.timeout))
+    sandboxes.keep(record, session)
     service.keepalive(session)
     return Response(status_code=204)
 
@@ -248,26 +330,128 @@ async def set_timeout(
 @router.post("/sandboxes/{sandbox_id}/connect", include_in_schema=False)
 @router.post("/sandboxes/{sandbox_id}/resume", include_in_schema=False)
 async def connect(
-    sandbox_id: str, body: JSONBody, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
+    sandbox_id: str,
+    body: JSONBody,
+    response: Response,
+    service: ServiceDep,
+    sandboxes: E2BDep,
+    owner: ApiOwnerDep,
 ) -> dict[str, Any]:
+    """200 with a running sandbox; 201 when it was paused and is resumed now, with its
+    variables and files, and its timeout armed again (E2B's default 300 s if none given)."""
     try:
         request = ConnectSandboxV2.from_dict(body)
     except (KeyError, TypeError, ValueError) as exc:
         raise E2BError(400, f"invalid connect request: {exc}") from None
-    record, session = await sandboxes.owned(sandbox_id, owner)
+    record, found = await sandboxes.found(sandbox_id, owner)
+    if not isinstance(found, Session):
+        if request.memory is False:
+            raise E2BError(
+                400,
+                "on_resume='reboot' is not supported by this server: a resume here always "
+                "restores the sandbox's variables and files; connect without it",
+            )
+        await sandboxes.resume(record, _timeout(service, request.timeout))
+        response.status_code = 201
+        return _created(record)
     if not isinstance(request.timeout, Unset):
         # Like E2B: a running sandbox's timeout is only ever extended by connecting.
         wanted = time.time() + _timeout(service, request.timeout)
         if record.deadline is not None and wanted > record.deadline:
             record.deadline = wanted
-    service.keepalive(session)
+            sandboxes.keep(record, found)
+    service.keepalive(found)
+    response.status_code = 200
     return _created(record)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204, summary="E2B: pause a sandbox")
+async def pause(sandbox_id: str, body: JSONBody, sandboxes: E2BDep, owner: ApiOwnerDep) -> Response:
+    """Its variables and files are saved and its sandboxes stopped (its contexts' too); 409 if
+    it is paused already. Connecting resumes it."""
+    try:
+        request = SandboxPauseRequest.from_dict(body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise E2BError(400, f"invalid pause request: {exc}") from None
+    if request.memory is False:
+        raise E2BError(
+            400,
+            "a filesystem-only pause (mode='filesystem') is not supported by this server: its "
+            "pause always keeps the variables with the files; leave the mode out",
+        )
+    # requireHealthyGuest: a pause here always needs the kernel's answer (it saves its
+    # variables); when it cannot have it, the pause fails and the sandbox runs on.
+    record, found = await sandboxes.found(sandbox_id, owner)
+    if not isinstance(found, Session):
+        raise E2BError(409, f"sandbox {sandbox_id} is already paused")
+    try:
+        await sandboxes.pause(record, found)
+    except SessionBusy as exc:  # not E2B's 409, which its SDK reads as "already paused"
+        raise E2BError(503, str(exc)) from None
+    return Response(status_code=204)
+
+
+@router.post(
+    "/sandboxes/{sandbox_id}/snapshots", status_code=201, summary="E2B: snapshot a sandbox"
+)
+async def create_snapshot(
+    sandbox_id: str, body: JSONBody, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
+) -> dict[str, Any]:
+    """Its default context's variables and files, saved to start new sandboxes from (the
+    snapshot id as the template); the sandbox runs on (a paused one is woken for it)."""
+    try:
+        request = SandboxSnapshotRequest.from_dict(body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise E2BError(400, f"invalid snapshot request: {exc}") from None
+    if request.memory is False:
+        raise E2BError(
+            400,
+            "a filesystem-only snapshot (mode='filesystem') is not supported by this server: "
+            "its snapshots always keep the variables with the files; leave the mode out",
+        )
+    name = None if isinstance(request.name, Unset) or not request.name else request.name
+    record, _ = await sandboxes.found(sandbox_id, owner)
+    session = await service.get_session(record.session_id, owner)
+    taken = await service.snapshot_session(session, name)
+    return _snapshot(taken.id, taken.name)
+
+
+def _snapshot(snapshot_id: str, name: str | None) -> dict[str, Any]:
+    return SnapshotInfo(snapshot_id=snapshot_id, names=[name] if name else []).to_dict()
+
+
+@router.get("/snapshots", summary="E2B: list the caller's snapshots")
+async def list_snapshots(
+    response: Response,
+    service: ServiceDep,
+    owner: ApiOwnerDep,
+    sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None,
+    name: Annotated[str | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+) -> list[dict[str, Any]]:
+    found = [
+        s
+        for s in service.list_snapshots(owner)
+        if (sandbox_id is None or s.session_id == sandbox_id) and (name is None or s.name == name)
+    ]
+    start = _page_start(next_token)
+    if start + limit < len(found):
+        response.headers["X-Next-Token"] = str(start + limit)
+    return [_snapshot(s.id, s.name) for s in found[start : start + limit]]
+
+
+@router.delete("/templates/{template_id:path}", status_code=204, summary="E2B: delete a snapshot")
+async def delete_snapshot(template_id: str, service: ServiceDep, owner: ApiOwnerDep) -> Response:
+    """Only snapshots are templates that can be deleted here; another key's is not found."""
+    if not template_id.startswith(SNAPSHOT_PREFIX):
+        raise E2BError(404, f"snapshot {template_id} not found")
+    service.delete_snapshot(owner, template_id)
+    return Response(status_code=204)
 
 
 # What only a microVM can do: answered 501 with what is missing, never a silent success.
 _NEEDS_A_MICROVM = [
-    ("POST", "/sandboxes/{sandbox_id}/pause", "pausing"),
-    ("POST", "/sandboxes/{sandbox_id}/snapshots", "snapshots"),
     ("POST", "/sandboxes/{sandbox_id}/fork", "forking"),
     ("GET", "/sandboxes/{sandbox_id}/metrics", "sandbox metrics"),
     ("PUT", "/sandboxes/{sandbox_id}/network", "changing network rules of a running sandbox"),

@@ -2,9 +2,14 @@
 
 An E2B sandbox's id is its session's id. E2B adds an access token (checked on every data-plane
 call, so one key's sandbox cannot be reached with another's), a template name, metadata, a
-deadline (E2B's `timeout`: the sandbox is killed that long after creation or the last
-`set_timeout`, whatever its activity; until then the idle expiry does not end it), and the code
-contexts made beside the default one, each a session of its own (see contexts.py).
+deadline (E2B's `timeout`: the sandbox is killed, or paused with `lifecycle.on_timeout: pause`,
+that long after creation or the last `set_timeout`, whatever its activity; until then the idle
+expiry does not end it), and the code contexts made beside the default one, each a session of its
+own (see contexts.py).
+
+Pausing a sandbox pauses its sessions (the service saves their variables and files and stops
+their sandboxes); connecting resumes them. The record is kept with the session's durable record
+(`Service.set_labels`), so a paused sandbox is found again after the service restarts.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from pydantic import BaseModel, ValidationError
+
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
-from orchestrator.sessions import Session, SessionError, SessionNotFound
+from orchestrator.sessions import Session, SessionBusy, SessionError, SessionNotFound
+from orchestrator.state_store.records import SessionRecord
 from sandbox.languages import PYTHON
 
 log = logging.getLogger(__name__)
@@ -38,6 +46,18 @@ E2B_HOME = "/home/user"
 # The id E2B's server also answers to for the default Python context.
 DEFAULT_CONTEXT = "default"
 _CONTEXT_IDS = uuid.UUID("9a4c1f0e-5b7d-4f43-8d8e-2f6a1c3b7e51")
+# The labels a sandbox's record is kept under, with its session's durable record.
+SANDBOX_LABEL = "e2b.sandbox"
+CONTEXT_LABEL = "e2b.context_of"  # on a context's session: the sandbox it belongs to
+
+
+class SandboxPaused(SessionError):
+    """A control-plane call that needs a running sandbox named a paused one."""
+
+    status = 409
+
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox {sandbox_id} is paused: connect to it to resume it first")
 
 
 class SandboxGone(Exception):
@@ -69,8 +89,17 @@ class E2BRecord:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     deadline: float | None = None  # time.time() when E2B's timeout kills it; None: idle expiry
     contexts: dict[str, Context] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # the last asked: what an auto-resume arms again
+    auto_pause: bool = False  # lifecycle.on_timeout "pause": the timeout pauses, not kills
+    auto_resume: bool = False  # lifecycle.auto_resume: data-plane traffic resumes it
+    # Paused by E2B's pause or its timeout (not by the service's shutdown or idle expiry, which
+    # its next traffic undoes, as if it had never been paused).
+    paused_on_purpose: bool = False
+    seen_paused: bool = False  # the sweep saw it paused: if it runs again, its timeout restarts
+    pausing: bool = False  # a pause is under way: the sweep leaves it alone
 
     def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
         self.deadline = time.time() + timeout_s
 
     def default_context_id(self, language: str) -> str:
@@ -85,6 +114,76 @@ class E2BRecord:
         return next((x for x in languages if self.default_context_id(x) == context_id), None)
 
 
+class _SavedContext(BaseModel):
+    id: str
+    cwd: str | None
+    language: str
+
+
+class _SavedRecord(BaseModel):
+    """What of a record outlives the process: kept as a label of its session's record. The
+    token too: a client holds it, and E2B's resume keeps it."""
+
+    token: str
+    template: str
+    metadata: dict[str, str]
+    started_at: datetime
+    deadline: float | None
+    timeout_s: float
+    auto_pause: bool
+    auto_resume: bool
+    paused_on_purpose: bool
+    contexts: list[_SavedContext]
+
+
+def _saved(record: E2BRecord) -> str:
+    return _SavedRecord(
+        token=record.token or "",
+        template=record.template,
+        metadata=record.metadata,
+        started_at=record.started_at,
+        deadline=record.deadline,
+        timeout_s=record.timeout_s,
+        auto_pause=record.auto_pause,
+        auto_resume=record.auto_resume,
+        paused_on_purpose=record.paused_on_purpose,
+        contexts=[
+            _SavedContext(id=c.id, cwd=c.cwd, language=c.language) for c in record.contexts.values()
+        ],
+    ).model_dump_json()
+
+
+def _restored(session_id: str, owner: str, labels: dict[str, str]) -> E2BRecord | None:
+    """The record kept in a session's labels, if it has one that reads."""
+    text = labels.get(SANDBOX_LABEL)
+    if text is None:
+        return None
+    try:
+        kept = _SavedRecord.model_validate_json(text)
+    except ValidationError:
+        log.warning("the E2B record of session %s does not read; it is a plain one", session_id)
+        return None
+    return E2BRecord(
+        sandbox_id=session_id,
+        session_id=session_id,
+        owner=owner,
+        token=kept.token,
+        template=kept.template,
+        metadata=kept.metadata,
+        started_at=kept.started_at,
+        deadline=kept.deadline,
+        contexts={c.id: Context(id=c.id, cwd=c.cwd, language=c.language) for c in kept.contexts},
+        timeout_s=kept.timeout_s,
+        auto_pause=kept.auto_pause,
+        auto_resume=kept.auto_resume,
+        paused_on_purpose=kept.paused_on_purpose,
+    )
+
+
+# A sandbox as it is now: its running session, or the record of its paused one.
+Found = Session | SessionRecord
+
+
 class E2BSandboxes:
     """The E2B view of the service's sessions, and the clock of E2B's timeouts."""
 
@@ -96,7 +195,15 @@ class E2BSandboxes:
 
     # ----------------------------------------------------------------------------------------
 
-    def add(self, session: Session, *, template: str, metadata: dict[str, str]) -> E2BRecord:
+    def add(
+        self,
+        session: Session,
+        *,
+        template: str,
+        metadata: dict[str, str],
+        auto_pause: bool = False,
+        auto_resume: bool = False,
+    ) -> E2BRecord:
         record = E2BRecord(
             sandbox_id=session.id,
             session_id=session.id,
@@ -105,9 +212,23 @@ class E2BSandboxes:
             template=template,
             metadata=metadata,
             started_at=datetime.fromtimestamp(session.created_at, UTC),
+            auto_pause=auto_pause,
+            auto_resume=auto_resume,
         )
         self._records[session.id] = record
         return record
+
+    def keep(self, record: E2BRecord, session: Session) -> None:
+        """Keep the record with its (running) session's durable record: what a pause and a
+        restart of the service must not lose."""
+        if record.token is None:  # the debug sandbox lives and dies with the process
+            return
+        self.service.set_labels(session, {**session.labels, SANDBOX_LABEL: _saved(record)})
+
+    def keep_if_running(self, record: E2BRecord) -> None:
+        found = self.service.session_state(record.session_id, record.owner)
+        if isinstance(found, Session):
+            self.keep(record, found)
 
     def add_context(
         self, record: E2BRecord, session: Session, cwd: str | None, language: str
@@ -115,6 +236,8 @@ class E2BSandboxes:
         context = Context(id=session.id, cwd=cwd, language=language)
         record.contexts[context.id] = context
         self._context_sessions.add(session.id)
+        self.service.set_labels(session, {**session.labels, CONTEXT_LABEL: record.sandbox_id})
+        self.keep_if_running(record)
         return context
 
     def is_live(self, record: E2BRecord) -> bool:
@@ -124,26 +247,71 @@ class E2BSandboxes:
     def is_context(self, session_id: str) -> bool:
         return session_id in self._context_sessions
 
-    async def owned(self, sandbox_id: str, owner: str) -> tuple[E2BRecord, Session]:
-        """For the control plane: the caller's sandbox, or SessionNotFound/SessionExpired.
+    def rebuild(self) -> int:
+        """Records of the sandboxes a previous process left paused (a restart pauses or
+        salvages every session): found by their session's labels. Returns how many."""
+        made = 0
+        for kept in self.service.list_paused(None):
+            if kept.id in self._records or CONTEXT_LABEL in kept.labels:
+                continue
+            record = _restored(kept.id, kept.owner, kept.labels)
+            if record is not None:
+                record.seen_paused = True
+                self._adopt(record)
+                made += 1
+        return made
 
-        A session made through /v1 is an E2B sandbox too, once asked for."""
+    def _adopt(self, record: E2BRecord) -> None:
+        self._records[record.sandbox_id] = record
+        self._context_sessions.update(record.contexts)
+
+    def _record_for(self, found: Found) -> E2BRecord:
+        """The record of a session not tracked yet: its kept one, or a new one (a session made
+        through /v1 is an E2B sandbox too, once asked for)."""
+        record = _restored(found.id, found.owner, found.labels)
+        if record is None:
+            record = E2BRecord(
+                sandbox_id=found.id,
+                session_id=found.id,
+                owner=found.owner,
+                token=secrets.token_urlsafe(32),
+                template=found.backend,
+                started_at=datetime.fromtimestamp(found.created_at, UTC),
+            )
+        self._adopt(record)
+        return record
+
+    async def found(self, sandbox_id: str, owner: str) -> tuple[E2BRecord, Found]:
+        """For the control plane: the caller's sandbox as it is, running or paused, without
+        waking it; or SessionNotFound/SessionExpired."""
         record = self._records.get(sandbox_id)
         session_id = record.session_id if record else sandbox_id
         if self.is_context(session_id):
             raise SessionNotFound(f"no sandbox {sandbox_id}")
-        try:
-            session = await self.service.get_session(session_id, owner)
-        except SessionError:
-            if record is not None and record.owner == owner:
-                await self.forget(record)
-            raise
+        found = self.service.session_state(session_id, owner)
+        if found is None:
+            try:  # the service says why: expired, or never (another key's is not found)
+                await self.service.describe_session(session_id, owner)
+            except SessionError:
+                if record is not None and record.owner == owner:
+                    await self.forget(record)
+                raise
+            raise SessionNotFound(f"no session {sandbox_id}")
         if record is None:
-            record = self.add(session, template=session.backend, metadata={})
-        return record, session
+            record = self._record_for(found)
+        return record, found
+
+    async def owned(self, sandbox_id: str, owner: str) -> tuple[E2BRecord, Session]:
+        """For the control plane: the caller's running sandbox (SandboxPaused if paused)."""
+        record, found = await self.found(sandbox_id, owner)
+        if not isinstance(found, Session):
+            raise SandboxPaused(sandbox_id)
+        return record, found
 
     async def reachable(self, sandbox_id: str, token: str | None) -> tuple[E2BRecord, Session]:
-        """For the data plane: the sandbox this token opens, or SandboxGone."""
+        """For the data plane: the sandbox this token opens, or SandboxGone. A paused one is
+        gone, as on E2B, unless its traffic resumes it (auto-resume, or a pause that was the
+        service's own)."""
         record = self._records.get(sandbox_id)
         if record is None and sandbox_id == DEBUG_SANDBOX_ID:
             record = await self._debug_record()
@@ -153,6 +321,14 @@ class E2BSandboxes:
             (token or "").encode(), record.token.encode()
         ):
             raise SandboxGone(sandbox_id)  # like a missing one: ids are not confirmed
+        found = self.service.session_state(record.session_id, record.owner)
+        if isinstance(found, SessionRecord):
+            if record.paused_on_purpose and not record.auto_resume:
+                raise SandboxGone(sandbox_id)
+            try:
+                return record, await self.resume(record, record.timeout_s)
+            except SessionError:
+                raise SandboxGone(sandbox_id) from None
         try:
             session = await self.service.get_session(record.session_id, record.owner)
         except SessionError:
@@ -181,12 +357,52 @@ class E2BSandboxes:
             self._records[DEBUG_SANDBOX_ID] = record
             return record
 
-    def listed(self, owner: str) -> list[Session]:
-        """The caller's sessions that are sandboxes (not contexts of one)."""
-        return [s for s in self.service.list_sessions(owner) if not self.is_context(s.id)]
+    def listed(self, owner: str) -> list[str]:
+        """The ids of the caller's sessions, running and paused, that are sandboxes (not
+        contexts of one)."""
+        return [x.id for x in self.service.list_infos(owner) if not self.is_context(x.id)]
+
+    # ----------------------------------------------------------------------------------------
+    # pause and resume
+
+    async def pause(self, record: E2BRecord, session: Session) -> None:
+        """Pause the sandbox's session, then its contexts' (SessionBusy while it runs code).
+        A context that cannot be paused runs on; it is woken by its next use anyway."""
+        if session.busy:
+            raise SessionBusy(
+                "the sandbox is running code: wait for it, or interrupt it, then pause"
+            )
+        record.paused_on_purpose = record.pausing = True
+        self.keep(record, session)
+        try:
+            await self.service.pause_session(record.session_id, record.owner)
+        except BaseException:
+            record.paused_on_purpose = False
+            self.keep_if_running(record)
+            raise
+        finally:
+            record.pausing = False
+        for context in list(record.contexts.values()):
+            try:
+                await self.service.pause_session(context.id, record.owner)
+            except SessionError as exc:
+                log.warning(
+                    "context %s of %s was not paused: %s", context.id, record.sandbox_id, exc
+                )
+
+    async def resume(self, record: E2BRecord, timeout_s: float) -> Session:
+        """Resume the sandbox's session and arm its timeout again; its contexts wake on their
+        next use (the service resumes a paused session on the call that finds it)."""
+        await self.service.resume_session(record.session_id, record.owner)
+        session = await self.service.get_session(record.session_id, record.owner)
+        record.paused_on_purpose = record.seen_paused = False
+        record.set_timeout(timeout_s)
+        self.keep(record, session)
+        return session
 
     async def kill(self, record: E2BRecord) -> None:
-        """End the sandbox's session and every context's."""
+        """End the sandbox's session and every context's, running or paused (their saved
+        state goes with them)."""
         await self.forget(record)
         with contextlib.suppress(SessionError):
             await self.service.end_session(record.session_id, record.owner)
@@ -202,13 +418,19 @@ class E2BSandboxes:
         self._context_sessions.discard(context.id)
         with contextlib.suppress(SessionError):
             await self.service.end_session(context.id, record.owner)
+        if self.is_live(record):
+            self.keep_if_running(record)
 
     # ----------------------------------------------------------------------------------------
     # E2B's timeouts
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """Sweep while the service runs."""
+        """Find the sandboxes a previous process left paused, then sweep while the service
+        runs."""
+        found = self.rebuild()
+        if found:
+            log.info("found %d paused E2B sandboxes from before a restart", found)
         sweeper = asyncio.ensure_future(self._sweep_forever())
         try:
             yield
@@ -218,29 +440,56 @@ class E2BSandboxes:
                 await sweeper
 
     async def sweep(self) -> int:
-        """Kill sandboxes past their deadline, keep the others alive; return how many ended."""
+        """Kill (or, with auto-pause, pause) running sandboxes past their deadline, keep the
+        others alive; return how many ended or paused. A paused one's timeout does not run."""
         ended = 0
         now = time.time()
         for record in list(self._records.values()):
-            try:
-                session = await self.service.get_session(record.session_id, record.owner)
-            except SessionError:
+            if record.pausing:
+                continue
+            found = self.service.session_state(record.session_id, record.owner)
+            if found is None:
                 await self.forget(record)
                 ended += 1
                 continue
+            if not isinstance(found, Session):
+                record.seen_paused = True
+                continue
+            if record.seen_paused or record.paused_on_purpose:
+                # Woken by another door (a /v1 call, the service's lazy resume): its timeout
+                # starts again, as a connect's would, rather than ending it at once.
+                record.paused_on_purpose = record.seen_paused = False
+                record.set_timeout(record.timeout_s)
+                self.keep(record, found)
             if record.deadline is None:
                 continue
             if now >= record.deadline:
+                ended += 1
+                if record.auto_pause and await self._paused_at_timeout(record, found):
+                    continue
                 log.info("E2B sandbox %s reached its timeout", record.sandbox_id)
                 await self.kill(record)
-                ended += 1
                 continue
-            self.service.keepalive(session)  # E2B's timeout, not idleness, ends it
+            self.service.keepalive(found)  # E2B's timeout, not idleness, ends it
             for context in list(record.contexts.values()):
-                with contextlib.suppress(SessionError):
-                    context_session = await self.service.get_session(context.id, record.owner)
+                context_session = self.service.session_state(context.id, record.owner)
+                if isinstance(context_session, Session):
                     self.service.keepalive(context_session)
         return ended
+
+    async def _paused_at_timeout(self, record: E2BRecord, session: Session) -> bool:
+        """Auto-pause; False if it could not be (it is then killed, as E2B's timeout says)."""
+        if session.busy:  # its code runs on; paused on the next sweep after it ends
+            return True
+        try:
+            await self.pause(record, session)
+        except Exception as exc:
+            log.warning(
+                "E2B sandbox %s could not be paused at its timeout: %s", record.sandbox_id, exc
+            )
+            return False
+        log.info("E2B sandbox %s reached its timeout and was paused", record.sandbox_id)
+        return True
 
     async def _sweep_forever(self) -> None:
         while True:

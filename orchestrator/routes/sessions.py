@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
@@ -19,7 +19,10 @@ from orchestrator.schemas import (
     ExecutionRecord,
     NetworkReport,
     RestartRequest,
+    ResumeInfo,
     SessionInfo,
+    SnapshotInfo,
+    SnapshotRequest,
 )
 from orchestrator.sessions import SessionError
 from orchestrator.streaming import Dropped, Finished, Keepalive
@@ -44,14 +47,48 @@ async def create_session(
     return service.info(session)
 
 
-@router.get("", summary="List the caller's sessions")
-async def list_sessions(service: ServiceDep, owner: OwnerDep) -> list[SessionInfo]:
-    return [service.info(s) for s in service.list_sessions(owner)]
+@router.get("", summary="List the caller's sessions, running and paused")
+async def list_sessions(
+    service: ServiceDep,
+    owner: OwnerDep,
+    state: Annotated[
+        Literal["running", "paused"] | None, Query(description="Only those in this state.")
+    ] = None,
+) -> list[SessionInfo]:
+    return [i for i in service.list_infos(owner) if state is None or i.state == state]
 
 
-@router.get("/{session_id}", summary="Get a session")
-async def get_session(session: SessionDep, service: ServiceDep) -> SessionInfo:
-    return service.info(session)
+@router.get("/{session_id}", summary="Get a session (a paused one stays paused)")
+async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionInfo:
+    return await service.describe_session(session_id, owner)
+
+
+@router.post(
+    "/{session_id}/pause",
+    summary="Pause a session: save its variables and files, stop its sandbox",
+)
+async def pause(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionInfo:
+    """A paused session holds no process. The next call on it (or POST .../resume) resumes it;
+    its variables, imports, definitions and files come back. What could not be saved (an open
+    socket, a generator) is named in the notice of its first execution after. 409 while it
+    runs code."""
+    return await service.pause_session(session_id, owner)
+
+
+@router.post("/{session_id}/resume", summary="Resume a paused session now")
+async def resume(session_id: str, service: ServiceDep, owner: OwnerDep) -> ResumeInfo:
+    return await service.resume_session(session_id, owner)
+
+
+@router.post(
+    "/{session_id}/snapshots",
+    status_code=201,
+    summary="Save the session's variables and files as a snapshot to start sessions from",
+)
+async def snapshot(
+    session: SessionDep, service: ServiceDep, body: SnapshotRequest | None = None
+) -> SnapshotInfo:
+    return await service.snapshot_session(session, body.name if body is not None else None)
 
 
 @router.delete("/{session_id}", status_code=204, summary="Delete a session and its sandbox")

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from sandbox.egress_channel import EgressChannel
-from sandbox.errors import ProcessesUnsupported, RuntimeUnavailable
+from sandbox.errors import ProcessesUnsupported, RuntimeUnavailable, SandboxError
 from sandbox.host_channel import HostChannel
 from sandbox.languages import PYTHON
 from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
@@ -131,6 +132,17 @@ class Sandbox(ABC):
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
         """Read a file of the workspace."""
 
+    async def export_file(self, path: str, dest: Path, *, max_bytes: int) -> int:
+        """Copy a workspace file to `dest` on this machine; its size. Backends with the
+        workspace at hand copy it a chunk at a time; the others read it whole."""
+        data = await self.download(path, max_bytes=max_bytes)
+        await asyncio.to_thread(dest.write_bytes, data)
+        return len(data)
+
+    async def import_file(self, path: str, source: Path) -> FileInfo:
+        """Write the file `source` of this machine into the workspace at `path`."""
+        return await self.upload(path, await asyncio.to_thread(source.read_bytes))
+
     @abstractmethod
     async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
         """List a directory of the workspace."""
@@ -142,6 +154,13 @@ class Sandbox(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Stop everything the sandbox runs and delete its workspace. Safe to call twice."""
+
+    async def suspend(self) -> str | None:
+        """Pause the whole sandbox (memory, processes, files) where its engine can, and return
+        the handle `Backend.wake` takes; the sandbox object is done with either way. None: this
+        backend cannot (CRIU does not work here), so the caller saves the kernel's state
+        itself (sandbox/saved_state.py) and closes the sandbox."""
+        return None
 
     # --- processes beside the kernel: same boundary, same workspace (sandbox/processes/)
     _processes: ProcessTable | None = None
@@ -227,6 +246,18 @@ class Backend(ABC):
         """The languages a sandbox of this spec would have, before one exists (for a tool's
         description)."""
         return [PYTHON]
+
+    async def wake(self, handle: str, spec: SandboxSpec) -> Sandbox:
+        """The sandbox `Sandbox.suspend` paused, running again as it was."""
+        raise SandboxError(f"the {self.name} backend cannot wake a suspended sandbox")
+
+    async def suspend_left(self, sandbox_id: str) -> str | None:
+        """Pause a sandbox an earlier process of this service left running, where the engine
+        can: its handle for `wake`, or None (it is then cleared with the orphans)."""
+        return None
+
+    async def discard(self, handle: str) -> None:  # noqa: B027 - nothing to discard by default
+        """Delete a suspended sandbox for good (its session was deleted while paused)."""
 
     async def cleanup_orphans(self) -> int:
         """Remove what an earlier crash of this orchestrator left behind; return how many."""

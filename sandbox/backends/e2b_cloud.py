@@ -31,6 +31,7 @@ from e2b import (
     SandboxNotFoundException,
     SandboxNotRunningException,
     SandboxQuery,
+    SandboxState,
     TimeoutException,
 )
 from e2b_code_interpreter import AsyncSandbox
@@ -141,7 +142,10 @@ class E2BBackend(Backend):
         label = self._label()
         if not label or not (self.config.api_key or os.environ.get("E2B_API_KEY")):
             return 0
-        paginator = AsyncSandbox.list(query=SandboxQuery(metadata=label), **self.connection())
+        # Running ones only: a paused one belongs to a paused session, kept in the service's
+        # store (its deletion discards it).
+        query = SandboxQuery(metadata=label, state=[SandboxState.RUNNING])
+        paginator = AsyncSandbox.list(query=query, **self.connection())
         killed = 0
         while paginator.has_next:
             for info in await paginator.next_items():
@@ -179,6 +183,31 @@ class E2BBackend(Backend):
                 await remote.kill()
             raise
         return E2BSandbox(remote, spec, cfg, workdir)
+
+    async def wake(self, handle: str, spec: SandboxSpec) -> E2BSandbox:
+        """Resume a sandbox E2B paused, memory and all (E2B's connect resumes it)."""
+        try:
+            remote = await AsyncSandbox.connect(
+                handle, timeout=self.config.sandbox_timeout_s, **self.connection()
+            )
+            workdir = await _working_directory(remote)
+        except Exception as exc:
+            raise SandboxStartError(f"could not resume E2B sandbox {handle}: {exc}") from exc
+        return E2BSandbox(remote, spec, self.config, workdir)
+
+    async def suspend_left(self, sandbox_id: str) -> str | None:
+        try:
+            paused = await AsyncSandbox.pause(sandbox_id, **self.connection())
+        except Exception:
+            log.warning("E2B could not pause sandbox %s", sandbox_id, exc_info=True)
+            return None
+        return sandbox_id if paused is not None else None
+
+    async def discard(self, handle: str) -> None:
+        try:
+            await AsyncSandbox.kill(handle, **self.connection())
+        except Exception:
+            log.warning("deleting paused E2B sandbox %s failed", handle, exc_info=True)
 
 
 async def _working_directory(remote: AsyncSandbox) -> str:
@@ -411,6 +440,21 @@ class E2BSandbox(Sandbox):
         """E2B's own commands and terminals, beside its kernel (e2b_cloud_processes.py)."""
         self._check_open()
         return E2BSpawner(self.remote, str(self.workdir), self._env)
+
+    async def suspend(self) -> str | None:
+        """E2B's own pause: memory, processes and files kept at E2B; `E2BBackend.wake` resumes.
+        None if it could not pause (the caller then saves the kernel's state itself)."""
+        self._check_open()
+        if self._run is not None:
+            return None  # running code: nothing is paused mid-execution
+        try:
+            await self._close_processes()
+            await self.remote.pause()
+        except Exception:
+            log.warning("E2B could not pause sandbox %s", self.id, exc_info=True)
+            return None
+        self._closed = True
+        return self.id
 
     async def close(self) -> None:
         if self._closed:

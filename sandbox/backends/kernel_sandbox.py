@@ -20,6 +20,7 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TypeVar
 
 from sandbox.backends.base import Sandbox
@@ -173,14 +174,28 @@ class KernelSandbox(Sandbox):
         return await asyncio.wrap_future(done)
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
-        return _info(await self._file_work(self.workspace.write, path, data))
+        return file_info(await self._file_work(self.workspace.write, path, data))
 
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
         return await self._file_work(self.workspace.read, path, max_bytes=max_bytes)
 
+    async def export_file(self, path: str, dest: Path, *, max_bytes: int) -> int:
+        def copy() -> int:
+            with dest.open("wb") as sink:
+                return self.workspace.copy_out(path, sink, max_bytes=max_bytes)
+
+        return await self._file_work(copy)
+
+    async def import_file(self, path: str, source: Path) -> FileInfo:
+        def copy() -> Entry:
+            with source.open("rb") as reader:
+                return self.workspace.copy_in(path, reader)
+
+        return file_info(await self._file_work(copy))
+
     async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
         entries = await self._file_work(self.workspace.list_dir, path, recursive=recursive)
-        return [_info(e) for e in entries]
+        return [file_info(e) for e in entries]
 
     async def remove_file(self, path: str) -> None:
         await self._file_work(self.workspace.remove, path)
@@ -214,7 +229,8 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) 
         loop.call_soon_threadsafe(callback)
 
 
-def _info(entry: Entry) -> FileInfo:
+def file_info(entry: Entry) -> FileInfo:
+    """A workspace entry as the models say it."""
     return FileInfo(
         path=entry.path,
         type=entry.kind,

@@ -20,9 +20,14 @@ from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server,
 
 @pytest.fixture(scope="module")
 def short_server() -> Iterator[Server]:
-    """Sessions expire after 2 s idle; two per key, three in all."""
+    """Sessions expire (end, not pause: idle_action=end) after 2 s idle; two per key, three in
+    all."""
     srv = make_server(
-        idle_timeout_s=2, reap_interval_s=0.5, max_sessions_per_key=2, max_sessions_total=3
+        idle_timeout_s=2,
+        reap_interval_s=0.5,
+        max_sessions_per_key=2,
+        max_sessions_total=3,
+        idle_action="end",
     )
     srv.start()
     yield srv
@@ -128,7 +133,7 @@ def test_auth_can_be_turned_off_explicitly() -> None:
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
 
 
-def test_a_killed_service_leaves_nothing_after_restart() -> None:
+def test_a_killed_service_leaves_no_sandbox_and_keeps_its_sessions() -> None:
     srv = make_server()
     srv.start()
     with srv.client() as api:
@@ -155,9 +160,12 @@ def test_a_killed_service_leaves_nothing_after_restart() -> None:
     try:
         assert leftovers(srv) == []
         with srv.client() as api:
-            for sid in ids:
-                r = api.get(f"/v1/sessions/{sid}")
-                assert r.status_code == 404  # reported gone, never silently recreated
+            for sid in ids:  # kept, paused: their files are back, their variables said lost
+                assert api.get(f"/v1/sessions/{sid}").json()["state"] == "paused"
+                r = api.post(f"/v1/sessions/{sid}/execute", json={"code": "1"}).json()
+                assert r["state_lost"] is True and "restarted" in r["notice"], r
+                assert api.delete(f"/v1/sessions/{sid}").status_code == 204
+        assert leftovers(srv) == []
     finally:
         srv.stop()
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)

@@ -1,0 +1,233 @@
+"""Saved states of sessions: named snapshots and paused sessions' states, within each key's quota.
+
+A state is saved with sandbox/saved_state.py into a directory the store names, and recorded in
+the store under its owner's key digest: no other key can see, resume or start from it. After a
+crash, `salvage` keeps what a running session's sandbox left on the host (its workspace's files),
+before the backend's clean-up removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from orchestrator.config import Settings
+from orchestrator.sessions import Session, SessionError
+from orchestrator.state_store import SessionRecord, SnapshotRecord, SqliteStore
+from orchestrator.state_store.records import SnapshotKind
+from sandbox.backends.base import Backend
+from sandbox.backends.kernel_sandbox import file_info
+from sandbox.models import FileInfo
+from sandbox.saved_state import (
+    FILES_DIR,
+    NAMESPACE_FILE,
+    REPORT_FILE,
+    RestoredState,
+    SavedState,
+    StateTooLarge,
+    copy_files_out,
+    restore_state,
+    save_state,
+)
+from sandbox.state_dir import SessionDirs
+from sandbox.workspace_files import Workspace
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotNotFound(SessionError):
+    status = 404
+
+
+class SavedStateTooLarge(SessionError):
+    status = 413
+
+
+class SavedStateQuotaReached(SessionError):
+    status = 429
+
+
+class SavedStates:
+    def __init__(self, settings: Settings, store: SqliteStore) -> None:
+        self.settings = settings
+        self.store = store
+        self._owner_locks: dict[str, asyncio.Lock] = {}  # one save at a time per key: quotas hold
+
+    def _room(self, owner: str, kind: SnapshotKind) -> int:
+        """The bytes a new state of `owner`'s may take, or the refusal saying why none."""
+        s = self.settings
+        count, used = self.store.usage(owner)
+        if kind == "snapshot" and count >= s.max_snapshots_per_key:
+            raise SavedStateQuotaReached(
+                f"this API key keeps its maximum of {s.max_snapshots_per_key} snapshots; "
+                "delete one first (DELETE /v1/snapshots/{id})"
+            )
+        room = min(s.max_saved_state_bytes, s.max_saved_bytes_per_key - used)
+        if room <= 0:
+            raise SavedStateQuotaReached(
+                f"this API key's snapshots and paused sessions take {used} bytes, its quota of "
+                f"{s.max_saved_bytes_per_key}; delete snapshots or paused sessions first"
+            )
+        return room
+
+    async def save(
+        self, session: Session, kind: SnapshotKind, name: str | None = None
+    ) -> SnapshotRecord:
+        """Save a running session's state. `SavedStateTooLarge` / `SavedStateQuotaReached` say
+        why it could not be kept; nothing is left of a failed save."""
+        lock = self._owner_locks.setdefault(session.owner, asyncio.Lock())
+        async with lock:
+            room = self._room(session.owner, kind)
+            snapshot_id = f"snap-{secrets.token_hex(12)}"
+            where = self.store.files_of(snapshot_id)
+            try:
+                report = await save_state(session.sandbox, where, max_bytes=room)
+            except StateTooLarge as exc:
+                await asyncio.to_thread(shutil.rmtree, where, True)
+                raise SavedStateTooLarge(f"the state cannot be saved: {exc}") from None
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, where, True)
+                raise
+            record = SnapshotRecord(
+                id=snapshot_id,
+                owner=session.owner,
+                kind=kind,
+                name=name,
+                session_id=session.id,
+                backend=session.backend,
+                spec=session.sandbox.spec,
+                bytes=report.bytes,
+                report=report,
+            )
+            self.store.put_snapshot(record)
+            return record
+
+    def get(self, owner: str, snapshot_id: str) -> SnapshotRecord:
+        """The owner's named snapshot; another key's is reported exactly like a missing one."""
+        found = self.store.get_snapshot(snapshot_id) if _well_formed(snapshot_id) else None
+        if found is None or found.owner != owner or found.kind != "snapshot":
+            raise SnapshotNotFound(f"no snapshot {snapshot_id}")
+        return found
+
+    def list(self, owner: str) -> list[SnapshotRecord]:
+        return self.store.snapshots(owner=owner, kind="snapshot")
+
+    def delete(self, owner: str, snapshot_id: str) -> None:
+        self.get(owner, snapshot_id)
+        self.store.delete_snapshot(snapshot_id)
+
+    async def restore(self, session: Session, record: SnapshotRecord) -> RestoredState:
+        return await restore_state(session.sandbox, self.store.files_of(record.id))
+
+    async def salvage(self, backend: str, engine: Backend) -> int:
+        """Turn each session of `backend` the last process left running into a paused one:
+        its files from the workspace its sandbox left, its variables from its latest snapshot
+        if it has one (else gone, and its next execution says so). Returns how many."""
+        found = self.store.sessions(state="running", backend=backend)
+        for record in found:
+            suspended = None
+            if record.sandbox_id is not None:
+                suspended = await engine.suspend_left(record.sandbox_id)
+            if suspended is not None:  # the engine kept it whole: nothing is lost
+                record.suspended = suspended
+                record.notice = "the service restarted; its sandbox was kept whole by its backend"
+                self._pause_record(record, None, state_lost=False)
+                continue
+            try:
+                await self._salvage_one(record)
+            except Exception:
+                log.exception("the files of session %s could not be kept", record.id)
+                record.notice = "the service restarted, and this session's files were lost"
+                self._pause_record(record, None, state_lost=True)
+        return len(found)
+
+    async def _salvage_one(self, record: SessionRecord) -> None:
+        snapshot_id = f"snap-{secrets.token_hex(12)}"
+        where = self.store.files_of(snapshot_id)
+        await asyncio.to_thread(where.mkdir, 0o700)
+        room = max(0, self.settings.max_saved_state_bytes)
+        report = SavedState()
+        workspace = _left_workspace(self.settings.state_dir, record)
+        if workspace is not None:
+            report.workspace_bytes, report.files = await _copy_host_dir(
+                workspace, where / FILES_DIR, room
+            )
+        latest = next(iter(self.store.snapshots(session_id=record.id, kind="snapshot")), None)
+        if latest is not None and (self.store.files_of(latest.id) / NAMESPACE_FILE).exists():
+            await asyncio.to_thread(
+                shutil.copyfile,
+                self.store.files_of(latest.id) / NAMESPACE_FILE,
+                where / NAMESPACE_FILE,
+            )
+            kept = latest.report
+            report = report.model_copy(
+                update={
+                    k: getattr(kept, k)
+                    for k in ("saved", "saved_count", "unsaved", "unsaved_count", "cwd", "python")
+                }
+                | {"namespace_bytes": kept.namespace_bytes}
+            )
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(latest.created_at))
+            record.notice = (
+                f"the service restarted: variables come from snapshot {latest.id} taken at "
+                f"{when} (later changes to them are lost); files are as they were"
+            )
+        else:
+            report.namespace_error = "the service restarted while the session ran"
+            record.notice = (
+                "the service restarted: the kernel's variables are gone (no snapshot was "
+                "taken); files are as they were"
+            )
+        await asyncio.to_thread((where / REPORT_FILE).write_text, report.model_dump_json())
+        self.store.put_snapshot(
+            SnapshotRecord(
+                id=snapshot_id,
+                owner=record.owner,
+                kind="paused",
+                session_id=record.id,
+                backend=record.backend,
+                spec=record.spec,
+                bytes=report.bytes,
+                report=report,
+            )
+        )
+        self._pause_record(record, snapshot_id, state_lost=latest is None)
+
+    def _pause_record(self, record: SessionRecord, saved: str | None, *, state_lost: bool) -> None:
+        record.state, record.state_since = "paused", time.time()
+        record.saved_state, record.state_lost, record.sandbox_id = saved, state_lost, None
+        self.store.put_session(record)
+
+
+def _well_formed(snapshot_id: str) -> bool:
+    return snapshot_id.startswith("snap-") and snapshot_id[5:].isalnum() and len(snapshot_id) < 64
+
+
+def _left_workspace(state_dir: Path, record: SessionRecord) -> Path | None:
+    if record.sandbox_id is None or not record.sandbox_id.replace("-", "").isalnum():
+        return None
+    path = SessionDirs(state_dir / record.backend / record.sandbox_id).workspace
+    return path if path.is_dir() else None
+
+
+async def _copy_host_dir(root: Path, dest: Path, max_bytes: int) -> tuple[int, int]:
+    """Copy the files of a workspace a dead sandbox left, read without following its links
+    (its code may still run: a container outlives a killed service until the clean-up)."""
+    workspace = Workspace(str(root))
+
+    async def listed() -> list[FileInfo]:
+        entries = await asyncio.to_thread(workspace.list_dir, "", recursive=True)
+        return [file_info(e) for e in entries]
+
+    async def export(path: str, target: Path, *, max_bytes: int) -> int:
+        def copy() -> int:
+            with target.open("wb") as sink:
+                return workspace.copy_out(path, sink, max_bytes=max_bytes)
+
+        return await asyncio.to_thread(copy)
+
+    return await copy_files_out(listed, export, dest, max_bytes)

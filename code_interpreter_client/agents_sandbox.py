@@ -823,11 +823,15 @@ class CodeInterpreterSandboxClient(BaseSandboxClient[CodeInterpreterSandboxClien
             await code.start()
             if (await code.state()).state == "paused":
                 await code.resume()  # now, so the SDK's first look finds it running
-        except APIError as exc:
-            await code.close()
-            if exc.status not in (404, 410):
-                raise
-            return None
+        except BaseException as exc:
+            # Not reattached: the session is left to the service as it is (a paused one whose
+            # resume failed keeps its saved state, to be tried again), never ended from here.
+            code.disown()
+            with contextlib.suppress(Exception):
+                await code.close()
+            if isinstance(exc, APIError) and exc.status in (404, 410):
+                return None
+            raise
         return code
 
     def deserialize_session_state(self, payload: dict[str, object]) -> SandboxSessionState:

@@ -11,6 +11,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -40,6 +41,13 @@ class APIError(Exception):
         self.status = status
         self.kind = kind
         self.message = message
+
+
+def _segment(value: str) -> str:
+    """An id as one path segment: slashes and `..` in it name no other route (an id handed
+    over by a model or a store could otherwise reach another of the key's resources)."""
+    quoted = quote(value, safe="")
+    return quoted if quoted not in (".", "..") else quoted.replace(".", "%2E")
 
 
 def _check(response: httpx.Response) -> httpx.Response:
@@ -81,7 +89,9 @@ class AsyncClient:
 
     async def get_session(self, session_id: str) -> SessionInfo:
         """The session's info; a paused one stays paused (its `state` says so)."""
-        return SessionInfo.model_validate(await self._json("GET", f"/v1/sessions/{session_id}"))
+        return SessionInfo.model_validate(
+            await self._json("GET", f"/v1/sessions/{_segment(session_id)}")
+        )
 
     async def list_sessions(self, state: SessionState | None = None) -> list[SessionInfo]:
         """The caller's sessions, running and paused; only those in `state` when given."""
@@ -92,19 +102,19 @@ class AsyncClient:
     async def pause(self, session_id: str) -> SessionInfo:
         """Save the session's variables and files and stop its sandbox; the next call on it
         (or `resume`) brings them back. A 409 while it runs code."""
-        data = await self._json("POST", f"/v1/sessions/{session_id}/pause")
+        data = await self._json("POST", f"/v1/sessions/{_segment(session_id)}/pause")
         return SessionInfo.model_validate(data)
 
     async def resume(self, session_id: str) -> ResumeInfo:
         """Wake a paused session now; its `notice` says what came back and what did not."""
-        data = await self._json("POST", f"/v1/sessions/{session_id}/resume")
+        data = await self._json("POST", f"/v1/sessions/{_segment(session_id)}/resume")
         return ResumeInfo.model_validate(data)
 
     # --- snapshots: a session's variables and files, to start new sessions from
     async def snapshot(self, session_id: str, name: str | None = None) -> SnapshotInfo:
         """Save the running session's variables and files under `name`; it runs on."""
         body = {"name": name} if name is not None else {}
-        data = await self._json("POST", f"/v1/sessions/{session_id}/snapshots", json=body)
+        data = await self._json("POST", f"/v1/sessions/{_segment(session_id)}/snapshots", json=body)
         return SnapshotInfo.model_validate(data)
 
     async def list_snapshots(self) -> list[SnapshotInfo]:
@@ -112,32 +122,34 @@ class AsyncClient:
         return [SnapshotInfo.model_validate(s) for s in await self._json("GET", "/v1/snapshots")]
 
     async def get_snapshot(self, snapshot_id: str) -> SnapshotInfo:
-        return SnapshotInfo.model_validate(await self._json("GET", f"/v1/snapshots/{snapshot_id}"))
+        return SnapshotInfo.model_validate(
+            await self._json("GET", f"/v1/snapshots/{_segment(snapshot_id)}")
+        )
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        _check(await self.http.delete(f"/v1/snapshots/{snapshot_id}"))
+        _check(await self.http.delete(f"/v1/snapshots/{_segment(snapshot_id)}"))
 
     async def delete_session(self, session_id: str) -> None:
-        _check(await self.http.delete(f"/v1/sessions/{session_id}"))
+        _check(await self.http.delete(f"/v1/sessions/{_segment(session_id)}"))
 
     async def keepalive(self, session_id: str) -> SessionInfo:
-        data = await self._json("POST", f"/v1/sessions/{session_id}/keepalive")
+        data = await self._json("POST", f"/v1/sessions/{_segment(session_id)}/keepalive")
         return SessionInfo.model_validate(data)
 
     async def interrupt(self, session_id: str) -> bool:
-        data = await self._json("POST", f"/v1/sessions/{session_id}/interrupt")
+        data = await self._json("POST", f"/v1/sessions/{_segment(session_id)}/interrupt")
         return bool(data["interrupted"])
 
     async def restart(self, session_id: str, language: str | None = None) -> SessionInfo:
         """A fresh kernel of `language`; every kernel the session started when None."""
         body = {"language": language} if language is not None else None
-        data = await self._json("POST", f"/v1/sessions/{session_id}/restart", json=body)
+        data = await self._json("POST", f"/v1/sessions/{_segment(session_id)}/restart", json=body)
         return SessionInfo.model_validate(data)
 
     async def network(self, session_id: str, limit: int = 100) -> NetworkReport:
         """The session's network policy and its latest `limit` connections through its proxy."""
         data = await self._json(
-            "GET", f"/v1/sessions/{session_id}/network", params={"limit": limit}
+            "GET", f"/v1/sessions/{_segment(session_id)}/network", params={"limit": limit}
         )
         return NetworkReport.model_validate(data)
 
@@ -149,7 +161,7 @@ class AsyncClient:
     async def execute(self, session_id: str, code: str, **options: Any) -> ExecutionRecord:
         """`options`: timeout_s, env, cwd, language (Python if unset)."""
         data = await self._json(
-            "POST", f"/v1/sessions/{session_id}/execute", json={"code": code, **options}
+            "POST", f"/v1/sessions/{_segment(session_id)}/execute", json={"code": code, **options}
         )
         return ExecutionRecord.model_validate(data)
 
@@ -157,7 +169,7 @@ class AsyncClient:
         self, session_id: str, code: str, **options: Any
     ) -> AsyncIterator[dict[str, Any]]:
         """Yield each NDJSON event (keepalives included); the last is `done`."""
-        url = f"/v1/sessions/{session_id}/execute/stream"
+        url = f"/v1/sessions/{_segment(session_id)}/execute/stream"
         async with self.http.stream("POST", url, json={"code": code, **options}) as response:
             if not response.is_success:
                 await response.aread()
@@ -168,7 +180,7 @@ class AsyncClient:
 
     # --- files
     async def upload(self, session_id: str, path: str, data: bytes) -> FileInfo:
-        url = f"/v1/sessions/{session_id}/files"
+        url = f"/v1/sessions/{_segment(session_id)}/files"
         response = await self.http.post(
             url, params={"path": path}, files={"file": (path.rsplit("/", 1)[-1], data)}
         )
@@ -179,19 +191,21 @@ class AsyncClient:
     ) -> list[FileInfo]:
         data = await self._json(
             "GET",
-            f"/v1/sessions/{session_id}/files",
+            f"/v1/sessions/{_segment(session_id)}/files",
             params={"path": path, "recursive": recursive},
         )
         return [FileInfo.model_validate(f) for f in data]
 
     async def download(self, session_id: str, path: str) -> bytes:
-        return _check(await self.http.get(f"/v1/sessions/{session_id}/files/{path}")).content
+        return _check(
+            await self.http.get(f"/v1/sessions/{_segment(session_id)}/files/{path}")
+        ).content
 
     async def delete_file(self, session_id: str, path: str) -> None:
-        _check(await self.http.delete(f"/v1/sessions/{session_id}/files/{path}"))
+        _check(await self.http.delete(f"/v1/sessions/{_segment(session_id)}/files/{path}"))
 
     async def artifact(self, session_id: str, artifact_id: str) -> bytes:
-        url = f"/v1/sessions/{session_id}/artifacts/{artifact_id}"
+        url = f"/v1/sessions/{_segment(session_id)}/artifacts/{artifact_id}"
         return _check(await self.http.get(url)).content
 
     # --- the tool
@@ -238,7 +252,7 @@ class AsyncClient:
         `argv=[...]`, `env`, `cwd`, `timeout_s`, ...)."""
         data = await self._json(
             "POST",
-            f"/v1/sessions/{session_id}/commands",
+            f"/v1/sessions/{_segment(session_id)}/commands",
             json=_process_body(request, fields),
             timeout=_NO_READ_TIMEOUT,
         )
@@ -249,7 +263,7 @@ class AsyncClient:
     ) -> AsyncGenerator[dict[str, Any]]:
         """Each NDJSON event: `start`, `stdout`/`stderr`/`pty` text, `keepalive`, `dropped`,
         and last `end` with the result. Closing the iterator early kills the command."""
-        url = f"/v1/sessions/{session_id}/commands/stream"
+        url = f"/v1/sessions/{_segment(session_id)}/commands/stream"
         async for event in self._ndjson("POST", url, json=_process_body(request, fields)):
             yield event
 
@@ -258,7 +272,9 @@ class AsyncClient:
     ) -> ProcessInfo:
         """Start a process in the background (a server, a watcher, a terminal)."""
         data = await self._json(
-            "POST", f"/v1/sessions/{session_id}/processes", json=_process_body(request, fields)
+            "POST",
+            f"/v1/sessions/{_segment(session_id)}/processes",
+            json=_process_body(request, fields),
         )
         return ProcessInfo.model_validate(data)
 
@@ -267,13 +283,13 @@ class AsyncClient:
     ) -> list[ProcessInfo]:
         data = await self._json(
             "GET",
-            f"/v1/sessions/{session_id}/processes",
+            f"/v1/sessions/{_segment(session_id)}/processes",
             params={"include_ended": include_ended},
         )
         return [ProcessInfo.model_validate(p) for p in data]
 
     async def process_info(self, session_id: str, pid: int) -> ProcessInfo:
-        data = await self._json("GET", f"/v1/sessions/{session_id}/processes/{pid}")
+        data = await self._json("GET", f"/v1/sessions/{_segment(session_id)}/processes/{pid}")
         return ProcessInfo.model_validate(data)
 
     async def process_output(
@@ -281,7 +297,7 @@ class AsyncClient:
     ) -> AsyncGenerator[dict[str, Any]]:
         """A process's output from now on (`replay`: the most recent kept first) as NDJSON
         events, then `end`. Closing the iterator leaves the process running."""
-        url = f"/v1/sessions/{session_id}/processes/{pid}/output"
+        url = f"/v1/sessions/{_segment(session_id)}/processes/{pid}/output"
         async for event in self._ndjson("GET", url, params={"replay": replay}):
             yield event
 
@@ -289,28 +305,30 @@ class AsyncClient:
         body = data.encode() if isinstance(data, str) else data
         _check(
             await self.http.post(
-                f"/v1/sessions/{session_id}/processes/{pid}/stdin",
+                f"/v1/sessions/{_segment(session_id)}/processes/{pid}/stdin",
                 content=body,
                 headers={"Content-Type": "application/octet-stream"},
             )
         )
 
     async def close_stdin(self, session_id: str, pid: int) -> None:
-        _check(await self.http.post(f"/v1/sessions/{session_id}/processes/{pid}/stdin/close"))
+        _check(
+            await self.http.post(f"/v1/sessions/{_segment(session_id)}/processes/{pid}/stdin/close")
+        )
 
     async def signal_process(self, session_id: str, pid: int, signal: str | int) -> None:
         """Send SIGTERM, SIGKILL, SIGINT, SIGHUP, SIGUSR1/2, SIGSTOP or SIGCONT (name or
         number) to a process and everything it started."""
-        url = f"/v1/sessions/{session_id}/processes/{pid}/signal"
+        url = f"/v1/sessions/{_segment(session_id)}/processes/{pid}/signal"
         _check(await self.http.post(url, json={"signal": signal}))
 
     async def wait_process(self, session_id: str, pid: int) -> CommandResult:
-        url = f"/v1/sessions/{session_id}/processes/{pid}/wait"
+        url = f"/v1/sessions/{_segment(session_id)}/processes/{pid}/wait"
         return CommandResult.model_validate(await self._json("POST", url, timeout=_NO_READ_TIMEOUT))
 
     async def resize_terminal(self, session_id: str, pid: int, cols: int, rows: int) -> None:
         size = TerminalSize(cols=cols, rows=rows)
-        url = f"/v1/sessions/{session_id}/processes/{pid}/resize"
+        url = f"/v1/sessions/{_segment(session_id)}/processes/{pid}/resize"
         _check(await self.http.post(url, json=size.model_dump()))
 
 

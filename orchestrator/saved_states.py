@@ -9,10 +9,13 @@ before the backend's clean-up removes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import shutil
 import time
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from orchestrator.config import Settings
@@ -51,11 +54,31 @@ class SavedStateQuotaReached(SessionError):
     status = 429
 
 
+class SnapshotInUse(SessionError):
+    """A session is being started from the snapshot: deleting its files now would break it."""
+
+    status = 409
+
+
 class SavedStates:
     def __init__(self, settings: Settings, store: SqliteStore) -> None:
         self.settings = settings
         self.store = store
         self._owner_locks: dict[str, asyncio.Lock] = {}  # one save at a time per key: quotas hold
+        self._pinned: Counter[str] = Counter()  # snapshots sessions are being started from
+
+    async def remove_unrecorded(self) -> int:
+        """At start, before any save: delete saved states' directories no row names (a save or
+        a salvage a crash cut short). Nothing else would, nor would a quota count them."""
+        found = self.store.orphan_files()
+        for path in found:
+            if path.is_dir() and not path.is_symlink():
+                await asyncio.to_thread(shutil.rmtree, path, True)
+            else:
+                path.unlink(missing_ok=True)
+        if found:
+            log.info("removed %d saved states a crash left unrecorded", len(found))
+        return len(found)
 
     def _room(self, owner: str, kind: SnapshotKind) -> int:
         """The bytes a new state of `owner`'s may take, or the refusal saying why none."""
@@ -116,8 +139,28 @@ class SavedStates:
     def list(self, owner: str) -> list[SnapshotRecord]:
         return self.store.snapshots(owner=owner, kind="snapshot")
 
+    @contextlib.contextmanager
+    def pinned(self, owner: str, snapshot_id: str | None) -> Iterator[SnapshotRecord | None]:
+        """The owner's snapshot (None for None), kept from deletion until the session started
+        from it has it: its sandbox is made between finding it and restoring it."""
+        if snapshot_id is None:
+            yield None
+            return
+        record = self.get(owner, snapshot_id)
+        self._pinned[record.id] += 1
+        try:
+            yield record
+        finally:
+            self._pinned[record.id] -= 1
+            if self._pinned[record.id] <= 0:
+                del self._pinned[record.id]
+
     def delete(self, owner: str, snapshot_id: str) -> None:
         self.get(owner, snapshot_id)
+        if self._pinned[snapshot_id] > 0:
+            raise SnapshotInUse(
+                f"a session is being started from snapshot {snapshot_id}; delete it once it has"
+            )
         self.store.delete_snapshot(snapshot_id)
 
     async def restore(self, session: Session, record: SnapshotRecord) -> RestoredState:
@@ -149,6 +192,13 @@ class SavedStates:
         snapshot_id = f"snap-{secrets.token_hex(12)}"
         where = self.store.files_of(snapshot_id)
         await asyncio.to_thread(where.mkdir, 0o700)
+        try:
+            await self._salvage_into(record, snapshot_id, where)
+        except BaseException:  # nothing is left of a failed salvage
+            await asyncio.to_thread(shutil.rmtree, where, True)
+            raise
+
+    async def _salvage_into(self, record: SessionRecord, snapshot_id: str, where: Path) -> None:
         room = max(0, self.settings.max_saved_state_bytes)
         report = SavedState()
         workspace = _left_workspace(self.settings.state_dir, record)

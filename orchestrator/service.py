@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import posixpath
+import re
 import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -191,6 +192,7 @@ class Service:
             self.outputs.clear()
             self._store = SqliteStore(s.state_dir)
             self._saved = SavedStates(s, self._store)
+            await self._saved.remove_unrecorded()
             await self.tools.start()
             self.tools.select(self.settings.host_tools.session_default)  # all must exist
             await self.sessions.start()
@@ -342,10 +344,24 @@ class Service:
             tools = self.tools.select(request.tools)
         except UnknownTools as exc:
             raise ToolsNotAvailable(str(exc)) from None
-        snapshot = None
-        if request.snapshot_id is not None:  # refused before a sandbox is made for it
-            snapshot = self.saved.get(owner, request.snapshot_id)
-            request = _from_snapshot(request, snapshot)
+        # Refused before a sandbox is made for it, and kept from deletion until restored.
+        with self.saved.pinned(owner, request.snapshot_id) as snapshot:
+            if snapshot is not None:
+                request = _from_snapshot(request, snapshot)
+            return await self._create_session(
+                owner, request, tools, snapshot, idle_timeout_s, spec, workdir
+            )
+
+    async def _create_session(
+        self,
+        owner: str,
+        request: CreateSessionRequest,
+        tools: dict[str, HostTool],
+        snapshot: SnapshotRecord | None,
+        idle_timeout_s: float | None,
+        spec: SandboxSpec | None,
+        workdir: str | None,
+    ) -> Session:
         name = request.backend or self.settings.default_backend
         backend = self.sessions.backends.get(name)
         if tools and backend is not None and not backend.supports_host_tools:
@@ -528,6 +544,13 @@ class Service:
             if session.busy or session.executions != executions:  # used while it was saved
                 self.store.delete_snapshot(saved.id)
                 raise SessionBusy("the session ran code while it was being paused; pause it again")
+        earlier = self.store.get_session(session.id)  # a paused state left by a failed pause
+        if (
+            earlier is not None
+            and earlier.saved_state
+            and earlier.saved_state != (saved.id if saved else None)
+        ):
+            self.store.delete_snapshot(earlier.saved_state)
         record = self._record_of(session)
         record.state, record.state_since = "paused", time.time()
         record.saved_state, record.suspended, record.sandbox_id = (
@@ -565,7 +588,7 @@ class Service:
         fails, the session stays paused and nothing is lost (ResumeFailed)."""
         saved = self.store.get_snapshot(record.saved_state) if record.saved_state else None
         spec = record.spec.model_copy(deep=True)
-        notices = [record.notice] if record.notice else []
+        notices: list[str] = []
         beyond = spec.network.beyond(self.settings.network_ceiling)
         if beyond:  # the operator lowered the ceiling while it was paused
             spec.network = NO_NETWORK
@@ -610,7 +633,7 @@ class Service:
                     "nothing lost: try again"
                 ) from None
             raise
-        session.notice = "resumed: " + "; ".join(notices) if notices else "resumed"
+        session.notice = pending_notice(record.notice, notices)
         session.state_lost = record.state_lost
         self.store.put_session(self._record_of(session))
         if saved is not None:
@@ -626,6 +649,8 @@ class Service:
             return
         async with self._lock_of(session.id):
             if self.sessions.live(session.id) is not session or session.busy:
+                return
+            if self.sessions.overdue(session) is None:  # used while the lock was awaited
                 return
             try:
                 await self._pause(session)
@@ -662,11 +687,16 @@ class Service:
     async def _sweep_paused(self) -> None:
         """Delete paused sessions past their retention, with everything kept for them."""
         retention = self.settings.paused_retention_s
-        for record in self.store.sessions(state="paused", before=time.time() - retention):
-            async with self._lock_of(record.id):
-                if self.sessions.live(record.id) is None:
-                    log.info("session %s deleted after %g s paused", record.id, retention)
-                    await self._delete_paused(record, f"was deleted after {retention:g} s paused")
+        for listed in self.store.sessions(state="paused", before=time.time() - retention):
+            async with self._lock_of(listed.id):
+                # Read again under its lock: resumed (and maybe paused afresh) meanwhile?
+                record = self.store.get_session(listed.id)
+                if record is None or record.state != "paused" or self.sessions.live(record.id):
+                    continue
+                if record.state_since >= time.time() - retention:
+                    continue
+                log.info("session %s deleted after %g s paused", record.id, retention)
+                await self._delete_paused(record, f"was deleted after {retention:g} s paused")
 
     async def snapshot_session(self, session: Session, name: str | None = None) -> SnapshotInfo:
         """Save a running session's variables and files under a name, to start sessions from;
@@ -1135,11 +1165,37 @@ def snapshot_info(record: SnapshotRecord) -> SnapshotInfo:
     )
 
 
+_RESUMED = "resumed"
+# What each restore says first; the latest one's is the one that holds.
+_RESTORED_COUNTS = re.compile(r"\d+ variable\(s\) and \d+ file\(s\) restored\.?")
+
+
+def pending_notice(earlier: str | None, parts: list[str]) -> str:
+    """A resume's notice, with what an earlier one (or a restart, or a fork) said that no
+    execution has told yet: each thing once, so repeated pauses and resumes between two
+    executions do not make it grow (of the restores' counts, the latest holds)."""
+    pieces: list[str] = []
+    for whole in ([earlier.removeprefix(f"{_RESUMED}: ")] if earlier else []) + parts:
+        for piece in whole.split("; "):
+            if piece in ("", _RESUMED) or piece in pieces:
+                continue
+            if _RESTORED_COUNTS.fullmatch(piece):
+                pieces = [p for p in pieces if not _RESTORED_COUNTS.fullmatch(p)]
+            pieces.append(piece)
+    return f"{_RESUMED}: " + "; ".join(pieces) if pieces else _RESUMED
+
+
 def _from_snapshot(request: CreateSessionRequest, snapshot: SnapshotRecord) -> CreateSessionRequest:
-    """A request starting from a snapshot: its backend and limits unless the request says."""
+    """A request starting from a snapshot: its backend, limits, image and runtime unless the
+    request says (the image and runtime are checked as if asked for)."""
     update: dict[str, object] = {}
     if request.backend is None:
         update["backend"] = snapshot.backend
     if request.limits is None:
         update["limits"] = LimitsRequest.model_validate(snapshot.spec.limits.model_dump())
+    if (request.backend or snapshot.backend) == snapshot.backend:  # its image and runtime too:
+        if request.image is None and snapshot.spec.image is not None:  # its modules are there
+            update["image"] = snapshot.spec.image
+        if request.runtime is None and snapshot.spec.runtime is not None:
+            update["runtime"] = snapshot.spec.runtime
     return request.model_copy(update=update)

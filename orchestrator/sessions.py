@@ -255,7 +255,7 @@ class SessionManager:
         session = self._sessions.get(session_id)
         if session is not None and session.owner == owner:
             why = self._expiry(session)
-            if why is not None and session.on_idle == "pause" and self._on_expiry is not None:
+            if why is not None and self._would_pause(session):
                 return session  # it would be paused, then woken by this very call: keep it
             if why is not None:
                 # Found expired before the reaper's turn: end it now and say so.
@@ -267,6 +267,14 @@ class SessionManager:
             raise SessionExpired(f"session {session_id} {ended[1]}")
         # Another key's session is reported exactly like a missing one.
         raise SessionNotFound(f"no session {session_id}")
+
+    def _would_pause(self, session: Session) -> bool:
+        """Whether its expiry pauses it (else it ends: `idle_action=end` answers 410)."""
+        return (
+            session.on_idle == "pause"
+            and self.settings.idle_action == "pause"
+            and self._on_expiry is not None
+        )
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
@@ -322,6 +330,10 @@ class SessionManager:
 
     # ----------------------------------------------------------------------------------------
 
+    def overdue(self, session: Session) -> str | None:
+        """Why the session is past its time, or None."""
+        return self._expiry(session)
+
     def _expiry(self, session: Session) -> str | None:
         s = self.settings
         if session.age() > s.max_lifetime_s:
@@ -334,9 +346,10 @@ class SessionManager:
     async def reap(self) -> int:
         """End every session past its time; return how many."""
         due = [(sid, why) for sid, x in self._sessions.items() if (why := self._expiry(x))]
-        for sid, why in due:
+        for sid, _ in due:
             session = self._sessions.get(sid)
-            if session is None or session.busy:  # gone, or in use again since
+            # Gone, or in use again since (the expiries before it may have taken a while).
+            if session is None or session.busy or (why := self._expiry(session)) is None:
                 continue
             log.info("session %s %s", sid, why)
             METRICS.sessions_expired.inc()

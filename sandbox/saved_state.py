@@ -27,7 +27,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, ValidationError
 
 from sandbox.backends.base import Sandbox
-from sandbox.errors import SandboxError, StateNotSaved
+from sandbox.errors import FileMissing, FileTooLarge, SandboxError, StateNotSaved
 from sandbox.inside_kernel import namespace_state
 from sandbox.languages import PYTHON
 from sandbox.models import FileInfo
@@ -70,12 +70,13 @@ class SavedState(KernelReport):
     )
     namespace_bytes: int = 0
     workspace_bytes: int = 0
+    details_bytes: int = 0  # the description of the files' modes, times and links
     files: int = 0
     saved_at: float = Field(default_factory=time.time)
 
     @property
     def bytes(self) -> int:
-        return self.namespace_bytes + self.workspace_bytes
+        return self.namespace_bytes + self.workspace_bytes + self.details_bytes
 
 
 class RestoredState(BaseModel):
@@ -120,9 +121,14 @@ async def save_state(
     state = SavedState(other_languages=[x for x in _started(sandbox) if x != PYTHON])
     staged = _staged()
     try:
+        # The files' description first (small): the namespace then takes what room is left.
+        state.details_bytes = await _save_file_details(
+            sandbox, into / FILE_DETAILS, timeout_s, max_bytes
+        )
+        room = max_bytes - state.details_bytes
         report = await _run_internal(
             sandbox,
-            _call("save", posixpath.join(sandbox.spec.workdir, staged), max_bytes),
+            _call("save", posixpath.join(sandbox.spec.workdir, staged), room),
             timeout_s,
         )
         if "error" in report:
@@ -134,9 +140,8 @@ async def save_state(
                 raise StateNotSaved("the kernel's report on its state was not understood") from None
             state = state.model_copy(update=told.model_dump())
             state.namespace_bytes = await sandbox.export_file(
-                staged, into / NAMESPACE_FILE, max_bytes=max_bytes
+                staged, into / NAMESPACE_FILE, max_bytes=room
             )
-        await _save_file_details(sandbox, into / FILE_DETAILS, timeout_s)
     finally:
         with contextlib.suppress(SandboxError):
             await sandbox.remove_file(STAGING_DIR)
@@ -145,22 +150,29 @@ async def save_state(
         return await sandbox.list_files("", recursive=True)
 
     state.workspace_bytes, state.files = await copy_files_out(
-        listed, sandbox.export_file, into / FILES_DIR, max_bytes - state.namespace_bytes
+        listed, sandbox.export_file, into / FILES_DIR, max_bytes - state.bytes
     )
     await asyncio.to_thread((into / REPORT_FILE).write_text, state.model_dump_json(), "utf-8")
     return state
 
 
-async def _save_file_details(sandbox: Sandbox, dest: Path, timeout_s: float) -> None:
+async def _save_file_details(sandbox: Sandbox, dest: Path, timeout_s: float, room: int) -> int:
     """Have the kernel describe the workspace's modes, times and links (inside the sandbox,
-    as its own user), and keep that beside the files."""
+    as its own user), and keep that beside the files, within `room` bytes; its size."""
     staged = posixpath.join(STAGING_DIR, f"{secrets.token_hex(8)}.json")
     root = sandbox.spec.workdir
     where = posixpath.join(root, staged)
     await _run_internal(
         sandbox, _call("describe_files", root, STAGING_DIR, where, _MAX_DETAILED), timeout_s
     )
-    await sandbox.export_file(staged, dest, max_bytes=_MAX_DETAILS_BYTES)
+    most = min(_MAX_DETAILS_BYTES, room)
+    try:
+        return await sandbox.export_file(staged, dest, max_bytes=most)
+    except FileTooLarge:
+        raise StateTooLarge(
+            f"the description of the workspace's files is over the {most} bytes it may take; "
+            "remove some files first"
+        ) from None
 
 
 def read_report(source: Path) -> SavedState:
@@ -230,8 +242,8 @@ async def copy_files_out(
 ) -> tuple[int, int]:
     """Copy a workspace's files (`listed`; each by `export(path, to, max_bytes=...)`) into the
     directory `dest`; (their bytes, how many files). The staging directory is left out; so is
-    what is not a file or a directory (links, sockets). `StateTooLarge` past `max_bytes` or too
-    many entries."""
+    what is not a file or a directory (links, sockets), and a file removed since it was listed.
+    `StateTooLarge` past `max_bytes` or too many entries."""
     entries = await listed()
     if len(entries) >= _MAX_ENTRIES:
         raise StateTooLarge(
@@ -257,7 +269,11 @@ async def copy_files_out(
                 f"the workspace's files are over the state limit of {max_bytes} bytes; "
                 "remove some first"
             )
-        total += await export(entry.path, target, max_bytes=room)
+        try:
+            total += await export(entry.path, target, max_bytes=room)
+        except FileMissing:  # removed since it was listed (code still runs): not in the state
+            await asyncio.to_thread(target.unlink, True)
+            continue
         files += 1
     return total, files
 

@@ -20,6 +20,7 @@ import os
 import re
 import stat
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,9 @@ _GROUP = "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n"
 # manifest); the kernel directory holds connection files and sockets.
 _ROOT_TMPFS = "size=4m,nr_inodes=1024"
 _KERNEL_TMPFS = "size=1m,nr_inodes=256"
+# A directory without an owner file is an orphan only once older than this: another process may
+# be making it now (tests run several orchestrators on one state dir; a service runs alone).
+_OWNERLESS_GRACE_S = 120.0
 
 
 def default_state_dir() -> Path:
@@ -163,10 +167,19 @@ class SessionDirs:
                 owner = None
             if owner and process_start_time(int(owner["pid"])) == owner.get("start"):
                 continue  # its orchestrator is alive
+            if owner is None and _younger_than(entry, _OWNERLESS_GRACE_S):
+                continue  # being made right now (its owner file comes after its mounts)
             log.info("removing orphaned sandbox directory %s", entry)
             _remove_tree(entry)
             removed.append(entry.name)
         return removed
+
+
+def _younger_than(path: Path, seconds: float) -> bool:
+    try:
+        return time.time() - path.lstat().st_mtime < seconds
+    except OSError:
+        return False
 
 
 def _mount_tmpfs(path: Path, options: str) -> None:

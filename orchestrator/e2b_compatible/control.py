@@ -244,6 +244,8 @@ async def list_sandboxes(
     """Running and paused ones (those `state` names), newest first unless `order` says; a page
     at a time, `X-Next-Token` naming the next."""
     wanted = _metadata_query(metadata)
+    if started_after is not None and started_after.tzinfo is None:
+        raise E2BError(400, "startedAfter needs a UTC offset (e.g. 2025-01-01T00:00:00Z or +02:00)")
     states = set(state.split(",")) if state else {"running", "paused"}
     if unknown := states - {"running", "paused"}:
         raise E2BError(400, f"unknown sandbox state {sorted(unknown)}: use running, paused")
@@ -344,6 +346,8 @@ async def connect(
     except (KeyError, TypeError, ValueError) as exc:
         raise E2BError(400, f"invalid connect request: {exc}") from None
     record, found = await sandboxes.found(sandbox_id, owner)
+    if record.pausing:  # not "running": it is paused a moment from now
+        raise E2BError(409, f"sandbox {sandbox_id} is being paused: connect again once it is")
     if not isinstance(found, Session):
         if request.memory is False:
             raise E2BError(

@@ -148,6 +148,9 @@ async def execute(
                     elif isinstance(item, Dropped):  # E2B's stream has no other way to say it
                         yield _encode(_line(StderrEvent(text=item.message)) or {})
                     elif isinstance(item, Finished):
+                        if item.value.notice:  # a resume's: what came back and what did not
+                            notice = StderrEvent(text=f"[notice] {item.value.notice}\n")
+                            yield _encode(_line(notice) or {})
                         count = item.value.execution_count
                         if count is not None:
                             line = {"type": "number_of_executions", "execution_count": count}

@@ -321,12 +321,15 @@ class E2BSandboxes:
             (token or "").encode(), record.token.encode()
         ):
             raise SandboxGone(sandbox_id)  # like a missing one: ids are not confirmed
+        if record.pausing and record.paused_on_purpose and not record.auto_resume:
+            # Being paused: gone already, rather than woken the moment the pause is done.
+            raise SandboxGone(sandbox_id)
         found = self.service.session_state(record.session_id, record.owner)
         if isinstance(found, SessionRecord):
             if record.paused_on_purpose and not record.auto_resume:
                 raise SandboxGone(sandbox_id)
             try:
-                return record, await self.resume(record, record.timeout_s)
+                return record, await self.resume(record, None)
             except SessionError:
                 raise SandboxGone(sandbox_id) from None
         try:
@@ -373,8 +376,8 @@ class E2BSandboxes:
                 "the sandbox is running code: wait for it, or interrupt it, then pause"
             )
         record.paused_on_purpose = record.pausing = True
-        self.keep(record, session)
         try:
+            self.keep(record, session)
             await self.service.pause_session(record.session_id, record.owner)
         except BaseException:
             record.paused_on_purpose = False
@@ -390,13 +393,18 @@ class E2BSandboxes:
                     "context %s of %s was not paused: %s", context.id, record.sandbox_id, exc
                 )
 
-    async def resume(self, record: E2BRecord, timeout_s: float) -> Session:
-        """Resume the sandbox's session and arm its timeout again; its contexts wake on their
-        next use (the service resumes a paused session on the call that finds it)."""
+    async def resume(self, record: E2BRecord, timeout_s: float | None) -> Session:
+        """Resume the sandbox's session and arm its timeout again (`timeout_s`, or None: its
+        last one, if it has an E2B timeout at all; a /v1 session keeps its idle expiry); its
+        contexts wake on their next use (the service resumes a paused session on the call
+        that finds it)."""
         await self.service.resume_session(record.session_id, record.owner)
         session = await self.service.get_session(record.session_id, record.owner)
         record.paused_on_purpose = record.seen_paused = False
-        record.set_timeout(timeout_s)
+        if timeout_s is not None:
+            record.set_timeout(timeout_s)
+        elif record.deadline is not None:
+            record.set_timeout(record.timeout_s)
         self.keep(record, session)
         return session
 
@@ -457,9 +465,12 @@ class E2BSandboxes:
                 continue
             if record.seen_paused or record.paused_on_purpose:
                 # Woken by another door (a /v1 call, the service's lazy resume): its timeout
-                # starts again, as a connect's would, rather than ending it at once.
+                # starts again, as a connect's would, rather than ending it at once. One that
+                # never had an E2B timeout (a /v1 session the front only listed) gets none:
+                # the service's idle expiry still governs it.
                 record.paused_on_purpose = record.seen_paused = False
-                record.set_timeout(record.timeout_s)
+                if record.deadline is not None:
+                    record.set_timeout(record.timeout_s)
                 self.keep(record, found)
             if record.deadline is None:
                 continue

@@ -172,6 +172,7 @@ def describe_files(root: str, skip: str, out: str, most: int) -> dict[str, Any]:
                     entries.append([rel, "path", None, st.st_mode & 0o7777, st.st_mtime])
             except OSError:
                 continue
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         json.dump(entries, f)
     return {"entries": len(entries), "truncated": truncated}

@@ -106,6 +106,22 @@ def test_pause_holds_nothing_and_connect_brings_everything_back(sdk: Server, tem
     back.kill()
 
 
+def test_what_a_resume_could_not_bring_back_is_said(sdk: Server, template: str) -> None:
+    """docs/e2b.md: what could not be saved is named in the next execution's notice. E2B's
+    stream has no notice field: it comes as that execution's stderr, once."""
+    sbx = Sandbox.create(template=template)
+    sbx.run_code("kept = 1\nrunning = (i for i in range(3))")
+    assert sbx.pause() is True
+    back = Sandbox.connect(sbx.sandbox_id)
+    first = back.run_code("kept")
+    assert first.text == "1", first
+    told = "".join(first.logs.stderr)
+    assert "running" in told and "not saved" in told, first.logs
+    again = back.run_code("kept")
+    assert again.logs.stderr == [], again.logs  # said once
+    back.kill()
+
+
 def test_a_sandbox_running_code_is_not_paused(sdk: Server) -> None:
     sbx = Sandbox.create()
     with ThreadPoolExecutor(1) as pool:

@@ -31,7 +31,7 @@ from code_interpreter_client.agents_sandbox import (
     CodeInterpreterSandboxClientOptions,
     CodeInterpreterSandboxSession,
 )
-from code_interpreter_client.http_client import Client
+from code_interpreter_client.http_client import APIError, Client
 from tests.integrations.test_agents_sandbox import ScriptedModel, Step
 from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
 
@@ -211,8 +211,7 @@ async def test_a_woken_session_keeps_its_variables_and_gets_back_what_the_pause_
     server: Server, backend_name: str, tmp_path: Path
 ) -> None:
     """pause_on_exit: shut down, the session is paused, not ended; resumed, it is the same
-    session with its kernel's variables. The pause does not keep modes or links, so the
-    workspace no longer matches its fingerprint and the SDK's snapshot puts them back."""
+    session with its kernel's variables, and its files' modes and links."""
     client = CodeInterpreterSandboxClient(base_url=server.url, api_key=KEY_A)
     options = CodeInterpreterSandboxClientOptions(backend=backend_name, pause_on_exit=True)
     session = await client.create(snapshot=LocalSnapshotSpec(base_path=tmp_path), options=options)
@@ -383,3 +382,47 @@ async def test_embedded_sandboxes_refuse_pause_and_service_snapshots() -> None:
     ):
         with pytest.raises(ValueError, match="needs a running service"):
             await client.create(options=options)
+
+
+async def test_a_resume_that_fails_leaves_the_paused_session_to_try_again(
+    server: Server, backend_name: str, tmp_path: Path
+) -> None:
+    """pause_on_exit: the service cannot wake the paused session (its saved state does not
+    read) and says it stays paused, nothing lost. The client's resume fails with that; it must
+    not end the session on its way out, so a resume once the state reads again finds it."""
+    client = CodeInterpreterSandboxClient(base_url=server.url, api_key=KEY_A)
+    options = CodeInterpreterSandboxClientOptions(backend=backend_name, pause_on_exit=True)
+    session = await client.create(snapshot=LocalSnapshotSpec(base_path=tmp_path), options=options)
+    saved = server.state_dir / "snapshots"
+    before = set(saved.iterdir()) if saved.is_dir() else set()
+    async with session:
+        inner = session._inner
+        assert isinstance(inner, CodeInterpreterSandboxSession)
+        await inner.code_session.execute("counter = 7")
+        code_session_id = inner.code_session.session_id
+    (paused_state,) = set(saved.iterdir()) - before
+    report = paused_state / "state.json"
+    kept = report.read_bytes()
+    report.write_text("not a report")
+    state = client.deserialize_session_state(client.serialize_session_state(session.state))
+    try:
+        with pytest.raises(APIError) as failed:
+            await client.resume(state)
+        assert failed.value.status == 503, failed.value
+        with Client(server.url, KEY_A) as api:
+            assert [(s.id, s.state) for s in api.list_sessions()] == [
+                (code_session_id, "paused")
+            ], "a failed resume ended the paused session"
+        report.write_bytes(kept)
+        resumed = await client.resume(state)
+        inner = resumed._inner
+        assert isinstance(inner, CodeInterpreterSandboxSession)
+        assert inner.code_session.session_id == code_session_id
+        assert (await inner.code_session.execute("counter * 6")).text == "42"
+        resumed.state.pause_on_exit = False  # this time it ends
+        await resumed.shutdown()
+    finally:
+        await client.close()
+        with Client(server.url, KEY_A) as api:
+            for left in api.list_sessions():
+                api.delete_session(left.id)

@@ -247,3 +247,25 @@ def test_a_session_resumed_under_a_lower_ceiling_gets_no_more_network() -> None:
     finally:
         srv.stop()
         shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+@pytest.mark.skipif("docker" not in service_backends(), reason="images are Docker's")
+def test_a_fork_starts_on_its_snapshots_image() -> None:
+    from kernel_images.labels import FULL_IMAGE
+
+    srv = make_server(docker_images=f"code-interpreter-kernel:latest,{FULL_IMAGE}")
+    srv.start()
+    try:
+        with srv.client() as api:
+            sid = start(api, "docker", image=FULL_IMAGE)
+            run(api, sid, "import plotly.graph_objects as go; fig = go.Figure()")
+            snap = api.post(f"/v1/sessions/{sid}/snapshots", json={}).json()
+            api.delete(f"/v1/sessions/{sid}")
+            fork = start(api, "docker", snapshot_id=snap["id"])
+            done = run(api, fork, "print(type(fig).__name__)")
+            assert str(done["stdout"]).strip() == "Figure", done
+            api.delete(f"/v1/sessions/{fork}")
+            api.delete(f"/v1/snapshots/{snap['id']}")
+    finally:
+        srv.stop()
+        shutil.rmtree(srv.state_dir.parent, ignore_errors=True)

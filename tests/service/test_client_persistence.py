@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from code_interpreter_client import APIError, Client, CodeSession
-from tests.service.conftest import KEY_A, KEY_B, Server
+from tests.service.conftest import KEY_A, KEY_B, Server, service_backends
 
 
 def test_the_client_pauses_resumes_and_starts_sessions_from_snapshots(server: Server) -> None:
@@ -85,3 +85,46 @@ def test_a_session_to_reuse_and_a_snapshot_to_start_from_are_not_both_given(
 ) -> None:
     with pytest.raises(ValueError, match="not both"):
         CodeSession.remote(server.url, KEY_A, "s-1", snapshot_id="snap-1")
+
+
+@pytest.mark.parametrize("backend", service_backends())
+def test_a_plain_pause_keeps_file_modes_and_links(server: Server, backend: str) -> None:
+    """docs/client.md and docs/persistence.md on what a pause keeps of the files: an
+    executable's mode and a symbolic link come back with a plain pause and resume."""
+    with Client(server.url, KEY_A) as api:
+        sid = api.create_session(backend=backend).id
+        try:
+            made = api.execute(
+                sid,
+                "import os\nopen('run.sh', 'w').write('echo ran')\nos.chmod('run.sh', 0o755)\n"
+                "os.symlink('run.sh', 'link.sh')",
+            )
+            assert made.status == "ok", made
+            assert api.pause(sid).state == "paused"
+            api.resume(sid)
+            seen = api.execute(
+                sid,
+                "import os, stat\n"
+                "print(oct(stat.S_IMODE(os.stat('run.sh').st_mode)), os.path.islink('link.sh'),"
+                " os.readlink('link.sh'))",
+            )
+            assert seen.stdout.split() == ["0o755", "True", "run.sh"], seen
+        finally:
+            api.delete_session(sid)
+
+
+def test_an_id_is_one_path_segment_not_a_path(server: Server) -> None:
+    """A snapshot id the client is handed (by a model, from a store) is sent as one segment:
+    one made of `..` and slashes is a missing snapshot, never another route of the key's
+    (`DELETE /v1/snapshots/../sessions/<id>` would end that session)."""
+    with Client(server.url, KEY_A) as api:
+        sid = api.create_session().id
+        try:
+            with pytest.raises(APIError) as missing:
+                api.delete_snapshot(f"../sessions/{sid}")
+            assert missing.value.status == 404, missing.value
+            with pytest.raises(APIError):
+                api.get_snapshot(f"../sessions/{sid}")
+            assert api.get_session(sid).state == "running", "a snapshot call reached the session"
+        finally:
+            api.delete_session(sid)

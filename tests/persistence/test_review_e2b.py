@@ -1,0 +1,174 @@
+"""Review of the E2B front's pause, resume and listing (issue 18): defects found, each pinned
+by a test that failed before its fix. The service and its sessions are real (an in-process
+`Service` on the local backend, real kernels); only the E2B front's clock is moved forward,
+where a test must show what a timeout minutes away would do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import Response
+
+from orchestrator.config import Settings
+from orchestrator.e2b_compatible import control
+from orchestrator.e2b_compatible.errors import E2BError
+from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BSandboxes, SandboxGone
+from orchestrator.schemas import CreateSessionRequest
+from orchestrator.service import Service
+from orchestrator.sessions import Session
+from orchestrator.state_store.records import SessionRecord
+from tests.conftest import require_backend
+from tests.service.conftest import KEY_A, Server, make_server
+
+pytestmark = pytest.mark.timeout(300)
+OWNER = "key-a"
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    require_backend("local")
+    root = Path(tempfile.mkdtemp(prefix="cir-review-", dir="/tmp"))
+    root.chmod(0o711)  # sandboxes run as another uid: they must reach their state dir
+    settings = Settings(
+        backends=["local"],
+        default_backend="local",
+        state_dir=root / "state",
+        orchestrator_id=f"review-{uuid.uuid4().hex[:8]}",
+        api_keys=["key-a"],
+    )
+    running = Service(settings)
+    await running.start()
+    try:
+        yield running
+    finally:
+        await running.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_v1_session_the_e2b_front_looked_at_is_not_killed_by_an_e2b_timeout(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session made through /v1 has no E2B timeout: the service's idle expiry governs it.
+    Listing E2B sandboxes (`GET /v2/sandboxes`) adopts it as a sandbox without one. Paused by
+    the service's idle expiry and woken by its /v1 client, it must not be given E2B's 300 s
+    timeout, which would then kill it, in use or not."""
+    sandboxes = E2BSandboxes(service)
+    session = await service.create_session(OWNER, CreateSessionRequest())
+    await service.pause_session(session.id, OWNER)  # as the service's idle expiry does
+    await sandboxes.found(session.id, OWNER)  # what listing the key's sandboxes does
+    await sandboxes.sweep()  # the E2B sweeper sees it paused
+    await service.get_session(session.id, OWNER)  # its /v1 client's next call wakes it
+    await sandboxes.sweep()
+
+    later = time.time() + DEFAULT_TIMEOUT_S + 60  # past any E2B timeout armed just now
+    with monkeypatch.context() as clock:
+        clock.setattr(time, "time", lambda: later)
+        await sandboxes.sweep()
+    assert isinstance(service.session_state(session.id, OWNER), Session), (
+        "the E2B front killed a /v1 session it had only listed"
+    )
+    await service.end_session(session.id, OWNER)
+
+
+async def test_data_plane_traffic_that_wakes_a_v1_session_arms_no_e2b_timeout(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a /v1 session reached through E2B's data plane (its token had from a
+    connect) after the service's idle expiry paused it: woken by that traffic, it keeps the
+    service's idle expiry rather than a 300 s E2B timeout nobody asked for."""
+    sandboxes = E2BSandboxes(service)
+    session = await service.create_session(OWNER, CreateSessionRequest())
+    record, _ = await sandboxes.found(session.id, OWNER)  # what a connect does first
+    await service.pause_session(session.id, OWNER)  # as the service's idle expiry does
+    await sandboxes.reachable(session.id, record.token)  # E2B data-plane traffic wakes it
+
+    later = time.time() + DEFAULT_TIMEOUT_S + 60
+    with monkeypatch.context() as clock:
+        clock.setattr(time, "time", lambda: later)
+        await sandboxes.sweep()
+    assert isinstance(service.session_state(session.id, OWNER), Session), (
+        "the E2B front killed a /v1 session its data plane had woken"
+    )
+    await service.end_session(session.id, OWNER)
+
+
+async def test_data_plane_traffic_during_a_pause_does_not_undo_it(service: Service) -> None:
+    """`sbx.pause()` answered True: the sandbox is paused, and stays so until a connect. A
+    data-plane call that arrives while the pause is under way finds it gone (E2B's 502), as it
+    would once paused; it must not wait for the pause and then wake the sandbox at once."""
+    sandboxes = E2BSandboxes(service)
+    session = await service.create_session(OWNER, CreateSessionRequest())
+    await service.execute(session, "x = 1")
+    record, _ = await sandboxes.found(session.id, OWNER)
+    pausing = asyncio.ensure_future(sandboxes.pause(record, session))
+    await asyncio.sleep(0)  # the pause begins (then saves the kernel's state, which takes a while)
+    assert record.pausing
+    try:
+        with pytest.raises(SandboxGone):
+            await sandboxes.reachable(session.id, record.token)
+    finally:
+        await pausing
+    assert isinstance(service.session_state(session.id, OWNER), SessionRecord), (
+        "traffic during the pause woke the sandbox it had just paused"
+    )
+    await sandboxes.kill(record)
+
+
+async def test_a_connect_during_a_pause_says_so_rather_than_running(service: Service) -> None:
+    """E2B's connect answers 200 only for a running sandbox. One that arrives while a pause is
+    under way must not say "running" (the sandbox is paused a moment later, and the client's
+    next call finds it gone): it is refused with E2B's 409, to connect again once paused."""
+    sandboxes = E2BSandboxes(service)
+    session = await service.create_session(OWNER, CreateSessionRequest())
+    await service.execute(session, "x = 1")
+    record, _ = await sandboxes.found(session.id, OWNER)
+    pausing = asyncio.ensure_future(sandboxes.pause(record, session))
+    await asyncio.sleep(0)
+    assert record.pausing
+    try:
+        with pytest.raises(E2BError) as refused:
+            await control.connect(session.id, {}, Response(), service, sandboxes, OWNER)
+        assert refused.value.status == 409, refused.value
+    finally:
+        await pausing
+    back = Response()
+    await control.connect(session.id, {}, back, service, sandboxes, OWNER)  # now it resumes
+    assert back.status_code == 201
+    await sandboxes.kill(record)
+
+
+@pytest.fixture(scope="module")
+def e2b_server() -> Iterator[Server]:
+    srv = make_server().start()
+    yield srv
+    srv.stop()
+    shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+def test_a_started_after_without_an_offset_is_a_bad_request_not_a_500(
+    e2b_server: Server,
+) -> None:
+    """`startedAfter` is compared with the sandboxes' start times (which carry an offset): a
+    time without one is refused with a 400 that says what to send."""
+    headers = {"X-API-KEY": KEY_A}
+    with httpx.Client(base_url=e2b_server.url, headers=headers, timeout=120) as api:
+        made = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60})
+        assert made.status_code == 201, made.text
+        sid = made.json()["sandboxID"]
+        try:
+            listed = api.get("/v2/sandboxes", params={"startedAfter": "2020-01-01T00:00:00"})
+            assert listed.status_code == 400, listed.text
+            assert "offset" in listed.json()["message"], listed.text
+            aware = api.get("/v2/sandboxes", params={"startedAfter": "2020-01-01T00:00:00Z"})
+            assert aware.status_code == 200 and sid in [x["sandboxID"] for x in aware.json()]
+        finally:
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204

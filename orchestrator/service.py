@@ -233,6 +233,11 @@ class Service:
             await self._forget_record(session_id)
         # Off the loop: it may wait for a save writing a large execution, then delete files.
         await asyncio.to_thread(self.outputs.drop, session_id)
+        await self._close_channels(session_id)
+
+    async def _close_channels(self, session_id: str) -> None:
+        """Close what a session's sandbox reaches the host through: its tool channel and its
+        egress proxy (when it ends, is paused, or fails to resume)."""
         channel = self._channels.pop(session_id, None)
         if channel is not None:
             channel.close()
@@ -560,10 +565,7 @@ class Service:
         )
         record.notice = session.notice
         self.store.put_session(record)
-        channel = self._channels.pop(session.id, None)
-        if channel is not None:
-            channel.close()
-        await self.egress.close(session.id)
+        await self._close_channels(session.id)
         await self.sessions.release(session.id)
         METRICS.sessions_paused.inc()
         log.info(
@@ -618,10 +620,7 @@ class Service:
             elif record.suspended is not None:
                 notices.append("its whole sandbox was paused and resumed by its backend")
         except BaseException as exc:
-            channel = self._channels.pop(session.id, None)
-            if channel is not None:
-                channel.close()
-            await self.egress.close(session.id)
+            await self._close_channels(session.id)
             if record.suspended is not None:  # paused again as it was, not killed
                 with contextlib.suppress(Exception):
                     record.suspended = await session.sandbox.suspend() or record.suspended

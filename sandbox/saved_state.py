@@ -108,8 +108,9 @@ def _call(function: str, *args: object) -> str:
     return f"__import__('builtins').exec({source}, {{'__name__': '_cir_state'}})"
 
 
-def _staged() -> str:
-    return posixpath.join(STAGING_DIR, f"{secrets.token_hex(8)}.dill")
+def _staged(suffix: str = ".dill") -> str:
+    """A fresh name in the staging directory, for one file passed between host and kernel."""
+    return posixpath.join(STAGING_DIR, f"{secrets.token_hex(8)}{suffix}")
 
 
 async def save_state(
@@ -159,7 +160,7 @@ async def save_state(
 async def _save_file_details(sandbox: Sandbox, dest: Path, timeout_s: float, room: int) -> int:
     """Have the kernel describe the workspace's modes, times and links (inside the sandbox,
     as its own user), and keep that beside the files, within `room` bytes; its size."""
-    staged = posixpath.join(STAGING_DIR, f"{secrets.token_hex(8)}.json")
+    staged = _staged(".json")
     root = sandbox.spec.workdir
     where = posixpath.join(root, staged)
     await _run_internal(
@@ -190,7 +191,7 @@ async def restore_state(
     restored, problem = 0, state.namespace_error
     try:
         if await asyncio.to_thread((source / FILE_DETAILS).exists):
-            staged = _staged()
+            staged = _staged(".json")
             await sandbox.import_file(staged, source / FILE_DETAILS)
             root, where = sandbox.spec.workdir, posixpath.join(sandbox.spec.workdir, staged)
             await _run_internal(sandbox, _call("apply_files", root, where), timeout_s)

@@ -410,7 +410,7 @@ class DockerSandbox(KernelSandbox):
         launcher = self._launcher
         return DockerSpawner(
             launcher.client,
-            lambda: launcher.current_name,
+            lambda: (launcher.current_name, launcher.current_exited),
             f"{launcher.uid}:{launcher.uid}",
             launcher.process_environment,
         )
@@ -504,6 +504,8 @@ class _ContainerLauncher:
         self.channel = channel
         self.generation = 0
         self.current_name: str | None = None
+        # Resolved when the current kernel's container dies or is removed (its processes with it).
+        self.current_exited: asyncio.Future[KernelExit] | None = None
 
     async def containers_gone(self) -> bool:
         """Whether the engine holds no container of this sandbox any more."""
@@ -558,6 +560,7 @@ class _ContainerLauncher:
             raise
         if self.language == PYTHON:  # processes run beside Python's kernel
             self.current_name = name
+            self.current_exited = process.exited
         return process
 
     def process_environment(self) -> dict[str, str]:

@@ -55,6 +55,9 @@ START_TIMEOUT_S = 60.0  # for the wrapper's first line, on a loaded engine
 _PID_PREFIX = b"cir-pid "
 _NO_DIRECTORY = b"cir-no-directory"
 _FIRST_LINE_MAX = 4096
+# Once its container died, output still in flight has this long to arrive before the
+# connection of one of its processes is closed.
+_DRAIN_AFTER_DEATH_S = 1.0
 # $1 working directory, $2 terminal size for stty (or empty), then the command.
 _WRAPPER = (
     'cd -- "$1" 2>/dev/null || { echo cir-no-directory >&2; exit 126; }; '
@@ -87,7 +90,7 @@ class DockerSpawner(Spawner):
     def __init__(
         self,
         client: docker.DockerClient,
-        container: Callable[[], str | None],
+        container: Callable[[], tuple[str | None, asyncio.Future[Any] | None]],
         user: str,
         environment: Callable[[], dict[str, str]],
     ) -> None:
@@ -97,7 +100,7 @@ class DockerSpawner(Spawner):
         self._environment = environment
 
     async def spawn(self, request: ProcessRequest) -> DockerProcess:
-        container = self._container()
+        container, container_exited = self._container()
         if container is None:
             raise SandboxError("the sandbox's kernel is not running; restart it and try again")
         marker = f"{MARKER_VARIABLE}={secrets.token_hex(12)}"
@@ -147,6 +150,8 @@ class DockerSpawner(Spawner):
             stdin=request.stdin or tty,
             marker=marker,
         )
+        if container_exited is not None:
+            process.end_with(container_exited)
         try:
             await asyncio.wait_for(process.read_pid(), START_TIMEOUT_S)
         except BaseException as exc:
@@ -222,6 +227,13 @@ def _send_signal(
             time.sleep(0.1 * (attempt + 1))
 
 
+_KILLED_WITH_CONTAINER = ProcessEnd(
+    exit_code=None,
+    signal=int(signals.SIGKILL),
+    error="killed with its container: the sandbox closed or its kernel was replaced",
+)
+
+
 class _DirectoryMissing(Exception):
     pass
 
@@ -280,8 +292,21 @@ class DockerProcess(SpawnedProcess):
         self._early: list[tuple[Stream, bytes]] = []  # output read with the pid line
         self._pending_frame: tuple[Stream, int] | None = None  # a frame read in part
         self._sent: set[int] = set()
+        self._container_exited: asyncio.Future[Any] | None = None
 
     # --- start
+    def end_with(self, container_exited: asyncio.Future[Any]) -> None:
+        """Close its connection shortly after its container dies. The engine normally ends an
+        exec's stream with its container, but under gVisor it can keep it open: the output
+        would then never end, nor the process with it."""
+        loop = asyncio.get_running_loop()
+        self._container_exited = container_exited
+
+        def container_died(_: asyncio.Future[Any]) -> None:
+            loop.call_later(_DRAIN_AFTER_DEATH_S, self._close_connection)
+
+        container_exited.add_done_callback(container_died)
+
     async def read_pid(self) -> None:
         """Read up to the wrapper's first line, keeping what else came, and take the pid."""
         line = b""
@@ -398,15 +423,15 @@ class DockerProcess(SpawnedProcess):
         while True:
             try:
                 state = await asyncio.to_thread(self._api.exec_inspect, self._exec_id)
-            except NotFound:
-                return ProcessEnd(
-                    exit_code=None,
-                    error="its container is gone: the sandbox closed or its kernel was replaced",
-                )
+            except NotFound:  # removed with force, which kills everything in it
+                return _KILLED_WITH_CONTAINER
             except (APIError, DockerException) as exc:
                 return ProcessEnd(exit_code=None, error=f"the engine lost it: {_reason(exc)}")
             if not state.get("Running") and state.get("ExitCode") is not None:
                 return self._end(int(state["ExitCode"]))
+            if self._container_exited is not None and self._container_exited.done():
+                # Under gVisor the engine may report an exec of a dead container as running.
+                return _KILLED_WITH_CONTAINER
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-gvisor unit lint format demo image engine serve bench clean
+.PHONY: install test test-cluster test-gvisor unit lint format demo image engine serve bench clean
 
 install: $(STAMP)
 
@@ -21,8 +21,22 @@ $(STAMP): pyproject.toml
 test: install
 	@if scripts/ensure-docker-engine.sh; then $(MAKE) --no-print-directory image; \
 	else echo "warning: no Docker engine: the Docker tests cannot run" >&2; fi
-	$(BIN)/pytest --numprocesses=auto --maxprocesses=4 --dist=loadfile
+	$(BIN)/pytest --numprocesses=auto --maxprocesses=4 --dist=loadfile -m "not cluster"
+	$(MAKE) --no-print-directory test-cluster
 	$(MAKE) --no-print-directory test-gvisor
+
+# Cluster mode (docs/cluster.md): real Ray clusters and redis-servers on 127.0.0.1. Each module
+# starts a cluster of its own, so they run one after the other, never beside the suite above.
+# Without Ray or redis-server they cannot run: a warning on a developer's machine, a failure in CI.
+test-cluster: install
+	@missing=""; \
+	$(BIN)/python -c 'import ray, redis' 2>/dev/null || missing="the cluster extra (ray, redis)"; \
+	command -v redis-server >/dev/null || missing="$${missing:+$$missing and }redis-server"; \
+	if [ -z "$$missing" ]; then $(BIN)/pytest -m cluster tests/cluster; \
+	elif [ -n "$$CI" ]; then \
+		echo "error: $$missing missing: run scripts/install-system-packages.sh and make install" >&2; \
+		exit 1; \
+	else echo "warning: $$missing missing: the cluster tests cannot run" >&2; fi
 
 # The Docker suite's security-bearing part again, every container under gVisor (docs/gvisor.md).
 # Deselected: what looks for sandbox processes among the host's (under gVisor they are not

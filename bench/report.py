@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.cluster import section as cluster_section
 from bench.persistence import section as persistence_section
 from sandbox.languages import LANGUAGES
 
@@ -58,6 +59,8 @@ def render(report: dict[str, Any]) -> str:
         out += languages_section(report["languages"])
     if "persistence" in report:
         out += persistence_section(report["persistence"])
+    if "cluster" in report:
+        out += cluster_section(report["cluster"])
     out += [
         "## Large outputs (time to have it all in hand, median of 3 fresh processes; largest "
         "peak memory of the caller's process)",

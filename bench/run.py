@@ -14,7 +14,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import commands, gvisor, languages, memory, ours, peers, persistence, raw, report
+from bench import (
+    cluster,
+    commands,
+    gvisor,
+    languages,
+    memory,
+    ours,
+    peers,
+    persistence,
+    raw,
+    report,
+)
 from bench.stats import summarize
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.registry import why_unavailable
@@ -87,6 +98,8 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     by_language = await languages.measure(*languages.samples(quick))
     # Pause, resume, snapshot, fork of a session holding ~105 MiB, beside a cold start + re-run.
     by_persistence = await persistence.measure(persistence.samples(quick))
+    # The ray backend on loopback clusters of our own: the hop, creation, 1 node beside 3.
+    by_cluster = await cluster.measure(cluster.plan(quick))
 
     # Commands beside the kernel, each beside its floor: a plain subprocess, `docker exec`.
     add(
@@ -158,6 +171,7 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
         "samples": samples,
         "languages": by_language,
         "persistence": by_persistence,
+        "cluster": by_cluster,
         "heavy": heavy,
         "throughput_levels": levels,
         "throughput": throughput,

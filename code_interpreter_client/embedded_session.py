@@ -183,7 +183,7 @@ class EmbeddedSession(CodeSession):
         # the replay holds what came first; leaving early kills it, as run_command would.
         pid = (await service.start_process(session, request)).pid
         try:
-            async for event in service.process_events(session, pid, replay=True):
+            async for event in await service.process_events(session, pid, replay=True):
                 if isinstance(event, ProcessOutput):
                     await on_output(event)
                 elif isinstance(event, Dropped):
@@ -193,7 +193,7 @@ class EmbeddedSession(CodeSession):
             return await service.wait_process(session, pid)
         finally:  # quietly: the sandbox may be closing, with its processes
             with contextlib.suppress(SandboxError, SessionError):
-                if service.process_info(session, pid).running:
+                if (await service.process_info(session, pid)).running:
                     await service.signal_process(session, pid, signal.SIGKILL)
 
     async def _start_process(self, request: ProcessRequest) -> ProcessInfo:
@@ -202,7 +202,7 @@ class EmbeddedSession(CodeSession):
 
     async def _process_events(self, pid: int, replay: bool) -> AsyncIterator[ProcessStreamEvent]:
         service, session = self._started_session()
-        async for event in service.process_events(session, pid, replay=replay):
+        async for event in await service.process_events(session, pid, replay=replay):
             yield dropped_marker(event.bytes) if isinstance(event, Dropped) else event
 
     async def _send_input(self, pid: int, data: bytes) -> None:

@@ -485,6 +485,33 @@ def serve(
             help="Port to listen on; otherwise the setting CODE_INTERPRETER_PORT.  [default: 8000]",
         ),
     ] = None,
+    backends: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--backend",
+            metavar="NAME",
+            help="A backend sessions may use (repeatable; the first is the default): "
+            f"{BACKEND_NAMES} or ray (cluster mode). Otherwise the backends setting.",
+        ),
+    ] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            "--ray-address",
+            metavar="HOST:PORT",
+            help="The Ray cluster of the ray backend (makes ray the default and, unless "
+            "--backend says more, the only backend).",
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            metavar="URL",
+            help="The shared session store of cluster mode: redis://HOST:PORT/DB. Every "
+            "replica behind one URL uses the same.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the HTTP API, and MCP at /mcp.
 
@@ -495,8 +522,27 @@ def serve(
     CODE_INTERPRETER_API_KEYS=key-one,key-two (the api_keys setting). Without keys, set
     CODE_INTERPRETER_AUTH_DISABLED=true (auth_disabled): for one user on a trusted machine
     only, since anyone who reaches the port can then run code.
+
+    Cluster mode (docs/cluster.md): serve --backend ray --ray-address HOST:PORT --store
+    redis://HOST:PORT/DB, on each replica.
     """
-    _serve_http(_settings(), host, port)
+    _serve_http(_settings(**_cluster_overrides(backends, ray_address, store)), host, port)
+
+
+def _cluster_overrides(
+    backends: list[str] | None, ray_address: str | None, store: str | None
+) -> dict[str, object]:
+    """The settings `serve`'s options set; --ray-address alone means `--backend ray`."""
+    overrides: dict[str, object] = {}
+    if not backends and ray_address is not None:
+        backends = ["ray"]
+    if backends:
+        overrides |= {"backends": list(dict.fromkeys(backends)), "default_backend": backends[0]}
+    if ray_address is not None:
+        overrides["ray_address"] = ray_address
+    if store is not None:
+        overrides["store_url"] = store
+    return overrides
 
 
 class McpTransport(StrEnum):

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -31,7 +31,10 @@ DEFAULT_DOCKER_RUNTIMES = ("runc", "runsc")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="CODE_INTERPRETER_", extra="forbid")
+    # Errors never repeat the input: it holds secrets (API keys, the store's password).
+    model_config = SettingsConfigDict(
+        env_prefix="CODE_INTERPRETER_", extra="forbid", hide_input_in_errors=True
+    )
 
     # --- access
     api_keys: Annotated[list[str], NoDecode] = Field(
@@ -102,6 +105,48 @@ class Settings(BaseSettings):
         0, ge=0, description="Ready sandboxes kept per backend for the default spec."
     )
     reap_interval_s: float = Field(5.0, gt=0)
+
+    # --- cluster mode (docs/cluster.md): sessions on a Ray cluster, replicas over a shared store
+    store_url: SecretStr | None = Field(
+        None,
+        description="Where session records live: unset, SQLite under the state dir (one "
+        "service); `redis://HOST:PORT/DB`, a Redis every replica shares (cluster mode). A "
+        "secret (it may hold Redis's password): never shown in a repr or an error.",
+    )
+    store_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        le=30,
+        description="The longest a call to the shared store waits (connect and answer); a "
+        "store slower than this answers 503 StoreUnavailable.",
+    )
+    store_prefix: str = Field(
+        "cir", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Every key of the shared store."
+    )
+    ray_address: str | None = Field(
+        None, description="The Ray cluster of the ray backend (HOST:PORT); unset, RAY_ADDRESS."
+    )
+    ray_namespace: str = Field("code-interpreter", description="Ray namespace of the sessions.")
+    ray_node_ip: str | None = Field(
+        None,
+        description="The address this replica's Ray driver is reached at (Ray's own guess "
+        "when unset).",
+    )
+    ray_allow_unauthenticated: bool = Field(
+        False,
+        description="Join a Ray cluster at a non-loopback address without RAY_AUTH_MODE=token: "
+        "only on a private network nobody else reaches (docs/cluster.md, 'Securing the "
+        "cluster').",
+    )
+    cluster_pool_size_per_node: int = Field(
+        0, ge=0, description="Ready session actors kept on each node of the ray backend."
+    )
+    cluster_reap_batch: int = Field(
+        200, ge=1, le=10_000, description="Sessions each reaper round looks at in the store."
+    )
+    cluster_tombstone_ttl_s: float = Field(
+        86400.0, gt=0, description="How long every replica answers 410 for an ended session."
+    )
 
     # --- host tools sandboxed code may call (docs/programmatic-tool-calling.md)
     host_tools: HostToolsSettings = Field(
@@ -260,6 +305,23 @@ class Settings(BaseSettings):
             )
         if self.default_backend not in self.backends:
             raise ValueError(f"default_backend {self.default_backend!r} is not in backends")
+        if "ray" in self.backends and self.store_url is None:
+            raise ValueError(
+                "the ray backend needs a shared store: set store_url "
+                "(CODE_INTERPRETER_STORE_URL, or `serve --store redis://HOST:PORT/DB`); replicas "
+                "keeping sessions in SQLite would not see each other's"
+            )
+        if self.ray_address is not None and "ray" not in self.backends:
+            raise ValueError(
+                f"ray_address ({self.ray_address}) is set but the ray backend is not enabled "
+                f"(backends: {', '.join(self.backends)}): add ray to the backends (`serve "
+                "--backend ray`), or unset ray_address (CODE_INTERPRETER_RAY_ADDRESS, "
+                "--ray-address)"
+            )
+        if self.store_url is not None and not self.store_url.get_secret_value().startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("store_url must be redis://HOST:PORT/DB (or rediss://, unix://)")
         if self.docker_runtime is not None:
             if "docker_runtimes" not in self.model_fields_set:
                 # A deployment that chose a runtime keeps every session on it unless the
@@ -302,6 +364,22 @@ class Settings(BaseSettings):
             "orchestrator_id": self.orchestrator_id,
         }
         return {k: v for k, v in config.items() if v is not None}
+
+    @property
+    def cluster_mode(self) -> bool:
+        """Records in a store every replica shares: any replica serves any session."""
+        return self.store_url is not None
+
+    def ray_backend_config(self) -> dict[str, object]:
+        """The ray backend's configuration (sandbox/backends/ray_cluster)."""
+        return {
+            "address": self.ray_address,
+            "namespace": self.ray_namespace,
+            "orchestrator_id": self.orchestrator_id,
+            "node_ip": self.ray_node_ip,
+            "pool_size_per_node": self.cluster_pool_size_per_node,
+            "allow_unauthenticated": self.ray_allow_unauthenticated,
+        }
 
     @classmethod
     def settings_customise_sources(

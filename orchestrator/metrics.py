@@ -13,8 +13,14 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        # Per replica: in cluster mode each replica counts the sessions it holds now (made or
+        # attached here), so the sum over replicas counts a session served by two twice; the
+        # cluster's count is cir_node_sessions (the Ray cluster's own, the same on every replica).
         self.sessions_active = Gauge(
-            "cir_sessions_active", "Sessions open now.", ["backend"], registry=r
+            "cir_sessions_active",
+            "Sessions open now that this replica holds (made or served here).",
+            ["backend"],
+            registry=r,
         )
         self.sessions_created = Counter(
             "cir_sessions_created",
@@ -72,6 +78,26 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("cir_errors", "Requests that failed, by kind.", ["kind"], registry=r)
+        # Cluster mode: one series per node of the Ray cluster (a bounded set: its machines),
+        # read from the cluster itself: the cluster-wide truth, whichever replica is asked.
+        self.sessions_lost = Counter(
+            "cir_sessions_lost", "Sessions whose sandbox was lost with its node.", registry=r
+        )
+        self.node_sessions = Gauge(
+            "cir_node_sessions",
+            "Session slots taken on each node of the cluster (warm pool actors included).",
+            ["node"],
+            registry=r,
+        )
+        self.node_capacity = Gauge(
+            "cir_node_capacity", "Sessions each node of the cluster may hold.", ["node"], registry=r
+        )
+        self.node_alive = Gauge(
+            "cir_node_alive",
+            "Whether each node of the cluster is alive (1) or not.",
+            ["node"],
+            registry=r,
+        )
 
 
 METRICS = Metrics()

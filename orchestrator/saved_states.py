@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator.config import Settings
 from orchestrator.sessions import Session, SessionError
@@ -38,6 +39,9 @@ from sandbox.saved_state import (
 )
 from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Workspace
+
+if TYPE_CHECKING:
+    from orchestrator.state_store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ class SnapshotInUse(SessionError):
 
 
 class SavedStates:
-    def __init__(self, settings: Settings, store: SqliteStore) -> None:
+    def __init__(self, settings: Settings, store: SqliteStore | RedisStore) -> None:
         self.settings = settings
         self.store = store
         self._owner_locks: dict[str, asyncio.Lock] = {}  # one save at a time per key: quotas hold

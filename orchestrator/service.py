@@ -13,10 +13,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from kernel_images.labels import FULL_IMAGE
+from orchestrator.cluster.lost_guard import LostGuard
+from orchestrator.cluster.shared import SHARED_BACKENDS, RelayedTools, SharedSandbox, inner
+from orchestrator.cluster.tool_relay import ToolRelays
 from orchestrator.config import Settings
 from orchestrator.host_tools import (
     ChannelLimits,
@@ -60,6 +64,9 @@ from sandbox.processes.managed import ProcessEvent
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from sandbox.spec import ResourceLimits, SandboxSpec, limit_ceilings
 
+if TYPE_CHECKING:
+    from orchestrator.state_store.redis_store import RedisStore
+
 log = logging.getLogger(__name__)
 
 # The ceiling no request may pass, whatever it asks for: ResourceLimits' own upper bounds.
@@ -84,6 +91,19 @@ class NetworkNotAllowed(SessionError):
     """A network policy beyond the operator's ceiling, or on a backend that cannot hold one."""
 
     status = 400
+
+
+class PauseUnsupported(SessionError):
+    """Pause, resume and snapshots of a session whose backend cannot keep one across them."""
+
+    status = 409
+
+    def __init__(self, backend: str) -> None:
+        super().__init__(
+            f"the {backend} backend does not keep sessions across pauses yet: no pause, resume "
+            "or snapshot of its sessions; a session that is idle too long ends instead. Save "
+            "what you need with a download, or use a backend of one machine (local, docker)"
+        )
 
 
 class ResumeFailed(SessionError):
@@ -161,16 +181,43 @@ class Service:
             max_bytes_per_session=settings.outputs_max_bytes_per_session,
             max_bytes_total=settings.outputs_max_bytes_total,
         )
-        self.sessions = SessionManager(
-            settings,
-            on_end=self._session_ended,
-            given_backends=given_backends,
-            on_expiry=self._expired,
-            before_cleanup=self._salvage,
-            on_sweep=self._sweep_paused,
-        )
+        # Cluster mode (docs/cluster.md): records in a store every replica shares, and a
+        # session manager that keeps only a cache of them.
+        self._shared: RedisStore | None = None
+        if settings.store_url is not None:  # Redis and Ray are imported for it only
+            from orchestrator.cluster.sessions import ClusterSessionManager
+            from orchestrator.state_store.redis_store import RedisStore
+
+            self._shared = RedisStore(
+                settings.store_url.get_secret_value(),
+                snapshots_dir=settings.state_dir / "snapshots",
+                prefix=settings.store_prefix,
+                tombstone_ttl_s=settings.cluster_tombstone_ttl_s,
+                max_lifetime_s=settings.max_lifetime_s,
+                timeout_s=settings.store_timeout_s,
+            )
+            self.sessions: SessionManager = ClusterSessionManager(
+                settings,
+                self._shared,
+                on_end=self._session_ended,
+                given_backends=given_backends,
+                on_expiry=self._expired,
+                before_cleanup=self._salvage,
+                on_sweep=self._sweep_paused,
+                on_attach=self._attached,
+            )
+        else:
+            self.sessions = SessionManager(
+                settings,
+                on_end=self._session_ended,
+                given_backends=given_backends,
+                on_expiry=self._expired,
+                before_cleanup=self._salvage,
+                on_sweep=self._sweep_paused,
+            )
+        self._relays = ToolRelays()  # host tools of sessions whose sandbox is elsewhere
         # Made in start(), once this instance holds the state dir.
-        self._store: SqliteStore | None = None
+        self._store: SqliteStore | RedisStore | None = None
         self._saved: SavedStates | None = None
         # One change of state (pause, resume) at a time per session; calls wait for it.
         self._changing: weakref.WeakValueDictionary[str, asyncio.Lock] = (
@@ -190,7 +237,9 @@ class Service:
         self._instance_lock = InstanceLock.acquire(s.state_dir, s.orchestrator_id)
         try:
             self.outputs.clear()
-            self._store = SqliteStore(s.state_dir)
+            if self._shared is not None:
+                self._shared.ping()  # an unreachable store stops the start, saying which
+            self._store = self._shared or SqliteStore(s.state_dir)
             self._saved = SavedStates(s, self._store)
             await self._saved.remove_unrecorded()
             await self.tools.start()
@@ -204,6 +253,7 @@ class Service:
         try:
             await self._pause_all()
             await self.sessions.close()
+            await self._relays.close()
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
@@ -217,7 +267,7 @@ class Service:
                 self._instance_lock = None
 
     @property
-    def store(self) -> SqliteStore:
+    def store(self) -> SqliteStore | RedisStore:
         if self._store is None:
             raise RuntimeError("the service is not started")
         return self._store
@@ -238,6 +288,7 @@ class Service:
     async def _close_channels(self, session_id: str) -> None:
         """Close what a session's sandbox reaches the host through: its tool channel and its
         egress proxy (when it ends, is paused, or fails to resume)."""
+        await self._relays.stop(session_id)
         channel = self._channels.pop(session_id, None)
         if channel is not None:
             channel.close()
@@ -368,6 +419,8 @@ class Service:
         workdir: str | None,
     ) -> Session:
         name = request.backend or self.settings.default_backend
+        if snapshot is not None and name in SHARED_BACKENDS:
+            raise PauseUnsupported(name)
         backend = self.sessions.backends.get(name)
         if tools and backend is not None and not backend.supports_host_tools:
             raise ToolsNotAvailable(f"the {name} backend cannot give sandboxed code host tools")
@@ -391,12 +444,13 @@ class Service:
                 session.notice = f"started from snapshot {snapshot.id}: {restored.notice}"
             for f in request.files:
                 await self.upload(session, f.path, f.content_base64)
+            if idle_timeout_s is not None:  # a session a client may forget ends, not kept
+                session.on_idle = "end"
+            # In the try: a store that fails here leaves no sandbox running that no record names.
+            self.store.put_session(self._record_of(session))
         except BaseException:  # a caller that left (cancelled) leaves no session behind
             await self.sessions.delete(session.id, owner)
             raise
-        if idle_timeout_s is not None:  # a session a client may forget ends, it is not kept
-            session.on_idle = "end"
-        self.store.put_session(self._record_of(session))
         return session
 
     def _record_of(self, session: Session) -> SessionRecord:
@@ -411,6 +465,7 @@ class Service:
             on_idle=session.on_idle,
             created_at=session.created_at,
             sandbox_id=session.sandbox.id,
+            sandbox_handle=session.sandbox.handle,
             executions=session.executions,
             labels=session.labels,
         )
@@ -420,9 +475,13 @@ class Service:
         pauses and restarts with the session's record."""
         session.labels = dict(labels)
         record = self.store.get_session(session.id)
-        if record is not None:
-            record.labels = session.labels
+        if record is None:
+            return
+        record.labels = session.labels
+        if isinstance(self.store, SqliteStore):
             self.store.put_session(record)
+        else:  # only if no other replica deleted it meanwhile: never brought back
+            self.store.update_session(record)
 
     async def _forget_record(self, session_id: str) -> None:
         """Delete a session's record and its paused state, if any."""
@@ -436,9 +495,12 @@ class Service:
             await backend.discard(record.suspended)
         self.store.delete_session(session_id)
 
-    async def _open_channel(self, session: Session, tools: dict[str, HostTool]) -> None:
-        channel = session.sandbox.host_channel
-        assert channel is not None, "a backend that supports host tools made no channel"
+    async def _open_channel(
+        self, session: Session, tools: dict[str, HostTool], *, attached: bool = False
+    ) -> None:
+        """Serve a session's host tools; `attached`: a session another replica made, whose
+        manifest that replica wrote (every replica has the same host-tool settings). The channel
+        is kept only once it serves: a failure leaves none, so a later attempt makes one."""
         t = self.settings.host_tools
         limits = ChannelLimits(
             call_timeout_s=t.call_timeout_s,
@@ -446,7 +508,23 @@ class Service:
             max_result_bytes=t.max_result_bytes,
             max_calls_in_flight=t.max_calls_in_flight,
         )
+        relayed = inner(session.sandbox)
+        if isinstance(relayed, RelayedTools):  # its channel is on its own machine: relayed
+            relay = ToolChannel.relayed(tools, limits)
+            await self._relays.start(session.id, relayed, relay, write_manifest=not attached)
+            self._channels[session.id] = relay
+            return
+        channel = session.sandbox.host_channel
+        assert channel is not None, "a backend that supports host tools made no channel"
         self._channels[session.id] = await ToolChannel.open(channel, tools, limits)
+
+    async def _attached(self, session: Session, record: SessionRecord) -> None:
+        """A session another replica made, now served here too: its host tools with it."""
+        if record.tools and session.id not in self._channels:
+            try:  # the relay starts at once (no call here): it retries what fails itself
+                await self._open_channel(session, self.tools.select(record.tools), attached=True)
+            except UnknownTools as exc:
+                log.warning("session %s: its host tools are not here: %s", session.id, exc)
 
     # --- sessions: every way in goes through these
     async def get_session(self, session_id: str, owner: str) -> Session:
@@ -475,19 +553,41 @@ class Service:
             return None
         return record
 
-    def session_state(self, session_id: str, owner: str) -> Session | SessionRecord | None:
-        """The owner's session as it is now, without waking it: live, paused, or None."""
+    async def session_state(self, session_id: str, owner: str) -> Session | SessionRecord | None:
+        """The owner's session as it is now, without waking it: live, paused, or None. In
+        cluster mode a running session another replica made is attached (found in the store)."""
         live = self.sessions.live(session_id)
         if live is not None and live.owner == owner:
             return live
-        return self._paused_record(session_id, owner)
+        paused = self._paused_record(session_id, owner)
+        if paused is not None or live is not None or self._shared is None:
+            return paused
+        try:  # the caller asks describe_session why, when it wants to say
+            return await self.sessions.get(session_id, owner)
+        except SessionError:
+            return None
 
     async def describe_session(self, session_id: str, owner: str) -> SessionInfo:
         """What a session is, running or paused, without waking it."""
-        found = self.session_state(session_id, owner)
+        found = await self.session_state(session_id, owner)
         if isinstance(found, SessionRecord):
             return self.paused_info(found)
-        return self.info(await self.sessions.get(session_id, owner))
+        session = await self.sessions.get(session_id, owner)
+        return await self._shared_idle(session, self.info(session))
+
+    async def _shared_idle(self, session: Session, info: SessionInfo) -> SessionInfo:
+        """A shared session's idle expiry as its sandbox counts it for every replica (this
+        replica's own clock misses the calls made through the others)."""
+        shared = inner(session.sandbox)
+        if not isinstance(shared, SharedSandbox):
+            return info
+        try:
+            idle_s, in_flight = await shared.activity()
+        except SandboxError:  # lost: the next call that needs it says so
+            return info
+        timeout = session.idle_timeout_s or self.settings.idle_timeout_s
+        left = timeout if in_flight else max(0.0, timeout - idle_s)
+        return info.model_copy(update={"idle_expires_in_s": left})
 
     def list_sessions(self, owner: str) -> list[Session]:
         return self.sessions.list(owner)
@@ -498,8 +598,13 @@ class Service:
         return self.store.sessions(owner=owner, state="paused")
 
     def list_infos(self, owner: str) -> list[SessionInfo]:
-        """Every session of the owner's, running and paused."""
+        """Every session of the owner's, running and paused (in cluster mode: those every
+        replica serves, from the shared store)."""
         running = [self.info(x) for x in self.list_sessions(owner)]
+        if self._shared is not None:
+            held = {x.id for x in running}
+            records = self._shared.sessions(owner=owner, state="running")
+            running += [self.running_info(r) for r in records if r.id not in held]
         return running + [self.paused_info(r) for r in self.list_paused(owner)]
 
     async def end_session(self, session_id: str, owner: str) -> None:
@@ -527,6 +632,8 @@ class Service:
             if record is not None and self.sessions.live(session_id) is None:
                 return self.paused_info(record)
             session = await self.sessions.get(session_id, owner)
+            if session.backend in SHARED_BACKENDS:
+                raise PauseUnsupported(session.backend)
             if session.busy:
                 raise SessionBusy(
                     "the session is running code: wait for it, or interrupt it, then pause"
@@ -678,7 +785,10 @@ class Service:
 
     async def _salvage(self, name: str, backend: Backend) -> None:
         """Before a backend clears what a crash left: keep the files of its sessions (or the
-        whole sandbox, where its engine can pause it)."""
+        whole sandbox, where its engine can pause it). Not in cluster mode: the shared store's
+        running sessions are the other replicas' (and the cluster's), not a crash's leftovers."""
+        if self._shared is not None:
+            return
         kept = await self.saved.salvage(name, backend)
         if kept:
             log.info("kept %d sessions of the %s backend from before a restart", kept, backend)
@@ -700,6 +810,8 @@ class Service:
     async def snapshot_session(self, session: Session, name: str | None = None) -> SnapshotInfo:
         """Save a running session's variables and files under a name, to start sessions from;
         the session runs on."""
+        if session.backend in SHARED_BACKENDS:
+            raise PauseUnsupported(session.backend)
         async with session.activity():
             record = await self.saved.save(session, "snapshot", name)
         return snapshot_info(record)
@@ -713,9 +825,12 @@ class Service:
     def delete_snapshot(self, owner: str, snapshot_id: str) -> None:
         self.saved.delete(owner, snapshot_id)
 
-    def keepalive(self, session: Session) -> SessionInfo:
-        """Mark the session active: its idle expiry starts again."""
+    async def keepalive(self, session: Session) -> SessionInfo:
+        """Mark the session active: its idle expiry starts again (for a shared session, in its
+        sandbox, whose activity every replica's reaper reads)."""
         session.touch()
+        if isinstance(session.sandbox, LostGuard):
+            await session.sandbox.touch()  # a lost one ends here, answered SessionLost
         return self.info(session)
 
     def status(self, owner: str) -> dict[str, object]:
@@ -876,41 +991,44 @@ class Service:
         METRICS.processes_started.labels(session.backend).inc()
         return process.info()
 
-    def list_processes(self, session: Session, *, include_ended: bool = False) -> list[ProcessInfo]:
+    async def list_processes(
+        self, session: Session, *, include_ended: bool = False
+    ) -> list[ProcessInfo]:
         session.touch()
-        return session.sandbox.list_processes(include_ended=include_ended)
+        return await session.sandbox.processes(include_ended=include_ended)
 
-    def process_info(self, session: Session, pid: int) -> ProcessInfo:
+    async def process_info(self, session: Session, pid: int) -> ProcessInfo:
         session.touch()
-        return session.sandbox.process(pid).info()
+        return (await session.sandbox.get_process(pid)).info()
 
-    def process_events(
+    async def process_events(
         self, session: Session, pid: int, *, replay: bool = False
     ) -> AsyncIterator[ProcessEvent]:
-        """A process's output from now on (`replay`: the most recent kept first), then its end."""
+        """A process's output from now on (`replay`: the most recent kept first), then its end;
+        a wrong pid raises here, before the stream starts."""
         session.touch()
-        return session.sandbox.process(pid).events(replay=replay)
+        return (await session.sandbox.get_process(pid)).events(replay=replay)
 
     async def wait_process(self, session: Session, pid: int) -> CommandResult:
         async with session.activity():
-            return await session.sandbox.process(pid).wait()
+            return await (await session.sandbox.get_process(pid)).wait()
 
     async def send_input(self, session: Session, pid: int, data: bytes) -> None:
         session.touch()
-        await session.sandbox.process(pid).write_stdin(data)
+        await (await session.sandbox.get_process(pid)).write_stdin(data)
 
     async def close_input(self, session: Session, pid: int) -> None:
         session.touch()
-        await session.sandbox.process(pid).close_stdin()
+        await (await session.sandbox.get_process(pid)).close_stdin()
 
     async def signal_process(self, session: Session, pid: int, signum: int) -> None:
         """Send a signal to a process and everything it started (SIGKILL: `kill`)."""
         session.touch()
-        await session.sandbox.process(pid).signal(signum)
+        await (await session.sandbox.get_process(pid)).signal(signum)
 
     async def resize_terminal(self, session: Session, pid: int, size: TerminalSize) -> None:
         session.touch()
-        await session.sandbox.process(pid).resize(size)
+        await (await session.sandbox.get_process(pid)).resize(size)
 
     # --- the workspace's files
     def check_upload_size(self, size: int) -> None:
@@ -1126,6 +1244,21 @@ class Service:
             state="paused",
             paused_at=datetime.fromtimestamp(record.state_since, UTC),
             deleted_in_s=max(0.0, record.state_since + retention - time.time()),
+        )
+
+    def running_info(self, record: SessionRecord) -> SessionInfo:
+        """A running session another replica made, as its record tells it (cluster mode)."""
+        info = self.paused_info(record)
+        lifetime = record.created_at + self.settings.max_lifetime_s - time.time()
+        return info.model_copy(
+            update={
+                "state": "running",
+                "paused_at": None,
+                "deleted_in_s": None,
+                "idle_expires_in_s": record.idle_timeout_s or self.settings.idle_timeout_s,
+                "lifetime_expires_in_s": max(0.0, lifetime),
+                "started_languages": [PYTHON],
+            }
         )
 
     def info(self, session: Session) -> SessionInfo:

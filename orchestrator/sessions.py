@@ -40,6 +40,13 @@ class SessionExpired(SessionError):
     status = 410
 
 
+class SessionLost(SessionError):
+    """Its sandbox is gone with the machine that held it (cluster mode): nothing of it can be
+    recovered; start a new session."""
+
+    status = 410
+
+
 class SessionLimitReached(SessionError):
     status = 429
 
@@ -154,6 +161,8 @@ class SessionManager:
                 config |= {"runtime": s.docker_runtime}
             if name == "e2b":
                 config = s.e2b_backend_config()
+            if name == "ray":  # warm actors (per node) are made for the default spec
+                config = s.ray_backend_config() | {"pool_spec": self.default_spec()}
             backend = create_backend(name, **config)
             if self._before_cleanup is not None:
                 await self._before_cleanup(name, backend)

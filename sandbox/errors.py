@@ -8,7 +8,8 @@ class SandboxError(Exception):
 
 
 class BackendUnavailable(SandboxError):
-    """The backend cannot run here (a missing program or engine); the message says how to fix it."""
+    """The backend cannot run here (a missing program or engine), or cannot be reached for now
+    (a cluster node or control plane not answering: retry); the message says which."""
 
 
 class SandboxStartError(SandboxError):
@@ -80,3 +81,13 @@ class RuntimeUnavailable(SandboxError, ValueError):
 class StateNotSaved(SandboxError):
     """The sandbox's state could not be saved or restored as asked (its kernel did not
     answer, or answered what is not understood)."""
+
+
+class SandboxLost(SandboxError):
+    """The sandbox is gone with the machine or process that held it (the message says why);
+    nothing of it can be recovered: create a new one."""
+
+
+class CapacityReached(SandboxError):
+    """Every place that could hold a new sandbox is full (the message says how full, and what
+    to do: try again later, or add capacity)."""

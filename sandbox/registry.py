@@ -6,11 +6,12 @@ from typing import Any
 
 from sandbox.backends.base import Backend
 
-BACKENDS = ("local", "docker", "e2b")
+BACKENDS = ("local", "docker", "e2b", "ray")
 
 
 def create_backend(name: str, **config: Any) -> Backend:
-    """Make a backend: `local` (bubblewrap, the default), `docker` or `e2b`."""
+    """Make a backend: `local` (bubblewrap, the default), `docker`, `e2b` or `ray` (a Ray
+    cluster; Ray is imported only here, when asked for)."""
     if name == "local":
         from sandbox.backends.local import LocalBackend, LocalBackendConfig
 
@@ -23,6 +24,10 @@ def create_backend(name: str, **config: Any) -> Backend:
         from sandbox.backends.e2b_cloud import E2BBackend, E2BBackendConfig
 
         return E2BBackend(E2BBackendConfig(**config))
+    if name == "ray":
+        from sandbox.backends.ray_cluster.backend import RayBackend, RayBackendConfig
+
+        return RayBackend(RayBackendConfig(**config))
     raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
 
 
@@ -52,4 +57,10 @@ def why_unavailable(name: str, **config: Any) -> str | None:
         from sandbox.backends.e2b_cloud import why_unavailable as e2b_missing
 
         return e2b_missing(E2BBackendConfig(**config))
+    if name == "ray":
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            return "Ray is not installed: `pip install 'code-interpreter-runtime[cluster]'`"
+        return None
     return f"unknown backend {name!r}"

@@ -73,7 +73,7 @@ async def create_context(
         if not sandboxes.is_live(record):
             raise SandboxGone(record.sandbox_id)
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
-    context = sandboxes.add_context(record, new, cwd, language)
+    context = await sandboxes.add_context(record, new, cwd, language)
     return ContextInfo(id=context.id, language=language, cwd=body.cwd or E2B_HOME)
 
 

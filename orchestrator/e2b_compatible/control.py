@@ -324,7 +324,7 @@ async def set_timeout(
     record, session = await sandboxes.owned(sandbox_id, owner)  # a paused one: 409, say why
     record.set_timeout(_timeout(service, request.timeout))
     sandboxes.keep(record, session)
-    service.keepalive(session)
+    await service.keepalive(session)
     return Response(status_code=204)
 
 
@@ -364,7 +364,7 @@ async def connect(
         if record.deadline is not None and wanted > record.deadline:
             record.deadline = wanted
             sandboxes.keep(record, found)
-    service.keepalive(found)
+    await service.keepalive(found)
     response.status_code = 200
     return _created(record)
 

@@ -105,7 +105,7 @@ class SandboxProcesses(process_connect.Process):
         info = await call(self.service.start_process(session, wanted))
         if request.process is not None:
             self._remember(session.id, info.pid, request.process)
-        events = self.service.process_events(session, info.pid, replay=True)
+        events = await self.service.process_events(session, info.pid, replay=True)
         async for event in _envd_events(info.pid, events, _keepalive_s(ctx)):
             yield StartResponse(event=event)
 
@@ -118,9 +118,9 @@ class SandboxProcesses(process_connect.Process):
         self, request: ConnectRequest, ctx: RequestContext[ConnectRequest, ConnectResponse]
     ) -> AsyncIterator[ConnectResponse]:
         session = await self._session(ctx)
-        pid = self._pid(session, request.process)
+        pid = await self._pid(session, request.process)
         # envd gives a live process's output from now on; an ended one's start and end.
-        events = self.service.process_events(session, pid, replay=False)
+        events = await self.service.process_events(session, pid, replay=False)
         async for event in _envd_events(pid, events, _keepalive_s(ctx)):
             yield ConnectResponse(event=event)
 
@@ -130,7 +130,7 @@ class SandboxProcesses(process_connect.Process):
         session = await self._session(ctx)
         listed = []
         with connect_errors():
-            running = self.service.list_processes(session)
+            running = await self.service.list_processes(session)
         live = {info.pid for info in running}
         for key in [k for k in self._configs if k[0] == session.id and k[1] not in live]:
             self._forget(key)  # ended: List no longer reports it
@@ -148,7 +148,7 @@ class SandboxProcesses(process_connect.Process):
         self, request: SendInputRequest, ctx: RequestContext[SendInputRequest, SendInputResponse], /
     ) -> SendInputResponse:
         session = await self._session(ctx)
-        pid = self._pid(session, request.process)
+        pid = await self._pid(session, request.process)
         await call(self.service.send_input(session, pid, _input_bytes(request.input)))
         return SendInputResponse()
 
@@ -165,7 +165,7 @@ class SandboxProcesses(process_connect.Process):
         async for message in request:
             match message.event:
                 case Oneof(field="start", value=StreamInputRequest.StartEvent() as start):
-                    pid = self._pid(session, start.process)
+                    pid = await self._pid(session, start.process)
                 case Oneof(field="data", value=StreamInputRequest.DataEvent() as data):
                     if pid is None:
                         raise ConnectError(
@@ -183,7 +183,7 @@ class SandboxProcesses(process_connect.Process):
         /,
     ) -> SendSignalResponse:
         session = await self._session(ctx)
-        pid = self._pid(session, request.process)
+        pid = await self._pid(session, request.process)
         signum = _SIGNALS.get(request.signal)
         if signum is None:
             raise ConnectError(Code.INVALID_ARGUMENT, "the signal must be SIGTERM or SIGKILL")
@@ -194,7 +194,7 @@ class SandboxProcesses(process_connect.Process):
         self, request: UpdateRequest, ctx: RequestContext[UpdateRequest, UpdateResponse], /
     ) -> UpdateResponse:
         session = await self._session(ctx)
-        pid = self._pid(session, request.process)
+        pid = await self._pid(session, request.process)
         size = request.pty.size if request.pty is not None else None
         if size is None:
             return UpdateResponse()  # nothing to change (envd does the same)
@@ -210,9 +210,9 @@ class SandboxProcesses(process_connect.Process):
         /,
     ) -> CloseStdinResponse:
         session = await self._session(ctx)
-        pid = self._pid(session, request.process)
+        pid = await self._pid(session, request.process)
         with connect_errors():
-            if self.service.process_info(session, pid).terminal:
+            if (await self.service.process_info(session, pid)).terminal:
                 raise ConnectError(
                     Code.FAILED_PRECONDITION,
                     "a terminal's input cannot be closed: send Ctrl-D (0x04) instead",
@@ -221,18 +221,18 @@ class SandboxProcesses(process_connect.Process):
         return CloseStdinResponse()
 
     # --- helpers
-    def _pid(self, session: Session, selector: ProcessSelector | None) -> int:
+    async def _pid(self, session: Session, selector: ProcessSelector | None) -> int:
         """The pid a selector names (by pid, or the newest process with that tag)."""
         match selector.selector if selector is not None else None:
             case Oneof(field="pid", value=int(pid)):
                 with connect_errors():
-                    self.service.process_info(session, pid)
+                    await self.service.process_info(session, pid)
                 return pid
             case Oneof(field="tag", value=str(tag)):
                 with connect_errors():
                     found = [
                         p.pid
-                        for p in self.service.list_processes(session, include_ended=True)
+                        for p in await self.service.list_processes(session, include_ended=True)
                         if p.tag == tag
                     ]
                     if not found:

@@ -61,7 +61,7 @@ async def read(service: Service, session: Session, path: str, max_bytes: int) ->
     data = bytearray()
     end: ProcessEnd | None = None
     stderr = bytearray()
-    events = service.process_events(session, info.pid, replay=True)
+    events = await service.process_events(session, info.pid, replay=True)
     try:
         async for event in events:
             if isinstance(event, ProcessOutput):

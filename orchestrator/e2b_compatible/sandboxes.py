@@ -190,6 +190,10 @@ class E2BSandboxes:
     def __init__(self, service: Service) -> None:
         self.service = service
         self._records: dict[str, E2BRecord] = {}  # by sandbox id
+        # Cluster mode: the store is the truth of every sandbox's record (any replica may set
+        # its timeout or add a context); this replica's records are a cache of it.
+        self._clustered = service.settings.store_url is not None
+        self._cursor = 0  # where the sweep's walk over the store goes on from
         self._context_sessions: set[str] = set()
         self._debug_lock = asyncio.Lock()
 
@@ -225,19 +229,19 @@ class E2BSandboxes:
             return
         self.service.set_labels(session, {**session.labels, SANDBOX_LABEL: _saved(record)})
 
-    def keep_if_running(self, record: E2BRecord) -> None:
-        found = self.service.session_state(record.session_id, record.owner)
+    async def keep_if_running(self, record: E2BRecord) -> None:
+        found = await self.service.session_state(record.session_id, record.owner)
         if isinstance(found, Session):
             self.keep(record, found)
 
-    def add_context(
+    async def add_context(
         self, record: E2BRecord, session: Session, cwd: str | None, language: str
     ) -> Context:
         context = Context(id=session.id, cwd=cwd, language=language)
         record.contexts[context.id] = context
         self._context_sessions.add(session.id)
         self.service.set_labels(session, {**session.labels, CONTEXT_LABEL: record.sandbox_id})
-        self.keep_if_running(record)
+        await self.keep_if_running(record)
         return context
 
     def is_live(self, record: E2BRecord) -> bool:
@@ -265,6 +269,32 @@ class E2BSandboxes:
         self._records[record.sandbox_id] = record
         self._context_sessions.update(record.contexts)
 
+    def _from_store(self, sandbox_id: str) -> E2BRecord | None:
+        """Cluster mode: the record of a running sandbox another replica made (or changed),
+        as kept in its session's labels in the shared store; adopted, or merged into the one
+        cached here. None outside cluster mode, or when the store has none."""
+        if not self._clustered or not sandbox_id.startswith("s-"):
+            return None
+        kept = self.service.store.get_session(sandbox_id)
+        if kept is None or kept.state != "running" or CONTEXT_LABEL in kept.labels:
+            return None
+        return self._merge(_restored(kept.id, kept.owner, kept.labels))
+
+    def _merge(self, fresh: E2BRecord | None) -> E2BRecord | None:
+        """Take what another replica may have changed (its timeout, contexts, metadata) from
+        the store's copy; what is under way here (a pause) stays this replica's."""
+        if fresh is None:
+            return None
+        cached = self._records.get(fresh.sandbox_id)
+        if cached is None or cached.token != fresh.token:
+            self._adopt(fresh)
+            return fresh
+        cached.deadline, cached.timeout_s = fresh.deadline, fresh.timeout_s
+        cached.metadata = fresh.metadata
+        cached.contexts = fresh.contexts
+        self._context_sessions.update(fresh.contexts)
+        return cached
+
     def _record_for(self, found: Found) -> E2BRecord:
         """The record of a session not tracked yet: its kept one, or a new one (a session made
         through /v1 is an E2B sandbox too, once asked for)."""
@@ -288,7 +318,9 @@ class E2BSandboxes:
         session_id = record.session_id if record else sandbox_id
         if self.is_context(session_id):
             raise SessionNotFound(f"no sandbox {sandbox_id}")
-        found = self.service.session_state(session_id, owner)
+        if self._clustered:
+            record = self._from_store(session_id) or record
+        found = await self.service.session_state(session_id, owner)
         if found is None:
             try:  # the service says why: expired, or never (another key's is not found)
                 await self.service.describe_session(session_id, owner)
@@ -313,6 +345,8 @@ class E2BSandboxes:
         gone, as on E2B, unless its traffic resumes it (auto-resume, or a pause that was the
         service's own)."""
         record = self._records.get(sandbox_id)
+        if self._clustered:  # made, or changed, through another replica
+            record = self._from_store(sandbox_id) or record
         if record is None and sandbox_id == DEBUG_SANDBOX_ID:
             record = await self._debug_record()
         if record is None:
@@ -324,7 +358,7 @@ class E2BSandboxes:
         if record.pausing and record.paused_on_purpose and not record.auto_resume:
             # Being paused: gone already, rather than woken the moment the pause is done.
             raise SandboxGone(sandbox_id)
-        found = self.service.session_state(record.session_id, record.owner)
+        found = await self.service.session_state(record.session_id, record.owner)
         if isinstance(found, SessionRecord):
             if record.paused_on_purpose and not record.auto_resume:
                 raise SandboxGone(sandbox_id)
@@ -381,7 +415,7 @@ class E2BSandboxes:
             await self.service.pause_session(record.session_id, record.owner)
         except BaseException:
             record.paused_on_purpose = False
-            self.keep_if_running(record)
+            await self.keep_if_running(record)
             raise
         finally:
             record.pausing = False
@@ -424,10 +458,10 @@ class E2BSandboxes:
     async def remove_context(self, record: E2BRecord, context: Context) -> None:
         record.contexts.pop(context.id, None)
         self._context_sessions.discard(context.id)
+        if self.is_live(record):  # out of the store's copy first: no refresh brings it back
+            await self.keep_if_running(record)
         with contextlib.suppress(SessionError):
             await self.service.end_session(context.id, record.owner)
-        if self.is_live(record):
-            self.keep_if_running(record)
 
     # ----------------------------------------------------------------------------------------
     # E2B's timeouts
@@ -452,10 +486,13 @@ class E2BSandboxes:
         others alive; return how many ended or paused. A paused one's timeout does not run."""
         ended = 0
         now = time.time()
+        self._adopt_shared()
         for record in list(self._records.values()):
             if record.pausing:
                 continue
-            found = self.service.session_state(record.session_id, record.owner)
+            if self._clustered:  # its deadline as set through any replica
+                self._from_store(record.sandbox_id)
+            found = await self.service.session_state(record.session_id, record.owner)
             if found is None:
                 await self.forget(record)
                 ended += 1
@@ -481,12 +518,30 @@ class E2BSandboxes:
                 log.info("E2B sandbox %s reached its timeout", record.sandbox_id)
                 await self.kill(record)
                 continue
-            self.service.keepalive(found)  # E2B's timeout, not idleness, ends it
+            # E2B's timeout, not idleness, ends it (kept alive for every replica's reaper).
+            with contextlib.suppress(SessionError):  # lost: its next call says so
+                await self.service.keepalive(found)
             for context in list(record.contexts.values()):
-                context_session = self.service.session_state(context.id, record.owner)
+                context_session = await self.service.session_state(context.id, record.owner)
                 if isinstance(context_session, Session):
-                    self.service.keepalive(context_session)
+                    with contextlib.suppress(SessionError):
+                        await self.service.keepalive(context_session)
         return ended
+
+    def _adopt_shared(self) -> None:
+        """Cluster mode: the E2B sandboxes other replicas made, a bounded piece of the store
+        per sweep, so their timeouts are kept here too (whichever replica's end claim wins
+        kills one, once) and hold when the replica that made them is gone."""
+        if not self._clustered:
+            return
+        scan = getattr(self.service.store, "scan_sessions", None)
+        if scan is None:
+            return
+        batch = self.service.settings.cluster_reap_batch
+        self._cursor, records = scan(self._cursor, batch)
+        for kept in records:
+            if kept.state == "running" and CONTEXT_LABEL not in kept.labels:
+                self._merge(_restored(kept.id, kept.owner, kept.labels))
 
     async def _paused_at_timeout(self, record: E2BRecord, session: Session) -> bool:
         """Auto-pause; False if it could not be (it is then killed, as E2B's timeout says)."""

@@ -1,10 +1,13 @@
 """Serves one session's host-tool calls on the Unix socket in its sandbox's channel directory.
 
-Protocol, both ways: a 4-byte big-endian length, then that many bytes of JSON.
+Protocol (sandbox/frames.py), both ways: a 4-byte big-endian length, then that many bytes of
+JSON.
     sandbox -> host   {"id": 7, "tool": "get_expenses", "arguments": {"member_id": "m1"}}
     host -> sandbox   {"id": 7, "result": ...}
                   or  {"id": 7, "error": {"type": "timeout", "message": "..."}}
-Many calls may be in flight on one connection; answers come back as they finish.
+Many calls may be in flight on one connection; answers come back as they finish. A sandbox on
+another machine (cluster mode) sends its call frames through its node's relay instead of this
+socket; `ToolChannel.answer` answers one such frame the same way.
 
 What the host checks, in order: the peer runs as the sandbox's uid; the frame is within the size
 cap and is exactly a call; the tool is one this session may call; the arguments are valid for
@@ -25,11 +28,20 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from orchestrator.host_tools.base import HostTool, HostToolError, ToolInputError
+from sandbox.frames import (
+    FRAME_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    CallId,
+    FrameRefused,
+    error_frame,
+    parse_call,
+    read_frame,
+    refusal_frame,
+    write_frame,
+)
 from sandbox.host_channel import MANIFEST_NAME, HostChannel
 
 log = logging.getLogger(__name__)
-_MESSAGE_CHARS = 2000  # an error message is for reading, not for carrying data
-_MAX_CONNECTIONS = 16  # per session: a kernel, its subprocesses
 
 
 @dataclass(frozen=True)
@@ -38,18 +50,16 @@ class ChannelLimits:
     max_call_bytes: int = 1 << 20
     max_result_bytes: int = 8 << 20
     max_calls_in_flight: int = 64
-    frame_timeout_s: float = 10.0  # a frame begun must end within this: no half-sent frames held
-
-
-class _Refused(Exception):
-    """The peer sent something that is not a call frame: the connection ends."""
+    frame_timeout_s: float = FRAME_TIMEOUT_S
 
 
 class ToolChannel:
     """The listener of one session's channel, with the tools that session may call."""
 
-    def __init__(self, channel: HostChannel, tools: dict[str, HostTool], limits: ChannelLimits):
-        self.channel = channel
+    def __init__(
+        self, channel: HostChannel | None, tools: dict[str, HostTool], limits: ChannelLimits
+    ):
+        self.channel = channel  # None: it listens on no socket, calls come through `answer`
         self.tools = tools
         self.limits = limits
         self._server: asyncio.Server | None = None
@@ -67,6 +77,13 @@ class ToolChannel:
         sock = await asyncio.to_thread(channel.listen)
         self._server = await asyncio.start_unix_server(self._serve, sock=sock)
         return self
+
+    @classmethod
+    def relayed(cls, tools: dict[str, HostTool], limits: ChannelLimits) -> ToolChannel:
+        """One that listens on no socket: the sandbox is on another machine (cluster mode),
+        whose relay listens there; its calls come through `answer`, and `manifest()` is what
+        that machine writes into the sandbox's channel directory."""
+        return cls(None, tools, limits)
 
     def manifest(self) -> bytes:
         """What the sandbox learns of each tool: never a URL, a header or a command."""
@@ -104,12 +121,13 @@ class ToolChannel:
         task = asyncio.current_task()
         assert task is not None
         sock = writer.get_extra_info("socket")
+        assert self.channel is not None, "only a channel opened on a socket serves one"
         try:
             if not self.channel.peer_allowed(sock):
                 log.warning("host tools: refused a connection from another uid")
                 return
-            if len(self._connections) >= _MAX_CONNECTIONS:
-                await self._send(writer, asyncio.Lock(), _refusal("too many connections"))
+            if len(self._connections) >= MAX_CONNECTIONS:
+                await write_frame(writer, asyncio.Lock(), refusal_frame("too many connections"))
                 return
             self._connections.add(task)
             await self._read_calls(reader, writer)
@@ -126,42 +144,46 @@ class ToolChannel:
         calls: set[asyncio.Task[None]] = set()
         try:
             while True:
-                try:
-                    head = await reader.readexactly(4)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        raise _Refused("a truncated frame") from None
+                body = await read_frame(
+                    reader,
+                    max_bytes=self.limits.max_call_bytes,
+                    timeout_s=self.limits.frame_timeout_s,
+                )
+                if body is None:
                     return  # the peer closed between frames: a normal end
-                size = int.from_bytes(head, "big")
-                if size > self.limits.max_call_bytes:
-                    raise _Refused(
-                        f"a call of {size} bytes is over the limit of {self.limits.max_call_bytes}"
-                    )
-                try:
-                    async with asyncio.timeout(self.limits.frame_timeout_s):
-                        body = await reader.readexactly(size)
-                except TimeoutError:
-                    raise _Refused("a frame that did not arrive whole in time") from None
-                except asyncio.IncompleteReadError:
-                    raise _Refused("a truncated frame") from None
-                call_id, name, arguments = _parse(body)
+                call_id, name, arguments = parse_call(body)
                 await self._slots.acquire()
                 task = asyncio.ensure_future(self._answer(call_id, name, arguments, writer, lock))
                 calls.add(task)
                 task.add_done_callback(calls.discard)
                 # Released when the task ends in any way: one cancelled before it ran included.
                 task.add_done_callback(lambda _: self._slots.release())
-        except _Refused as exc:
+        except FrameRefused as exc:
             log.warning("host tools: refused and closed a connection: %s", exc)
             with contextlib.suppress(ConnectionError):
-                await self._send(writer, lock, _refusal(str(exc)))
+                await write_frame(writer, lock, refusal_frame(str(exc)))
         finally:
             for task in calls:
                 task.cancel()
 
+    async def answer(self, body: bytes) -> bytes:
+        """The answer frame's body to one call frame's body (no length header either way),
+        with the same checks, limits and count of calls in flight as one read from the
+        socket. For call frames that came another way: in cluster mode, through the relay of
+        the session's actor (`next_tool_calls` / `answer_tool_call`). A body that is not
+        exactly a call is answered with a `refused` error frame (id null)."""
+        try:
+            call_id, name, arguments = parse_call(body)
+        except FrameRefused as exc:
+            return error_frame(None, "refused", f"not a host tool call: {exc}")
+        async with self._slots:
+            reply = await self._run(call_id, name, arguments)
+        self.calls += 1
+        return reply
+
     async def _answer(
         self,
-        call_id: int | str,
+        call_id: CallId,
         name: str,
         arguments: dict[str, Any],
         writer: asyncio.StreamWriter,
@@ -170,81 +192,46 @@ class ToolChannel:
         reply = await self._run(call_id, name, arguments)
         self.calls += 1
         with contextlib.suppress(ConnectionError):
-            await self._send(writer, lock, reply)
+            await write_frame(writer, lock, reply)
 
-    async def _run(self, call_id: int | str, name: str, arguments: dict[str, Any]) -> bytes:
+    async def _run(self, call_id: CallId, name: str, arguments: dict[str, Any]) -> bytes:
         tool = self.tools.get(name)
         if tool is None:
             allowed = ", ".join(self.tools) or "none"
-            return _error(
+            return error_frame(
                 call_id,
                 "not_allowed",
                 f"{name!r} is not a host tool this session may call (it may call: {allowed})",
             )
         problems = tool.argument_errors(arguments)
         if problems:
-            return _error(call_id, "invalid_arguments", f"{name}: {'; '.join(problems[:10])}")
+            return error_frame(call_id, "invalid_arguments", f"{name}: {'; '.join(problems[:10])}")
         limit = tool.timeout_s or self.limits.call_timeout_s
         try:
             async with asyncio.timeout(limit) as scope:
                 result = await tool.call(arguments)
         except TimeoutError:
             if scope.expired():
-                return _error(call_id, "timeout", f"{name} did not finish within {limit:g} s")
-            return _error(call_id, "tool_error", f"{name} raised TimeoutError")
+                return error_frame(call_id, "timeout", f"{name} did not finish within {limit:g} s")
+            return error_frame(call_id, "tool_error", f"{name} raised TimeoutError")
         except ToolInputError as exc:
-            return _error(call_id, "invalid_arguments", f"{name}: {exc}")
+            return error_frame(call_id, "invalid_arguments", f"{name}: {exc}")
         except HostToolError as exc:
-            return _error(call_id, "tool_error", f"{name}: {exc}")
+            return error_frame(call_id, "tool_error", f"{name}: {exc}")
         except Exception as exc:
             log.info("host tool %s raised", name, exc_info=True)
-            return _error(call_id, "tool_error", f"{type(exc).__name__}: {exc}")
+            return error_frame(call_id, "tool_error", f"{type(exc).__name__}: {exc}")
         try:
             body = json.dumps({"id": call_id, "result": to_jsonable_python(result)}).encode()
         except (TypeError, ValueError) as exc:
-            return _error(call_id, "tool_error", f"{name} returned a value that is not JSON: {exc}")
+            return error_frame(
+                call_id, "tool_error", f"{name} returned a value that is not JSON: {exc}"
+            )
         if len(body) > self.limits.max_result_bytes:
-            return _error(
+            return error_frame(
                 call_id,
                 "too_large",
                 f"{name} returned {len(body)} bytes, over the limit of "
                 f"{self.limits.max_result_bytes}: ask for less (filter, page, summarise)",
             )
         return body
-
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, lock: asyncio.Lock, body: bytes) -> None:
-        async with lock:
-            writer.write(len(body).to_bytes(4, "big") + body)
-            await writer.drain()
-
-
-def _parse(body: bytes) -> tuple[int | str, str, dict[str, Any]]:
-    """A call frame, exactly; anything else is refused."""
-    try:
-        frame = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise _Refused("a frame that is not JSON") from None
-    if not isinstance(frame, dict) or set(frame) != {"id", "tool", "arguments"}:
-        raise _Refused("a frame that is not {id, tool, arguments}")
-    call_id, name, arguments = frame["id"], frame["tool"], frame["arguments"]
-    valid_id = (isinstance(call_id, int) and not isinstance(call_id, bool) and call_id >= 0) or (
-        isinstance(call_id, str) and 0 < len(call_id) <= 64
-    )
-    if not valid_id:
-        raise _Refused("a call id that is not a small number or short string")
-    if not isinstance(name, str) or not 0 < len(name) <= 128:
-        raise _Refused("a tool name that is not a short string")
-    if not isinstance(arguments, dict):
-        raise _Refused("arguments that are not an object")
-    return call_id, name, arguments
-
-
-def _error(call_id: int | str | None, kind: str, message: str) -> bytes:
-    if len(message) > _MESSAGE_CHARS:
-        message = message[:_MESSAGE_CHARS] + " [...]"
-    return json.dumps({"id": call_id, "error": {"type": kind, "message": message}}).encode()
-
-
-def _refusal(why: str) -> bytes:
-    return _error(None, "refused", f"the host tool channel refused the connection: {why}")

@@ -170,7 +170,8 @@ async def _ndjson(
     result = asyncio.ensure_future(service.wait_process(session, pid))
     lines = _Lines()
     try:
-        async for event in _with_keepalives(service.process_events(session, pid, replay=replay)):
+        events = await service.process_events(session, pid, replay=replay)
+        async for event in _with_keepalives(events):
             if event is None:
                 yield KEEPALIVE_LINE
             elif isinstance(event, ProcessEnd):
@@ -211,7 +212,7 @@ class _StreamThenCleanUp(StreamingResponse):
 async def _kill(service: Service, session: Session, pid: int) -> None:
     """SIGKILL to a process and everything it started, if it still runs."""
     with contextlib.suppress(SandboxError, SessionError, OSError):
-        if service.process_info(session, pid).running:
+        if (await service.process_info(session, pid)).running:
             await service.signal_process(session, pid, Signals.SIGKILL)
 
 
@@ -270,12 +271,12 @@ async def list_processes(
         bool, Query(description="Also those that ended (the most recent are remembered).")
     ] = False,
 ) -> list[ProcessInfo]:
-    return service.list_processes(session, include_ended=include_ended)
+    return await service.list_processes(session, include_ended=include_ended)
 
 
 @router.get("/processes/{pid}", summary="Get a process")
 async def get_process(pid: int, session: SessionDep, service: ServiceDep) -> ProcessInfo:
-    return service.process_info(session, pid)
+    return await service.process_info(session, pid)
 
 
 @router.get(
@@ -294,7 +295,7 @@ async def process_output(
 ) -> StreamingResponse:
     """As `commands/stream`, without `start`: output from now on (or replayed first), then
     `end` with its result. Closing the connection leaves the process running."""
-    service.process_info(session, pid)  # a wrong pid is a 404 before the stream starts
+    await service.process_info(session, pid)  # a wrong pid is a 404 before the stream starts
     lines = _ndjson(service, session, pid, replay=replay, start=False)
     return StreamingResponse(lines, media_type="application/x-ndjson")
 
@@ -447,7 +448,7 @@ async def _run_terminal(
 async def _terminal_output(
     websocket: WebSocket, service: Service, session: Session, pid: int, sending: asyncio.Lock
 ) -> None:
-    events = service.process_events(session, pid, replay=True)
+    events = await service.process_events(session, pid, replay=True)
     try:
         async for event in events:
             async with sending:

@@ -99,7 +99,7 @@ async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) 
 
 @router.post("/{session_id}/keepalive", summary="Mark the session active (resets idle expiry)")
 async def keepalive(session: SessionDep, service: ServiceDep) -> SessionInfo:
-    return service.keepalive(session)
+    return await service.keepalive(session)
 
 
 @router.get(

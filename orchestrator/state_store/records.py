@@ -30,6 +30,9 @@ class SessionRecord(BaseModel):
     state: SessionState = "running"
     state_since: float = Field(default_factory=time.time)
     sandbox_id: str | None = None  # the running sandbox's, to find its files after a crash
+    # What another replica attaches to the running sandbox by (a Ray actor's name); None where
+    # the sandbox lives in one service's process only.
+    sandbox_handle: str | None = None
     saved_state: str | None = None  # the snapshot id of a paused session's state
     suspended: str | None = None  # or the backend's handle of its whole paused sandbox (E2B)
     executions: int = 0

@@ -19,6 +19,7 @@ from sandbox.errors import ProcessesUnsupported, RuntimeUnavailable, SandboxErro
 from sandbox.host_channel import HostChannel
 from sandbox.languages import PYTHON
 from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
+from sandbox.processes.handle import ProcessHandle
 from sandbox.processes.managed import ManagedProcess
 from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
 from sandbox.processes.spawned import Spawner
@@ -46,6 +47,12 @@ class Sandbox(ABC):
     host_channel: HostChannel | None = None
     # Where the host's egress proxy listens for this sandbox; None: it has no network.
     egress_channel: EgressChannel | None = None
+
+    @property
+    def handle(self) -> str | None:
+        """What another service process needs to reach this very sandbox (`Backend.attach`):
+        None where the sandbox lives in this process only."""
+        return None
 
     @property
     def languages(self) -> list[str]:
@@ -176,7 +183,7 @@ class Sandbox(ABC):
             )
         return self._processes
 
-    async def start_process(self, request: ProcessRequest) -> ManagedProcess:
+    async def start_process(self, request: ProcessRequest) -> ProcessHandle:
         """Start a process in the sandbox; it runs until it ends, is killed, or the sandbox
         closes (or its kernel is replaced: processes live in the kernel's sandbox)."""
         return await self._process_table().start(request)
@@ -192,6 +199,15 @@ class Sandbox(ABC):
         if self._processes is None:
             return []
         return self._processes.list(include_ended=include_ended)
+
+    async def get_process(self, pid: int) -> ProcessHandle:
+        """A process of the sandbox by its pid (`ProcessNotFound` if none): the one way the
+        service reaches a process, wherever the sandbox runs (the ray backend's is remote)."""
+        return self.process(pid)
+
+    async def processes(self, *, include_ended: bool = False) -> list[ProcessInfo]:
+        """The sandbox's processes: those running, and the recently ended with `include_ended`."""
+        return self.list_processes(include_ended=include_ended)
 
     async def _close_processes(self) -> None:
         if self._processes is not None:
@@ -246,6 +262,14 @@ class Backend(ABC):
         """The languages a sandbox of this spec would have, before one exists (for a tool's
         description)."""
         return [PYTHON]
+
+    async def attach(self, handle: str, spec: SandboxSpec) -> Sandbox:
+        """The running sandbox `Sandbox.handle` named, made by another service process (a
+        cluster's replicas share their sandboxes); `spec` is the one it was made with."""
+        raise SandboxError(
+            f"the {self.name} backend cannot attach to a sandbox another process made; its "
+            "sandboxes live in the process that created them"
+        )
 
     async def wake(self, handle: str, spec: SandboxSpec) -> Sandbox:
         """The sandbox `Sandbox.suspend` paused, running again as it was."""

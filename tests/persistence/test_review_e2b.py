@@ -73,7 +73,7 @@ async def test_a_v1_session_the_e2b_front_looked_at_is_not_killed_by_an_e2b_time
     with monkeypatch.context() as clock:
         clock.setattr(time, "time", lambda: later)
         await sandboxes.sweep()
-    assert isinstance(service.session_state(session.id, OWNER), Session), (
+    assert isinstance(await service.session_state(session.id, OWNER), Session), (
         "the E2B front killed a /v1 session it had only listed"
     )
     await service.end_session(session.id, OWNER)
@@ -95,7 +95,7 @@ async def test_data_plane_traffic_that_wakes_a_v1_session_arms_no_e2b_timeout(
     with monkeypatch.context() as clock:
         clock.setattr(time, "time", lambda: later)
         await sandboxes.sweep()
-    assert isinstance(service.session_state(session.id, OWNER), Session), (
+    assert isinstance(await service.session_state(session.id, OWNER), Session), (
         "the E2B front killed a /v1 session its data plane had woken"
     )
     await service.end_session(session.id, OWNER)
@@ -117,7 +117,7 @@ async def test_data_plane_traffic_during_a_pause_does_not_undo_it(service: Servi
             await sandboxes.reachable(session.id, record.token)
     finally:
         await pausing
-    assert isinstance(service.session_state(session.id, OWNER), SessionRecord), (
+    assert isinstance(await service.session_state(session.id, OWNER), SessionRecord), (
         "traffic during the pause woke the sandbox it had just paused"
     )
     await sandboxes.kill(record)

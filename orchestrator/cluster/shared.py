@@ -1,0 +1,47 @@
+"""What the service needs of a sandbox that lives in the cluster rather than in this process
+(the ray backend's `RaySandbox`), said as protocols: the orchestrator never imports Ray."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from orchestrator.cluster.lost_guard import LostGuard
+from sandbox.backends.base import Sandbox
+
+# Backends whose sandboxes any replica can attach to (`Backend.attach`).
+SHARED_BACKENDS = frozenset({"ray"})
+
+
+@runtime_checkable
+class SharedSandbox(Protocol):
+    async def activity(self) -> tuple[float, int]:
+        """(seconds since its last call, calls in flight), counted by the sandbox itself for
+        every replica."""
+        ...
+
+    async def touch(self) -> None:
+        """Mark it active for every replica (a keepalive): its idle time starts again."""
+        ...
+
+
+@runtime_checkable
+class RelayedTools(Protocol):
+    """A sandbox whose host-tool channel listens on its own machine and relays the calls."""
+
+    async def set_tool_manifest(self, manifest: bytes) -> None:
+        """Write what its code learns of its tools (`ToolChannel.manifest()`)."""
+        ...
+
+    async def tool_calls(self, max_wait_s: float) -> list[tuple[str, bytes]]:
+        """(key, call frame) its code made, each handed out once to whichever replica asks;
+        waits up to `max_wait_s` for one."""
+        ...
+
+    async def answer_tool_call(self, key: str, body: bytes) -> None:
+        """The answer frame of the call taken under `key`."""
+        ...
+
+
+def inner(sandbox: Sandbox) -> Sandbox:
+    """The sandbox itself, under the service's guard."""
+    return sandbox.inner if isinstance(sandbox, LostGuard) else sandbox

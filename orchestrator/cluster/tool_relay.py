@@ -1,0 +1,121 @@
+"""Host tools of sessions whose sandbox is on another machine: each replica serving such a
+session pulls its calls (a long poll on the sandbox's relay) and answers each with the session's
+tools (`ToolChannel.answer`), as the socket listener does on one machine.
+
+Several replicas may poll one session: the relay hands each call to one of them, so each call is
+answered once. A loop answers at most the channel's calls-in-flight limit at once and polls for
+more only when one is done: what a sandbox sends cannot grow this process's memory. It stops when
+the session ends here (`stop`), or its sandbox is lost or closed (`SandboxLost`,
+`SandboxClosed`); any other failure (the cluster out of reach for now, `BackendUnavailable`, as
+while its head restarts) is retried after a pause that doubles up to `RETRY_MAX_S`, so a replica
+never stops serving a live session's tools.
+
+Every replica answers with its own tools of the names the session's record lists: every replica
+must have the same host-tool settings (docs/cluster.md). The manifest (what the code reads of its
+tools, and the limits its relay applies) is written once, by the replica that makes the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from orchestrator.cluster.shared import RelayedTools
+from orchestrator.host_tools import ToolChannel
+from sandbox.errors import SandboxClosed, SandboxError, SandboxLost
+
+log = logging.getLogger(__name__)
+POLL_S = 10.0  # each long poll waits at most this long for a call
+RETRY_FIRST_S = 0.5  # the pause after a failed poll; doubled after each failure in a row...
+RETRY_MAX_S = 30.0  # ...up to this
+
+
+class ToolRelays:
+    """The relay loops this replica runs, by session id."""
+
+    def __init__(self) -> None:
+        self._loops: dict[str, asyncio.Task[None]] = {}
+
+    async def start(
+        self,
+        session_id: str,
+        sandbox: RelayedTools,
+        channel: ToolChannel,
+        *,
+        write_manifest: bool = True,
+    ) -> None:
+        """Write the session's tools where its code reads them (`write_manifest`: the replica
+        that makes the session; one that attaches finds it written), then serve its calls."""
+        if write_manifest:
+            await sandbox.set_tool_manifest(channel.manifest())
+        running = self._loops.get(session_id)
+        if running is None or running.done():
+            task = asyncio.ensure_future(
+                _relay(session_id, sandbox, channel), loop=asyncio.get_running_loop()
+            )
+            self._loops[session_id] = task
+            task.add_done_callback(lambda done: self._forget(session_id, done))
+
+    def _forget(self, session_id: str, task: asyncio.Task[None]) -> None:
+        """A loop that ended by itself (its sandbox lost) is forgotten: a later start runs one."""
+        if self._loops.get(session_id) is task:
+            del self._loops[session_id]
+
+    async def stop(self, session_id: str) -> None:
+        task = self._loops.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def close(self) -> None:
+        for session_id in list(self._loops):
+            await self.stop(session_id)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._loops
+
+
+async def _relay(session_id: str, sandbox: RelayedTools, channel: ToolChannel) -> None:
+    limit = max(1, channel.limits.max_calls_in_flight)
+    answering: set[asyncio.Task[None]] = set()
+    pause = RETRY_FIRST_S
+    try:
+        while True:
+            if len(answering) >= limit:  # no more calls taken than can be answered at once
+                await asyncio.wait(answering, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                calls = await sandbox.tool_calls(POLL_S)
+            except (SandboxLost, SandboxClosed) as exc:  # gone for good: the session ends
+                log.info("host tools of session %s: the relay stopped: %s", session_id, exc)
+                return
+            except SandboxError as exc:  # out of reach for now: the session stays, so does this
+                log.warning(
+                    "host tools of session %s: polling failed, again in %g s: %s",
+                    session_id,
+                    pause,
+                    exc,
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+                continue
+            pause = RETRY_FIRST_S
+            for key, body in calls:
+                task = asyncio.ensure_future(_answer(session_id, sandbox, channel, key, body))
+                answering.add(task)
+                task.add_done_callback(answering.discard)
+    finally:
+        for task in answering:
+            task.cancel()
+
+
+async def _answer(
+    session_id: str, sandbox: RelayedTools, channel: ToolChannel, key: str, body: bytes
+) -> None:
+    reply = await channel.answer(body)
+    try:
+        await sandbox.answer_tool_call(key, reply)
+    except SandboxError as exc:  # timed out there meanwhile, or the sandbox is gone
+        log.info("host tools of session %s: an answer was not delivered: %s", session_id, exc)

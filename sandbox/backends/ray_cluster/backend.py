@@ -1,0 +1,532 @@
+"""The `ray` backend: each session is a detached, named Ray actor (session_actor.py) on a node
+of a Ray cluster, running a sandbox of that node's own kind; `RaySandbox` is its proxy here.
+
+Placement spreads sessions by free capacity: a node offers sessions with the custom resource
+`cir_sessions` (its cap, `ray start --resources='{"cir_sessions": N}'`); `create` picks the
+alive node with the most free slots (ties at random, so that replicas do not all pick the same
+node) and pins the actor there (`NodeAffinitySchedulingStrategy(soft=False)`). If that node
+filled meanwhile, the actor stays pending: past `placement_wait_s` it is withdrawn and the next
+node is tried. Every node full is `CapacityReached`, saying how full. Ray enforces each node's
+cap through the resource; nothing here counts sessions on its own.
+
+Warm pools per node (`pool_size_per_node`, warm_pool.py): a keeper per node holds ready
+session actors of `pool_spec`, shared by every replica. A warm actor holds a slot like a
+session, so the cap and the pool share a node's slots this way: placement ranks nodes by the
+slots a session could have there now (free ones, and those held warm); on the chosen node a
+session that fits the pool takes a warm actor first (else one is started, as without a pool);
+a session that does not fit, where every free slot is held warm, has the keeper give one back
+first; and an actor that stays unplaced for `NUDGE_S` (a keeper filled the slot meanwhile)
+has it give one back too. The pool never holds more than `pool_size_per_node` per node, and
+only fills free slots; so warm actors never make a session wait or be refused.
+
+The backend belongs to one replica; the session actors belong to the cluster. `close()` only
+lets go of this process's connection; `discard(handle)` ends a session actor for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from pydantic import BaseModel, Field, field_validator
+from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from sandbox.backends.base import Backend
+from sandbox.backends.ray_cluster.actor_errors import (
+    actor_id_of,
+    known_fate,
+    lost_by_name,
+    sandbox_error_of,
+)
+from sandbox.backends.ray_cluster.cluster_state import (
+    cluster_nodes,
+    creation_error,
+    free_resources_per_node,
+    short,
+)
+from sandbox.backends.ray_cluster.join_policy import check_join
+from sandbox.backends.ray_cluster.loopback import LOOPBACK, keep_loopback
+from sandbox.backends.ray_cluster.names import (
+    NAMESPACE,
+    SESSION_RESOURCE,
+    check_orchestrator_id,
+    session_actor_name,
+    session_prefix,
+)
+from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox, kill_actor
+from sandbox.backends.ray_cluster.session_actor import SessionActor, SessionFacts
+from sandbox.backends.ray_cluster.warm_pool import PoolState, WarmPools
+from sandbox.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    CapacityReached,
+    SandboxError,
+    SandboxLost,
+    SandboxStartError,
+)
+from sandbox.languages import PYTHON
+from sandbox.spec import SandboxSpec
+
+log = logging.getLogger(__name__)
+
+NUDGE_S = 1.0  # an actor unplaced this long asks its node's keeper for a slot held warm
+RECHECK_S = 0.5  # no node with room: the free slots are read once more after this long
+MAX_DEAD_NODES = 64  # dead nodes `nodes()` still lists (the most recently seen alive)
+
+
+class RayBackendConfig(BaseModel):
+    address: str | None = Field(
+        None,
+        description="The cluster to join (`host:port` of its head); None: `RAY_ADDRESS`, else "
+        "a cluster already running on this machine. A new cluster is never started.",
+    )
+    namespace: str = Field(NAMESPACE, description="The Ray namespace of the session actors.")
+    orchestrator_id: str = Field(
+        "default", description="Names this service's session actors (replicas share it)."
+    )
+    node_ip: str | None = Field(
+        None,
+        description="This process's address in the cluster (Ray's `_node_ip_address`); "
+        "127.0.0.1 keeps everything on loopback (one-machine clusters).",
+    )
+    pool_size_per_node: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Warm session actors kept ready on each node; 0: none. The first replica "
+        "to reach a node's keeper sets its size.",
+    )
+    pool_spec: SandboxSpec = Field(
+        default_factory=SandboxSpec, description="The spec warm pools keep sandboxes of."
+    )
+    placement_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long an actor may stay unplaced before its node counts as full.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Join a cluster at a non-loopback address without RAY_AUTH_MODE=token in "
+        "the environment: only on a private network nobody else reaches (docs/cluster.md, "
+        "'Securing the cluster').",
+    )
+
+    @field_validator("orchestrator_id")
+    @classmethod
+    def _plain_id(cls, value: str) -> str:
+        return check_orchestrator_id(value)
+
+
+@dataclass(frozen=True)
+class NodeUsage:
+    """One node of the cluster as the ray backend sees it."""
+
+    node_id: str
+    address: str
+    alive: bool
+    sessions: int  # slots taken (warm actors included: they hold one each)
+    capacity: int  # its `cir_sessions`
+    warm: int = 0  # warm actors ready there
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.sessions) if self.alive else 0
+
+    @property
+    def room(self) -> int:
+        """Slots a session could have there now: free ones, and those held warm (on loan)."""
+        return self.free + self.warm if self.alive else 0
+
+
+class _Unplaced(Exception):
+    """The actor stayed pending: its node filled meanwhile (or died)."""
+
+
+class RayBackend(Backend):
+    name = "ray"
+    # Sandboxes keep no network: only Ray's own processes talk across machines.
+    network_modes = ("none",)
+    # A warm sandbox here is a cluster actor: replicas share per-node pools (warm_pool.py),
+    # never a replica's own pool of actors no record names.
+    keeps_warm = False
+
+    def __init__(self, config: RayBackendConfig | None = None) -> None:
+        self.config = config or RayBackendConfig()
+        self._connected = False
+        self._connect_lock = asyncio.Lock()
+        self._pools = WarmPools(self.config)
+        # Nodes seen offering sessions: node id -> capacity, newest last. A dead node's
+        # resources are no longer told, so this is how `nodes()` still lists one (and only
+        # those that offered sessions, the most recent MAX_DEAD_NODES).
+        self._seen: dict[str, int] = {}
+
+    # --- the cluster connection -------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        async with self._connect_lock:
+            if not self._connected:
+                await asyncio.to_thread(_join, self.config)
+                self._connected = True
+
+    async def close(self) -> None:
+        """Let go of the cluster (the session actors and the pools' keepers stay: they belong
+        to it; `drain_pools` ends the keepers)."""
+        self._pools.forget()
+        if self._connected:
+            self._connected = False
+            await asyncio.to_thread(_leave)
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec | None = None) -> RaySandbox:
+        spec = spec or SandboxSpec()
+        self.refuse_network(spec)
+        await self._connect()
+        usage = await self.nodes()
+        if not any(node.room > 0 for node in usage):
+            # The GCS's view of free slots lags their release by up to a report period: a
+            # slot freed a moment ago may still look taken. Look once more before refusing.
+            await asyncio.sleep(RECHECK_S)
+            usage = await self.nodes()
+        fits = self._pools.fits(spec)
+        candidates = [node for node in usage if node.alive and node.room > 0]
+        random.shuffle(candidates)
+        candidates.sort(key=lambda node: -node.room)
+        for node in candidates:
+            if fits and node.warm:
+                warm = await self._pools.take(node.node_id, spec)
+                if warm is not None:
+                    return warm
+                if node.free <= 0:
+                    continue  # others took its warm actors, and it has no free slot
+            try:
+                return await self._start_on(node, spec)
+            except _Unplaced:
+                log.info("node %s filled before a session landed there", node.node_id[:16])
+        now = await self.nodes() if candidates else usage
+        raise CapacityReached(_full_message(now, tried=len(candidates)))
+
+    async def _start_on(self, node: NodeUsage, spec: SandboxSpec) -> RaySandbox:
+        sandbox_id = secrets.token_hex(8)
+        name = session_actor_name(self.config.orchestrator_id, sandbox_id)
+        if node.free <= 0 and node.warm:  # every free slot there is held warm: one back
+            await self._pools.give_back(node.node_id)
+        # Making a named actor is a GCS round trip: off the event loop.
+        actor = await asyncio.to_thread(
+            new_session_actor,
+            name,
+            self.config.namespace,
+            node.node_id,
+            sandbox_id,
+            spec,
+            self.config,
+        )
+        try:
+            await self._placed_or_why(actor, node)
+            facts = await start_session(actor, name)
+        except BaseException:
+            await kill_actor(actor)
+            raise
+        return RaySandbox(actor, name, spec, facts)
+
+    async def _placed_or_why(self, actor: Any, node: NodeUsage) -> None:
+        """The actor placed and made on its node; else why not: `_Unplaced` (the node filled,
+        or died: the next node may take it), `SandboxStartError` (its creation failed there,
+        with Ray's cause), `BackendTimeout` (a worker took it but is slow to start)."""
+        where = f"node {node.node_id[:16]} ({node.address})"
+        try:
+            await self._placed(actor, node.node_id)
+        except RayActorError as exc:
+            fate = await known_fate(actor_id_of(actor))
+            if not isinstance(exc, ActorDiedError) or (fate is not None and fate.node_died):
+                raise _Unplaced from exc
+            cause = (fate.cause if fate is not None else "") or creation_error(exc)
+            raise SandboxStartError(
+                f"the session actor could not be made on {where}: {cause} (is the node set up "
+                "as docs/cluster.md says: the same code-interpreter and Ray as the service?)"
+            ) from None
+        except TimeoutError as exc:
+            fate = await known_fate(actor_id_of(actor))
+            if fate is not None and fate.placed:
+                raise BackendTimeout(
+                    f"the session actor was given a slot on {where} but did not start within "
+                    f"{self.config.placement_wait_s:g} s (placement_wait_s): the node is slow or "
+                    "overloaded; try again"
+                ) from None
+            raise _Unplaced from exc
+
+    async def _placed(self, actor: Any, node_id: str) -> None:
+        """Wait for Ray to place the actor; unplaced after `NUDGE_S`, the node's keeper (if
+        any) gives a slot back, since it may have filled the one this actor aimed at."""
+        wait = self.config.placement_wait_s
+        placed: asyncio.Future[Any] = asyncio.ensure_future(actor.describe.remote())
+        try:
+            if self._pools.enabled and wait > NUDGE_S:
+                done, _ = await asyncio.wait({placed}, timeout=NUDGE_S)
+                if not done:
+                    await self._pools.give_back(node_id)
+                    wait -= NUDGE_S
+            await asyncio.wait_for(asyncio.shield(placed), wait)
+        finally:
+            placed.cancel()
+
+    async def attach(self, handle: str, spec: SandboxSpec) -> RaySandbox:
+        """The session actor named `handle` (made by any replica of this orchestrator id);
+        `SandboxLost` when it is gone (saying where it was and why, if the cluster still
+        knows), `BackendUnavailable` when the cluster does not answer."""
+        if not handle.startswith(session_prefix(self.config.orchestrator_id)):
+            raise SandboxError(
+                f"{handle!r} names no session of this service (orchestrator id "
+                f"{self.config.orchestrator_id!r})"
+            )
+        await self._connect()
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, handle, self.config.namespace)
+        except ValueError:  # no live actor of that name (a dead one's name is released)
+            raise SandboxLost(await lost_by_name(handle, self.config.namespace)) from None
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"the Ray cluster did not answer where the session {handle} is: "
+                f"{short(str(exc))}; try again in a moment"
+            ) from None
+        try:
+            facts: SessionFacts = await actor.describe.remote()
+        except Exception as exc:
+            error = await sandbox_error_of(exc, handle, None, actor_id_of(actor))
+            raise error from None
+        return RaySandbox(actor, handle, spec, facts)
+
+    async def discard(self, handle: str) -> None:
+        """End a session actor for good: its sandbox is closed, then its process ends."""
+        await self._connect()
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, handle, self.config.namespace)
+        except ValueError:
+            return  # gone already
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"the Ray cluster did not answer where the session {handle} is: "
+                f"{short(str(exc))}; try again in a moment"
+            ) from None
+        with contextlib.suppress(Exception):  # closing is a courtesy: the kill ends it anyway
+            await asyncio.wait_for(actor.close.remote(), 60)
+        await kill_actor(actor)
+
+    async def list_sandboxes(self) -> list[str]:
+        """The names of this orchestrator's live session actors (warm ones not yet claimed
+        are the pools', not sessions, and are left out)."""
+        await self._connect()
+        names = await asyncio.to_thread(self._named_actors)
+        prefix = session_prefix(self.config.orchestrator_id)
+        sessions = {name for name in names if name.startswith(prefix)}
+        return sorted(sessions - await self._pools.held(names))
+
+    def _named_actors(self) -> list[str]:
+        found = ray.util.list_named_actors(all_namespaces=True)
+        return [
+            entry["name"]
+            for entry in found
+            if isinstance(entry, dict) and entry.get("namespace") == self.config.namespace
+        ]
+
+    async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
+        return [PYTHON]
+
+    def refuse_network(self, spec: SandboxSpec) -> None:
+        if spec.network.enabled:
+            raise SandboxError(
+                "the ray backend's sandboxes have no network (only Ray's own processes talk "
+                f"across machines); ask for network 'none' (asked: {spec.network.mode!r})"
+            )
+
+    # --- nodes ------------------------------------------------------------------------------
+
+    async def nodes(self) -> list[NodeUsage]:
+        """Every node that offers sessions (or did, and died): its slots, taken and warm.
+        With a pool, each alive node's keeper is made here if it is not there yet."""
+        await self._connect()
+        usage = await self._usage()
+        if not self._pools.enabled:
+            return usage
+        pools = await self._pools.states([node.node_id for node in usage if node.alive])
+        return [
+            replace(node, warm=len(pools[node.node_id].ready)) if node.node_id in pools else node
+            for node in usage
+        ]
+
+    async def _usage(self) -> list[NodeUsage]:
+        usage = await asyncio.to_thread(_node_usage, self._seen)
+        for node in usage:
+            if node.alive:
+                self._seen.pop(node.node_id, None)
+                self._seen[node.node_id] = node.capacity
+        while len(self._seen) > MAX_DEAD_NODES + sum(node.alive for node in usage):
+            del self._seen[next(iter(self._seen))]
+        return usage
+
+    # --- warm pools (warm_pool.py) ----------------------------------------------------------
+
+    async def pools(self) -> list[PoolState]:
+        """Each alive node's warm pool of this replica's pool spec (none: no pool)."""
+        await self._connect()
+        if not self._pools.enabled:
+            return []
+        usage = await self._usage()
+        states = await self._pools.states([node.node_id for node in usage if node.alive])
+        return list(states.values())
+
+    async def drain_pools(self) -> int:
+        """End every warm pool keeper of this orchestrator id (any spec, made by any replica)
+        and the warm actors they hold; how many warm actors were ended. For the shutdown of
+        the whole cluster, and tests: a replica's next `create` or `nodes` with a pool makes
+        its keepers again."""
+        await self._connect()
+        names = await asyncio.to_thread(self._named_actors)
+        return await self._pools.drain(names)
+
+
+# --- the cluster, as one process joins it (shared by every RayBackend of the process) -------
+
+_joined_lock = threading.Lock()
+_joined = 0  # RayBackends of this process using the connection
+_joined_by_us = False  # whether ray.init was ours (else: the process's, left alone)
+
+
+def _join(config: RayBackendConfig) -> None:
+    global _joined, _joined_by_us
+    with _joined_lock:
+        if not ray.is_initialized():
+            address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
+            check_join(address, os.environ, allow_unauthenticated=config.allow_unauthenticated)
+            if config.node_ip == LOOPBACK:
+                keep_loopback()
+            try:
+                ray.init(
+                    address=address,
+                    _node_ip_address=config.node_ip,
+                    namespace=config.namespace,
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise BackendUnavailable(
+                    f"no Ray cluster answers at {address!r} ({exc}); start one (`ray start "
+                    "--head`) or give its address (--ray-address / RAY_ADDRESS)"
+                ) from None
+            _joined_by_us = True
+        _joined += 1
+
+
+def _leave() -> None:
+    global _joined, _joined_by_us
+    with _joined_lock:
+        _joined = max(0, _joined - 1)
+        if _joined == 0 and _joined_by_us:
+            _joined_by_us = False
+            ray.shutdown()
+
+
+def _node_usage(seen: dict[str, int]) -> list[NodeUsage]:
+    """Each node's slots from Ray's own books: totals from `ray.nodes()`, what is free from
+    the GCS's per-node view (cluster_state.py). Alive nodes that offer sessions, and dead
+    ones among those `seen` offering sessions before."""
+    nodes = cluster_nodes()
+    available = free_resources_per_node()
+    usage = []
+    for node in nodes:
+        node_id = str(node.get("NodeID", ""))
+        alive = bool(node.get("Alive"))
+        capacity = int(node.get("Resources", {}).get(SESSION_RESOURCE, 0)) if alive else 0
+        if alive and capacity <= 0:
+            continue  # offers no sessions
+        if not alive:
+            if node_id not in seen:
+                continue  # never seen offering sessions (a dead head, an old node)
+            capacity = seen[node_id]
+        free = int(available.get(node_id, {}).get(SESSION_RESOURCE, 0)) if alive else 0
+        usage.append(
+            NodeUsage(
+                node_id=node_id,
+                address=str(node.get("NodeManagerAddress", "?")),
+                alive=alive,
+                sessions=max(0, capacity - free) if alive else 0,
+                capacity=capacity,
+            )
+        )
+    return usage
+
+
+def _full_message(usage: list[NodeUsage], *, tried: int = 0) -> str:
+    """Why no node took the session, as the cluster's books have it now: never "full" while
+    they show a free slot."""
+    alive = [node for node in usage if node.alive]
+    if not alive:
+        return (
+            "no node of the cluster offers sessions (none was started with "
+            f"--resources='{{\"{SESSION_RESOURCE}\": N}}', or all of them are down); add a node"
+        )
+    taken = sum(node.sessions for node in alive)
+    slots = sum(node.capacity for node in alive)
+    if taken < slots:
+        return (
+            f"no node took the session: the {tried} node(s) with room filled before it could "
+            f"start there (now {len(alive)} nodes, {taken} of {slots} slots taken, as the "
+            "cluster last heard); try again"
+        )
+    return (
+        f"every node of the cluster holds its maximum of sessions: {len(alive)} nodes, "
+        f"{taken} of {slots} slots taken; try again later or add a node"
+    )
+
+
+# --- session actors -------------------------------------------------------------------------
+
+_remote_class: Any = None
+
+
+def new_session_actor(
+    name: str,
+    namespace: str,
+    node_id: str,
+    sandbox_id: str,
+    spec: SandboxSpec,
+    config: RayBackendConfig,
+    *,
+    claimed: bool = True,
+) -> Any:
+    """Ask Ray for a session actor on that node (placed, not yet started)."""
+    global _remote_class
+    if _remote_class is None:
+        _remote_class = ray.remote(SessionActor)
+    return _remote_class.options(
+        name=name,
+        namespace=namespace,
+        lifetime="detached",
+        max_restarts=0,  # never a silent fresh kernel
+        max_task_retries=0,
+        num_cpus=0,
+        resources={SESSION_RESOURCE: 1},
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(sandbox_id, spec, config.orchestrator_id, claimed=claimed)
+
+
+async def start_session(actor: Any, name: str) -> SessionFacts:
+    """Start the actor's sandbox; its errors as the node raised them."""
+    try:
+        facts: SessionFacts = await actor.start.remote()
+    except RayTaskError as exc:
+        if isinstance(exc.cause, Exception):
+            raise exc.cause from None
+        raise
+    except RayActorError as exc:
+        raise SandboxStartError(f"the session actor {name} died while starting: {exc}") from None
+    return facts

@@ -4,6 +4,7 @@ a runtime the operator does not allow, or on a backend with no choice, is a clea
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -53,6 +54,12 @@ def test_a_session_asks_for_gvisor_and_gets_it(api: httpx.Client) -> None:
 
 
 def test_asking_for_the_deployment_runtime_is_served_from_the_pool(api: httpx.Client) -> None:
+    # The pool fills in the background (after the start, after each take): once it holds its
+    # sandbox, a session asking for the deployment's runtime is served from it.
+    deadline = time.monotonic() + 120
+    while api.get("/v1/status").json()["pools"].get("docker", 0) < 1:
+        assert time.monotonic() < deadline, "the Docker pool never held a sandbox"
+        time.sleep(0.2)
     created = api.post("/v1/sessions", json={"backend": "docker", "runtime": "runc"})
     assert created.status_code == 201, created.text
     info = created.json()

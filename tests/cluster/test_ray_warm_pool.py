@@ -103,8 +103,13 @@ async def test_two_replicas_taking_at_once_never_share(
         warm = {name for pool in (await _full(pooled)).values() for name in pool.ready}
         for _ in range(2):  # a session that does not fit on each node's free slot...
             made.append(await pooled.create(small_spec(default_timeout_s=30.0)))
-        nodes = [node for node in await pooled.nodes() if node.alive]
-        assert all(node.free == 0 and node.warm == 1 for node in nodes)  # ...leaves 2 warm
+        # ...leaves 2 warm (read until the GCS's view of free slots, which lags, has caught up)
+        for _ in range(100):
+            nodes = [node for node in await pooled.nodes() if node.alive]
+            if all(node.free == 0 and node.warm == 1 for node in nodes):
+                break
+            await asyncio.sleep(0.2)
+        assert all(node.free == 0 and node.warm == 1 for node in nodes), nodes
         # Four takers from two replicas at once, for two warm actors: each goes to one taker.
         takers = [backend.create(small_spec()) for backend in (pooled, other, pooled, other)]
         results = await asyncio.gather(*takers, return_exceptions=True)

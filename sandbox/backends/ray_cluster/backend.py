@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -80,6 +81,8 @@ log = logging.getLogger(__name__)
 
 NUDGE_S = 1.0  # an actor unplaced this long asks its node's keeper for a slot held warm
 RECHECK_S = 0.5  # no node with room: the free slots are read once more after this long
+# A slot this replica just filled may still look free in the GCS's view for about this long.
+GCS_LAG_S = 2.0
 MAX_DEAD_NODES = 64  # dead nodes `nodes()` still lists (the most recently seen alive)
 
 
@@ -168,6 +171,10 @@ class RayBackend(Backend):
         # resources are no longer told, so this is how `nodes()` still lists one (and only
         # those that offered sessions, the most recent MAX_DEAD_NODES).
         self._seen: dict[str, int] = {}
+        # Sessions this replica is placing (or placed a moment ago) on each node: the GCS's
+        # view does not count them yet, so concurrent creates here would all aim at the same
+        # last slot, and all but one wait out placement_wait_s. Ranking subtracts them.
+        self._placing: dict[str, int] = {}
 
     # --- the cluster connection -------------------------------------------------------------
 
@@ -200,7 +207,7 @@ class RayBackend(Backend):
         fits = self._pools.fits(spec)
         candidates = [node for node in usage if node.alive and node.room > 0]
         random.shuffle(candidates)
-        candidates.sort(key=lambda node: -node.room)
+        candidates.sort(key=lambda node: -(node.room - self._placing.get(node.node_id, 0)))
         for node in candidates:
             if fits and node.warm:
                 warm = await self._pools.take(node.node_id, spec)
@@ -208,12 +215,29 @@ class RayBackend(Backend):
                     return warm
                 if node.free <= 0:
                     continue  # others took its warm actors, and it has no free slot
+            self._placing[node.node_id] = self._placing.get(node.node_id, 0) + 1
+            placed = False
             try:
-                return await self._start_on(node, spec)
+                sandbox = await self._start_on(node, spec)
+                placed = True
+                return sandbox
             except _Unplaced:
                 log.info("node %s filled before a session landed there", node.node_id[:16])
+            finally:  # a slot filled stays counted until the GCS's view has caught up
+                forget = functools.partial(self._placed_no_more, node.node_id)
+                if placed:
+                    asyncio.get_running_loop().call_later(GCS_LAG_S, forget)
+                else:
+                    forget()
         now = await self.nodes() if candidates else usage
         raise CapacityReached(_full_message(now, tried=len(candidates)))
+
+    def _placed_no_more(self, node_id: str) -> None:
+        left = self._placing.get(node_id, 0) - 1
+        if left > 0:
+            self._placing[node_id] = left
+        else:
+            self._placing.pop(node_id, None)
 
     async def _start_on(self, node: NodeUsage, spec: SandboxSpec) -> RaySandbox:
         sandbox_id = secrets.token_hex(8)

@@ -194,6 +194,15 @@ class SessionManager:
 
     # ----------------------------------------------------------------------------------------
 
+    def enabled_backend(self, backend: str | None) -> str:
+        """The backend a new session asked for (None: the default), if enabled here."""
+        name = backend or self.settings.default_backend
+        if name not in self.backends:
+            raise BackendNotEnabled(
+                f"backend {name!r} is not enabled here; enabled: {', '.join(self.backends)}"
+            )
+        return name
+
     async def create(
         self,
         owner: str,
@@ -206,11 +215,7 @@ class SessionManager:
     ) -> Session:
         """A session with a new sandbox; `session_id`: the id of a paused one it resumes, and
         `wake`: the backend's handle of its suspended sandbox, woken instead of a new one."""
-        name = backend or self.settings.default_backend
-        if name not in self.backends:
-            raise BackendNotEnabled(
-                f"backend {name!r} is not enabled here; enabled: {', '.join(self.backends)}"
-            )
+        name = self.enabled_backend(backend)
         self._check_limits(owner)
         self._creating[owner] = self._creating.get(owner, 0) + 1
         try:

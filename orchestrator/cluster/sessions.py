@@ -33,7 +33,6 @@ from orchestrator.cluster.shared import SHARED_BACKENDS, SharedSandbox, inner
 from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import (
-    BackendNotEnabled,
     Session,
     SessionError,
     SessionExpired,
@@ -133,11 +132,7 @@ class ClusterSessionManager(SessionManager):
         wake: str | None = None,
     ) -> Session:
         s = self.settings
-        name = backend or s.default_backend
-        if name not in self.backends:
-            raise BackendNotEnabled(
-                f"backend {name!r} is not enabled here; enabled: {', '.join(self.backends)}"
-            )
+        name = self.enabled_backend(backend)
         session_id = session_id or f"s-{secrets.token_hex(12)}"
         why = await self._io(
             self.store.admit, owner, session_id, s.max_sessions_per_key, s.max_sessions_total

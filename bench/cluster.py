@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import workloads
+from bench.part_results import save_part
 from bench.raw import _count
 from bench.stats import summarize, timed
 from sandbox import Backend, Sandbox, create_backend
@@ -346,9 +345,4 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="fewer samples, a shorter loop")
     args = parser.parse_args()
     figures = asyncio.run(measure(plan(args.quick)))
-    markdown = "\n".join(section(figures))
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "cluster.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (results / "cluster.md").write_text(markdown)
-    print(markdown)
+    save_part("cluster", figures, section(figures))

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shutil
 import tempfile
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from bench.part_results import save_part
 from bench.served import API_KEY, served
 from bench.stats import summarize
 from sandbox.registry import why_unavailable
@@ -249,9 +249,4 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="one sample per backend")
     args = parser.parse_args()
     figures = asyncio.run(measure(samples(args.quick)))
-    markdown = "\n".join(section(figures))
-    results = Path(__file__).parent / "results"
-    results.mkdir(exist_ok=True)
-    (results / "persistence.json").write_text(json.dumps(figures, indent=2) + "\n")
-    (results / "persistence.md").write_text(markdown)
-    print(markdown)
+    save_part("persistence", figures, section(figures))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import (
+    audit,
     cluster,
     commands,
     gvisor,
@@ -93,6 +94,11 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     add("service: warm-pool hand-over (HTTP)", http["handover"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP execute", http["execute"], "raw: 1+1 round trip")
     add("service: 1+1 via HTTP tool invoke", http["invoke"], "raw: 1+1 round trip")
+    # The audit log's cost: 1+1 over HTTP execute with it on, as a ratio to the same with it off.
+    logged = await audit.on_and_off(runs)
+    add("service: 1+1 via HTTP execute, audit off", logged["off"], "raw: 1+1 round trip")
+    off = "service: 1+1 via HTTP execute, audit off"
+    add("service: 1+1 via HTTP execute, audit on (ratio: to off)", logged["on"], off)
 
     # Every other language's kernel beside Python's, each against the same kernel run directly.
     by_language = await languages.measure(*languages.samples(quick))

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.auth import Authenticator
 from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
+from orchestrator.console import PREFIX as CONSOLE_PREFIX
+from orchestrator.console import console_app
 from orchestrator.e2b_compatible import mount as mount_e2b
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
@@ -22,7 +24,10 @@ from orchestrator.mcp_front.http import McpHttpFront
 from orchestrator.metrics import METRICS
 from orchestrator.request_context import ClientGone
 from orchestrator.request_guard import RequestGuard
+from orchestrator.routes import approvals as approval_routes
+from orchestrator.routes import audit as audit_log
 from orchestrator.routes import files, languages, ops, processes, sessions, snapshots, tools
+from orchestrator.routes import principal as whoami
 from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
@@ -40,7 +45,7 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     """The app; `host_tools` registers tools for sandboxed code in code (settings can add)."""
     settings = settings or Settings()
     service = Service(settings, host_tools)
-    authenticate = Authenticator(settings)
+    authenticate = Authenticator(settings, lambda: service.principals)
     mcp = McpHttpFront(service, authenticate)
 
     @asynccontextmanager
@@ -60,10 +65,13 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     )
     app.state.service = service
     app.state.authenticate = authenticate
-    routers = (sessions, snapshots, files, processes, tools, languages, ops)
+    routers = (sessions, snapshots, files, processes, tools, languages, ops, whoami, audit_log)
+    app.include_router(approval_routes.router)
     for router in (module.router for module in routers):
         app.include_router(router)
     app.router.routes.append(mcp.route())
+    # The console (docs/governance.md): pages for people, behind its own login cookie.
+    app.mount(CONSOLE_PREFIX, console_app(service))
     # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.
     sandboxes = mount_e2b(app, service) if settings.e2b_compat else None
     e2b_running = sandboxes.running if sandboxes is not None else contextlib.nullcontext

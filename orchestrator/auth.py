@@ -1,30 +1,43 @@
-"""Who is calling: a bearer key from the configured list, known afterwards only by a digest."""
+"""Who is calling: a bearer key, told apart by `Principals` (the settings' keys and the keys the
+CLI made), and known afterwards by its principal's owner id, never by the key."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+from collections.abc import Callable
 
 from fastapi import HTTPException, Request
 
 from orchestrator.config import Settings
+from orchestrator.governance.policy import Principal
+from orchestrator.governance.principals import LOCAL_OWNER, Principals, owner_of
 
-LOCAL_OWNER = "local"  # the one owner when auth is explicitly disabled
-
-
-def owner_of(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:24]
+__all__ = ["LOCAL_OWNER", "Authenticator", "owner_of"]
 
 
 class Authenticator:
-    def __init__(self, settings: Settings) -> None:
+    """Every front door's check of a key (REST, MCP, the E2B front, terminals' WebSockets).
+    It is made before the service starts; `principals` gives the service's once it has (until
+    then, the settings' keys alone answer)."""
+
+    def __init__(
+        self, settings: Settings, principals: Callable[[], Principals | None] | None = None
+    ) -> None:
         self.disabled = settings.auth_disabled
-        self._keys = [k.encode() for k in settings.api_keys]
+        self._principals = principals
+        self._settings_only = Principals(settings, None)
+
+    def principals(self) -> Principals:
+        found = self._principals() if self._principals is not None else None
+        return found if found is not None else self._settings_only
 
     def __call__(self, request: Request) -> str:
         """FastAPI dependency: the caller's owner id, or 401."""
+        return self.principal(request).id
+
+    def principal(self, request: Request) -> Principal:
+        """The caller, or 401."""
         if self.disabled:
-            return LOCAL_OWNER
+            return self.principal_for_key("")
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
@@ -33,17 +46,18 @@ class Authenticator:
                 "missing API key: send 'Authorization: Bearer <key>'",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        return self.owner_for_key(key)
+        return self.principal_for_key(key)
 
     def owner_for_key(self, key: str) -> str:
         """The owner id of a key given in any header, or 401 (LOCAL_OWNER when auth is off)."""
-        if self.disabled:
-            return LOCAL_OWNER
-        given = key.strip().encode()
-        # Compare against every key, in constant time, so timing tells nothing.
-        matched = False
-        for known in self._keys:
-            matched |= hmac.compare_digest(given, known)
-        if not matched or not given:
-            raise HTTPException(401, "invalid API key", headers={"WWW-Authenticate": "Bearer"})
-        return owner_of(key.strip())
+        return self.principal_for_key(key).id
+
+    def principal_for_key(self, key: str) -> Principal:
+        found = self.principals().authenticate(key)
+        if found is None:
+            raise HTTPException(
+                401,
+                "invalid API key (unknown, revoked, or replaced by a rotation)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return found

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 
+from orchestrator.governance.audit_cli import audit_app
+from orchestrator.governance.keys_cli import keys_app
 from orchestrator.http_errors import problems
 from orchestrator.terminal import TerminalPrinter
 from sandbox import BackendUnavailable, SandboxError, SandboxSpec
@@ -411,6 +413,8 @@ def _exit_status(result: CommandResult, printer: TerminalPrinter) -> int:
 
 image_app = typer.Typer(help="Build and list the Docker kernel images.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
+app.add_typer(audit_app, name="audit")
+app.add_typer(keys_app, name="keys")
 
 
 @image_app.command("build")

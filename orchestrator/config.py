@@ -40,6 +40,12 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Accepted bearer keys; comma-separated in the env."
     )
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Bearer keys that are admins (full access, and they see every key's "
+        "sessions' approvals and audit events); comma-separated in the env. Keys with policies "
+        "are made with `code-interpreter keys add` (docs/governance.md).",
+    )
     auth_disabled: bool = Field(
         False, description="Serve without keys. Only for a single user on a trusted machine."
     )
@@ -155,6 +161,34 @@ class Settings(BaseSettings):
         "in the environment.",
     )
 
+    # --- human approval of risky calls (docs/governance.md): tools marked requires_approval,
+    # and what a key's policy says waits (approval_tools, approve_executions, approve_commands)
+    approval_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="How long a call waits for a human's answer; no answer by then is a denial.",
+    )
+    approval_webhook_url: str | None = Field(
+        None,
+        pattern=r"^https?://",
+        description="Told of every approval request (a JSON POST); a JSON answer "
+        '{"decision": "approve"|"deny", "reason": ...} decides it at once.',
+    )
+    approval_webhook_secret: SecretStr | None = Field(
+        None,
+        description="Signs each webhook body: header X-CIR-Signature: sha256=<HMAC-SHA256 hex>.",
+    )
+    approval_webhook_timeout_s: float = Field(
+        5.0, gt=0, le=60, description="The longest the webhook's answer is waited for."
+    )
+    approval_max_pending_per_session: int = Field(
+        16, ge=1, le=1000, description="Requests one session may have waiting; more are denied."
+    )
+    approval_max_pending_total: int = Field(
+        1000, ge=1, le=100_000, description="Requests waiting on this replica; more are denied."
+    )
+
     # --- network egress (docs/network.md): sandboxes have none unless the operator allows it
     network_ceiling: Annotated[NetworkPolicy, NoDecode] = Field(
         NO_NETWORK,
@@ -258,6 +292,34 @@ class Settings(BaseSettings):
         "one-shot clients never say goodbye.",
     )
 
+    # --- the audit log (docs/governance.md): what ran, who asked, when
+    audit_enabled: bool = Field(
+        True, description="Record sessions, executions, commands, files and egress to the log."
+    )
+    audit_retention_s: float = Field(
+        90 * 86400.0, gt=0, description="Audit events older than this are deleted."
+    )
+    audit_max_events: int = Field(
+        10_000_000, ge=1000, description="The most events kept; the oldest go past it."
+    )
+    audit_queue_max: int = Field(
+        10_000,
+        ge=10,
+        le=1_000_000,
+        description="Events waiting to be written; past it they are dropped, counted, and an "
+        "audit.dropped event says how many.",
+    )
+    audit_batch_max: int = Field(
+        500, ge=1, le=10_000, description="The most events written to the store in one go."
+    )
+    audit_max_code_chars: int = Field(
+        65_536,
+        ge=256,
+        le=1 << 20,
+        description="Code and command lines are kept up to this many characters, marked "
+        "truncated past it.",
+    )
+
     # --- server
     host: str = "127.0.0.1"
     port: int = 8000
@@ -284,6 +346,7 @@ class Settings(BaseSettings):
 
     @field_validator(
         "api_keys",
+        "admin_keys",
         "backends",
         "docker_images",
         "docker_runtimes",
@@ -298,7 +361,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if not self.api_keys and not self.auth_disabled:
+        if not self.api_keys and not self.admin_keys and not self.auth_disabled:
             raise ValueError(
                 "no API keys: set CODE_INTERPRETER_API_KEYS=key1,key2, or, for local use only, "
                 "CODE_INTERPRETER_AUTH_DISABLED=true"

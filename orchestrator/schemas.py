@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from orchestrator.governance.approval_outcome import ApprovalOutcome
 from orchestrator.tool import ToolFormat
 from sandbox.languages import LANGUAGES, MAX_LANGUAGE_NAME, PYTHON
 from sandbox.models import Execution
@@ -242,6 +243,11 @@ class ExecutionRecord(Execution):
     session_id: str
     execution_id: str
     language: str = Field(PYTHON, description="The language it ran in (its canonical name).")
+    approvals: list[ApprovalOutcome] = Field(
+        default_factory=list,
+        description="What waited for a human's approval (the execution itself, its host tool "
+        "calls) and what was decided.",
+    )
 
 
 class InvokeRequest(BaseModel):

@@ -9,11 +9,18 @@ import posixpath
 import re
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterator,
+    Mapping,
+)
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import ValidationError
 
@@ -22,6 +29,16 @@ from orchestrator.cluster.lost_guard import LostGuard
 from orchestrator.cluster.shared import SHARED_BACKENDS, RelayedTools, SharedSandbox, inner
 from orchestrator.cluster.tool_relay import ToolRelays
 from orchestrator.config import Settings
+from orchestrator.egress import EgressRecord
+from orchestrator.governance import audit_kinds as audited
+from orchestrator.governance import policy_checks
+from orchestrator.governance.approval_outcome import ApprovalOutcome
+from orchestrator.governance.approvals import Approvals
+from orchestrator.governance.audit import AuditLog, command_line, end_reason
+from orchestrator.governance.errors import ApprovalDenied, PolicyDenied
+from orchestrator.governance.policy import Principal
+from orchestrator.governance.principals import Principals
+from orchestrator.governance.tool_guard import SessionToolGuard
 from orchestrator.host_tools import (
     ChannelLimits,
     HostTool,
@@ -131,6 +148,8 @@ class ShellToolOff(SessionError):
 
 
 _PLACEHOLDER = ".cir-make-dir"
+POLICY_DENIED = "policy_denied"  # a tool call's status when its key's policy refused it
+APPROVAL_DENIED = "approval_denied"  # ... when a human denied it (or no one answered in time)
 HINT_NEW_SESSION = " Omit session_id to start a new session."
 HINT_NEW_SESSION_STATE = " Omit session_id to start a new session (earlier variables will be gone)."
 
@@ -143,6 +162,11 @@ def _outcome(result: CommandResult) -> str:
 
 # Where a rendered tool output points: (the full output's URL, each artifact's URL by id).
 OutputLinks = Callable[[str, ExecutionRecord], tuple[str | None, dict[str, str]]]
+
+
+class DefaultToolSession(CreateSessionRequest):
+    """The session a tool front starts by itself: its default host tools that the key's policy
+    does not allow are left out, not refused (the model asked for none of them)."""
 
 
 @dataclass
@@ -203,7 +227,7 @@ class Service:
                 given_backends=given_backends,
                 on_expiry=self._expired,
                 before_cleanup=self._salvage,
-                on_sweep=self._sweep_paused,
+                on_sweep=self._sweep,
                 on_attach=self._attached,
             )
         else:
@@ -213,7 +237,7 @@ class Service:
                 given_backends=given_backends,
                 on_expiry=self._expired,
                 before_cleanup=self._salvage,
-                on_sweep=self._sweep_paused,
+                on_sweep=self._sweep,
             )
         self._relays = ToolRelays()  # host tools of sessions whose sandbox is elsewhere
         # Made in start(), once this instance holds the state dir.
@@ -227,7 +251,21 @@ class Service:
         self.tools = tools if tools is not None else ToolRegistry()
         self.tools.configure(settings.host_tools)
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
-        self.egress = SessionEgress(settings)
+        self.egress = SessionEgress(settings, on_connection=self._egress_connection)
+        # Who each owner id is, and its policy: the settings' keys until start() reads the
+        # store's too (docs/governance.md).
+        self.principals = Principals(settings, None)
+        self._making: dict[str, int] = {}  # owner -> its sessions being made (max_sessions)
+        self._revoked_ended: set[str] = set()  # revoked principals with nothing left to end
+        # What ran, who asked, when (docs/governance.md); writes once start() has the store.
+        self.audit = AuditLog(settings, name_of=self._principal_name)
+        # Humans who approve risky calls (docs/governance.md); asks the store start() opens.
+        self.approvals = Approvals(
+            settings,
+            lambda: self.store.approvals,
+            principal_of=lambda owner: self.principals.of(owner),
+            audit=self.audit,
+        )
         self._instance_lock: InstanceLock | None = None  # held from start to close
 
     async def start(self) -> None:
@@ -240,6 +278,9 @@ class Service:
             if self._shared is not None:
                 self._shared.ping()  # an unreachable store stops the start, saying which
             self._store = self._shared or SqliteStore(s.state_dir)
+            self.audit.start(self._store.audit)
+            self.principals = Principals(s, self._store.principals)
+            await self.principals.start()
             self._saved = SavedStates(s, self._store)
             await self._saved.remove_unrecorded()
             await self.tools.start()
@@ -258,6 +299,9 @@ class Service:
                 channel.close()
             self._channels.clear()
             await self.egress.close_all()
+            await self.approvals.close()
+            await self.audit.close()  # after the sessions' ends, so those are kept too
+            await self.principals.close()
             await self.tools.close()
             if self._store is not None:
                 self._store.close()
@@ -279,6 +323,9 @@ class Service:
         return self._saved
 
     async def _session_ended(self, session_id: str) -> None:
+        ended = self.sessions.why_ended(session_id)
+        if ended is not None:  # None: another replica ended it, and recorded it
+            self._audit_ended(session_id, *ended)
         if self._store is not None:
             await self._forget_record(session_id)
         # Off the loop: it may wait for a save writing a large execution, then delete files.
@@ -301,6 +348,51 @@ class Service:
     def session_tools(self, session: Session) -> list[str]:
         channel = self._channels.get(session.id)
         return list(channel.tools) if channel is not None else []
+
+    # --- keys' policies (docs/governance.md): checked here, behind every front door
+    @contextlib.contextmanager
+    def _enforcing(self, owner: str, session_id: str | None = None) -> Iterator[Principal]:
+        """The owner's principal, to check a request against its policy; a refusal is kept
+        in the audit log."""
+        try:
+            yield self.principals.of(owner)
+        except PolicyDenied as exc:
+            self.audit.record(
+                audited.POLICY_DENIED,
+                owner=owner,
+                session_id=session_id,
+                status="denied",
+                details={"rule": exc.rule, "message": str(exc)},
+            )
+            raise
+
+    def check_commands(self, owner: str, session_id: str | None = None) -> None:
+        """Refuse shell commands, background processes and terminals to a key whose policy
+        says `commands: false` (PolicyDenied)."""
+        with self._enforcing(owner, session_id) as who:
+            policy_checks.check_commands(who)
+
+    @contextlib.asynccontextmanager
+    async def _session_slot(self, owner: str) -> AsyncIterator[None]:
+        """Hold a place under the key's `max_sessions` while a session of its is made or
+        resumed (beside the service's own cap per key, which the session manager keeps)."""
+        who = self.principals.of(owner)
+        if who.policy.max_sessions is None:
+            yield
+            return
+        if self._shared is not None:  # every replica's, as the store counts them
+            held = await asyncio.to_thread(self._shared.slots_held, owner)
+        else:
+            held = len(self.sessions.list(owner))
+        with self._enforcing(owner):
+            policy_checks.check_session_count(who, held + self._making.get(owner, 0))
+        self._making[owner] = self._making.get(owner, 0) + 1
+        try:
+            yield
+        finally:
+            self._making[owner] -= 1
+            if not self._making[owner]:
+                del self._making[owner]
 
     def spec_for(self, request: CreateSessionRequest) -> SandboxSpec:
         spec = self.sessions.default_spec()
@@ -396,6 +488,9 @@ class Service:
         spec from in-process code (an embedded session's), taken as it is, past the ceilings a
         request is held to. `workdir`: where its kernels run (`SandboxSpec.workdir`; the E2B
         front's are in E2B's home), set after the sandbox is had, so a pooled one fits too."""
+        if isinstance(request, DefaultToolSession):  # what the key may not use is left out
+            allowed = policy_checks.allowed_tools(self.principals.of(owner), request.tools)
+            request = request.model_copy(update={"tools": allowed})
         try:
             tools = self.tools.select(request.tools)
         except UnknownTools as exc:
@@ -419,6 +514,8 @@ class Service:
         workdir: str | None,
     ) -> Session:
         name = request.backend or self.settings.default_backend
+        with self._enforcing(owner) as who:
+            policy_checks.check_request(who, name, request)
         if snapshot is not None and name in SHARED_BACKENDS:
             raise PauseUnsupported(name)
         backend = self.sessions.backends.get(name)
@@ -426,12 +523,25 @@ class Service:
             raise ToolsNotAvailable(f"the {name} backend cannot give sandboxed code host tools")
         if request.runtime is not None and backend is not None:
             await self._check_runtime(name, backend, request.runtime)
-        spec = spec or self.spec_for(request)
+        if spec is None:
+            spec = self.spec_for(request)
+            with self._enforcing(owner) as who:  # what it left unset, within the policy
+                offered = self.settings.docker_images or [self.settings.docker_image, FULL_IMAGE]
+                spec = policy_checks.fit_spec(
+                    who,
+                    spec,
+                    request,
+                    backend=name,
+                    default_image=self.settings.docker_image,
+                    offered_images=offered,
+                )
         if backend is not None:
             self._check_network_holdable(name, backend, spec.network)
-        session = await self.sessions.create(
-            owner, backend=request.backend, spec=spec, env=request.env
-        )
+        async with self._session_slot(owner):
+            session = await self.sessions.create(
+                owner, backend=request.backend, spec=spec, env=request.env
+            )
+        self._audit_created(session, tools, snapshot)
         session.idle_timeout_s = idle_timeout_s
         try:
             await self.egress.open(session)
@@ -507,16 +617,25 @@ class Service:
             max_call_bytes=t.max_call_bytes,
             max_result_bytes=t.max_result_bytes,
             max_calls_in_flight=t.max_calls_in_flight,
+            approval_timeout_s=self.settings.approval_timeout_s,
+        )
+        owner = session.owner
+        guard = SessionToolGuard(  # its key's policy, approvals, an audit event per call
+            self.approvals,
+            session_id=session.id,
+            owner=owner,
+            policy_of=lambda: self.principals.of(owner).policy,
+            audit=self.audit,
         )
         relayed = inner(session.sandbox)
         if isinstance(relayed, RelayedTools):  # its channel is on its own machine: relayed
-            relay = ToolChannel.relayed(tools, limits)
+            relay = ToolChannel.relayed(tools, limits, guard)
             await self._relays.start(session.id, relayed, relay, write_manifest=not attached)
             self._channels[session.id] = relay
             return
         channel = session.sandbox.host_channel
         assert channel is not None, "a backend that supports host tools made no channel"
-        self._channels[session.id] = await ToolChannel.open(channel, tools, limits)
+        self._channels[session.id] = await ToolChannel.open(channel, tools, limits, guard)
 
     async def _attached(self, session: Session, record: SessionRecord) -> None:
         """A session another replica made, now served here too: its host tools with it."""
@@ -525,6 +644,133 @@ class Service:
                 await self._open_channel(session, self.tools.select(record.tools), attached=True)
             except UnknownTools as exc:
                 log.warning("session %s: its host tools are not here: %s", session.id, exc)
+
+    # --- the audit log: one helper per kind of event the service records
+    def _principal_name(self, owner: str) -> str:
+        return self.audit_viewer(owner).name
+
+    def audit_viewer(self, owner: str) -> Principal:
+        """Who reads the audit log: an admin reads every key's events, others their own."""
+        return self.principals.of(owner)
+
+    def _audit_created(
+        self, session: Session, tools: dict[str, HostTool], snapshot: SnapshotRecord | None
+    ) -> None:
+        spec = session.sandbox.spec
+        self.audit.record(
+            audited.SESSION_CREATED,
+            owner=session.owner,
+            session_id=session.id,
+            details={
+                "backend": session.backend,
+                "image": spec.image,
+                "runtime": spec.runtime,
+                "network": spec.network.mode,
+                "tools": sorted(tools),
+                "snapshot_id": snapshot.id if snapshot is not None else None,
+                "from_pool": session.from_pool,
+            },
+        )
+
+    def _audit_ended(self, session_id: str, owner: str, why: str) -> None:
+        self.audit.record(
+            audited.SESSION_ENDED,
+            owner=owner,
+            session_id=session_id,
+            status=end_reason(why),
+            details={"reason": end_reason(why), "why": why},
+        )
+
+    def _audit_execution(
+        self,
+        session: Session,
+        code: str,
+        language: str,
+        execution: Execution | None,
+        execution_id: str | None,
+        failure: BaseException | None = None,
+    ) -> None:
+        details: dict[str, object] = {
+            "execution_id": execution_id,
+            "language": language,
+            "code": code,
+        }
+        if execution is not None:
+            details |= {
+                "stdout_chars": len(execution.stdout) + execution.stdout_dropped,
+                "stderr_chars": len(execution.stderr) + execution.stderr_dropped,
+                "results": len(execution.results),
+                "images": sum(
+                    1 for r in execution.results for i in (r.png, r.jpeg, r.svg) if i is not None
+                ),
+                "error": execution.error.name if execution.error is not None else None,
+            }
+        else:
+            details["failure"] = f"{type(failure).__name__}: {failure}"
+        self.audit.record(
+            audited.EXECUTION,
+            owner=session.owner,
+            session_id=session.id,
+            status=str(execution.status) if execution is not None else "failed",
+            duration_s=execution.duration_s if execution is not None else None,
+            details=details,
+        )
+
+    def _command_line(self, request: ProcessRequest) -> str:
+        return command_line(request.argv, request.command, self.settings.audit_max_code_chars)
+
+    def _audit_command(
+        self,
+        session: Session,
+        request: ProcessRequest,
+        result: CommandResult | None,
+        failure: BaseException | None = None,
+    ) -> None:
+        details: dict[str, object] = {"command": self._command_line(request)}
+        if result is not None:
+            details |= {
+                "pid": result.pid,
+                "exit_code": result.exit_code,
+                "signal": result.signal,
+                "stdout_chars": len(result.stdout) + result.stdout_dropped,
+                "stderr_chars": len(result.stderr) + result.stderr_dropped,
+            }
+        else:
+            details["failure"] = f"{type(failure).__name__}: {failure}"
+        self.audit.record(
+            audited.COMMAND,
+            owner=session.owner,
+            session_id=session.id,
+            status=_outcome(result) if result is not None else "failed",
+            duration_s=result.duration_s if result is not None else None,
+            details=details,
+        )
+
+    def _audit_file(self, kind: str, session: Session, path: str, size: int | None = None) -> None:
+        self.audit.record(
+            kind,
+            owner=session.owner,
+            session_id=session.id,
+            details={"path": path, "bytes": size},
+        )
+
+    def _egress_connection(self, session: Session, entry: EgressRecord) -> None:
+        self.audit.record(
+            audited.EGRESS_CONNECTION,
+            owner=session.owner,
+            session_id=session.id,
+            status="allowed" if entry.allowed else "refused",
+            duration_s=entry.duration_s,
+            details={
+                "method": entry.method,
+                "host": entry.host,
+                "port": entry.port,
+                "address": entry.address,
+                "reason": entry.reason,
+                "bytes_up": entry.bytes_up,
+                "bytes_down": entry.bytes_down,
+            },
+        )
 
     # --- sessions: every way in goes through these
     async def get_session(self, session_id: str, owner: str) -> Session:
@@ -607,6 +853,17 @@ class Service:
             running += [self.running_info(r) for r in records if r.id not in held]
         return running + [self.paused_info(r) for r in self.list_paused(owner)]
 
+    def owned_infos(self, owner: str | None) -> list[tuple[str, SessionInfo]]:
+        """(owner, info) of each session `list_infos` lists; None: every owner's (an admin's
+        view in the console). Wakes nothing."""
+        live = self.sessions.all() if owner is None else self.list_sessions(owner)
+        found = [(x.owner, self.info(x)) for x in live]
+        if self._shared is not None:
+            held = {info.id for _, info in found}
+            records = self._shared.sessions(owner=owner, state="running")
+            found += [(r.owner, self.running_info(r)) for r in records if r.id not in held]
+        return found + [(r.owner, self.paused_info(r)) for r in self.list_paused(owner)]
+
     async def end_session(self, session_id: str, owner: str) -> None:
         """End a session and its sandbox, running or paused; its kept outputs and paused state
         go with it."""
@@ -620,6 +877,7 @@ class Service:
     async def _delete_paused(self, record: SessionRecord, why: str) -> None:
         await self._forget_record(record.id)
         self.sessions.remember_ended(record.id, record.owner, why)
+        self._audit_ended(record.id, record.owner, why)
         await asyncio.to_thread(self.outputs.drop, record.id)
 
     # --- pause, resume, snapshots (docs/persistence.md)
@@ -675,6 +933,12 @@ class Service:
         await self._close_channels(session.id)
         await self.sessions.release(session.id)
         METRICS.sessions_paused.inc()
+        self.audit.record(
+            audited.SESSION_PAUSED,
+            owner=session.owner,
+            session_id=session.id,
+            details={"saved_bytes": saved.bytes if saved else None, "suspended": bool(suspended)},
+        )
         log.info(
             "session %s paused (%s)",
             session.id,
@@ -702,13 +966,14 @@ class Service:
         if beyond:  # the operator lowered the ceiling while it was paused
             spec.network = NO_NETWORK
             notices.append(f"its network is now none: {beyond} (the operator's ceiling changed)")
-        session = await self.sessions.create(
-            record.owner,
-            backend=record.backend,
-            spec=spec,
-            session_id=record.id,
-            wake=record.suspended,
-        )
+        async with self._session_slot(record.owner):
+            session = await self.sessions.create(
+                record.owner,
+                backend=record.backend,
+                spec=spec,
+                session_id=record.id,
+                wake=record.suspended,
+            )
         session.created_at, session.executions = record.created_at, record.executions
         session.idle_timeout_s, session.on_idle = record.idle_timeout_s, record.on_idle
         session.labels = dict(record.labels)
@@ -745,6 +1010,7 @@ class Service:
         if saved is not None:
             self.store.delete_snapshot(saved.id)
         METRICS.sessions_resumed.inc()
+        self.audit.record(audited.SESSION_RESUMED, owner=record.owner, session_id=record.id)
         log.info("session %s resumed", record.id)
         return session
 
@@ -792,6 +1058,36 @@ class Service:
         kept = await self.saved.salvage(name, backend)
         if kept:
             log.info("kept %d sessions of the %s backend from before a restart", kept, backend)
+
+    async def _sweep(self) -> None:
+        """Each reaper round: what is kept past its time goes."""
+        await self.audit.sweep()  # first: it never raises
+        try:
+            await self._sweep_revoked()
+        except Exception:
+            log.exception("ending the sessions of revoked keys failed")
+        await self._sweep_paused()
+
+    async def _sweep_revoked(self) -> None:
+        """End the sessions of revoked keys, running and paused: those this replica runs, the
+        shared ones and the paused ones the store has (every replica sweeps: each ends its own;
+        a principal with nothing left to end is not asked about again)."""
+        revoked = self.principals.revoked()
+        why = "ended: its key was revoked"
+        for session in [x for x in self.sessions.all() if x.owner in revoked]:
+            log.info("session %s %s", session.id, why)
+            await self.sessions.end(session.id, why)
+        for owner in revoked.keys() - self._revoked_ended:
+            records = await asyncio.to_thread(self.store.sessions, owner=owner)
+            for record in records:
+                if record.state == "paused":
+                    async with self._lock_of(record.id):
+                        if self.sessions.live(record.id) is None:
+                            await self._delete_paused(record, why)
+                elif record.backend in SHARED_BACKENDS:
+                    await self.sessions.end(record.id, why)
+            if not records:
+                self._revoked_ended.add(owner)
 
     async def _sweep_paused(self) -> None:
         """Delete paused sessions past their retention, with everything kept for them."""
@@ -906,15 +1202,23 @@ class Service:
         output, and return it with its ids. An unknown language is `UnknownLanguage`, one the
         session's sandbox lacks `LanguageUnavailable`: both name the languages there are."""
         name = check_available(language or PYTHON, session.sandbox.languages)
+        with self._enforcing(session.owner, session.id) as who:
+            policy_checks.check_language(who, name)
         async with session.activity():
-            execution = await session.sandbox.execute(
-                code,
-                timeout_s=self._timeout(timeout_s),
-                env=env,
-                cwd=cwd,
-                on_event=on_event,
-                language=name,
-            )
+            waited = await self._approval_gate(session, "execution", "execution", code)
+            try:
+                with self.approvals.running(session.id, code) as running:  # its tool calls'
+                    execution = await session.sandbox.execute(
+                        code,
+                        timeout_s=self._timeout(timeout_s),
+                        env=env,
+                        cwd=cwd,
+                        on_event=on_event,
+                        language=name,
+                    )
+            except BaseException as exc:  # it broke, or its caller left: recorded all the same
+                self._audit_execution(session, code, name, None, None, exc)
+                raise
         session.executions += 1
         if session.notice is not None:  # what a resume or a fork brought back, said once
             told = f"{session.notice}. {execution.notice}" if execution.notice else session.notice
@@ -926,9 +1230,32 @@ class Service:
         METRICS.executions.labels(session.backend, execution.status, name).inc()
         METRICS.execution_seconds.labels(session.backend).observe(execution.duration_s)
         execution_id = await self.outputs.save(session.id, execution)
+        self._audit_execution(session, code, name, execution, execution_id)
         return ExecutionRecord(
-            **dict(execution), session_id=session.id, execution_id=execution_id, language=name
+            **dict(execution),
+            session_id=session.id,
+            execution_id=execution_id,
+            language=name,
+            approvals=waited + running.outcomes,
         )
+
+    async def _approval_gate(
+        self,
+        session: Session,
+        kind: Literal["execution", "command"],
+        subject: str,
+        code: str | None,
+    ) -> list[ApprovalOutcome]:
+        """Wait for a human when the session's key's policy gates this kind of run
+        (approve_executions, approve_commands): [the approval], or [] when it does not;
+        ApprovalDenied (403) when denied."""
+        policy = self.principals.of(session.owner).policy
+        if not (policy.approve_executions if kind == "execution" else policy.approve_commands):
+            return []
+        gated = await self.approvals.gate(
+            kind, session_id=session.id, owner=session.owner, subject=subject, code=code
+        )
+        return [gated]
 
     def stream(
         self,
@@ -942,7 +1269,9 @@ class Service:
     ) -> AsyncGenerator[OutputEvent | Dropped | Keepalive | Finished[ExecutionRecord]]:
         """`execute`, followed as it happens: its events, keepalives while it is quiet, then
         `Finished` with the record. Closing the generator early interrupts the code."""
-        check_available(language or PYTHON, session.sandbox.languages)  # refused before it starts
+        name = check_available(language or PYTHON, session.sandbox.languages)  # refused now, not
+        with self._enforcing(session.owner, session.id) as who:  # once it has started
+            policy_checks.check_language(who, name)
 
         def start(sink: EventSink) -> Awaitable[ExecutionRecord]:
             return self.execute(
@@ -966,6 +1295,9 @@ class Service:
         """A fresh kernel of `language` (None: every kernel started) in the same sandbox:
         variables go, files stay."""
         name = None if language is None else check_available(language, session.sandbox.languages)
+        if name is not None:
+            with self._enforcing(session.owner, session.id) as who:
+                policy_checks.check_language(who, name)
         async with session.activity():
             await session.sandbox.restart(name)
         return self.info(session)
@@ -977,19 +1309,53 @@ class Service:
         timeout = min(request.timeout_s or ceiling, ceiling)
         return request.model_copy(update={"timeout_s": timeout})
 
-    async def run_command(self, session: Session, request: ProcessRequest) -> CommandResult:
-        """Run a command to its end (a caller that leaves kills it); its output within caps."""
+    async def run_command(
+        self,
+        session: Session,
+        request: ProcessRequest,
+        *,
+        approvals: list[ApprovalOutcome] | None = None,
+    ) -> CommandResult:
+        """Run a command to its end (a caller that leaves kills it); its output within caps.
+        `approvals`: given, it gets the approval the command waited for (if its key's policy
+        made it wait)."""
+        self.check_commands(session.owner, session.id)
         async with session.activity():
-            result = await session.sandbox.run_command(self._process_request(request))
+            waited = await self._approval_gate(
+                session, "command", self._command_line(request), None
+            )
+            if approvals is not None:
+                approvals += waited
+            try:
+                result = await session.sandbox.run_command(self._process_request(request))
+            except BaseException as exc:  # it could not run, or its caller left
+                self._audit_command(session, request, None, exc)
+                raise
         METRICS.commands.labels(session.backend, _outcome(result)).inc()
+        self._audit_command(session, request, result)
         return result
 
     async def start_process(self, session: Session, request: ProcessRequest) -> ProcessInfo:
         """Start a process that runs on after this call (a background command or a terminal)."""
+        self.check_commands(session.owner, session.id)
+        async with session.activity():  # while it waits for a human, if it must
+            await self._approval_gate(session, "command", self._command_line(request), None)
         session.touch()
         process = await session.sandbox.start_process(self._process_request(request))
         METRICS.processes_started.labels(session.backend).inc()
-        return process.info()
+        info = process.info()
+        self.audit.record(
+            audited.PROCESS_STARTED,
+            owner=session.owner,
+            session_id=session.id,
+            details={
+                "pid": info.pid,
+                "command": self._command_line(request),
+                "terminal": request.terminal is not None,
+                "tag": request.tag,
+            },
+        )
+        return info
 
     async def list_processes(
         self, session: Session, *, include_ended: bool = False
@@ -1040,11 +1406,15 @@ class Service:
     async def upload(self, session: Session, path: str, data: bytes) -> FileInfo:
         self.check_upload_size(len(data))
         async with session.activity():
-            return await session.sandbox.upload(path, data)
+            info = await session.sandbox.upload(path, data)
+        self._audit_file(audited.FILE_UPLOAD, session, path, len(data))
+        return info
 
     async def download(self, session: Session, path: str) -> bytes:
         async with session.activity():
-            return await session.sandbox.download(path, max_bytes=self.settings.max_download_bytes)
+            data = await session.sandbox.download(path, max_bytes=self.settings.max_download_bytes)
+        self._audit_file(audited.FILE_DOWNLOAD, session, path, len(data))
+        return data
 
     async def list_files(
         self, session: Session, path: str = "", *, recursive: bool = False
@@ -1063,6 +1433,7 @@ class Service:
     async def remove_file(self, session: Session, path: str) -> None:
         async with session.activity():
             await session.sandbox.remove_file(path)
+        self._audit_file(audited.FILE_REMOVE, session, path)
 
     async def make_directory(self, session: Session, path: str) -> None:
         """Make a directory (and its parents) in the workspace."""
@@ -1071,6 +1442,7 @@ class Service:
         async with session.activity():
             await session.sandbox.upload(placeholder, b"")
             await session.sandbox.remove_file(placeholder)
+        self._audit_file(audited.FILE_MKDIR, session, path)
 
     # --- kept outputs
     async def open_kept_execution(self, session: Session, execution_id: str) -> KeptFile:
@@ -1083,10 +1455,20 @@ class Service:
         """The file of an image an execution produced, and its MIME type."""
         return self.outputs.artifact(session.id, artifact_id)
 
+    async def kept_output(self, session_id: str, execution_id: str) -> KeptFile:
+        """A kept execution's JSON by session id, running or paused: for a reader that has
+        checked whose session it is (the console), without waking it."""
+        return await asyncio.to_thread(self.outputs.open_execution, session_id, execution_id)
+
+    def kept_artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
+        """`artifact`, by session id (as `kept_output`)."""
+        return self.outputs.artifact(session_id, artifact_id)
+
     # --- the code_interpreter tool
     def default_tool_session(self) -> CreateSessionRequest:
-        """What a session the tool starts by itself is given."""
-        return CreateSessionRequest(tools=self.settings.host_tools.session_default)
+        """What a session the tool starts by itself is given (the tools within its key's
+        policy, when it is made)."""
+        return DefaultToolSession(tools=self.settings.host_tools.session_default)
 
     async def _tool_session(
         self, owner: str, session_id: str | None, session: Session | None, hint: str
@@ -1099,6 +1481,8 @@ class Service:
             if session_id is not None:
                 return await self.get_session(session_id, owner)
             return await self.create_session(owner, self.default_tool_session())
+        except PolicyDenied as exc:  # the key's policy: the model reads the rule
+            return ToolOutcome.refused(str(exc), POLICY_DENIED)
         except SessionError as exc:
             return ToolOutcome.refused(f"{exc}.{hint if session_id else ''}", "session_error")
         except SandboxError as exc:
@@ -1131,6 +1515,10 @@ class Service:
             record = await self.execute(session, code, language=language)
         except LanguageUnavailable as exc:  # the model can pick another: said as its mistake
             return ToolOutcome.refused(str(exc), "invalid_call", session.id)
+        except PolicyDenied as exc:  # the key's policy: the model reads the rule
+            return ToolOutcome.refused(str(exc), POLICY_DENIED, session.id)
+        except ApprovalDenied as exc:  # a human said no (or no one answered): who, and why
+            return ToolOutcome.refused(str(exc), APPROVAL_DENIED, session.id)
         except (SessionError, SandboxError) as exc:  # the session ended or broke during the run
             return ToolOutcome.refused(
                 f"the session could not run the code: {exc}", "session_error", session.id
@@ -1145,6 +1533,7 @@ class Service:
             max_chars=self.settings.tool_output_max_chars,
             full_output_url=full_output_url,
             artifact_urls=artifact_urls,
+            approvals=record.approvals,
         )
         return ToolOutcome(session.id, record, rendered, str(record.status))
 
@@ -1173,18 +1562,30 @@ class Service:
         except ValidationError as exc:  # e.g. a NUL character, which no command line can hold
             problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
             return ToolOutcome.refused(f"the command cannot be run: {problems}", "invalid_call")
+        try:  # before a session is made for it
+            self.check_commands(owner, session.id if session is not None else session_id)
+        except PolicyDenied as exc:
+            return ToolOutcome.refused(str(exc), POLICY_DENIED, session_id)
         found = await self._tool_session(owner, session_id, session, HINT_NEW_SESSION)
         if isinstance(found, ToolOutcome):
             return found
         session = found
+        waited: list[ApprovalOutcome] = []
         try:
-            result = await self.run_command(session, request)
+            result = await self.run_command(session, request, approvals=waited)
+        except PolicyDenied as exc:
+            return ToolOutcome.refused(str(exc), POLICY_DENIED, session.id)
+        except ApprovalDenied as exc:
+            return ToolOutcome.refused(str(exc), APPROVAL_DENIED, session.id)
         except (SessionError, SandboxError) as exc:  # no processes here, too many, or it broke
             return ToolOutcome.refused(
                 f"the session could not run the command: {exc}", "session_error", session.id
             )
         rendered = render_command(
-            result, session_id=session.id, max_chars=self.settings.tool_output_max_chars
+            result,
+            session_id=session.id,
+            max_chars=self.settings.tool_output_max_chars,
+            approvals=waited,
         )
         return ToolOutcome(session.id, None, rendered, _outcome(result))
 

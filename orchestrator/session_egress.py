@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
+from collections.abc import Callable
 
 from orchestrator.config import Settings
 from orchestrator.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
@@ -41,8 +42,15 @@ def _raise_descriptor_limit() -> None:
 class SessionEgress:
     """Each session's proxy and ledger, by session id."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        on_connection: Callable[[Session, EgressRecord], None] | None = None,
+    ) -> None:
+        """`on_connection`: told of each connection as it ends (the audit log); it must not
+        block or raise."""
         self.settings = settings
+        self._on_connection = on_connection
         self._egress = egress_settings(settings)
         self._slots = ConnectionSlots(settings.egress_max_connections_total)
         if settings.network_ceiling.enabled:
@@ -74,6 +82,8 @@ class SessionEgress:
                 entry.bytes_down,
                 entry.reason,
             )
+            if self._on_connection is not None:
+                self._on_connection(session, entry)
 
         ledger = EgressLedger(session.id, on_record=record)
         proxy = EgressProxy(

@@ -310,6 +310,10 @@ class SessionManager:
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
 
+    def why_ended(self, session_id: str) -> tuple[str, str] | None:
+        """(owner, why) of a session that ended here lately (told to the audit log)."""
+        return self._ended.get(session_id)
+
     async def release(self, session_id: str) -> None:
         """Stop a session's sandbox but not the session (it is paused: its state is saved).
         It is found running until its sandbox is gone, then not at all."""

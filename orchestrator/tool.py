@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from orchestrator.governance.approval_outcome import ApprovalOutcome
 from sandbox.languages import PYTHON
 from sandbox.models import Execution, ExecutionStatus, Result
 from sandbox.network_policy import NO_NETWORK, NetworkPolicy
@@ -454,9 +455,10 @@ def render(
     max_chars: int,
     full_output_url: str | None,
     artifact_urls: dict[str, str],
+    approvals: Sequence[ApprovalOutcome] = (),
 ) -> RenderedOutput:
     """The execution as a model should read it; `language`: the kernel's, said when not
-    Python's."""
+    Python's; `approvals`: what waited for a human (the execution, its tool calls)."""
     budget = max_chars
     parts: list[str] = []
     trimmed = 0
@@ -510,14 +512,30 @@ def render(
     )
     if execution.status is ExecutionStatus.OK and len(parts) == 1:
         parts.insert(0, "(no output)")
+    parts[-1:-1] = approval_lines(approvals)  # just before the status
     text = "\n".join(parts)
     text, _ = _trim(text, max_chars + 500)
     return RenderedOutput(text, images, is_error=execution.status is not ExecutionStatus.OK)
 
 
-def render_command(result: CommandResult, *, session_id: str, max_chars: int) -> RenderedOutput:
+def approval_lines(approvals: Sequence[ApprovalOutcome]) -> list[str]:
+    """`[approval] send_money waited 2.1 s: approved by alice`, one line each (at most 20, then
+    how many more)."""
+    lines = [f"[approval] {a.line()}" for a in approvals[:20]]
+    if len(approvals) > 20:
+        lines.append(f"[approval] ... and {len(approvals) - 20} more calls waited for approval")
+    return lines
+
+
+def render_command(
+    result: CommandResult,
+    *,
+    session_id: str,
+    max_chars: int,
+    approvals: Sequence[ApprovalOutcome] = (),
+) -> RenderedOutput:
     """A `run_command` result as a model should read it: its output trimmed as the code tool's
-    is, what was left out counted, and how it ended."""
+    is, what was left out counted, and how it ended; `approvals`: what waited for a human."""
     parts: list[str] = []
     trimmed = 0
     share = max(200, max_chars // 3)
@@ -547,6 +565,7 @@ def render_command(result: CommandResult, *, session_id: str, max_chars: int) ->
     failed = result.timed_out or result.exit_code != 0
     if not failed and len(parts) == 1:
         parts.insert(0, "(no output)")
+    parts[-1:-1] = approval_lines(approvals)  # just before the status
     text, _ = _trim("\n".join(parts), max_chars + 500)
     return RenderedOutput(text, [], is_error=failed)
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 RESERVED_NAMES = frozenset(
     {
         "sync", "ToolError", "ToolArgumentError", "ToolNotAllowed", "ToolTimeout",
-        "ToolTooLarge", "ToolFailed", "ToolChannelError",
+        "ToolTooLarge", "ToolFailed", "ToolChannelError", "ToolDenied",
     }
 )  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
@@ -69,6 +69,11 @@ class HostTool(BaseModel):
     returns: dict[str, Any] | None = Field(None, description="JSON schema of the result, if known.")
     timeout_s: float | None = Field(
         None, gt=0, description="Time limit of one call; the service's default when unset."
+    )
+    requires_approval: bool = Field(
+        False,
+        description="Every call waits for a human to approve it (or deny it) before it runs; "
+        "no answer within the service's approval_timeout_s is a denial.",
     )
 
     @field_validator("name")

@@ -10,10 +10,12 @@ another machine (cluster mode) sends its call frames through its node's relay in
 socket; `ToolChannel.answer` answers one such frame the same way.
 
 What the host checks, in order: the peer runs as the sandbox's uid; the frame is within the size
-cap and is exactly a call; the tool is one this session may call; the arguments are valid for
-its JSON schema. Then the tool runs with a time limit, and its result must be JSON and within the
-size cap. Every failure of a call is a typed error frame; anything that is not a well-formed
-call frame is refused and the connection closed. Nothing but tool calls goes through.
+cap and is exactly a call; the tool is one this session may call (and, through the session's
+`CallGuard`, one its key's policy allows); the arguments are valid for its JSON schema; a tool
+that needs a human's approval waits for it (a denial is a `denied` error frame). Then the tool
+runs with a time limit, and its result must be JSON and within the size cap. Every failure of a
+call is a typed error frame; anything that is not a well-formed call frame is refused and the
+connection closed. Nothing but tool calls goes through.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from orchestrator.governance.approval_outcome import ApprovalOutcome
 from orchestrator.host_tools.base import HostTool, HostToolError, ToolInputError
 from sandbox.frames import (
     FRAME_TIMEOUT_S,
@@ -51,17 +56,58 @@ class ChannelLimits:
     max_result_bytes: int = 8 << 20
     max_calls_in_flight: int = 64
     frame_timeout_s: float = FRAME_TIMEOUT_S
+    approval_timeout_s: float = 300.0  # added to the time limit of a tool that waits for one
+
+
+@dataclass
+class ToolCall:
+    """One call as the guard is told of it when it ends: how it ended (`ok`, or the error
+    frame's type, or `cancelled`) and what a human decided, if one was asked."""
+
+    tool: str
+    arguments: dict[str, Any]
+    outcome: str = "ok"
+    duration_s: float = 0.0
+    approval: ApprovalOutcome | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class CallGuard(ABC):
+    """What the service checks around each call of one session's tools: its key's policy (read
+    at each call, so a changed policy holds at once), a human's approval, and a record of every
+    call. Without a guard, a channel serves every tool it was given."""
+
+    @abstractmethod
+    def may_call(self, name: str) -> bool:
+        """Whether the session's key may call this tool now (a refusal reads exactly like a tool
+        the session was not given)."""
+
+    @abstractmethod
+    def requires_approval(self, tool: HostTool) -> bool: ...
+
+    @abstractmethod
+    async def approve(self, tool: HostTool, arguments: dict[str, Any]) -> ApprovalOutcome:
+        """Wait for a human's decision on this call (bounded by the service's approval time)."""
+
+    @abstractmethod
+    def finished(self, call: ToolCall) -> None:
+        """Told once of every call, however it ended; never blocks."""
 
 
 class ToolChannel:
     """The listener of one session's channel, with the tools that session may call."""
 
     def __init__(
-        self, channel: HostChannel | None, tools: dict[str, HostTool], limits: ChannelLimits
+        self,
+        channel: HostChannel | None,
+        tools: dict[str, HostTool],
+        limits: ChannelLimits,
+        guard: CallGuard | None = None,
     ):
         self.channel = channel  # None: it listens on no socket, calls come through `answer`
         self.tools = tools
         self.limits = limits
+        self.guard = guard
         self._server: asyncio.Server | None = None
         self._slots = asyncio.Semaphore(limits.max_calls_in_flight)
         self._connections: set[asyncio.Task[Any]] = set()
@@ -69,35 +115,53 @@ class ToolChannel:
 
     @classmethod
     async def open(
-        cls, channel: HostChannel, tools: dict[str, HostTool], limits: ChannelLimits
+        cls,
+        channel: HostChannel,
+        tools: dict[str, HostTool],
+        limits: ChannelLimits,
+        guard: CallGuard | None = None,
     ) -> ToolChannel:
         """Write the manifest the kernel reads, then listen."""
-        self = cls(channel, tools, limits)
+        self = cls(channel, tools, limits, guard)
         await asyncio.to_thread(channel.write_file, MANIFEST_NAME, self.manifest())
         sock = await asyncio.to_thread(channel.listen)
         self._server = await asyncio.start_unix_server(self._serve, sock=sock)
         return self
 
     @classmethod
-    def relayed(cls, tools: dict[str, HostTool], limits: ChannelLimits) -> ToolChannel:
+    def relayed(
+        cls, tools: dict[str, HostTool], limits: ChannelLimits, guard: CallGuard | None = None
+    ) -> ToolChannel:
         """One that listens on no socket: the sandbox is on another machine (cluster mode),
         whose relay listens there; its calls come through `answer`, and `manifest()` is what
         that machine writes into the sandbox's channel directory."""
-        return cls(None, tools, limits)
+        return cls(None, tools, limits, guard)
+
+    def _requires_approval(self, tool: HostTool) -> bool:
+        return tool.requires_approval or (
+            self.guard is not None and self.guard.requires_approval(tool)
+        )
 
     def manifest(self) -> bytes:
-        """What the sandbox learns of each tool: never a URL, a header or a command."""
+        """What the sandbox learns of each tool: never a URL, a header or a command. The time
+        limit of a tool that waits for a human includes that wait."""
         limits = self.limits
-        tools = [
-            {
-                "name": t.name,
-                "description": t.description,
-                "parameters": t.parameters,
-                "returns": t.returns,
-                "timeout_s": t.timeout_s or limits.call_timeout_s,
-            }
-            for t in self.tools.values()
-        ]
+        tools = []
+        for t in self.tools.values():
+            timeout = t.timeout_s or limits.call_timeout_s
+            waits = self._requires_approval(t)
+            if waits:
+                timeout += limits.approval_timeout_s
+            tools.append(
+                {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                    "returns": t.returns,
+                    "timeout_s": timeout,
+                    "requires_approval": waits,
+                }
+            )
         body = {
             "version": 1,
             "timeout_s": limits.call_timeout_s,
@@ -194,42 +258,66 @@ class ToolChannel:
         with contextlib.suppress(ConnectionError):
             await write_frame(writer, lock, reply)
 
+    def _may_call(self, name: str) -> bool:
+        return name in self.tools and (self.guard is None or self.guard.may_call(name))
+
     async def _run(self, call_id: CallId, name: str, arguments: dict[str, Any]) -> bytes:
+        """One call, told to the guard (if any) when it ends, however it ends."""
+        call = ToolCall(name, arguments)
+        try:
+            return await self._call(call_id, call)
+        except asyncio.CancelledError:
+            call.outcome = "cancelled"
+            raise
+        finally:
+            call.duration_s = time.monotonic() - call.started
+            if self.guard is not None:
+                self.guard.finished(call)
+
+    async def _call(self, call_id: CallId, call: ToolCall) -> bytes:
+        name, arguments = call.tool, call.arguments
+
+        def failed(kind: str, message: str) -> bytes:
+            call.outcome = kind
+            return error_frame(call_id, kind, message)
+
         tool = self.tools.get(name)
-        if tool is None:
-            allowed = ", ".join(self.tools) or "none"
-            return error_frame(
-                call_id,
+        if tool is None or not self._may_call(name):
+            allowed = ", ".join(n for n in self.tools if self._may_call(n)) or "none"
+            return failed(
                 "not_allowed",
                 f"{name!r} is not a host tool this session may call (it may call: {allowed})",
             )
         problems = tool.argument_errors(arguments)
         if problems:
-            return error_frame(call_id, "invalid_arguments", f"{name}: {'; '.join(problems[:10])}")
+            return failed("invalid_arguments", f"{name}: {'; '.join(problems[:10])}")
+        if self._requires_approval(tool):
+            if self.guard is None:  # never run unapproved: there is no one to ask here
+                return failed("denied", f"{name} needs a human's approval; no one can give it here")
+            call.approval = await self.guard.approve(tool, arguments)
+            if not call.approval.approved:
+                return failed("denied", f"{name} was {call.approval.explain()}")
         limit = tool.timeout_s or self.limits.call_timeout_s
         try:
             async with asyncio.timeout(limit) as scope:
                 result = await tool.call(arguments)
         except TimeoutError:
             if scope.expired():
-                return error_frame(call_id, "timeout", f"{name} did not finish within {limit:g} s")
-            return error_frame(call_id, "tool_error", f"{name} raised TimeoutError")
+                return failed("timeout", f"{name} did not finish within {limit:g} s")
+            return failed("tool_error", f"{name} raised TimeoutError")
         except ToolInputError as exc:
-            return error_frame(call_id, "invalid_arguments", f"{name}: {exc}")
+            return failed("invalid_arguments", f"{name}: {exc}")
         except HostToolError as exc:
-            return error_frame(call_id, "tool_error", f"{name}: {exc}")
+            return failed("tool_error", f"{name}: {exc}")
         except Exception as exc:
             log.info("host tool %s raised", name, exc_info=True)
-            return error_frame(call_id, "tool_error", f"{type(exc).__name__}: {exc}")
+            return failed("tool_error", f"{type(exc).__name__}: {exc}")
         try:
             body = json.dumps({"id": call_id, "result": to_jsonable_python(result)}).encode()
         except (TypeError, ValueError) as exc:
-            return error_frame(
-                call_id, "tool_error", f"{name} returned a value that is not JSON: {exc}"
-            )
+            return failed("tool_error", f"{name} returned a value that is not JSON: {exc}")
         if len(body) > self.limits.max_result_bytes:
-            return error_frame(
-                call_id,
+            return failed(
                 "too_large",
                 f"{name} returned {len(body)} bytes, over the limit of "
                 f"{self.limits.max_result_bytes}: ask for less (filter, page, summarise)",

@@ -90,12 +90,17 @@ class McpConnection:
                 parameters=remote.input_schema,
                 returns=_unwrapped_output(remote.output_schema),
                 timeout_s=self.config.timeout_s,
+                requires_approval=self._requires_approval(remote.name),
             )
             tool._connection = self
             tool._remote_name = remote.name
             tool._unwrap = _wraps_result(remote.output_schema)
             tools.append(tool)
         return tools
+
+    def _requires_approval(self, remote_name: str) -> bool:
+        wanted = self.config.requires_approval
+        return wanted if isinstance(wanted, bool) else remote_name in wanted
 
     async def call(self, name: str, arguments: dict[str, Any], *, unwrap: bool = False) -> Any:
         if self.client is None:

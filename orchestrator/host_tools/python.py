@@ -54,9 +54,11 @@ def function_tool(
     name: str | None = None,
     description: str | None = None,
     timeout_s: float | None = None,
+    requires_approval: bool = False,
 ) -> PythonTool:
     """Make a host tool of `fn` (sync or async): its parameters, with their types, defaults and
-    docstring descriptions, become the JSON schema the sandbox's calls are checked against."""
+    docstring descriptions, become the JSON schema the sandbox's calls are checked against.
+    `requires_approval`: each call waits for a human's yes (docs/governance.md)."""
     signature = inspect.signature(fn)
     target = fn.func if isinstance(fn, functools.partial) else fn
     try:
@@ -90,6 +92,7 @@ def function_tool(
         parameters=schema,
         returns=returns,
         timeout_s=timeout_s,
+        requires_approval=requires_approval,
     )
     tool._fn = fn
     tool._model = model

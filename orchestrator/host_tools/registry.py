@@ -56,8 +56,18 @@ class ToolRegistry:
         name: str | None = None,
         description: str | None = None,
         timeout_s: float | None = None,
+        requires_approval: bool = False,
     ) -> HostTool:
-        return self.add(function_tool(fn, name=name, description=description, timeout_s=timeout_s))
+        """Register a Python callable; `requires_approval`: each call waits for a human."""
+        return self.add(
+            function_tool(
+                fn,
+                name=name,
+                description=description,
+                timeout_s=timeout_s,
+                requires_approval=requires_approval,
+            )
+        )
 
     def add_mcp_server(self, config: McpServerConfig) -> None:
         """Connect to this MCP server on `start()` and register its tools."""

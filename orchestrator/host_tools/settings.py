@@ -10,6 +10,7 @@
     description = "Convert an amount between currencies."
     url = "https://rates.example.com/convert"
     parameters = { type = "object", properties = { amount = { type = "number" } } }
+    requires_approval = false             # true: each call waits for a human's yes
 
     [[host_tools.mcp]]
     name = "files"                         # a label for logs
@@ -41,6 +42,7 @@ class HttpToolConfig(BaseModel):
         description="JSON schema of the arguments.",
     )
     timeout_s: float | None = Field(None, gt=0)
+    requires_approval: bool = Field(False, description="Every call waits for a human's yes.")
 
 
 class McpServerConfig(BaseModel):
@@ -59,6 +61,11 @@ class McpServerConfig(BaseModel):
         None, description="Only these of the server's tools (by their MCP names); all if unset."
     )
     timeout_s: float | None = Field(None, gt=0, description="Time limit of each call.")
+    requires_approval: list[str] | bool = Field(
+        False,
+        description="Calls that wait for a human's yes: true for every tool of the server, or "
+        "the tools named (by their MCP names).",
+    )
 
     @model_validator(mode="after")
     def _one_transport(self) -> McpServerConfig:

@@ -6,6 +6,12 @@ calls without the model passing ids: over stdio the connection is the process; o
 HTTP it is the `Mcp-Session-Id` of protocol versions with a handshake. The 2026-07-28 protocol
 has no connections (every request stands alone), so there each result names its session_id and
 the model passes it back to continue; any client may do the same to reach a session explicitly.
+
+While a `code_interpreter` or `run_command` call runs, a request of its session for a human's
+approval (a risky host tool, or a key whose policy gates executions or commands) is also asked
+of the client's user by MCP elicitation: accepted, the answer decides it; declined or cancelled,
+it is a denial. A client without elicitation (or a connectionless one, which the server cannot
+ask) leaves it to the other ways of answering: the API, the webhook, the console.
 """
 
 from __future__ import annotations
@@ -22,17 +28,21 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.shared.exceptions import MCPError
 from mcp_types import (
     BlobResourceContents,
     CallToolResult,
+    ClientCapabilities,
+    ElicitationCapability,
     EmbeddedResource,
     ImageContent,
     TextContent,
 )
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
+from orchestrator.governance.approvals import MAX_REASON_CHARS, Responder, canonical_arguments
 from orchestrator.process_state_dirs import remove_own, stdio_state_dir
 from orchestrator.service import Service
 from orchestrator.sessions import (
@@ -42,6 +52,7 @@ from orchestrator.sessions import (
     SessionLimitReached,
     SessionNotFound,
 )
+from orchestrator.state_store.approval_store import ApprovalRecord
 from orchestrator.tool import (
     LIBRARIES,
     MAX_INLINE_IMAGE_BYTES,
@@ -180,6 +191,58 @@ class ConnectionSessions:
                 await self.service.end_session(session_id, owner)
 
 
+class ApprovalForm(BaseModel):
+    """What the client's user is asked for an approval request."""
+
+    approve: bool = Field(description="Let it run?")
+    reason: str = Field(
+        "", max_length=MAX_REASON_CHARS, description="Why (optional); the code reads it."
+    )
+
+
+_PROMPT_PART_CHARS = 1500  # of the arguments, of the code: a prompt is for reading
+
+
+def approval_prompt(record: ApprovalRecord) -> str:
+    """What the user reads: what waits, in which session, with what, from which code."""
+    part = _PROMPT_PART_CHARS
+
+    def clip(text: str) -> str:
+        return text if len(text) <= part else f"{text[:part]} [... {len(text) - part} more]"
+
+    if record.kind == "tool_call":
+        args = canonical_arguments(record.arguments).decode(errors="replace")
+        what = f"call the host tool {record.subject} with {clip(args)}"
+    elif record.kind == "command":
+        what = f"run the command: {clip(record.subject)}"
+    else:
+        what = "run this code"
+    lines = [f"Approve? Session {record.session_id} (key {record.principal}) wants to {what}."]
+    if record.code:
+        lines.append(f"The code:\n{clip(record.code)}")
+    return "\n".join(lines)
+
+
+def _elicitor(ctx: Context) -> Responder:
+    """Ask the connection's user to approve or deny; None when its client cannot be asked."""
+
+    async def ask(record: ApprovalRecord) -> tuple[bool, str | None] | None:
+        wanted = ClientCapabilities(elicitation=ElicitationCapability())
+        if not ctx.request_context.session.check_client_capability(wanted):
+            return None
+        try:
+            answer = await ctx.elicit(approval_prompt(record), ApprovalForm)
+        except (MCPError, ValueError) as exc:  # no way back to the client, or a bad answer
+            log.info("approval %s: the MCP client could not be asked: %s", record.id, exc)
+            return None
+        if answer.action == "accept":
+            return answer.data.approve, answer.data.reason or None
+        said = "declined" if answer.action == "decline" else "cancelled"
+        return False, f"the MCP client's user {said} the request"
+
+    return ask
+
+
 def _caller(ctx: Context) -> tuple[str, str | None]:
     """(owner, connection) of a call: stdio is one local connection; HTTP says who and which."""
     request = ctx.request_context.request
@@ -238,8 +301,10 @@ async def build_mcp_server(
         except UnknownLanguage as exc:
             raise ToolFailure(f"[error] {exc}. Omit language to run Python.") from None
         session, note = await sessions.resolve(owner, connection, session_id)
-        # The one tool flow, as the REST invoke route runs it, in the connection's session.
-        outcome = await service.invoke_tool(owner, code, session=session, language=language)
+        # The one tool flow, as the REST invoke route runs it, in the connection's session;
+        # what waits for a human meanwhile is asked of this client's user too.
+        with service.approvals.responder(session.id, _elicitor(ctx)):
+            outcome = await service.invoke_tool(owner, code, session=session, language=language)
         rendered = outcome.rendered
         if note:
             rendered.text = f"{note}\n{rendered.text}"
@@ -261,9 +326,10 @@ async def build_mcp_server(
         owner, connection = _caller(ctx)
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one shell tool flow, as the REST invoke route runs it, in the connection's session.
-        outcome = await service.invoke_shell_tool(
-            owner, command, session=session, timeout_s=timeout_s
-        )
+        with service.approvals.responder(session.id, _elicitor(ctx)):
+            outcome = await service.invoke_shell_tool(
+                owner, command, session=session, timeout_s=timeout_s
+            )
         rendered = outcome.rendered
         if note:
             rendered.text = f"{note}\n{rendered.text}"

@@ -41,6 +41,9 @@ from orchestrator.state_store.records import (
     SnapshotKind,
     SnapshotRecord,
 )
+from orchestrator.state_store.redis_approvals import RedisApprovals
+from orchestrator.state_store.redis_audit import RedisAudit
+from orchestrator.state_store.redis_principals import RedisPrincipals
 
 log = logging.getLogger(__name__)
 Record = TypeVar("Record", bound=BaseModel)
@@ -148,6 +151,9 @@ class RedisStore(SessionStore, SnapshotStore):
         self._admit = self._redis.register_script(_ADMIT)
         self._end = self._redis.register_script(_END)
         self._update = self._redis.register_script(_UPDATE)
+        self.approvals = RedisApprovals(self._redis, self._key, self._errors, max_listed=max_listed)
+        self.audit = RedisAudit(self._redis, self._key, self._errors)
+        self.principals = RedisPrincipals(self._redis, self._key, self._errors)
 
     def close(self) -> None:
         self._redis.close()

@@ -20,6 +20,9 @@ from orchestrator.state_store.records import (
     SnapshotKind,
     SnapshotRecord,
 )
+from orchestrator.state_store.sqlite_approvals import SqliteApprovals
+from orchestrator.state_store.sqlite_audit import SqliteAudit
+from orchestrator.state_store.sqlite_principals import SqlitePrincipals
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -48,6 +51,9 @@ class SqliteStore(SessionStore, SnapshotStore):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+        self.approvals = SqliteApprovals(self._db, self._lock)
+        self.audit = SqliteAudit(self._db, self._lock)
+        self.principals = SqlitePrincipals(self._db, self._lock)
 
     def close(self) -> None:
         with self._lock:

@@ -9,7 +9,8 @@ Each call goes to the host, which checks the arguments against the tool's schema
 with a time limit. Failures raise host_tools.ToolError, or one of its kinds: ToolArgumentError
 (the arguments do not fit), ToolNotAllowed (not a tool of this session), ToolTimeout,
 ToolTooLarge (the call or the result is over the size limit), ToolFailed (the tool raised; the
-message is its error), ToolChannelError (the channel to the host is gone).
+message is its error), ToolChannelError (the channel to the host is gone), ToolDenied (the call
+needed a human's approval and was denied, or no one answered in time; the message says why).
 """
 
 # Why: a model that writes one program calling many tools, and prints only the answer, spends far
@@ -75,6 +76,13 @@ class ToolFailed(ToolError):
     type = "tool_error"
 
 
+class ToolDenied(ToolError, PermissionError):
+    """A human (or the time limit of waiting for one) denied the call; the message says who and
+    why. The tool did not run."""
+
+    type = "denied"
+
+
 class ToolChannelError(ToolError, ConnectionError):
     """The channel to the host is closed or refused the call."""
 
@@ -82,8 +90,11 @@ class ToolChannelError(ToolError, ConnectionError):
 
 
 _ERRORS: dict[str, type[ToolError]] = {
-    c.type: c for c in (ToolArgumentError, ToolNotAllowed, ToolTimeout, ToolTooLarge, ToolFailed)
-}
+    c.type: c
+    for c in (
+        ToolArgumentError, ToolNotAllowed, ToolTimeout, ToolTooLarge, ToolFailed, ToolDenied,
+    )
+}  # fmt: skip
 
 
 class _Connection:
@@ -246,6 +257,7 @@ class _Tool:
         self.schema: dict[str, Any] = spec.get("parameters") or {}
         self.returns: dict[str, Any] | None = spec.get("returns")
         self.timeout_s = float(spec.get("timeout_s") or manifest.get("timeout_s") or 60)
+        self.requires_approval = bool(spec.get("requires_approval"))
         self.max_bytes = int(manifest.get("max_call_bytes", 1 << 20))
         props = self.schema.get("properties") or {}
         required = set(self.schema.get("required") or [])
@@ -309,6 +321,11 @@ class _Tool:
             f"Runs on the host: {how}.",
             f"Time limit {self.timeout_s:g} s; a failure raises host_tools.ToolError.",
         ]
+        if self.requires_approval:
+            lines.append(
+                "Each call waits for a human to approve it (within the time limit); a denial "
+                "raises host_tools.ToolDenied with the reason."
+            )
         return "\n".join(lines)
 
 
@@ -373,7 +390,7 @@ sync = types.ModuleType(
 sys.modules[sync.__name__] = sync
 _ERROR_NAMES = [
     "ToolError", "ToolArgumentError", "ToolNotAllowed", "ToolTimeout", "ToolTooLarge",
-    "ToolFailed", "ToolChannelError",
+    "ToolFailed", "ToolChannelError", "ToolDenied",
 ]  # fmt: skip
 # help(host_tools) shows the tools; the errors are named in the module's docstring.
 __all__ = [*_load(), "sync"]

@@ -1,0 +1,484 @@
+"""Human approval of risky calls: a host tool marked `requires_approval` (or named by its key's
+policy's `approval_tools`), and, where a key's policy says so, whole executions and commands.
+
+`request` publishes an approval request (in the state store, so any replica can list and answer
+it), tells the operator's webhook (whose answer may decide it), offers it to the responder
+registered for the session (an MCP client that elicits its user's answer), and waits: for a
+local answer, and by reading the store every `POLL_S` (another replica may have answered). No
+answer within `approval_timeout_s` is a denial, decided by "timeout". One answer wins: the
+store decides a request only while it is pending.
+
+Bounded: requests waiting are capped per session and on this replica (one more is refused, never
+queued); what a request keeps of the code, the arguments and a reason is capped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from orchestrator.config import Settings
+from orchestrator.governance import audit_kinds
+from orchestrator.governance.approval_errors import (
+    ApprovalAlreadyDecided,
+    ApprovalForbidden,
+    ApprovalNotFound,
+    ApprovalsFull,
+)
+from orchestrator.governance.approval_outcome import TIMEOUT, ApprovalOutcome
+from orchestrator.governance.errors import ApprovalDenied
+from orchestrator.governance.policy import Principal
+from orchestrator.governance.webhook import ApprovalWebhook
+from orchestrator.state_store.approval_store import (
+    ApprovalKind,
+    ApprovalRecord,
+    ApprovalState,
+    ApprovalStore,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often a waiting request reads the store (another replica may answer)
+LATE_S = 5.0  # a request still pending this long past its expiry was left by a dead waiter
+MAX_CODE_CHARS = 64 << 10
+MAX_ARGUMENTS_CHARS = 16 << 10
+MAX_SUBJECT_CHARS = 4096
+MAX_REASON_CHARS = 1000
+MAX_NOTED = 100  # approval outcomes one execution reports
+MCP = "mcp"  # decided_by of an answer elicited from an MCP client's user
+WEBHOOK = "webhook"
+ABANDONED = "abandoned"  # decided_by of a request whose caller left (session ended, cancelled)
+
+# What an MCP connection's user answered: (approve, reason), or None when it cannot ask.
+Responder = Callable[[ApprovalRecord], Awaitable[tuple[bool, str | None] | None]]
+
+
+class AuditSink(Protocol):
+    def record(
+        self,
+        kind: str,
+        *,
+        owner: str,
+        session_id: str | None = None,
+        status: str | None = None,
+        duration_s: float | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None: ...
+
+
+def canonical_arguments(arguments: Any) -> bytes:
+    """A tool call's arguments as canonical JSON: what their digest is taken of."""
+    return json.dumps(
+        arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+    ).encode()
+
+
+def arguments_digest(arguments: Any) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of the canonical arguments."""
+    data = canonical_arguments(arguments)
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+def _capped(text: str | None, most: int) -> str | None:
+    if text is None or len(text) <= most:
+        return text
+    return f"{text[:most]}\n[... {len(text) - most} more characters]"
+
+
+def _kept_arguments(arguments: Any) -> Any:
+    """The arguments as the request keeps them: whole when small, else a preview and a digest."""
+    data = canonical_arguments(arguments)
+    if len(data) <= MAX_ARGUMENTS_CHARS:
+        return arguments
+    return {
+        "truncated": True,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "preview": data[:MAX_ARGUMENTS_CHARS].decode(errors="replace"),
+    }
+
+
+@dataclass
+class RunningCode:
+    """The code an execution runs (what a tool call it makes is shown with), and the approval
+    outcomes of its calls (told to the model with its output)."""
+
+    code: str
+    outcomes: list[ApprovalOutcome] = field(default_factory=list)
+    more: int = 0  # outcomes past MAX_NOTED, counted only
+
+
+class Approvals:
+    def __init__(
+        self,
+        settings: Settings,
+        store_of: Callable[[], ApprovalStore],
+        *,
+        principal_of: Callable[[str], Principal],
+        audit: AuditSink | None = None,
+    ) -> None:
+        """`store_of()`: the state store's approvals (any replica's answers land there; asked
+        at each use: the service opens its store when it starts); `principal_of(owner)`: who a
+        session's key is (its name, its policy)."""
+        self.timeout_s = settings.approval_timeout_s
+        self._max_per_session = settings.approval_max_pending_per_session
+        self._max_total = settings.approval_max_pending_total
+        self._store_of = store_of
+        self._principal_of = principal_of
+        self._audit = audit
+        self._webhook = (
+            ApprovalWebhook(
+                settings.approval_webhook_url,
+                settings.approval_webhook_secret,
+                settings.approval_webhook_timeout_s,
+            )
+            if settings.approval_webhook_url
+            else None
+        )
+        self._answered: dict[str, asyncio.Event] = {}  # request id -> set once decided
+        self._waiting_in: dict[str, int] = {}  # session id -> requests waiting
+        self._responders: dict[str, list[Responder]] = {}  # session id -> latest last
+        self._running: dict[str, list[RunningCode]] = {}  # session id -> executions running
+
+    async def close(self) -> None:
+        if self._webhook is not None:
+            await self._webhook.aclose()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting on this replica."""
+        return len(self._answered)
+
+    # --- what a session is doing: its code, and who can answer for it ---------------------
+
+    @contextlib.contextmanager
+    def running(self, session_id: str, code: str) -> Iterator[RunningCode]:
+        """While an execution runs: its code is what its tool calls' requests show, and the
+        outcomes of those requests are gathered for its output."""
+        entry = RunningCode(code)
+        self._running.setdefault(session_id, []).append(entry)
+        try:
+            yield entry
+        finally:
+            entries = self._running.get(session_id, [])
+            with contextlib.suppress(ValueError):
+                entries.remove(entry)
+            if not entries:
+                self._running.pop(session_id, None)
+
+    def code_running(self, session_id: str) -> str | None:
+        """The code the session's kernel runs now (the earliest execution still running: the
+        kernel runs one at a time), or None (a background process made the call)."""
+        entries = self._running.get(session_id)
+        return entries[0].code if entries else None
+
+    def note(self, session_id: str, outcome: ApprovalOutcome) -> None:
+        """Keep an outcome for the output of the execution running in the session, if any."""
+        entries = self._running.get(session_id)
+        if not entries:
+            return
+        entry = entries[0]
+        if len(entry.outcomes) < MAX_NOTED:
+            entry.outcomes.append(outcome)
+        else:
+            entry.more += 1
+
+    @contextlib.contextmanager
+    def responder(self, session_id: str, respond: Responder) -> Iterator[None]:
+        """While a front's call runs in the session (an MCP tool call): requests of the session
+        are offered to `respond` too (the latest registered answers)."""
+        stack = self._responders.setdefault(session_id, [])
+        stack.append(respond)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ValueError):
+                stack.remove(respond)
+            if not stack:
+                self._responders.pop(session_id, None)
+
+    # --- asking -----------------------------------------------------------------------------
+
+    async def request(
+        self,
+        kind: ApprovalKind,
+        *,
+        session_id: str,
+        owner: str,
+        subject: str,
+        arguments: Any = None,
+        code: str | None = None,
+    ) -> ApprovalOutcome:
+        """Publish a request and wait for its decision (at most `approval_timeout_s`). Raises
+        ApprovalsFull, and nothing is published, when too many wait already."""
+        in_session = self._waiting_in.get(session_id, 0)
+        if in_session >= self._max_per_session:
+            raise ApprovalsFull(
+                f"{in_session} approval requests of this session wait already (its most); "
+                "wait for them to be answered, then try again"
+            )
+        if len(self._answered) >= self._max_total:
+            raise ApprovalsFull(
+                f"{len(self._answered)} approval requests wait on this service already (its "
+                "most); wait for them to be answered, then try again"
+            )
+        now = time.time()
+        record = ApprovalRecord(
+            id="ap-" + secrets.token_hex(8),
+            kind=kind,
+            session_id=session_id,
+            owner=owner,
+            principal=self._name_of(owner),
+            subject=_capped(subject, MAX_SUBJECT_CHARS) or "",
+            arguments=_kept_arguments(arguments) if arguments is not None else None,
+            code=_capped(code, MAX_CODE_CHARS),
+            created_at=now,
+            expires_at=now + self.timeout_s,
+        )
+        answered = self._answered[record.id] = asyncio.Event()
+        self._waiting_in[session_id] = in_session + 1
+        helpers: list[asyncio.Task[None]] = []
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self._store_of().put_approval, record)
+            self._record(
+                audit_kinds.APPROVAL_REQUESTED,
+                record,
+                details={"approval_id": record.id, "kind": kind, "subject": record.subject},
+            )
+            helpers = self._ask_helpers(record)
+            final = await self._wait(record, answered)
+        except asyncio.CancelledError:  # its caller left: no one need answer any more
+            with contextlib.suppress(Exception):
+                await asyncio.shield(
+                    self._decide(
+                        record, "expired", ABANDONED, "the call was abandoned before an answer"
+                    )
+                )
+            raise
+        finally:
+            for task in helpers:
+                task.cancel()
+            self._answered.pop(record.id, None)
+            left = self._waiting_in.get(session_id, 1) - 1
+            if left > 0:
+                self._waiting_in[session_id] = left
+            else:
+                self._waiting_in.pop(session_id, None)
+        return ApprovalOutcome(
+            kind=kind,
+            subject=_capped(subject, 200) or "",
+            approval_id=record.id,
+            waited_s=round(time.monotonic() - started, 3),
+            decision="approved" if final.state == "approved" else "denied",
+            decided_by=final.decided_by,
+            reason=final.reason,
+        )
+
+    async def gate(
+        self,
+        kind: Literal["execution", "command"],
+        *,
+        session_id: str,
+        owner: str,
+        subject: str,
+        code: str | None = None,
+    ) -> ApprovalOutcome:
+        """Wait for a human before an execution or a command runs: the outcome when approved;
+        ApprovalDenied (403) saying who denied it and why otherwise."""
+        outcome = await self.request(
+            kind, session_id=session_id, owner=owner, subject=subject, code=code
+        )
+        if not outcome.approved:
+            raise ApprovalDenied(
+                f"this {kind} waited {outcome.waited_s:.1f} s for a human's approval and was "
+                f"{outcome.explain()} (approval {outcome.approval_id}); it did not run"
+            )
+        return outcome
+
+    def _name_of(self, owner: str) -> str:
+        try:
+            return self._principal_of(owner).name
+        except Exception:  # a name is for reading: never a reason to fail a request
+            return owner[:12]
+
+    def _ask_helpers(self, record: ApprovalRecord) -> list[asyncio.Task[None]]:
+        """The webhook and the session's responder, asked at once beside the wait."""
+        tasks: list[asyncio.Task[None]] = []
+        if self._webhook is not None:
+            tasks.append(asyncio.ensure_future(self._ask_webhook(self._webhook, record)))
+        stack = self._responders.get(record.session_id)
+        if stack and self._may_self_answer(record.owner):
+            tasks.append(asyncio.ensure_future(self._ask_responder(stack[-1], record)))
+        return tasks
+
+    def _may_self_answer(self, owner: str) -> bool:
+        """An MCP client answers as its key: only a key that may answer its own requests."""
+        try:
+            return self._principal_of(owner).may_answer(owner)
+        except Exception:
+            return False
+
+    async def _ask_webhook(self, webhook: ApprovalWebhook, record: ApprovalRecord) -> None:
+        answer = await webhook.notify(record)
+        if answer is not None:
+            state: ApprovalState = "approved" if answer.approve else "denied"
+            await self._decide(record, state, WEBHOOK, answer.reason)
+
+    async def _ask_responder(self, respond: Responder, record: ApprovalRecord) -> None:
+        try:
+            answer = await respond(record)
+        except Exception:  # a front that cannot ask leaves it to the other ways
+            log.warning("approval %s: the session's responder failed", record.id, exc_info=True)
+            return
+        if answer is not None:
+            approve, reason = answer
+            state: ApprovalState = "approved" if approve else "denied"
+            await self._decide(record, state, MCP, _capped(reason, MAX_REASON_CHARS))
+
+    async def _wait(self, record: ApprovalRecord, answered: asyncio.Event) -> ApprovalRecord:
+        """The decided record: answered here, found decided in the store, or timed out."""
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(POLL_S, left)):
+                    await answered.wait()
+            found = await asyncio.to_thread(self._store_of().get_approval, record.id)
+            if found is not None and found.state != "pending":
+                return found
+        why = f"no one answered within {self.timeout_s:g} s"
+        decided = await self._decide(record, "denied", TIMEOUT, why)
+        if decided is not None:
+            return decided
+        # Answered just before the timeout's decision:
+        found = await asyncio.to_thread(self._store_of().get_approval, record.id)
+        if found is None or found.state == "pending":  # gone from the store: still a denial
+            return record.model_copy(update={"state": "denied", "decided_by": TIMEOUT})
+        return found
+
+    # --- answering --------------------------------------------------------------------------
+
+    async def _decide(
+        self, record: ApprovalRecord, state: ApprovalState, by: str, reason: str | None
+    ) -> ApprovalRecord | None:
+        """Write a decision if the request is still pending (the one answer that wins), wake
+        its waiter here, and record it; the decided record, or None if it was decided already."""
+        decided = await asyncio.to_thread(
+            self._store_of().decide_approval, record.id, state, by, reason, time.time()
+        )
+        if decided is None:
+            return None
+        event = self._answered.get(record.id)
+        if event is not None:
+            event.set()
+        self._record(
+            audit_kinds.APPROVAL_DECIDED,
+            decided,
+            status=state,
+            duration_s=(decided.decided_at or time.time()) - decided.created_at,
+            details={
+                "approval_id": decided.id,
+                "kind": decided.kind,
+                "subject": decided.subject,
+                "decided_by": by,
+                "reason": reason,
+            },
+        )
+        return decided
+
+    async def answer(
+        self, approval_id: str, approve: bool, reason: str | None, by: Principal
+    ) -> ApprovalRecord:
+        """A human's answer: 404 for a request `by` may not see, 403 for one it may see but
+        not answer, 409 for one already decided; the decided record."""
+        record = await self.get(approval_id, by)
+        if not by.may_answer(record.owner):
+            raise ApprovalForbidden(
+                f"key {by.name!r} may not answer approval requests of its own sessions: its "
+                "policy's rule `self_approve` is off. An admin key answers them (or ask an admin "
+                "to change the rule: code-interpreter keys set-policy)"
+            )
+        if record.state == "pending" and time.time() > record.expires_at + LATE_S:
+            record = await self._expire(record)  # its waiter is gone: no answer can matter
+        if record.state != "pending":
+            raise ApprovalAlreadyDecided(_decided_text(record))
+        state: ApprovalState = "approved" if approve else "denied"
+        decided = await self._decide(record, state, by.name, _capped(reason, MAX_REASON_CHARS))
+        if decided is None:
+            found = await asyncio.to_thread(self._store_of().get_approval, approval_id)
+            raise ApprovalAlreadyDecided(_decided_text(found or record))
+        return decided
+
+    async def get(self, approval_id: str, viewer: Principal) -> ApprovalRecord:
+        """One request `viewer` may see (its own sessions', or any for an admin), else 404."""
+        record = await asyncio.to_thread(self._store_of().get_approval, approval_id)
+        if record is None or not (viewer.admin or record.owner == viewer.id):
+            raise ApprovalNotFound(f"no approval request {approval_id!r}")
+        return record
+
+    async def list_requests(
+        self,
+        viewer: Principal,
+        *,
+        state: ApprovalState | None = None,
+        session_id: str | None = None,
+        limit: int = 100,
+    ) -> list[ApprovalRecord]:
+        """Requests `viewer` may see, newest first: an admin's are everyone's. A pending one
+        whose waiter died with its replica is shown (and kept) as the denial it became."""
+        owner = None if viewer.admin else viewer.id
+        found = await asyncio.to_thread(
+            self._store_of().approvals, owner=owner, state=state, session_id=session_id, limit=limit
+        )
+        now = time.time()
+        shown = []
+        for record in found:
+            if record.state == "pending" and now > record.expires_at + LATE_S:
+                record = await self._expire(record)
+                if state == "pending":
+                    continue
+            shown.append(record)
+        return shown
+
+    async def pending(self, viewer: Principal) -> list[ApprovalRecord]:
+        return await self.list_requests(viewer, state="pending")
+
+    async def _expire(self, record: ApprovalRecord) -> ApprovalRecord:
+        why = f"no one answered within {self.timeout_s:g} s"
+        decided = await self._decide(record, "denied", TIMEOUT, why)
+        if decided is not None:
+            return decided
+        return await asyncio.to_thread(self._store_of().get_approval, record.id) or record
+
+    def _record(
+        self,
+        kind: str,
+        record: ApprovalRecord,
+        *,
+        status: str | None = None,
+        duration_s: float | None = None,
+        details: dict[str, Any],
+    ) -> None:
+        if self._audit is not None:
+            self._audit.record(
+                kind,
+                owner=record.owner,
+                session_id=record.session_id,
+                status=status,
+                duration_s=duration_s,
+                details=details,
+            )
+
+
+def _decided_text(record: ApprovalRecord) -> str:
+    by = f" by {record.decided_by}" if record.decided_by else ""
+    why = f" ({record.reason})" if record.reason else ""
+    return f"approval request {record.id} was already decided: {record.state}{by}{why}"

@@ -1,0 +1,282 @@
+"""`code-interpreter audit ...`: read, export and prune the audit log where the service keeps it
+(its state dir's SQLite file, or the shared Redis of cluster mode), while it runs or not.
+
+Whoever can read the state dir (or reach the Redis) can read every key's events: the CLI is an
+operator's tool, answering as an admin key would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TextIO
+
+import typer
+
+if TYPE_CHECKING:
+    from orchestrator.state_store.audit_store import AuditEvent, AuditQuery, AuditStore
+
+EXIT_USAGE = 2
+STATE_DIR_VARIABLE = "CODE_INTERPRETER_STATE_DIR"
+STORE_VARIABLE = "CODE_INTERPRETER_STORE_URL"
+PREFIX_VARIABLE = "CODE_INTERPRETER_STORE_PREFIX"
+EXPORT_PAGE = 500
+SUMMARY_CHARS = 80  # of a listed event's details
+
+audit_app = typer.Typer(
+    help="Read, export and prune the audit log (docs/governance.md).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+StateDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir",
+        metavar="DIR",
+        help=f"The service's state dir; otherwise {STATE_DIR_VARIABLE}, else the default one.",
+    ),
+]
+StoreOption = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        metavar="URL",
+        help=f"Cluster mode's shared store, redis://HOST:PORT/DB; otherwise {STORE_VARIABLE}.",
+    ),
+]
+KeyOption = Annotated[
+    str | None, typer.Option("--key", metavar="NAME", help="Only this key's events.")
+]
+SessionOption = Annotated[
+    str | None, typer.Option("--session", metavar="ID", help="Only this session's events.")
+]
+KindOption = Annotated[
+    list[str] | None,
+    typer.Option("--kind", metavar="KIND", help="Only events of this kind (repeatable, or a,b)."),
+]
+SinceOption = Annotated[
+    str | None,
+    typer.Option(metavar="TIME", help="From this time: ISO 8601, epoch seconds, or an age (2h)."),
+]
+UntilOption = Annotated[
+    str | None,
+    typer.Option(metavar="TIME", help="Before this time: ISO 8601, epoch seconds, or an age."),
+]
+BeforeOption = Annotated[
+    int | None,
+    typer.Option(metavar="SEQ", help="Events older than this one (the cursor a listing gives)."),
+]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+@contextmanager
+def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditStore]:
+    """The audit log the service writes: in Redis when a store URL is given (or set in the
+    environment), else in the state dir's SQLite file, which must exist already."""
+    store_url = store_url or os.environ.get(STORE_VARIABLE)
+    state = state_dir or _default_state_dir()
+    if store_url:
+        from orchestrator.state_store.redis_store import RedisStore
+
+        shared = RedisStore(
+            store_url,
+            snapshots_dir=state / "snapshots",
+            prefix=os.environ.get(PREFIX_VARIABLE, "cir"),
+        )
+        try:
+            shared.ping()
+            yield shared.audit
+        finally:
+            shared.close()
+        return
+    if not (state / "state.db").is_file():
+        raise _fail(
+            f"no service state in {state} (no state.db): give the service's --state-dir, or "
+            f"--store for cluster mode"
+        )
+    from orchestrator.state_store.sqlite_store import SqliteStore
+
+    local = SqliteStore(state)
+    try:
+        yield local.audit
+    finally:
+        local.close()
+
+
+def _default_state_dir() -> Path:
+    from sandbox.state_dir import default_state_dir
+
+    given = os.environ.get(STATE_DIR_VARIABLE)
+    return Path(given) if given else default_state_dir()
+
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_age(text: str) -> float | None:
+    """Seconds in an age such as 90s, 15m, 2h, 30d; None if it is not one."""
+    found = _AGE.match(text.strip())
+    return float(found.group(1)) * _SECONDS[found.group(2)] if found else None
+
+
+def _moment(text: str | None, option: str) -> float | None:
+    """A time an option gives: an age before now, else what the API takes."""
+    if text is None:
+        return None
+    age = parse_age(text)
+    if age is not None:
+        return datetime.now(UTC).timestamp() - age
+    from orchestrator.governance.audit import BadAuditQuery, parse_time
+
+    try:
+        return parse_time(text)
+    except BadAuditQuery as exc:
+        raise _fail(f"{option}: {exc}") from None
+
+
+def _query(
+    key: str | None,
+    session: str | None,
+    kinds: list[str] | None,
+    since: str | None,
+    until: str | None,
+    before: int | None,
+    limit: int,
+) -> AuditQuery:
+    from orchestrator.governance.audit_kinds import ALL_KINDS
+    from orchestrator.state_store.audit_store import AuditQuery
+
+    wanted = [k.strip() for part in kinds or [] for k in part.split(",") if k.strip()]
+    for kind in wanted:
+        if kind not in ALL_KINDS:
+            raise _fail(f"--kind: no events are of kind {kind!r}; kinds: {', '.join(ALL_KINDS)}")
+    return AuditQuery(
+        principal=key,
+        session_id=session,
+        kinds=wanted or None,
+        since=_moment(since, "--since"),
+        until=_moment(until, "--until"),
+        before_seq=before,
+        limit=limit,
+    )
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def _summary(details: dict[str, Any]) -> str:
+    text = " ".join(
+        f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+        for k, v in details.items()
+        if v is not None
+    )
+    text = " ".join(text.split())  # one line, whatever the code held
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
+def _line(event: AuditEvent) -> str:
+    return "  ".join(
+        [
+            f"{event.seq or 0:>8}",
+            _when(event.time),
+            f"{event.principal:<16}",
+            f"{event.kind:<18}",
+            f"{event.session_id or '-':<27}",
+            f"{event.status or '-':<9}",
+            _summary(event.details),
+        ]
+    )
+
+
+@audit_app.command("list")
+def list_events(
+    state_dir: StateDirOption = None,
+    store: StoreOption = None,
+    key: KeyOption = None,
+    session: SessionOption = None,
+    kind: KindOption = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    before: BeforeOption = None,
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="Events to list.")] = 50,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines, as export writes.")] = False,
+) -> None:
+    """List audit events, newest first: seq, time (UTC), key, kind, session, status, details.
+    When there are more, the last line says the --before that lists them."""
+    query = _query(key, session, kind, since, until, before, limit)
+    with open_audit(state_dir, store) as audit:
+        page = audit.query_page(query)
+    for event in page.events:
+        typer.echo(event.model_dump_json() if as_json else _line(event))
+    if page.next_before is not None and not as_json:
+        typer.echo(f"more: --before {page.next_before}")
+
+
+@audit_app.command("export")
+def export_events(
+    state_dir: StateDirOption = None,
+    store: StoreOption = None,
+    key: KeyOption = None,
+    session: SessionOption = None,
+    kind: KindOption = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    before: BeforeOption = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", metavar="FILE", help="Write here, not to stdout."),
+    ] = None,
+) -> None:
+    """Every event the filters select, as JSON lines (newest first), read a page at a time."""
+    query = _query(key, session, kind, since, until, before, EXPORT_PAGE)
+    with open_audit(state_dir, store) as audit:
+        if output is None:
+            count = _export(audit, query, sys.stdout)
+        else:
+            with output.open("w", encoding="utf-8") as out:
+                count = _export(audit, query, out)
+    typer.echo(f"{count} events exported", err=True)
+
+
+def _export(audit: AuditStore, query: AuditQuery, out: TextIO) -> int:
+    count = 0
+    while True:
+        page = audit.query_page(query)
+        for event in page.events:
+            out.write(event.model_dump_json() + "\n")
+            count += 1
+        if page.next_before is None:
+            return count
+        query = query.model_copy(update={"before_seq": page.next_before})
+
+
+@audit_app.command("prune")
+def prune_events(
+    older_than: Annotated[
+        str,
+        typer.Option(metavar="AGE", help="Delete events older than this: 90d, 12h, 30m, 45s."),
+    ],
+    state_dir: StateDirOption = None,
+    store: StoreOption = None,
+) -> None:
+    """Delete old events now (the service also does, past its audit_retention_s)."""
+    age = parse_age(older_than)
+    if age is None:
+        raise _fail(f"--older-than: {older_than!r} is not an age such as 90d, 12h, 30m or 45s")
+    cutoff = datetime.now(UTC).timestamp() - age
+    with open_audit(state_dir, store) as audit:
+        gone = audit.delete_events_before(cutoff)
+    typer.echo(f"{gone} events older than {_when(cutoff)} deleted")

@@ -1,0 +1,53 @@
+"""The kinds of audit events: one name each, so that writers and readers (filters, the console,
+people's queries) never spell one two ways. What each event's `details` hold is said beside it."""
+
+from __future__ import annotations
+
+SESSION_CREATED = "session.created"  # backend, image, runtime, network mode, tools, snapshot
+SESSION_ENDED = "session.ended"  # reason (deleted, idle, lifetime, lost, ...), why (the words)
+SESSION_PAUSED = "session.paused"
+SESSION_RESUMED = "session.resumed"
+EXECUTION = "execution"  # execution_id, language, code (capped), output sizes, images
+COMMAND = "command"  # command (capped), exit_code, output sizes
+PROCESS_STARTED = "process.started"  # pid, command (capped), terminal
+TOOL_CALL = "tool.call"  # tool, arguments_sha256, arguments_bytes, approver (helper: approvals)
+APPROVAL_REQUESTED = "approval.requested"
+APPROVAL_DECIDED = "approval.decided"
+FILE_UPLOAD = "file.upload"  # path, bytes
+FILE_DOWNLOAD = "file.download"  # path, bytes
+FILE_REMOVE = "file.remove"  # path
+FILE_MKDIR = "file.mkdir"  # path
+EGRESS_CONNECTION = "egress.connection"  # host, port, verdict, reason, bytes up and down
+KEY_ADDED = "key.added"
+KEY_ROTATED = "key.rotated"
+KEY_REVOKED = "key.revoked"
+KEY_POLICY = "key.policy"
+POLICY_DENIED = "policy.denied"  # rule, message
+AUDIT_DROPPED = "audit.dropped"  # dropped: events the full queue could not take
+
+ALL_KINDS = (
+    SESSION_CREATED,
+    SESSION_ENDED,
+    SESSION_PAUSED,
+    SESSION_RESUMED,
+    EXECUTION,
+    COMMAND,
+    PROCESS_STARTED,
+    TOOL_CALL,
+    APPROVAL_REQUESTED,
+    APPROVAL_DECIDED,
+    FILE_UPLOAD,
+    FILE_DOWNLOAD,
+    FILE_REMOVE,
+    FILE_MKDIR,
+    EGRESS_CONNECTION,
+    KEY_ADDED,
+    KEY_ROTATED,
+    KEY_REVOKED,
+    KEY_POLICY,
+    POLICY_DENIED,
+    AUDIT_DROPPED,
+)
+
+# The owner of the service's own events (audit.dropped): no key's, so only admins see them.
+SERVICE_OWNER = "service"

@@ -1,0 +1,192 @@
+"""What a key's policy allows, asked where the service acts: each check raises `PolicyDenied`
+naming the key, the rule and what it allows; each `capped_*` fits what a request left unset
+(the service's defaults) within the policy instead of refusing it.
+
+Pure functions of a principal and a request: the service calls them (never a route), so every
+front door is held to the same rules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from orchestrator.governance.errors import PolicyDenied
+from orchestrator.governance.policy import Principal
+from orchestrator.schemas import CreateSessionRequest
+from sandbox.network_policy import NO_NETWORK, NetworkPolicy
+from sandbox.spec import ResourceLimits, SandboxSpec
+
+
+def _listed(names: Iterable[str]) -> str:
+    shown = list(names)
+    return ", ".join(shown) if shown else "none"
+
+
+def check_backend(who: Principal, backend: str) -> None:
+    allowed = who.policy.backends
+    if allowed is not None and backend not in allowed:
+        raise PolicyDenied.by_rule(
+            who.name, f"use the {backend} backend", "backends", f"allows: {_listed(allowed)}"
+        )
+
+
+def check_image(who: Principal, image: str) -> None:
+    allowed = who.policy.images
+    if allowed is not None and image not in allowed:
+        raise PolicyDenied.by_rule(
+            who.name, f"use the image {image!r}", "images", f"allows: {_listed(allowed)}"
+        )
+
+
+def _fit_image(who: Principal, default: str, offered: list[str]) -> str | None:
+    """The image of a Docker session that asked for none: the service's default when the
+    policy allows it (None: leave it to the backend), else the first image both allow."""
+    allowed = who.policy.images
+    if allowed is None or default in allowed:
+        return None
+    for image in allowed:
+        if image in offered:
+            return image
+    raise PolicyDenied.by_rule(
+        who.name,
+        f"use the default image {default!r}",
+        "images",
+        f"allows: {_listed(allowed)}, none of which this service offers ({_listed(offered)})",
+    )
+
+
+def check_language(who: Principal, language: str) -> None:
+    """`language`: canonical (as `check_available` returns it)."""
+    allowed = who.policy.languages
+    if allowed is not None and language not in allowed:
+        raise PolicyDenied.by_rule(
+            who.name, f"run {language} code", "languages", f"allows: {_listed(allowed)}"
+        )
+
+
+def check_network(who: Principal, asked: NetworkPolicy) -> None:
+    most = who.policy.network
+    if most is not None and asked.beyond(most) is not None:
+        raise PolicyDenied.by_rule(
+            who.name,
+            f"have the network {asked.describe()!r}",
+            "network",
+            f"allows at most: {most.describe()}",
+        )
+
+
+def capped_network(who: Principal, default: NetworkPolicy) -> NetworkPolicy:
+    """The network of a session that asked for none: the service's default if the policy
+    allows it, else the policy's own if that is within the default, else none."""
+    most = who.policy.network
+    if most is None or default.beyond(most) is None:
+        return default
+    if most.beyond(default) is None:
+        return most
+    return NO_NETWORK
+
+
+def check_tools(who: Principal, tools: Iterable[str]) -> None:
+    allowed = who.policy.host_tools
+    if allowed is None:
+        return
+    refused = [t for t in tools if t not in allowed]
+    if refused:
+        raise PolicyDenied.by_rule(
+            who.name,
+            f"give its sessions the host tool(s) {_listed(refused)}",
+            "host_tools",
+            f"allows: {_listed(allowed)}",
+        )
+
+
+def allowed_tools(who: Principal, tools: list[str]) -> list[str]:
+    """Those of `tools` the policy allows (a front's default tools: the rest left out)."""
+    allowed = who.policy.host_tools
+    return list(tools) if allowed is None else [t for t in tools if t in allowed]
+
+
+def check_limits(who: Principal, asked: dict[str, float]) -> None:
+    """`asked`: the limits a request names (unset ones are capped, not refused)."""
+    ceilings = who.policy.max_limits or {}
+    for name, value in asked.items():
+        ceiling = ceilings.get(name)
+        if ceiling is not None and value > ceiling:
+            raise PolicyDenied.by_rule(
+                who.name,
+                f"ask for limits.{name}={value:g}",
+                "max_limits",
+                f"allows at most {name}={ceiling:g}",
+                hint="Ask for less, or ask an admin to raise it (code-interpreter keys set-policy)",
+            )
+
+
+def capped_limits(who: Principal, limits: ResourceLimits, asked: Iterable[str]) -> ResourceLimits:
+    """`limits` with each limit the request did not name lowered to the policy's ceiling."""
+    ceilings = who.policy.max_limits or {}
+    named = set(asked)
+    lowered = {
+        name: type(getattr(limits, name))(ceiling)
+        for name, ceiling in ceilings.items()
+        if name not in named and getattr(limits, name) > ceiling
+    }
+    if not lowered:
+        return limits
+    return ResourceLimits.model_validate({**limits.model_dump(), **lowered})
+
+
+def check_commands(who: Principal) -> None:
+    if not who.policy.commands:
+        raise PolicyDenied.by_rule(
+            who.name,
+            "run shell commands, background processes or terminals",
+            "commands",
+            "is off",
+        )
+
+
+def check_session_count(who: Principal, held: int) -> None:
+    """`held`: the key's sessions running (or being made) now, this one not counted."""
+    most = who.policy.max_sessions
+    if most is not None and held >= most:
+        raise PolicyDenied.by_rule(
+            who.name,
+            f"hold more than {most} session(s) at once (it holds {held})",
+            "max_sessions",
+            f"allows {most}",
+            hint="End one first, or ask an admin to raise it (code-interpreter keys set-policy)",
+        )
+
+
+def check_request(who: Principal, backend: str, request: CreateSessionRequest) -> None:
+    """What a request for a new session names itself, against the key's policy."""
+    check_backend(who, backend)
+    if request.image is not None:
+        check_image(who, request.image)
+    if request.network is not None:
+        check_network(who, request.network)
+    check_tools(who, request.tools)
+    if request.limits is not None:
+        check_limits(who, request.limits.model_dump(exclude_none=True))
+
+
+def fit_spec(
+    who: Principal,
+    spec: SandboxSpec,
+    request: CreateSessionRequest,
+    *,
+    backend: str,
+    default_image: str,
+    offered_images: list[str],
+) -> SandboxSpec:
+    """The spec a request made, with what it left to the service's defaults fitted within the
+    key's policy: limits lowered to its ceilings, the network to the most it allows, the image
+    to one it allows."""
+    asked = request.limits.model_dump(exclude_none=True) if request.limits is not None else {}
+    fitted = spec.model_copy(update={"limits": capped_limits(who, spec.limits, asked)})
+    if request.network is None:
+        fitted.network = capped_network(who, spec.network)
+    if request.image is None and backend == "docker":
+        image = _fit_image(who, default_image, offered_images)
+        if image is not None:
+            fitted.image = image
+    return fitted

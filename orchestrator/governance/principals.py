@@ -1,0 +1,183 @@
+"""Who a key is: the keys the settings name (full access; `admin_keys` admins too) and the keys
+`code-interpreter keys add` keeps in the store (hashed, each with a policy).
+
+Every lookup is answered from memory, so no request waits on the store: the store's principals
+are read again about once a second, off the event loop, which is how a key added, rotated or
+revoked by the CLI (another process, or another replica) takes effect without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.config import Settings
+from orchestrator.governance.policy import FULL_ACCESS, Principal
+from orchestrator.state_store.principal_store import PrincipalRecord, PrincipalStore
+
+log = logging.getLogger(__name__)
+
+LOCAL_OWNER = "local"  # the one owner when auth is explicitly disabled
+KEY_PREFIX = "cir_"  # keys made by the CLI: easy to spot in a leaked file or a scanner
+REFRESH_S = 1.0  # how stale the store's principals may be here
+
+
+def owner_of(key: str) -> str:
+    """The owner id of a key the settings name (records were stored under it before keys had
+    names, and still are)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def digest_of(key: str) -> str:
+    """How a key made by the CLI is kept: its SHA-256, never the key."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_principal_id() -> str:
+    return "p_" + secrets.token_hex(8)
+
+
+def settings_name(owner: str) -> str:
+    """The name of a key the settings name: it has none of its own."""
+    return f"key-{owner[:8]}"
+
+
+def principal_of(record: PrincipalRecord) -> Principal:
+    return Principal(id=record.id, name=record.name, admin=record.admin, policy=record.policy)
+
+
+@dataclass
+class _Known:
+    """The store's principals as last read: by key digest, by id, and which are revoked."""
+
+    by_digest: dict[str, PrincipalRecord] = field(default_factory=dict)
+    by_id: dict[str, Principal] = field(default_factory=dict)
+    revoked: dict[str, float] = field(default_factory=dict)  # id -> when
+
+    @staticmethod
+    def of(records: list[PrincipalRecord]) -> _Known:
+        known = _Known()
+        for record in records:
+            known.by_id[record.id] = principal_of(record)
+            if record.revoked_at is not None:
+                known.revoked[record.id] = record.revoked_at
+                continue
+            for key in record.keys:
+                known.by_digest[key.digest] = record
+        return known
+
+
+class Principals:
+    """`service.principals`: authenticate a key, and say who an owner id is."""
+
+    def __init__(
+        self, settings: Settings, store: PrincipalStore | None, refresh_s: float = REFRESH_S
+    ) -> None:
+        self.disabled = settings.auth_disabled
+        self._store = store
+        self._refresh_s = refresh_s
+        # The settings' keys, each with its principal; compared in constant time.
+        self._settings_keys: list[tuple[bytes, Principal]] = []
+        self._settings_ids: dict[str, Principal] = {}
+        for key, admin in [(k, False) for k in settings.api_keys] + [
+            (k, True) for k in settings.admin_keys
+        ]:
+            owner = owner_of(key)
+            principal = Principal(id=owner, name=settings_name(owner), admin=admin)
+            if admin or owner not in self._settings_ids:  # listed in both: an admin
+                self._settings_ids[owner] = principal
+            self._settings_keys.append((key.encode(), principal))
+        self._local = Principal(id=LOCAL_OWNER, name=LOCAL_OWNER, admin=True)
+        self._known = _Known()
+        self._failing = False
+        self._task: asyncio.Task[None] | None = None
+
+    # --- the store's principals, read again and again
+    def reload(self) -> None:
+        """Read the store's principals now (blocking: call it off the loop)."""
+        if self._store is None:
+            return
+        self._known = _Known.of(self._store.principals())
+
+    async def start(self) -> None:
+        """Read the store once (a store that fails stops the start), then keep reading it."""
+        await asyncio.to_thread(self.reload)
+        if self._store is not None:
+            self._task = asyncio.ensure_future(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            try:
+                await asyncio.to_thread(self.reload)
+            except Exception as exc:  # what was read last holds until the store answers again
+                if not self._failing:
+                    log.warning("reading the keys from the store failed (kept the last): %s", exc)
+                self._failing = True
+            else:
+                if self._failing:
+                    log.info("reading the keys from the store works again")
+                self._failing = False
+
+    # --- who a key is
+    def authenticate(self, key: str) -> Principal | None:
+        """The principal of a key, or None (unknown, revoked, or past its rotation's grace)."""
+        if self.disabled:
+            return self._local
+        key = key.strip()
+        if not key:
+            return None
+        given = key.encode()
+        found: Principal | None = None
+        for known, principal in self._settings_keys:  # every one compared: timing tells nothing
+            if hmac.compare_digest(given, known) and found is None:
+                found = principal
+        if found is not None:
+            return self._settings_ids[found.id]
+        digest = digest_of(key)
+        record = self._known.by_digest.get(digest)
+        if record is None:
+            return None
+        now = time.time()
+        for held in record.keys:
+            if held.digest == digest and (held.expires_at is None or held.expires_at > now):
+                return self._known.by_id[record.id]
+        return None
+
+    def of(self, owner: str) -> Principal:
+        """Who an owner id is, never raising: one that is no longer known (a key taken out of
+        the settings) is full access under a name cut from its id."""
+        if owner == LOCAL_OWNER and self.disabled:
+            return self._local
+        found = self._settings_ids.get(owner) or self._known.by_id.get(owner)
+        if found is not None:
+            return found
+        return Principal(id=owner, name=owner[:12], policy=FULL_ACCESS)
+
+    def revoked(self) -> dict[str, float]:
+        """Revoked principals' ids, with when (as last read from the store)."""
+        return dict(self._known.revoked)
+
+    def by_name(self, name: str) -> Principal | None:
+        """A principal by its name (an admin's filter), among those known here."""
+        for principal in [*self._settings_ids.values(), *self._known.by_id.values()]:
+            if principal.name == name:
+                return principal
+        return None

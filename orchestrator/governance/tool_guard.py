@@ -1,0 +1,100 @@
+"""The guard of one session's host-tool calls (`host_tools.channel.CallGuard`), as the service
+gives it to the session's channel: its key's policy (read at every call), a human's approval
+where the tool or the policy wants one, and an audit event for every call."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.governance import audit_kinds
+from orchestrator.governance.approval_errors import ApprovalsFull
+from orchestrator.governance.approval_outcome import ApprovalOutcome
+from orchestrator.governance.approvals import Approvals, AuditSink, arguments_digest
+from orchestrator.governance.policy import Policy
+from orchestrator.host_tools.base import HostTool
+from orchestrator.host_tools.channel import CallGuard, ToolCall
+
+log = logging.getLogger(__name__)
+
+
+class SessionToolGuard(CallGuard):
+    def __init__(
+        self,
+        approvals: Approvals,
+        *,
+        session_id: str,
+        owner: str,
+        policy_of: Callable[[], Policy],
+        audit: AuditSink | None = None,
+    ) -> None:
+        """`policy_of()`: the session's key's policy as it is now (a change holds at once)."""
+        self._approvals = approvals
+        self._session_id = session_id
+        self._owner = owner
+        self._policy_of = policy_of
+        self._audit = audit
+
+    def may_call(self, name: str) -> bool:
+        allowed = self._policy_of().host_tools
+        return allowed is None or name in allowed
+
+    def requires_approval(self, tool: HostTool) -> bool:
+        return tool.requires_approval or tool.name in self._policy_of().approval_tools
+
+    async def approve(self, tool: HostTool, arguments: dict[str, Any]) -> ApprovalOutcome:
+        try:
+            outcome = await self._approvals.request(
+                "tool_call",
+                session_id=self._session_id,
+                owner=self._owner,
+                subject=tool.name,
+                arguments=arguments,
+                code=self._approvals.code_running(self._session_id),
+            )
+        except ApprovalsFull as exc:  # refused before anyone was asked: a denial all the same
+            outcome = ApprovalOutcome(
+                kind="tool_call",
+                subject=tool.name,
+                waited_s=0.0,
+                decision="denied",
+                reason=str(exc),
+            )
+        except Exception as exc:  # the store failed: never run unapproved
+            log.warning("approval of %s could not be asked: %s", tool.name, exc)
+            outcome = ApprovalOutcome(
+                kind="tool_call",
+                subject=tool.name,
+                waited_s=0.0,
+                decision="denied",
+                reason=f"the approval could not be asked ({exc}); try again",
+            )
+        self._approvals.note(self._session_id, outcome)
+        return outcome
+
+    def finished(self, call: ToolCall) -> None:
+        if self._audit is None:
+            return
+        sha256, size = arguments_digest(call.arguments)
+        details: dict[str, Any] = {
+            "tool": call.tool,
+            "arguments_sha256": sha256,
+            "arguments_bytes": size,
+            "outcome": call.outcome,
+        }
+        if call.approval is not None:
+            details |= {
+                "approval_id": call.approval.approval_id,
+                "decision": call.approval.decision,
+                "approver": call.approval.decided_by,
+                "waited_s": call.approval.waited_s,
+            }
+        self._audit.record(
+            audit_kinds.TOOL_CALL,
+            owner=self._owner,
+            session_id=self._session_id,
+            status=call.outcome,
+            duration_s=call.duration_s,
+            details=details,
+        )

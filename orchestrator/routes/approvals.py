@@ -1,0 +1,54 @@
+"""Approval requests: list those waiting (or decided), read one, answer one. A key sees its own
+sessions' requests, an admin key everyone's; who may answer is the key's policy's
+(`self_approve`) or an admin's (docs/governance.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+
+from orchestrator.governance.approvals import MAX_REASON_CHARS
+from orchestrator.routes.deps import OwnerDep, ServiceDep
+from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalState
+
+router = APIRouter(prefix="/v1/approvals", tags=["approvals"])
+
+
+class ApprovalAnswer(BaseModel):
+    decision: Literal["approve", "deny"]
+    reason: str | None = Field(
+        None, max_length=MAX_REASON_CHARS, description="Why; the sandboxed code reads it."
+    )
+
+
+@router.get("", summary="Approval requests the caller may see, newest first")
+async def list_approvals(
+    service: ServiceDep,
+    owner: OwnerDep,
+    state: ApprovalState | None = None,
+    session_id: Annotated[str | None, Query(max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[ApprovalRecord]:
+    viewer = service.principals.of(owner)
+    return await service.approvals.list_requests(
+        viewer, state=state, session_id=session_id, limit=limit
+    )
+
+
+@router.get("/{approval_id}", summary="One approval request")
+async def get_approval(approval_id: str, service: ServiceDep, owner: OwnerDep) -> ApprovalRecord:
+    return await service.approvals.get(approval_id, service.principals.of(owner))
+
+
+@router.post(
+    "/{approval_id}",
+    summary="Approve or deny a waiting request (403 without the right, 409 once decided)",
+)
+async def answer_approval(
+    approval_id: str, body: ApprovalAnswer, service: ServiceDep, owner: OwnerDep
+) -> ApprovalRecord:
+    return await service.approvals.answer(
+        approval_id, body.decision == "approve", body.reason, service.principals.of(owner)
+    )

@@ -1,0 +1,123 @@
+"""Approval requests in the service's SQLite file (`state.db`), beside the sessions.
+
+Rows hold the record's JSON plus the columns listings filter on. A decision is one conditional
+UPDATE (`WHERE state = 'pending'`): of two answers, from two processes even, one wins. Decided
+requests are kept `retention_s`, then removed as new ones come in, so the table stays bounded
+by the rate of requests, never by the service's age.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from typing import Any
+
+from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalState, ApprovalStore
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS approvals (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL, state TEXT NOT NULL,
+    created_at REAL NOT NULL, decided_at REAL, doc TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS approvals_by_owner ON approvals (owner, created_at);
+CREATE INDEX IF NOT EXISTS approvals_by_state ON approvals (state, created_at);
+CREATE INDEX IF NOT EXISTS approvals_by_age ON approvals (coalesce(decided_at, created_at));
+"""
+
+DEFAULT_RETENTION_S = 30 * 86400.0
+_SWEEP_EVERY_S = 60.0  # decided rows past retention go at most this often (on a write)
+
+
+class SqliteApprovals(ApprovalStore):
+    def __init__(
+        self,
+        db: sqlite3.Connection,
+        lock: threading.Lock,
+        *,
+        retention_s: float = DEFAULT_RETENTION_S,
+    ) -> None:
+        """`db`, `lock`: the parent store's connection and the lock every use of it holds."""
+        self._db = db
+        self._lock = lock
+        self.retention_s = retention_s
+        self._swept_at = 0.0
+        with self._lock:
+            self._db.executescript(_SCHEMA)
+
+    def _rows(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    def put_approval(self, record: ApprovalRecord) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO approvals VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.owner,
+                    record.session_id,
+                    record.state,
+                    record.created_at,
+                    record.decided_at,
+                    record.model_dump_json(),
+                ),
+            )
+        self._sweep()
+
+    def get_approval(self, approval_id: str) -> ApprovalRecord | None:
+        rows = self._rows("SELECT doc FROM approvals WHERE id = ?", (approval_id,))
+        return ApprovalRecord.model_validate_json(rows[0][0]) if rows else None
+
+    def approvals(
+        self,
+        *,
+        owner: str | None = None,
+        state: ApprovalState | None = None,
+        session_id: str | None = None,
+        limit: int = 100,
+    ) -> list[ApprovalRecord]:
+        where: list[str] = []
+        args: list[object] = []
+        for column, value in (("owner", owner), ("state", state), ("session_id", session_id)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        sql = "SELECT doc FROM approvals"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC LIMIT ?"
+        args.append(max(0, limit))
+        return [ApprovalRecord.model_validate_json(r[0]) for r in self._rows(sql, tuple(args))]
+
+    def decide_approval(
+        self, approval_id: str, state: ApprovalState, by: str, reason: str | None, at: float
+    ) -> ApprovalRecord | None:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT doc FROM approvals WHERE id = ? AND state = 'pending'", (approval_id,)
+            ).fetchall()
+            if not rows:
+                return None
+            record = ApprovalRecord.model_validate_json(rows[0][0]).model_copy(
+                update={"state": state, "decided_by": by, "reason": reason, "decided_at": at}
+            )
+            # Conditional: another process may have answered since the read above.
+            changed = self._db.execute(
+                "UPDATE approvals SET state = ?, decided_at = ?, doc = ? "
+                "WHERE id = ? AND state = 'pending'",
+                (state, at, record.model_dump_json(), approval_id),
+            ).rowcount
+        return record if changed == 1 else None
+
+    def _sweep(self) -> None:
+        """Remove requests decided past retention, and any a crash left pending as long (at
+        most once a minute)."""
+        now = time.time()
+        if now - self._swept_at < _SWEEP_EVERY_S:
+            return
+        self._swept_at = now
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM approvals WHERE coalesce(decided_at, created_at) < ?",
+                (now - self.retention_s,),
+            )

@@ -1,0 +1,221 @@
+"""Keys as principals in both stores (SQLite under the state dir, a real redis-server), and
+`Principals`, which answers who a key is from memory and reads the store again each second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app as cli_app
+from orchestrator.config import Settings
+from orchestrator.governance.policy import FULL_ACCESS, Policy
+from orchestrator.governance.principals import (
+    LOCAL_OWNER,
+    Principals,
+    digest_of,
+    new_key,
+    new_principal_id,
+    owner_of,
+)
+from orchestrator.state_store.audit_store import AuditQuery
+from orchestrator.state_store.principal_store import (
+    KeyDigest,
+    PrincipalNameTaken,
+    PrincipalRecord,
+    PrincipalStore,
+)
+from orchestrator.state_store.redis_store import RedisStore
+from orchestrator.state_store.sqlite_store import SqliteStore
+from tests.cluster.redis_server import redis_server
+
+SETTINGS_KEY, ADMIN_KEY = "settings-key-" + new_key(), "admin-key-" + new_key()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def two_stores(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_url: str
+) -> Iterator[tuple[PrincipalStore, PrincipalStore]]:
+    """Two handles on one store, as the service and the CLI (or two replicas) hold."""
+    a: SqliteStore | RedisStore
+    b: SqliteStore | RedisStore
+    if request.param == "sqlite":
+        a, b = SqliteStore(tmp_path / "state"), SqliteStore(tmp_path / "state")
+    else:
+        prefix = f"t{time.monotonic_ns()}"
+        a = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+        b = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+    yield a.principals, b.principals
+    a.close()
+    b.close()
+
+
+def record(name: str, *keys: str, **fields: object) -> PrincipalRecord:
+    return PrincipalRecord.model_validate(
+        {
+            "id": new_principal_id(),
+            "name": name,
+            "keys": [KeyDigest(digest=digest_of(k)) for k in keys],
+            **fields,
+        }
+    )
+
+
+def test_principals_round_trip_and_a_rotation_drops_the_old_digest(
+    two_stores: tuple[PrincipalStore, PrincipalStore],
+) -> None:
+    mine, theirs = two_stores
+    old, new = new_key(), new_key()
+    analyst = record("analyst", old, policy=Policy(backends=["local"]))
+    mine.put_principal(analyst)
+    mine.put_principal(record("admin", new_key(), admin=True))
+    assert theirs.get_principal("analyst") == analyst
+    assert theirs.principal_by_id(analyst.id) == analyst
+    assert theirs.principal_by_digest(digest_of(old)) == analyst
+    assert [r.name for r in theirs.principals()] == ["admin", "analyst"]
+    assert theirs.get_principal("nobody") is None and theirs.principal_by_id("p_x") is None
+    rotated = analyst.model_copy(update={"keys": [KeyDigest(digest=digest_of(new))]})
+    theirs.put_principal(rotated)
+    assert mine.principal_by_digest(digest_of(old)) is None
+    assert mine.principal_by_digest(digest_of(new)) == rotated
+    assert len(mine.principals()) == 2
+
+
+def test_a_name_is_never_taken_over(two_stores: tuple[PrincipalStore, PrincipalStore]) -> None:
+    mine, theirs = two_stores
+    key = new_key()
+    first = record("analyst", key)
+    mine.put_principal(first)
+    with pytest.raises(PrincipalNameTaken):
+        theirs.put_principal(record("analyst", new_key()))
+    assert theirs.get_principal("analyst") == first  # untouched, key and all
+    assert theirs.principal_by_digest(digest_of(key)) == first
+    assert len(theirs.principals()) == 1
+
+
+def settings(tmp_path: Path, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "api_keys": [SETTINGS_KEY],
+        "admin_keys": [ADMIN_KEY],
+        "state_dir": tmp_path / "state",
+        **overrides,
+    }
+    return Settings.model_validate(values)
+
+
+@pytest.fixture
+async def store_and_principals(tmp_path: Path) -> AsyncIterator[tuple[SqliteStore, Principals]]:
+    store = SqliteStore(tmp_path / "state")
+    principals = Principals(settings(tmp_path), store.principals, refresh_s=0.05)
+    await principals.start()
+    yield store, principals
+    await principals.close()
+    store.close()
+
+
+async def soon(check: object, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_settings_keys_are_full_access_and_admin_keys_admins(
+    store_and_principals: tuple[SqliteStore, Principals],
+) -> None:
+    _, principals = store_and_principals
+    plain = principals.authenticate(f"  {SETTINGS_KEY} ")
+    assert plain is not None and plain.id == owner_of(SETTINGS_KEY)
+    assert plain.name == f"key-{owner_of(SETTINGS_KEY)[:8]}" and not plain.admin
+    assert plain.policy == FULL_ACCESS
+    admin = principals.authenticate(ADMIN_KEY)
+    assert admin is not None and admin.admin and admin.policy == FULL_ACCESS
+    assert principals.of(owner_of(ADMIN_KEY)) == admin
+    for wrong in ("", "   ", SETTINGS_KEY + "x", SETTINGS_KEY[:-1], new_key()):
+        assert principals.authenticate(wrong) is None
+    # An owner no key names any more (a key taken out of the settings): full access, a name.
+    gone = principals.of("0123456789abcdef01234567")
+    assert gone.name == "0123456789ab" and gone.policy == FULL_ACCESS and not gone.admin
+
+
+async def test_store_keys_added_rotated_and_revoked_take_effect_within_the_refresh(
+    store_and_principals: tuple[SqliteStore, Principals],
+) -> None:
+    store, principals = store_and_principals
+    old, new = new_key(), new_key()
+    analyst = record("analyst", old, policy=Policy(commands=False))
+    store.principals.put_principal(analyst)
+    assert await soon(lambda: principals.authenticate(old) is not None)
+    found = principals.authenticate(old)
+    assert found is not None and found.id == analyst.id and found.name == "analyst"
+    assert found.policy.commands is False and principals.of(analyst.id) == found
+    # Rotated with a grace period that has passed: the old key no longer works.
+    past = KeyDigest(digest=digest_of(old), expires_at=time.time() - 1)
+    store.principals.put_principal(
+        analyst.model_copy(update={"keys": [past, KeyDigest(digest=digest_of(new))]})
+    )
+    assert await soon(lambda: principals.authenticate(new) is not None)
+    assert principals.authenticate(old) is None
+    # Revoked: no key works; it is listed as revoked; its owner id still has its name.
+    store.principals.put_principal(analyst.model_copy(update={"revoked_at": time.time()}))
+    assert await soon(lambda: principals.authenticate(new) is None)
+    assert analyst.id in principals.revoked()
+    assert principals.of(analyst.id).name == "analyst"
+    assert principals.by_name("analyst") is not None and principals.by_name("nobody") is None
+
+
+async def test_without_auth_every_caller_is_the_local_admin(tmp_path: Path) -> None:
+    principals = Principals(settings(tmp_path, api_keys=[], auth_disabled=True), None)
+    await principals.start()
+    local = principals.authenticate("")
+    assert local is not None and local.id == LOCAL_OWNER and local.admin
+    assert principals.of(LOCAL_OWNER) == local
+    await principals.close()
+
+
+def test_the_cli_writes_the_clusters_store(redis_url: str, tmp_path: Path) -> None:
+    """`--store redis://...`: the keys every replica reads."""
+    runner = CliRunner()
+
+    def keys(*args: str) -> tuple[int, str, str]:
+        done = runner.invoke(
+            cli_app, ["keys", *args, "--store", redis_url, "--state-dir", str(tmp_path)]
+        )
+        return done.exit_code, done.stdout, done.stderr
+
+    code, out, err = keys("add", "cluster-analyst", "--backends", "ray", "--max-sessions", "2")
+    assert code == 0, err
+    key = out.strip()
+    store = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix="cir")
+    try:
+        found = store.principals.principal_by_digest(digest_of(key))
+        assert found is not None and found.name == "cluster-analyst"
+        assert found.policy.backends == ["ray"] and found.policy.max_sessions == 2
+        code, out, err = keys("list")
+        assert code == 0 and "cluster-analyst" in out and key[4:] not in out
+        code, out, err = keys("revoke", "cluster-analyst")
+        assert code == 0, err
+        revoked = store.principals.get_principal("cluster-analyst")
+        assert revoked is not None and revoked.revoked_at is not None and revoked.keys == []
+        assert store.principals.principal_by_digest(digest_of(key)) is None
+        events = store.audit.query_events(AuditQuery())
+        assert [e.kind for e in events if e.principal == "cluster-analyst"] == [
+            "key.revoked",
+            "key.added",
+        ]
+    finally:
+        store.close()
+    wrong = runner.invoke(cli_app, ["keys", "list", "--store", "http://nowhere"])
+    assert wrong.exit_code == 2 and "--store must be redis://" in wrong.stderr

@@ -9,7 +9,7 @@ from fastapi import HTTPException, Request
 
 from orchestrator.config import Settings
 from orchestrator.governance.policy import Principal
-from orchestrator.governance.principals import LOCAL_OWNER, Principals, owner_of
+from orchestrator.governance.principals import LOCAL_OWNER, NO_KEYS_YET, Principals, owner_of
 
 __all__ = ["LOCAL_OWNER", "Authenticator", "owner_of"]
 
@@ -53,11 +53,14 @@ class Authenticator:
         return self.principal_for_key(key).id
 
     def principal_for_key(self, key: str) -> Principal:
-        found = self.principals().authenticate(key)
+        principals = self.principals()
+        found = principals.authenticate(key)
         if found is None:
             raise HTTPException(
                 401,
-                "invalid API key (unknown, revoked, or replaced by a rotation)",
+                "invalid API key (unknown, revoked, or replaced by a rotation)"
+                if principals.has_keys
+                else NO_KEYS_YET,
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return found

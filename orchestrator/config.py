@@ -38,7 +38,9 @@ class Settings(BaseSettings):
 
     # --- access
     api_keys: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Accepted bearer keys; comma-separated in the env."
+        default_factory=list,
+        description="Accepted bearer keys (full access); comma-separated in the env. None is "
+        "fine: keys with names and policies are made with `code-interpreter keys add`.",
     )
     admin_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -48,6 +50,12 @@ class Settings(BaseSettings):
     )
     auth_disabled: bool = Field(
         False, description="Serve without keys. Only for a single user on a trusted machine."
+    )
+    console_secret: SecretStr | None = Field(
+        None,
+        description="Signs the web console's logins (at least 32 characters). Unset: a secret "
+        "made in the state dir (`console-secret`). Give every replica of a cluster the same, so "
+        "a login made on one holds on the others; change it to log everyone out.",
     )
 
     # --- backends and sessions
@@ -164,10 +172,14 @@ class Settings(BaseSettings):
     # --- human approval of risky calls (docs/governance.md): tools marked requires_approval,
     # and what a key's policy says waits (approval_tools, approve_executions, approve_commands)
     approval_timeout_s: float = Field(
-        300.0,
+        120.0,
         gt=0,
         le=86400,
-        description="How long a call waits for a human's answer; no answer by then is a denial.",
+        description="How long a call waits for a human's answer; no answer by then is a denial. "
+        "A host tool call's wait counts against the time limit of the execution that made it "
+        "(execution_timeout_s, 300 s by default): it ends a little before that limit if that "
+        "comes first, so the code reads ToolDenied instead of being interrupted. A gated "
+        "execution's or command's wait comes before its own time limit starts.",
     )
     approval_webhook_url: str | None = Field(
         None,
@@ -361,13 +373,15 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if not self.api_keys and not self.admin_keys and not self.auth_disabled:
-            raise ValueError(
-                "no API keys: set CODE_INTERPRETER_API_KEYS=key1,key2, or, for local use only, "
-                "CODE_INTERPRETER_AUTH_DISABLED=true"
-            )
+        # No key in the settings is no error: the keys `code-interpreter keys add` makes live
+        # in the state store, and the service says how to add the first (docs/governance.md).
         if self.default_backend not in self.backends:
             raise ValueError(f"default_backend {self.default_backend!r} is not in backends")
+        if self.console_secret is not None and len(self.console_secret.get_secret_value()) < 32:
+            raise ValueError(
+                "console_secret must be at least 32 characters: make one with "
+                '`python -c "import secrets; print(secrets.token_urlsafe(32))"`'
+            )
         if "ray" in self.backends and self.store_url is None:
             raise ValueError(
                 "the ray backend needs a shared store: set store_url "

@@ -2,9 +2,11 @@
 
 1. Who is calling is settled from the headers alone, by path family: a bearer key for /v1, /mcp
    and /metrics; an API key for E2B's control plane; a sandbox id and its access token for E2B's
-   data plane and its Connect services. FastAPI reads and parses a body before it resolves the
-   dependencies that authenticate, and the Connect application parses before its handler runs:
-   without this gate, anyone could have any parser read anything.
+   data plane and its Connect services. The console (/console) is a family of its own: people
+   log in there with a form, so its pages check their login cookie themselves, on every
+   request. FastAPI reads and parses a body before it resolves the dependencies that
+   authenticate, and the Connect application parses before its handler runs: without this
+   gate, anyone could have any parser read anything.
 2. A body that a JSON parser will read is measured first (see json_depth): nesting deeper than
    `max_json_depth` is refused with 400, because protobuf's JSON parser crashed the whole
    process on ~30,000 levels. Large bodies are measured in a worker thread. File uploads,
@@ -32,6 +34,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
+from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.e2b_compatible.front import PREFIX as E2B_PREFIX
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
 from orchestrator.metrics import METRICS
@@ -53,6 +56,7 @@ class Family(Enum):
     E2B_CONTROL = "e2b-control"
     E2B_DATA = "e2b-data"
     CONNECT = "connect"
+    CONSOLE = "console"  # the web console: its pages check their login cookie
     OTHER = "other"  # answered 404 by the app; its body is still measured
 
 
@@ -92,6 +96,8 @@ class RequestGuard:
             return Family.PUBLIC if self.metrics_public else Family.BEARER
         if path == "/v1" or path.startswith("/v1/") or path in ("/mcp", "/mcp/"):
             return Family.BEARER
+        if path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
+            return Family.CONSOLE
         if self.sandboxes is None:
             return Family.OTHER
         if path.startswith(E2B_PREFIX + "/"):

@@ -323,6 +323,7 @@ class Service:
         return self._saved
 
     async def _session_ended(self, session_id: str) -> None:
+        self.approvals.abandon_session(session_id)  # what waits for a human in it goes now
         ended = self.sessions.why_ended(session_id)
         if ended is not None:  # None: another replica ended it, and recorded it
             self._audit_ended(session_id, *ended)
@@ -353,9 +354,13 @@ class Service:
     @contextlib.contextmanager
     def _enforcing(self, owner: str, session_id: str | None = None) -> Iterator[Principal]:
         """The owner's principal, to check a request against its policy; a refusal is kept
-        in the audit log."""
+        in the audit log. A revoked key's is refused everything (its sessions end at the next
+        sweep; until then, what still reaches them, e.g. an E2B sandbox token, runs nothing)."""
         try:
-            yield self.principals.of(owner)
+            who = self.principals.of(owner)
+            if self.principals.is_revoked(owner):
+                raise PolicyDenied.revoked(who.name)
+            yield who
         except PolicyDenied as exc:
             self.audit.record(
                 audited.POLICY_DENIED,
@@ -625,6 +630,7 @@ class Service:
             session_id=session.id,
             owner=owner,
             policy_of=lambda: self.principals.of(owner).policy,
+            revoked=lambda: self.principals.is_revoked(owner),
             audit=self.audit,
         )
         relayed = inner(session.sandbox)
@@ -966,6 +972,11 @@ class Service:
         if beyond:  # the operator lowered the ceiling while it was paused
             spec.network = NO_NETWORK
             notices.append(f"its network is now none: {beyond} (the operator's ceiling changed)")
+        with self._enforcing(record.owner, record.id) as who:  # its key's policy may have too
+            spec, changed = policy_checks.fit_resumed(
+                who, record.backend, spec, default_image=self.settings.docker_image
+            )
+            notices += changed
         async with self._session_slot(record.owner):
             session = await self.sessions.create(
                 record.owner,
@@ -1207,10 +1218,11 @@ class Service:
         async with session.activity():
             waited = await self._approval_gate(session, "execution", "execution", code)
             try:
-                with self.approvals.running(session.id, code) as running:  # its tool calls'
+                limit = self._timeout(timeout_s)
+                with self.approvals.running(session.id, code, limit) as running:  # its calls'
                     execution = await session.sandbox.execute(
                         code,
-                        timeout_s=self._timeout(timeout_s),
+                        timeout_s=limit,
                         env=env,
                         cwd=cwd,
                         on_event=on_event,
@@ -1315,14 +1327,21 @@ class Service:
         request: ProcessRequest,
         *,
         approvals: list[ApprovalOutcome] | None = None,
+        file_transfer: bool = False,
     ) -> CommandResult:
         """Run a command to its end (a caller that leaves kills it); its output within caps.
         `approvals`: given, it gets the approval the command waited for (if its key's policy
-        made it wait)."""
-        self.check_commands(session.owner, session.id)
+        made it wait). `file_transfer`: a front's own file operation done by a command (E2B's
+        files outside the workspace), not the key's command: no `commands` rule, no approval."""
+        if not file_transfer:
+            self.check_commands(session.owner, session.id)
         async with session.activity():
-            waited = await self._approval_gate(
-                session, "command", self._command_line(request), None
+            waited = (
+                []
+                if file_transfer
+                else await self._approval_gate(
+                    session, "command", self._command_line(request), None
+                )
             )
             if approvals is not None:
                 approvals += waited
@@ -1335,11 +1354,15 @@ class Service:
         self._audit_command(session, request, result)
         return result
 
-    async def start_process(self, session: Session, request: ProcessRequest) -> ProcessInfo:
-        """Start a process that runs on after this call (a background command or a terminal)."""
-        self.check_commands(session.owner, session.id)
-        async with session.activity():  # while it waits for a human, if it must
-            await self._approval_gate(session, "command", self._command_line(request), None)
+    async def start_process(
+        self, session: Session, request: ProcessRequest, *, file_transfer: bool = False
+    ) -> ProcessInfo:
+        """Start a process that runs on after this call (a background command or a terminal).
+        `file_transfer`: as `run_command`'s."""
+        if not file_transfer:
+            self.check_commands(session.owner, session.id)
+            async with session.activity():  # while it waits for a human, if it must
+                await self._approval_gate(session, "command", self._command_line(request), None)
         session.touch()
         process = await session.sandbox.start_process(self._process_request(request))
         METRICS.processes_started.labels(session.backend).inc()

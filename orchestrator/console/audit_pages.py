@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
@@ -31,7 +31,7 @@ class Filters:
     until: str = ""
 
     def query_string(self, **more: str) -> str:
-        given = {k: v for k, v in vars(self).items() if v} | more
+        given = {k: v for k, v in asdict(self).items() if v} | more
         return urlencode(given)
 
 

@@ -70,9 +70,14 @@ class ConsoleAuth:
         self._ended: dict[str, float] = {}
 
     async def tokens(self) -> LoginTokens:
-        """Signed with the secret under the state dir (made the first time it is needed)."""
+        """Signed with the `console_secret` setting (every replica's the same), else with the
+        secret under the state dir (made the first time it is needed)."""
         if self._tokens is None:
-            secret = await asyncio.to_thread(load_secret, self._service.settings.state_dir)
+            settings = self._service.settings
+            if settings.console_secret is not None:
+                secret = settings.console_secret.get_secret_value().encode()
+            else:
+                secret = await asyncio.to_thread(load_secret, settings.state_dir)
             self._tokens = LoginTokens(secret)
         return self._tokens
 

@@ -21,7 +21,7 @@ SUMMARY_CHARS = 300  # of an event's details in a listing
 class Console:
     service: Service
     auth: ConsoleAuth
-    outputs: ShownOutputs
+    shown: ShownOutputs  # executions' kept outputs as pages show them
 
 
 def console_of(request: Request) -> Console:

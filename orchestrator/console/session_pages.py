@@ -125,7 +125,7 @@ async def _activity(
             execution_id = event.details.get("execution_id")
             is_execution = event.kind == audit_kinds.EXECUTION and isinstance(execution_id, str)
             if is_execution and live is not None and shown < OUTPUTS_SHOWN:
-                output = await console.outputs.of(session_id, str(execution_id))
+                output = await console.shown.of(session_id, str(execution_id))
                 shown += 1
             kept = event.details.get("code", event.details.get("command", ""))
             code = ShownText.of(str(kept), _cut_by_audit(event.details))

@@ -1,7 +1,9 @@
 """What every Connect service of the E2B front (filesystem, process) does around its calls: find
 the sandbox a call names, and answer our typed errors with the Connect codes E2B's SDK maps to
 its own exceptions (NOT_FOUND: `NotFoundException`, INVALID_ARGUMENT: `InvalidArgumentException`,
-UNAVAILABLE "was not found": the sandbox is gone)."""
+UNAVAILABLE "was not found": the sandbox is gone). A refusal (a key's policy, a human's denial) is
+PERMISSION_DENIED, which the SDK raises as a `SandboxException` carrying the message: read as
+"not found", the SDK would call a live sandbox dead."""
 
 from __future__ import annotations
 
@@ -31,6 +33,15 @@ from sandbox.errors import (
 )
 
 T = TypeVar("T")
+
+# What a session error says, as a Connect code; any other status: the session (the sandbox) is
+# gone, as E2B's proxy says of a sandbox that is not there.
+_SESSION_CODES = {
+    400: Code.INVALID_ARGUMENT,
+    403: Code.PERMISSION_DENIED,
+    409: Code.FAILED_PRECONDITION,
+    429: Code.RESOURCE_EXHAUSTED,
+}
 
 
 async def session_for(sandboxes: E2BSandboxes, ctx: RequestContext[Any, Any]) -> Session:
@@ -69,7 +80,10 @@ def connect_errors() -> Iterator[None]:
     except SandboxClosed as exc:
         raise ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}") from None
     except SessionError as exc:
-        raise ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}") from None
+        code = _SESSION_CODES.get(exc.status)
+        if code is None:
+            raise ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}") from None
+        raise ConnectError(code, str(exc)) from None
     except SandboxError as exc:
         raise ConnectError(Code.INTERNAL, str(exc)) from None
 

@@ -43,6 +43,7 @@ from orchestrator.e2b_compatible.sandboxes import (
     DEFAULT_TIMEOUT_S,
     E2BRecord,
 )
+from orchestrator.governance.policy_checks import capped_network
 from orchestrator.http_errors import problems
 from orchestrator.schemas import CreateSessionRequest, SessionInfo
 from orchestrator.service import Service
@@ -203,7 +204,12 @@ async def create(
     env = {} if isinstance(request.env_vars, Unset) else dict(request.env_vars or {})
     metadata = {} if isinstance(request.metadata, Unset) else dict(request.metadata or {})
     try:
-        network = policy_for(service.settings, request.allow_internet_access, request.network)
+        # "The internet" is what the operator offers, within what the key may have: an SDK's
+        # default asks for it, and must not be refused for a key held to less.
+        internet = capped_network(service.principals.of(owner), service.settings.internet_policy)
+        network = policy_for(
+            service.settings, request.allow_internet_access, request.network, internet
+        )
         spec = CreateSessionRequest(
             backend=backend,
             image=image,

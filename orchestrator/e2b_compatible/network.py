@@ -6,9 +6,10 @@ denied ones) and `deny_out` (CIDRs or addresses). Ours: a policy the egress prox
 host name (sandbox/network_policy.py), held by the service to the operator's ceiling.
 
 - Internet access asked (true, or left to E2B's default of true): the operator's
-  `network_internet` policy (by default its ceiling; `none` unless the operator opens it). So an
-  SDK that asks for the internet by default is never refused for it: it gets what the operator
-  offers, and the sandbox's detail says whether that is any internet at all.
+  `network_internet` policy (by default its ceiling; `none` unless the operator opens it), fitted
+  within the network the caller's key may have (its policy's `network` rule). So an SDK that asks
+  for the internet by default is never refused for it: it gets what the operator offers this
+  key, and the sandbox's detail says whether that is any internet at all.
 - `deny_out` covering everything (or internet access refused) with an `allow_out`: an allow-list
   of those entries. As in E2B, a domain is matched on the web ports only (80 by Host, 443 by
   SNI there; by name through our proxy here), an address or network on every port.
@@ -56,8 +57,15 @@ def _is_address_or_network(entry: str) -> bool:
     return True
 
 
-def policy_for(settings: Settings, allow_internet_access: Any, network: Any) -> NetworkPolicy:
-    """Our policy for E2B's create request fields (Unset where the client sent nothing)."""
+def policy_for(
+    settings: Settings,
+    allow_internet_access: Any,
+    network: Any,
+    offered: NetworkPolicy | None = None,
+) -> NetworkPolicy:
+    """Our policy for E2B's create request fields (Unset where the client sent nothing).
+    `offered`: what internet access is for this caller (the operator's, fitted within its key's
+    policy); by default the operator's."""
     internet = allow_internet_access is not False  # E2B's default is true
     allow_out = _entries(getattr(network, "allow_out", None), "allow_out")
     deny_out = _entries(getattr(network, "deny_out", None), "deny_out")
@@ -70,7 +78,7 @@ def policy_for(settings: Settings, allow_internet_access: Any, network: Any) -> 
             )
         if not internet or deny_all:
             return NO_NETWORK
-        base = settings.internet_policy
+        base = settings.internet_policy if offered is None else offered
         if base.mode == "none" or not deny_rest:
             return base
         denied = NetworkPolicy.model_validate({"mode": "any", "deny": _rules(deny_rest)}).deny

@@ -24,8 +24,8 @@ import binascii
 import contextlib
 import signal
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Literal, TypeVar
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -75,6 +75,7 @@ KEEPALIVE_BOUNDS_S = (1.0, 300.0)
 REMEMBERED_CONFIGS = 1024  # the configs List reports, as requested (oldest forgotten first)
 REMEMBERED_CONFIG_BYTES = 16 << 20  # and their size in all
 _SIGNALS = {Signal.SIGKILL: signal.SIGKILL, Signal.SIGTERM: signal.SIGTERM}
+T = TypeVar("T")
 
 
 class SandboxProcesses(process_connect.Process):
@@ -102,7 +103,7 @@ class SandboxProcesses(process_connect.Process):
         check_user(ctx.request_headers.get("authorization"))
         session = await self._session(ctx)
         wanted = _process_request(request, ctx.timeout_ms)
-        info = await call(self.service.start_process(session, wanted))
+        info = await call(_within_deadline(self.service.start_process(session, wanted), ctx))
         if request.process is not None:
             self._remember(session.id, info.pid, request.process)
         events = await self.service.process_events(session, info.pid, replay=True)
@@ -283,6 +284,24 @@ def check_user(authorization: str | None) -> None:
             f"invalid username {user!r}: processes here run only as the sandbox's own user; "
             "run it without `user` (or with user='user')",
         )
+
+
+async def _within_deadline(starting: Awaitable[T], ctx: RequestContext[Any, Any]) -> T:
+    """A start within the call's deadline. Its client gives up then (E2B's SDK at the command's
+    `timeout`), unseen by this stream until it has something to send: a start still waiting for
+    a human's approval is withdrawn, not left to start a process that no one follows."""
+    left_ms = ctx.timeout_ms
+    if left_ms is None:
+        return await starting
+    try:
+        async with asyncio.timeout(max(0.0, left_ms) / 1000):
+            return await starting
+    except TimeoutError:
+        raise ConnectError(
+            Code.DEADLINE_EXCEEDED,
+            "the command did not start within the call's timeout (a wait for a human's "
+            "approval, if any, is withdrawn): give it a longer timeout",
+        ) from None
 
 
 def _process_request(request: StartRequest, timeout_ms: float | None) -> ProcessRequest:

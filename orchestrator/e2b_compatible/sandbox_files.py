@@ -6,6 +6,10 @@ reaches only the workspace, so these paths are read and written by small command
 sandbox through `Service`: with the sandbox's user, its view of the filesystem, its limits;
 exactly what a command there would see. A rename (E2B's Move) is such a command too, wherever its
 paths are, since the sandbox interface has no rename. Every byte read is capped.
+
+They are file operations, not the key's commands: the service is told so (`file_transfer`, a
+parameter no client can set), so a key whose policy forbids commands, or holds them for a
+human's approval, still reads and writes files as the workspace's files API lets it.
 """
 
 from __future__ import annotations
@@ -52,12 +56,12 @@ def _failed(result: CommandResult, what: str, path: str) -> SandboxError:
 
 
 async def _run(service: Service, session: Session, argv: list[str]) -> CommandResult:
-    return await service.run_command(session, _request(argv))
+    return await service.run_command(session, _request(argv), file_transfer=True)
 
 
 async def read(service: Service, session: Session, path: str, max_bytes: int) -> bytes:
     """The bytes of a file, read by `cat` in the sandbox; FileTooLarge past `max_bytes`."""
-    info = await service.start_process(session, _request(["cat", "--", path]))
+    info = await service.start_process(session, _request(["cat", "--", path]), file_transfer=True)
     data = bytearray()
     end: ProcessEnd | None = None
     stderr = bytearray()
@@ -97,7 +101,7 @@ async def write(service: Service, session: Session, path: str, data: bytes) -> N
     """Write a file (its parents made), fed to `cat` on its stdin in the sandbox."""
     script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
     info = await service.start_process(
-        session, _request(["/bin/sh", "-c", script, "sh", path], stdin=True)
+        session, _request(["/bin/sh", "-c", script, "sh", path], stdin=True), file_transfer=True
     )
     try:
         for start in range(0, len(data), WRITE_CHUNK):

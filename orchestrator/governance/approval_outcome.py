@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 ApprovalDecision = Literal["approved", "denied"]
 TIMEOUT = "timeout"  # decided_by of a request no one answered in time
+ABANDONED = "abandoned"  # ... of one whose caller went first (its execution or session ended)
 
 
 class ApprovalOutcome(BaseModel):
@@ -30,6 +31,8 @@ class ApprovalOutcome(BaseModel):
         """`approved by alice`, `denied by bob: too much`, `denied: no one answered in time`."""
         if self.decided_by == TIMEOUT:
             return f"denied: {self.reason or 'no one answered in time'}"
+        if self.decided_by == ABANDONED:
+            return f"abandoned: {self.reason or 'its caller went first'}"
         by = f" by {self.decided_by}" if self.decided_by else ""
         return f"{self.decision}{by}" + (f": {self.reason}" if self.reason else "")
 

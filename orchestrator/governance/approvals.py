@@ -10,6 +10,12 @@ store decides a request only while it is pending.
 
 Bounded: requests waiting are capped per session and on this replica (one more is refused, never
 queued); what a request keeps of the code, the arguments and a reason is capped.
+
+A wait never outlives what waits: a tool call's wait ends before the time limit of the execution
+that made it (the code reads ToolDenied, it is not interrupted mid-wait), and is abandoned when
+that execution ends first (interrupted, timed out, or finished without awaiting the call); every
+wait of a session ends when the session does. An abandoned request is `expired`, decided by
+"abandoned": no answer can run it any more.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from orchestrator.governance.approval_errors import (
     ApprovalNotFound,
     ApprovalsFull,
 )
-from orchestrator.governance.approval_outcome import TIMEOUT, ApprovalOutcome
+from orchestrator.governance.approval_outcome import ABANDONED, TIMEOUT, ApprovalOutcome
 from orchestrator.governance.errors import ApprovalDenied
 from orchestrator.governance.policy import Principal
 from orchestrator.governance.webhook import ApprovalWebhook
@@ -55,7 +61,14 @@ MAX_REASON_CHARS = 1000
 MAX_NOTED = 100  # approval outcomes one execution reports
 MCP = "mcp"  # decided_by of an answer elicited from an MCP client's user
 WEBHOOK = "webhook"
-ABANDONED = "abandoned"  # decided_by of a request whose caller left (session ended, cancelled)
+# A tool call's wait ends this long before its execution's time limit (at most), so the code has
+# time to read the denial; a fifth of the limit for short ones.
+EXECUTION_MARGIN_S = 2.0
+EXECUTION_ENDED = (
+    "the execution that made the call ended before an answer (it was interrupted, timed out, "
+    "or did not wait for the call)"
+)
+SESSION_ENDED = "the session ended before an answer"
 
 # What an MCP connection's user answered: (approve, reason), or None when it cannot ask.
 Responder = Callable[[ApprovalRecord], Awaitable[tuple[bool, str | None] | None]]
@@ -108,10 +121,14 @@ def _kept_arguments(arguments: Any) -> Any:
 
 @dataclass
 class RunningCode:
-    """The code an execution runs (what a tool call it makes is shown with), and the approval
-    outcomes of its calls (told to the model with its output)."""
+    """The code an execution runs (what a tool call it makes is shown with), when its time
+    limit ends (what its calls' waits end before), the requests its calls wait on (abandoned if
+    it ends first), and the approval outcomes of its calls (told to the model with its output)."""
 
     code: str
+    deadline: float | None = None  # time.monotonic() at its time limit
+    margin_s: float = EXECUTION_MARGIN_S
+    waiting: set[str] = field(default_factory=set)  # request ids
     outcomes: list[ApprovalOutcome] = field(default_factory=list)
     more: int = 0  # outcomes past MAX_NOTED, counted only
 
@@ -144,7 +161,8 @@ class Approvals:
             else None
         )
         self._answered: dict[str, asyncio.Event] = {}  # request id -> set once decided
-        self._waiting_in: dict[str, int] = {}  # session id -> requests waiting
+        self._waiting_in: dict[str, set[str]] = {}  # session id -> its requests waiting
+        self._abandoned: dict[str, str] = {}  # request id -> why its wait is to end now
         self._responders: dict[str, list[Responder]] = {}  # session id -> latest last
         self._running: dict[str, list[RunningCode]] = {}  # session id -> executions running
 
@@ -160,10 +178,16 @@ class Approvals:
     # --- what a session is doing: its code, and who can answer for it ---------------------
 
     @contextlib.contextmanager
-    def running(self, session_id: str, code: str) -> Iterator[RunningCode]:
-        """While an execution runs: its code is what its tool calls' requests show, and the
-        outcomes of those requests are gathered for its output."""
+    def running(
+        self, session_id: str, code: str, timeout_s: float | None = None
+    ) -> Iterator[RunningCode]:
+        """While an execution runs: its code is what its tool calls' requests show, their
+        waits end before its time limit (`timeout_s`), they are abandoned when it ends, and
+        their outcomes are gathered for its output."""
         entry = RunningCode(code)
+        if timeout_s is not None:
+            entry.deadline = time.monotonic() + timeout_s
+            entry.margin_s = min(EXECUTION_MARGIN_S, timeout_s / 5)
         self._running.setdefault(session_id, []).append(entry)
         try:
             yield entry
@@ -173,6 +197,19 @@ class Approvals:
                 entries.remove(entry)
             if not entries:
                 self._running.pop(session_id, None)
+            self._abandon(entry.waiting, EXECUTION_ENDED)
+
+    def abandon_session(self, session_id: str) -> None:
+        """The session ended: every wait of its here ends now (as denials no answer can
+        change), so its callers go at once and nothing runs in a sandbox that is gone."""
+        self._abandon(self._waiting_in.get(session_id, set()), SESSION_ENDED)
+
+    def _abandon(self, request_ids: set[str], why: str) -> None:
+        for request_id in list(request_ids):
+            event = self._answered.get(request_id)
+            if event is not None and request_id not in self._abandoned:
+                self._abandoned[request_id] = why
+                event.set()
 
     def code_running(self, session_id: str) -> str | None:
         """The code the session's kernel runs now (the earliest execution still running: the
@@ -219,10 +256,10 @@ class Approvals:
     ) -> ApprovalOutcome:
         """Publish a request and wait for its decision (at most `approval_timeout_s`). Raises
         ApprovalsFull, and nothing is published, when too many wait already."""
-        in_session = self._waiting_in.get(session_id, 0)
-        if in_session >= self._max_per_session:
+        waiting_here = len(self._waiting_in.get(session_id, ()))
+        if waiting_here >= self._max_per_session:
             raise ApprovalsFull(
-                f"{in_session} approval requests of this session wait already (its most); "
+                f"{waiting_here} approval requests of this session wait already (its most); "
                 "wait for them to be answered, then try again"
             )
         if len(self._answered) >= self._max_total:
@@ -230,6 +267,12 @@ class Approvals:
                 f"{len(self._answered)} approval requests wait on this service already (its "
                 "most); wait for them to be answered, then try again"
             )
+        entry = self._made_by(session_id) if kind == "tool_call" else None
+        timeout_s, bounded = self.timeout_s, False
+        if entry is not None and entry.deadline is not None:
+            left = entry.deadline - time.monotonic() - entry.margin_s
+            if left < timeout_s:  # its execution's time limit comes first
+                timeout_s, bounded = max(0.0, left), True
         now = time.time()
         record = ApprovalRecord(
             id="ap-" + secrets.token_hex(8),
@@ -241,10 +284,13 @@ class Approvals:
             arguments=_kept_arguments(arguments) if arguments is not None else None,
             code=_capped(code, MAX_CODE_CHARS),
             created_at=now,
-            expires_at=now + self.timeout_s,
+            expires_at=now + timeout_s,
         )
         answered = self._answered[record.id] = asyncio.Event()
-        self._waiting_in[session_id] = in_session + 1
+        in_session = self._waiting_in.setdefault(session_id, set())
+        in_session.add(record.id)
+        if entry is not None:
+            entry.waiting.add(record.id)
         helpers: list[asyncio.Task[None]] = []
         started = time.monotonic()
         try:
@@ -255,7 +301,7 @@ class Approvals:
                 details={"approval_id": record.id, "kind": kind, "subject": record.subject},
             )
             helpers = self._ask_helpers(record)
-            final = await self._wait(record, answered)
+            final = await self._wait(record, answered, timeout_s, bounded)
         except asyncio.CancelledError:  # its caller left: no one need answer any more
             with contextlib.suppress(Exception):
                 await asyncio.shield(
@@ -268,11 +314,12 @@ class Approvals:
             for task in helpers:
                 task.cancel()
             self._answered.pop(record.id, None)
-            left = self._waiting_in.get(session_id, 1) - 1
-            if left > 0:
-                self._waiting_in[session_id] = left
-            else:
-                self._waiting_in.pop(session_id, None)
+            self._abandoned.pop(record.id, None)
+            in_session.discard(record.id)
+            if not in_session and self._waiting_in.get(session_id) is in_session:
+                del self._waiting_in[session_id]
+            if entry is not None:
+                entry.waiting.discard(record.id)
         return ApprovalOutcome(
             kind=kind,
             subject=_capped(subject, 200) or "",
@@ -303,6 +350,12 @@ class Approvals:
                 f"{outcome.explain()} (approval {outcome.approval_id}); it did not run"
             )
         return outcome
+
+    def _made_by(self, session_id: str) -> RunningCode | None:
+        """The execution a tool call of the session comes from: the one its kernel runs now
+        (None: a background process made it)."""
+        entries = self._running.get(session_id)
+        return entries[0] if entries else None
 
     def _name_of(self, owner: str) -> str:
         try:
@@ -344,17 +397,25 @@ class Approvals:
             state: ApprovalState = "approved" if approve else "denied"
             await self._decide(record, state, MCP, _capped(reason, MAX_REASON_CHARS))
 
-    async def _wait(self, record: ApprovalRecord, answered: asyncio.Event) -> ApprovalRecord:
-        """The decided record: answered here, found decided in the store, or timed out."""
-        deadline = time.monotonic() + self.timeout_s
+    async def _wait(
+        self, record: ApprovalRecord, answered: asyncio.Event, timeout_s: float, bounded: bool
+    ) -> ApprovalRecord:
+        """The decided record: answered here, found decided in the store, abandoned, or
+        timed out (`bounded`: sooner than approval_timeout_s, by its execution's limit)."""
+        deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(POLL_S, left)):
                     await answered.wait()
+            why_abandoned = self._abandoned.get(record.id)
+            if why_abandoned is not None:
+                return await self._end_abandoned(record, why_abandoned)
             found = await asyncio.to_thread(self._store_of().get_approval, record.id)
             if found is not None and found.state != "pending":
                 return found
-        why = f"no one answered within {self.timeout_s:g} s"
+        why = f"no one answered within {_seconds(timeout_s)} s"
+        if bounded:
+            why += " (the time its execution had left)"
         decided = await self._decide(record, "denied", TIMEOUT, why)
         if decided is not None:
             return decided
@@ -363,6 +424,18 @@ class Approvals:
         if found is None or found.state == "pending":  # gone from the store: still a denial
             return record.model_copy(update={"state": "denied", "decided_by": TIMEOUT})
         return found
+
+    async def _end_abandoned(self, record: ApprovalRecord, why: str) -> ApprovalRecord:
+        """The request decided as abandoned, or as it was decided just before."""
+        decided = await self._decide(record, "expired", ABANDONED, why)
+        if decided is not None:
+            return decided
+        found = await asyncio.to_thread(self._store_of().get_approval, record.id)
+        if found is not None and found.state != "pending":
+            return found
+        return record.model_copy(  # gone from the store: abandoned all the same
+            update={"state": "expired", "decided_by": ABANDONED, "reason": why}
+        )
 
     # --- answering --------------------------------------------------------------------------
 
@@ -476,6 +549,11 @@ class Approvals:
                 duration_s=duration_s,
                 details=details,
             )
+
+
+def _seconds(value: float) -> str:
+    """`10`, `3.2`, `86400`: a wait as people read it."""
+    return f"{value:.1f}".rstrip("0").rstrip(".")
 
 
 def _decided_text(record: ApprovalRecord) -> str:

@@ -38,6 +38,8 @@ MAX_TEXT_CHARS = 2048  # any other text field (a path, a reason, a host)
 MAX_LIST_ITEMS = 64
 MAX_DETAILS = 32  # fields of one event's details
 LONG_TEXT_FIELDS = frozenset({"code", "command"})  # capped at `audit_max_code_chars`
+MAX_QUEUED_CHARS = 32 << 20  # the text events waiting to be written may hold, in all
+_EVENT_CHARS = 256  # what an event costs besides its details' text (its fields, the tuple)
 _RETRY_S = (0.5, 1.0, 2.0, 5.0)  # pauses between tries of a failed write; the last repeats
 _CLOSE_TIMEOUT_S = 10.0
 
@@ -120,6 +122,17 @@ def _capped(value: Any, most: int, depth: int = 0) -> tuple[Any, int | None]:
     return _capped(str(value), MAX_TEXT_CHARS)[0], None
 
 
+def text_size(value: Any) -> int:
+    """About how many characters a (capped) value holds: what its place in the queue costs."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(k)) + text_size(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return sum(text_size(v) for v in value)
+    return 8
+
+
 def capped_details(details: dict[str, Any] | None, max_code_chars: int) -> dict[str, Any]:
     """An event's details within bounds: code and command lines up to `max_code_chars` (with
     `<field>_truncated` and `<field>_chars` when cut), other text up to MAX_TEXT_CHARS, lists
@@ -136,8 +149,8 @@ def capped_details(details: dict[str, Any] | None, max_code_chars: int) -> dict[
     return kept
 
 
-# What `record` queues: (time, kind, owner, session_id, status, duration_s, details).
-_Pending = tuple[float, str, str, str | None, str | None, float | None, dict[str, Any]]
+# What `record` queues: (time, kind, owner, session_id, status, duration_s, details, size).
+_Pending = tuple[float, str, str, str | None, str | None, float | None, dict[str, Any], int]
 
 
 class AuditLog:
@@ -153,6 +166,8 @@ class AuditLog:
         self._sweep_every_s = min(3600.0, max(1.0, self._retention_s / 10))
         self._name_of = name_of
         self._queue: deque[_Pending] = deque()
+        self._queued_chars = 0  # the queue's size in text (MAX_QUEUED_CHARS at most)
+        self._size_lock = threading.Lock()  # egress threads record too
         self.dropped = 0  # in all, since the start
         self._unreported = 0  # dropped since the last audit.dropped event
         self._store: AuditStore | None = None
@@ -179,24 +194,35 @@ class AuditLog:
             return
         try:
             if len(self._queue) >= self._queue_max:
-                self.dropped += 1
-                self._unreported += 1
+                self._drop()
+                return
+            kept = capped_details(details, self._max_code_chars)
+            size = _EVENT_CHARS + text_size(kept)
+            with self._size_lock:
+                if self._queued_chars + size > MAX_QUEUED_CHARS:
+                    fits = False
+                else:
+                    fits = True
+                    self._queued_chars += size
+            if not fits:  # long events while the store lags: memory stays bounded
+                self._drop()
                 return
             self._queue.append(
-                (
-                    time.time(),
-                    kind,
-                    owner,
-                    session_id,
-                    status,
-                    duration_s,
-                    capped_details(details, self._max_code_chars),
-                )
+                (time.time(), kind, owner, session_id, status, duration_s, kept, size)
             )
             if len(self._queue) == 1 or len(self._queue) >= self._batch_max:
                 self._poke()
         except Exception:
             log.exception("an audit event (%s) could not be recorded", kind)
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        self._unreported += 1
+
+    @property
+    def queued_chars(self) -> int:
+        """About how much text the queued events hold."""
+        return self._queued_chars
 
     def _poke(self) -> None:
         if self._loop is None or self._loop.is_closed():
@@ -255,6 +281,8 @@ class AuditLog:
         """Write everything queued, a batch at a time."""
         while self._queue or self._unreported:
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._batch_max))]
+            with self._size_lock:
+                self._queued_chars -= sum(pending[-1] for pending in batch)
             events = self._events(batch)
             if self._unreported:
                 count, self._unreported = self._unreported, 0
@@ -284,7 +312,7 @@ class AuditLog:
     def _events(self, batch: list[_Pending]) -> list[AuditEvent]:
         names: dict[str, str] = {}
         events = []
-        for t, kind, owner, session_id, status, duration_s, details in batch:
+        for t, kind, owner, session_id, status, duration_s, details, _ in batch:
             if owner not in names:
                 names[owner] = self._name(owner)
             events.append(

@@ -87,7 +87,7 @@ def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditS
     store_url = store_url or os.environ.get(STORE_VARIABLE)
     state = state_dir or _default_state_dir()
     if store_url:
-        from orchestrator.state_store.redis_store import RedisStore
+        from orchestrator.state_store.redis_store import RedisStore, StoreUnavailable
 
         shared = RedisStore(
             store_url,
@@ -97,6 +97,8 @@ def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditS
         try:
             shared.ping()
             yield shared.audit
+        except StoreUnavailable as exc:  # one line, not a traceback
+            raise _fail(f"{exc} (is --store the cluster's store?)") from None
         finally:
             shared.close()
         return
@@ -143,7 +145,7 @@ def _moment(text: str | None, option: str) -> float | None:
     try:
         return parse_time(text)
     except BadAuditQuery as exc:
-        raise _fail(f"{option}: {exc}") from None
+        raise _fail(f"{option}: {exc}, or an age (2h, 30m, 7d)") from None
 
 
 def _query(

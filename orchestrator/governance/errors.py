@@ -30,6 +30,16 @@ class PolicyDenied(SessionError):
             rule=rule,
         )
 
+    @classmethod
+    def revoked(cls, key: str) -> PolicyDenied:
+        """A revoked key's session, reached before the reaper ended it."""
+        return cls(
+            f"key {key!r} was revoked: its sessions are ending and may do nothing more. Ask an "
+            "admin for a new key (code-interpreter keys add)",
+            key=key,
+            rule="revoked",
+        )
+
 
 class ApprovalDenied(SessionError):
     """An execution or a command that had to wait for a human was denied (or no one answered

@@ -88,10 +88,15 @@ class _Stores:
 
 
 @contextmanager
-def open_stores(state_dir: Path | None, store_url: str | None) -> Iterator[_Stores]:
+def open_stores(
+    state_dir: Path | None, store_url: str | None, *, may_create: bool = False
+) -> Iterator[_Stores]:
     """The store the service uses, as its settings (environment, config file) say, unless the
-    options say otherwise."""
+    options say otherwise. A state dir without the service's state.db is refused (a typo would
+    otherwise read, or write, a database no service uses), unless `may_create` (a first key,
+    added before the service ever ran: said on stderr). A store that fails is one line."""
     from orchestrator.config import Settings
+    from orchestrator.state_store.redis_store import StoreUnavailable
 
     try:  # only where things are is read; keys are not needed for that
         settings = Settings(auth_disabled=True)
@@ -116,12 +121,27 @@ def open_stores(state_dir: Path | None, store_url: str | None) -> Iterator[_Stor
             redis_store.ping()
             kept = redis_store.audit if settings.audit_enabled else None
             yield _Stores(redis_store.principals, kept)
+        except StoreUnavailable as exc:
+            raise _fail(f"{exc} (is --store the cluster's store?)") from None
         finally:
             redis_store.close()
         return
     from orchestrator.state_store.sqlite_store import SqliteStore
 
+    database = directory / "state.db"
+    made = not database.is_file()
+    if made and not may_create:
+        raise _fail(
+            f"no service state in {directory} (no state.db): give the service's --state-dir "
+            "(its CODE_INTERPRETER_STATE_DIR), or --store for cluster mode"
+        )
     sqlite_store = SqliteStore(directory)
+    if made:
+        typer.echo(
+            f"made {database}: a new state dir; the service must be started with it "
+            "(CODE_INTERPRETER_STATE_DIR) to take this key",
+            err=True,
+        )
     try:
         audit = sqlite_store.audit if settings.audit_enabled else None
         yield _Stores(sqlite_store.principals, audit)
@@ -330,11 +350,12 @@ def _flags(
 
 
 def _check_name(name: str) -> None:
-    if not NAME.match(name) or SETTINGS_NAME.match(name) or name == LOCAL_OWNER:
+    reserved = name in (LOCAL_OWNER, audit_kinds.SERVICE_OWNER)  # the log's own names
+    if not NAME.match(name) or SETTINGS_NAME.match(name) or reserved:
         raise _fail(
             f"{name[:80]!r} cannot name a key: use 1 to 64 letters, digits, '_', '.', '@' or "
-            "'-', starting with a letter or digit (not 'local', not key-<8 hex>, which name "
-            "the settings' keys)"
+            "'-', starting with a letter or digit (not 'local' nor 'service', which name the "
+            "service's own events, nor key-<8 hex>, which name the settings' keys)"
         )
 
 
@@ -412,7 +433,7 @@ def add(
         policy=policy,
         keys=[KeyDigest(digest=digest_of(key))],
     )
-    with open_stores(state_dir, store) as stores:
+    with open_stores(state_dir, store, may_create=True) as stores:
         try:
             stores.principals.put_principal(record)
         except PrincipalNameTaken:

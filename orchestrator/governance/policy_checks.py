@@ -190,3 +190,34 @@ def fit_spec(
         if image is not None:
             fitted.image = image
     return fitted
+
+
+def fit_resumed(
+    who: Principal, backend: str, spec: SandboxSpec, *, default_image: str
+) -> tuple[SandboxSpec, list[str]]:
+    """A paused session's spec under its key's policy as it is now (it may have changed while
+    the session slept), and what changed, said to its caller. What cannot change without losing
+    its state (its backend, its image) is refused (PolicyDenied: it stays paused); its network
+    and limits are lowered within the policy, as a fresh session's would be."""
+    check_backend(who, backend)
+    if backend == "docker":
+        check_image(who, spec.image or default_image)
+    notices: list[str] = []
+    fitted = spec.model_copy(deep=True)
+    most = who.policy.network
+    if most is not None and fitted.network.beyond(most) is not None:
+        fitted.network = capped_network(who, fitted.network)
+        notices.append(
+            f"its network is now {fitted.network.describe()!r}: its key's policy (rule `network`) "
+            f"allows at most {most.describe()}"
+        )
+    lowered = capped_limits(who, fitted.limits, ())
+    if lowered != fitted.limits:
+        changed = ", ".join(
+            f"{name}={getattr(lowered, name):g}"
+            for name in ResourceLimits.model_fields
+            if getattr(lowered, name) != getattr(fitted.limits, name)
+        )
+        fitted.limits = lowered
+        notices.append(f"its limits are now {changed}: its key's policy (rule `max_limits`)")
+    return fitted, notices

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 LOCAL_OWNER = "local"  # the one owner when auth is explicitly disabled
 KEY_PREFIX = "cir_"  # keys made by the CLI: easy to spot in a leaked file or a scanner
 REFRESH_S = 1.0  # how stale the store's principals may be here
+NO_KEYS_YET = (
+    "this service has no API key yet: its operator adds one with `code-interpreter keys add "
+    "NAME --admin` (beside the running service: it takes it within a second), or sets "
+    "CODE_INTERPRETER_API_KEYS"
+)
 
 
 def owner_of(key: str) -> str:
@@ -86,8 +91,10 @@ class Principals:
         self.disabled = settings.auth_disabled
         self._store = store
         self._refresh_s = refresh_s
-        # The settings' keys, each with its principal; compared in constant time.
+        # The settings' keys (and their digests), each with its principal; compared in
+        # constant time.
         self._settings_keys: list[tuple[bytes, Principal]] = []
+        self._settings_digests: list[tuple[bytes, Principal]] = []
         self._settings_ids: dict[str, Principal] = {}
         for key, admin in [(k, False) for k in settings.api_keys] + [
             (k, True) for k in settings.admin_keys
@@ -97,6 +104,7 @@ class Principals:
             if admin or owner not in self._settings_ids:  # listed in both: an admin
                 self._settings_ids[owner] = principal
             self._settings_keys.append((key.encode(), principal))
+            self._settings_digests.append((digest_of(key).encode(), principal))
         self._local = Principal(id=LOCAL_OWNER, name=LOCAL_OWNER, admin=True)
         self._known = _Known()
         self._failing = False
@@ -112,6 +120,8 @@ class Principals:
     async def start(self) -> None:
         """Read the store once (a store that fails stops the start), then keep reading it."""
         await asyncio.to_thread(self.reload)
+        if not self.disabled and not self.has_keys:
+            log.warning("%s; until then every request answers 401", NO_KEYS_YET)
         if self._store is not None:
             self._task = asyncio.ensure_future(self._refresh_forever())
 
@@ -144,14 +154,30 @@ class Principals:
         key = key.strip()
         if not key:
             return None
-        given = key.encode()
+        found = self._settings_match(self._settings_keys, key.encode())
+        return found if found is not None else self._stored(digest_of(key))
+
+    def authenticate_digest(self, digest: str) -> Principal | None:
+        """The principal of the key whose SHA-256 hex this is, as `authenticate` answers for
+        the key: for a login that kept the digest, never the key (the console's)."""
+        if self.disabled:
+            return self._local
+        if not digest:
+            return None
+        found = self._settings_match(self._settings_digests, digest.encode())
+        return found if found is not None else self._stored(digest)
+
+    def _settings_match(
+        self, known: list[tuple[bytes, Principal]], given: bytes
+    ) -> Principal | None:
         found: Principal | None = None
-        for known, principal in self._settings_keys:  # every one compared: timing tells nothing
-            if hmac.compare_digest(given, known) and found is None:
+        for value, principal in known:  # every one compared: timing tells nothing
+            if hmac.compare_digest(given, value) and found is None:
                 found = principal
-        if found is not None:
-            return self._settings_ids[found.id]
-        digest = digest_of(key)
+        return self._settings_ids[found.id] if found is not None else None
+
+    def _stored(self, digest: str) -> Principal | None:
+        """The store's principal holding this key digest, unless revoked or past its grace."""
         record = self._known.by_digest.get(digest)
         if record is None:
             return None
@@ -160,6 +186,12 @@ class Principals:
             if held.digest == digest and (held.expires_at is None or held.expires_at > now):
                 return self._known.by_id[record.id]
         return None
+
+    @property
+    def has_keys(self) -> bool:
+        """Whether any key can authenticate at all (the settings', or a live one the CLI
+        made); a service without one answers every request 401 until one is added."""
+        return bool(self._settings_keys) or bool(self._known.by_digest)
 
     def of(self, owner: str) -> Principal:
         """Who an owner id is, never raising: one that is no longer known (a key taken out of
@@ -170,6 +202,11 @@ class Principals:
         if found is not None:
             return found
         return Principal(id=owner, name=owner[:12], policy=FULL_ACCESS)
+
+    def is_revoked(self, owner: str) -> bool:
+        """Whether this owner id is a revoked key's (as last read from the store): its
+        sessions do nothing more, even before the reaper has ended them."""
+        return owner in self._known.revoked
 
     def revoked(self) -> dict[str, float]:
         """Revoked principals' ids, with when (as last read from the store)."""

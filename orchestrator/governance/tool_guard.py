@@ -27,16 +27,22 @@ class SessionToolGuard(CallGuard):
         session_id: str,
         owner: str,
         policy_of: Callable[[], Policy],
+        revoked: Callable[[], bool] = lambda: False,
         audit: AuditSink | None = None,
     ) -> None:
-        """`policy_of()`: the session's key's policy as it is now (a change holds at once)."""
+        """`policy_of()`: the session's key's policy as it is now (a change holds at once);
+        `revoked()`: whether that key is revoked now (its code calls nothing more, even before
+        the reaper has ended its sessions)."""
         self._approvals = approvals
         self._session_id = session_id
         self._owner = owner
         self._policy_of = policy_of
+        self._revoked = revoked
         self._audit = audit
 
     def may_call(self, name: str) -> bool:
+        if self._revoked():
+            return False
         allowed = self._policy_of().host_tools
         return allowed is None or name in allowed
 

@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
@@ -61,9 +62,23 @@ def request_body(record: ApprovalRecord) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode()
 
 
+def shown_url(url: str) -> str:
+    """What the log may say of the webhook's URL: its scheme, host and port. Its path, query
+    and user info often hold a secret (a chat service's webhook token)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:  # not even a URL: nothing of it is shown
+        return "(an unreadable URL)"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{host}{port}"
+
+
 class ApprovalWebhook:
     def __init__(self, url: str, secret: SecretStr | None, timeout_s: float) -> None:
         self.url = url
+        self._shown = shown_url(url)
         self._secret = secret
         self._timeout_s = timeout_s
         self._client: httpx.AsyncClient | None = None
@@ -92,7 +107,10 @@ class ApprovalWebhook:
                 finally:
                     await response.aclose()
         except (httpx.HTTPError, TimeoutError) as exc:
-            log.warning("approval webhook %s failed: %r", self.url, exc)
+            log.warning("approval webhook %s failed: %s", self._shown, self._said(exc))
+            return None
+        except Exception as exc:  # a URL httpx cannot use (a bad port, a broken host): no decision
+            log.warning("approval webhook %s cannot be called: %s", self._shown, self._said(exc))
             return None
         if response.is_error or not answer.strip():
             if response.is_error:
@@ -102,6 +120,19 @@ class ApprovalWebhook:
             return WebhookAnswer.model_validate_json(bytes(answer))
         except ValidationError:
             return None  # an acknowledgement, not a decision: a human answers
+
+    def _said(self, exc: BaseException) -> str:
+        """An error as the log may show it: never with the URL's secret parts."""
+        text = f"{type(exc).__name__}: {exc}"[:300]
+        try:
+            parts = urlsplit(self.url)
+            hidden = [self.url, parts.path, parts.query, parts.username, parts.password]
+        except ValueError:
+            return type(exc).__name__  # a URL too broken to tell its parts: the kind alone
+        for secret in hidden:
+            if secret and len(secret) > 1:
+                text = text.replace(secret, "...")
+        return text
 
     async def aclose(self) -> None:
         if self._client is not None:

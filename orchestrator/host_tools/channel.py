@@ -56,7 +56,7 @@ class ChannelLimits:
     max_result_bytes: int = 8 << 20
     max_calls_in_flight: int = 64
     frame_timeout_s: float = FRAME_TIMEOUT_S
-    approval_timeout_s: float = 300.0  # added to the time limit of a tool that waits for one
+    approval_timeout_s: float = 120.0  # added to the time limit of a tool that waits for one
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
 
 from orchestrator.governance.approvals import MAX_REASON_CHARS
@@ -14,6 +14,7 @@ from orchestrator.routes.deps import OwnerDep, ServiceDep
 from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalState
 
 router = APIRouter(prefix="/v1/approvals", tags=["approvals"])
+ApprovalId = Annotated[str, Path(max_length=64, description="An id such as ap-0123456789abcdef.")]
 
 
 class ApprovalAnswer(BaseModel):
@@ -38,7 +39,9 @@ async def list_approvals(
 
 
 @router.get("/{approval_id}", summary="One approval request")
-async def get_approval(approval_id: str, service: ServiceDep, owner: OwnerDep) -> ApprovalRecord:
+async def get_approval(
+    approval_id: ApprovalId, service: ServiceDep, owner: OwnerDep
+) -> ApprovalRecord:
     return await service.approvals.get(approval_id, service.principals.of(owner))
 
 
@@ -47,7 +50,7 @@ async def get_approval(approval_id: str, service: ServiceDep, owner: OwnerDep) -
     summary="Approve or deny a waiting request (403 without the right, 409 once decided)",
 )
 async def answer_approval(
-    approval_id: str, body: ApprovalAnswer, service: ServiceDep, owner: OwnerDep
+    approval_id: ApprovalId, body: ApprovalAnswer, service: ServiceDep, owner: OwnerDep
 ) -> ApprovalRecord:
     return await service.approvals.answer(
         approval_id, body.decision == "approve", body.reason, service.principals.of(owner)

@@ -33,8 +33,9 @@ TimeParam = Annotated[
     str | None,
     Query(max_length=64, description="Seconds since the epoch, or an ISO 8601 time."),
 ]
+MAX_SEQ = (1 << 63) - 1  # the largest seq a store can hold (SQLite's INTEGER)
 BeforeParam = Annotated[
-    int | None, Query(ge=1, description="The cursor `next` of the previous page.")
+    int | None, Query(ge=1, le=MAX_SEQ, description="The cursor `next` of the previous page.")
 ]
 
 

@@ -6,7 +6,9 @@ creation time: `approvals` (every one), `approvals:owner:<owner>`, `approvals:pe
 decision is a WATCHed transaction: it writes only if the record is still pending, so of two
 answers through two replicas one wins. Decided records expire after `retention_s` (as do pending
 ones a dead replica left, past their own expiry plus that), and ids whose record is gone leave
-the sets as listings meet them.
+the sets as listings meet them. At most the newest `max_kept` are kept besides those pending (a
+sandbox calling a tool a webhook decides at once makes requests as fast as it loops): a put
+removes the oldest decided ones past it, about once a second, a bounded number each time.
 
 Called off the event loop (a thread each call), as the parent store is: a hung Redis costs the
 caller a timeout, never the loop.
@@ -25,7 +27,10 @@ from pydantic import ValidationError
 from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalState, ApprovalStore
 
 DEFAULT_RETENTION_S = 30 * 86400.0
+DEFAULT_MAX_KEPT = 100_000  # requests kept at most (the newest; pending ones stay)
 _PAGE = 200
+_TRIM_EVERY_S = 1.0
+_TRIM_PAGES = 20  # the most pages one trim removes (it goes on at the next)
 
 
 class RedisApprovals(ApprovalStore):
@@ -37,6 +42,7 @@ class RedisApprovals(ApprovalStore):
         *,
         retention_s: float = DEFAULT_RETENTION_S,
         max_listed: int = 10_000,
+        max_kept: int = DEFAULT_MAX_KEPT,
     ) -> None:
         """`client`, `key` (the prefix joiner), `errors` (Redis failures as StoreUnavailable):
         the parent store's."""
@@ -45,6 +51,8 @@ class RedisApprovals(ApprovalStore):
         self._errors = errors
         self.retention_s = retention_s
         self._max_listed = max_listed
+        self.max_kept = max_kept
+        self._trimmed_at = 0.0
 
     def _ttl(self, record: ApprovalRecord) -> int:
         if record.state == "pending":
@@ -69,6 +77,45 @@ class RedisApprovals(ApprovalStore):
             for listing in (every, mine, pending):  # ids older than any record kept
                 pipe.zremrangebyscore(listing, "-inf", old)
             pipe.execute()
+        if time.monotonic() - self._trimmed_at >= _TRIM_EVERY_S:
+            self._trimmed_at = time.monotonic()
+            self.trim()
+
+    def trim(self) -> int:
+        """Remove the oldest decided requests past `max_kept` (up to a bound of pages; the next
+        trim goes on); how many went."""
+        every, pending = self._key("approvals"), self._key("approvals", "pending")
+        gone = 0
+        for _ in range(_TRIM_PAGES):
+            with self._errors():
+                excess = int(self._redis.zcard(every)) - self.max_kept
+                if excess <= 0:
+                    break
+                ids = [
+                    i.decode()
+                    for i in cast(list[bytes], self._redis.zrange(every, 0, min(excess, _PAGE) - 1))
+                ]
+                values = cast(
+                    list[bytes | None], self._redis.mget([self._key("approval", i) for i in ids])
+                )
+            pipe = self._redis.pipeline(transaction=False)
+            dropped = []
+            for approval_id, raw in zip(ids, values, strict=True):
+                record = _load(raw)
+                if record is not None and record.state == "pending":
+                    continue  # its waiter decides it; it goes once decided and past the cap
+                dropped.append(approval_id)
+                pipe.delete(self._key("approval", approval_id))
+                if record is not None:
+                    pipe.zrem(self._key("approvals", "owner", record.owner), approval_id)
+            if not dropped:
+                break  # only pending ones are past the cap: nothing to remove now
+            pipe.zrem(every, *dropped)
+            pipe.zrem(pending, *dropped)
+            with self._errors():
+                pipe.execute()
+            gone += len(dropped)
+        return gone
 
     def get_approval(self, approval_id: str) -> ApprovalRecord | None:
         with self._errors():

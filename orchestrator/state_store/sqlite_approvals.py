@@ -2,8 +2,9 @@
 
 Rows hold the record's JSON plus the columns listings filter on. A decision is one conditional
 UPDATE (`WHERE state = 'pending'`): of two answers, from two processes even, one wins. Decided
-requests are kept `retention_s`, then removed as new ones come in, so the table stays bounded
-by the rate of requests, never by the service's age.
+requests are kept `retention_s`, and at most the newest `max_kept` of them (a sandbox calling a
+tool a webhook decides at once makes requests as fast as it loops), removed as new ones come
+in: the table stays bounded by neither the service's age nor the rate of requests.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ CREATE TABLE IF NOT EXISTS approvals (
 CREATE INDEX IF NOT EXISTS approvals_by_owner ON approvals (owner, created_at);
 CREATE INDEX IF NOT EXISTS approvals_by_state ON approvals (state, created_at);
 CREATE INDEX IF NOT EXISTS approvals_by_age ON approvals (coalesce(decided_at, created_at));
+CREATE INDEX IF NOT EXISTS approvals_by_creation ON approvals (created_at);
 """
 
 DEFAULT_RETENTION_S = 30 * 86400.0
+DEFAULT_MAX_KEPT = 100_000  # decided requests kept at most (the newest)
 _SWEEP_EVERY_S = 60.0  # decided rows past retention go at most this often (on a write)
 
 
@@ -35,11 +38,13 @@ class SqliteApprovals(ApprovalStore):
         lock: threading.Lock,
         *,
         retention_s: float = DEFAULT_RETENTION_S,
+        max_kept: int = DEFAULT_MAX_KEPT,
     ) -> None:
         """`db`, `lock`: the parent store's connection and the lock every use of it holds."""
         self._db = db
         self._lock = lock
         self.retention_s = retention_s
+        self.max_kept = max_kept
         self._swept_at = 0.0
         with self._lock:
             self._db.executescript(_SCHEMA)
@@ -110,8 +115,8 @@ class SqliteApprovals(ApprovalStore):
         return record if changed == 1 else None
 
     def _sweep(self) -> None:
-        """Remove requests decided past retention, and any a crash left pending as long (at
-        most once a minute)."""
+        """Remove requests decided past retention, any a crash left pending as long, and the
+        decided ones older than the newest `max_kept` (at most once a minute)."""
         now = time.time()
         if now - self._swept_at < _SWEEP_EVERY_S:
             return
@@ -120,4 +125,9 @@ class SqliteApprovals(ApprovalStore):
             self._db.execute(
                 "DELETE FROM approvals WHERE coalesce(decided_at, created_at) < ?",
                 (now - self.retention_s,),
+            )
+            self._db.execute(  # no such row (fewer kept): NULL, and nothing goes
+                "DELETE FROM approvals WHERE state != 'pending' AND created_at < "
+                "(SELECT created_at FROM approvals ORDER BY created_at DESC LIMIT 1 OFFSET ?)",
+                (max(0, self.max_kept - 1),),
             )

@@ -5,8 +5,12 @@ AUTOINCREMENT key, so it only grows (a cursor stays valid after retention delete
 is the order events were appended in. Event ids are unique: a batch written again after a
 failure whose outcome was unknown is not written twice.
 
-It shares the parent store's connection and lock; the CLI opens the same file from another
-process while the service runs (WAL, and the connection's busy timeout, let them take turns).
+It writes through the parent store's connection and lock (appends are short; retention
+deletes a chunk at a time). It reads through a connection of its own: a query that scans much
+of a long log (a time filter, a rare kind) must not hold the lock every session record's call
+takes, some of them on the event loop; WAL lets reads and writes go on together. The CLI opens
+the same file from another process while the service runs (WAL, and the connections' busy
+timeout, let them take turns).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ CREATE INDEX IF NOT EXISTS audit_by_kind ON audit_events (kind, seq);
 CREATE INDEX IF NOT EXISTS audit_by_time ON audit_events (time);
 """
 _DELETE_CHUNK = 5000  # rows deleted per statement by retention
+MAX_SEQ = (1 << 63) - 1  # the largest INTEGER: a cursor past it means "from the newest"
+_BUSY_TIMEOUT_S = 5.0
 
 
 class SqliteAudit(AuditStore):
@@ -38,6 +44,21 @@ class SqliteAudit(AuditStore):
         self._lock = lock
         with self._lock:
             self._db.executescript(_SCHEMA)
+            path = next(row[2] for row in db.execute("PRAGMA database_list") if row[1] == "main")
+        if path:  # a file: read it through a connection (and a lock) of the log's own
+            self._reader = sqlite3.connect(
+                path, check_same_thread=False, isolation_level=None, timeout=_BUSY_TIMEOUT_S
+            )
+            self._reader.execute("PRAGMA query_only = ON")
+            self._read_lock = threading.Lock()
+        else:  # in memory: no other connection sees it
+            self._reader, self._read_lock = db, lock
+
+    def close(self) -> None:
+        """Close the reading connection (the parent store closes its own)."""
+        if self._reader is not self._db:
+            with self._read_lock:
+                self._reader.close()
 
     def append_events(self, events: list[AuditEvent]) -> None:
         rows = [
@@ -93,14 +114,13 @@ class SqliteAudit(AuditStore):
             args.append(query.until)
         if query.before_seq is not None:
             where.append("seq < ?")
-            args.append(query.before_seq)
+            args.append(min(query.before_seq, MAX_SEQ))
         sql = "SELECT seq, doc FROM audit_events"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY seq DESC LIMIT ?"
         args.append(query.limit + 1)  # one more: whether there is a next page
-        with self._lock:
-            rows = self._db.execute(sql, tuple(args)).fetchall()
+        rows = self._read(sql, tuple(args))
         events = [
             AuditEvent.model_validate_json(doc).model_copy(update={"seq": seq})
             for seq, doc in rows[: query.limit]
@@ -116,20 +136,20 @@ class SqliteAudit(AuditStore):
         )
 
     def keep_newest(self, most: int) -> int:
-        cutoff = self._rows(
-            "SELECT seq FROM audit_events ORDER BY seq DESC LIMIT 1 OFFSET ?", (most,)
-        )
-        if not cutoff:
+        """Seqs only grow and are never reused, so the newest `most` events are those above
+        the newest seq less `most`: one indexed read, not a walk past `most` rows."""
+        newest = self._read("SELECT max(seq) FROM audit_events", ())[0][0]
+        if newest is None or newest <= most:
             return 0
         return self._delete_chunks(
             "DELETE FROM audit_events WHERE seq IN "
             "(SELECT seq FROM audit_events WHERE seq <= ? ORDER BY seq LIMIT ?)",
-            (cutoff[0][0],),
+            (newest - most,),
         )
 
-    def _rows(self, sql: str, args: tuple[object, ...]) -> list[tuple[Any, ...]]:
-        with self._lock:
-            return list(self._db.execute(sql, args).fetchall())
+    def _read(self, sql: str, args: tuple[object, ...]) -> list[tuple[Any, ...]]:
+        with self._read_lock:
+            return list(self._reader.execute(sql, args).fetchall())
 
     def _delete_chunks(self, sql: str, args: tuple[object, ...]) -> int:
         """Delete a chunk at a time, letting go of the connection between chunks: a year of

@@ -56,6 +56,7 @@ class SqliteStore(SessionStore, SnapshotStore):
         self.principals = SqlitePrincipals(self._db, self._lock)
 
     def close(self) -> None:
+        self.audit.close()  # its own reading connection
         with self._lock:
             self._db.close()
 

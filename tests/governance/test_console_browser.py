@@ -9,20 +9,29 @@ from __future__ import annotations
 
 import base64
 import os
-import threading
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
-from tests.governance.conftest import ADMIN_KEY, KEY_A, CliResult, unique_name
-from tests.service.conftest import Server
+from orchestrator.cli import app as cli_app
+from tests.governance.conftest import ADMIN_KEY, KEY_A, CliResult, eventually, unique_name
+from tests.service.conftest import Server, make_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 SCREENSHOTS = Path(__file__).parents[2] / "test-artifacts" / "console"
+DOCS = Path(__file__).parents[2] / "docs" / "governance.md"
 WAIT_S = 30.0
 MAX_SHOT_HEIGHT = 2000
 # No call home: the browser talks to the server on 127.0.0.1 and nothing else.
@@ -174,49 +183,102 @@ def test_an_execution_appears_on_its_sessions_page_as_it_runs(
     screenshot(browser, "console-session")
 
 
-def test_a_tool_call_approved_in_the_console_goes_on(
-    browser: WebDriver,
-    governed_server: Server,
-    api: Callable[[str], httpx.Client],
-    add_key: Callable[..., str],
+def worked_example(kind: str, holding: str) -> str:
+    """The code block of docs/governance.md's worked example (``` + `kind`) that holds
+    `holding`, as a reader copies it (the list's indentation taken off)."""
+    doc = DOCS.read_text()
+    example = doc[doc.index("## A worked example") :]
+    blocks = re.findall(rf"^( *)```{kind}\n(.*?)^ *```$", example, re.M | re.S)
+    [found] = [textwrap.dedent(body) for _, body in blocks if holding in body]
+    return found
+
+
+@pytest.fixture(scope="module")
+def example_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the worked example runs: its invoices.py, as the docs give it."""
+    where = tmp_path_factory.mktemp("worked-example")
+    (where / "invoices.py").write_text(worked_example("python", "def pay_invoice"))
+    return where
+
+
+@pytest.fixture(scope="module")
+def example_server(example_dir: Path) -> Iterator[Server]:
+    """The worked example's service: its tool registered, no key in its settings."""
+    serve = worked_example("sh", "code-interpreter serve")
+    tools = '{"python": ["invoices:TOOLS"]}'
+    assert f"CODE_INTERPRETER_HOST_TOOLS='{tools}'" in serve and "PYTHONPATH=$PWD" in serve
+    server = make_server(host_tools=tools, backends="local", default_backend="local")
+    del server.env["CODE_INTERPRETER_API_KEYS"]
+    server.env["PYTHONPATH"] = str(example_dir)
+    server.start()
+    yield server
+    assert server.stop() in (0, -signal.SIGTERM)
+    shutil.rmtree(server.state_dir.parent, ignore_errors=True)
+
+
+def test_the_worked_example_runs_as_written(
+    browser: WebDriver, example_server: Server, example_dir: Path
 ) -> None:
-    agent_key = add_key(unique_name("agent"), "--tools", "add", "--approval-tools", "add")
-    agent = api(agent_key)
-    sid = agent.post("/v1/sessions", json={"backend": "local", "tools": ["add"]}).json()["id"]
-    log_in(browser, governed_server, ADMIN_KEY)
-    browser.get(f"{governed_server.url}/console/approvals")
-    answer: dict[str, Any] = {}
-    code = (
-        "import host_tools\n"
-        "# Pay the invoice: this tool waits for a human's yes.\n"
-        "paid = await host_tools.add(1200, b=34)\n"
-        "print('the tool answered', paid)"
+    """docs/governance.md's worked example, step by step: the keys made by its commands, its
+    agent.py waiting on the tool, Alice approving in the console (its screenshots), the log."""
+    state = ["--state-dir", str(example_server.state_dir)]
+    for line in worked_example("sh", "keys add agent").replace("\\\n", " ").splitlines():
+        command, _, into = line.partition(">")
+        words = shlex.split(command)
+        assert words[0] == "code-interpreter"
+        made = CliRunner().invoke(cli_app, [*words[1:], *state])
+        assert made.exit_code == 0, made.stderr
+        (example_dir / into.strip()).write_text(made.stdout)
+    agent_key = (example_dir / "agent.key").read_text().strip()
+    with example_server.client(agent_key) as api:  # taken within a second, as the CLI says
+        assert eventually(lambda: api.get("/v1/whoami").status_code == 200)
+    agent = worked_example("python", "from code_interpreter_client")
+    assert "http://127.0.0.1:8000" in agent
+    (example_dir / "agent.py").write_text(
+        agent.replace("http://127.0.0.1:8000", example_server.url)
     )
-
-    def run() -> None:
-        answer.update(agent.post(f"/v1/sessions/{sid}/execute", json={"code": code}).json())
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    # Its own request (other tests' may wait there too).
-    mine = f"//article[contains(@class, 'pending')][.//a[contains(@href, '/sessions/{sid}')]]"
-    pending = wait(browser, shown.visibility_of_element_located((By.XPATH, mine)))
-    approval_id = pending.get_attribute("data-approval")
-    assert "host_tools.add(1200, b=34)" in pending.text and sid in pending.text
-    assert thread.is_alive()  # the code waits for the answer
-    reason = browser.find_element(By.ID, f"reason-{approval_id}")
-    reason.send_keys("invoice checked")
-    screenshot(browser, "console-approvals")
-    browser.find_element(By.ID, f"approve-{approval_id}").click()
-    text_shown(browser, "#message", "Approved")
-    thread.join(WAIT_S)
-    assert answer["stdout"] == "the tool answered 1234\n", answer
-    text_shown(browser, "#decided", "invoice checked")
-    browser.get(f"{governed_server.url}/console/sessions/{sid}")
-    text_shown(browser, "#activity pre.stdout", "the tool answered 1234")
+    run = subprocess.Popen(
+        [sys.executable, "agent.py"], cwd=example_dir, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert run.stdout is not None
+        first = run.stdout.readline()
+        assert first.startswith("session s-") and "waits for a human's yes" in first
+        sid = first.split()[1]
+        log_in(browser, example_server, (example_dir / "alice.key").read_text().strip())
+        browser.get(f"{example_server.url}/console/approvals")
+        mine = f"//article[contains(@class, 'pending')][.//a[contains(@href, '/sessions/{sid}')]]"
+        pending = wait(browser, shown.visibility_of_element_located((By.XPATH, mine)))
+        approval_id = pending.get_attribute("data-approval")
+        assert "agent" in pending.text and "pay_invoice" in pending.text
+        assert '"invoice": "INV-1234"' in pending.text and "host_tools.pay_invoice(" in pending.text
+        assert run.poll() is None  # the code waits for the answer
+        browser.find_element(By.ID, f"reason-{approval_id}").send_keys("invoice checked")
+        screenshot(browser, "console-approvals")
+        browser.find_element(By.ID, f"approve-{approval_id}").click()
+        text_shown(browser, "#message", "Approved")
+        out, _ = run.communicate(timeout=WAIT_S)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0
+    assert out.splitlines() == [
+        "the tool answered: paid INV-1234: 123400 cents",
+        "pay_invoice approved by alice invoice checked",
+    ]
+    browser.get(f"{example_server.url}/console/sessions/{sid}")
+    text_shown(browser, "#activity pre.stdout", "the tool answered: paid INV-1234")
+    text_shown(browser, "#activity", "approval.decided")
     events = browser.find_element(By.ID, "activity").text
-    assert "approval.decided" in events and "tool.call" in events
+    assert "tool.call" in events and "invoice checked" in events
     screenshot(browser, "console-approved")
+    audit = worked_example("sh", "audit list").strip()
+    assert audit == "code-interpreter audit list --session s-..."
+    listed = CliRunner().invoke(cli_app, ["audit", "list", "--session", sid, *state])
+    assert listed.exit_code == 0, listed.stderr
+    kinds = [line.split()[3] for line in listed.stdout.splitlines()]
+    for kind in ("session.created", "approval.requested", "approval.decided", "tool.call"):
+        assert kind in kinds, listed.stdout
 
 
 def test_the_audit_log_is_filtered_in_the_page(

@@ -15,6 +15,7 @@ FRONT_DOORS = [
     *sorted((ROOT / "orchestrator" / "routes").glob("*.py")),
     *sorted((ROOT / "orchestrator" / "e2b_compatible").glob("*.py")),
     *sorted((ROOT / "orchestrator" / "mcp_front").glob("*.py")),
+    *sorted((ROOT / "orchestrator" / "console").glob("*.py")),
     *sorted((ROOT / "code_interpreter_client").glob("*.py")),
     ROOT / "orchestrator" / "app.py",
     ROOT / "orchestrator" / "cli.py",

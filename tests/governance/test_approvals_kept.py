@@ -1,0 +1,92 @@
+"""Decided approval requests are kept within a count, not only an age: a sandbox looping over a
+tool that a webhook decides at once makes requests as fast as it loops, each holding the code
+that made it. The oldest decided ones go past `max_kept`; pending ones stay. Both stores: SQLite,
+and Redis (a real redis-server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalStore
+from orchestrator.state_store.redis_approvals import RedisApprovals
+from orchestrator.state_store.redis_store import RedisStore
+from orchestrator.state_store.sqlite_approvals import SqliteApprovals
+from orchestrator.state_store.sqlite_store import SqliteStore
+
+redis_server_module = pytest.importorskip("tests.cluster.redis_server")
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server must be installed in CI (scripts/install-system-packages.sh)")
+        pytest.skip("redis-server is not installed")
+    with redis_server_module.redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def approvals(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ApprovalStore]:
+    if request.param == "sqlite":
+        store = SqliteStore(tmp_path / "state")
+        yield store.approvals
+        store.close()
+        return
+    url = request.getfixturevalue("redis_url")
+    shared = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=f"k{uuid.uuid4().hex[:8]}")
+    yield shared.approvals
+    shared.close()
+
+
+def made(index: int, state: str) -> ApprovalRecord:
+    at = time.time() - 1000 + index  # in order, one a second
+    return ApprovalRecord(
+        id=f"ap-{index:04d}",
+        kind="tool_call",
+        session_id="s-1",
+        owner="p_a",
+        principal="a",
+        subject="send_money",
+        code="x" * 1000,
+        created_at=at,
+        expires_at=at + 60,
+        state=state,  # type: ignore[arg-type]
+        decided_by=None if state == "pending" else "webhook",
+        decided_at=None if state == "pending" else at,
+    )
+
+
+def sweep(store: ApprovalStore) -> None:
+    """What a put does about once a minute (SQLite) or a second (Redis), now."""
+    if isinstance(store, SqliteApprovals):
+        store._swept_at = 0.0
+        store.put_approval(made(999, "denied"))
+    else:
+        assert isinstance(store, RedisApprovals)
+        store.trim()
+
+
+def test_only_the_newest_decided_requests_are_kept_past_the_count(approvals: ApprovalStore) -> None:
+    approvals.max_kept = 10  # type: ignore[attr-defined]
+    for i in range(3):
+        approvals.put_approval(made(i, "pending"))  # the oldest: still waiting
+    for i in range(3, 40):
+        approvals.put_approval(made(i, "approved"))
+    sweep(approvals)
+    kept = approvals.approvals(limit=1000)
+    pending = sorted(r.id for r in kept if r.state == "pending")
+    assert pending == ["ap-0000", "ap-0001", "ap-0002"]  # a waiter's request never goes
+    decided = [r for r in kept if r.state != "pending"]
+    assert 7 <= len(decided) <= 10, [r.id for r in decided]
+    newest = sorted((r.id for r in decided), reverse=True)
+    assert newest[0] in ("ap-0039", "ap-0999")
+    assert approvals.get_approval("ap-0003") is None  # an old decided one is gone
+    assert [r.id for r in approvals.approvals(owner="p_a", limit=1000)] == [r.id for r in kept]

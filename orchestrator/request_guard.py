@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from orchestrator.auth import Authenticator
 from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.e2b_compatible.front import PREFIX as E2B_PREFIX
-from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
+from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes, SandboxGone
 from orchestrator.metrics import METRICS
 from sandbox.json_depth import nests_deeper_than
 
@@ -70,7 +70,13 @@ class Refused(Exception):
 
 
 # Connect's codes for the HTTP statuses the gate answers with (connectrpc.com/docs/protocol).
-_CONNECT_CODES = {400: "invalid_argument", 401: "unauthenticated", 503: "unavailable"}
+_CONNECT_CODES = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    403: "permission_denied",
+    429: "resource_exhausted",
+    503: "unavailable",
+}
 
 
 class RequestGuard:
@@ -177,6 +183,8 @@ class RequestGuard:
         except SandboxGone as exc:
             # E2B's answer for a sandbox that is gone; its SDK recognises "was not found".
             raise Refused(502, "SandboxGone", str(exc)) from None
+        except REFUSALS as exc:  # there, asleep, and its key may not wake it now: said why
+            raise Refused(exc.status, type(exc).__name__, str(exc)) from None
 
     def _measured_envelopes(self, receive: Receive) -> Receive:
         """A receive that passes a Connect stream's body on as it comes, each envelope (5-byte

@@ -518,8 +518,10 @@ class Service:
         spec: SandboxSpec | None,
         workdir: str | None,
     ) -> Session:
-        name = request.backend or self.settings.default_backend
-        with self._enforcing(owner) as who:
+        with self._enforcing(owner) as who:  # none named: the default, or one the key may use
+            name = request.backend or policy_checks.fit_backend(
+                who, self.settings.default_backend, self.backend_names()
+            )
             policy_checks.check_request(who, name, request)
         if snapshot is not None and name in SHARED_BACKENDS:
             raise PauseUnsupported(name)
@@ -543,9 +545,7 @@ class Service:
         if backend is not None:
             self._check_network_holdable(name, backend, spec.network)
         async with self._session_slot(owner):
-            session = await self.sessions.create(
-                owner, backend=request.backend, spec=spec, env=request.env
-            )
+            session = await self.sessions.create(owner, backend=name, spec=spec, env=request.env)
         self._audit_created(session, tools, snapshot)
         session.idle_timeout_s = idle_timeout_s
         try:
@@ -731,8 +731,12 @@ class Service:
         request: ProcessRequest,
         result: CommandResult | None,
         failure: BaseException | None = None,
+        *,
+        file_transfer: bool = False,
     ) -> None:
         details: dict[str, object] = {"command": self._command_line(request)}
+        if file_transfer:  # a front's file operation, shown as one (not as the key's command)
+            details["file_transfer"] = True
         if result is not None:
             details |= {
                 "pid": result.pid,
@@ -851,24 +855,68 @@ class Service:
 
     def list_infos(self, owner: str) -> list[SessionInfo]:
         """Every session of the owner's, running and paused (in cluster mode: those every
-        replica serves, from the shared store)."""
-        running = [self.info(x) for x in self.list_sessions(owner)]
-        if self._shared is not None:
-            held = {x.id for x in running}
-            records = self._shared.sessions(owner=owner, state="running")
-            running += [self.running_info(r) for r in records if r.id not in held]
-        return running + [self.paused_info(r) for r in self.list_paused(owner)]
+        replica serves, from the shared store). Reads the store on the caller's thread: on
+        the event loop, `session_infos` instead."""
+        return [info for _, info in self._owned_infos(owner, self._listed_records(owner))]
 
-    def owned_infos(self, owner: str | None) -> list[tuple[str, SessionInfo]]:
+    async def session_infos(self, owner: str) -> list[SessionInfo]:
+        """`list_infos`, with the store read off the event loop (GET /v1/sessions)."""
+        return [info for _, info in await self.owned_session_infos(owner)]
+
+    async def owned_session_infos(self, owner: str | None) -> list[tuple[str, SessionInfo]]:
         """(owner, info) of each session `list_infos` lists; None: every owner's (an admin's
-        view in the console). Wakes nothing."""
+        view in the console, polled every few seconds). Wakes nothing. The store is read in a
+        thread (Redis may take up to its timeout), then the sessions in memory on the loop."""
+        records = await asyncio.to_thread(self._listed_records, owner)
+        return self._owned_infos(owner, records)
+
+    async def owned_session_info(
+        self, owner: str | None, session_id: str
+    ) -> tuple[str, SessionInfo] | None:
+        """(owner, info) of one session `owned_session_infos` would list, or None; its record
+        read off the loop, and only when it is not live here."""
+        found = self._live_info(owner, session_id)
+        if found is not None or not session_id.startswith("s-"):
+            return found
+        record = await asyncio.to_thread(self.store.get_session, session_id)
+        found = self._live_info(owner, session_id)  # resumed here while the store answered
+        if found is not None or record is None or owner not in (None, record.owner):
+            return found
+        if record.state == "paused":
+            return record.owner, self.paused_info(record)
+        if self._shared is not None and record.state == "running":  # another replica's
+            return record.owner, self.running_info(record)
+        return None
+
+    def _live_info(self, owner: str | None, session_id: str) -> tuple[str, SessionInfo] | None:
+        live = self.sessions.live(session_id)
+        if live is None or owner not in (None, live.owner):
+            return None
+        return live.owner, self.info(live)
+
+    def _listed_records(self, owner: str | None) -> list[SessionRecord]:
+        """The records a listing shows beside the sessions live here: paused ones and, in
+        cluster mode, those running on any replica (blocking: the store is read)."""
+        running = (
+            self._shared.sessions(owner=owner, state="running") if self._shared is not None else []
+        )
+        return running + self.list_paused(owner)
+
+    def _owned_infos(
+        self, owner: str | None, records: list[SessionRecord]
+    ) -> list[tuple[str, SessionInfo]]:
+        """The live sessions (read now, on the loop) first, then the records of the others."""
         live = self.sessions.all() if owner is None else self.list_sessions(owner)
         found = [(x.owner, self.info(x)) for x in live]
-        if self._shared is not None:
-            held = {info.id for _, info in found}
-            records = self._shared.sessions(owner=owner, state="running")
-            found += [(r.owner, self.running_info(r)) for r in records if r.id not in held]
-        return found + [(r.owner, self.paused_info(r)) for r in self.list_paused(owner)]
+        held = {x.id for x in live}
+        for record in records:
+            if record.id in held:  # live here (resumed while the store answered), or listed
+                continue
+            held.add(record.id)
+            paused = record.state == "paused"
+            info = self.paused_info(record) if paused else self.running_info(record)
+            found.append((record.owner, info))
+        return found
 
     async def end_session(self, session_id: str, owner: str) -> None:
         """End a session and its sandbox, running or paused; its kept outputs and paused state
@@ -1348,10 +1396,10 @@ class Service:
             try:
                 result = await session.sandbox.run_command(self._process_request(request))
             except BaseException as exc:  # it could not run, or its caller left
-                self._audit_command(session, request, None, exc)
+                self._audit_command(session, request, None, exc, file_transfer=file_transfer)
                 raise
         METRICS.commands.labels(session.backend, _outcome(result)).inc()
-        self._audit_command(session, request, result)
+        self._audit_command(session, request, result, file_transfer=file_transfer)
         return result
 
     async def start_process(
@@ -1376,7 +1424,8 @@ class Service:
                 "command": self._command_line(request),
                 "terminal": request.terminal is not None,
                 "tag": request.tag,
-            },
+            }
+            | ({"file_transfer": True} if file_transfer else {}),
         )
         return info
 

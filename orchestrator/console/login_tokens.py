@@ -2,7 +2,10 @@
 
 The token names the principal and the digest of the key that logged in, so each request can
 check again that the key still holds (a revoked or rotated-out key is logged out at once). The
-HMAC secret is kept under the state dir (0600): a restart keeps everyone logged in.
+digest is sealed (XORed with a pad made from the secret and the login's own nonce): a leaked
+cookie gives nothing to guess a weak key against offline, only the secret opens it. The secret
+is the `console_secret` setting, or kept under the state dir (0600): a restart keeps everyone
+logged in.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ SECRET_FILE = "console-secret"
 TOKEN_TTL_S = 12 * 3600.0
 MAX_TOKEN_CHARS = 1024  # a cookie longer than any token made here is refused unread
 _SECRET_BYTES = 32
-_VERSION = "v1"
+_DIGEST_BYTES = 32  # SHA-256
+_VERSION = "v2"  # v1 carried the digest in the clear: refused
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,34 @@ class LoginTokens:
         mac = hmac.new(self._secret, f"{purpose}\n{data}".encode(), hashlib.sha256)
         return _b64(mac.digest())
 
+    def _pad(self, nonce: str) -> bytes:
+        """A pad no two logins share (each has its own nonce), known only with the secret."""
+        return hmac.new(self._secret, f"seal\n{nonce}".encode(), hashlib.sha256).digest()
+
+    def _seal(self, digest: str, nonce: str) -> str:
+        """A key's SHA-256 hex as the cookie carries it: XORed with the login's pad."""
+        if not digest:  # a login made while auth was off has no key
+            return ""
+        try:
+            raw = bytes.fromhex(digest)
+        except ValueError:
+            raw = b""
+        if len(raw) != _DIGEST_BYTES:
+            raise ValueError("a key digest is a SHA-256, 64 hex characters")
+        return _b64(bytes(a ^ b for a, b in zip(raw, self._pad(nonce), strict=True)))
+
+    def _unseal(self, sealed: str, nonce: str) -> str:
+        if not sealed:
+            return ""
+        raw = _unb64(sealed)
+        if len(raw) != _DIGEST_BYTES:
+            raise ValueError("not a sealed digest")
+        return bytes(a ^ b for a, b in zip(raw, self._pad(nonce), strict=True)).hex()
+
     def issue(self, principal_id: str, digest: str, *, now: float | None = None) -> str:
         expires = (time.time() if now is None else now) + self.ttl_s
-        payload = {"p": principal_id, "k": digest, "e": expires, "n": secrets.token_hex(16)}
+        nonce = secrets.token_hex(16)
+        payload = {"p": principal_id, "k": self._seal(digest, nonce), "e": expires, "n": nonce}
         body = _b64(json.dumps(payload, separators=(",", ":")).encode())
         return f"{_VERSION}.{body}.{self._sign('login', body)}"
 
@@ -98,11 +127,12 @@ class LoginTokens:
             return None
         try:
             payload = json.loads(_unb64(body))
+            nonce = str(payload["n"])
             login = Login(
                 principal_id=str(payload["p"]),
-                key_digest=str(payload["k"]),
+                key_digest=self._unseal(str(payload["k"]), nonce),
                 expires_at=float(payload["e"]),
-                nonce=str(payload["n"]),
+                nonce=nonce,
             )
         except (ValueError, KeyError, TypeError, binascii.Error):
             return None

@@ -60,15 +60,15 @@ def _cut_by_audit(details: dict[str, Any]) -> int:
     return 0
 
 
-def _rows(console: Console, viewer: Viewer) -> list[SessionRow]:
+async def _rows(console: Console, viewer: Viewer) -> list[SessionRow]:
     principals = console.service.principals
-    found = console.service.owned_infos(viewer.owner_filter)
+    found = await console.service.owned_session_infos(viewer.owner_filter)
     found.sort(key=lambda pair: pair[1].created_at, reverse=True)
     return [SessionRow(owner, principals.of(owner).name, info) for owner, info in found]
 
 
-def _listing(request: Request, viewer: Viewer) -> tuple[str, str]:
-    rows = _rows(console_of(request), viewer)
+async def _listing(request: Request, viewer: Viewer) -> tuple[str, str]:
+    rows = await _rows(console_of(request), viewer)
     inner = text(
         "sessions_list.html",
         base=base(request),
@@ -80,7 +80,7 @@ def _listing(request: Request, viewer: Viewer) -> tuple[str, str]:
 
 @router.get("/sessions")
 async def sessions(request: Request, viewer: ViewerDep) -> Response:
-    url, inner = _listing(request, viewer)
+    url, inner = await _listing(request, viewer)
     return page(
         "sessions.html",
         title="Sessions",
@@ -93,18 +93,19 @@ async def sessions(request: Request, viewer: ViewerDep) -> Response:
 
 @router.get("/sessions/list")
 async def sessions_list(request: Request, viewer: ViewerDep) -> Response:
-    url, inner = _listing(request, viewer)
+    url, inner = await _listing(request, viewer)
     return polled(request, "sessions-list", url, inner)
 
 
-def _live(console: Console, viewer: Viewer, session_id: str) -> SessionRow | None:
+async def _live(console: Console, viewer: Viewer, session_id: str) -> SessionRow | None:
     """The viewer's session by that id, running or paused (None: not now, or not theirs)."""
     if len(session_id) > MAX_ID_CHARS:
         raise SessionGone(f"no session {session_id[:MAX_ID_CHARS]}…")
-    for owner, info in console.service.owned_infos(viewer.owner_filter):
-        if info.id == session_id:
-            return SessionRow(owner, console.service.principals.of(owner).name, info)
-    return None
+    found = await console.service.owned_session_info(viewer.owner_filter, session_id)
+    if found is None:
+        return None
+    owner, info = found
+    return SessionRow(owner, console.service.principals.of(owner).name, info)
 
 
 async def _activity(
@@ -144,7 +145,7 @@ async def _activity(
 
 @router.get("/sessions/{session_id}")
 async def session_page(request: Request, session_id: str, viewer: ViewerDep) -> Response:
-    live = _live(console_of(request), viewer, session_id)
+    live = await _live(console_of(request), viewer, session_id)
     inner = await _activity(request, viewer, session_id, live)
     url = f"{base(request)}/sessions/{session_id}/activity"
     return page(
@@ -162,7 +163,7 @@ async def session_page(request: Request, session_id: str, viewer: ViewerDep) -> 
 
 @router.get("/sessions/{session_id}/activity")
 async def session_activity(request: Request, session_id: str, viewer: ViewerDep) -> Response:
-    live = _live(console_of(request), viewer, session_id)
+    live = await _live(console_of(request), viewer, session_id)
     inner = await _activity(request, viewer, session_id, live)
     return polled(request, "activity", f"{base(request)}/sessions/{session_id}/activity", inner)
 
@@ -173,7 +174,7 @@ async def artifact(
 ) -> Response:
     """An image an execution made, shown (never run: the API's own headers for it)."""
     console = console_of(request)
-    if _live(console, viewer, session_id) is None:
+    if await _live(console, viewer, session_id) is None:
         raise SessionGone(f"no session {session_id}")
     path, mime = console.service.kept_artifact(session_id, artifact_id)
     return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

@@ -50,7 +50,8 @@ async def session_for(sandboxes: E2BSandboxes, ctx: RequestContext[Any, Any]) ->
     sandbox_id = headers.get("e2b-sandbox-id") or ""
     token = headers.get("x-access-token") or headers.get("e2b-traffic-access-token")
     try:
-        _, session = await sandboxes.reachable(sandbox_id, token)
+        with connect_errors():  # a refusal to wake it (its key's policy) is said as one
+            _, session = await sandboxes.reachable(sandbox_id, token)
     except SandboxGone as exc:
         raise ConnectError(Code.UNAVAILABLE, str(exc)) from None
     return session

@@ -55,7 +55,8 @@ router = APIRouter(route_class=E2BRoute, tags=["e2b"])
 # (0.6.2) and newer features do not, and the SDK refuses them itself below this version.
 ENVD_VERSION = "0.5.7"
 CLIENT_ID = "code-interpreter-runtime"
-# Template names E2B's SDKs use by default: they get the service's default backend.
+# Template names E2B's SDKs use by default: they get the service's default backend (or, for a
+# key whose policy excludes it, the first backend the policy allows: the service fits it).
 DEFAULT_TEMPLATES = ("code-interpreter-v1", "code-interpreter", "base")
 
 JSONBody = Annotated[dict[str, Any], Body()]
@@ -64,14 +65,15 @@ SNAPSHOT_PREFIX = "snap-"
 MAX_PAGE = 100  # E2B's largest and default page of a list
 
 
-def _backend_for(service: Service, template: str) -> tuple[str, str | None]:
+def _backend_for(service: Service, template: str) -> tuple[str | None, str | None]:
     """(backend, image) for an E2B template name: a backend's name, an allowed Docker image, or
-    one of E2B's default templates (the default backend)."""
+    one of E2B's default templates (no backend named: the service picks it, within the key's
+    policy)."""
     enabled = service.backend_names()
     if template in enabled:
         return template, None
     if template in DEFAULT_TEMPLATES:
-        return service.settings.default_backend, None
+        return None, None
     images = service.settings.docker_images or [service.settings.docker_image]
     if "docker" in enabled and template in images:
         return "docker", template

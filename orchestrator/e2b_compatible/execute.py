@@ -28,7 +28,7 @@ from starlette.types import Send
 
 from orchestrator.e2b_compatible.deps import E2BDep, Reached, ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
+from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes
 from orchestrator.schemas import Env, KernelText
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
@@ -100,6 +100,8 @@ async def context_target(
         raise E2BError(404, f"Context {context_id} not found")  # E2B's words
     try:
         found = await service.get_session(context.id, record.owner)
+    except REFUSALS:
+        raise  # paused, and its key may not wake it now: said why
     except SessionError:
         raise E2BError(404, f"Context {context_id} has ended") from None
     return Target(found, context.language, context.cwd)

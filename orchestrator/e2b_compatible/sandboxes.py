@@ -28,9 +28,16 @@ from datetime import UTC, datetime
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.auth import LOCAL_OWNER
+from orchestrator.governance.errors import PolicyDenied
 from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
-from orchestrator.sessions import Session, SessionBusy, SessionError, SessionNotFound
+from orchestrator.sessions import (
+    Session,
+    SessionBusy,
+    SessionError,
+    SessionLimitReached,
+    SessionNotFound,
+)
 from orchestrator.state_store.records import SessionRecord
 from sandbox.languages import PYTHON
 
@@ -58,6 +65,12 @@ class SandboxPaused(SessionError):
 
     def __init__(self, sandbox_id: str) -> None:
         super().__init__(f"sandbox {sandbox_id} is paused: connect to it to resume it first")
+
+
+# Why a sandbox that is there may not be woken (a key's policy: `max_sessions`, a backend it may
+# no longer use, a revoked key; the service's cap of sessions per key): said as such, never as a
+# sandbox that is gone.
+REFUSALS = (PolicyDenied, SessionLimitReached)
 
 
 class SandboxGone(Exception):
@@ -364,10 +377,14 @@ class E2BSandboxes:
                 raise SandboxGone(sandbox_id)
             try:
                 return record, await self.resume(record, None)
+            except REFUSALS:
+                raise  # it is there, asleep: its key may not wake it now, and is told why
             except SessionError:
                 raise SandboxGone(sandbox_id) from None
         try:
             session = await self.service.get_session(record.session_id, record.owner)
+        except REFUSALS:
+            raise
         except SessionError:
             await self.forget(record)
             raise SandboxGone(sandbox_id) from None

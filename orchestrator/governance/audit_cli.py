@@ -8,7 +8,6 @@ operator's tool, answering as an admin key would.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from collections.abc import Iterator
@@ -18,14 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TextIO
 
 import typer
+from pydantic import ValidationError
 
 if TYPE_CHECKING:
+    from orchestrator.config import Settings
     from orchestrator.state_store.audit_store import AuditEvent, AuditQuery, AuditStore
 
 EXIT_USAGE = 2
-STATE_DIR_VARIABLE = "CODE_INTERPRETER_STATE_DIR"
-STORE_VARIABLE = "CODE_INTERPRETER_STORE_URL"
-PREFIX_VARIABLE = "CODE_INTERPRETER_STORE_PREFIX"
 EXPORT_PAGE = 500
 SUMMARY_CHARS = 80  # of a listed event's details
 
@@ -40,7 +38,8 @@ StateDirOption = Annotated[
     typer.Option(
         "--state-dir",
         metavar="DIR",
-        help=f"The service's state dir; otherwise {STATE_DIR_VARIABLE}, else the default one.",
+        help="The service's state dir (its state.db holds the audit log).  [default: the "
+        "service's setting, CODE_INTERPRETER_STATE_DIR]",
     ),
 ]
 StoreOption = Annotated[
@@ -48,7 +47,8 @@ StoreOption = Annotated[
     typer.Option(
         "--store",
         metavar="URL",
-        help=f"Cluster mode's shared store, redis://HOST:PORT/DB; otherwise {STORE_VARIABLE}.",
+        help="The cluster's shared store (redis://HOST:PORT/DB) instead of a state dir.  "
+        "[default: the service's setting, CODE_INTERPRETER_STORE_URL]",
     ),
 ]
 KeyOption = Annotated[
@@ -80,19 +80,36 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
+def _service_settings() -> Settings:
+    """The service's settings (environment, config file), as `keys` reads them: where its
+    store is (keys are not needed for that)."""
+    from orchestrator.config import Settings
+
+    try:
+        return Settings(auth_disabled=True)
+    except ValidationError as exc:
+        raise _fail(f"the service's settings are bad: {exc.errors()[0]['msg']}") from None
+
+
 @contextmanager
 def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditStore]:
-    """The audit log the service writes: in Redis when a store URL is given (or set in the
-    environment), else in the state dir's SQLite file, which must exist already."""
-    store_url = store_url or os.environ.get(STORE_VARIABLE)
-    state = state_dir or _default_state_dir()
+    """The audit log the service writes, where its settings say unless the options say
+    otherwise: in Redis (cluster mode, under the service's key prefix), else in the state
+    dir's SQLite file, which must exist already."""
+    settings = _service_settings()
+    if store_url is None and settings.store_url is not None:
+        store_url = settings.store_url.get_secret_value()
+    state = state_dir or settings.state_dir
     if store_url:
         from orchestrator.state_store.redis_store import RedisStore, StoreUnavailable
 
+        if not store_url.startswith(("redis://", "rediss://", "unix://")):
+            raise _fail("--store must be redis://HOST:PORT/DB (or rediss://, unix://)")
         shared = RedisStore(
             store_url,
             snapshots_dir=state / "snapshots",
-            prefix=os.environ.get(PREFIX_VARIABLE, "cir"),
+            prefix=settings.store_prefix,
+            timeout_s=settings.store_timeout_s,
         )
         try:
             shared.ping()
@@ -104,8 +121,8 @@ def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditS
         return
     if not (state / "state.db").is_file():
         raise _fail(
-            f"no service state in {state} (no state.db): give the service's --state-dir, or "
-            f"--store for cluster mode"
+            f"no service state in {state} (no state.db): give the service's --state-dir (its "
+            "CODE_INTERPRETER_STATE_DIR), or --store for cluster mode"
         )
     from orchestrator.state_store.sqlite_store import SqliteStore
 
@@ -114,13 +131,6 @@ def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditS
         yield local.audit
     finally:
         local.close()
-
-
-def _default_state_dir() -> Path:
-    from sandbox.state_dir import default_state_dir
-
-    given = os.environ.get(STATE_DIR_VARIABLE)
-    return Path(given) if given else default_state_dir()
 
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")

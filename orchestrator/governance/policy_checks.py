@@ -29,6 +29,23 @@ def check_backend(who: Principal, backend: str) -> None:
         )
 
 
+def fit_backend(who: Principal, default: str, enabled: list[str]) -> str:
+    """The backend of a session that named none: the service's default when the policy allows
+    it, else the first backend the policy lists that the service runs."""
+    allowed = who.policy.backends
+    if allowed is None or default in allowed:
+        return default
+    for name in allowed:
+        if name in enabled:
+            return name
+    raise PolicyDenied.by_rule(
+        who.name,
+        f"use the default backend, {default}",
+        "backends",
+        f"allows: {_listed(allowed)}, none of which this service runs ({_listed(enabled)})",
+    )
+
+
 def check_image(who: Principal, image: str) -> None:
     allowed = who.policy.images
     if allowed is not None and image not in allowed:

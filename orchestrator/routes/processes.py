@@ -238,13 +238,14 @@ async def run_command(
     responses=NDJSON,
 )
 async def run_command_stream(
-    body: ProcessRequest, session: SessionDep, service: ServiceDep
+    body: ProcessRequest, request: Request, session: SessionDep, service: ServiceDep
 ) -> StreamingResponse:
     """One JSON object per line: `start` with its pid, then `stdout`, `stderr` (or `pty`, in a
     terminal) with `text` as it comes, `keepalive` at least every 5 s, `dropped` if the client
     fell behind, and last `end` with the whole CommandResult (or `failure`, if the session
-    ended). Closing the connection kills the command."""
-    info = await service.start_process(session, body)
+    ended). Closing the connection kills the command (before it starts, e.g. while it waits
+    for a human's approval: it never starts)."""
+    info = await unless_disconnected(request, service.start_process(session, body))
     lines = _ndjson(service, session, info.pid, replay=True, start=True)
     return _StreamThenCleanUp(lines, lambda: _kill(service, session, info.pid))
 
@@ -256,11 +257,13 @@ async def run_command_stream(
     summary="Start a process in the background",
 )
 async def start_process(
-    body: ProcessRequest, session: SessionDep, service: ServiceDep
+    body: ProcessRequest, request: Request, session: SessionDep, service: ServiceDep
 ) -> ProcessInfo:
     """It runs until it ends, is signalled, its time limit passes, or the session ends. Its
-    output is always read (it never blocks on a full pipe) and the most recent is kept."""
-    return await service.start_process(session, body)
+    output is always read (it never blocks on a full pipe) and the most recent is kept. A
+    caller that disconnects before it starts (e.g. while it waits for a human's approval)
+    leaves nothing started."""
+    return await unless_disconnected(request, service.start_process(session, body))
 
 
 @router.get("/processes", summary="List the session's processes")

@@ -55,7 +55,7 @@ async def list_sessions(
         Literal["running", "paused"] | None, Query(description="Only those in this state.")
     ] = None,
 ) -> list[SessionInfo]:
-    return [i for i in service.list_infos(owner) if state is None or i.state == state]
+    return [i for i in await service.session_infos(owner) if state is None or i.state == state]
 
 
 @router.get("/{session_id}", summary="Get a session (a paused one stays paused)")

@@ -6,10 +6,13 @@ The browser's view of the same is in test_console_browser.py."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +23,7 @@ import pytest
 
 from orchestrator.console.console_auth import COOKIE, MAX_KEY_CHARS
 from orchestrator.console.headers import CONTENT_SECURITY_POLICY
-from orchestrator.console.login_tokens import LoginTokens, load_secret
+from orchestrator.console.login_tokens import LoginTokens, key_digest, load_secret
 from orchestrator.console.shown_outputs import SHOWN_CHARS
 from orchestrator.governance.approvals import MAX_REASON_CHARS
 from tests.governance.conftest import ADMIN_KEY, KEY_A, KEY_B, CliResult, eventually, unique_name
@@ -107,6 +110,12 @@ def test_login_sets_a_strict_cookie_and_every_page_a_strict_policy(
         for flag in ("httponly", "samesite=strict", "path=/console"):
             assert flag in cookie
         assert KEY_A.lower() not in cookie  # the key itself is never kept
+        # Nor its digest, which would let a weak key be guessed offline from a leaked cookie.
+        token = browser.cookies.get(COOKIE) or ""
+        assert token.startswith("v2.") and key_digest(KEY_A) not in token
+        body = base64.urlsafe_b64decode(token.split(".")[1] + "==")
+        assert key_digest(KEY_A).encode() not in body
+        assert hashlib.sha256(KEY_A.encode()).digest() not in body
         page = browser.get("/console/sessions")
         assert page.status_code == 200 and 'id="sessions-list"' in page.text
 
@@ -179,6 +188,32 @@ def test_login_tokens_expire_and_are_bound_to_their_secret(tmp_path: Path) -> No
     other = tokens.read(tokens.issue("p_1", "d" * 64, now=1000.0), now=1000.0)
     assert other is not None and tokens.csrf(login) != tokens.csrf(other)
     assert tokens.csrf_ok(login, tokens.csrf(login)) and not tokens.csrf_ok(login, "é")
+
+
+def test_a_login_token_carries_its_keys_digest_sealed(tmp_path: Path) -> None:
+    """Only the secret opens it: each login's seal differs (its own nonce), a token made with
+    another secret is refused, and a token of the old kind (the digest in the clear) too."""
+    digest = key_digest("weak-key")
+    tokens = LoginTokens(load_secret(tmp_path))
+    made = [tokens.issue("p_1", digest) for _ in range(2)]
+    sealed = []
+    for token in made:
+        body = base64.urlsafe_b64decode(token.split(".")[1] + "==")
+        assert digest.encode() not in body and bytes.fromhex(digest) not in body
+        sealed.append(json.loads(body)["k"])
+        login = tokens.read(token)
+        assert login is not None and login.key_digest == digest  # the server opens it
+    assert sealed[0] != sealed[1]  # no two logins' seals can be compared
+    assert LoginTokens(b"o" * 32).read(made[0]) is None
+    without_key = tokens.read(tokens.issue("local", ""))  # auth off: no key, nothing sealed
+    assert without_key is not None and without_key.key_digest == ""
+    with pytest.raises(ValueError, match="SHA-256"):
+        tokens.issue("p_1", "abc")
+    clear = json.dumps({"p": "p_1", "k": digest, "e": time.time() + 60, "n": "n" * 32})
+    old_body = base64.urlsafe_b64encode(clear.encode()).rstrip(b"=").decode()
+    for version in ("v1", "v2"):  # the old kind, even correctly signed, opens nothing
+        signature = tokens._sign("login", old_body)
+        assert tokens.read(f"{version}.{old_body}.{signature}") is None
 
 
 def test_each_key_sees_its_own_sessions_and_an_admin_all(

@@ -20,11 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTION = "code-interpreter-runtime"
 # What a client-only install asks for, and nothing else (README "Install" lists the same).
 CLIENT_REQUIREMENTS = {"pydantic>=2.11", "httpx>=0.27"}
-# The top-level modules of the `server` extra's packages (and of their web stack).
+# The top-level modules of the `server` extra's packages (and of their web stack, and the
+# console's templates); test_every_server_package_is_refused keeps it whole.
 SERVER_MODULES = [
     "fastapi", "starlette", "uvicorn", "docker", "jupyter_client", "zmq", "mcp", "e2b",
     "e2b_code_interpreter", "typer", "rich", "prometheus_client", "pyseccomp", "jsonschema",
-    "griffe", "multipart", "python_multipart", "pydantic_settings",
+    "griffe", "multipart", "python_multipart", "pydantic_settings", "jinja2", "markupsafe",
+    "websockets",
 ]  # fmt: skip
 
 REFUSE_SERVER_MODULES = f"""
@@ -165,3 +167,53 @@ def test_a_client_only_install_asks_for_the_listed_packages_only() -> None:
         if requirement.marker is None  # extras carry an `extra == "..."` marker
     }
     assert base == CLIENT_REQUIREMENTS
+
+
+def _closure(names: list[str]) -> set[str]:
+    """The distributions `names` pull in when installed without extras (normalised names)."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        key = _normal(name)
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            declared = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for requirement in map(Requirement, declared):
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return seen
+
+
+def _normal(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def test_every_server_package_is_refused() -> None:
+    """Each package the `server` extra adds (and a client install does not bring anyway, as
+    httpx brings h11) has its modules in SERVER_MODULES: the checks above refuse it."""
+    declared = map(Requirement, importlib.metadata.requires(DISTRIBUTION) or [])
+    server = [
+        r.name
+        for r in declared
+        if r.marker is not None
+        and r.marker.evaluate({"extra": "server"})
+        and not r.marker.evaluate({"extra": ""})
+    ]
+    assert "fastapi" in server and "jinja2" in server
+    client = _closure([Requirement(r).name for r in CLIENT_REQUIREMENTS])
+    modules: dict[str, set[str]] = {}
+    for module, distributions in importlib.metadata.packages_distributions().items():
+        for distribution in distributions:
+            modules.setdefault(_normal(distribution), set()).add(module)
+    unrefused = {
+        name: sorted(modules.get(_normal(name), set()))
+        for name in server
+        if _normal(name) not in client
+        and not modules.get(_normal(name), set()) & set(SERVER_MODULES)
+    }
+    assert not unrefused, f"add their modules to SERVER_MODULES: {unrefused}"

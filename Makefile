@@ -16,12 +16,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[server,kernel,languages,dev]'
 	touch $@
 
+# Two test workers a core, at most four: a test mostly waits (a kernel starting, a sandbox's
+# processes dying, a time limit running out), so one worker a core leaves the cores half idle; three on two cores (four showed load flakes).
+# A file runs whole on one worker; the slowest files start first (tests/conftest.py), so
+# xdist's own order (by test count) is turned off.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n * 2 < 3 ? n * 2 : 3 )))
+XDIST := --numprocesses=$(TEST_WORKERS) --dist=loadfile --no-loadscope-reorder
+
 # The Docker tests need an engine and the images: start and build them when we can. Where no
 # engine can be had, the Docker tests skip on a developer's machine and fail in CI (CI=true).
 test: install
 	@if scripts/ensure-docker-engine.sh; then $(MAKE) --no-print-directory image; \
 	else echo "warning: no Docker engine: the Docker tests cannot run" >&2; fi
-	$(BIN)/pytest --numprocesses=auto --maxprocesses=4 --dist=loadfile -m "not cluster"
+	$(BIN)/pytest $(XDIST) -m "not cluster"
 	$(MAKE) --no-print-directory test-cluster
 	$(MAKE) --no-print-directory test-gvisor
 
@@ -63,9 +70,8 @@ GVISOR_DIFFERS := \
 test-gvisor: install
 	@if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; then \
 		echo "the Docker tests again, under gVisor (runsc)"; \
-		CIR_TEST_BACKENDS=docker CIR_DOCKER_RUNTIME=runsc $(BIN)/pytest --numprocesses=auto \
-			--maxprocesses=4 --dist=loadfile $(GVISOR_TESTS) \
-			$(addprefix --deselect=,$(GVISOR_DIFFERS)); \
+		CIR_TEST_BACKENDS=docker CIR_DOCKER_RUNTIME=runsc $(BIN)/pytest $(XDIST) \
+			$(GVISOR_TESTS) $(addprefix --deselect=,$(GVISOR_DIFFERS)); \
 	elif [ -n "$$CI" ]; then \
 		echo "error: the Docker engine has no runsc runtime: run scripts/ensure-docker-engine.sh" >&2; \
 		exit 1; \

@@ -811,11 +811,15 @@ class Service:
 
     async def session_state(self, session_id: str, owner: str) -> Session | SessionRecord | None:
         """The owner's session as it is now, without waking it: live, paused, or None. In
-        cluster mode a running session another replica made is attached (found in the store)."""
+        cluster mode a running session another replica made is attached (found in the store).
+        The store is read off the event loop (E2B's sweep and listing ask of every sandbox)."""
         live = self.sessions.live(session_id)
         if live is not None and live.owner == owner:
             return live
-        paused = self._paused_record(session_id, owner)
+        paused = await asyncio.to_thread(self._paused_record, session_id, owner)
+        live = self.sessions.live(session_id)  # resumed here while the store answered
+        if live is not None and live.owner == owner:
+            return live
         if paused is not None or live is not None or self._shared is None:
             return paused
         try:  # the caller asks describe_session why, when it wants to say
@@ -853,18 +857,13 @@ class Service:
         again when it starts)."""
         return self.store.sessions(owner=owner, state="paused")
 
-    def list_infos(self, owner: str) -> list[SessionInfo]:
-        """Every session of the owner's, running and paused (in cluster mode: those every
-        replica serves, from the shared store). Reads the store on the caller's thread: on
-        the event loop, `session_infos` instead."""
-        return [info for _, info in self._owned_infos(owner, self._listed_records(owner))]
-
     async def session_infos(self, owner: str) -> list[SessionInfo]:
-        """`list_infos`, with the store read off the event loop (GET /v1/sessions)."""
+        """Every session of the owner's, running and paused (in cluster mode: those every
+        replica serves, from the shared store), the store read off the event loop."""
         return [info for _, info in await self.owned_session_infos(owner)]
 
     async def owned_session_infos(self, owner: str | None) -> list[tuple[str, SessionInfo]]:
-        """(owner, info) of each session `list_infos` lists; None: every owner's (an admin's
+        """(owner, info) of each session `session_infos` lists; None: every owner's (an admin's
         view in the console, polled every few seconds). Wakes nothing. The store is read in a
         thread (Redis may take up to its timeout), then the sessions in memory on the loop."""
         records = await asyncio.to_thread(self._listed_records, owner)

@@ -5,7 +5,9 @@ may see)."""
 from __future__ import annotations
 
 from starlette._utils import get_route_path
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Scope
+
+from orchestrator.security_headers import Headers, ResponseHeaders
 
 # Pico's own icons are data: URIs in its CSS, hence img-src data:.
 CONTENT_SECURITY_POLICY = (
@@ -21,25 +23,12 @@ _ALWAYS = [
 _NOT_STORED = (b"cache-control", b"no-store")
 
 
-class ConsoleHeaders:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class ConsoleHeaders(ResponseHeaders):
+    def headers_for(self, scope: Scope, headers: Headers) -> Headers:
+        given = {name.lower() for name, _ in headers}
+        # A route's own (stricter: an image a sandbox made) is kept.
+        headers = [*headers, *(h for h in _ALWAYS if h[0] not in given)]
         static = get_route_path(scope).startswith("/static/")
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                given = {name.lower() for name, _ in headers}
-                # A route's own (stricter: an image a sandbox made) is kept.
-                headers += [h for h in _ALWAYS if h[0] not in given]
-                if not static and b"cache-control" not in given:
-                    headers.append(_NOT_STORED)
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+        if not static and b"cache-control" not in given:
+            headers.append(_NOT_STORED)
+        return headers

@@ -258,7 +258,7 @@ async def list_sandboxes(
     if unknown := states - {"running", "paused"}:
         raise E2BError(400, f"unknown sandbox state {sorted(unknown)}: use running, paused")
     out = []
-    for sandbox_id in sandboxes.listed(owner):
+    for sandbox_id in await sandboxes.listed(owner):
         try:
             record, _ = await sandboxes.found(sandbox_id, owner)
             info = await _info(service, record)

@@ -411,10 +411,11 @@ class E2BSandboxes:
             self._records[DEBUG_SANDBOX_ID] = record
             return record
 
-    def listed(self, owner: str) -> list[str]:
+    async def listed(self, owner: str) -> list[str]:
         """The ids of the caller's sessions, running and paused, that are sandboxes (not
-        contexts of one)."""
-        return [x.id for x in self.service.list_infos(owner) if not self.is_context(x.id)]
+        contexts of one); the store is read off the event loop."""
+        infos = await self.service.session_infos(owner)
+        return [x.id for x in infos if not self.is_context(x.id)]
 
     # ----------------------------------------------------------------------------------------
     # pause and resume

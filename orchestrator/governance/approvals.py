@@ -29,7 +29,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
@@ -49,6 +49,9 @@ from orchestrator.state_store.approval_store import (
     ApprovalState,
     ApprovalStore,
 )
+
+if TYPE_CHECKING:
+    from orchestrator.governance.audit import AuditLog
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +75,6 @@ SESSION_ENDED = "the session ended before an answer"
 
 # What an MCP connection's user answered: (approve, reason), or None when it cannot ask.
 Responder = Callable[[ApprovalRecord], Awaitable[tuple[bool, str | None] | None]]
-
-
-class AuditSink(Protocol):
-    def record(
-        self,
-        kind: str,
-        *,
-        owner: str,
-        session_id: str | None = None,
-        status: str | None = None,
-        duration_s: float | None = None,
-        details: dict[str, Any] | None = None,
-    ) -> None: ...
 
 
 def canonical_arguments(arguments: Any) -> bytes:
@@ -140,7 +130,7 @@ class Approvals:
         store_of: Callable[[], ApprovalStore],
         *,
         principal_of: Callable[[str], Principal],
-        audit: AuditSink | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         """`store_of()`: the state store's approvals (any replica's answers land there; asked
         at each use: the service opens its store when it starts); `principal_of(owner)`: who a

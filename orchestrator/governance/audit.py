@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 FLUSH_DELAY_S = 0.1  # how long an event may wait for others to share its write
 MAX_TEXT_CHARS = 2048  # any other text field (a path, a reason, a host)
 MAX_LIST_ITEMS = 64
+MAX_QUERY_KINDS = 32  # kinds one query may name
 MAX_DETAILS = 32  # fields of one event's details
 LONG_TEXT_FIELDS = frozenset({"code", "command"})  # capped at `audit_max_code_chars`
 MAX_QUEUED_CHARS = 32 << 20  # the text events waiting to be written may hold, in all
@@ -71,6 +72,21 @@ def parse_time(text: str) -> float:
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return when.timestamp()
+
+
+def parse_kinds(given: list[str] | None) -> list[str] | None:
+    """The kinds a query names (each given repeated, or comma-separated); None: every kind.
+    A kind no event has is BadAuditQuery listing those there are."""
+    kinds = [k.strip() for part in given or [] for k in part.split(",") if k.strip()]
+    if len(kinds) > MAX_QUERY_KINDS:
+        raise BadAuditQuery(f"at most {MAX_QUERY_KINDS} kinds in one query")
+    unknown = [k for k in kinds if k not in audit_kinds.ALL_KINDS]
+    if unknown:
+        raise BadAuditQuery(
+            f"no events are of kind {unknown[0][:64]!r}; the kinds are: "
+            + ", ".join(audit_kinds.ALL_KINDS)
+        )
+    return kinds or None
 
 
 def command_line(argv: list[str] | None, command: str | None, most: int) -> str:

@@ -10,20 +10,16 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, TextIO
+from typing import Annotated, Any, TextIO
 
 import typer
-from pydantic import ValidationError
 
-if TYPE_CHECKING:
-    from orchestrator.config import Settings
-    from orchestrator.state_store.audit_store import AuditEvent, AuditQuery, AuditStore
+from orchestrator.governance.cli_option_groups import with_options
+from orchestrator.governance.cli_stores import StateDirOption, StoreOption, fail, open_stores
+from orchestrator.state_store.audit_store import AuditEvent, AuditQuery, AuditStore
 
-EXIT_USAGE = 2
 EXPORT_PAGE = 500
 SUMMARY_CHARS = 80  # of a listed event's details
 
@@ -33,24 +29,6 @@ audit_app = typer.Typer(
     rich_markup_mode=None,
 )
 
-StateDirOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--state-dir",
-        metavar="DIR",
-        help="The service's state dir (its state.db holds the audit log).  [default: the "
-        "service's setting, CODE_INTERPRETER_STATE_DIR]",
-    ),
-]
-StoreOption = Annotated[
-    str | None,
-    typer.Option(
-        "--store",
-        metavar="URL",
-        help="The cluster's shared store (redis://HOST:PORT/DB) instead of a state dir.  "
-        "[default: the service's setting, CODE_INTERPRETER_STORE_URL]",
-    ),
-]
 KeyOption = Annotated[
     str | None, typer.Option("--key", metavar="NAME", help="Only this key's events.")
 ]
@@ -75,64 +53,6 @@ BeforeOption = Annotated[
 ]
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    return typer.Exit(EXIT_USAGE)
-
-
-def _service_settings() -> Settings:
-    """The service's settings (environment, config file), as `keys` reads them: where its
-    store is (keys are not needed for that)."""
-    from orchestrator.config import Settings
-
-    try:
-        return Settings(auth_disabled=True)
-    except ValidationError as exc:
-        raise _fail(f"the service's settings are bad: {exc.errors()[0]['msg']}") from None
-
-
-@contextmanager
-def open_audit(state_dir: Path | None, store_url: str | None) -> Iterator[AuditStore]:
-    """The audit log the service writes, where its settings say unless the options say
-    otherwise: in Redis (cluster mode, under the service's key prefix), else in the state
-    dir's SQLite file, which must exist already."""
-    settings = _service_settings()
-    if store_url is None and settings.store_url is not None:
-        store_url = settings.store_url.get_secret_value()
-    state = state_dir or settings.state_dir
-    if store_url:
-        from orchestrator.state_store.redis_store import RedisStore, StoreUnavailable
-
-        if not store_url.startswith(("redis://", "rediss://", "unix://")):
-            raise _fail("--store must be redis://HOST:PORT/DB (or rediss://, unix://)")
-        shared = RedisStore(
-            store_url,
-            snapshots_dir=state / "snapshots",
-            prefix=settings.store_prefix,
-            timeout_s=settings.store_timeout_s,
-        )
-        try:
-            shared.ping()
-            yield shared.audit
-        except StoreUnavailable as exc:  # one line, not a traceback
-            raise _fail(f"{exc} (is --store the cluster's store?)") from None
-        finally:
-            shared.close()
-        return
-    if not (state / "state.db").is_file():
-        raise _fail(
-            f"no service state in {state} (no state.db): give the service's --state-dir (its "
-            "CODE_INTERPRETER_STATE_DIR), or --store for cluster mode"
-        )
-    from orchestrator.state_store.sqlite_store import SqliteStore
-
-    local = SqliteStore(state)
-    try:
-        yield local.audit
-    finally:
-        local.close()
-
-
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 _SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -155,33 +75,31 @@ def _moment(text: str | None, option: str) -> float | None:
     try:
         return parse_time(text)
     except BadAuditQuery as exc:
-        raise _fail(f"{option}: {exc}, or an age (2h, 30m, 7d)") from None
+        raise fail(f"{option}: {exc}, or an age (2h, 30m, 7d)") from None
 
 
-def _query(
-    key: str | None,
-    session: str | None,
-    kinds: list[str] | None,
-    since: str | None,
-    until: str | None,
-    before: int | None,
-    limit: int,
+def audit_filters(
+    key: KeyOption = None,
+    session: SessionOption = None,
+    kind: KindOption = None,
+    since: SinceOption = None,
+    until: UntilOption = None,
+    before: BeforeOption = None,
 ) -> AuditQuery:
-    from orchestrator.governance.audit_kinds import ALL_KINDS
-    from orchestrator.state_store.audit_store import AuditQuery
+    """The query the filters of `list` and `export` make (its limit: the command's)."""
+    from orchestrator.governance.audit import BadAuditQuery, parse_kinds
 
-    wanted = [k.strip() for part in kinds or [] for k in part.split(",") if k.strip()]
-    for kind in wanted:
-        if kind not in ALL_KINDS:
-            raise _fail(f"--kind: no events are of kind {kind!r}; kinds: {', '.join(ALL_KINDS)}")
+    try:
+        kinds = parse_kinds(kind)
+    except BadAuditQuery as exc:
+        raise fail(f"--kind: {exc}") from None
     return AuditQuery(
         principal=key,
         session_id=session,
-        kinds=wanted or None,
+        kinds=kinds,
         since=_moment(since, "--since"),
         until=_moment(until, "--until"),
         before_seq=before,
-        limit=limit,
     )
 
 
@@ -214,23 +132,20 @@ def _line(event: AuditEvent) -> str:
 
 
 @audit_app.command("list")
+@with_options("filters", audit_filters)
 def list_events(
     state_dir: StateDirOption = None,
     store: StoreOption = None,
-    key: KeyOption = None,
-    session: SessionOption = None,
-    kind: KindOption = None,
-    since: SinceOption = None,
-    until: UntilOption = None,
-    before: BeforeOption = None,
+    *,
+    filters: AuditQuery,
     limit: Annotated[int, typer.Option(min=1, max=1000, help="Events to list.")] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines, as export writes.")] = False,
 ) -> None:
     """List audit events, newest first: seq, time (UTC), key, kind, session, status, details.
     When there are more, the last line says the --before that lists them."""
-    query = _query(key, session, kind, since, until, before, limit)
-    with open_audit(state_dir, store) as audit:
-        page = audit.query_page(query)
+    query = filters.model_copy(update={"limit": limit})
+    with open_stores(state_dir, store) as stores:
+        page = stores.audit.query_page(query)
     for event in page.events:
         typer.echo(event.model_dump_json() if as_json else _line(event))
     if page.next_before is not None and not as_json:
@@ -238,28 +153,25 @@ def list_events(
 
 
 @audit_app.command("export")
+@with_options("filters", audit_filters)
 def export_events(
     state_dir: StateDirOption = None,
     store: StoreOption = None,
-    key: KeyOption = None,
-    session: SessionOption = None,
-    kind: KindOption = None,
-    since: SinceOption = None,
-    until: UntilOption = None,
-    before: BeforeOption = None,
+    *,
+    filters: AuditQuery,
     output: Annotated[
         Path | None,
         typer.Option("--output", "-o", metavar="FILE", help="Write here, not to stdout."),
     ] = None,
 ) -> None:
     """Every event the filters select, as JSON lines (newest first), read a page at a time."""
-    query = _query(key, session, kind, since, until, before, EXPORT_PAGE)
-    with open_audit(state_dir, store) as audit:
+    query = filters.model_copy(update={"limit": EXPORT_PAGE})
+    with open_stores(state_dir, store) as stores:
         if output is None:
-            count = _export(audit, query, sys.stdout)
+            count = _export(stores.audit, query, sys.stdout)
         else:
             with output.open("w", encoding="utf-8") as out:
-                count = _export(audit, query, out)
+                count = _export(stores.audit, query, out)
     typer.echo(f"{count} events exported", err=True)
 
 
@@ -287,8 +199,8 @@ def prune_events(
     """Delete old events now (the service also does, past its audit_retention_s)."""
     age = parse_age(older_than)
     if age is None:
-        raise _fail(f"--older-than: {older_than!r} is not an age such as 90d, 12h, 30m or 45s")
+        raise fail(f"--older-than: {older_than!r} is not an age such as 90d, 12h, 30m or 45s")
     cutoff = datetime.now(UTC).timestamp() - age
-    with open_audit(state_dir, store) as audit:
-        gone = audit.delete_events_before(cutoff)
+    with open_stores(state_dir, store) as stores:
+        gone = stores.audit.delete_events_before(cutoff)
     typer.echo(f"{gone} events older than {_when(cutoff)} deleted")

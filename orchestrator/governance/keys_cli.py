@@ -13,8 +13,6 @@ import os
 import re
 import time
 import tomllib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +20,14 @@ import typer
 from pydantic import ValidationError
 
 from orchestrator.governance import audit_kinds
+from orchestrator.governance.cli_option_groups import with_options
+from orchestrator.governance.cli_stores import (
+    StateDirOption,
+    StoreOption,
+    Stores,
+    fail,
+    open_stores,
+)
 from orchestrator.governance.policy import Policy
 from orchestrator.governance.principals import (
     LOCAL_OWNER,
@@ -29,15 +35,13 @@ from orchestrator.governance.principals import (
     new_key,
     new_principal_id,
 )
-from orchestrator.state_store.audit_store import AuditEvent, AuditStore
+from orchestrator.state_store.audit_store import AuditEvent
 from orchestrator.state_store.principal_store import (
     KeyDigest,
     PrincipalNameTaken,
     PrincipalRecord,
-    PrincipalStore,
 )
 
-EXIT_USAGE = 2
 MAX_POLICY_FILE_BYTES = 1 << 20
 MAX_GRACE_S = 30 * 86400.0
 MAX_KEYS = 8  # keys one name holds at once (rotations within a grace period); oldest go first
@@ -52,107 +56,10 @@ keys_app = typer.Typer(
 )
 
 
-def _fail(message: str) -> typer.Exit:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    return typer.Exit(EXIT_USAGE)
-
-
-# --- where the keys are: the service's own store
-StateDirOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--state-dir",
-        metavar="DIR",
-        help="The service's state dir (its state.db holds the keys).  [default: the service's "
-        "setting, CODE_INTERPRETER_STATE_DIR]",
-    ),
-]
-StoreOption = Annotated[
-    str | None,
-    typer.Option(
-        "--store",
-        metavar="URL",
-        help="The cluster's shared store (redis://HOST:PORT/DB) instead of a state dir.  "
-        "[default: the service's setting, CODE_INTERPRETER_STORE_URL]",
-    ),
-]
-
-
-class _Stores:
-    """The principal store, and the audit store beside it, of one state dir or Redis."""
-
-    def __init__(self, principals: PrincipalStore, audit: AuditStore | None) -> None:
-        """`audit`: None where the service keeps no audit log (audit_enabled false)."""
-        self.principals = principals
-        self.audit = audit
-
-
-@contextmanager
-def open_stores(
-    state_dir: Path | None, store_url: str | None, *, may_create: bool = False
-) -> Iterator[_Stores]:
-    """The store the service uses, as its settings (environment, config file) say, unless the
-    options say otherwise. A state dir without the service's state.db is refused (a typo would
-    otherwise read, or write, a database no service uses), unless `may_create` (a first key,
-    added before the service ever ran: said on stderr). A store that fails is one line."""
-    from orchestrator.config import Settings
-    from orchestrator.state_store.redis_store import StoreUnavailable
-
-    try:  # only where things are is read; keys are not needed for that
-        settings = Settings(auth_disabled=True)
-    except ValidationError as exc:
-        raise _fail(f"the service's settings are bad: {exc.errors()[0]['msg']}") from None
-    url = store_url or (
-        settings.store_url.get_secret_value() if settings.store_url is not None else None
-    )
-    directory = state_dir or settings.state_dir
-    if url is not None:
-        from orchestrator.state_store.redis_store import RedisStore
-
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise _fail("--store must be redis://HOST:PORT/DB (or rediss://, unix://)")
-        redis_store = RedisStore(
-            url,
-            snapshots_dir=directory / "snapshots",
-            prefix=settings.store_prefix,
-            timeout_s=settings.store_timeout_s,
-        )
-        try:
-            redis_store.ping()
-            kept = redis_store.audit if settings.audit_enabled else None
-            yield _Stores(redis_store.principals, kept)
-        except StoreUnavailable as exc:
-            raise _fail(f"{exc} (is --store the cluster's store?)") from None
-        finally:
-            redis_store.close()
-        return
-    from orchestrator.state_store.sqlite_store import SqliteStore
-
-    database = directory / "state.db"
-    made = not database.is_file()
-    if made and not may_create:
-        raise _fail(
-            f"no service state in {directory} (no state.db): give the service's --state-dir "
-            "(its CODE_INTERPRETER_STATE_DIR), or --store for cluster mode"
-        )
-    sqlite_store = SqliteStore(directory)
-    if made:
-        typer.echo(
-            f"made {database}: a new state dir; the service must be started with it "
-            "(CODE_INTERPRETER_STATE_DIR) to take this key",
-            err=True,
-        )
-    try:
-        audit = sqlite_store.audit if settings.audit_enabled else None
-        yield _Stores(sqlite_store.principals, audit)
-    finally:
-        sqlite_store.close()
-
-
-def _audit(stores: _Stores, kind: str, record: PrincipalRecord, **details: Any) -> None:
+def _audit(stores: Stores, kind: str, record: PrincipalRecord, **details: Any) -> None:
     """A key.* event, straight into the audit log (the service is not asked). The change is
     made already: a log that cannot be written is said, not a failure of the command."""
-    if stores.audit is None:
+    if not stores.audit_enabled:
         return
     event = AuditEvent(
         id=os.urandom(12).hex(),
@@ -180,17 +87,17 @@ def read_policy_file(path: Path) -> dict[str, Any]:
     """A policy file's fields: TOML if it ends in .toml, else JSON."""
     try:
         if path.stat().st_size > MAX_POLICY_FILE_BYTES:
-            raise _fail(f"{path} is larger than {MAX_POLICY_FILE_BYTES} bytes: not a policy")
+            raise fail(f"{path} is larger than {MAX_POLICY_FILE_BYTES} bytes: not a policy")
         text = path.read_text()
     except OSError as exc:
-        raise _fail(f"cannot read the policy file {path}: {exc.strerror or exc}") from None
+        raise fail(f"cannot read the policy file {path}: {exc.strerror or exc}") from None
     try:
         found: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         kind = "TOML" if path.suffix == ".toml" else "JSON"
-        raise _fail(f"the policy file {path} is not valid {kind}: {exc}") from None
+        raise fail(f"the policy file {path} is not valid {kind}: {exc}") from None
     if not isinstance(found, dict):
-        raise _fail(
+        raise fail(
             f"the policy file {path} must hold an object of rules, not {type(found).__name__}"
         )
     return found
@@ -208,7 +115,7 @@ def make_policy(fields: dict[str, Any], where: str) -> Policy:
             if error["type"] == "extra_forbidden":
                 message = f"no such rule; rules are: {', '.join(Policy.model_fields)}"
             lines.append(f"{field}: {message}")
-        raise _fail(f"bad policy ({where}): " + "; ".join(lines)) from None
+        raise fail(f"bad policy ({where}): " + "; ".join(lines)) from None
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -226,7 +133,7 @@ def _limits(pairs: list[str] | None) -> dict[str, float] | None:
         except ValueError:
             sep = ""
         if not sep:
-            raise _fail(f"--max-limit {pair!r}: write NAME=VALUE, e.g. memory_mb=1024")
+            raise fail(f"--max-limit {pair!r}: write NAME=VALUE, e.g. memory_mb=1024")
     return limits
 
 
@@ -319,20 +226,21 @@ def _policy(
     return make_policy(fields, str(policy_file) if policy_file is not None else "the flags")
 
 
-def _flags(
-    backends: str | None,
-    images: str | None,
-    languages: str | None,
-    network: str | None,
-    tools: str | None,
-    approval_tools: str | None,
-    commands: bool | None,
-    approve_executions: bool | None,
-    approve_commands: bool | None,
-    self_approve: bool | None,
-    max_sessions: int | None,
-    max_limit: list[str] | None,
+def policy_flags(
+    backends: BackendsOption = None,
+    images: ImagesOption = None,
+    languages: LanguagesOption = None,
+    network: NetworkOption = None,
+    tools: ToolsOption = None,
+    approval_tools: ApprovalToolsOption = None,
+    commands: CommandsOption = None,
+    approve_executions: ApproveExecutionsOption = None,
+    approve_commands: ApproveCommandsOption = None,
+    self_approve: SelfApproveOption = None,
+    max_sessions: MaxSessionsOption = None,
+    max_limit: MaxLimitOption = None,
 ) -> dict[str, Any]:
+    """The rules the flags of `add` and `set-policy` set, by rule (None: not given)."""
     return {
         "backends": _names(backends),
         "images": _names(images),
@@ -352,17 +260,17 @@ def _flags(
 def _check_name(name: str) -> None:
     reserved = name in (LOCAL_OWNER, audit_kinds.SERVICE_OWNER)  # the log's own names
     if not NAME.match(name) or SETTINGS_NAME.match(name) or reserved:
-        raise _fail(
+        raise fail(
             f"{name[:80]!r} cannot name a key: use 1 to 64 letters, digits, '_', '.', '@' or "
             "'-', starting with a letter or digit (not 'local' nor 'service', which name the "
             "service's own events, nor key-<8 hex>, which name the settings' keys)"
         )
 
 
-def _find(stores: _Stores, name: str) -> PrincipalRecord:
+def _find(stores: Stores, name: str) -> PrincipalRecord:
     record = stores.principals.get_principal(name)
     if record is None:
-        raise _fail(f"no key named {name!r} (see `code-interpreter keys list`)")
+        raise fail(f"no key named {name!r} (see `code-interpreter keys list`)")
     return record
 
 
@@ -397,33 +305,20 @@ def _print_key(key: str, what: str) -> None:
 
 # --- the commands
 @keys_app.command("add")
+@with_options("flags", policy_flags)
 def add(
     name: Annotated[str, typer.Argument(help="Its name, unique: shown in refusals and the log.")],
     admin: Annotated[
         bool, typer.Option("--admin", help="An admin: sees and answers every key's.")
     ] = False,
     policy_file: PolicyFileOption = None,
-    backends: BackendsOption = None,
-    images: ImagesOption = None,
-    languages: LanguagesOption = None,
-    network: NetworkOption = None,
-    tools: ToolsOption = None,
-    approval_tools: ApprovalToolsOption = None,
-    commands: CommandsOption = None,
-    approve_executions: ApproveExecutionsOption = None,
-    approve_commands: ApproveCommandsOption = None,
-    self_approve: SelfApproveOption = None,
-    max_sessions: MaxSessionsOption = None,
-    max_limit: MaxLimitOption = None,
+    *,
+    flags: dict[str, Any],
     state_dir: StateDirOption = None,
     store: StoreOption = None,
 ) -> None:
     """Make a key with a name and a policy; print it (once)."""
     _check_name(name)
-    flags = _flags(
-        backends, images, languages, network, tools, approval_tools, commands,
-        approve_executions, approve_commands, self_approve, max_sessions, max_limit,
-    )  # fmt: skip
     policy = _policy({}, policy_file, flags)
     key = new_key()
     record = PrincipalRecord(
@@ -437,7 +332,7 @@ def add(
         try:
             stores.principals.put_principal(record)
         except PrincipalNameTaken:
-            raise _fail(f"a key named {name!r} exists; rotate it, or pick another name") from None
+            raise fail(f"a key named {name!r} exists; rotate it, or pick another name") from None
         _audit(stores, audit_kinds.KEY_ADDED, record, admin=admin, policy=policy.describe_rules())
     _print_key(key, f"key {name!r} added")
 
@@ -504,7 +399,7 @@ def rotate(
     with open_stores(state_dir, store) as stores:
         record = _find(stores, name)
         if record.revoked_at is not None:
-            raise _fail(f"key {name!r} is revoked: add a new one instead")
+            raise fail(f"key {name!r} is revoked: add a new one instead")
         now = time.time()
         key = new_key()
         old = [
@@ -548,6 +443,7 @@ def revoke(
 
 
 @keys_app.command("set-policy")
+@with_options("flags", policy_flags)
 def set_policy(
     name: Annotated[str, typer.Argument(help="The key's name.")],
     policy_file: PolicyFileOption = None,
@@ -555,29 +451,15 @@ def set_policy(
         bool | None,
         typer.Option("--admin/--no-admin", help="Make it an admin, or not.", show_default=False),
     ] = None,
-    backends: BackendsOption = None,
-    images: ImagesOption = None,
-    languages: LanguagesOption = None,
-    network: NetworkOption = None,
-    tools: ToolsOption = None,
-    approval_tools: ApprovalToolsOption = None,
-    commands: CommandsOption = None,
-    approve_executions: ApproveExecutionsOption = None,
-    approve_commands: ApproveCommandsOption = None,
-    self_approve: SelfApproveOption = None,
-    max_sessions: MaxSessionsOption = None,
-    max_limit: MaxLimitOption = None,
+    *,
+    flags: dict[str, Any],
     state_dir: StateDirOption = None,
     store: StoreOption = None,
 ) -> None:
     """Replace a key's policy with a file's (--policy), or change the rules the flags name;
     sessions already running keep what they were given, every new request is held to it."""
-    flags = _flags(
-        backends, images, languages, network, tools, approval_tools, commands,
-        approve_executions, approve_commands, self_approve, max_sessions, max_limit,
-    )  # fmt: skip
     if policy_file is None and admin is None and all(v is None for v in flags.values()):
-        raise _fail("say what to change: --policy FILE, or flags (see --help)")
+        raise fail("say what to change: --policy FILE, or flags (see --help)")
     with open_stores(state_dir, store) as stores:
         record = _find(stores, name)
         base = record.policy.model_dump(mode="json", exclude_defaults=True)

@@ -21,63 +21,65 @@ def _listed(names: Iterable[str]) -> str:
     return ", ".join(shown) if shown else "none"
 
 
+def _require_listed(
+    who: Principal, rule: str, allowed: list[str] | None, asked: str, what: str
+) -> None:
+    """PolicyDenied (to `what`) unless the rule lists nothing or lists `asked`."""
+    if allowed is not None and asked not in allowed:
+        raise PolicyDenied.by_rule(who.name, what, rule, f"allows: {_listed(allowed)}")
+
+
+def _fit_listed(
+    who: Principal,
+    rule: str,
+    allowed: list[str] | None,
+    default: str,
+    offered: list[str],
+    what: str,
+    offers: str,
+) -> str | None:
+    """What a request that named none gets: None where the rule allows the service's default,
+    else the first the rule lists that the service offers; PolicyDenied (to `what`) if none
+    is ("none of which this service `offers`")."""
+    if allowed is None or default in allowed:
+        return None
+    for name in allowed:
+        if name in offered:
+            return name
+    raise PolicyDenied.by_rule(
+        who.name,
+        what,
+        rule,
+        f"allows: {_listed(allowed)}, none of which this service {offers} ({_listed(offered)})",
+    )
+
+
 def check_backend(who: Principal, backend: str) -> None:
-    allowed = who.policy.backends
-    if allowed is not None and backend not in allowed:
-        raise PolicyDenied.by_rule(
-            who.name, f"use the {backend} backend", "backends", f"allows: {_listed(allowed)}"
-        )
+    _require_listed(who, "backends", who.policy.backends, backend, f"use the {backend} backend")
 
 
 def fit_backend(who: Principal, default: str, enabled: list[str]) -> str:
     """The backend of a session that named none: the service's default when the policy allows
     it, else the first backend the policy lists that the service runs."""
-    allowed = who.policy.backends
-    if allowed is None or default in allowed:
-        return default
-    for name in allowed:
-        if name in enabled:
-            return name
-    raise PolicyDenied.by_rule(
-        who.name,
-        f"use the default backend, {default}",
-        "backends",
-        f"allows: {_listed(allowed)}, none of which this service runs ({_listed(enabled)})",
-    )
+    what = f"use the default backend, {default}"
+    fitted = _fit_listed(who, "backends", who.policy.backends, default, enabled, what, "runs")
+    return fitted or default
 
 
 def check_image(who: Principal, image: str) -> None:
-    allowed = who.policy.images
-    if allowed is not None and image not in allowed:
-        raise PolicyDenied.by_rule(
-            who.name, f"use the image {image!r}", "images", f"allows: {_listed(allowed)}"
-        )
+    _require_listed(who, "images", who.policy.images, image, f"use the image {image!r}")
 
 
 def _fit_image(who: Principal, default: str, offered: list[str]) -> str | None:
-    """The image of a Docker session that asked for none: the service's default when the
-    policy allows it (None: leave it to the backend), else the first image both allow."""
-    allowed = who.policy.images
-    if allowed is None or default in allowed:
-        return None
-    for image in allowed:
-        if image in offered:
-            return image
-    raise PolicyDenied.by_rule(
-        who.name,
-        f"use the default image {default!r}",
-        "images",
-        f"allows: {_listed(allowed)}, none of which this service offers ({_listed(offered)})",
-    )
+    """The image of a Docker session that asked for none: None (leave it to the backend) when
+    the policy allows the service's default, else the first image both allow."""
+    what = f"use the default image {default!r}"
+    return _fit_listed(who, "images", who.policy.images, default, offered, what, "offers")
 
 
 def check_language(who: Principal, language: str) -> None:
     """`language`: canonical (as `check_available` returns it)."""
-    allowed = who.policy.languages
-    if allowed is not None and language not in allowed:
-        raise PolicyDenied.by_rule(
-            who.name, f"run {language} code", "languages", f"allows: {_listed(allowed)}"
-        )
+    _require_listed(who, "languages", who.policy.languages, language, f"run {language} code")
 
 
 def check_network(who: Principal, asked: NetworkPolicy) -> None:

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.approval_errors import ApprovalsFull
 from orchestrator.governance.approval_outcome import ApprovalOutcome
-from orchestrator.governance.approvals import Approvals, AuditSink, arguments_digest
+from orchestrator.governance.approvals import Approvals, arguments_digest
 from orchestrator.governance.policy import Policy
 from orchestrator.host_tools.base import HostTool
 from orchestrator.host_tools.channel import CallGuard, ToolCall
+
+if TYPE_CHECKING:
+    from orchestrator.governance.audit import AuditLog
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ class SessionToolGuard(CallGuard):
         owner: str,
         policy_of: Callable[[], Policy],
         revoked: Callable[[], bool] = lambda: False,
-        audit: AuditSink | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         """`policy_of()`: the session's key's policy as it is now (a change holds at once);
         `revoked()`: whether that key is revoked now (its code calls nothing more, even before

@@ -1,22 +1,28 @@
 """Governance fixtures: a real `serve` on 127.0.0.1 with its own state dir (settings keys, an
 admin key, the local and, where it runs, docker backends, host tools, the shell tool, a short
 reap interval), and the `code-interpreter keys` CLI run against that state dir, as an operator
-runs it beside the live service."""
+runs it beside the live service; API clients by key; a real redis-server on 127.0.0.1, and two
+handles on one new store of each kind (SQLite, Redis)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app as cli_app
+from orchestrator.state_store.redis_store import RedisStore
+from orchestrator.state_store.sqlite_store import SqliteStore
 from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
 
 __all__ = ["ADMIN_KEY", "KEY_A", "KEY_B", "Server"]
@@ -71,20 +77,41 @@ def keys(governed_server: Server) -> Callable[..., CliResult]:
     return run
 
 
-@pytest.fixture
-def add_key(keys: Callable[..., CliResult], governed_server: Server) -> Callable[..., str]:
-    """`keys add NAME FLAGS...`; the key, once the service takes it (within a second)."""
+def add_key_to(server: Server, name: str, *flags: str) -> str:
+    """`keys add NAME FLAGS...` on the server's state dir; the key, once the service takes it
+    (within a second)."""
+    made = run_keys(server, "add", name, *flags)
+    assert made.exit_code == 0, made.stderr
+    key = made.stdout.strip()
+    assert key.startswith("cir_") and "\n" not in key
+    with server.client(key) as client:
+        assert eventually(lambda: client.get("/v1/whoami").status_code == 200)
+    return key
 
+
+@pytest.fixture
+def add_key(governed_server: Server) -> Callable[..., str]:
     def add(name: str, *flags: str) -> str:
-        made = keys("add", name, *flags)
-        assert made.exit_code == 0, made.stderr
-        key = made.stdout.strip()
-        assert key.startswith("cir_") and "\n" not in key
-        with governed_server.client(key) as client:
-            assert eventually(lambda: client.get("/v1/whoami").status_code == 200)
-        return key
+        return add_key_to(governed_server, name, *flags)
 
     return add
+
+
+@pytest.fixture
+def api(governed_server: Server) -> Iterator[Callable[[str], httpx.Client]]:
+    """Clients of the API by key, closed after the test; sessions they made are deleted."""
+    clients: list[httpx.Client] = []
+
+    def client(key: str) -> httpx.Client:
+        made = governed_server.client(key)
+        clients.append(made)
+        return made
+
+    yield client
+    for made in clients:
+        for info in made.get("/v1/sessions").json():
+            made.delete(f"/v1/sessions/{info['id']}")
+        made.close()
 
 
 def unique_name(prefix: str) -> str:
@@ -99,3 +126,37 @@ def eventually(check: Callable[[], bool], within_s: float = 15.0) -> bool:
             return True
         time.sleep(0.1)
     return check()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real redis-server on 127.0.0.1 for this worker's tests; each test keeps to a key
+    prefix of its own. Required in CI (scripts/install-system-packages.sh installs it)."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server must be installed in CI (scripts/install-system-packages.sh)")
+        pytest.skip("redis-server is not installed")
+    from tests.cluster.redis_server import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store_pair(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[SqliteStore | RedisStore, SqliteStore | RedisStore]]:
+    """Two handles on one new store, as two processes hold it (SQLite under a state dir: the
+    service and the CLI) or two replicas (Redis, under a prefix of this test's own)."""
+    a: SqliteStore | RedisStore
+    b: SqliteStore | RedisStore
+    if request.param == "sqlite":
+        a, b = SqliteStore(tmp_path / "state"), SqliteStore(tmp_path / "state")
+    else:
+        url: str = request.getfixturevalue("redis_url")
+        prefix = f"t{uuid.uuid4().hex[:10]}"
+        a = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+        b = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+    yield a, b
+    a.close()
+    b.close()

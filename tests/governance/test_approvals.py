@@ -9,8 +9,6 @@ import hashlib
 import hmac
 import json
 import shutil
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -23,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.governance.conftest import add_key_to, run_keys
 from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
 
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
@@ -102,26 +101,6 @@ def background() -> Iterator[ThreadPoolExecutor]:
     """Requests that wait for an answer run here while the test answers them."""
     with ThreadPoolExecutor(4) as pool:
         yield pool
-
-
-def add_key(server: Server, name: str, *flags: str) -> str:
-    """A key made as an operator makes one: `code-interpreter keys add`."""
-    made = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "keys", "add", name, *flags],
-        env={**server.env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert made.returncode == 0, made.stderr
-    key = made.stdout.strip().splitlines()[-1]
-    deadline = time.monotonic() + 30  # the service reads new keys within about a second
-    with server.client(key) as api:
-        while api.get("/v1/whoami").status_code == 401:
-            assert time.monotonic() < deadline, "the service never took the new key"
-            time.sleep(0.1)
-    return key
 
 
 def name_of(server: Server, key: str) -> str:
@@ -323,7 +302,7 @@ def test_the_webhook_is_told_signed_and_its_answer_decides(server: Server, hook:
 def test_who_may_see_and_answer(server: Server, background: ThreadPoolExecutor) -> None:
     """A key without self_approve sees its requests but may not answer them (403, naming the
     rule); another key sees nothing of them (404, as for a missing one); an admin answers."""
-    bob = add_key(server, f"bob-{uuid.uuid4().hex[:6]}", "--no-self-approve")
+    bob = add_key_to(server, f"bob-{uuid.uuid4().hex[:6]}", "--no-self-approve")
     with server.client(bob) as api, server.client(KEY_B) as other:
         with server.client(ADMIN_KEY) as admin:
             sid = new_session(api, ["send_money"])
@@ -353,7 +332,7 @@ def test_who_may_see_and_answer(server: Server, background: ThreadPoolExecutor) 
 def test_a_policy_can_ask_approval_of_any_tool_and_the_wait_is_in_its_time_limit(
     server: Server, background: ThreadPoolExecutor
 ) -> None:
-    carol = add_key(server, f"carol-{uuid.uuid4().hex[:6]}", "--approval-tools", "add")
+    carol = add_key_to(server, f"carol-{uuid.uuid4().hex[:6]}", "--approval-tools", "add")
     with server.client(carol) as api, server.client(ADMIN_KEY) as admin:
         sid = new_session(api, ["add"])
         manifest = execute(api, sid, "print(open('/run/host-tools/manifest.json').read())")
@@ -373,7 +352,7 @@ def test_a_policy_can_ask_approval_of_any_tool_and_the_wait_is_in_its_time_limit
 def test_executions_and_commands_wait_when_the_policy_says_so(
     server: Server, background: ThreadPoolExecutor
 ) -> None:
-    dave = add_key(
+    dave = add_key_to(
         server, f"dave-{uuid.uuid4().hex[:6]}", "--approve-executions", "--approve-commands"
     )
     with server.client(dave) as api, server.client(ADMIN_KEY) as admin:
@@ -461,18 +440,11 @@ def test_a_tool_the_policy_no_longer_allows_is_refused_like_one_never_given(
     """The channel's guard reads the key's policy at each call: a tool taken away from the key
     (keys set-policy) is refused from sandboxed code exactly as a tool the session lacks."""
     name = f"frank-{uuid.uuid4().hex[:6]}"
-    frank = add_key(server, name, "--tools", "add,send_money")
+    frank = add_key_to(server, name, "--tools", "add,send_money")
     with server.client(frank) as api:
         sid = new_session(api, ["add", "send_money"])
-        changed = subprocess.run(
-            [sys.executable, "-m", "orchestrator", "keys", "set-policy", name, "--tools", "add"],
-            env={**server.env},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert changed.returncode == 0, changed.stderr
+        changed = run_keys(server, "set-policy", name, "--tools", "add")
+        assert changed.exit_code == 0, changed.stderr
         deadline = time.monotonic() + 30
         while api.get("/v1/whoami").json()["policy"]["host_tools"] != ["add"]:
             assert time.monotonic() < deadline, "the service never read the new policy"

@@ -5,12 +5,7 @@ and Redis (a real redis-server on 127.0.0.1)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,30 +15,12 @@ from orchestrator.state_store.redis_store import RedisStore
 from orchestrator.state_store.sqlite_approvals import SqliteApprovals
 from orchestrator.state_store.sqlite_store import SqliteStore
 
-redis_server_module = pytest.importorskip("tests.cluster.redis_server")
 
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server must be installed in CI (scripts/install-system-packages.sh)")
-        pytest.skip("redis-server is not installed")
-    with redis_server_module.redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def approvals(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ApprovalStore]:
-    if request.param == "sqlite":
-        store = SqliteStore(tmp_path / "state")
-        yield store.approvals
-        store.close()
-        return
-    url = request.getfixturevalue("redis_url")
-    shared = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=f"k{uuid.uuid4().hex[:8]}")
-    yield shared.approvals
-    shared.close()
+@pytest.fixture
+def approvals(
+    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+) -> ApprovalStore:
+    return store_pair[0].approvals
 
 
 def made(index: int, state: str) -> ApprovalRecord:

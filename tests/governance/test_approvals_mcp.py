@@ -21,7 +21,8 @@ from mcp.client.session import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, ElicitRequestParams, ElicitResult, TextContent
 
-from tests.governance.test_approvals import ADMIN_KEY, TOOLS, add_key
+from tests.governance.conftest import add_key_to
+from tests.governance.test_approvals import ADMIN_KEY, TOOLS
 from tests.service.conftest import KEY_A, Server, leftovers, make_server
 
 SEND = "import host_tools\nhost_tools.sync.send_money('bob', 3)"
@@ -129,7 +130,7 @@ async def test_a_gated_execution_is_asked_of_the_client_user(server: Server) -> 
     """A key whose policy gates every execution, and may answer its own requests: its MCP
     client's user is asked before the code runs."""
     name = f"erin-{uuid.uuid4().hex[:6]}"
-    key = add_key(server, name, "--approve-executions", "--self-approve")
+    key = add_key_to(server, name, "--approve-executions", "--self-approve")
     user = User("accept", {"approve": True, "reason": ""})
     async with mcp_client(server, key, user) as client:
         result = await client.call_tool("code_interpreter", {"code": "6 * 7"})

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,8 +39,6 @@ from orchestrator.state_store.redis_store import RedisStore
 from orchestrator.state_store.sqlite_store import SqliteStore
 from tests.governance.approval_tools import add, send_money
 
-redis_server_module = pytest.importorskip("tests.cluster.redis_server")
-
 MCP_SERVER = str(Path(__file__).parents[1] / "host_tools" / "example_mcp_tool_server.py")
 ALICE = Principal(id="p_alice", name="alice", admin=True, policy=FULL_ACCESS)
 
@@ -65,34 +60,12 @@ def record(approval_id: str, owner: str = "p_a", session_id: str = "s-1", **fiel
     return ApprovalRecord.model_validate(values)
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server must be installed in CI (scripts/install-system-packages.sh)")
-        pytest.skip("redis-server is not installed")
-    with redis_server_module.redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture
 def two_handles(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[tuple[ApprovalStore, ApprovalStore]]:
+    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+) -> tuple[ApprovalStore, ApprovalStore]:
     """Two handles on one store, as two processes (SQLite) or two replicas (Redis) hold."""
-    if request.param == "sqlite":
-        a, b = SqliteStore(tmp_path / "state"), SqliteStore(tmp_path / "state")
-        yield a.approvals, b.approvals
-        a.close()
-        b.close()
-        return
-    url = request.getfixturevalue("redis_url")
-    prefix = f"ap{uuid.uuid4().hex[:8]}"
-    ra = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    rb = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    yield ra.approvals, rb.approvals
-    ra.close()
-    rb.close()
+    return store_pair[0].approvals, store_pair[1].approvals
 
 
 def test_a_request_is_decided_once_whichever_handle_answers(

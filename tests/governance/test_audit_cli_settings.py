@@ -6,27 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-
-redis_server_module = pytest.importorskip("tests.cluster.redis_server")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server must be installed in CI (scripts/install-system-packages.sh)")
-        pytest.skip("redis-server is not installed")
-    with redis_server_module.redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 def settings_in_a_config_file(

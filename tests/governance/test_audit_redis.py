@@ -4,40 +4,28 @@ two replicas' appends share one order, a batch appended twice is kept once, filt
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
 from orchestrator.state_store.redis_audit import RedisAudit
 from orchestrator.state_store.redis_store import RedisStore
+from orchestrator.state_store.sqlite_store import SqliteStore
 
-redis_server_module = pytest.importorskip("tests.cluster.redis_server")
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server must be installed in CI (scripts/install-system-packages.sh)")
-        pytest.skip("redis-server is not installed")
-    with redis_server_module.redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
+# Redis alone: the store pair of tests/governance/conftest.py, its Redis kind.
+pytestmark = pytest.mark.parametrize("store_pair", ["redis"], indirect=True)
 
 
 @pytest.fixture
-def replicas(redis_url: str, tmp_path: Path) -> Iterator[tuple[RedisStore, RedisStore]]:
-    prefix = f"a{uuid.uuid4().hex[:8]}"  # each test its own keys
-    a = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    b = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    yield a, b
-    a.close()
-    b.close()
+def replicas(
+    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+) -> tuple[RedisStore, RedisStore]:
+    """Two replicas' handles on one store (a key prefix of the test's own)."""
+    a, b = store_pair
+    assert isinstance(a, RedisStore) and isinstance(b, RedisStore)
+    return a, b
 
 
 def event(i: int, kind: str = "execution", owner: str = "p_a", **fields: object) -> AuditEvent:

@@ -122,22 +122,6 @@ def log_in(driver: WebDriver, server: Server, key: str) -> None:
     wait(driver, shown.presence_of_element_located((By.ID, "who")))
 
 
-@pytest.fixture
-def api(governed_server: Server) -> Iterator[Callable[[str], httpx.Client]]:
-    clients: list[httpx.Client] = []
-
-    def client(key: str) -> httpx.Client:
-        made = governed_server.client(key)
-        clients.append(made)
-        return made
-
-    yield client
-    for made in clients:
-        for info in made.get("/v1/sessions").json():
-            made.delete(f"/v1/sessions/{info['id']}")
-        made.close()
-
-
 def test_a_wrong_key_is_refused_and_a_right_one_logs_in(
     browser: WebDriver, governed_server: Server
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -31,33 +31,16 @@ from orchestrator.state_store.principal_store import (
 )
 from orchestrator.state_store.redis_store import RedisStore
 from orchestrator.state_store.sqlite_store import SqliteStore
-from tests.cluster.redis_server import redis_server
 
 SETTINGS_KEY, ADMIN_KEY = "settings-key-" + new_key(), "admin-key-" + new_key()
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture
 def two_stores(
-    request: pytest.FixtureRequest, tmp_path: Path, redis_url: str
-) -> Iterator[tuple[PrincipalStore, PrincipalStore]]:
+    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+) -> tuple[PrincipalStore, PrincipalStore]:
     """Two handles on one store, as the service and the CLI (or two replicas) hold."""
-    a: SqliteStore | RedisStore
-    b: SqliteStore | RedisStore
-    if request.param == "sqlite":
-        a, b = SqliteStore(tmp_path / "state"), SqliteStore(tmp_path / "state")
-    else:
-        prefix = f"t{time.monotonic_ns()}"
-        a = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-        b = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    yield a.principals, b.principals
-    a.close()
-    b.close()
+    return store_pair[0].principals, store_pair[1].principals
 
 
 def record(name: str, *keys: str, **fields: object) -> PrincipalRecord:

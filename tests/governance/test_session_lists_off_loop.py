@@ -1,7 +1,8 @@
-"""The session lists read the store off the event loop: GET /v1/sessions and the console's
-sessions list and session page (polled every few seconds by each open tab) wait for a slow store
-(Redis in cluster mode may take up to its timeout; here another thread holds the SQLite store,
-as a long write does) while the service goes on answering everything else."""
+"""The session lists read the store off the event loop: GET /v1/sessions, E2B's sandbox list
+and the console's sessions list and session page (polled every few seconds by each open tab)
+wait for a slow store (Redis in cluster mode may take up to its timeout; here another thread
+holds the SQLite store, as a long write does) while the service goes on answering everything
+else."""
 
 from __future__ import annotations
 
@@ -118,7 +119,8 @@ async def test_the_session_lists_wait_for_the_store_without_stalling_the_service
             paused = await client.post(f"/v1/sessions/{sid}/pause")  # known from its record
             assert paused.status_code == 200, paused.text
             service = service_of(client)
-            for page in ("/v1/sessions", "/console/sessions/list", f"/console/sessions/{sid}"):
+            pages = ["/v1/sessions", "/v2/sandboxes", "/console/sessions/list"]
+            for page in [*pages, f"/console/sessions/{sid}"]:
                 answer, took, stall = await while_the_store_is_held(service, client.get(page))
                 assert answer.status_code == 200, (page, answer.text)
                 assert sid in answer.text, page

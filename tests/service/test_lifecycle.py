@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +26,18 @@ def short_server() -> Iterator[Server]:
         max_sessions_total=3,
         idle_action="end",
     )
+    srv.start()
+    yield srv
+    srv.stop()
+    assert leftovers(srv) == []
+    shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def capped_server() -> Iterator[Server]:
+    """Two sessions per key, three in all, and none expiring while a test holds them: on a busy
+    machine three sessions can take longer to start than short_server lets one stay idle."""
+    srv = make_server(max_sessions_per_key=2, max_sessions_total=3)
     srv.start()
     yield srv
     srv.stop()
@@ -68,8 +77,8 @@ def test_keepalive_and_long_runs_hold_off_expiry(short_server: Server) -> None:
         api.delete(f"/v1/sessions/{sid}")
 
 
-def test_session_caps_answer_429(short_server: Server) -> None:
-    with short_server.client(KEY_A) as a, short_server.client(KEY_B) as b:
+def test_session_caps_answer_429(capped_server: Server) -> None:
+    with capped_server.client(KEY_A) as a, capped_server.client(KEY_B) as b:
         mine = [a.post("/v1/sessions", json={}) for _ in range(3)]
         assert [r.status_code for r in mine] == [201, 201, 429]
         assert "this API key holds its maximum of 2" in mine[2].json()["error"]["message"]
@@ -106,19 +115,6 @@ def test_pool_hands_over_fresh_sandboxes(server: Server, backend: str) -> None:
         ).json()
         assert r["results"][0]["text"] == "(False, [], '2')"
         api.delete(f"/v1/sessions/{second['id']}")
-
-
-def test_no_keys_no_service() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CODE_INTERPRETER_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "serve", "--port", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 2
-    assert "CODE_INTERPRETER_API_KEYS" in done.stderr
 
 
 def test_auth_can_be_turned_off_explicitly() -> None:

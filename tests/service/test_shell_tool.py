@@ -13,7 +13,9 @@ import pytest
 from tests.service.conftest import Server, leftovers, make_server, service_backends
 
 TRIM_AT = 2000  # the shell server's tool_output_max_chars
-TOOL_LIMIT_S = 20  # the shell server's execution_timeout_s: the tool's per-call limit
+# The shell server's execution_timeout_s: the tool's per-call limit. Low, as the test of it
+# waits it out; above what a caller that leaves needs to be noticed (3 s and a poll).
+TOOL_LIMIT_S = 8
 
 
 def invoke(
@@ -232,5 +234,6 @@ def test_a_caller_that_leaves_kills_its_command(shell_api: httpx.Client) -> None
         time.sleep(0.5)
     assert not ours["running"], ours  # killed long before its 120 s
     assert ours["end"]["exit_code"] != 0, ours
+    assert not ours["end"]["timed_out"], ours  # by the caller's leaving, not the tool's limit
     ran = invoke(shell_api, {"command": "ls started", "session_id": sid})
     assert ran["status"] == "ok"  # it did start

@@ -352,3 +352,66 @@ def test_the_replicas_service_routes_each_client_to_one_replica() -> None:
     assert spec["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] > 0
     docs = (ROOT / "docs" / "cluster.md").read_text()
     assert "sessionAffinity: ClientIP" in docs
+
+
+# --- what the replicas are given that must not be written in a manifest ------------------------
+
+# (variable, Secret, key): the bearer keys, the console's login secret, the store's password.
+REPLICA_SECRETS = [
+    ("CODE_INTERPRETER_API_KEYS", "code-interpreter-keys", "api-keys"),
+    ("CODE_INTERPRETER_CONSOLE_SECRET", "code-interpreter-console", "secret"),
+    ("REDIS_PASSWORD", "code-interpreter-redis", "password"),
+]
+
+
+def assert_secrets_by_reference(container: dict[str, Any]) -> None:
+    """Each of REPLICA_SECRETS read from its Secret, and the store URL carrying the password
+    only as $(REDIS_PASSWORD), listed after it (Kubernetes expands only variables defined
+    earlier in the list; a later one would be left as the literal text)."""
+    names = [e["name"] for e in container["env"]]
+    env = {e["name"]: e for e in container["env"]}
+    for name, secret, key in REPLICA_SECRETS:
+        assert name in env, f"{name} is not given"
+        assert "value" not in env[name], f"{name} is written in the manifest"
+        assert env[name]["valueFrom"] == {"secretKeyRef": {"name": secret, "key": key}}, name
+    store_url = env["CODE_INTERPRETER_STORE_URL"]["value"]
+    assert "$(REDIS_PASSWORD)@" in store_url
+    assert names.index("REDIS_PASSWORD") < names.index("CODE_INTERPRETER_STORE_URL")
+
+
+def test_the_replicas_read_their_secrets_from_kubernetes_secrets() -> None:
+    """The console's secret as the keys and the store's password are: every replica reads the
+    same one (a login made on one holds on all), made as docs/cluster.md says (at least the 32
+    characters `console_secret` needs)."""
+    (container,) = replica_containers(one("Deployment"))
+    assert_secrets_by_reference(container)
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    made = re.search(
+        r"kubectl create secret generic code-interpreter-console \\\s*"
+        r'--from-literal=secret="\$\(openssl rand -hex (\d+)\)"',
+        docs,
+    )
+    assert made is not None, "docs/cluster.md does not say how to make the console's Secret"
+    assert 2 * int(made.group(1)) >= 32
+
+
+@pytest.mark.parametrize("break_it", ["literal", "other secret", "missing", "url after"])
+def test_a_secret_written_in_the_manifest_is_caught(break_it: str) -> None:
+    """The check above can fail: the console's secret written in, read from another Secret,
+    left out; the store URL listed before the password it expands."""
+    (container,) = replica_containers(one("Deployment"))
+    env = container["env"]
+    console = next(e for e in env if e["name"] == "CODE_INTERPRETER_CONSOLE_SECRET")
+    if break_it == "literal":
+        console.pop("valueFrom")
+        console["value"] = "x" * 32
+    elif break_it == "other secret":
+        console["valueFrom"]["secretKeyRef"]["name"] = "code-interpreter-keys"
+    elif break_it == "missing":
+        env.remove(console)
+    else:
+        url = next(e for e in env if e["name"] == "CODE_INTERPRETER_STORE_URL")
+        env.remove(url)
+        env.insert(0, url)
+    with pytest.raises(AssertionError):
+        assert_secrets_by_reference(container)

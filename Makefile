@@ -25,12 +25,17 @@ XDIST := --numprocesses=$(TEST_WORKERS) --dist=loadfile --no-loadscope-reorder
 
 # The Docker tests need an engine and the images: start and build them when we can. Where no
 # engine can be had, the Docker tests skip on a developer's machine and fail in CI (CI=true).
+# The three suites (main, cluster, gVisor) all run even when one fails; the end names those that
+# failed.
 test: install
 	@if scripts/ensure-docker-engine.sh; then $(MAKE) --no-print-directory image; \
 	else echo "warning: no Docker engine: the Docker tests cannot run" >&2; fi
-	$(BIN)/pytest $(XDIST) -m "not cluster"
-	$(MAKE) --no-print-directory test-cluster
-	$(MAKE) --no-print-directory test-gvisor
+	@failed=""; \
+	$(BIN)/pytest $(XDIST) -m "not cluster" || failed="$$failed main"; \
+	$(MAKE) --no-print-directory test-cluster || failed="$$failed cluster"; \
+	$(MAKE) --no-print-directory test-gvisor || failed="$$failed gvisor"; \
+	if [ -n "$$failed" ]; then echo "make test: failed suites:$$failed" >&2; exit 1; fi; \
+	echo "make test: the main, cluster and gVisor suites passed"
 
 # Cluster mode (docs/cluster.md): real Ray clusters and redis-servers on 127.0.0.1. Each module
 # starts a cluster of its own, so they run one after the other, never beside the suite above.

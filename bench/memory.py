@@ -43,5 +43,17 @@ def cgroup_pids(path: Path) -> list[int]:
         return []
 
 
+def memory_cgroup_of(pid: int) -> str:
+    """The process's memory cgroup, relative to the memory hierarchy's root ("" if unknown)."""
+    try:
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                return path.lstrip("/")
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
 def pss_of(pids: list[int]) -> int:
     return sum(pss_bytes(p) for p in pids)

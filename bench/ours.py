@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from bench import workloads
-from bench.memory import CGROUP_MEMORY, cgroup_pids, pss_of, tree_pids
+from bench.memory import CGROUP_MEMORY, cgroup_pids, memory_cgroup_of, pss_of, tree_pids
 from bench.raw import _count
 from bench.served import API_KEY, served
 from bench.stats import timed
@@ -81,14 +81,19 @@ async def throughput(name: str, sessions: int, seconds: float) -> float:
 
 
 def sandbox_pids(sb: Sandbox) -> list[int]:
+    """Every process of the sandbox: those in its cgroup and the groups below it (a Docker
+    sandbox's containers sit under the sandbox's parent group), else those of its container's
+    own memory cgroup, wherever the engine put it."""
+    group = CGROUP_MEMORY / "code-interpreter" / sb.id
+    if group.is_dir():
+        return sorted(
+            {pid for procs in group.rglob("cgroup.procs") for pid in cgroup_pids(procs.parent)}
+        )
     if isinstance(sb, DockerSandbox):
         import docker
 
         container = docker.from_env().containers.get(sb.container_name)
-        return cgroup_pids(CGROUP_MEMORY / "docker" / container.id)
-    group = CGROUP_MEMORY / "code-interpreter" / sb.id
-    if group.is_dir():
-        return cgroup_pids(group)
+        return cgroup_pids(CGROUP_MEMORY / memory_cgroup_of(int(container.attrs["State"]["Pid"])))
     return []
 
 

@@ -71,7 +71,7 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
         app.include_router(router)
     app.router.routes.append(mcp.route())
     # The console (docs/governance.md): pages for people, behind its own login cookie.
-    app.mount(CONSOLE_PREFIX, console_app(service))
+    app.mount(CONSOLE_PREFIX, console_app(service, authenticate.throttle))
     # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.
     sandboxes = mount_e2b(app, service) if settings.e2b_compat else None
     e2b_running = sandboxes.running if sandboxes is not None else contextlib.nullcontext
@@ -94,9 +94,11 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {401: "Unauthorized", 404: "NotFound", 413: "TooLarge"}.get(
-            exc.status_code, "HTTPError"
-        )
+        kind = getattr(exc, "kind", None) or {  # WrongKeysThrottled names its own
+            401: "Unauthorized",
+            404: "NotFound",
+            413: "TooLarge",
+        }.get(exc.status_code, "HTTPError")
         response = _error(exc.status_code, kind, str(exc.detail))
         response.headers.update(exc.headers or {})
         return response

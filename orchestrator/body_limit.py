@@ -3,8 +3,21 @@ spooled to disk (Starlette spools multipart uploads before any handler could che
 
 from __future__ import annotations
 
+import re
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# The routes that take an upload: ours, and E2B's (at its two prefixes). Exactly these: a path
+# that merely ends the same way gets the ordinary limit (tests/unit/test_upload_routes.py).
+# An announced body this far over its limit is not read to its end before the connection
+# closes (reading it would cost more than a client's retry).
+DRAIN_BYTES = 64 << 20
+_UPLOADS = re.compile(r"/v1/sessions/[^/]+/files|(/e2b)?/files")
+
+
+def is_upload(method: str, path: str) -> bool:
+    return method == "POST" and _UPLOADS.fullmatch(path) is not None
 
 
 class BodyTooLarge(HTTPException):
@@ -22,12 +35,16 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        is_upload = scope["method"] == "POST" and scope["path"].endswith("/files")
         # Multipart framing adds a little to the file itself.
-        limit = self.upload_limit + 64 * 1024 if is_upload else self.limit
+        uploading = is_upload(scope["method"], scope["path"])
+        limit = self.upload_limit + 64 * 1024 if uploading else self.limit
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await self._refuse(send, limit)
+                # The client is still sending what it announced. Closing now, with its bytes
+                # unread, makes the kernel reset the connection, and the client may lose the
+                # answer with it: a body within DRAIN_BYTES of the limit is read and thrown
+                # away (uvicorn does, unstored) and the answer arrives whole.
+                await self._refuse(send, limit, close=int(value) > limit + DRAIN_BYTES)
                 return
         received = 0
         started = False
@@ -53,7 +70,7 @@ class BodySizeLimit:
                 await self._refuse(send, limit)
 
     @staticmethod
-    async def _refuse(send: Send, limit: int) -> None:
+    async def _refuse(send: Send, limit: int, *, close: bool = True) -> None:
         body = (
             b'{"error":{"type":"TooLarge","message":"the request body is larger than the limit of '
             + str(limit).encode()
@@ -66,7 +83,7 @@ class BodySizeLimit:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
+                    *([(b"connection", b"close")] if close else []),
                 ],
             }
         )

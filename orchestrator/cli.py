@@ -581,17 +581,19 @@ def mcp(
 
 
 def _serve_http(settings: Settings, host: str | None, port: int | None) -> None:
-    import uvicorn
-
     from orchestrator.app import create_app
+    from orchestrator.http_server import listening_socket, serve
 
-    uvicorn.run(
-        create_app(settings),
-        host=host or settings.host,
-        port=port if port is not None else settings.port,
-        log_level="info",
-        timeout_graceful_shutdown=10,
-        # A terminal's WebSocket: messages of at most 1 MiB, a few queued, per socket.
-        ws_max_size=1 << 20,
-        ws_max_queue=4,
-    )
+    # The service's own address is one its sandboxes' egress proxies refuse (docs/network.md):
+    # the socket is bound first (port 0: any free one), so that the settings say where it
+    # listens, options included, and nothing can take the port in between.
+    host = host or settings.host
+    port = port if port is not None else settings.port
+    try:
+        sock = listening_socket(host, port)
+    except OSError as exc:
+        message = f"error: cannot listen on {host} port {port}: {exc}"
+        typer.secho(message, fg=typer.colors.RED, err=True)
+        raise typer.Exit(EXIT_USAGE) from None
+    settings = settings.model_copy(update={"host": host, "port": sock.getsockname()[1]})
+    serve(create_app(settings), settings, sock)

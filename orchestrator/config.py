@@ -20,7 +20,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from orchestrator.egress.private_hosts import parse_private_hosts
 from orchestrator.host_tools.settings import HostToolsSettings
+from orchestrator.state_store.redis_auth import check_store_url
 from sandbox.network_policy import NO_NETWORK, NetworkPolicy, normalize_host, policy_from_text
 from sandbox.spec import ResourceLimits
 from sandbox.state_dir import default_state_dir
@@ -56,6 +58,27 @@ class Settings(BaseSettings):
         description="Signs the web console's logins (at least 32 characters). Unset: a secret "
         "made in the state dir (`console-secret`). Give every replica of a cluster the same, so "
         "a login made on one holds on the others; change it to log everyone out.",
+    )
+    auth_failures_per_minute: int = Field(
+        20,
+        ge=1,
+        description="Wrong keys one client address may send a minute (an IPv6 one: its /64); "
+        "past that its keys are answered 429 with Retry-After, unchecked, until it slows down. "
+        "A right key from an address that sends no wrong ones is never held back.",
+    )
+    auth_failures_per_minute_per_key_prefix: int = Field(
+        100,
+        ge=1,
+        description="Wrong keys starting with the same 8 characters a minute, from every "
+        "address: past that, addresses that sent wrong keys themselves are answered 429 for "
+        "such keys (the key's owner, sending none, is let in).",
+    )
+    auth_throttle_max_tracked: int = Field(
+        10_000,
+        ge=100,
+        le=1_000_000,
+        description="Client addresses (and as many key prefixes) whose wrong keys are counted "
+        "at once: the memory bound; the longest quiet is forgotten first.",
     )
 
     # --- backends and sessions
@@ -136,6 +159,12 @@ class Settings(BaseSettings):
     )
     store_prefix: str = Field(
         "cir", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Every key of the shared store."
+    )
+    store_allow_unauthenticated: bool = Field(
+        False,
+        description="Use a shared store (Redis) without a password, or one that takes "
+        "connections without one: only where nothing but the replicas and Ray reach it (it "
+        "holds the keys' records and the audit log). Refused otherwise; logged when used.",
     )
     ray_address: str | None = Field(
         None, description="The Ray cluster of the ray backend (HOST:PORT); unset, RAY_ADDRESS."
@@ -219,8 +248,10 @@ class Settings(BaseSettings):
     )
     egress_private_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Host names a sandbox may reach although they resolve to private, "
-        "loopback or link-local addresses (an internal package index); comma-separated.",
+        description="Hosts a sandbox may reach although they resolve to private, loopback or "
+        "link-local addresses (an internal package index), each on the port named with it: "
+        "comma-separated `host:port` (a bare host: ports 80 and 443). Never the service's own "
+        "port or its store's, whatever the name resolves to.",
     )
     egress_resolve: Annotated[dict[str, list[str]], NoDecode] = Field(
         default_factory=dict,
@@ -243,6 +274,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Connections every session's proxy together holds open at once (each holds "
         "two of the service's descriptors); one more is answered 503 and closed at once.",
+    )
+    egress_max_connections_per_key: int = Field(
+        256,
+        ge=1,
+        description="Connections the sessions of one key together hold open at once through "
+        "their proxies (so one key cannot hold the service's whole budget); one more is "
+        "answered 503 and closed at once.",
     )
 
     # --- files and outputs
@@ -331,12 +369,82 @@ class Settings(BaseSettings):
         description="Code and command lines are kept up to this many characters, marked "
         "truncated past it.",
     )
+    audit_input_record_bytes: int = Field(
+        4096,
+        ge=64,
+        le=1 << 20,
+        description="What is typed into a terminal or written to a process's stdin is recorded "
+        "(`process.input`) in records of at most this many bytes.",
+    )
+    audit_input_records_per_minute: int = Field(
+        120,
+        ge=1,
+        le=100_000,
+        description="The most `process.input` records one session makes a minute; past it, "
+        "input is counted (dropped bytes), not kept.",
+    )
 
     # --- server
     host: str = "127.0.0.1"
     port: int = 8000
     metrics_public: bool = Field(
         False, description="Serve /metrics without a key (a scraper on a private network)."
+    )
+    # Every connection, keyed or not (orchestrator/connection_guard.py, docs/security.md).
+    http_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="A request's line and headers must arrive whole within this of the "
+        "connection's start or the previous answer's end, else 408 and the connection closes; "
+        "a body gets as long for each window of its minimum rate.",
+    )
+    terminal_auth_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="A terminal WebSocket opened without an Authorization header (a browser's) "
+        "must send its key in its first frame within this (and within http_header_timeout_s); "
+        "until then the server may close it to make room for others.",
+    )
+    http_body_min_rate: int = Field(
+        1024,
+        ge=1,
+        description="Bytes per second a request body must average over each window of "
+        "http_header_timeout_s, else the connection closes (E2B's streamed input is exempt: "
+        "it may pause 120 s).",
+    )
+    http_write_stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="A client that takes none of the answers piled up for it for this long "
+        "(it stopped reading, or pipelines requests without reading) is cut off, keyed or "
+        "not; one still reading, however slowly, is not.",
+    )
+    http_max_connections_per_address: int = Field(
+        512,
+        ge=1,
+        description="Connections one client address (the TCP peer: an IPv4 address or an "
+        "IPv6 /64) may hold open; more are answered 429 and closed; at most half of "
+        "http_max_connections when that is lowered at start. Behind a reverse proxy every "
+        "connection comes from the proxy: set it to http_max_connections there and cap per "
+        "client in the proxy.",
+    )
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1,::1",
+        description="Addresses (comma-separated, CIDR ranges allowed, * for any) of the reverse "
+        "proxies whose X-Forwarded-For names the client: the key-guessing throttle counts that "
+        "client (the connection caps count the TCP peer, the proxy itself). Behind an "
+        "ingress, its pods' range; with no proxy in front, empty.",
+    )
+    http_max_connections: int = Field(
+        4096,
+        ge=1,
+        description="Connections the service holds open in all; lowered at start to keep a "
+        "quarter of the open-file limit for its own work. At the cap, a connection with no "
+        "keyed request being served (idle, or its caller not yet proven) is closed to make "
+        "room, from the address holding the most such; 503 when there is none.",
     )
 
     @field_validator("network_ceiling", "network_default", "network_internet", mode="before")
@@ -399,6 +507,11 @@ class Settings(BaseSettings):
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError("store_url must be redis://HOST:PORT/DB (or rediss://, unix://)")
+        if self.store_url is not None:  # before anything connects: see redis_auth
+            check_store_url(
+                self.store_url.get_secret_value(),
+                allow_unauthenticated=self.store_allow_unauthenticated,
+            )
         if self.docker_runtime is not None:
             if "docker_runtimes" not in self.model_fields_set:
                 # A deployment that chose a runtime keeps every session on it unless the
@@ -410,8 +523,7 @@ class Settings(BaseSettings):
                     f"({', '.join(self.docker_runtimes)})"
                 )
         try:  # as the proxy will read them: refused here, at start, with the setting's name
-            for host in self.egress_private_hosts:
-                normalize_host(host)
+            parse_private_hosts(self.egress_private_hosts)
             for host, addresses in self.egress_resolve.items():
                 normalize_host(host)
                 for address in addresses:

@@ -16,7 +16,7 @@ SERVER_MODULES = frozenset(
         "jupyter_client", "zmq", "pydantic_settings", "docker", "typer", "click", "rich",
         "fastapi", "starlette", "uvicorn", "multipart", "python_multipart", "prometheus_client",
         "mcp", "jsonschema", "griffe", "e2b", "e2b_code_interpreter", "pyseccomp", "jinja2",
-        "markupsafe",
+        "markupsafe", "limits", "cryptography",
     }
 )  # fmt: skip
 

@@ -78,6 +78,14 @@ class Metrics:
             registry=r,
         )
         self.errors = Counter("cir_errors", "Requests that failed, by kind.", ["kind"], registry=r)
+        self.http_connections_closed = Counter(
+            "cir_http_connections_closed",
+            "HTTP connections refused or closed by the connection guard, by why "
+            "(refused_per_address, refused_total, evicted, header_timeout, body_rate, "
+            "write_stalled).",
+            ["why"],
+            registry=r,
+        )
         # Cluster mode: one series per node of the Ray cluster (a bounded set: its machines),
         # read from the cluster itself: the cluster-wide truth, whichever replica is asked.
         self.sessions_lost = Counter(

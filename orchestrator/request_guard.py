@@ -13,6 +13,11 @@
    octet-stream and other non-JSON bodies pass unmeasured: their brackets are data. A Connect
    client stream (input typed into a process) is not read whole first, which would hold its
    input back until the client ends it: each message is measured as it arrives.
+3. Families whose caller no key proves before the app (public pages, the console's forms, paths
+   the app answers 404) may send at most 64 KiB of body, whatever its type: else anyone could
+   make the service hold bodies of up to the size limit in memory. Whoever is proven is told to
+   the HTTP server (orchestrator/caller_mark.py): until then, its connection may be closed to
+   make room for others.
 
 Refusals come in the shape each family's clients parse: ours (`{"error": {...}}`), E2B's
 (`{"code": <status>, ...}`) or Connect's (`{"code": "unauthenticated", ...}`).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import email.message
 import json
+import re
 from enum import Enum
 from urllib.parse import unquote_to_bytes
 
@@ -33,7 +39,9 @@ from starlette._utils import get_route_path
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orchestrator.auth import Authenticator
+from orchestrator.auth import Authenticator, client_address
+from orchestrator.body_limit import is_upload
+from orchestrator.caller_mark import caller_proven
 from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.e2b_compatible.front import PREFIX as E2B_PREFIX
 from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes, SandboxGone
@@ -41,6 +49,9 @@ from orchestrator.metrics import METRICS
 from sandbox.json_depth import nests_deeper_than
 
 _MEASURE_IN_A_THREAD = 256 * 1024  # bytes; smaller bodies are measured on the event loop
+# A body no key has been checked for: the console's forms and anything public need less.
+UNCHECKED_BODY_MAX = 64 * 1024
+_STDIN = re.compile(r"/v1/sessions/[^/]+/processes/[^/]+/stdin")
 _PUBLIC = frozenset({"/healthz", "/health", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _CONNECT_SERVICES = ("/filesystem.Filesystem/", "/process.Process/")
 _E2B_DATA = ("/execute", "/contexts", "/files")
@@ -60,13 +71,20 @@ class Family(Enum):
     OTHER = "other"  # answered 404 by the app; its body is still measured
 
 
-class Refused(Exception):
-    """A request the gate answers itself."""
+# The families whose caller's key (or sandbox token) is checked before the app runs.
+_CHECKED = frozenset({Family.BEARER, Family.E2B_CONTROL, Family.E2B_DATA, Family.CONNECT})
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+
+class Refused(Exception):
+    """A request the gate answers itself; `headers`: more of the answer's (Retry-After)."""
+
+    def __init__(
+        self, status: int, kind: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.headers = headers or {}
 
 
 # Connect's codes for the HTTP statuses the gate answers with (connectrpc.com/docs/protocol).
@@ -122,27 +140,33 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        family = self.family(get_route_path(scope))
+        path = get_route_path(scope)
+        family = self.family(path)
         request = Request(scope)
         try:
             await self._check_caller(family, request)
-            if family is Family.CONNECT:
-                _refuse_compressed(request)
-                if scope["method"] == "GET":
-                    # Connect's GET form carries the message in the query string.
-                    await self._check_depth(unquote_to_bytes(scope.get("query_string", b"")))
-            if family is Family.CONNECT and _is_client_stream(get_route_path(scope)):
-                # Its messages are handled as they come (input typed into a process): each is
-                # measured as it arrives, never the whole body first.
-                await self.app(scope, self._measured_envelopes(receive), send)
-                return
-            # Connect picks its JSON codec from content types this gate need not know: every
-            # body it reads is measured, whatever it claims to be.
-            if not (family is Family.CONNECT or _read_as_json(request)):
-                await self.app(scope, receive, send)
-                return
-            body, more = await _read_body(receive)
-            await self._check_depth(body)
+            if family not in _CHECKED:
+                body, more = await self._read_unchecked(request, receive)
+            else:
+                streams = family is Family.CONNECT and _is_client_stream(path)
+                caller_proven(scope, streams_body=streams)
+                if family is Family.CONNECT:
+                    _refuse_compressed(request)
+                    if scope["method"] == "GET":
+                        # Connect's GET form carries the message in the query string.
+                        await self._check_depth(unquote_to_bytes(scope.get("query_string", b"")))
+                if streams:
+                    # Its messages are handled as they come (input typed into a process): each
+                    # is measured as it arrives, never the whole body first.
+                    await self.app(scope, self._measured_envelopes(receive), send)
+                    return
+                # Connect picks its JSON codec from content types this gate need not know:
+                # every body it reads is measured, whatever it claims to be.
+                if not (family is Family.CONNECT or _read_as_json(request)):
+                    await self.app(scope, receive, send)
+                    return
+                body, more = await _read_body(receive)
+                await self._check_depth(body)
         except Refused as refused:
             await _answer(send, family, refused)
             return
@@ -160,11 +184,12 @@ class RequestGuard:
                         "Unauthorized",
                         "missing API key: send one of this service's keys as X-API-Key",
                     )
-                self.authenticate.owner_for_key(key)
+                self.authenticate.owner_for_key(key, client_address(request))
             elif family in (Family.E2B_DATA, Family.CONNECT):
                 await self._check_sandbox(request)
         except HTTPException as exc:
-            raise Refused(exc.status_code, "Unauthorized", str(exc.detail)) from None
+            kind = getattr(exc, "kind", "Unauthorized")  # WrongKeysThrottled names its own
+            raise Refused(exc.status_code, kind, str(exc.detail), dict(exc.headers or {})) from None
 
     async def _check_sandbox(self, request: Request) -> None:
         assert self.sandboxes is not None
@@ -185,6 +210,17 @@ class RequestGuard:
             raise Refused(502, "SandboxGone", str(exc)) from None
         except REFUSALS as exc:  # there, asleep, and its key may not wake it now: said why
             raise Refused(exc.status, type(exc).__name__, str(exc)) from None
+
+    async def _read_unchecked(self, request: Request, receive: Receive) -> tuple[bytes, bool]:
+        """The body of a request no key was checked for: at most UNCHECKED_BODY_MAX bytes of
+        any type (413 past it), measured if a parser reads it as JSON."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > UNCHECKED_BODY_MAX:
+            raise _unchecked_too_large()
+        body, more = await _read_body(receive, UNCHECKED_BODY_MAX)
+        if _read_as_json(request):
+            await self._check_depth(body)
+        return body, more
 
     def _measured_envelopes(self, receive: Receive) -> Receive:
         """A receive that passes a Connect stream's body on as it comes, each envelope (5-byte
@@ -288,7 +324,8 @@ def _read_as_json(request: Request) -> bool:
     if not content_type:  # FastAPI reads such a body as JSON; an upload route never does
         path = get_route_path(request.scope)
         # Raw bodies with no type: an upload's, a process's input.
-        return not (request.method == "POST" and path.endswith(("/files", "/stdin")))
+        uploaded = is_upload(request.method, path)
+        return not (uploaded or (request.method == "POST" and _STDIN.fullmatch(path)))
     parsed = email.message.Message()
     parsed["content-type"] = content_type
     subtype = parsed.get_content_subtype()
@@ -297,17 +334,33 @@ def _read_as_json(request: Request) -> bool:
     )
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, bool]:
-    """The whole body (the size limit outside this gate bounds it) and whether the client said
-    there is more (never, once read to the end)."""
+async def _read_body(receive: Receive, limit: int | None = None) -> tuple[bytes, bool]:
+    """The whole body (the size limit outside this gate bounds it, or `limit`: past it, 413)
+    and whether the client left before its end."""
     chunks: list[bytes] = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":  # the client left
             return b"".join(chunks), True
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise _unchecked_too_large()
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks), False
+
+
+def _unchecked_too_large() -> Refused:
+    return Refused(
+        413,
+        "TooLarge",
+        f"a request body here is at most {UNCHECKED_BODY_MAX} bytes: no key is checked before "
+        "it is read (public pages, the console's forms, unknown paths); send large bodies to "
+        "the keyed API",
+        {"Connection": "close"},
+    )
 
 
 def _replay(body: bytes, disconnected: bool, receive: Receive) -> Receive:
@@ -341,6 +394,12 @@ async def _answer(send: Send, family: Family, refused: Refused) -> None:
         payload = {"error": {"type": refused.kind, "message": message}}
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    named = {name for name, _ in headers}
+    headers += [
+        (name.lower().encode(), value.encode())
+        for name, value in refused.headers.items()
+        if name.lower().encode() not in named
+    ]
     body = json.dumps(payload).encode()
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})

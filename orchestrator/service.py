@@ -36,8 +36,10 @@ from orchestrator.governance.approval_outcome import ApprovalOutcome
 from orchestrator.governance.approvals import Approvals
 from orchestrator.governance.audit import AuditLog, command_line, end_reason
 from orchestrator.governance.errors import ApprovalDenied, PolicyDenied
+from orchestrator.governance.input_audit import InputAudit
 from orchestrator.governance.policy import Principal
 from orchestrator.governance.principals import Principals
+from orchestrator.governance.process_origins import command_origin, start_origin
 from orchestrator.governance.tool_guard import SessionToolGuard
 from orchestrator.host_tools import (
     ChannelLimits,
@@ -219,6 +221,7 @@ class Service:
                 tombstone_ttl_s=settings.cluster_tombstone_ttl_s,
                 max_lifetime_s=settings.max_lifetime_s,
                 timeout_s=settings.store_timeout_s,
+                allow_unauthenticated=settings.store_allow_unauthenticated,
             )
             self.sessions: SessionManager = ClusterSessionManager(
                 settings,
@@ -259,12 +262,18 @@ class Service:
         self._revoked_ended: set[str] = set()  # revoked principals with nothing left to end
         # What ran, who asked, when (docs/governance.md); writes once start() has the store.
         self.audit = AuditLog(settings, name_of=self._principal_name)
+        self.input_audit = InputAudit(  # what is typed into terminals and processes' stdin
+            self.audit,
+            record_bytes=settings.audit_input_record_bytes,
+            records_per_minute=settings.audit_input_records_per_minute,
+        )
         # Humans who approve risky calls (docs/governance.md); asks the store start() opens.
         self.approvals = Approvals(
             settings,
             lambda: self.store.approvals,
             principal_of=lambda owner: self.principals.of(owner),
             audit=self.audit,
+            origins_of=lambda: getattr(self.store, "origins", None),  # shared: Redis's
         )
         self._instance_lock: InstanceLock | None = None  # held from start to close
 
@@ -300,6 +309,7 @@ class Service:
             self._channels.clear()
             await self.egress.close_all()
             await self.approvals.close()
+            self.input_audit.close()  # input typed and not yet written, into the log below
             await self.audit.close()  # after the sessions' ends, so those are kept too
             await self.principals.close()
             await self.tools.close()
@@ -324,6 +334,7 @@ class Service:
 
     async def _session_ended(self, session_id: str) -> None:
         self.approvals.abandon_session(session_id)  # what waits for a human in it goes now
+        self.input_audit.forget_session(session_id)
         ended = self.sessions.why_ended(session_id)
         if ended is not None:  # None: another replica ended it, and recorded it
             self._audit_ended(session_id, *ended)
@@ -335,7 +346,9 @@ class Service:
 
     async def _close_channels(self, session_id: str) -> None:
         """Close what a session's sandbox reaches the host through: its tool channel and its
-        egress proxy (when it ends, is paused, or fails to resume)."""
+        egress proxy (when it ends, is paused, or fails to resume); what was typed into its
+        processes is written to the audit log now (they are gone)."""
+        self.input_audit.flush_session(session_id)
         await self._relays.stop(session_id)
         channel = self._channels.pop(session_id, None)
         if channel is not None:
@@ -1266,11 +1279,12 @@ class Service:
             waited = await self._approval_gate(session, "execution", "execution", code)
             try:
                 limit = self._timeout(timeout_s)
-                with self.approvals.running(session.id, code, limit) as running:  # its calls'
+                tools = session.id in self._channels  # its calls name it: `origin` in its env
+                async with self.approvals.running(session.id, code, limit, shared=tools) as running:
                     execution = await session.sandbox.execute(
                         code,
                         timeout_s=limit,
-                        env=env,
+                        env=running.environment(env) if tools else env,
                         cwd=cwd,
                         on_event=on_event,
                         language=name,
@@ -1392,8 +1406,13 @@ class Service:
             )
             if approvals is not None:
                 approvals += waited
+            line = self._command_line(request)
+            tools = session.id in self._channels and not file_transfer
             try:
-                result = await session.sandbox.run_command(self._process_request(request))
+                async with command_origin(
+                    self.approvals, session.id, self._process_request(request), line, tools=tools
+                ) as tagged:  # an origin of tool calls while it runs
+                    result = await session.sandbox.run_command(tagged)
             except BaseException as exc:  # it could not run, or its caller left
                 self._audit_command(session, request, None, exc, file_transfer=file_transfer)
                 raise
@@ -1411,7 +1430,14 @@ class Service:
             async with session.activity():  # while it waits for a human, if it must
                 await self._approval_gate(session, "command", self._command_line(request), None)
         session.touch()
-        process = await session.sandbox.start_process(self._process_request(request))
+        process = await start_origin(  # an origin of tool calls until it ends
+            self.approvals,
+            session.id,
+            session.sandbox,
+            self._process_request(request),
+            self._command_line(request),
+            tools=session.id in self._channels and not file_transfer,
+        )
         METRICS.processes_started.labels(session.backend).inc()
         info = process.info()
         self.audit.record(
@@ -1450,13 +1476,22 @@ class Service:
         async with session.activity():
             return await (await session.sandbox.get_process(pid)).wait()
 
-    async def send_input(self, session: Session, pid: int, data: bytes) -> None:
+    async def send_input(
+        self, session: Session, pid: int, data: bytes, *, file_transfer: bool = False
+    ) -> None:
+        """Write to a process's stdin (or its terminal): recorded in the audit log, unless it
+        is a front's own file transfer (the file's upload is recorded as one)."""
         session.touch()
-        await (await session.sandbox.get_process(pid)).write_stdin(data)
+        process = await session.sandbox.get_process(pid)
+        await process.write_stdin(data)
+        if not file_transfer:
+            terminal = process.info().terminal
+            self.input_audit.typed(session.id, session.owner, pid, data, terminal=terminal)
 
     async def close_input(self, session: Session, pid: int) -> None:
         session.touch()
         await (await session.sandbox.get_process(pid)).close_stdin()
+        self.input_audit.closed(session.id, pid)
 
     async def signal_process(self, session: Session, pid: int, signum: int) -> None:
         """Send a signal to a process and everything it started (SIGKILL: `kill`)."""

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import resource
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from urllib.parse import urlsplit
 
 from orchestrator.config import Settings
+from orchestrator.descriptors import raise_descriptor_limit
 from orchestrator.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
+from orchestrator.egress.settings import ServiceEndpoint
 from orchestrator.egress.slots import ConnectionSlots
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
@@ -21,22 +23,49 @@ log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)
 
 
-def egress_settings(settings: Settings) -> EgressSettings:
+def service_endpoints(settings: Settings) -> tuple[ServiceEndpoint, ...]:
+    """What the service itself listens on or depends on, which no sandbox may reach whatever
+    the operator's private hosts allow: its API (a key's way in; the console's login), its
+    shared store (holding every key's principal record and the audit log) and the Ray head of
+    cluster mode (which drives every session's actor)."""
+    endpoints = [ServiceEndpoint("the service's own API", settings.host, settings.port)]
+    if settings.store_url is not None:
+        url = urlsplit(settings.store_url.get_secret_value())
+        with contextlib.suppress(ValueError):  # a port that is no number: no store to reach
+            if url.scheme in ("redis", "rediss"):
+                host = url.hostname or "localhost"
+                endpoints.append(ServiceEndpoint("the cluster store", host, url.port or 6379))
+    ray = _ray_endpoint(settings.ray_address)
+    if ray is not None:
+        endpoints.append(ray)
+    return tuple(endpoints)
+
+
+def _ray_endpoint(address: str | None) -> ServiceEndpoint | None:
+    """The Ray cluster's head (its GCS, or Ray Client's `ray://` port): a session's actor is
+    driven through it. None when unset, `auto`, or not an address."""
+    if not address or address == "auto":
+        return None
+    url = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        port = url.port
+    except ValueError:
+        return None
+    if url.hostname is None or port is None:
+        return None
+    return ServiceEndpoint("the Ray cluster's head", url.hostname, port)
+
+
+def egress_settings(
+    settings: Settings, refused_endpoints: Sequence[ServiceEndpoint] = ()
+) -> EgressSettings:
     return EgressSettings(
         private_hosts=frozenset(settings.egress_private_hosts),
+        refused_endpoints=tuple(refused_endpoints),
         resolve_overrides={n: tuple(a) for n, a in settings.egress_resolve.items()},
         max_bytes_per_session=settings.egress_max_bytes_per_session,
         max_connections_per_session=settings.egress_max_connections_per_session,
     )
-
-
-def _raise_descriptor_limit() -> None:
-    """Let the service use every descriptor it is allowed: each egress connection holds two,
-    and the soft limit is often far below the hard one (1024 under systemd)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 class SessionEgress:
@@ -46,15 +75,28 @@ class SessionEgress:
         self,
         settings: Settings,
         on_connection: Callable[[Session, EgressRecord], None] | None = None,
+        refused_endpoints: Sequence[ServiceEndpoint] | None = None,
     ) -> None:
         """`on_connection`: told of each connection as it ends (the audit log); it must not
-        block or raise."""
+        block or raise. `refused_endpoints`: what no sandbox may reach (by default the
+        service's API and store, `service_endpoints`)."""
         self.settings = settings
         self._on_connection = on_connection
-        self._egress = egress_settings(settings)
-        self._slots = ConnectionSlots(settings.egress_max_connections_total)
+        if refused_endpoints is None:
+            refused_endpoints = service_endpoints(settings)
+        self._egress = egress_settings(settings, refused_endpoints)
+        self._slots = ConnectionSlots(
+            settings.egress_max_connections_total,
+            f"the service's egress proxies hold {settings.egress_max_connections_total} "
+            "connections, the service's cap (egress_max_connections_total) shared by every "
+            "key; retry later",
+        )
+        # Each key's sessions share a cap: one key cannot hold the whole service's. Kept while
+        # the key has a proxy open, with the count of those.
+        self._key_slots: dict[str, tuple[ConnectionSlots, int]] = {}
+        self._owners: dict[str, str] = {}  # session id -> its key's owner id
         if settings.network_ceiling.enabled:
-            _raise_descriptor_limit()
+            raise_descriptor_limit()  # each egress connection holds two
         self._proxies: dict[str, EgressProxy] = {}
         self._ledgers: dict[str, EgressLedger] = {}
 
@@ -91,16 +133,45 @@ class SessionEgress:
             ceiling=self.settings.network_ceiling,
             settings=self._egress,
             ledger=ledger,
-            slots=self._slots,
+            slots=(self._hold_key_slots(session), self._slots),
         )
-        await proxy.start(
-            channel.socket_path,
-            peer_uid=channel.peer.uid,
-            peer_gid=channel.peer_gid,
-            peer_program=channel.peer.program,
-        )
+        try:
+            await proxy.start(
+                channel.socket_path,
+                peer_uid=channel.peer.uid,
+                peer_gid=channel.peer_gid,
+                peer_program=channel.peer.program,
+            )
+        except BaseException:
+            self._drop_key_slots(session.id)
+            raise
         self._proxies[session.id] = proxy
         self._ledgers[session.id] = ledger
+
+    def _hold_key_slots(self, session: Session) -> ConnectionSlots:
+        """The cap the session's key shares among its sessions, made with its first."""
+        cap = self.settings.egress_max_connections_per_key
+        slots, users = self._key_slots.get(session.owner, (None, 0))
+        if slots is None:
+            slots = ConnectionSlots(
+                cap,
+                f"this API key's sessions already have {cap} connections open through their "
+                "proxies, the key's cap (egress_max_connections_per_key); close some in this "
+                "key's sessions and retry, or ask the operator to raise the cap",
+            )
+        self._key_slots[session.owner] = (slots, users + 1)
+        self._owners[session.id] = session.owner
+        return slots
+
+    def _drop_key_slots(self, session_id: str) -> None:
+        owner = self._owners.pop(session_id, None)
+        if owner is None:
+            return
+        slots, users = self._key_slots[owner]
+        if users <= 1:
+            del self._key_slots[owner]
+        else:
+            self._key_slots[owner] = (slots, users - 1)
 
     def ledger(self, session_id: str) -> EgressLedger | None:
         return self._ledgers.get(session_id)
@@ -110,6 +181,7 @@ class SessionEgress:
         self._ledgers.pop(session_id, None)
         if proxy is not None:
             await proxy.close()
+        self._drop_key_slots(session_id)
 
     async def close_all(self) -> None:
         for session_id in list(self._proxies):

@@ -25,6 +25,12 @@ from sandbox.socket_peer import SocketPeer
 HOST_TOOLS_DIR_IN_SANDBOX = "/run/host-tools"
 # Tells the kernel's start-up file where the module lives (the host path without a sandbox).
 HOST_TOOLS_ENV = "CIR_HOST_TOOLS_DIR"
+# Which execution, command, background process or terminal started the code that calls a tool:
+# a process is given it in this variable; a Python execution in its execute request's metadata,
+# under TOOL_ORIGIN_METADATA (the kernel's start-up file reads it; the driver moves it there).
+# Each call frame names it, and the host refuses a call whose origin no longer runs.
+TOOL_ORIGIN_ENV = "CIR_TOOL_ORIGIN"
+TOOL_ORIGIN_METADATA = "cir_tool_origin"
 SOCKET_NAME = "sock"
 MANIFEST_NAME = "manifest.json"
 MODULE_NAME = "host_tools.py"

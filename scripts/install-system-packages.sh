@@ -4,7 +4,8 @@
 # by each test on a free port: the system service the package starts is stopped and disabled
 # when this script installed it); docker.io and debootstrap for the Docker backend and its
 # images, runsc (gVisor, an optional stronger runtime for it: docs/gvisor.md); the programs
-# commands in a local sandbox find on the host (git, ps, and nsenter to enter it); the other
+# commands in a local sandbox find on the host (git, ps, and nsenter to enter it); ip, with
+# which the egress tests list the host's own addresses; the other
 # languages' kernels the local backend runs (R with IRkernel, a JDK for jjava; Deno and jjava
 # themselves come from PyPI with `make install`), without their recommendations (R's would
 # bring a compiler tool chain); Chromium and its WebDriver for the console's browser tests
@@ -12,7 +13,7 @@
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 packages=(bubblewrap python3 python3-venv python3-dev make docker.io runsc debootstrap git procps
-    util-linux redis-server chromium chromium-driver)
+    util-linux iproute2 redis-server chromium chromium-driver)
 language_packages=(r-base-core r-cran-irkernel default-jdk-headless)
 
 missing_of() {

@@ -133,6 +133,7 @@ async def test_killed_container_is_reported_and_recovers(
         ex = await asyncio.wait_for(task, timeout=30)
         assert ex.status is ExecutionStatus.KERNEL_DIED
         assert ex.error is not None and "SIGKILL" in ex.error.value
+        assert "from outside the sandbox" in ex.error.value  # the engine was asked: not memory
         assert sb.container_name != first
         after = await sb.execute("'x' in globals(), open('kept.txt').read()")
         assert after.text == "(False, 'still here')"

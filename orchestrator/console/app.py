@@ -22,6 +22,7 @@ from orchestrator.console.shown_outputs import ShownOutputs
 from orchestrator.sessions import SessionError
 
 if TYPE_CHECKING:
+    from orchestrator.key_throttle import KeyThrottle
     from orchestrator.service import Service
 
 STATIC = Path(__file__).parent / "static"
@@ -40,9 +41,11 @@ def _error_page(request: Request, status: int, title: str, message: str) -> Resp
     )
 
 
-def console_app(service: Service) -> FastAPI:
+def console_app(service: Service, throttle: KeyThrottle | None = None) -> FastAPI:
+    """`throttle`: the service's throttle of wrong keys (its API's), else one of its own."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.state.console = Console(service, ConsoleAuth(service), ShownOutputs(service))
+    auth = ConsoleAuth(service, throttle)
+    app.state.console = Console(service, auth, ShownOutputs(service))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     for module in (login_pages, session_pages, approval_pages, audit_pages):
         app.include_router(module.router)

@@ -13,11 +13,13 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
+from orchestrator.auth import key_throttle
 from orchestrator.console.key_check import KeyCheck
 from orchestrator.console.login_tokens import Login, LoginTokens, key_digest, load_secret
 from orchestrator.governance.policy import Principal
 
 if TYPE_CHECKING:
+    from orchestrator.key_throttle import KeyThrottle
     from orchestrator.service import Service
 
 COOKIE = "cir_console"
@@ -62,8 +64,10 @@ class Viewer:
 
 
 class ConsoleAuth:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, throttle: KeyThrottle | None = None) -> None:
+        """`throttle`: counts wrong keys with the API's (the same budgets per address)."""
         self._service = service
+        self.throttle = throttle if throttle is not None else key_throttle(service.settings)
         self._tokens: LoginTokens | None = None
         self._keys = KeyCheck(service)
         # Logins ended by a logout, until they would have expired anyway (this replica's).
@@ -81,14 +85,21 @@ class ConsoleAuth:
             self._tokens = LoginTokens(secret)
         return self._tokens
 
-    async def log_in(self, key: str) -> tuple[Principal, str] | None:
-        """The principal of `key` and a login token for it; None for a key that does not
-        work here (unknown, revoked, rotated out). With auth off, everyone is `local`."""
+    async def log_in(self, key: str, client: str | None) -> tuple[Principal, str] | None:
+        """The principal of `key`, sent from the address `client`, and a login token for it;
+        None for a key that does not work here (unknown, revoked, rotated out): counted as the
+        API counts wrong keys, and `TooManyWrongKeys`, unchecked, while `client` is over its
+        budget (key_throttle.py). With auth off, everyone is `local`."""
         key = key.strip()
-        if len(key) > MAX_KEY_CHARS:
-            return None
-        principal = self._service.principals.authenticate(key)
+        counted = bool(key) and not self._auth_off
+        if counted:
+            self.throttle.before_check(client, key)
+        principal = (
+            self._service.principals.authenticate(key) if len(key) <= MAX_KEY_CHARS else None
+        )
         if principal is None:
+            if counted:
+                self.throttle.failed(client, key)
             return None
         digest = "" if self._auth_off else key_digest(key)
         return principal, (await self.tokens()).issue(principal.id, digest)

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import RedirectResponse, Response
 
+from orchestrator.auth import client_address
 from orchestrator.console.console_auth import (
     COOKIE,
     MAX_KEY_CHARS,
@@ -17,6 +18,7 @@ from orchestrator.console.console_auth import (
 )
 from orchestrator.console.context import base, console_of
 from orchestrator.console.render import page
+from orchestrator.key_throttle import TooManyWrongKeys
 
 router = APIRouter()
 
@@ -60,7 +62,18 @@ async def log_in(request: Request, key: Annotated[str, Form()] = "") -> Response
             refused=True,
             status=401,
         )
-    found = await auth.log_in(key)
+    try:
+        found = await auth.log_in(key, client_address(request))
+    except TooManyWrongKeys as refused:
+        response = login_form(
+            request,
+            f"Too many wrong keys from your address: wait {refused.retry_after_s} s, then "
+            "try again.",
+            refused=True,
+            status=429,
+        )
+        response.headers["Retry-After"] = str(refused.retry_after_s)
+        return response
     if found is None:
         return login_form(
             request,

@@ -1,17 +1,17 @@
-"""The console's logins: a signed, expiring token for its cookie, and the CSRF token bound to it.
+"""The console's logins: a sealed, expiring token for its cookie, and the CSRF token it holds.
 
 The token names the principal and the digest of the key that logged in, so each request can
-check again that the key still holds (a revoked or rotated-out key is logged out at once). The
-digest is sealed (XORed with a pad made from the secret and the login's own nonce): a leaked
-cookie gives nothing to guess a weak key against offline, only the secret opens it. The secret
-is the `console_secret` setting, or kept under the state dir (0600): a restart keeps everyone
-logged in.
+check again that the key still holds (a revoked or rotated-out key is logged out at once). It is
+a Fernet token (`cryptography`: AES-CBC and HMAC-SHA256, with its own time stamp checked against
+the login's lifetime), so a leaked cookie shows nothing of the key's digest to guess a weak key
+against offline, and only the secret makes or opens one. The Fernet key is derived from the
+secret (HKDF-SHA256). The secret is the `console_secret` setting, or kept under the state dir
+(0600): a restart keeps everyone logged in.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import hashlib
 import hmac
@@ -22,12 +22,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.fernet import Fernet, InvalidToken
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 SECRET_FILE = "console-secret"
 TOKEN_TTL_S = 12 * 3600.0
 MAX_TOKEN_CHARS = 1024  # a cookie longer than any token made here is refused unread
 _SECRET_BYTES = 32
-_DIGEST_BYTES = 32  # SHA-256
-_VERSION = "v2"  # v1 carried the digest in the clear: refused
+_DIGEST_CHARS = 64  # SHA-256, hex
+_VERSION = "v3"  # v1 carried the digest in the clear, v2 sealed it by hand: both refused
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class Login:
     principal_id: str
     key_digest: str  # sha256 hex of the key that logged in
     expires_at: float
-    nonce: str  # the login's own: its CSRF token derives from it
+    nonce: str  # the login's own, random: its CSRF token, and what a logout remembers
 
 
 def key_digest(key: str) -> str:
@@ -67,87 +71,62 @@ def load_secret(state_dir: Path) -> bytes:
     return path.read_bytes()
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
 class LoginTokens:
     def __init__(self, secret: bytes, ttl_s: float = TOKEN_TTL_S) -> None:
         if len(secret) < _SECRET_BYTES:
             raise ValueError(f"the console's secret must be at least {_SECRET_BYTES} bytes")
-        self._secret = secret
+        derived = HKDF(
+            algorithm=hashes.SHA256(), length=32, salt=None, info=b"cir console login"
+        ).derive(secret)
+        self._fernet = Fernet(base64.urlsafe_b64encode(derived))
         self.ttl_s = ttl_s
 
-    def _sign(self, purpose: str, data: str) -> str:
-        mac = hmac.new(self._secret, f"{purpose}\n{data}".encode(), hashlib.sha256)
-        return _b64(mac.digest())
-
-    def _pad(self, nonce: str) -> bytes:
-        """A pad no two logins share (each has its own nonce), known only with the secret."""
-        return hmac.new(self._secret, f"seal\n{nonce}".encode(), hashlib.sha256).digest()
-
-    def _seal(self, digest: str, nonce: str) -> str:
-        """A key's SHA-256 hex as the cookie carries it: XORed with the login's pad."""
-        if not digest:  # a login made while auth was off has no key
-            return ""
-        try:
-            raw = bytes.fromhex(digest)
-        except ValueError:
-            raw = b""
-        if len(raw) != _DIGEST_BYTES:
-            raise ValueError("a key digest is a SHA-256, 64 hex characters")
-        return _b64(bytes(a ^ b for a, b in zip(raw, self._pad(nonce), strict=True)))
-
-    def _unseal(self, sealed: str, nonce: str) -> str:
-        if not sealed:
-            return ""
-        raw = _unb64(sealed)
-        if len(raw) != _DIGEST_BYTES:
-            raise ValueError("not a sealed digest")
-        return bytes(a ^ b for a, b in zip(raw, self._pad(nonce), strict=True)).hex()
-
     def issue(self, principal_id: str, digest: str, *, now: float | None = None) -> str:
-        expires = (time.time() if now is None else now) + self.ttl_s
-        nonce = secrets.token_hex(16)
-        payload = {"p": principal_id, "k": self._seal(digest, nonce), "e": expires, "n": nonce}
-        body = _b64(json.dumps(payload, separators=(",", ":")).encode())
-        return f"{_VERSION}.{body}.{self._sign('login', body)}"
+        """A login of `principal_id` by the key of SHA-256 `digest` ("" while auth is off)."""
+        if digest and (len(digest) != _DIGEST_CHARS or not _is_hex(digest)):
+            raise ValueError("a key digest is a SHA-256, 64 hex characters")
+        issued = time.time() if now is None else now
+        payload = {"p": principal_id, "k": digest, "n": secrets.token_urlsafe(24)}
+        data = json.dumps(payload, separators=(",", ":")).encode()
+        return f"{_VERSION}.{self._fernet.encrypt_at_time(data, int(issued)).decode()}"
 
     def read(self, token: str | None, *, now: float | None = None) -> Login | None:
-        """The login a token holds, if this service signed it and it has not expired."""
+        """The login a token holds, if this service made it and it has not expired."""
         if not token or len(token) > MAX_TOKEN_CHARS:
             return None
-        version, _, rest = token.partition(".")
-        body, _, signature = rest.partition(".")
-        if version != _VERSION or not _same(signature, self._sign("login", body)):
+        version, _, sealed = token.partition(".")
+        if version != _VERSION:
             return None
+        at = time.time() if now is None else now
         try:
-            payload = json.loads(_unb64(body))
-            nonce = str(payload["n"])
+            # Fernet's own check of age is in whole seconds: the exact expiry is checked below.
+            data = self._fernet.decrypt_at_time(sealed.encode(), int(self.ttl_s) + 1, int(at))
+            issued = self._fernet.extract_timestamp(sealed.encode())
+            payload = json.loads(data)
             login = Login(
                 principal_id=str(payload["p"]),
-                key_digest=self._unseal(str(payload["k"]), nonce),
-                expires_at=float(payload["e"]),
-                nonce=nonce,
+                key_digest=str(payload["k"]),
+                expires_at=issued + self.ttl_s,
+                nonce=str(payload["n"]),
             )
-        except (ValueError, KeyError, TypeError, binascii.Error):
+        except (InvalidToken, ValueError, KeyError, TypeError):
             return None
-        if login.expires_at <= (time.time() if now is None else now):
+        if login.expires_at <= at:
             return None
         return login
 
     def csrf(self, login: Login) -> str:
-        """The token every form of this login carries: useless with any other login."""
-        return self._sign("csrf", login.nonce)
+        """The token every form of this login carries: useless with any other login, and seen
+        only by whoever holds the login (it travels sealed in the cookie)."""
+        return login.nonce
 
     def csrf_ok(self, login: Login, given: str | None) -> bool:
-        return bool(given) and _same(str(given), self.csrf(login))
+        return bool(given) and hmac.compare_digest(str(given).encode(), login.nonce.encode())
 
 
-def _same(given: str, expected: str) -> bool:
-    """Constant-time, for any text a client sends (compare_digest refuses non-ASCII str)."""
-    return hmac.compare_digest(given.encode(), expected.encode())
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
+from orchestrator.auth import client_address
 from orchestrator.e2b_compatible.sandboxes import E2BRecord, E2BSandboxes
 from orchestrator.request_context import ServiceDep
 from orchestrator.sessions import Session
@@ -37,7 +38,7 @@ def api_owner(request: Request) -> str:
     authenticate = request.app.state.authenticate
     if not key and not authenticate.disabled:
         raise HTTPException(401, "missing API key: send one of this service's keys as X-API-Key")
-    owner: str = authenticate.owner_for_key(key)
+    owner: str = authenticate.owner_for_key(key, client_address(request))
     return owner
 
 

@@ -7,7 +7,9 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 from fastapi import FastAPI
 
 from orchestrator.e2b_compatible import contexts, control, execute, files
+from orchestrator.e2b_compatible.connect_codecs import refusing_codecs
 from orchestrator.e2b_compatible.filesystem import StripPrefix, WorkspaceFilesystem
+from orchestrator.e2b_compatible.grpc_refusal import GrpcRefusal
 from orchestrator.e2b_compatible.processes import SandboxProcesses
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.service import Service
@@ -26,10 +28,11 @@ def mount(app: FastAPI, service: Service) -> E2BSandboxes:
     for router in routers:
         app.include_router(router, prefix=PREFIX, include_in_schema=False)
     connect_apps = (
-        FilesystemASGIApplication(WorkspaceFilesystem(sandboxes)),
-        ProcessASGIApplication(SandboxProcesses(sandboxes)),
+        FilesystemASGIApplication(WorkspaceFilesystem(sandboxes), codecs=refusing_codecs()),
+        ProcessASGIApplication(SandboxProcesses(sandboxes), codecs=refusing_codecs()),
     )
     for connect_app in connect_apps:
-        app.mount(connect_app.path, connect_app)
-        app.mount(PREFIX + connect_app.path, StripPrefix(connect_app, PREFIX))
+        served = GrpcRefusal(connect_app)
+        app.mount(connect_app.path, served)
+        app.mount(PREFIX + connect_app.path, StripPrefix(served, PREFIX))
     return sandboxes

@@ -105,7 +105,8 @@ async def write(service: Service, session: Session, path: str, data: bytes) -> N
     )
     try:
         for start in range(0, len(data), WRITE_CHUNK):
-            await service.send_input(session, info.pid, data[start : start + WRITE_CHUNK])
+            chunk = data[start : start + WRITE_CHUNK]  # the file, not input: not recorded as such
+            await service.send_input(session, info.pid, chunk, file_transfer=True)
         await service.close_input(session, info.pid)
     except SandboxError:
         pass  # it ended early: its result says why

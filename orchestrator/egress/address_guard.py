@@ -4,6 +4,11 @@ Why not just `is_global`: an IPv6 address can carry an IPv4 one (IPv4-mapped `::
 6to4 `2002:7f00:1::`, NAT64 `64:ff9b::7f00:1`), and some of those forms count as global in
 Python's tables while reaching the host's loopback through a translator. The embedded address is
 checked as well.
+
+Nor is `is_global` alone enough on Python 3.11: its tables miss ranges that are not routed on
+the internet (site-local `fec0::/10`, the returned 6bone `3ffe::/16`, the new documentation
+`3fff::/20`, `192.0.0.0/24`, the deprecated 6to4 relay anycast `192.88.99.0/24`); those are
+named here, and anything `is_global` refuses stays refused.
 """
 
 from __future__ import annotations
@@ -14,7 +19,23 @@ from sandbox.network_policy import IpAddress
 
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
+_SIIT = ipaddress.ip_network("::ffff:0:0:0/96")  # an IPv4 address translated (RFC 6145)
+_COMPATIBLE = ipaddress.ip_network("::/96")  # IPv4-compatible (deprecated): ::a.b.c.d
 _METADATA = ipaddress.ip_address("169.254.169.254")
+# Not globally routable, although some Python versions' `is_global` says they are (IANA's
+# special-purpose registries, deprecated ranges included), each with what to call it.
+_NOT_ROUTED: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = tuple(
+    (ipaddress.ip_network(network), name)
+    for network, name in (
+        ("fec0::/10", "a site-local address (fec0::/10, deprecated)"),
+        ("3ffe::/16", "a 6bone address (3ffe::/16, returned)"),
+        ("5f00::/8", "a 6bone or SRv6 address (5f00::/8), not routed on the internet"),
+        ("3fff::/20", "a documentation address (3fff::/20)"),
+        ("::/96", "an IPv4-compatible address (::/96, deprecated)"),
+        ("192.88.99.0/24", "a 6to4 relay anycast address (192.88.99.0/24, deprecated)"),
+        ("192.0.0.0/24", "an IETF protocol assignment (192.0.0.0/24)"),
+    )
+)
 
 
 def _kind(address: IpAddress) -> str | None:
@@ -31,6 +52,9 @@ def _kind(address: IpAddress) -> str | None:
         return "a multicast address"
     if isinstance(address, ipaddress.IPv4Address) and address in _SHARED:
         return "a shared (carrier-grade NAT) address"
+    for network, name in _NOT_ROUTED:
+        if address.version == network.version and address in network:
+            return name
     if address.is_private:
         return "a private address"
     if address.is_reserved:
@@ -51,9 +75,12 @@ def forms_of(address: IpAddress) -> list[IpAddress]:
 
 
 def _embedded(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 form carries (mapped, 6to4, NAT64, Teredo server), if any."""
+    """The IPv4 address an IPv6 form carries (mapped, SIIT-translated, IPv4-compatible, 6to4,
+    NAT64, Teredo server), if any."""
     if address.ipv4_mapped is not None:
         return address.ipv4_mapped
+    if address in _SIIT or (address in _COMPATIBLE and int(address) > 1):  # not :: or ::1
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     if address.sixtofour is not None:
         return address.sixtofour
     if any(address in net for net in _NAT64):

@@ -23,6 +23,7 @@ from orchestrator.egress.pipe import CHUNK, pump, send
 from orchestrator.egress.plain_http import Forward
 from orchestrator.egress.resolver import Unreachable, resolve
 from orchestrator.egress.responses import CONNECT_ESTABLISHED, answer, refusal
+from orchestrator.egress.service_guard import service_refusal
 from orchestrator.egress.target import (
     BadTarget,
     Target,
@@ -218,9 +219,17 @@ class Exchange:
     async def _dial(
         self, target: Target, addresses: tuple[IpAddress, ...]
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        timeout = self.proxy.settings.connect_timeout_s
+        settings = self.proxy.settings
+        timeout = settings.connect_timeout_s
         failures = []
         for address in addresses[:_MAX_ADDRESSES_TRIED]:
+            # Here, on the very address about to be dialled: whatever allowed the name, the
+            # service's own listeners stay out of reach (orchestrator/egress/service_guard.py).
+            refused = await service_refusal(target.host, address, target.port, settings)
+            if refused is not None:
+                self.reason = refused
+                why = f"egress refused: {refused}"
+                await self._send_early(answer(403, why, f"{why}\n"))
             self.address = str(address)
             try:
                 async with asyncio.timeout(timeout):

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator.egress.exchange import Exchange
@@ -44,12 +45,12 @@ class EgressProxy:
         ceiling: NetworkPolicy,
         settings: EgressSettings,
         ledger: EgressLedger,
-        slots: ConnectionSlots | None = None,
+        slots: Sequence[ConnectionSlots] = (),
     ) -> None:
-        """`slots`: connections open at once across every session's proxy (the service's
-        descriptors are one pool); None: only this session's cap."""
+        """`slots`: caps this proxy shares with others, each taken per connection in order
+        (its key's sessions, then the service's); none: only this session's cap."""
         self.policy = policy
-        self.slots = slots
+        self.slots = tuple(slots)
         self.ceiling = ceiling
         self.settings = settings
         self.ledger = ledger
@@ -160,20 +161,20 @@ class EgressProxy:
         cap = self.settings.max_connections_per_session
         if self._admitted >= cap:
             return (
-                f"this sandbox already has {cap} connections open through the proxy, its "
-                "limit; close some and retry"
+                f"this sandbox already has {cap} connections open through the proxy, the "
+                "session's cap (egress_max_connections_per_session); close some and retry"
             )
-        if self.slots is not None and not self.slots.take():
-            return (
-                f"the service's egress proxies hold {self.slots.limit} connections, their "
-                "limit; retry later"
-            )
+        for held, slots in enumerate(self.slots):
+            if not slots.take():
+                for taken in self.slots[:held]:
+                    taken.give_back()
+                return slots.when_full
         return None
 
     def _release(self) -> None:
         self._admitted -= 1
-        if self.slots is not None:
-            self.slots.give_back()
+        for slots in self.slots:
+            slots.give_back()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         exchange = Exchange(self, reader, writer)

@@ -29,22 +29,33 @@ class Unreachable(Exception):
 
 
 async def resolve(host: str, port: int, settings: EgressSettings) -> tuple[IpAddress, ...]:
-    """The checked addresses of a normalized host, in the order to try them."""
-    addresses = await _lookup(host, port, settings)
-    if host not in settings.private_hosts:
-        for address in addresses:
-            why = why_not_public(address)
-            if why is not None:
-                shown = host if str(address) == host else f"{host} resolves to {address},"
-                raise Unreachable(
-                    403,
-                    f"{shown} {why}; the proxy reaches only public addresses (an operator "
-                    "may allow a name to reach a private address with private_hosts)",
-                )
+    """The checked addresses of a normalized host, in the order to try them: public ones, or
+    any for a private host on a port the operator named with it."""
+    addresses = await lookup(host, port, settings)
+    private_ports = settings.private_ports.get(host)
+    if private_ports is not None and port in private_ports:
+        return addresses
+    for address in addresses:
+        why = why_not_public(address)
+        if why is None:
+            continue
+        shown = host if str(address) == host else f"{host} resolves to {address},"
+        if private_ports is None:
+            hint = "an operator may allow a name to reach a private address with private_hosts"
+        else:
+            named = ", ".join(str(p) for p in sorted(private_ports))
+            ports = "port" if len(private_ports) == 1 else "ports"
+            hint = (
+                f"private_hosts lets {host} reach a private address on {ports} {named} only, "
+                f"not {port}; an operator may add {host}:{port} to private_hosts"
+            )
+        raise Unreachable(403, f"{shown} {why}; the proxy reaches only public addresses ({hint})")
     return addresses
 
 
-async def _lookup(host: str, port: int, settings: EgressSettings) -> tuple[IpAddress, ...]:
+async def lookup(host: str, port: int, settings: EgressSettings) -> tuple[IpAddress, ...]:
+    """The addresses of a host: itself if an address, the settings' override, else DNS (on
+    threads of its own, within the connect timeout); `Unreachable` (502) when it has none."""
     try:
         return (ipaddress.ip_address(host),)
     except ValueError:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from orchestrator.egress.private_hosts import parse_private_hosts
 from sandbox.network_policy import normalize_host
 
 
@@ -14,17 +15,33 @@ def _no_overrides() -> Mapping[str, tuple[str, ...]]:
 
 
 @dataclass(frozen=True)
+class ServiceEndpoint:
+    """A listener no sandbox may reach through the proxy, whatever name leads there and
+    whatever the operator allowed: the service's own API, the store holding its keys.
+
+    `host` is as configured: an address, a name (looked up when a connection is checked), or
+    the unspecified address (`0.0.0.0`, `::`: the port is refused on every address)."""
+
+    what: str  # named in the refusal, e.g. "the service's own API"
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
 class EgressSettings:
     """Limits and exceptions of the egress proxy.
 
-    `private_hosts` is the only way to reach a private, loopback or link-local address: a name
-    (or IP literal) listed there may resolve to one. `resolve_overrides` only answers name
+    `private_hosts` is the only way to reach a private, loopback or link-local address: an
+    entry `host:port` (or a bare host: ports 80 and 443) lets that name (or IP literal) resolve
+    to one on that port (`private_ports` holds them read). `resolve_overrides` only answers name
     lookups without DNS (tests, fixed hosts); it grants nothing, so a name mapped to 127.0.0.1
     there is still refused unless it is in `private_hosts` too. Keeping the two apart is what
-    lets a test prove that a name resolving to loopback is refused.
+    lets a test prove that a name resolving to loopback is refused. `refused_endpoints` are
+    refused on every address that leads to them, private hosts included.
     """
 
     private_hosts: frozenset[str] = frozenset()
+    refused_endpoints: tuple[ServiceEndpoint, ...] = ()
     resolve_overrides: Mapping[str, tuple[str, ...]] = field(default_factory=_no_overrides)
     max_bytes_per_session: int = 1 << 30  # up + down; past it, tunnels close, new ones get 403
     max_connections_per_session: int = 64  # open at once
@@ -32,12 +49,12 @@ class EgressSettings:
     header_timeout_s: float = 20.0  # a client that never finishes its request head
     idle_timeout_s: float = 300.0  # a connection with no byte either way
     max_head_bytes: int = 64 * 1024  # a longer request head (or response head) is refused
+    private_ports: Mapping[str, frozenset[int]] = field(init=False)
 
     def __post_init__(self) -> None:
-        # Compared with normalized destination names, so normalized here once.
-        object.__setattr__(
-            self, "private_hosts", frozenset(normalize_host(h) for h in self.private_hosts)
-        )
+        # Compared with normalized destination names, so read and normalized here once
+        # (PrivateHostError naming a bad entry).
+        object.__setattr__(self, "private_ports", parse_private_hosts(self.private_hosts))
         overrides = {
             normalize_host(name): tuple(addresses)
             for name, addresses in self.resolve_overrides.items()

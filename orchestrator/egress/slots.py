@@ -1,17 +1,19 @@
-"""Connections open at once through every session's proxy together: each holds two of the
-service's descriptors (the sandbox's side and the destination's), and those are one pool for
-the API and every session, so the sum is capped as well as each session's share."""
+"""Connections open at once through several session proxies together: one key's sessions (so
+one key cannot hold everyone's share), and every session's (each connection holds two of the
+service's descriptors, one pool for the API and every session)."""
 
 from __future__ import annotations
 
 
 class ConnectionSlots:
-    """A count with a ceiling, taken and given back on the event loop (no lock needed)."""
+    """A count with a ceiling, taken and given back on the event loop (no lock needed).
+    `when_full` is what a refused connection is told: whose cap it was and what to do."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, when_full: str) -> None:
         if limit < 1:
             raise ValueError("the connection limit must be positive")
         self.limit = limit
+        self.when_full = when_full
         self.taken = 0
 
     def take(self) -> bool:

@@ -12,10 +12,13 @@ Bounded: requests waiting are capped per session and on this replica (one more i
 queued); what a request keeps of the code, the arguments and a reason is capped.
 
 A wait never outlives what waits: a tool call's wait ends before the time limit of the execution
-that made it (the code reads ToolDenied, it is not interrupted mid-wait), and is abandoned when
-that execution ends first (interrupted, timed out, or finished without awaiting the call); every
-wait of a session ends when the session does. An abandoned request is `expired`, decided by
-"abandoned": no answer can run it any more.
+(or command, process) that made it (the code reads ToolDenied, it is not interrupted mid-wait),
+and is abandoned when that one ends first (interrupted, timed out, or finished without awaiting
+the call); every wait of a session ends when the session does. An abandoned request is
+`expired`, decided by "abandoned": no answer can run it any more. Which one made a call is what
+the call frame names (call_origins.py), never merely what runs now. One another replica runs
+(found in the shared store) bounds the wait by the time limit kept there, and is read again at
+each poll: its end abandons the wait as well.
 """
 
 from __future__ import annotations
@@ -27,8 +30,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from orchestrator.config import Settings
@@ -40,6 +42,13 @@ from orchestrator.governance.approval_errors import (
     ApprovalsFull,
 )
 from orchestrator.governance.approval_outcome import ABANDONED, TIMEOUT, ApprovalOutcome
+from orchestrator.governance.call_origins import (
+    CallOrigins,
+    OriginKind,
+    RunningCode,
+    SharedOrigins,
+    word_for,
+)
 from orchestrator.governance.errors import ApprovalDenied
 from orchestrator.governance.policy import Principal
 from orchestrator.governance.webhook import ApprovalWebhook
@@ -64,9 +73,6 @@ MAX_REASON_CHARS = 1000
 MAX_NOTED = 100  # approval outcomes one execution reports
 MCP = "mcp"  # decided_by of an answer elicited from an MCP client's user
 WEBHOOK = "webhook"
-# A tool call's wait ends this long before its execution's time limit (at most), so the code has
-# time to read the denial; a fifth of the limit for short ones.
-EXECUTION_MARGIN_S = 2.0
 EXECUTION_ENDED = (
     "the execution that made the call ended before an answer (it was interrupted, timed out, "
     "or did not wait for the call)"
@@ -109,20 +115,6 @@ def _kept_arguments(arguments: Any) -> Any:
     }
 
 
-@dataclass
-class RunningCode:
-    """The code an execution runs (what a tool call it makes is shown with), when its time
-    limit ends (what its calls' waits end before), the requests its calls wait on (abandoned if
-    it ends first), and the approval outcomes of its calls (told to the model with its output)."""
-
-    code: str
-    deadline: float | None = None  # time.monotonic() at its time limit
-    margin_s: float = EXECUTION_MARGIN_S
-    waiting: set[str] = field(default_factory=set)  # request ids
-    outcomes: list[ApprovalOutcome] = field(default_factory=list)
-    more: int = 0  # outcomes past MAX_NOTED, counted only
-
-
 class Approvals:
     def __init__(
         self,
@@ -131,10 +123,12 @@ class Approvals:
         *,
         principal_of: Callable[[str], Principal],
         audit: AuditLog | None = None,
+        origins_of: Callable[[], SharedOrigins | None] = lambda: None,
     ) -> None:
         """`store_of()`: the state store's approvals (any replica's answers land there; asked
         at each use: the service opens its store when it starts); `principal_of(owner)`: who a
-        session's key is (its name, its policy)."""
+        session's key is (its name, its policy); `origins_of()`: the shared store's running
+        origins of tool calls, or None (call_origins.py)."""
         self.timeout_s = settings.approval_timeout_s
         self._max_per_session = settings.approval_max_pending_per_session
         self._max_total = settings.approval_max_pending_total
@@ -154,9 +148,11 @@ class Approvals:
         self._waiting_in: dict[str, set[str]] = {}  # session id -> its requests waiting
         self._abandoned: dict[str, str] = {}  # request id -> why its wait is to end now
         self._responders: dict[str, list[Responder]] = {}  # session id -> latest last
-        self._running: dict[str, list[RunningCode]] = {}  # session id -> executions running
+        # What runs in each session and may call tools: its waits are abandoned when it ends.
+        self.origins = CallOrigins(origins_of, on_end=self._origin_ended)
 
     async def close(self) -> None:
+        await self.origins.close()
         if self._webhook is not None:
             await self._webhook.aclose()
 
@@ -167,32 +163,39 @@ class Approvals:
 
     # --- what a session is doing: its code, and who can answer for it ---------------------
 
-    @contextlib.contextmanager
-    def running(
-        self, session_id: str, code: str, timeout_s: float | None = None
-    ) -> Iterator[RunningCode]:
-        """While an execution runs: its code is what its tool calls' requests show, their
-        waits end before its time limit (`timeout_s`), they are abandoned when it ends, and
-        their outcomes are gathered for its output."""
-        entry = RunningCode(code)
-        if timeout_s is not None:
-            entry.deadline = time.monotonic() + timeout_s
-            entry.margin_s = min(EXECUTION_MARGIN_S, timeout_s / 5)
-        self._running.setdefault(session_id, []).append(entry)
+    @contextlib.asynccontextmanager
+    async def running(
+        self,
+        session_id: str,
+        code: str,
+        timeout_s: float | None = None,
+        *,
+        kind: OriginKind = "execution",
+        shared: bool = False,
+    ) -> AsyncIterator[RunningCode]:
+        """While an execution (or a command) runs: the tool calls that name it (its
+        `origin`) may run, their requests show its code, their waits end before its time limit
+        (`timeout_s`), they are abandoned when it ends, and their outcomes are gathered for its
+        output. `shared`: its session has host tools (another replica may take their calls)."""
+        entry = await self.origins.open(session_id, kind, code, timeout_s, shared=shared)
         try:
             yield entry
         finally:
-            entries = self._running.get(session_id, [])
-            with contextlib.suppress(ValueError):
-                entries.remove(entry)
-            if not entries:
-                self._running.pop(session_id, None)
-            self._abandon(entry.waiting, EXECUTION_ENDED)
+            self.origins.end(entry)
+
+    def _origin_ended(self, entry: RunningCode) -> None:
+        if entry.kind == "execution":
+            why = EXECUTION_ENDED
+        else:
+            why = EXECUTION_ENDED.replace("execution", word_for(entry.kind), 1)
+        self._abandon(entry.waiting, why)
 
     def abandon_session(self, session_id: str) -> None:
         """The session ended: every wait of its here ends now (as denials no answer can
-        change), so its callers go at once and nothing runs in a sandbox that is gone."""
+        change), so its callers go at once and nothing runs in a sandbox that is gone; and
+        nothing of it calls a tool any more."""
         self._abandon(self._waiting_in.get(session_id, set()), SESSION_ENDED)
+        self.origins.forget_session(session_id)
 
     def _abandon(self, request_ids: set[str], why: str) -> None:
         for request_id in list(request_ids):
@@ -201,18 +204,9 @@ class Approvals:
                 self._abandoned[request_id] = why
                 event.set()
 
-    def code_running(self, session_id: str) -> str | None:
-        """The code the session's kernel runs now (the earliest execution still running: the
-        kernel runs one at a time), or None (a background process made the call)."""
-        entries = self._running.get(session_id)
-        return entries[0].code if entries else None
-
-    def note(self, session_id: str, outcome: ApprovalOutcome) -> None:
-        """Keep an outcome for the output of the execution running in the session, if any."""
-        entries = self._running.get(session_id)
-        if not entries:
-            return
-        entry = entries[0]
+    @staticmethod
+    def note(entry: RunningCode, outcome: ApprovalOutcome) -> None:
+        """Keep an outcome for the output of the execution whose call it was."""
         if len(entry.outcomes) < MAX_NOTED:
             entry.outcomes.append(outcome)
         else:
@@ -243,9 +237,15 @@ class Approvals:
         subject: str,
         arguments: Any = None,
         code: str | None = None,
+        made_by: RunningCode | None = None,
+        waits_end_at: float | None = None,
+        origin_runs: Callable[[], Awaitable[bool]] | None = None,
     ) -> ApprovalOutcome:
         """Publish a request and wait for its decision (at most `approval_timeout_s`). Raises
-        ApprovalsFull, and nothing is published, when too many wait already."""
+        ApprovalsFull, and nothing is published, when too many wait already. `made_by`: the
+        execution (or process) a tool call came from, running here: the wait ends before its
+        time limit and is abandoned when it ends. For one another replica runs: `waits_end_at`
+        (time.time()) ends the wait, and the wait is abandoned once `origin_runs()` says no."""
         waiting_here = len(self._waiting_in.get(session_id, ()))
         if waiting_here >= self._max_per_session:
             raise ApprovalsFull(
@@ -257,12 +257,15 @@ class Approvals:
                 f"{len(self._answered)} approval requests wait on this service already (its "
                 "most); wait for them to be answered, then try again"
             )
-        entry = self._made_by(session_id) if kind == "tool_call" else None
+        entry = made_by
         timeout_s, bounded = self.timeout_s, False
+        left: float | None = None
         if entry is not None and entry.deadline is not None:
             left = entry.deadline - time.monotonic() - entry.margin_s
-            if left < timeout_s:  # its execution's time limit comes first
-                timeout_s, bounded = max(0.0, left), True
+        elif entry is None and waits_end_at is not None:
+            left = waits_end_at - time.time()
+        if left is not None and left < timeout_s:  # its execution's time limit comes first
+            timeout_s, bounded = max(0.0, left), True
         now = time.time()
         record = ApprovalRecord(
             id="ap-" + secrets.token_hex(8),
@@ -291,7 +294,7 @@ class Approvals:
                 details={"approval_id": record.id, "kind": kind, "subject": record.subject},
             )
             helpers = self._ask_helpers(record)
-            final = await self._wait(record, answered, timeout_s, bounded)
+            final = await self._wait(record, answered, timeout_s, bounded, origin_runs)
         except asyncio.CancelledError:  # its caller left: no one need answer any more
             with contextlib.suppress(Exception):
                 await asyncio.shield(
@@ -341,12 +344,6 @@ class Approvals:
             )
         return outcome
 
-    def _made_by(self, session_id: str) -> RunningCode | None:
-        """The execution a tool call of the session comes from: the one its kernel runs now
-        (None: a background process made it)."""
-        entries = self._running.get(session_id)
-        return entries[0] if entries else None
-
     def _name_of(self, owner: str) -> str:
         try:
             return self._principal_of(owner).name
@@ -388,7 +385,12 @@ class Approvals:
             await self._decide(record, state, MCP, _capped(reason, MAX_REASON_CHARS))
 
     async def _wait(
-        self, record: ApprovalRecord, answered: asyncio.Event, timeout_s: float, bounded: bool
+        self,
+        record: ApprovalRecord,
+        answered: asyncio.Event,
+        timeout_s: float,
+        bounded: bool,
+        origin_runs: Callable[[], Awaitable[bool]] | None = None,
     ) -> ApprovalRecord:
         """The decided record: answered here, found decided in the store, abandoned, or
         timed out (`bounded`: sooner than approval_timeout_s, by its execution's limit)."""
@@ -398,6 +400,8 @@ class Approvals:
                 async with asyncio.timeout(min(POLL_S, left)):
                     await answered.wait()
             why_abandoned = self._abandoned.get(record.id)
+            if why_abandoned is None and origin_runs is not None and not await origin_runs():
+                why_abandoned = EXECUTION_ENDED  # on another replica
             if why_abandoned is not None:
                 return await self._end_abandoned(record, why_abandoned)
             found = await asyncio.to_thread(self._store_of().get_approval, record.id)

@@ -107,18 +107,28 @@ def _when(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
 
 
+# Control characters (C0, DEL, C1): text typed into a terminal, replayed raw, would drive the
+# terminal of the admin who lists it (escape sequences move the cursor, rewrite the screen).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _shown(text: str) -> str:
+    """`text` with every control character as `\\xNN`, so it prints as it is."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _summary(details: dict[str, Any]) -> str:
     text = " ".join(
         f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
         for k, v in details.items()
         if v is not None
     )
-    text = " ".join(text.split())  # one line, whatever the code held
+    text = _shown(" ".join(text.split()))  # one line, whatever the code held, and inert
     return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
 
 
 def _line(event: AuditEvent) -> str:
-    return "  ".join(
+    joined = "  ".join(
         [
             f"{event.seq or 0:>8}",
             _when(event.time),
@@ -129,6 +139,7 @@ def _line(event: AuditEvent) -> str:
             _summary(event.details),
         ]
     )
+    return _shown(joined)  # names and statuses too
 
 
 @audit_app.command("list")

@@ -10,6 +10,9 @@ SESSION_RESUMED = "session.resumed"
 EXECUTION = "execution"  # execution_id, language, code (capped), output sizes, images
 COMMAND = "command"  # command (capped), exit_code, output sizes
 PROCESS_STARTED = "process.started"  # pid, command (capped), terminal
+# pid, terminal, text (what was typed or written to stdin), bytes, dropped_bytes/_records (the
+# rate's drops before it; alone, status "dropped", in a record of the drops only): input_audit.py
+PROCESS_INPUT = "process.input"
 TOOL_CALL = "tool.call"  # tool, arguments_sha256, arguments_bytes, approver (helper: approvals)
 APPROVAL_REQUESTED = "approval.requested"
 APPROVAL_DECIDED = "approval.decided"
@@ -33,6 +36,7 @@ ALL_KINDS = (
     EXECUTION,
     COMMAND,
     PROCESS_STARTED,
+    PROCESS_INPUT,
     TOOL_CALL,
     APPROVAL_REQUESTED,
     APPROVAL_DECIDED,

@@ -63,6 +63,7 @@ def open_stores(
     write, a database no service uses), unless `may_create` (a first key, added before the
     service ever ran: said on stderr). A store that fails is one line, not a traceback."""
     from orchestrator.config import Settings
+    from orchestrator.state_store.redis_auth import UnauthenticatedStore, check_store_url
     from orchestrator.state_store.redis_store import StoreUnavailable
 
     try:  # only where things are is read; keys are not needed for that
@@ -78,17 +79,24 @@ def open_stores(
 
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise fail("--store must be redis://HOST:PORT/DB (or rediss://, unix://)")
+        try:
+            check_store_url(url, allow_unauthenticated=settings.store_allow_unauthenticated)
+        except UnauthenticatedStore as exc:
+            raise fail(str(exc)) from None
         redis_store = RedisStore(
             url,
             snapshots_dir=directory / "snapshots",
             prefix=settings.store_prefix,
             timeout_s=settings.store_timeout_s,
+            allow_unauthenticated=settings.store_allow_unauthenticated,
         )
         try:
             redis_store.ping()
             yield Stores(redis_store.principals, redis_store.audit, settings.audit_enabled)
         except StoreUnavailable as exc:
             raise fail(f"{exc} (is --store the cluster's store?)") from None
+        except UnauthenticatedStore as exc:
+            raise fail(str(exc)) from None
         finally:
             redis_store.close()
         return

@@ -77,9 +77,28 @@ def _fit_image(who: Principal, default: str, offered: list[str]) -> str | None:
     return _fit_listed(who, "images", who.policy.images, default, offered, what, "offers")
 
 
+# What the `languages` and `commands` rules govern, said in their refusals so that nobody reads
+# more into them: they choose what the API starts, not what programs the sandbox holds.
+LANGUAGES_SCOPE = (
+    "; the rule chooses the kernels the API runs, while code in an allowed language can still "
+    "start the sandbox's other programs (subprocess, `!`), inside the sandbox's walls"
+)
+COMMANDS_SCOPE = (
+    "; the rule refuses the commands, processes and terminal APIs, while code the key may run "
+    "can still start programs inside its own sandbox (subprocess, `!`), within its walls"
+)
+
+
 def check_language(who: Principal, language: str) -> None:
     """`language`: canonical (as `check_available` returns it)."""
-    _require_listed(who, "languages", who.policy.languages, language, f"run {language} code")
+    allowed = who.policy.languages
+    if allowed is not None and language not in allowed:
+        raise PolicyDenied.by_rule(
+            who.name,
+            f"run {language} code",
+            "languages",
+            f"allows: {_listed(allowed)}{LANGUAGES_SCOPE}",
+        )
 
 
 def check_network(who: Principal, asked: NetworkPolicy) -> None:
@@ -159,7 +178,7 @@ def check_commands(who: Principal) -> None:
             who.name,
             "run shell commands, background processes or terminals",
             "commands",
-            "is off",
+            f"is off{COMMANDS_SCOPE}",
         )
 
 

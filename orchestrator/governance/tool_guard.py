@@ -1,6 +1,8 @@
 """The guard of one session's host-tool calls (`host_tools.channel.CallGuard`), as the service
-gives it to the session's channel: its key's policy (read at every call), a human's approval
-where the tool or the policy wants one, and an audit event for every call."""
+gives it to the session's channel: the execution (or command, process) that started the caller
+still runs (call_origins.py), its key's policy (read at every call), a human's approval where
+the tool or the policy wants one, showing that execution's code, and an audit event for every
+call."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.approval_errors import ApprovalsFull
-from orchestrator.governance.approval_outcome import ApprovalOutcome
+from orchestrator.governance.approval_outcome import ABANDONED, ApprovalOutcome
 from orchestrator.governance.approvals import Approvals, arguments_digest
+from orchestrator.governance.call_origins import refusal_text
 from orchestrator.governance.policy import Policy
 from orchestrator.host_tools.base import HostTool
 from orchestrator.host_tools.channel import CallGuard, ToolCall
@@ -49,10 +52,30 @@ class SessionToolGuard(CallGuard):
         allowed = self._policy_of().host_tools
         return allowed is None or name in allowed
 
+    async def refusal(self, origin: str | None) -> str | None:
+        if await self._approvals.origins.caller(self._session_id, origin) is not None:
+            return None
+        return refusal_text(origin)
+
     def requires_approval(self, tool: HostTool) -> bool:
         return tool.requires_approval or tool.name in self._policy_of().approval_tools
 
-    async def approve(self, tool: HostTool, arguments: dict[str, Any]) -> ApprovalOutcome:
+    async def approve(
+        self, tool: HostTool, arguments: dict[str, Any], origin: str | None
+    ) -> ApprovalOutcome:
+        caller = await self._approvals.origins.caller(self._session_id, origin)
+        if caller is None:  # it ended since it was checked: nothing is published
+            return ApprovalOutcome(
+                kind="tool_call",
+                subject=tool.name,
+                waited_s=0.0,
+                decision="denied",
+                reason=refusal_text(origin),
+            )
+
+        async def origin_runs() -> bool:
+            return await self._approvals.origins.caller(self._session_id, origin) is not None
+
         try:
             outcome = await self._approvals.request(
                 "tool_call",
@@ -60,7 +83,10 @@ class SessionToolGuard(CallGuard):
                 owner=self._owner,
                 subject=tool.name,
                 arguments=arguments,
-                code=self._approvals.code_running(self._session_id),
+                code=caller.code,
+                made_by=caller.entry,
+                waits_end_at=caller.waits_end_at,
+                origin_runs=None if caller.entry is not None else origin_runs,
             )
         except ApprovalsFull as exc:  # refused before anyone was asked: a denial all the same
             outcome = ApprovalOutcome(
@@ -79,7 +105,12 @@ class SessionToolGuard(CallGuard):
                 decision="denied",
                 reason=f"the approval could not be asked ({exc}); try again",
             )
-        self._approvals.note(self._session_id, outcome)
+        if outcome.approved and not await origin_runs():  # it ended as it was approved
+            why = f"approved by {outcome.decided_by}, but {refusal_text(origin)}"
+            update = {"decision": "denied", "decided_by": ABANDONED, "reason": why}
+            outcome = outcome.model_copy(update=update)
+        if caller.entry is not None:
+            self._approvals.note(caller.entry, outcome)
         return outcome
 
     def finished(self, call: ToolCall) -> None:
@@ -91,6 +122,7 @@ class SessionToolGuard(CallGuard):
             "arguments_sha256": sha256,
             "arguments_bytes": size,
             "outcome": call.outcome,
+            "origin": call.origin,
         }
         if call.approval is not None:
             details |= {

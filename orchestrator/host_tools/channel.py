@@ -10,12 +10,13 @@ another machine (cluster mode) sends its call frames through its node's relay in
 socket; `ToolChannel.answer` answers one such frame the same way.
 
 What the host checks, in order: the peer runs as the sandbox's uid; the frame is within the size
-cap and is exactly a call; the tool is one this session may call (and, through the session's
-`CallGuard`, one its key's policy allows); the arguments are valid for its JSON schema; a tool
-that needs a human's approval waits for it (a denial is a `denied` error frame). Then the tool
-runs with a time limit, and its result must be JSON and within the size cap. Every failure of a
-call is a typed error frame; anything that is not a well-formed call frame is refused and the
-connection closed. Nothing but tool calls goes through.
+cap and is exactly a call; through the session's `CallGuard`, the execution (or command,
+process) the frame names as its origin still runs; the tool is one this session may call (and,
+through that guard, one its key's policy allows); the arguments are valid for its JSON schema;
+a tool that needs a human's approval waits for it (a denial is a `denied` error frame). Then the
+tool runs with a time limit, and its result must be JSON and within the size cap. Every failure
+of a call is a typed error frame; anything that is not a well-formed call frame is refused and
+the connection closed. Nothing but tool calls goes through.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from orchestrator.host_tools.base import HostTool, HostToolError, ToolInputError
 from sandbox.frames import (
     FRAME_TIMEOUT_S,
     MAX_CONNECTIONS,
+    CallFrame,
     CallId,
     FrameRefused,
     error_frame,
-    parse_call,
+    parse_call_frame,
     read_frame,
     refusal_frame,
     write_frame,
@@ -66,6 +68,7 @@ class ToolCall:
 
     tool: str
     arguments: dict[str, Any]
+    origin: str | None = None  # what started the caller, as the frame names it
     outcome: str = "ok"
     duration_s: float = 0.0
     approval: ApprovalOutcome | None = None
@@ -83,11 +86,19 @@ class CallGuard(ABC):
         the session was not given)."""
 
     @abstractmethod
+    async def refusal(self, origin: str | None) -> str | None:
+        """Why no call from `origin` may run now (nothing it names runs in the session any
+        more), or None when it may."""
+
+    @abstractmethod
     def requires_approval(self, tool: HostTool) -> bool: ...
 
     @abstractmethod
-    async def approve(self, tool: HostTool, arguments: dict[str, Any]) -> ApprovalOutcome:
-        """Wait for a human's decision on this call (bounded by the service's approval time)."""
+    async def approve(
+        self, tool: HostTool, arguments: dict[str, Any], origin: str | None
+    ) -> ApprovalOutcome:
+        """Wait for a human's decision on this call (bounded by the service's approval time),
+        showing the code of the execution (or process) `origin` names."""
 
     @abstractmethod
     def finished(self, call: ToolCall) -> None:
@@ -215,9 +226,9 @@ class ToolChannel:
                 )
                 if body is None:
                     return  # the peer closed between frames: a normal end
-                call_id, name, arguments = parse_call(body)
+                call = parse_call_frame(body)
                 await self._slots.acquire()
-                task = asyncio.ensure_future(self._answer(call_id, name, arguments, writer, lock))
+                task = asyncio.ensure_future(self._answer(call, writer, lock))
                 calls.add(task)
                 task.add_done_callback(calls.discard)
                 # Released when the task ends in any way: one cancelled before it ran included.
@@ -237,23 +248,18 @@ class ToolChannel:
         the session's actor (`next_tool_calls` / `answer_tool_call`). A body that is not
         exactly a call is answered with a `refused` error frame (id null)."""
         try:
-            call_id, name, arguments = parse_call(body)
+            call = parse_call_frame(body)
         except FrameRefused as exc:
             return error_frame(None, "refused", f"not a host tool call: {exc}")
         async with self._slots:
-            reply = await self._run(call_id, name, arguments)
+            reply = await self._run(call)
         self.calls += 1
         return reply
 
     async def _answer(
-        self,
-        call_id: CallId,
-        name: str,
-        arguments: dict[str, Any],
-        writer: asyncio.StreamWriter,
-        lock: asyncio.Lock,
+        self, frame: CallFrame, writer: asyncio.StreamWriter, lock: asyncio.Lock
     ) -> None:
-        reply = await self._run(call_id, name, arguments)
+        reply = await self._run(frame)
         self.calls += 1
         with contextlib.suppress(ConnectionError):
             await write_frame(writer, lock, reply)
@@ -261,11 +267,11 @@ class ToolChannel:
     def _may_call(self, name: str) -> bool:
         return name in self.tools and (self.guard is None or self.guard.may_call(name))
 
-    async def _run(self, call_id: CallId, name: str, arguments: dict[str, Any]) -> bytes:
+    async def _run(self, frame: CallFrame) -> bytes:
         """One call, told to the guard (if any) when it ends, however it ends."""
-        call = ToolCall(name, arguments)
+        call = ToolCall(frame.tool, frame.arguments, frame.origin)
         try:
-            return await self._call(call_id, call)
+            return await self._call(frame.id, call)
         except asyncio.CancelledError:
             call.outcome = "cancelled"
             raise
@@ -281,6 +287,8 @@ class ToolChannel:
             call.outcome = kind
             return error_frame(call_id, kind, message)
 
+        if self.guard is not None and (refused := await self.guard.refusal(call.origin)):
+            return failed("denied", f"{name}: {refused}")
         tool = self.tools.get(name)
         if tool is None or not self._may_call(name):
             allowed = ", ".join(n for n in self.tools if self._may_call(n)) or "none"
@@ -294,7 +302,7 @@ class ToolChannel:
         if self._requires_approval(tool):
             if self.guard is None:  # never run unapproved: there is no one to ask here
                 return failed("denied", f"{name} needs a human's approval; no one can give it here")
-            call.approval = await self.guard.approve(tool, arguments)
+            call.approval = await self.guard.approve(tool, arguments, call.origin)
             if not call.approval.approved:
                 return failed("denied", f"{name} was {call.approval.explain()}")
         limit = tool.timeout_s or self.limits.call_timeout_s

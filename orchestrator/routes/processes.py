@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from orchestrator.auth import Authenticator
+from orchestrator.auth import Authenticator, client_address
+from orchestrator.caller_mark import caller_proven
 from orchestrator.http_errors import status_of
 from orchestrator.json_responses import json_response
 from orchestrator.routes.deps import ServiceDep, SessionDep, unless_disconnected
@@ -55,7 +56,6 @@ ALLOWED_SIGNALS = {
 }
 TERMINAL_SHELL = ["/bin/bash", "-i", "-l"]
 TERMINAL_ENV = {"TERM": "xterm-256color"}
-AUTH_FRAME_WAIT_S = 10.0  # how long a socket without an Authorization header has to send its key
 CLOSE_REASON_BYTES = 120  # a WebSocket close reason holds at most 123 bytes
 
 
@@ -369,7 +369,8 @@ TERMINAL_PROTOCOL = """A WebSocket (`ws://.../v1/sessions/{id}/terminal?cols=80&
 runs `bash -i -l` in a terminal in the session's sandbox.
 
 - Auth: `Authorization: Bearer <key>` on the upgrade request; a client that cannot set headers
-  (a browser) sends `{"type": "auth", "key": "<key>"}` as its first text frame, within 10 s.
+  (a browser) sends `{"type": "auth", "key": "<key>"}` as its first text frame, within
+  terminal_auth_timeout_s (10 s; or http_header_timeout_s if shorter).
 - Binary frames from the client are keystrokes; binary frames to it are the terminal's output.
 - Text frames from the client are control messages: `{"type": "resize", "cols": C, "rows": R}`.
   Text frames to it: `{"type": "dropped", ...}` if it read too slowly, `{"type": "error", ...}`
@@ -406,10 +407,20 @@ async def terminal(
 ) -> None:
     service: Service = websocket.app.state.service
     authenticate: Authenticator = websocket.app.state.authenticate
-    await websocket.accept()
     sending = asyncio.Lock()  # the two pumps below both send
     try:
-        owner = await _websocket_owner(websocket, authenticate)
+        if websocket.headers.get("authorization") is not None or authenticate.disabled:
+            # Proven before the socket is accepted: until then (and while a browser's first
+            # frame is awaited) the server may close it to make room for others.
+            owner = _header_owner(websocket, authenticate)
+            caller_proven(websocket.scope)
+            await websocket.accept()
+        else:
+            await websocket.accept()
+            settings = service.settings
+            wait = min(settings.terminal_auth_timeout_s, settings.http_header_timeout_s)
+            owner = await _first_frame_owner(websocket, authenticate, wait)
+            caller_proven(websocket.scope)
         session = await service.get_session(session_id, owner)
         request = ProcessRequest(
             argv=TERMINAL_SHELL,
@@ -422,6 +433,8 @@ async def terminal(
     except WebSocketDisconnect:
         return
     except (_Refused, SessionError, SandboxError, HTTPException) as exc:
+        if websocket.client_state is WebSocketState.CONNECTING:
+            await websocket.accept()  # to say why in an error frame
         await _refuse(websocket, _refusal(exc))
         return
     await _run_terminal(websocket, service, session, info.pid, sending)
@@ -505,20 +518,26 @@ async def _control(text: str, service: Service, session: Session, pid: int) -> N
     await service.resize_terminal(session, pid, size)
 
 
-async def _websocket_owner(websocket: WebSocket, authenticate: Authenticator) -> str:
-    """The caller's owner id: from the Authorization header, else from a first `auth` frame."""
+def _header_owner(websocket: WebSocket, authenticate: Authenticator) -> str:
+    """The caller's owner id, from the Authorization header (or none needed)."""
     header = websocket.headers.get("authorization")
-    if header is not None:
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer":
-            raise _Refused(401, "Unauthorized", "send 'Authorization: Bearer <key>'")
-        return authenticate.owner_for_key(key)
-    if authenticate.disabled:
+    if header is None:  # auth is disabled
         return authenticate.owner_for_key("")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer":
+        raise _Refused(401, "Unauthorized", "send 'Authorization: Bearer <key>'")
+    return authenticate.owner_for_key(key, client_address(websocket))
+
+
+async def _first_frame_owner(
+    websocket: WebSocket, authenticate: Authenticator, wait_s: float
+) -> str:
+    """The caller's owner id, from a first `auth` frame (browsers cannot set headers)."""
+    client = client_address(websocket)
     try:
-        message = await asyncio.wait_for(websocket.receive(), AUTH_FRAME_WAIT_S)
+        message = await asyncio.wait_for(websocket.receive(), wait_s)
     except TimeoutError:
-        raise _Refused(401, "Unauthorized", _NO_KEY) from None
+        raise _Refused(401, "Unauthorized", _no_key(wait_s)) from None
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
     try:
@@ -526,21 +545,22 @@ async def _websocket_owner(websocket: WebSocket, authenticate: Authenticator) ->
     except json.JSONDecodeError:
         frame = None
     if not isinstance(frame, dict) or frame.get("type") != "auth" or not frame.get("key"):
-        raise _Refused(401, "Unauthorized", _NO_KEY)
-    return authenticate.owner_for_key(str(frame["key"]))
+        raise _Refused(401, "Unauthorized", _no_key(wait_s))
+    return authenticate.owner_for_key(str(frame["key"]), client)
 
 
-_NO_KEY = (
-    "missing API key: send 'Authorization: Bearer <key>', or first a text frame "
-    '{"type": "auth", "key": "<key>"} within 10 s'
-)
+def _no_key(wait_s: float) -> str:
+    return (
+        "missing API key: send 'Authorization: Bearer <key>', or first a text frame "
+        f'{{"type": "auth", "key": "<key>"}} within {wait_s:g} s'
+    )
 
 
 def _refusal(exc: Exception) -> _Refused:
     if isinstance(exc, _Refused):
         return exc
-    if isinstance(exc, HTTPException):
-        return _Refused(exc.status_code, "Unauthorized", str(exc.detail))
+    if isinstance(exc, HTTPException):  # WrongKeysThrottled names its own kind
+        return _Refused(exc.status_code, getattr(exc, "kind", "Unauthorized"), str(exc.detail))
     if isinstance(exc, SessionError):
         return _Refused(exc.status, type(exc).__name__, str(exc))
     return _Refused(status_of(exc) or 500, type(exc).__name__, str(exc))

@@ -43,6 +43,14 @@ from orchestrator.state_store.records import (
 )
 from orchestrator.state_store.redis_approvals import RedisApprovals
 from orchestrator.state_store.redis_audit import RedisAudit
+from orchestrator.state_store.redis_auth import (
+    RISK,
+    answers_without_password,
+    check_store_url,
+    open_server_refused,
+    shown_url,
+)
+from orchestrator.state_store.redis_origins import RedisOrigins
 from orchestrator.state_store.redis_principals import RedisPrincipals
 
 log = logging.getLogger(__name__)
@@ -129,12 +137,17 @@ class RedisStore(SessionStore, SnapshotStore):
         max_lifetime_s: float = 86400.0,
         max_listed: int = 10_000,
         timeout_s: float = _TIMEOUT_S,
+        allow_unauthenticated: bool = False,
     ) -> None:
-        """`url`: redis://HOST:PORT/DB. `snapshots_dir`: where saved states' files go (shared by
-        the replicas where saved states are used). `max_lifetime_s`: the longest a session
-        lives (an end's claim outlasts it and its tombstone, so no late end goes round again).
-        `max_listed`: the most records one listing returns. `timeout_s`: the longest any call
-        waits for the server."""
+        """`url`: redis://:PASSWORD@HOST:PORT/DB. `snapshots_dir`: where saved states' files go
+        (shared by the replicas where saved states are used). `max_lifetime_s`: the longest a
+        session lives (an end's claim outlasts it and its tombstone, so no late end goes round
+        again). `max_listed`: the most records one listing returns. `timeout_s`: the longest
+        any call waits for the server. `allow_unauthenticated`: use a Redis without a password
+        (else `UnauthenticatedStore`, before connecting; see redis_auth)."""
+        check_store_url(url, allow_unauthenticated=allow_unauthenticated)
+        self._allow_unauthenticated = allow_unauthenticated
+        self._timeout_s = timeout_s
         self._redis = redis.Redis.from_url(
             url,
             decode_responses=False,
@@ -154,14 +167,28 @@ class RedisStore(SessionStore, SnapshotStore):
         self.approvals = RedisApprovals(self._redis, self._key, self._errors, max_listed=max_listed)
         self.audit = RedisAudit(self._redis, self._key, self._errors)
         self.principals = RedisPrincipals(self._redis, self._key, self._errors)
+        self.origins = RedisOrigins(self._redis, self._key, self._errors)
 
     def close(self) -> None:
         self._redis.close()
 
     def ping(self) -> None:
-        """Raise StoreUnavailable unless the store answers (checked when the service starts)."""
+        """Raise StoreUnavailable unless the store answers, and `UnauthenticatedStore` if it
+        also answers a connection that sends no password, unless that is allowed (then said
+        in the log). Checked when the service starts, and by the CLI."""
         with self._errors():
             self._redis.ping()
+            if not answers_without_password(self._url, self._timeout_s):
+                return
+        if not self._allow_unauthenticated:
+            raise open_server_refused(self._url)
+        log.warning(
+            "the shared store (%s) takes connections without a password, as "
+            "store_allow_unauthenticated allows: %s; only safe where nothing but the service's "
+            "replicas and Ray reach it",
+            shown_url(self._url),
+            RISK,
+        )
 
     # --- keys
     def _key(self, *parts: str) -> str:
@@ -173,7 +200,7 @@ class RedisStore(SessionStore, SnapshotStore):
             yield
         except redis.RedisError as exc:
             raise StoreUnavailable(
-                f"the shared session store ({_safe(self._url)}) failed: {exc}; try again"
+                f"the shared session store ({shown_url(self._url)}) failed: {exc}; try again"
             ) from None
 
     def _load(self, kind: type[Record], raw: bytes | None, key: str) -> Record | None:
@@ -524,11 +551,3 @@ class RedisStore(SessionStore, SnapshotStore):
                     pipe.exists(self._key("snapshot", d.name))
                 orphans += [d for d, n in zip(page, pipe.execute(), strict=True) if not n]
         return orphans
-
-
-def _safe(url: str) -> str:
-    """The URL without a password, to be said in an error."""
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

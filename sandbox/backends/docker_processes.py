@@ -322,7 +322,9 @@ class DockerProcess(SpawnedProcess):
                 self._early.append(piece)
                 continue
             line += data
-            if len(line) > _FIRST_LINE_MAX:
+            # The pid line and what the command wrote next can come in one piece (a slow
+            # reader, a fork bomb's complaints): only a first line that never ends is refused.
+            if b"\n" not in line[: _FIRST_LINE_MAX + 1] and len(line) > _FIRST_LINE_MAX:
                 raise SandboxError("the process did not start: its wrapper said no pid")
         first, _, rest = line.partition(b"\n")
         first = first.rstrip(b"\r")
@@ -442,8 +444,8 @@ class DockerProcess(SpawnedProcess):
             error = f"killed by {name}"
             if signum == signals.SIGKILL and signum not in self._sent:
                 error += (
-                    ", not sent through the API: the sandbox's memory limit kills the largest "
-                    "process when it is reached"
+                    ", not sent through the API: the sandbox's memory limit (which kills the "
+                    "largest process when it is reached) or a signal from inside the sandbox"
                 )
             return ProcessEnd(exit_code=None, signal=signum, error=error)
         return ProcessEnd(exit_code=code, error=f"exit status {code}" if code else None)

@@ -63,6 +63,11 @@ class KernelSandbox(Sandbox):
         self._pending: dict[str, KernelDriver] = {}  # starting now: close() must stop them too
         self._closed = False
         self._file_slots = asyncio.Semaphore(FILE_OPERATIONS_PER_SANDBOX)
+        driver.watch_processes(self._process_activity)
+
+    def _process_activity(self) -> int | None:
+        """What processes beside the kernels did (see `ProcessTable.activity`)."""
+        return 0 if self._processes is None else self._processes.activity()
 
     async def _driver_for(self, language: str) -> KernelDriver:
         """The kernel of `language`, started now if this is its first use."""
@@ -78,6 +83,7 @@ class KernelSandbox(Sandbox):
             if self._closed:
                 raise SandboxClosed("the sandbox is closed")
             driver = self._make_driver(name)
+            driver.watch_processes(self._process_activity)
             self._pending[name] = driver
             try:
                 await driver.start()

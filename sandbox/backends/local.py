@@ -28,6 +28,7 @@ import resource
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from sandbox.backends.local_processes import (
     LocalProcessSettings,
     LocalSpawner,
 )
+from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
@@ -192,6 +194,7 @@ class LocalBackend(Backend):
             self._release_uid(host_uid)
             raise
         cgroup = None
+        oom_clock = None
         try:
             channel = None
             if spec.host_tools:  # the kernel's uid (and gid) as the host sees them
@@ -204,6 +207,7 @@ class LocalBackend(Backend):
             if cfg.use_cgroups and not cfg.unsafe_no_sandbox and cgroups.available():
                 cgroup = SandboxCgroup(sandbox_id)
                 cgroup.create(spec.limits)
+                oom_clock = OomClock.open(cgroup.memory)
             probe = await self._probe()
             kernels = self._kernel_programs(probe)
 
@@ -219,6 +223,7 @@ class LocalBackend(Backend):
                     channel,
                     language,
                     egress,
+                    oom_clock,
                 )
 
             launcher = launcher_of(PYTHON)
@@ -226,6 +231,8 @@ class LocalBackend(Backend):
             await driver.start()
         except BaseException:
             await asyncio.to_thread(dirs.remove)
+            if oom_clock is not None:
+                oom_clock.close()
             if cgroup is not None:
                 await asyncio.to_thread(cgroup.remove)
             self._release_uid(host_uid)
@@ -237,6 +244,7 @@ class LocalBackend(Backend):
             dirs,
             Workspace(str(dirs.workspace), owner=owner),
             on_close=lambda: self._closed(host_uid, cgroup),  # called from a worker thread
+            oom_clock=oom_clock,
             make_spawner=lambda: self._spawner(launcher),
             languages=kernels.languages,
             make_driver=lambda language: KernelDriver.for_spec(
@@ -388,10 +396,12 @@ class LocalSandbox(KernelSandbox):
         make_spawner: Callable[[], Spawner],
         languages: list[str] | None = None,
         make_driver: Callable[[str], KernelDriver] | None = None,
+        oom_clock: OomClock | None = None,
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._on_close = on_close
         self._make_spawner = make_spawner
+        self._oom_clock = oom_clock
 
     def spawner(self) -> Spawner:
         """Processes join the running kernel's sandbox; a kernel restart ends them."""
@@ -399,6 +409,8 @@ class LocalSandbox(KernelSandbox):
 
     async def _teardown(self) -> None:
         await super()._teardown()
+        if self._oom_clock is not None:  # before its cgroup goes (which would signal it)
+            self._oom_clock.close()
         await asyncio.to_thread(self._on_close)
 
 
@@ -410,6 +422,7 @@ class _BwrapKernel:
         proc: asyncio.subprocess.Process,
         cgroup: SandboxCgroup | None,
         group: Path | None = None,
+        oom_clock: OomClock | None = None,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
@@ -417,14 +430,27 @@ class _BwrapKernel:
         # language's shares the group with Python's, which is never empty while it runs.
         self.group = group
         self.oom_kills = cgroup.oom_kills() if cgroup else 0
+        self.oom_clock = oom_clock
         assert proc.stdout is not None
         self.output = StdioTail(proc.stdout)
 
     async def wait(self) -> KernelExit:
         code = await self.proc.wait()
+        died = time.monotonic()
         await self.output.settle()  # its last words, for diagnostics()
-        oom = self.cgroup is not None and self.cgroup.oom_kills() > self.oom_kills
+        # Without a memory cgroup nothing here can tell a kill for memory from another one.
+        oom = None if self.cgroup is None else self._ran_out_of_memory(died)
         return KernelExit.from_returncode(code, out_of_memory=oom)
+
+    def _ran_out_of_memory(self, died: float) -> bool:
+        """Whether the sandbox's cgroup counted an OOM kill since this kernel started and,
+        where Linux says when (`OomClock`), ran out of memory just before `died`: the kernel
+        shares the cgroup with commands, whose own OOM kills count there too."""
+        assert self.cgroup is not None
+        counted = self.cgroup.oom_kills() > self.oom_kills
+        if self.oom_clock is None:
+            return counted
+        return counted and self.oom_clock.ran_out_shortly_before(died)
 
     async def kill(self) -> None:
         # The sandbox's init dies with bwrap (--die-with-parent), taking its PID namespace,
@@ -454,9 +480,11 @@ class _BwrapLauncher:
         channel: HostChannel | None = None,
         language: str = PYTHON,
         egress: EgressChannel | None = None,
+        oom_clock: OomClock | None = None,
     ) -> None:
         self.config = config
         self.egress = egress
+        self.oom_clock = oom_clock
         self.language = language
         self.programs = programs
         self.spec = spec
@@ -545,7 +573,7 @@ class _BwrapLauncher:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.kernel = _BwrapKernel(proc, self.cgroup, group=pids_group)
+        self.kernel = _BwrapKernel(proc, self.cgroup, group=pids_group, oom_clock=self.oom_clock)
         return self.kernel
 
     def _kernel_command(self, connection_file: str) -> list[str]:

@@ -233,9 +233,11 @@ class _NotEntered(Exception):
 def _read_until_closed(fd: int) -> bytes:
     said = b""
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    poller = select.poll()  # not select(): the service's descriptors pass 1024 under load
+    poller.register(fd, select.POLLIN)
     while len(said) < _CONTROL_LIMIT:
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        if remaining <= 0 or not poller.poll(remaining * 1000):
             raise TimeoutError
         chunk = os.read(fd, 4096)
         if not chunk:

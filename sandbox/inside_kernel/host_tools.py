@@ -10,7 +10,12 @@ with a time limit. Failures raise host_tools.ToolError, or one of its kinds: Too
 (the arguments do not fit), ToolNotAllowed (not a tool of this session), ToolTimeout,
 ToolTooLarge (the call or the result is over the size limit), ToolFailed (the tool raised; the
 message is its error), ToolChannelError (the channel to the host is gone), ToolDenied (the call
-needed a human's approval and was denied, or no one answered in time; the message says why).
+needed a human's approval and was denied, or no one answered in time, or the execution or
+process that started the calling thread has ended; the message says why).
+
+A call is made on behalf of the execution (or command, background process, terminal) that
+started the calling thread, task or process, and only while that one runs: a thread left
+running by an earlier execution is refused.
 """
 
 # Why: a model that writes one program calling many tools, and prints only the answer, spends far
@@ -77,8 +82,9 @@ class ToolFailed(ToolError):
 
 
 class ToolDenied(ToolError, PermissionError):
-    """A human (or the time limit of waiting for one) denied the call; the message says who and
-    why. The tool did not run."""
+    """A human (or the time limit of waiting for one) denied the call, or the execution or
+    process that started the caller has ended; the message says who and why. The tool did not
+    run."""
 
     type = "denied"
 
@@ -113,10 +119,9 @@ class _Connection:
         self, tool: str, arguments: dict[str, Any], max_bytes: int
     ) -> concurrent.futures.Future[Any]:
         call_id = next(self._ids)
+        call = {"id": call_id, "tool": tool, "arguments": arguments, "origin": _origin()}
         try:
-            frame = json.dumps(
-                {"id": call_id, "tool": tool, "arguments": arguments}, separators=(",", ":")
-            ).encode()
+            frame = json.dumps(call, separators=(",", ":")).encode()
         except (TypeError, ValueError) as exc:
             raise ToolArgumentError(f"{tool}: the arguments are not JSON: {exc}") from None
         if len(frame) > max_bytes:
@@ -197,6 +202,18 @@ class _Connection:
                 if not future.done():
                     future.set_exception(ToolChannelError(why))
         sock.close()
+
+
+def _origin() -> str | None:
+    """What started this caller: in the kernel, the execution that started this thread or task
+    (the start-up file keeps it); in a process, its starter's, from its environment. The host
+    refuses a call whose origin no longer runs, and shows a human its code."""
+    runtime = sys.modules.get("_cir_runtime")
+    current = getattr(runtime, "tool_origin", None)
+    if current is not None:
+        value = current.get()
+        return value if isinstance(value, str) else None
+    return os.environ.get("CIR_TOOL_ORIGIN") or None
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:

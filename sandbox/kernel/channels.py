@@ -8,7 +8,8 @@ dropped. ZeroMQ itself holds at most `RECEIVE_QUEUE_MESSAGES` messages per socke
 frame over the frame limit (`ZMQ_MAXMSGSIZE`: ZeroMQ drops the connection on a larger frame and
 does not reconnect by itself, so the iopub socket is then replaced, losing that message); the
 kernel keeps any backlog on its side, where its memory limit applies. Between receiving and
-handling, an inbox holds at most `INBOX_BYTES` (or `INBOX_MESSAGES`), plus one message.
+handling, an inbox holds at most `INBOX_BYTES` (or `INBOX_MESSAGES`), plus one message; once
+handled, no message is held while the next is awaited (a 200 MB reply once stayed until then).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -26,6 +27,7 @@ import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.kernel.wire import (
+    Frame,
     KernelMessage,
     Malformed,
     parse_off_loop,
@@ -48,6 +50,8 @@ MIN_FRAME_BYTES = 256 << 20
 QUIET_AFTER_REPLY_S = 2.0
 MAX_WAIT_AFTER_REPLY_S = 10.0
 MAX_LINGER_S = 0.5
+# A status message's one field is a word: anything longer in it is cut before decoding.
+STATUS_TEXT_CHARS = 1000
 
 
 def frame_limit_bytes(result_limit_bytes: int, output_limit_chars: int) -> int:
@@ -65,12 +69,12 @@ class Inbox:
     def __init__(self, max_bytes: int = INBOX_BYTES, max_messages: int = INBOX_MESSAGES) -> None:
         self.max_bytes = max_bytes
         self.max_messages = max_messages
-        self.items: deque[tuple[list[bytes], int]] = deque()
+        self.items: deque[tuple[list[Frame], int]] = deque()
         self.size = 0
         self.not_empty = asyncio.Event()
         self.not_full = asyncio.Event()
 
-    async def put(self, frames: list[bytes]) -> None:
+    async def put(self, frames: list[Frame]) -> None:
         size = sum(len(f) for f in frames)
         while self.items and (
             self.size + size > self.max_bytes or len(self.items) >= self.max_messages
@@ -81,7 +85,7 @@ class Inbox:
         self.size += size
         self.not_empty.set()
 
-    async def get(self) -> list[bytes]:
+    async def get(self) -> list[Frame]:
         while not self.items:
             self.not_empty.clear()
             await self.not_empty.wait()
@@ -106,9 +110,12 @@ class Watch:
 class KernelChannels:
     """The reading side of one kernel generation's sockets (sending stays with the client)."""
 
-    def __init__(self, client: AsyncKernelClient, *, frame_limit: int) -> None:
+    def __init__(
+        self, client: AsyncKernelClient, *, frame_limit: int, text_limit: int = 1_000_000
+    ) -> None:
         self.client = client
         self.frame_limit = frame_limit
+        self.text_limit = text_limit  # a reply's texts are kept up to this many characters
         context = client.context
         context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
         context.setsockopt(zmq.MAXMSGSIZE, frame_limit)
@@ -201,25 +208,6 @@ class KernelChannels:
 
     # ----------------------------------------------------------------------------------------
 
-    async def _messages(self, socket: zmq.asyncio.Socket) -> AsyncIterator[KernelMessage]:
-        """Each usable message of a socket that answers a request we wait for, until the
-        socket is closed; unusable ones are counted, unwanted ones dropped unread."""
-        while True:
-            try:
-                frames = await receive_frames(socket, self.frame_limit)
-            except zmq.ZMQError:  # closed with its kernel
-                return
-            self.shell_received += 1
-            if frames is None:
-                self._count_malformed(f"over {self.frame_limit} bytes")
-                continue
-            if peek_parent_id(frames) not in self.replies:
-                continue
-            try:
-                yield await parse_off_loop(frames, self.client.session.auth)
-            except Malformed as exc:
-                self._count_malformed(str(exc))
-
     def _count_malformed(self, why: str) -> None:
         log.debug("dropped a kernel message: %s", why)
         if self.watch is not None:
@@ -257,6 +245,7 @@ class KernelChannels:
                 self._count_malformed(f"over {self.frame_limit} bytes")
             else:
                 await self.inbox.put(frames)
+            del frames  # not held while the next message is awaited
 
     async def _handle_iopub(self) -> None:
         while True:
@@ -266,11 +255,12 @@ class KernelChannels:
             try:
                 await self._handle_one(frames)
             finally:
+                del frames  # not held while the next message is awaited
                 self.handling = False
                 self.handler_free.set()
                 self.last_activity = time.monotonic()
 
-    async def _handle_one(self, frames: list[bytes]) -> None:
+    async def _handle_one(self, frames: list[Frame]) -> None:
         watch = self.watch
         if watch is None or peek_parent_id(frames) != watch.msg_id:
             return  # nobody wants it (a background thread's output, a past run's): unread
@@ -285,7 +275,8 @@ class KernelChannels:
         watch.last_message = time.monotonic()
         try:
             if msg.msg_type == "status":
-                if (await msg.content()).get("execution_state") == "idle":
+                status = await msg.text_content(STATUS_TEXT_CHARS)
+                if status.get("execution_state") == "idle":
                     watch.idle.set()
             elif watch.on_output is not None:
                 await watch.on_output(msg)
@@ -296,15 +287,43 @@ class KernelChannels:
             watch.malformed += 1
 
     async def _read_shell(self, socket: zmq.asyncio.Socket) -> None:
-        async for msg in self._messages(socket):
-            waiter = self.replies.pop(msg.parent_id, None)
-            if waiter is None or waiter.done():
-                continue
+        """Answer whoever waits for each reply. No message is held while the next one is
+        awaited: a reply can be hundreds of megabytes."""
+        while True:
             try:
-                waiter.set_result(await msg.content())
-            except Malformed as exc:
-                self._count_malformed(str(exc))
-                waiter.set_result({"status": "error", "evalue": f"a malformed reply ({exc})"})
+                frames = await receive_frames(socket, self.frame_limit)
+            except zmq.ZMQError:  # closed with its kernel
+                return
+            self.shell_received += 1
+            try:
+                await self._answer(frames)
+            finally:
+                del frames
+
+    async def _answer(self, frames: list[Frame] | None) -> None:
+        """Settle the wait for the request a shell message answers: unusable messages are
+        counted, those nobody waits for dropped unread."""
+        if frames is None:
+            self._count_malformed(f"over {self.frame_limit} bytes")
+            return
+        parent_id = peek_parent_id(frames)
+        if parent_id is None or parent_id not in self.replies:
+            return
+        try:
+            msg = await parse_off_loop(frames, self.client.session.auth)
+        except Malformed as exc:
+            self._count_malformed(str(exc))
+            return
+        waiter = self.replies.pop(msg.parent_id, None)
+        if waiter is None or waiter.done():
+            return
+        try:
+            content = await msg.text_content(self.text_limit)
+        except Malformed as exc:
+            self._count_malformed(str(exc))
+            content = {"status": "error", "evalue": f"a malformed reply ({exc})"}
+        if not waiter.done():  # it may have been given up while the reply was decoded
+            waiter.set_result(content)
 
     async def _drain(self, socket: zmq.asyncio.Socket) -> None:
         """Control replies (to interrupts) are not needed: read them, unparsed, so they never

@@ -10,7 +10,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from sandbox.json_depth import nests_deeper_than
-from sandbox.kernel.wire import INLINE_DECODE_BYTES, KernelMessage, Malformed
+from sandbox.kernel.long_text import CutText
+from sandbox.kernel.wire import INLINE_DECODE_BYTES, Frame, KernelMessage, Malformed
 from sandbox.models import (
     DERIVED_MIME_TYPES,
     ErrorEvent,
@@ -31,6 +32,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 
 
 def strip_ansi(text: str) -> str:
+    if isinstance(text, CutText):  # its head and tail, each on its own
+        return CutText(_ANSI.sub("", text.head), _ANSI.sub("", text.tail), text.dropped)
     return _ANSI.sub("", text)
 
 
@@ -51,6 +54,11 @@ class CappedText:
         self.dropped = 0
 
     def append(self, text: str) -> None:
+        if isinstance(text, CutText):  # cut before decoding: its middle counts as dropped
+            self.append(text.head)
+            self.skip(text.dropped)
+            self.append(text.tail)
+            return
         room = self.head_limit - self.head_len
         if room > 0:
             self.head.append(text[:room])
@@ -63,6 +71,13 @@ class CappedText:
             cut = len(self.tail) - self.tail_limit
             self.dropped += cut
             self.tail = self.tail[cut:]
+
+    def skip(self, count: int) -> None:
+        """`count` characters came that nobody has: what the tail held before them is no longer
+        the end either (a `CutText` brings a whole tail after them)."""
+        if count:
+            self.dropped += len(self.tail) + count
+            self.tail = ""
 
     def value(self) -> tuple[str, int]:
         """The kept text, with the marker where text was dropped; and how much was dropped."""
@@ -95,7 +110,7 @@ def bundle_size(data: dict[str, Any]) -> int:
 
 def capped(text: str, limit: int, name: str) -> str:
     """`text` within `limit` characters: its head and tail, with a marker where it was cut."""
-    if len(text) <= limit:
+    if len(text) <= limit and not isinstance(text, CutText):
         return text
     kept = CappedText(name, limit)
     kept.append(text)
@@ -112,20 +127,29 @@ def _bundle_label(data: dict[str, Any]) -> str:
 # How far over what a run may still keep an output may be and still be decoded to drop its
 # derived forms: the two forms the kernel sends are at most 4 MiB of JSON each (startup.py).
 DERIVED_FORMS_SLACK = 10 << 20
+_DERIVED_FORM_KEY = re.compile(rb'"e2b/')  # searches ZeroMQ's buffer in place
 
 
 def _may_carry_derived_forms(msg: KernelMessage) -> bool:
     """Whether a rich output too big to keep may shrink to fit by dropping its derived forms
     (`DERIVED_MIME_TYPES`): then it is decoded, within the frame limit, to find out."""
-    return b'"e2b/' in msg.content_bytes
+    return _DERIVED_FORM_KEY.search(msg.content_bytes) is not None
 
 
-async def _nests_too_deep(content: bytes) -> bool:
+async def _nests_too_deep(content: Frame) -> bool:
     """Whether a rich output's JSON nests past `RESULT_MAX_DEPTH` (measured off the loop when
     large): pydantic refuses to serialise past ~250 levels and recursive encoders fail sooner."""
     if len(content) > INLINE_DECODE_BYTES:
-        return await asyncio.to_thread(nests_deeper_than, content, RESULT_MAX_DEPTH)
-    return nests_deeper_than(content, RESULT_MAX_DEPTH)
+        return await asyncio.to_thread(_nests_deeper, content)
+    return _nests_deeper(content)
+
+
+def _nests_deeper(content: Frame) -> bool:
+    return nests_deeper_than(bytes(content), RESULT_MAX_DEPTH)  # it reads bytes, not views
+
+
+# Kinds of iopub message whose strings are text kept within the output limit.
+_TEXT_KINDS = ("stream", "error", "execute_input")
 
 
 class OutputCollector:
@@ -157,8 +181,12 @@ class OutputCollector:
         """Take one iopub message that belongs to our request; raise `Malformed` if unusable.
 
         A rich output larger on the wire than what the run may still keep is left out without
-        being decoded at all.
+        being decoded at all; so is any kind of message no run uses. Texts are cut to what the
+        output limit keeps before they are decoded.
         """
+        if msg.msg_type in _TEXT_KINDS:
+            await self.handle_content(await msg.text_content(self.output_limit), msg.msg_type)
+            return
         if msg.msg_type in ("execute_result", "display_data"):
             is_main = msg.msg_type == "execute_result"
             if len(self.results) >= self.result_limit_count:
@@ -178,7 +206,8 @@ class OutputCollector:
                     )
                 )
                 return
-        await self.handle_content(await msg.content(), msg.msg_type)
+            await self.handle_content(await msg.content(), msg.msg_type)
+        # Any other kind (clear_output, comm messages...) is nothing a run keeps: never decoded.
 
     async def handle(self, msg: dict[str, Any]) -> None:
         """Take one iopub-shaped message (`header.msg_type`, `content`) built by a backend."""
@@ -224,7 +253,9 @@ class OutputCollector:
     def _capped_traceback(self, lines: list[str]) -> str:
         kept = CappedText("the traceback", self.output_limit)
         for i, line in enumerate(lines):
-            kept.append(("\n" if i else "") + strip_ansi(line))
+            if i:
+                kept.append("\n")
+            kept.append(strip_ansi(line))
         return kept.value()[0]
 
     async def _add_result(self, result: Result) -> None:

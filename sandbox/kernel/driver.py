@@ -13,12 +13,14 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.errors import SandboxClosed, SandboxStartError
+from sandbox.host_channel import TOOL_ORIGIN_ENV, TOOL_ORIGIN_METADATA
 from sandbox.kernel.channels import KernelChannels, OutputHandler, Watch, frame_limit_bytes
 from sandbox.kernel.collector import OutputCollector, capped
 from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
     from jupyter_client.connect import KernelConnectionInfo
 
 log = logging.getLogger(__name__)
+
+# How long a kernel that may have died is given to answer before its code is sent: a dead one's
+# death is seen within ~50 ms (Docker's event stream), a live one answers in ~1 ms.
+PROBE_S = 2.0
 
 
 @dataclass
@@ -97,6 +103,9 @@ class KernelDriver:
         self._scope_open = False  # a per-call env/cwd is applied and must be undone
         self._scope_exit = ""  # the code that undoes it
         self._background: set[asyncio.Task[Any]] = set()
+        # What processes beside the kernel did (see `watch_processes`), as last seen.
+        self._process_activity: Callable[[], int | None] = lambda: 0
+        self._activity_seen: int | None = 0
 
     @classmethod
     def for_spec(
@@ -134,6 +143,25 @@ class KernelDriver:
     def is_busy(self) -> bool:
         return self._lock.locked()
 
+    def watch_processes(self, activity: Callable[[], int | None]) -> None:
+        """Processes beside the kernel can kill it (`kill -9 -1`), and the next call can come
+        before its death is seen. `activity()` changes whenever one starts, and is None while
+        any runs: then an execution first makes sure the kernel answers (~1 ms), and a dead one
+        is replaced before the code is sent to it."""
+        self._process_activity = activity
+
+    def _may_have_died(self) -> bool:
+        """Whether the kernel may be dead though its watcher has not said so: its output
+        connection dropped, or processes that could have killed it ran since the last call."""
+        kernel = self._kernel
+        assert kernel is not None
+        if kernel.exited.done() or not kernel.channels.iopub_seen.is_set():
+            return True
+        activity = self._process_activity()
+        changed = activity is None or activity != self._activity_seen
+        self._activity_seen = activity
+        return changed
+
     async def _start_kernel(self) -> None:
         self._generation += 1
         launcher = self._launcher
@@ -150,7 +178,9 @@ class KernelDriver:
             client = AsyncKernelClient()
             client.load_connection_info(cast("KernelConnectionInfo", info))
             frame_limit = frame_limit_bytes(self.result_limit_bytes, self.output_limit_chars)
-            channels = KernelChannels(client, frame_limit=frame_limit)
+            channels = KernelChannels(
+                client, frame_limit=frame_limit, text_limit=self.output_limit_chars
+            )
         except BaseException:  # the kernel runs already: it must not outlive this failure
             exited.cancel()
             await process.kill()
@@ -168,17 +198,23 @@ class KernelDriver:
         exited.add_done_callback(lambda _: self._on_exit(kernel))
 
     async def _wait_ready(self, kernel: _Kernel) -> None:
-        """Ask for kernel_info until the shell answers and iopub is seen to be connected."""
+        """Wait until a kernel that is starting answers (see `_answers`)."""
+        if not await self._answers(kernel):
+            output = kernel.process.diagnostics().strip()
+            raise SandboxStartError(
+                f"the kernel {kernel.exited.result().reason} on start-up"
+                + (f"; its last output:\n{output}" if output else "")
+            )
+
+    async def _answers(self, kernel: _Kernel) -> bool:
+        """Ask for kernel_info until the shell answers and iopub is seen to be connected: True;
+        False once the kernel is found dead instead."""
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self._closed:  # closed while it starts: the caller disposes of the kernel
                 raise SandboxClosed("the sandbox was closed while its kernel started")
             if kernel.exited.done():
-                output = kernel.process.diagnostics().strip()
-                raise SandboxStartError(
-                    f"the kernel {kernel.exited.result().reason} on start-up"
-                    + (f"; its last output:\n{output}" if output else "")
-                )
+                return False
             if time.monotonic() > deadline:
                 channels = kernel.channels
                 raise SandboxStartError(
@@ -189,14 +225,29 @@ class KernelDriver:
             msg_id = kernel.client.kernel_info()
             reply = kernel.channels.reply_to(msg_id)
             try:
-                await asyncio.wait_for(asyncio.shield(reply), 0.5)
+                # A death ends the wait at once, not after it.
+                either: set[asyncio.Future[Any]] = {reply, kernel.exited}
+                await asyncio.wait(either, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                if not reply.done():
+                    raise TimeoutError
                 # Each request is answered with busy/idle on iopub: seeing any message proves
                 # that our subscription is live, so no output of the first execution is lost.
                 await asyncio.wait_for(kernel.channels.iopub_seen.wait(), 0.2)
-                return
+                return True
             except TimeoutError:
                 kernel.channels.forget_reply(msg_id)
                 continue
+
+    async def _found_dead(self, kernel: _Kernel, within_s: float) -> bool:
+        """Whether the kernel turns out dead when asked to answer (kernel_info, ~1 ms). One
+        alive but slow to answer (stopped, or starved by its own threads) is left to the run's
+        time limit, as before, once `within_s` (at most PROBE_S) has passed."""
+        msg_id = kernel.client.kernel_info()
+        either: set[asyncio.Future[Any]] = {kernel.channels.reply_to(msg_id), kernel.exited}
+        wait_s = min(PROBE_S, within_s)
+        await asyncio.wait(either, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        kernel.channels.forget_reply(msg_id)
+        return kernel.exited.done()
 
     async def _stop_kernel(self) -> None:
         kernel, self._kernel = self._kernel, None
@@ -234,10 +285,10 @@ class KernelDriver:
     async def _replace_dead(self, kernel: _Kernel) -> None:
         """Replace a kernel that died between executions (the lock is held)."""
         death = kernel.exited.result()
-        log.warning("kernel died between executions (%s); restarting", death.reason)
+        log.warning("kernel died between executions (it %s); restarting", death.reason)
         self._notice = (
-            f"The kernel died between executions ({death.reason}) and was restarted: "
-            "variables and imports from earlier calls are gone; files in the workspace are kept."
+            f"Between executions the kernel {death.reason}; it was restarted: variables and "
+            "imports from earlier calls are gone; files in the workspace are kept."
         )
         self._scope_open = False
         try:
@@ -386,13 +437,21 @@ class KernelDriver:
             result_limit_count=self.result_limit_count,
         )
         assert self._kernel is not None
-        if self._kernel.exited.done():  # died since the last call, before its watcher acted
-            await self._replace_dead(self._kernel)
+        kernel = self._kernel
+        # The probe's wait counts against the run's time limit (a new kernel's start does not).
+        # Only processes of the table make it look: a kill from outside them (by the host) is
+        # left to the death watcher.
+        if self._may_have_died() and await self._found_dead(kernel, timeout_s):
+            # Dead since the last call, before its watcher acted (a command's `kill -9 -1`
+            # just now): this call runs on a new kernel rather than failing on the dead one.
+            await self._replace_dead(kernel)
             if self._kernel is None:
                 raise SandboxStartError("the kernel died and could not be restarted")
+        probed_s = 0.0 if self._kernel is not kernel else time.monotonic() - started
         notice, self._notice = self._notice, None
         state_lost = notice is not None
 
+        env, origin = _origin_apart(self.language, env)
         scoped = bool(env) or cwd is not None
         if scoped:
             applied = scope(self.language, dict(env or {}), cwd)
@@ -403,7 +462,9 @@ class KernelDriver:
                     status=status, duration_s=time.monotonic() - started, notice=notice, **fields
                 )
             self._scope_open = True
-        status, fields = await self._run_request(code, timeout_s, collector, silent=silent)
+        status, fields = await self._run_request(
+            code, timeout_s, collector, silent=silent, origin=origin, spent_s=probed_s
+        )
         if self._scope_open and not fields.get("state_lost"):
             await self._close_scope()
         fields["state_lost"] = state_lost or fields.get("state_lost", False)
@@ -412,17 +473,28 @@ class KernelDriver:
         )
 
     async def _run_request(
-        self, code: str, timeout_s: float, collector: OutputCollector, silent: bool
+        self,
+        code: str,
+        timeout_s: float,
+        collector: OutputCollector,
+        silent: bool,
+        origin: str | None = None,
+        spent_s: float = 0.0,
     ) -> tuple[ExecutionStatus, dict[str, Any]]:
-        """Send one execute_request and follow it to the end, whatever that end is."""
+        """Send one execute_request and follow it to the end, whatever that end is. `origin`
+        goes in the request's metadata, where the kernel's start-up file reads it; `spent_s`
+        of the time limit went before the request was sent."""
         kernel = self._kernel
         assert kernel is not None
-        if not kernel.channels.iopub_seen.is_set():  # output was reset (a message over the cap)
-            await self._wait_ready(kernel)
-        run = self._run = _Run(deadline=time.monotonic() + timeout_s)
-        msg_id = run.msg_id = kernel.client.execute(
-            code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
-        )
+        # Output was reset (a message over the cap, or the kernel died): wait until it is live.
+        if not kernel.channels.iopub_seen.is_set() and not await self._answers(kernel):
+            death = kernel.exited.result()
+            why = f"the kernel {death.reason}"
+            return await self._after_restart(
+                collector, ExecutionStatus.KERNEL_DIED, why, name="KernelDied"
+            )
+        run = self._run = _Run(deadline=time.monotonic() + max(0.0, timeout_s - spent_s))
+        msg_id = run.msg_id = _send_execute(kernel.client, code, silent, origin)
         # Registered before any await: nothing of this request can arrive before them.
         take = _without_values(collector.take) if silent else collector.take
         watch = run.watch = kernel.channels.follow(msg_id, take)
@@ -548,6 +620,34 @@ class KernelDriver:
             )
         )
         return status, {"state_lost": True}
+
+
+def _origin_apart(
+    language: str, env: dict[str, str] | None
+) -> tuple[dict[str, str] | None, str | None]:
+    """A Python execution's tool origin travels in its request's metadata, not as a variable
+    (which would cost two more requests: setting it and putting it back); every other
+    language's kernel takes it as a per-call variable, which its child processes inherit."""
+    if language != PYTHON or not env or TOOL_ORIGIN_ENV not in env:
+        return env, None
+    rest = dict(env)
+    return rest, rest.pop(TOOL_ORIGIN_ENV)
+
+
+def _send_execute(client: AsyncKernelClient, code: str, silent: bool, origin: str | None) -> str:
+    """`client.execute` (as jupyter_client builds it), with the origin in the metadata."""
+    content = {
+        "code": code,
+        "silent": silent,
+        "store_history": not silent,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
+    metadata = {TOOL_ORIGIN_METADATA: origin} if origin is not None else {}
+    msg = client.session.msg("execute_request", content, metadata=metadata)
+    client.shell_channel.send(msg)
+    return cast(str, msg["header"]["msg_id"])
 
 
 def _poke(path: os.PathLike[str] | str) -> None:

@@ -4,8 +4,10 @@ The sandboxed code holds the kernel's HMAC key, so anything may arrive on our so
 replayed messages, any JSON or none. jupyter_client's `Session.deserialize` raises on much of it
 and decodes every byte on the event loop; here a message is read within a byte bound, its
 signature checked and its small frames decoded, and its content is decoded only when someone
-wants it, in a worker thread when it is large. Whatever is wrong yields a reason, never an
-exception. (A replay is not refused: whoever can replay can also sign anything.)
+wants it, in a worker thread when it is large. A large frame is never copied out of ZeroMQ's
+buffer (a memoryview of it), and a text that the output limit cuts anyway is cut before it is
+decoded (see long_text). Whatever is wrong yields a reason, never an exception. (A replay is not
+refused: whoever can replay can also sign anything.)
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from sandbox.kernel.long_text import restore, shorten
+
 DELIMITER = b"<IDS|MSG>"
 # Content up to this size is decoded on the event loop; larger content in a worker thread, so
 # that its signature check (which releases the GIL) and decoding do not stall other sessions.
 INLINE_DECODE_BYTES = 256 << 10
 # How long a wait for a message goes before it looks at the socket again (see receive_frames).
 RECHECK_MS = 250
-# A parent header is a few hundred bytes; one far larger is not looked into.
+# A header or parent header is a few hundred bytes; one far larger is not looked into.
 MAX_PARENT_HEADER_BYTES = 64 << 10
+# Frames larger than this stay in ZeroMQ's buffer, seen through a memoryview, rather than copied.
+ZERO_COPY_BYTES = 64 << 10
+
+# A frame as received: small ones copied out, large ones a view of ZeroMQ's buffer.
+Frame = bytes | memoryview
 
 
 class Malformed(Exception):
@@ -39,7 +48,7 @@ class KernelMessage:
 
     msg_type: str
     parent_id: str
-    content_bytes: bytes
+    content_bytes: Frame
 
     @property
     def content_size(self) -> int:
@@ -51,11 +60,23 @@ class KernelMessage:
             return await asyncio.to_thread(decode_object, self.content_bytes, "content")
         return decode_object(self.content_bytes, "content")
 
+    async def text_content(self, keep_chars: int) -> dict[str, Any]:
+        """The decoded content of a message whose texts are only ever kept up to `keep_chars`
+        characters (streams, errors, replies, statuses): a text of over twice that many bytes
+        is cut to its first and last `keep_chars` characters before decoding (a `CutText`),
+        never decoded whole, and those between the message's first and last few to their
+        count (see long_text). A dict, or `Malformed`."""
+        if self.content_size <= 2 * keep_chars:  # no text in it can be cut
+            return await self.content()
+        return await asyncio.to_thread(decode_text_object, self.content_bytes, keep_chars)
 
-async def receive_frames(socket: zmq.asyncio.Socket, max_bytes: int) -> list[bytes] | None:
+
+async def receive_frames(socket: zmq.asyncio.Socket, max_bytes: int) -> list[Frame] | None:
     """One multipart message; None when its frames add up to more than `max_bytes`.
 
-    (Each frame is already bounded by ZeroMQ's `MAXMSGSIZE`; this bounds their sum.)
+    (Each frame is already bounded by ZeroMQ's `MAXMSGSIZE`; this bounds their sum.) A large
+    frame is not copied: copying a 200 MB frame would hold the event loop and, for a moment,
+    hold it twice.
     """
     # pyzmq wakes a waiting receive on an edge of the socket's descriptor, and a send on the
     # same socket (our requests on shell) can consume that edge: a receive could then sleep
@@ -63,11 +84,13 @@ async def receive_frames(socket: zmq.asyncio.Socket, max_bytes: int) -> list[byt
     # afresh, and never takes a message, so nothing waits longer than one recheck.
     while not await socket.poll(RECHECK_MS):  # POLLIN, by default
         pass
-    frames: list[bytes] = await socket.recv_multipart()
-    return frames if sum(len(f) for f in frames) <= max_bytes else None
+    parts = await socket.recv_multipart(copy=False)
+    if sum(len(part) for part in parts) > max_bytes:
+        return None
+    return [part.buffer if len(part) > ZERO_COPY_BYTES else part.bytes for part in parts]
 
 
-def parse(frames: list[bytes], auth: hmac.HMAC | None) -> KernelMessage:
+def parse(frames: list[Frame], auth: hmac.HMAC | None) -> KernelMessage:
     """Check a message's framing and signature and decode its header; raise `Malformed`."""
     try:
         start = frames.index(DELIMITER) + 1
@@ -81,8 +104,10 @@ def parse(frames: list[bytes], auth: hmac.HMAC | None) -> KernelMessage:
         check = auth.copy()
         for part in (header_bytes, parent_bytes, metadata, content):
             check.update(part)
-        if not hmac.compare_digest(check.hexdigest().encode(), signature):
+        if not hmac.compare_digest(check.hexdigest().encode(), bytes(signature)):
             raise Malformed("bad signature")
+    if max(len(header_bytes), len(parent_bytes)) > MAX_PARENT_HEADER_BYTES:
+        raise Malformed(f"a header of over {MAX_PARENT_HEADER_BYTES} bytes")
     header = decode_object(header_bytes, "header")
     parent = decode_object(parent_bytes, "parent header")
     msg_type = header.get("msg_type")
@@ -94,7 +119,7 @@ def parse(frames: list[bytes], auth: hmac.HMAC | None) -> KernelMessage:
     return KernelMessage(msg_type, parent_id, content)
 
 
-def peek_parent_id(frames: list[bytes]) -> str | None:
+def peek_parent_id(frames: list[Frame]) -> str | None:
     """The msg_id a message answers, read from its (small) parent header alone and unchecked:
     enough to drop, unread, what nobody waits for. None: it has no readable parent header."""
     try:
@@ -110,16 +135,30 @@ def peek_parent_id(frames: list[bytes]) -> str | None:
     return parent_id if isinstance(parent_id, str) else None
 
 
-async def parse_off_loop(frames: list[bytes], auth: hmac.HMAC | None) -> KernelMessage:
+async def parse_off_loop(frames: list[Frame], auth: hmac.HMAC | None) -> KernelMessage:
     """`parse`, in a worker thread when the message is large (its signature covers it all)."""
     if sum(len(f) for f in frames) > INLINE_DECODE_BYTES:
         return await asyncio.to_thread(parse, frames, auth)
     return parse(frames, auth)
 
 
-def decode_object(data: bytes, what: str) -> dict[str, Any]:
+def decode_text_object(data: Frame, keep_chars: int) -> dict[str, Any]:
+    """`decode_object` of content whose long texts are cut first (see `long_text`)."""
     try:
-        value = json.loads(data)
+        shortened, cuts = shorten(data, keep_chars)
+    except ValueError as exc:
+        raise Malformed(f"the content does not decode: {exc}") from None
+    value = decode_object(shortened, "content")
+    restore(value, cuts)
+    return value
+
+
+def decode_object(data: Frame, what: str) -> dict[str, Any]:
+    """`data` as a JSON object, or `Malformed`. Always UTF-8 (Jupyter's wire format; json.loads
+    would guess UTF-16 or UTF-32 from bytes), encoded surrogates let through as json.loads lets
+    them: as `long_text` decodes the texts it cuts."""
+    try:
+        value = json.loads(str(data, "utf-8", "surrogatepass"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise Malformed(f"the {what} is not valid JSON ({type(exc).__name__})") from None
     if not isinstance(value, dict):

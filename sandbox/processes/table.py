@@ -21,6 +21,7 @@ class ProcessTable:
         self._output_limit_chars = output_limit_chars
         self._processes: OrderedDict[int, ManagedProcess] = OrderedDict()
         self._starting = 0
+        self._started = 0  # every start ever asked for
         self._closed = False
 
     async def start(self, request: ProcessRequest) -> ManagedProcess:
@@ -33,6 +34,7 @@ class ProcessTable:
                 "or kill one"
             )
         self._starting += 1
+        self._started += 1
         try:
             spawned = await self._spawner.spawn(request)
         finally:
@@ -54,6 +56,13 @@ class ProcessTable:
         except asyncio.CancelledError:  # the caller left: so does its command
             await process.kill(grace_s=0.5)
             raise
+
+    def activity(self) -> int | None:
+        """None while a process starts or runs; else how many were ever started (so a change
+        says one ran since). A process can kill the kernel: the kernel driver checks it."""
+        if self._starting or any(p.running for p in self._processes.values()):
+            return None
+        return self._started
 
     def get(self, pid: int) -> ManagedProcess:
         process = self._processes.get(pid)

@@ -80,11 +80,14 @@ def test_a_detached_actor_on_a_worker_outlives_a_head_restart() -> None:
         redis_server(Path(redis_dir)) as url,
         local_cluster((), prefix="cirhr") as cluster,
     ):
+        # The Redis demands its password, as a deployment's must (docs/cluster.md).
+        redis_password, _, redis_address = url.removeprefix("redis://:").rpartition("@")
         head_env = {
-            "RAY_REDIS_ADDRESS": url.removeprefix("redis://").rsplit("/", 1)[0],
+            "RAY_REDIS_ADDRESS": redis_address.rsplit("/", 1)[0],
             "RAY_external_storage_namespace": "cir-head-restart",
         }
-        head = cluster.start_node(num_cpus=0, env=head_env)
+        head_options = [f"--redis-password={redis_password}"]
+        head = cluster.start_node(num_cpus=0, env=head_env, options=head_options)
         worker = cluster.start_node(
             resources={WORKER_RESOURCE: 1},
             # How long the worker's raylet waits for a GCS that went away (Ray's default, 60 s,
@@ -98,7 +101,7 @@ def test_a_detached_actor_on_a_worker_outlives_a_head_restart() -> None:
         cluster.kill_node(head)
         assert head.pids() == set()
         # A fresh temp dir, as a new head pod has: the head's GCS port is the same.
-        cluster.start_node(head=True, num_cpus=0, env=head_env)
+        cluster.start_node(head=True, num_cpus=0, env=head_env, options=head_options)
 
         after = driver(cluster, "get")
         assert after == {"count": 2, "pid": before["pid"], "node": before["node"]}

@@ -205,7 +205,7 @@ def test_replica_refuses_ray_without_a_shared_store(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="store_url must be redis://"):
         Settings(api_keys=["k"], store_url="http://127.0.0.1:1")
     given = Settings(
-        api_keys=["k"], backends=["ray"], default_backend="ray", store_url="redis://h:1/0"
+        api_keys=["k"], backends=["ray"], default_backend="ray", store_url="redis://:pw@h:1/0"
     )
     assert given.cluster_mode and given.ray_backend_config()["namespace"] == "code-interpreter"
     assert given.ray_backend_config()["allow_unauthenticated"] is False

@@ -12,7 +12,7 @@ import ssl
 import subprocess
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from orchestrator.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
+from orchestrator.egress.slots import ConnectionSlots
 from sandbox.network_policy import NetworkPolicy
 
 ANY = NetworkPolicy(mode="any")
@@ -175,6 +176,7 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
         *,
         ceiling: NetworkPolicy = ANY,
         peer_uid: int | None = None,
+        slots: Sequence[ConnectionSlots] = (),
         **settings: Any,
     ) -> Running:
         seen: list[EgressRecord] = []
@@ -183,7 +185,11 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
             policy if isinstance(policy, NetworkPolicy) else NetworkPolicy.model_validate(policy)
         )
         proxy = EgressProxy(
-            policy=chosen, ceiling=ceiling, settings=EgressSettings(**settings), ledger=ledger
+            policy=chosen,
+            ceiling=ceiling,
+            settings=EgressSettings(**settings),
+            ledger=ledger,
+            slots=slots,
         )
         path = directory / f"proxy{len(cleanups)}.sock"
         await proxy.start(path, peer_uid=peer_uid, peer_gid=None)

@@ -18,7 +18,9 @@ async def running(start_proxy: StartProxy, upstream: UpstreamServer) -> Running:
     return await start_proxy(
         {"allow": [{"host": "allowed.test", "ports": [upstream.port, upstream.tls_port]}]},
         resolve_overrides=overrides("allowed.test", "refused.test"),
-        private_hosts=frozenset({"allowed.test", "refused.test"}),
+        private_hosts=frozenset(
+            {f"allowed.test:{upstream.port}", f"allowed.test:{upstream.tls_port}", "refused.test"}
+        ),
     )
 
 

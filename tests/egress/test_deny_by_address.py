@@ -25,7 +25,7 @@ async def test_a_name_answering_the_mapped_form_of_a_denied_address_is_refused(
     running = await start_proxy(
         DENY_LOOPBACK,
         resolve_overrides={"mapped.test": ("::ffff:127.0.0.1",), "plain.test": ("127.0.0.1",)},
-        private_hosts=frozenset({"mapped.test", "plain.test"}),
+        private_hosts=frozenset({f"mapped.test:{upstream.port}", f"plain.test:{upstream.port}"}),
     )
     for name in ("plain.test", "mapped.test"):
         authority = f"{name}:{upstream.port}"

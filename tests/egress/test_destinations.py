@@ -36,6 +36,9 @@ def connect(authority: str) -> bytes:
         ("shared.test", "100.64.0.9", "a shared (carrier-grade NAT) address"),
         ("mapped.test", "::ffff:127.0.0.1", "a loopback address in IPv6 form"),
         ("v6loop.test", "::1", "a loopback address"),
+        # Global by Python 3.11's tables, not routed on the internet: refused before any dial.
+        ("sitelocal.test", "fec0::1", "a site-local address (fec0::/10, deprecated)"),
+        ("sixbone.test", "3ffe:b00::1", "a 6bone address (3ffe::/16, returned)"),
     ],
 )
 async def test_a_name_resolving_to_a_non_public_address_is_refused(
@@ -120,7 +123,7 @@ async def test_an_operator_may_allow_a_private_address_by_name(
 ) -> None:
     running = await start_proxy(
         {"allow": [{"host": "127.0.0.1", "ports": [upstream.port]}]},
-        private_hosts=frozenset({"127.0.0.1"}),
+        private_hosts=frozenset({f"127.0.0.1:{upstream.port}"}),
     )
     code, out, err = await curl("-x", running.url, f"http://127.0.0.1:{upstream.port}/")
     assert code == 0, err
@@ -133,7 +136,7 @@ async def test_connect_to_a_refused_port_of_an_allowed_host(
     running = await start_proxy(
         [f"allowed.test:{upstream.port}"],
         resolve_overrides=overrides("allowed.test"),
-        private_hosts=frozenset({"allowed.test"}),
+        private_hosts=frozenset({f"allowed.test:{upstream.port}"}),
     )
     status, body = split(
         await raw_exchange(running.relay_port, connect(f"allowed.test:{host_listener}"))
@@ -151,7 +154,7 @@ async def test_a_host_header_that_disagrees_with_the_url_is_refused(
     running = await start_proxy(
         [f"allowed.test:{upstream.port}"],
         resolve_overrides=overrides("allowed.test"),
-        private_hosts=frozenset({"allowed.test"}),
+        private_hosts=frozenset({f"allowed.test:{upstream.port}"}),
     )
     request = get(f"http://allowed.test:{upstream.port}/", host=host_header)
     status, body = split(await raw_exchange(running.relay_port, request))
@@ -167,7 +170,7 @@ async def test_a_matching_host_header_with_default_port_is_fine(
     running = await start_proxy(
         [f"allowed.test:{upstream.port}"],
         resolve_overrides=overrides("allowed.test"),
-        private_hosts=frozenset({"allowed.test"}),
+        private_hosts=frozenset({f"allowed.test:{upstream.port}"}),
     )
     request = get(f"http://ALLOWED.test.:{upstream.port}/", host=f"allowed.test:{upstream.port}")
     status, body = split(await raw_exchange(running.relay_port, request))
@@ -233,7 +236,7 @@ async def test_an_address_deny_rule_holds_for_names_resolving_into_it(
         denied if owner == "policy" else "any",
         ceiling=NetworkPolicy.model_validate(denied if owner == "ceiling" else "any"),
         resolve_overrides=overrides("inside.test"),
-        private_hosts=frozenset({"inside.test"}),
+        private_hosts=frozenset({f"inside.test:{host_listener}"}),
     )
     request = connect(f"inside.test:{host_listener}")
     status, body = split(await raw_exchange(running.relay_port, request))
@@ -251,7 +254,9 @@ async def test_an_allowed_destination_that_does_not_answer_is_a_502(
     port = closed.getsockname()[1]
     closed.close()  # nothing listens there now
     running = await start_proxy(
-        "any", resolve_overrides=overrides("down.test"), private_hosts=frozenset({"down.test"})
+        "any",
+        resolve_overrides=overrides("down.test"),
+        private_hosts=frozenset({f"down.test:{port}"}),
     )
     status, body = split(await raw_exchange(running.relay_port, connect(f"down.test:{port}")))
     assert status.startswith("HTTP/1.1 502 could not connect to down.test")

@@ -15,16 +15,18 @@ from sandbox.network_policy import NetworkPolicy
 from tests.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, overrides
 from tests.egress.test_limits import open_tunnel
 
-SETTINGS = {
-    "resolve_overrides": overrides("allowed.test"),
-    "private_hosts": frozenset({"allowed.test"}),
-}
+
+def allowed(upstream: UpstreamServer) -> dict[str, object]:
+    return {
+        "resolve_overrides": overrides("allowed.test"),
+        "private_hosts": frozenset({f"allowed.test:{upstream.port}"}),
+    }
 
 
 async def test_a_peer_of_another_uid_is_refused_without_an_answer(
     start_proxy: StartProxy, upstream: UpstreamServer
 ) -> None:
-    running = await start_proxy("any", peer_uid=os.getuid() + 4242, **SETTINGS)
+    running = await start_proxy("any", peer_uid=os.getuid() + 4242, **allowed(upstream))
     code, _, _ = await curl("-x", running.url, f"http://allowed.test:{upstream.port}/")
     assert code != 0
     (record,) = await running.records(1)
@@ -35,7 +37,7 @@ async def test_a_peer_of_another_uid_is_refused_without_an_answer(
 async def test_the_peer_of_the_sandbox_uid_is_served(
     start_proxy: StartProxy, upstream: UpstreamServer
 ) -> None:
-    running = await start_proxy("any", peer_uid=os.getuid(), **SETTINGS)
+    running = await start_proxy("any", peer_uid=os.getuid(), **allowed(upstream))
     code, out, err = await curl("-x", running.url, f"http://allowed.test:{upstream.port}/")
     assert code == 0, err
     assert out.encode() == HELLO
@@ -65,7 +67,7 @@ async def test_as_root_the_socket_is_for_root_and_the_sandbox_group_only(
 async def test_close_ends_open_tunnels_removes_the_socket_and_is_idempotent(
     start_proxy: StartProxy, upstream: UpstreamServer
 ) -> None:
-    running = await start_proxy("any", **SETTINGS)
+    running = await start_proxy("any", **allowed(upstream))
     reader, writer = await open_tunnel(running.relay_port, f"allowed.test:{upstream.port}")
     await running.proxy.close()
     async with asyncio.timeout(30):
@@ -89,7 +91,7 @@ async def test_a_failing_record_hook_does_not_break_the_proxy(
     proxy = EgressProxy(
         policy=NetworkPolicy(mode="any"),
         ceiling=NetworkPolicy(mode="any"),
-        settings=EgressSettings(**SETTINGS),  # type: ignore[arg-type]
+        settings=EgressSettings(**allowed(upstream)),  # type: ignore[arg-type]
         ledger=ledger,
     )
     path = tmp_path / "p.sock"

@@ -11,15 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.egress.slots import ConnectionSlots
 from tests.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, overrides, raw_exchange
 
 MiB = 1 << 20
 
 
-def allowed(upstream: UpstreamServer, **settings: object) -> dict[str, object]:
+def allowed(upstream: UpstreamServer, *echo_ports: int, **settings: object) -> dict[str, object]:
+    """The test names on loopback, each on the ports it is used on (private hosts name them)."""
     return {
         "resolve_overrides": overrides("allowed.test", "echo.test"),
-        "private_hosts": frozenset({"allowed.test", "echo.test"}),
+        "private_hosts": frozenset(
+            {f"allowed.test:{upstream.port}", *(f"echo.test:{port}" for port in echo_ports)}
+        ),
         **settings,
     }
 
@@ -121,6 +125,44 @@ async def test_the_connection_cap_refuses_one_more_and_frees_on_close(
         w.close()
 
 
+async def test_each_shared_cap_says_it_is_the_one_reached(
+    start_proxy: StartProxy, upstream: UpstreamServer
+) -> None:
+    """Two sessions of one key and one of another, sharing the service's cap: the 503 names the
+    session's, the key's or the service's cap, and a refusal holds no slot of any."""
+    service = ConnectionSlots(3, "the service's cap, retry later")
+    key_a, key_b = ConnectionSlots(2, "key A's cap, close some"), ConnectionSlots(9, "key B's")
+    one = allowed(upstream, max_connections_per_session=1)
+    first = await start_proxy("any", slots=(key_a, service), **one)
+    second = await start_proxy("any", slots=(key_a, service), **allowed(upstream))
+    other = await start_proxy("any", slots=(key_b, service), **allowed(upstream))
+    authority = f"allowed.test:{upstream.port}"
+    held = [await open_tunnel(first.relay_port, authority)]
+    over = connect_request(authority)
+    assert (await raw_exchange(first.relay_port, over)).startswith(
+        b"HTTP/1.1 503 too many connections: this sandbox already has 1 connections open "
+        b"through the proxy, the session's cap"
+    )
+    held.append(await open_tunnel(second.relay_port, authority))
+    assert (await raw_exchange(second.relay_port, over)).startswith(
+        b"HTTP/1.1 503 too many connections: key A's cap, close some"
+    )
+    held.append(await open_tunnel(other.relay_port, authority))  # another key still gets in
+    assert (await raw_exchange(other.relay_port, over)).startswith(
+        b"HTTP/1.1 503 too many connections: the service's cap, retry later"
+    )
+    assert (key_a.taken, key_b.taken, service.taken) == (2, 1, 3)
+    for _, writer in held:
+        writer.close()
+    for running in (first, second, other):
+        await running.records(2)
+    assert (key_a.taken, key_b.taken, service.taken) == (0, 0, 0)
+
+
+def connect_request(authority: str) -> bytes:
+    return f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode()
+
+
 async def test_the_byte_cap_cuts_a_transfer_closes_open_tunnels_and_refuses_new_ones(
     start_proxy: StartProxy, upstream: UpstreamServer
 ) -> None:
@@ -189,7 +231,7 @@ async def echo_after_eof() -> AsyncIterator[int]:
 async def test_a_half_close_goes_through_and_the_answer_comes_back(
     start_proxy: StartProxy, upstream: UpstreamServer, echo_after_eof: int
 ) -> None:
-    running = await start_proxy("any", **allowed(upstream))
+    running = await start_proxy("any", **allowed(upstream, echo_after_eof))
     reader, writer = await open_tunnel(running.relay_port, f"echo.test:{echo_after_eof}")
     writer.write(b"z" * 300_000)
     writer.write_eof()
@@ -262,7 +304,7 @@ async def close_delimited() -> AsyncIterator[int]:
 async def test_a_close_delimited_response_is_relayed_whole(
     start_proxy: StartProxy, upstream: UpstreamServer, close_delimited: int
 ) -> None:
-    running = await start_proxy("any", **allowed(upstream))
+    running = await start_proxy("any", **allowed(upstream, close_delimited))
     code, out, err = await curl("-x", running.url, f"http://echo.test:{close_delimited}/")
     assert code == 0, err
     assert out == "old " * 5000

@@ -30,7 +30,7 @@ def web() -> Iterator[Upstream]:
 
 
 @pytest.fixture
-async def service(state_dir: Path) -> AsyncIterator[Service]:
+async def service(state_dir: Path, web: Upstream) -> AsyncIterator[Service]:
     settings = Settings(
         auth_disabled=True,
         backends=["local"],
@@ -38,7 +38,7 @@ async def service(state_dir: Path) -> AsyncIterator[Service]:
         state_dir=state_dir,
         network_ceiling="any",  # type: ignore[arg-type]
         egress_resolve={"allowed.test": ["127.0.0.1"], "other.test": ["127.0.0.1"]},
-        egress_private_hosts=["allowed.test", "other.test"],
+        egress_private_hosts=[f"allowed.test:{web.port}", f"other.test:{web.port}"],
     )
     running = Service(settings)
     await running.start()

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 
-UNREACHABLE = "redis://127.0.0.1:1/0"  # loopback, a port nothing listens on
+UNREACHABLE = "redis://:pw@127.0.0.1:1/0"  # loopback, a port nothing listens on
 
 
 def run(*args: str) -> tuple[int, str, str]:

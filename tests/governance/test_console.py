@@ -95,7 +95,7 @@ def test_login_sets_a_strict_cookie_and_every_page_a_strict_policy(
         assert KEY_A.lower() not in cookie  # the key itself is never kept
         # Nor its digest, which would let a weak key be guessed offline from a leaked cookie.
         token = browser.cookies.get(COOKIE) or ""
-        assert token.startswith("v2.") and key_digest(KEY_A) not in token
+        assert token.startswith("v3.") and key_digest(KEY_A) not in token
         body = base64.urlsafe_b64decode(token.split(".")[1] + "==")
         assert key_digest(KEY_A).encode() not in body
         assert hashlib.sha256(KEY_A.encode()).digest() not in body
@@ -147,9 +147,10 @@ def test_a_tampered_cookie_or_an_overlong_key_is_refused(governed_server: Server
     with console(governed_server, KEY_A) as browser:
         token = browser.cookies.get(COOKIE) or ""
         assert with_cookie(governed_server, "/console/sessions", token).status_code == 200
-        version, body, signature = token.split(".")
-        claims = base64.urlsafe_b64decode(body + "==").replace(b'"p":"', b'"p":"x')
-        forged = f"{version}.{base64.urlsafe_b64encode(claims).rstrip(b'=').decode()}.{signature}"
+        version, sealed = token.split(".", 1)
+        raw = bytearray(base64.urlsafe_b64decode(sealed + "=="))
+        raw[40] ^= 1  # one bit of the ciphertext flipped
+        forged = f"{version}.{base64.urlsafe_b64encode(bytes(raw)).decode()}"
         for bad in (forged, "x" * 5000, token[:-2]):
             refused = with_cookie(governed_server, "/console/sessions", bad)
             assert refused.headers["location"].endswith("why=expired")
@@ -174,29 +175,31 @@ def test_login_tokens_expire_and_are_bound_to_their_secret(tmp_path: Path) -> No
 
 
 def test_a_login_token_carries_its_keys_digest_sealed(tmp_path: Path) -> None:
-    """Only the secret opens it: each login's seal differs (its own nonce), a token made with
-    another secret is refused, and a token of the old kind (the digest in the clear) too."""
+    """Only the secret opens it (a Fernet token, its key derived from the secret): no two
+    logins' tokens can be compared, a token made with another secret is refused, and the old
+    kinds (v1: the digest in the clear; v2: sealed by hand) too."""
     digest = key_digest("weak-key")
     tokens = LoginTokens(load_secret(tmp_path))
     made = [tokens.issue("p_1", digest) for _ in range(2)]
-    sealed = []
     for token in made:
-        body = base64.urlsafe_b64decode(token.split(".")[1] + "==")
+        body = base64.urlsafe_b64decode(token.split(".", 1)[1] + "==")
         assert digest.encode() not in body and bytes.fromhex(digest) not in body
-        sealed.append(json.loads(body)["k"])
+        assert b"p_1" not in body  # sealed whole, not only the digest
         login = tokens.read(token)
         assert login is not None and login.key_digest == digest  # the server opens it
-    assert sealed[0] != sealed[1]  # no two logins' seals can be compared
+    assert made[0] != made[1]
     assert LoginTokens(b"o" * 32).read(made[0]) is None
+    tampered = made[0][:-6] + ("A" if made[0][-6] != "A" else "B") + made[0][-5:]
+    assert tokens.read(tampered) is None
     without_key = tokens.read(tokens.issue("local", ""))  # auth off: no key, nothing sealed
     assert without_key is not None and without_key.key_digest == ""
     with pytest.raises(ValueError, match="SHA-256"):
         tokens.issue("p_1", "abc")
     clear = json.dumps({"p": "p_1", "k": digest, "e": time.time() + 60, "n": "n" * 32})
     old_body = base64.urlsafe_b64encode(clear.encode()).rstrip(b"=").decode()
-    for version in ("v1", "v2"):  # the old kind, even correctly signed, opens nothing
-        signature = tokens._sign("login", old_body)
-        assert tokens.read(f"{version}.{old_body}.{signature}") is None
+    for version in ("v1", "v2"):  # the old kinds open nothing
+        assert tokens.read(f"{version}.{old_body}.c2lnbmF0dXJl") is None
+        assert tokens.read(f"{version}.{made[0].split('.', 1)[1]}") is None
 
 
 def test_each_key_sees_its_own_sessions_and_an_admin_all(

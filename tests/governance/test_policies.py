@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -179,6 +180,40 @@ def test_languages_and_commands_are_refused_in_the_session(
             "commands",
             name,
         )
+
+
+def test_the_refusals_say_the_rules_govern_the_api_not_the_sandboxs_programs(
+    governed_server: Server, restricted: tuple[str, str], restricted_session: dict[str, Any]
+) -> None:
+    """`languages` and `commands` choose what the API runs; the key's Python can still start
+    the sandbox's programs (inside its walls). The refusals and docs/governance.md say so
+    rather than promise more."""
+    name, key = restricted
+    sid = restricted_session["id"]
+    with governed_server.client(key) as api:
+        message = refused(
+            api.post(f"/v1/sessions/{sid}/commands", json={"command": "echo hi"}), "commands", name
+        )
+        assert "refuses the commands, processes and terminal APIs" in message
+        assert "can still start programs inside its own sandbox" in message
+        message = refused(
+            api.post(f"/v1/sessions/{sid}/execute", json={"code": "echo hi", "language": "bash"}),
+            "languages",
+            name,
+        )
+        assert "chooses the kernels the API runs" in message
+        # What the rules leave alone, as the refusals say: a program started from Python.
+        ran = api.post(
+            f"/v1/sessions/{sid}/execute",
+            json={
+                "code": "import subprocess\n"
+                "print(subprocess.run(['bash', '-c', 'echo from-bash'], capture_output=True,"
+                " text=True).stdout)"
+            },
+        )
+        assert ran.status_code == 200 and "from-bash" in ran.json()["stdout"], ran.text
+    governance = (Path(__file__).parents[2] / "docs" / "governance.md").read_text()
+    assert "**the API, not the sandbox.**" in governance
 
 
 def test_the_tool_fronts_get_a_refused_output_not_an_error(

@@ -48,14 +48,22 @@ def net() -> Iterator[Net]:
             "other.test": "127.0.0.1",
             "rebind.test": "127.0.0.1",
             "metadata.test": "169.254.169.254",
+            "service.test": "127.0.0.1",
         }
         server = make_server(
             network_ceiling="any",
             egress_resolve=",".join(f"{n}={a}" for n, a in resolve.items()),
             # 127.0.0.1 too: an address rule (E2B's allow_out) reaches the upstream by address.
-            egress_private_hosts="allowed.test,other.test,127.0.0.1",
+            # Each on the upstream's port: a private host reaches only the ports named with it.
+            egress_private_hosts=",".join(
+                f"{name}:{up.port}" for name in ("allowed.test", "other.test", "127.0.0.1")
+            ),
             egress_max_bytes_per_session=MAX_BYTES,
         )
+        # The operator names the service's own port with a private host, as by mistake: the
+        # proxy still refuses it (test_service_unreachable.py).
+        own_port = server.url.rsplit(":", 1)[1]
+        server.env["CODE_INTERPRETER_EGRESS_PRIVATE_HOSTS"] += f",service.test:{own_port}"
         server.start()
         try:
             yield Net(server, up)

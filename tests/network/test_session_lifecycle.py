@@ -36,7 +36,7 @@ def pooled() -> Iterator[Pooled]:
             network_ceiling="any",
             network_default=f"allowed.test:{up.port}",
             egress_resolve="allowed.test=127.0.0.1",
-            egress_private_hosts="allowed.test",
+            egress_private_hosts=f"allowed.test:{up.port}",
             pool_size=1,
         )
         server.start()

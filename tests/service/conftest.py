@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -37,6 +38,7 @@ class Server:
     orchestrator_id: str
     process: subprocess.Popen[bytes] | None = None
     log: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="cir-serve-")))
+    open_files: int | None = None  # the server's open-file limit (soft and hard), if lowered
 
     def start(self) -> Server:
         port = self.url.rsplit(":", 1)[1]
@@ -46,6 +48,7 @@ class Server:
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=None if self.open_files is None else self._limit_open_files,
             )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -58,6 +61,10 @@ class Server:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"the server did not come up: {self.log.read_text()[-3000:]}")
+
+    def _limit_open_files(self) -> None:
+        assert self.open_files is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         assert self.process is not None
@@ -86,6 +93,11 @@ def make_server(**settings: object) -> Server:
         "CODE_INTERPRETER_DEFAULT_BACKEND": service_backends()[0],
         "CODE_INTERPRETER_STATE_DIR": str(root / "state"),
         "CODE_INTERPRETER_ORCHESTRATOR_ID": orchestrator_id,
+        # Many tests share a server and one address, and some wait for a key the CLI just
+        # added by trying it (401 until the service takes it): the throttle of wrong keys is
+        # tested with its defaults by tests/security/test_key_guessing.py.
+        "CODE_INTERPRETER_AUTH_FAILURES_PER_MINUTE": "100000",
+        "CODE_INTERPRETER_AUTH_FAILURES_PER_MINUTE_PER_KEY_PREFIX": "100000",
     }
     if DOCKER_RUNTIME:  # `make test-gvisor`: the server's Docker sessions under it too
         env["CODE_INTERPRETER_DOCKER_RUNTIME"] = DOCKER_RUNTIME

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from orchestrator.body_limit import BodySizeLimit, BodyTooLarge
+from orchestrator.body_limit import DRAIN_BYTES, BodySizeLimit, BodyTooLarge
 
 LIMIT = 1000
 UPLOAD_LIMIT = 100_000
@@ -96,10 +96,16 @@ async def call(app: Reader, scope: Scope, receive: Receive) -> Exchange:
     return exchange
 
 
-def assert_refused(exchange: Exchange, limit: int) -> None:
+def assert_refused(exchange: Exchange, limit: int, *, drained: bool = False) -> None:
+    """`drained`: refused on its announced length, which is close enough to the limit that the
+    rest of the body is read and thrown away, so the connection is kept (closing with the
+    client's bytes unread resets it, and the client may lose the answer)."""
     assert exchange.status == 413
     assert exchange.headers[b"content-type"] == b"application/json"
-    assert exchange.headers[b"connection"] == b"close"
+    if drained:
+        assert b"connection" not in exchange.headers
+    else:
+        assert exchange.headers[b"connection"] == b"close"
     assert int(exchange.headers[b"content-length"]) == len(exchange.body)
     assert json.loads(exchange.body) == {
         "error": {
@@ -118,6 +124,11 @@ async def test_a_body_within_the_limit_reaches_the_app() -> None:
 async def test_an_announced_length_over_the_limit_is_refused_before_the_app_runs() -> None:
     app = Reader()
     exchange = await call(app, http("POST", "/v1/sessions", LIMIT + 1), chunks(b""))
+    assert_refused(exchange, LIMIT, drained=True)
+    assert app.called is False
+    # Far over the limit, the rest is not worth reading: the connection closes.
+    huge = LIMIT + DRAIN_BYTES + 1
+    exchange = await call(app, http("POST", "/v1/sessions", huge), chunks(b""))
     assert_refused(exchange, LIMIT)
     assert app.called is False
 
@@ -151,9 +162,16 @@ async def test_an_upload_gets_the_upload_limit_plus_room_for_multipart() -> None
     fits = await call(Reader(), http("POST", path, upload_limit), chunks(b"x" * upload_limit))
     assert fits.status == 200
     over = await call(Reader(), http("POST", path, upload_limit + 1), chunks(b""))
-    assert_refused(over, upload_limit)
+    assert_refused(over, upload_limit, drained=True)
     streamed = await call(Reader(), http("POST", path), chunks(b"x" * (upload_limit + 1)))
     assert_refused(streamed, upload_limit)
+
+
+@pytest.mark.parametrize("path", ["/files", "/e2b/files"])
+async def test_e2b_uploads_get_the_upload_limit(path: str) -> None:
+    upload_limit = UPLOAD_LIMIT + MULTIPART_ROOM
+    fits = await call(Reader(), http("POST", path, upload_limit), chunks(b"x" * upload_limit))
+    assert fits.status == 200
 
 
 @pytest.mark.parametrize(
@@ -162,11 +180,17 @@ async def test_an_upload_gets_the_upload_limit_plus_room_for_multipart() -> None
         ("PUT", "/v1/sessions/s1/files"),  # only POST uploads
         ("POST", "/v1/sessions/s1/files/a.csv"),
         ("POST", "/v1/sessions/s1/execute"),
+        # Paths that merely end like an upload route (they used to get its limit, before any
+        # key was checked): only the routes themselves take uploads.
+        ("POST", "/no/such/files"),
+        ("POST", "/v1/sessions/s1/processes/files"),
+        ("POST", "/console/files"),
+        ("POST", "/e2b/x/files"),
     ],
 )
 async def test_other_requests_keep_the_small_limit(method: str, path: str) -> None:
     exchange = await call(Reader(), http(method, path, LIMIT + 1), chunks(b""))
-    assert_refused(exchange, LIMIT)
+    assert_refused(exchange, LIMIT, drained=True)
 
 
 async def test_once_the_answer_has_started_no_second_answer_is_sent() -> None:

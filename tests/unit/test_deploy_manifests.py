@@ -337,9 +337,18 @@ def test_the_network_policies_select_the_pods_they_mean() -> None:
     assert {p["name"] for p in container["ports"]} == {"http"}
     assert front["ingress"] == [{"ports": [{"port": "http"}]}, {"from": members}]
 
+    # Redis: the head and KubeRay's Redis cleanup job (KubeRay's ray.io/node-type), and the
+    # replicas; never the worker pods, where the sandboxes run.
     store = policies["code-interpreter-redis"]
     assert store["podSelector"]["matchLabels"] == redis
-    assert store["ingress"] == [{"from": members, "ports": [{"port": "redis"}]}]
+    ray_head = {
+        "matchLabels": ray_pods,
+        "matchExpressions": [
+            {"key": "ray.io/node-type", "operator": "In", "values": ["head", "redis-cleanup"]}
+        ],
+    }
+    store_members = [{"podSelector": ray_head}, {"podSelector": {"matchLabels": replicas}}]
+    assert store["ingress"] == [{"from": store_members, "ports": [{"port": "redis"}]}]
     for policy in policies.values():
         assert policy["policyTypes"] == ["Ingress"]
 

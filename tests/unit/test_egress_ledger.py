@@ -49,7 +49,7 @@ def test_settings_normalize_names() -> None:
     settings = EgressSettings(
         private_hosts=frozenset({"Index.Local."}), resolve_overrides={"A.Test": ("127.0.0.1",)}
     )
-    assert settings.private_hosts == {"index.local"}
+    assert dict(settings.private_ports) == {"index.local": {80, 443}}
     assert dict(settings.resolve_overrides) == {"a.test": ("127.0.0.1",)}
     with pytest.raises(ValueError):
         EgressSettings(max_connections_per_session=0)

@@ -232,10 +232,12 @@ class LocalCluster:
         num_cpus: int = 1,
         resources: Mapping[str, float] | None = None,
         env: Mapping[str, str] | None = None,
+        options: Sequence[str] = (),
     ) -> LocalNode:
         """Start a node offering `capacity` sessions (and `resources` besides) and return once
         it runs. The first node is the head unless told; `head=True` later starts a head again
-        on the same port (a restarted head). `env` is added to this node's environment only."""
+        on the same port (a restarted head). `env` is added to this node's environment only,
+        `options` to its `ray start` (`--redis-password=...`, which Ray takes no other way)."""
         head = not self.nodes if head is None else head
         name = f"n{len(self.nodes)}"
         temp_dir = self.root / name  # short: Ray's socket paths must stay under 107 characters
@@ -258,6 +260,7 @@ class LocalCluster:
                 node_env["RAY_health_check_failure_threshold"] = "3"
         else:
             command += [f"--address={self.address}"]
+        command += options
         self.root.mkdir(parents=True, exist_ok=True)
         with temp_dir.with_suffix(".log").open("ab") as log:
             process = subprocess.Popen(

@@ -38,7 +38,7 @@ from bench.stats import summarize, timed
 from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.ray_cluster.local_cluster import LocalCluster, local_cluster, new_token
 from sandbox.backends.ray_cluster.names import pool_prefix
-from sandbox.registry import why_unavailable
+from sandbox.backends.registry import why_unavailable
 
 if TYPE_CHECKING:  # Ray is imported once this run's token is in the environment, not before
     from sandbox.backends.ray_cluster.backend import RayBackend

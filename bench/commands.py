@@ -14,8 +14,8 @@ import httpx
 from bench.ours import backend
 from bench.served import API_KEY, served
 from bench.stats import timed
+from code_interpreter_wire.processes import ProcessRequest
 from sandbox.backends.docker import DEFAULT_IMAGE
-from sandbox.processes.models import ProcessRequest
 
 ECHO = ProcessRequest(argv=["echo", "hi"])
 

@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable
 import docker
 
 from bench.stats import timed
-from sandbox import Sandbox, SandboxSpec, create_backend
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox import Sandbox, create_backend
 
 RUNC, RUNSC = "runc", "runsc"
 TRIVIAL = "1+1"

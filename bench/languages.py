@@ -37,13 +37,14 @@ from jupyter_client.manager import AsyncKernelManager
 from bench import raw, report
 from bench.ours import backend
 from bench.stats import summarize, timed
-from kernel_images.labels import FULL_IMAGE
+from code_interpreter_wire.languages import LANGUAGES, PYTHON
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import Backend, Sandbox
+from sandbox.backends.registry import why_unavailable
+from sandbox.image_labels import FULL_IMAGE
 from sandbox.inside_kernel.kernel_supervisor import PLACEHOLDER
 from sandbox.kernel.programs import KernelPrograms, host_programs, language_environment
-from sandbox.languages import LANGUAGES, PYTHON
-from sandbox.registry import why_unavailable
-from sandbox.spec import ResourceLimits, SandboxSpec
+from sandbox.languages import KERNEL_TRAITS
 
 # Each language's trivial expression; every one of them shows a 2.
 TRIVIAL = {
@@ -87,7 +88,7 @@ def bare_argv(programs: KernelPrograms, language: str) -> list[str]:
     """The kernel's own command line, as our sandboxes start it, without the supervisor our
     sandboxes put in front of some kernels (the floor has no sandbox to relay into)."""
     argv = programs.command(language, PLACEHOLDER, "", ResourceLimits())
-    if LANGUAGES[language].supervised:
+    if KERNEL_TRAITS[language].supervised:
         argv = argv[argv.index("--") + 1 :]
     return argv
 

@@ -34,7 +34,7 @@ import httpx
 from bench.part_results import save_part
 from bench.served import API_KEY, served
 from bench.stats import summarize
-from sandbox.registry import why_unavailable
+from sandbox.backends.registry import why_unavailable
 
 # The cells that build the state, each a step an analysis would take.
 BUILD_CELLS = (

@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.cluster import section as cluster_section
 from bench.persistence import section as persistence_section
-from sandbox.languages import LANGUAGES
+from code_interpreter_wire.languages import LANGUAGES
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -29,7 +29,7 @@ from bench import (
 )
 from bench.stats import summarize
 from sandbox.backends.docker import DEFAULT_IMAGE
-from sandbox.registry import why_unavailable
+from sandbox.backends.registry import why_unavailable
 
 
 def _available_bytes() -> int:

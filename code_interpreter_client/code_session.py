@@ -3,48 +3,59 @@
 A tool object lives as long as the agent, so it holds a session rather than a sandbox: the
 sandbox starts with the first call and keeps variables and files between calls. Two kinds:
 `embedded` runs a session of an in-process service (no server to run; needs the `server` extra),
-`remote` uses a session of a code-interpreter service over HTTP.
+`remote` uses a session of a code-interpreter service over HTTP. The embedded kind is the
+server's (orchestrator/embedded_session.py), found by the package entry point named
+`embedded` in the group `code_interpreter_client.sessions`: this package never imports the
+server, so a client-only install has none of it.
 
 Frameworks call tools from their own event loops and threads (LangChain's sync `_run`, the Agents
 SDK's runner), while a sandbox belongs to the loop that made it. So every call runs on the
-shared loop of `sandbox.background_loop`, and one CodeSession serves sync and async callers alike.
+shared loop of `code_interpreter_wire.background_loop`, and one CodeSession serves sync and async
+callers alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import importlib.metadata
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx
 from pydantic import TypeAdapter
 
 from code_interpreter_client.http_client import APIError, AsyncClient
-from orchestrator.entry import missing_server_module, server_extra_hint
-from orchestrator.schemas import ExecutionRecord, SessionInfo, SnapshotInfo
-from orchestrator.tool import RenderedOutput, render
-from sandbox.background_loop import run_in_background, run_sync
-from sandbox.errors import SandboxError
-from sandbox.languages import PYTHON
-from sandbox.models import EventSink, Execution, FileInfo, OutputEvent
-from sandbox.processes.models import (
+from code_interpreter_wire.background_loop import run_in_background, run_sync
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.processes import (
     CommandResult,
     ProcessEnd,
     ProcessInfo,
     ProcessOutput,
     ProcessRequest,
 )
-from sandbox.spec import SandboxSpec
-
-if TYPE_CHECKING:
-    from code_interpreter_client.embedded_session import EmbeddedSession
-    from sandbox.backends.base import Backend
+from code_interpreter_wire.rest import ExecutionRecord, SessionInfo, SnapshotInfo
+from code_interpreter_wire.results import EventSink, Execution, FileInfo, OutputEvent
+from code_interpreter_wire.server_extra import (
+    INSTALL_SERVER,
+    missing_server_module,
+    server_extra_hint,
+)
+from code_interpreter_wire.spec import SandboxSpec
+from code_interpreter_wire.tool_output import RenderedOutput, render
 
 T = TypeVar("T")
+# Where the server's session kinds are found (pyproject.toml's entry points), and the embedded one.
+SESSIONS_GROUP = "code_interpreter_client.sessions"
+EMBEDDED = "embedded"
+# A backend the caller holds (a `sandbox.backends.base.Backend`), handed on to the embedded
+# session as it is: the client does not import the server to name its type.
+HeldBackend = Any
 DEFAULT_MAX_CHARS = 20_000  # what a model is shown of one call's text
 # The stream's lines that are output events (the others: keepalive, dropped, done, failure).
 _EVENT_TYPES = ("stdout", "stderr", "result", "error")
@@ -72,22 +83,17 @@ class CodeSession(ABC):
 
     @staticmethod
     def embedded(
-        backend: str | Backend = "local", spec: SandboxSpec | None = None, **config: Any
-    ) -> EmbeddedSession:
+        backend: str | HeldBackend = "local", spec: SandboxSpec | None = None, **config: Any
+    ) -> CodeSession:
         """A session of a service in this process: on `local` (bubblewrap) or `docker` with
         backend config, or on a backend you hold (and close yourself). Needs the server extra."""
-        try:
-            from code_interpreter_client.embedded_session import EmbeddedSession
-        except ModuleNotFoundError as exc:  # a client-only install: say what to install
-            module = missing_server_module(exc)
-            if module is None:
-                raise
-            hint = server_extra_hint("CodeSession.embedded", module)
-            raise ModuleNotFoundError(hint, name=exc.name) from None
-        return EmbeddedSession(backend, spec, config)
+        session = _embedded_factory()(backend, spec, config)
+        if not isinstance(session, CodeSession):
+            raise TypeError(f"the {EMBEDDED!r} session kind made a {type(session).__name__}")
+        return session
 
     @staticmethod
-    def for_process() -> EmbeddedSession:
+    def for_process() -> CodeSession:
         """A tool's default: an embedded local session, closed when the process exits."""
         session = CodeSession.embedded()
         # Not atexit: by then the thread pools that closing a sandbox uses are shut down. This
@@ -317,6 +323,25 @@ class CodeSession(ABC):
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close_sync()
+
+
+def _embedded_factory() -> Any:
+    """The server's embedded session class, loaded by its entry point; a client-only install
+    (or an install without the entry point) is told what to install."""
+    found = importlib.metadata.entry_points(group=SESSIONS_GROUP, name=EMBEDDED)
+    if not found:
+        raise ModuleNotFoundError(
+            f"CodeSession.embedded needs the server, which declares the {EMBEDDED!r} entry point "
+            f"of {SESSIONS_GROUP!r}; none is installed: {INSTALL_SERVER}"
+        )
+    try:
+        return next(iter(found)).load()
+    except ModuleNotFoundError as exc:  # a client-only install: say what to install
+        module = missing_server_module(exc)
+        if module is None:
+            raise
+        hint = server_extra_hint("CodeSession.embedded", module)
+        raise ModuleNotFoundError(hint, name=exc.name) from None
 
 
 async def _next_or_none(events: AsyncIterator[T]) -> T | None:

@@ -15,7 +15,9 @@ from urllib.parse import quote
 
 import httpx
 
-from orchestrator.schemas import (
+from code_interpreter_wire.background_loop import run_sync
+from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
+from code_interpreter_wire.rest import (
     ExecutionRecord,
     LanguagesResponse,
     NetworkReport,
@@ -23,9 +25,7 @@ from orchestrator.schemas import (
     SessionInfo,
     SnapshotInfo,
 )
-from sandbox.background_loop import run_sync
-from sandbox.models import FileInfo
-from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
+from code_interpreter_wire.results import FileInfo
 
 T = TypeVar("T")
 # Waiting for a command or a process may outlast any read timeout: the service bounds it.

@@ -7,7 +7,7 @@
                            "args": {"code": "1 + 1"}})
     tool.invoke({"code": "summary(cars)", "language": "r"})   # any language the sandbox has
     message.content    # what the model reads
-    message.artifact   # sandbox.models.Execution: results, images, stdout, error...
+    message.artifact   # code_interpreter_wire.results.Execution: results, images, stdout, error...
 
 `response_format="content_and_artifact"` keeps images and full outputs out of the model's
 context while the application still gets them. Sync and async calls share one session.
@@ -23,10 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError
 from code_interpreter_client.language_errors import language_refusal
-from orchestrator.tool import LIBRARIES, TOOL_NAME, description, explain_invalid
-from sandbox.errors import SandboxError
-from sandbox.languages import PYTHON
-from sandbox.models import Execution
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.results import Execution
+from code_interpreter_wire.tool_arguments import TOOL_NAME, explain_invalid
+from code_interpreter_wire.tool_definitions import LIBRARIES, description
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -5,7 +5,7 @@ message names the languages there are, so the model can pick one."""
 from __future__ import annotations
 
 from code_interpreter_client.http_client import APIError
-from sandbox.errors import LanguageUnavailable, UnknownLanguage
+from code_interpreter_wire.errors import LanguageUnavailable, UnknownLanguage
 
 LANGUAGE_ERRORS = (UnknownLanguage.__name__, LanguageUnavailable.__name__)  # as the API names them
 

@@ -19,15 +19,9 @@ from agents import FunctionTool, RunContextWrapper, ToolOutputImage, ToolOutputT
 from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError
 from code_interpreter_client.language_errors import language_refusal
-from orchestrator.tool import (
-    LIBRARIES,
-    TOOL_NAME,
-    ToolCallError,
-    code_only_schema,
-    description,
-    parse_arguments,
-)
-from sandbox.errors import SandboxError
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.tool_arguments import TOOL_NAME, ToolCallError, parse_arguments
+from code_interpreter_wire.tool_definitions import LIBRARIES, code_only_schema, description
 
 ToolOutput = ToolOutputText | ToolOutputImage
 

@@ -24,16 +24,14 @@ from typing import Any
 from openai import APIError, AsyncOpenAI
 
 from code_interpreter_client.code_session import CodeSession
-from orchestrator.tool import (
+from code_interpreter_wire.tool_arguments import TOOL_NAME, ToolCallError, parse_arguments
+from code_interpreter_wire.tool_definitions import (
     CODE_ONLY_SCHEMA,
     LIBRARIES,
-    TOOL_NAME,
-    ToolCallError,
     ToolFormat,
     description,
-    format_output,
-    parse_arguments,
 )
+from code_interpreter_wire.tool_output import format_output
 
 HERE = Path(__file__).parent
 DEFAULT_PROMPT = (

@@ -32,9 +32,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.config import Settings
 from orchestrator.host_tools import HostToolsSettings, ToolRegistry
-from orchestrator.schemas import CreateSessionRequest
+from orchestrator.model_tool import ModelTool
 from orchestrator.service import Service
 
 # --- the data and the two tools (what a real host would fetch from its expense system) ---------
@@ -208,13 +209,13 @@ async def main(backend: str) -> dict[str, Any]:
     service = Service(settings, registry)
     await service.start()
     try:
-        session = await service.create_session(
+        session = await service.lifecycle.create(
             "example", CreateSessionRequest(backend=backend, tools=registry.names)
         )
 
         async def code_interpreter(arguments: dict[str, Any]) -> str:
             # The one tool flow: what POST /v1/tools/code_interpreter/invoke returns, too.
-            outcome = await service.invoke_tool("example", arguments["code"], session=session)
+            outcome = await ModelTool(service).invoke("example", arguments["code"], session=session)
             return outcome.rendered.text
 
         program_answer, program = await run_agent(

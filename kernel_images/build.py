@@ -29,7 +29,7 @@ from pathlib import Path
 import docker
 from docker.errors import ImageNotFound
 
-from kernel_images.labels import (
+from sandbox.image_labels import (
     FULL_IMAGE,
     FULL_IMAGE_LANGUAGES,
     KERNEL_IMAGE,

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from code_interpreter_wire.errors import SandboxError
 from orchestrator.auth import Authenticator
 from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
@@ -31,7 +32,6 @@ from orchestrator.routes import principal as whoami
 from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
-from sandbox.errors import SandboxError
 
 log = logging.getLogger(__name__)
 

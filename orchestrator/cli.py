@@ -14,19 +14,19 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 import typer
 from pydantic import ValidationError
 
+from code_interpreter_wire.errors import BackendUnavailable, SandboxError
+from code_interpreter_wire.languages import LANGUAGES, canonical_language, language_for_suffix
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from orchestrator.governance.audit_cli import audit_app
 from orchestrator.governance.keys_cli import keys_app
 from orchestrator.http_errors import problems
 from orchestrator.terminal import TerminalPrinter
-from sandbox import BackendUnavailable, SandboxError, SandboxSpec
-from sandbox.languages import LANGUAGES, canonical_language, language_for_suffix
-from sandbox.registry import BACKENDS
-from sandbox.spec import ResourceLimits
+from sandbox.backends.registry import BACKENDS
 
 if TYPE_CHECKING:
     from code_interpreter_client.code_session import CodeSession
+    from code_interpreter_wire.processes import CommandResult, ProcessOutput
     from orchestrator.config import Settings
-    from sandbox.processes.models import CommandResult, ProcessOutput
 
 DISTRIBUTION = "code-interpreter-runtime"
 BACKEND_NAMES = f"{', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"
@@ -378,7 +378,7 @@ async def _exec(
     downloads: list[PurePosixPath],
     printer: TerminalPrinter,
 ) -> int:
-    from sandbox.processes.models import ProcessRequest
+    from code_interpreter_wire.processes import ProcessRequest
 
     async with session:
         for path in uploads:

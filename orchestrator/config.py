@@ -20,11 +20,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from code_interpreter_wire.network_policy import (
+    NO_NETWORK,
+    NetworkPolicy,
+    normalize_host,
+    policy_from_text,
+)
+from code_interpreter_wire.spec import ResourceLimits
 from orchestrator.egress.private_hosts import parse_private_hosts
 from orchestrator.host_tools.settings import HostToolsSettings
 from orchestrator.state_store.redis_auth import check_store_url
-from sandbox.network_policy import NO_NETWORK, NetworkPolicy, normalize_host, policy_from_text
-from sandbox.spec import ResourceLimits
 from sandbox.state_dir import default_state_dir
 
 # What a Docker session may ask to run under unless the operator says otherwise: the engine's

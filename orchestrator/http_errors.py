@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sandbox.errors import (
+from code_interpreter_wire.errors import (
     BackendRateLimited,
     BackendTimeout,
     BackendUnavailable,

@@ -39,7 +39,8 @@ class Metrics:
         self.sessions_resumed = Counter(
             "cir_sessions_resumed", "Paused sessions started again.", registry=r
         )
-        # `language` is a canonical name (sandbox/languages.py): a bounded set of values.
+        # `language` is a canonical name (code_interpreter_wire/languages.py): a bounded set of
+        # values.
         self.executions = Counter(
             "cir_executions",
             "Executions, by how they ended and in which language.",

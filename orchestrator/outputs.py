@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from code_interpreter_wire.results import Execution
 from orchestrator.json_responses import encode_large
 from orchestrator.sessions import SessionError
-from sandbox.models import Execution
 
 _DROPPED_REMEMBERED = 100_000  # ended sessions whose late saves are refused
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -16,12 +16,12 @@ import os
 from pathlib import Path
 
 from orchestrator.instance_lock import InstanceAlreadyRunning, InstanceLock
+from sandbox.backends.registry import BACKENDS, backend_type
 from sandbox.state_dir import SessionDirs
 from sandbox.tree_removal import remove_tree_at
 
 log = logging.getLogger(__name__)
 STDIO_DIR = "mcp-stdio"
-_BACKENDS_WITH_DIRS = ("local", "docker")
 
 
 def stdio_state_dir(state_dir: Path) -> Path:
@@ -48,7 +48,7 @@ def sweep_dead(base: Path) -> list[Path]:
         except (InstanceAlreadyRunning, OSError):
             continue  # somebody holds it after all
         try:
-            for backend in _BACKENDS_WITH_DIRS:
+            for backend in _backends_with_dirs_in(entry):
                 SessionDirs.remove_orphans(entry, backend)
             remove_tree_at(entry)
             removed.append(entry)
@@ -58,6 +58,17 @@ def sweep_dead(base: Path) -> list[Path]:
         finally:
             lock.release()
     return removed
+
+
+def _backends_with_dirs_in(state_dir: Path) -> list[str]:
+    """The backends that keep sandbox directories on this host and have some in `state_dir`
+    (those mount tmpfs workspaces: removed by `SessionDirs`, not as plain trees). Only their
+    modules are imported, not an absent extra's (Ray's)."""
+    return [
+        name
+        for name in BACKENDS
+        if (state_dir / name).is_dir() and backend_type(name).capabilities.host_dirs
+    ]
 
 
 def remove_own(state_dir: Path) -> None:

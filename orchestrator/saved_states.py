@@ -15,17 +15,16 @@ import secrets
 import shutil
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from code_interpreter_wire.results import FileInfo
 from orchestrator.config import Settings
 from orchestrator.sessions import Session, SessionError
-from orchestrator.state_store import SessionRecord, SnapshotRecord, SqliteStore
+from orchestrator.state_store import SessionRecord, SnapshotRecord, StateStore
 from orchestrator.state_store.records import SnapshotKind
 from sandbox.backends.base import Backend
 from sandbox.backends.kernel_sandbox import file_info
-from sandbox.models import FileInfo
 from sandbox.saved_state import (
     FILES_DIR,
     NAMESPACE_FILE,
@@ -39,9 +38,6 @@ from sandbox.saved_state import (
 )
 from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Workspace
-
-if TYPE_CHECKING:
-    from orchestrator.state_store.redis_store import RedisStore
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +61,7 @@ class SnapshotInUse(SessionError):
 
 
 class SavedStates:
-    def __init__(self, settings: Settings, store: SqliteStore | RedisStore) -> None:
+    def __init__(self, settings: Settings, store: StateStore) -> None:
         self.settings = settings
         self.store = store
         self._owner_locks: dict[str, asyncio.Lock] = {}  # one save at a time per key: quotas hold
@@ -74,7 +70,7 @@ class SavedStates:
     async def remove_unrecorded(self) -> int:
         """At start, before any save: delete saved states' directories no row names (a save or
         a salvage a crash cut short). Nothing else would, nor would a quota count them."""
-        found = self.store.orphan_files()
+        found = await self.store.orphan_files()
         for path in found:
             if path.is_dir() and not path.is_symlink():
                 await asyncio.to_thread(shutil.rmtree, path, True)
@@ -84,10 +80,10 @@ class SavedStates:
             log.info("removed %d saved states a crash left unrecorded", len(found))
         return len(found)
 
-    def _room(self, owner: str, kind: SnapshotKind) -> int:
+    async def _room(self, owner: str, kind: SnapshotKind) -> int:
         """The bytes a new state of `owner`'s may take, or the refusal saying why none."""
         s = self.settings
-        count, used = self.store.usage(owner)
+        count, used = await self.store.usage(owner)
         if kind == "snapshot" and count >= s.max_snapshots_per_key:
             raise SavedStateQuotaReached(
                 f"this API key keeps its maximum of {s.max_snapshots_per_key} snapshots; "
@@ -108,7 +104,7 @@ class SavedStates:
         why it could not be kept; nothing is left of a failed save."""
         lock = self._owner_locks.setdefault(session.owner, asyncio.Lock())
         async with lock:
-            room = self._room(session.owner, kind)
+            room = await self._room(session.owner, kind)
             snapshot_id = f"snap-{secrets.token_hex(12)}"
             where = self.store.files_of(snapshot_id)
             try:
@@ -130,27 +126,29 @@ class SavedStates:
                 bytes=report.bytes,
                 report=report,
             )
-            self.store.put_snapshot(record)
+            await self.store.put_snapshot(record)
             return record
 
-    def get(self, owner: str, snapshot_id: str) -> SnapshotRecord:
+    async def get(self, owner: str, snapshot_id: str) -> SnapshotRecord:
         """The owner's named snapshot; another key's is reported exactly like a missing one."""
-        found = self.store.get_snapshot(snapshot_id) if _well_formed(snapshot_id) else None
+        found = await self.store.get_snapshot(snapshot_id) if _well_formed(snapshot_id) else None
         if found is None or found.owner != owner or found.kind != "snapshot":
             raise SnapshotNotFound(f"no snapshot {snapshot_id}")
         return found
 
-    def list(self, owner: str) -> list[SnapshotRecord]:
-        return self.store.snapshots(owner=owner, kind="snapshot")
+    async def list(self, owner: str) -> list[SnapshotRecord]:
+        return await self.store.snapshots(owner=owner, kind="snapshot")
 
-    @contextlib.contextmanager
-    def pinned(self, owner: str, snapshot_id: str | None) -> Iterator[SnapshotRecord | None]:
+    @contextlib.asynccontextmanager
+    async def pinned(
+        self, owner: str, snapshot_id: str | None
+    ) -> AsyncIterator[SnapshotRecord | None]:
         """The owner's snapshot (None for None), kept from deletion until the session started
         from it has it: its sandbox is made between finding it and restoring it."""
         if snapshot_id is None:
             yield None
             return
-        record = self.get(owner, snapshot_id)
+        record = await self.get(owner, snapshot_id)
         self._pinned[record.id] += 1
         try:
             yield record
@@ -159,13 +157,13 @@ class SavedStates:
             if self._pinned[record.id] <= 0:
                 del self._pinned[record.id]
 
-    def delete(self, owner: str, snapshot_id: str) -> None:
-        self.get(owner, snapshot_id)
+    async def delete(self, owner: str, snapshot_id: str) -> None:
+        await self.get(owner, snapshot_id)
         if self._pinned[snapshot_id] > 0:
             raise SnapshotInUse(
                 f"a session is being started from snapshot {snapshot_id}; delete it once it has"
             )
-        self.store.delete_snapshot(snapshot_id)
+        await self.store.delete_snapshot(snapshot_id)
 
     async def restore(self, session: Session, record: SnapshotRecord) -> RestoredState:
         return await restore_state(session.sandbox, self.store.files_of(record.id))
@@ -174,7 +172,7 @@ class SavedStates:
         """Turn each session of `backend` the last process left running into a paused one:
         its files from the workspace its sandbox left, its variables from its latest snapshot
         if it has one (else gone, and its next execution says so). Returns how many."""
-        found = self.store.sessions(state="running", backend=backend)
+        found = await self.store.sessions(state="running", backend=backend)
         for record in found:
             suspended = None
             if record.sandbox_id is not None:
@@ -182,14 +180,14 @@ class SavedStates:
             if suspended is not None:  # the engine kept it whole: nothing is lost
                 record.suspended = suspended
                 record.notice = "the service restarted; its sandbox was kept whole by its backend"
-                self._pause_record(record, None, state_lost=False)
+                await self._pause_record(record, None, state_lost=False)
                 continue
             try:
                 await self._salvage_one(record)
             except Exception:
                 log.exception("the files of session %s could not be kept", record.id)
                 record.notice = "the service restarted, and this session's files were lost"
-                self._pause_record(record, None, state_lost=True)
+                await self._pause_record(record, None, state_lost=True)
         return len(found)
 
     async def _salvage_one(self, record: SessionRecord) -> None:
@@ -210,7 +208,7 @@ class SavedStates:
             report.workspace_bytes, report.files = await _copy_host_dir(
                 workspace, where / FILES_DIR, room
             )
-        latest = next(iter(self.store.snapshots(session_id=record.id, kind="snapshot")), None)
+        latest = next(iter(await self.store.snapshots(session_id=record.id, kind="snapshot")), None)
         if latest is not None and (self.store.files_of(latest.id) / NAMESPACE_FILE).exists():
             await asyncio.to_thread(
                 shutil.copyfile,
@@ -237,7 +235,7 @@ class SavedStates:
                 "taken); files are as they were"
             )
         await asyncio.to_thread((where / REPORT_FILE).write_text, report.model_dump_json())
-        self.store.put_snapshot(
+        await self.store.put_snapshot(
             SnapshotRecord(
                 id=snapshot_id,
                 owner=record.owner,
@@ -249,12 +247,14 @@ class SavedStates:
                 report=report,
             )
         )
-        self._pause_record(record, snapshot_id, state_lost=latest is None)
+        await self._pause_record(record, snapshot_id, state_lost=latest is None)
 
-    def _pause_record(self, record: SessionRecord, saved: str | None, *, state_lost: bool) -> None:
+    async def _pause_record(
+        self, record: SessionRecord, saved: str | None, *, state_lost: bool
+    ) -> None:
         record.state, record.state_since = "paused", time.time()
         record.saved_state, record.state_lost, record.sandbox_id = saved, state_lost, None
-        self.store.put_session(record)
+        await self.store.put_session(record)
 
 
 def _well_formed(snapshot_id: str) -> bool:

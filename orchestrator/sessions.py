@@ -15,21 +15,20 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
+from code_interpreter_wire.errors import SandboxLost
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
+from orchestrator.backend_configs import backend_config
 from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
-from sandbox import Backend, ResourceLimits, Sandbox, SandboxSpec, create_backend
+from orchestrator.session_error import SessionError as SessionError
+from sandbox import Backend, Sandbox, create_backend
 from sandbox.pool import WarmPool
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _TOMBSTONES = 10_000  # how many ended session ids are remembered, to answer "expired"
-
-
-class SessionError(Exception):
-    """Base of the session errors; each maps to one HTTP status."""
-
-    status = 400
 
 
 class SessionNotFound(SessionError):
@@ -78,6 +77,10 @@ class Session:
     notice: str | None = None  # said with its next execution (what a resume brought back)
     state_lost: bool = False  # ... and whether that resume lost its variables
     labels: dict[str, str] = field(default_factory=dict)  # a front's own (E2B's metadata)
+    # What a call that finds its sandbox lost raises instead (set by the manager holding it).
+    when_lost: Callable[[SandboxLost], Awaitable[Exception]] | None = field(
+        default=None, repr=False
+    )
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -99,14 +102,89 @@ class Session:
 
     @contextlib.asynccontextmanager
     async def activity(self) -> AsyncIterator[None]:
-        """Marks the session in use: it cannot go idle while this runs."""
+        """Marks the session in use: it cannot go idle while this runs. Its sandbox's calls are
+        made within this or `reach`: a lost sandbox is told as the manager says, here once."""
         self.busy += 1
         self.touch()
         try:
             yield
+        except SandboxLost as exc:
+            raise await self._lost(exc) from None
         finally:
             self.busy -= 1
             self.touch()
+
+    @contextlib.asynccontextmanager
+    async def reach(self) -> AsyncIterator[None]:
+        """A call on its sandbox that does not keep it busy (a signal, a process's info): the
+        session is active now, and a lost sandbox is told as in `activity`."""
+        self.touch()
+        try:
+            yield
+        except SandboxLost as exc:
+            raise await self._lost(exc) from None
+
+    async def reaching(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`stream` (a process's output, read after the call that opened it), a lost sandbox
+        told as in `activity`; a reader that leaves stops it now."""
+        try:
+            async for item in stream:
+                yield item
+        except SandboxLost as exc:
+            raise await self._lost(exc) from None
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _lost(self, exc: SandboxLost) -> Exception:
+        return exc if self.when_lost is None else await self.when_lost(exc)
+
+
+class SessionCoordinator(Protocol):
+    """What the session manager asks beyond this process: whether a session may be made under
+    the caps, where an end is told, what a lost sandbox means, what else the reaper walks. The
+    manager is given one and never branches on which."""
+
+    shared_store: bool  # the records are every replica's (a listing shows other replicas')
+
+    def bind(self, table: SessionManager) -> None:
+        """The manager whose sessions this coordinates (told once, as it is made)."""
+
+    async def admit(self, owner: str, session_id: str) -> None:
+        """Reserve a place for a new session under the caps, or SessionLimitReached."""
+
+    async def not_made(self, session_id: str) -> None:
+        """The session admitted was not made after all: its place is given back."""
+
+    async def released(self, session_id: str) -> None:
+        """A session's sandbox stopped while it is paused: its place is given back."""
+
+    async def find(self, session_id: str, owner: str) -> Session | None:
+        """A session this coordinator serves (found elsewhere, or ended elsewhere: then the
+        error it answers with); None: the manager's own table answers."""
+
+    async def ended_here(self, session_id: str, owner: str, why: str) -> None:
+        """A session held here has ended (its sandbox closed): told where the others look."""
+
+    async def end_elsewhere(self, session_id: str, why: str) -> None:
+        """End a session not held here, or one every replica serves."""
+
+    async def lost(self, session_id: str, owner: str, exc: SandboxLost) -> Exception:
+        """A session's sandbox is gone: what the call that found it raises."""
+
+    async def held_by(self, owner: str) -> int:
+        """How many sessions the owner holds, wherever they run."""
+
+    async def reap(self) -> int:
+        """The reaper's round beyond the table's own sessions; how many it ended."""
+
+    async def closing(self) -> None:
+        """Before the manager ends its sessions at shutdown (shared ones are left running)."""
+
+    async def close(self) -> None:
+        """After it has."""
 
 
 class SessionManager:
@@ -119,8 +197,14 @@ class SessionManager:
         on_expiry: Callable[[Session, str], Awaitable[None]] | None = None,
         before_cleanup: Callable[[str, Backend], Awaitable[None]] | None = None,
         on_sweep: Callable[[], Awaitable[None]] | None = None,
+        coordinator: SessionCoordinator,
     ) -> None:
+        """`coordinator`: what is asked beyond this process (caps, ends, lost sandboxes): one
+        machine's (orchestrator/session_coordinator.py), or cluster mode's shared store's
+        (orchestrator/cluster/coordinator.py)."""
         self.settings = settings
+        self._coordinator = coordinator
+        self._coordinator.bind(self)
         self._on_end = on_end  # told each ended session's id (to drop what is kept for it)
         # What an expired session becomes (paused, or ended); None: ended.
         self._on_expiry = on_expiry
@@ -155,44 +239,55 @@ class SessionManager:
             if name in self._given:
                 self.backends[name] = self._given[name]
                 continue
-            config: dict[str, object] = {"state_dir": s.state_dir}
-            if name == "docker":
-                config |= {"orchestrator_id": s.orchestrator_id, "image": s.docker_image}
-                config |= {"runtime": s.docker_runtime}
-            if name == "e2b":
-                config = s.e2b_backend_config()
-            if name == "ray":  # warm actors (per node) are made for the default spec
-                config = s.ray_backend_config() | {"pool_spec": self.default_spec()}
-            backend = create_backend(name, **config)
+            backend = create_backend(name, **backend_config(s, name, self.default_spec()))
             if self._before_cleanup is not None:
                 await self._before_cleanup(name, backend)
             removed = await backend.cleanup_orphans()
             if removed:
                 log.info("removed %d orphans of the %s backend", removed, name)
             self.backends[name] = backend
-            if s.pool_size and backend.keeps_warm:
+            if s.pool_size and backend.capabilities.warm_pool:
                 pool = WarmPool(backend, self.default_spec(), s.pool_size)
                 pool.fill()
                 self.pools[name] = pool
         self._reaper = asyncio.ensure_future(self._reap_forever())
 
     async def close(self) -> None:
-        """Close every session and pool: nothing is left running."""
+        """Close every session and pool: nothing is left running (the sessions every replica
+        serves are left to the others, in cluster mode)."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        await asyncio.gather(
-            *(self._end(sid, "the service shut down") for sid in list(self._sessions)),
-            return_exceptions=True,
-        )
-        for pool in self.pools.values():
-            await pool.close()
-        for name, backend in self.backends.items():
-            if name not in self._given:
-                await backend.close()
+        try:
+            await self._coordinator.closing()
+            await asyncio.gather(
+                *(self._end(sid, "the service shut down") for sid in list(self._sessions)),
+                return_exceptions=True,
+            )
+            for pool in self.pools.values():
+                await pool.close()
+            for name, backend in self.backends.items():
+                if name not in self._given:
+                    await backend.close()
+        finally:
+            await self._coordinator.close()
 
     # ----------------------------------------------------------------------------------------
+
+    @property
+    def clustered(self) -> bool:
+        """Cluster mode: the sessions here are a cache of a store every replica shares."""
+        return self._coordinator.shared_store
+
+    def shared(self, backend: str) -> bool:
+        """Whether sessions of `backend` are served by every replica (cluster mode)."""
+        found = self.backends.get(backend)
+        return found is not None and found.capabilities.shared_across_nodes
+
+    async def held_by(self, owner: str) -> int:
+        """How many sessions the owner holds (in cluster mode: on every replica)."""
+        return await self._coordinator.held_by(owner)
 
     def enabled_backend(self, backend: str | None) -> str:
         """The backend a new session asked for (None: the default), if enabled here."""
@@ -216,7 +311,23 @@ class SessionManager:
         """A session with a new sandbox; `session_id`: the id of a paused one it resumes, and
         `wake`: the backend's handle of its suspended sandbox, woken instead of a new one."""
         name = self.enabled_backend(backend)
-        self._check_limits(owner)
+        session_id = session_id or f"s-{secrets.token_hex(12)}"
+        await self._coordinator.admit(owner, session_id)
+        try:
+            return await self._create(owner, name, session_id, spec, env, wake)
+        except BaseException:
+            await self._coordinator.not_made(session_id)
+            raise
+
+    async def _create(
+        self,
+        owner: str,
+        name: str,
+        session_id: str,
+        spec: SandboxSpec | None,
+        env: dict[str, str] | None,
+        wake: str | None,
+    ) -> Session:
         self._creating[owner] = self._creating.get(owner, 0) + 1
         try:
             spec = spec or self.default_spec()
@@ -238,18 +349,43 @@ class SessionManager:
         finally:
             self._creating[owner] -= 1
         session = Session(
-            id=session_id or f"s-{secrets.token_hex(12)}",
+            id=session_id,
             owner=owner,
             backend=name,
             sandbox=sandbox,
             from_pool=from_pool,
         )
-        self._sessions[session.id] = session
+        if not self.backends[name].capabilities.pause:  # nothing of it is kept across a pause
+            session.on_idle = "end"
+        self.hold(session)
         METRICS.sessions_created.labels(name, "pool" if from_pool else "cold").inc()
-        METRICS.sessions_active.labels(name).inc()
         return session
 
-    def _check_limits(self, owner: str) -> None:
+    def hold(self, session: Session) -> None:
+        """Serve `session` here (made here, or attached from the cluster)."""
+        owner = session.owner
+
+        async def lost(exc: SandboxLost) -> Exception:
+            return await self._coordinator.lost(session.id, owner, exc)
+
+        session.when_lost = lost
+        self._sessions[session.id] = session
+        METRICS.sessions_active.labels(session.backend).inc()
+
+    def drop(self, session_id: str) -> Session | None:
+        """Forget a session here without ending it (another replica did, or will serve it)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            METRICS.sessions_active.labels(session.backend).dec()
+        return session
+
+    async def told_ended(self, session_id: str) -> None:
+        """Tell the service a session has ended (what it kept for it goes)."""
+        if self._on_end is not None:
+            await self._on_end(session_id)
+
+    def check_limits(self, owner: str) -> None:
+        """SessionLimitReached when the service, or the owner's key, holds its maximum."""
         s = self.settings
         total = len(self._sessions) + sum(self._creating.values())
         if total >= s.max_sessions_total:
@@ -266,6 +402,9 @@ class SessionManager:
             )
 
     async def get(self, session_id: str, owner: str) -> Session:
+        found = await self._coordinator.find(session_id, owner)
+        if found is not None:
+            return found
         session = self._sessions.get(session_id)
         if session is not None and session.owner == owner:
             why = self._expiry(session)
@@ -326,25 +465,27 @@ class SessionManager:
             log.exception("closing the sandbox of %s failed", session_id)
         finally:
             if self._sessions.get(session_id) is session:
-                del self._sessions[session_id]
-                METRICS.sessions_active.labels(session.backend).dec()
+                self.drop(session_id)
+        await self._coordinator.released(session_id)
 
     async def end(self, session_id: str, why: str) -> None:
         """End a session for good, whoever owns it (an expiry, a failed pause)."""
         await self._end(session_id, why)
 
     async def _end(self, session_id: str, why: str) -> None:
-        session = self._sessions.pop(session_id, None)
-        if session is None:
+        session = self._sessions.get(session_id)
+        if session is None or self.shared(session.backend):  # the coordinator's to end
+            await self._coordinator.end_elsewhere(session_id, why)
             return
+        self.drop(session_id)
         self.remember_ended(session_id, session.owner, why)
-        METRICS.sessions_active.labels(session.backend).dec()
         try:
             await session.sandbox.close()
         except Exception:
             log.exception("closing the sandbox of %s failed", session_id)
-        if self._on_end is not None:
-            await self._on_end(session_id)
+        await self.told_ended(session_id)
+        # After its sandbox is closed: a store that is down (a shutdown) leaves nothing running.
+        await self._coordinator.ended_here(session_id, session.owner, why)
 
     # ----------------------------------------------------------------------------------------
 
@@ -353,6 +494,8 @@ class SessionManager:
         return self._expiry(session)
 
     def _expiry(self, session: Session) -> str | None:
+        if self.shared(session.backend):  # the coordinator's walk (its sandbox counts its idle)
+            return None
         s = self.settings
         if session.age() > s.max_lifetime_s:
             return f"expired: it reached the maximum lifetime of {s.max_lifetime_s:g} s"
@@ -375,7 +518,7 @@ class SessionManager:
                 await self._on_expiry(session, why)
             else:
                 await self._end(sid, why)
-        return len(due)
+        return len(due) + await self._coordinator.reap()
 
     async def _reap_forever(self) -> None:
         while True:

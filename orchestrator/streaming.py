@@ -14,8 +14,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sandbox.kernel.collector import bundle_size
-from sandbox.models import (
+from code_interpreter_wire.results import (
     ErrorEvent,
     EventSink,
     OutputEvent,
@@ -24,6 +23,7 @@ from sandbox.models import (
     StderrEvent,
     StdoutEvent,
 )
+from sandbox.kernel.collector import bundle_size
 
 KEEPALIVE_S = 5.0
 # What one client that reads slowly may leave queued, in characters of output: past it, events

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from sandbox.models import (
+from code_interpreter_wire.results import (
     ErrorEvent,
     Execution,
     ExecutionStatus,

@@ -1,4 +1,4 @@
-"""Run code in isolation: result models, the kernel driver, the sandbox backends.
+"""Run code in isolation: the kernel driver and the sandbox backends.
 
     from sandbox import create_backend
     backend = create_backend("local")
@@ -6,8 +6,8 @@
         execution = await sb.execute("1 + 1")
 
 This package knows nothing of HTTP; the orchestrator builds the service on it. The models,
-errors and spec load with it; the backends, their registry and `SyncSandbox` only when first
-named, so that a client-only install (no Jupyter, no Docker) can use the models.
+errors and spec it speaks are the wire's (`code_interpreter_wire`). The backends, their registry
+and `SyncSandbox` load only when first named, so importing the package costs nothing.
 """
 
 from __future__ import annotations
@@ -15,45 +15,17 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from sandbox.errors import (
-    BackendRateLimited,
-    BackendTimeout,
-    BackendUnavailable,
-    FileAccessError,
-    FileMissing,
-    FileTooLarge,
-    InvalidPath,
-    SandboxClosed,
-    SandboxError,
-    SandboxStartError,
-)
-from sandbox.models import (
-    Artifact,
-    DoneEvent,
-    ErrorEvent,
-    Execution,
-    ExecutionError,
-    ExecutionStatus,
-    FileInfo,
-    OutputEvent,
-    Result,
-    ResultEvent,
-    StderrEvent,
-    StdoutEvent,
-)
-from sandbox.spec import ResourceLimits, SandboxSpec
-
 if TYPE_CHECKING:
     from sandbox.backends.base import Backend, Sandbox
-    from sandbox.registry import BACKENDS, create_backend
+    from sandbox.backends.registry import BACKENDS, create_backend
     from sandbox.sync import SyncSandbox
 
 # Exported names that load their module on first use: name -> module.
 _LAZY = {
     "Backend": "sandbox.backends.base",
     "Sandbox": "sandbox.backends.base",
-    "BACKENDS": "sandbox.registry",
-    "create_backend": "sandbox.registry",
+    "BACKENDS": "sandbox.backends.registry",
+    "create_backend": "sandbox.backends.registry",
     "SyncSandbox": "sandbox.sync",
 }
 
@@ -69,34 +41,4 @@ if not TYPE_CHECKING:  # hidden from mypy, so a misspelled name stays an error t
         return value
 
 
-__all__ = [
-    "BACKENDS",
-    "Artifact",
-    "Backend",
-    "BackendRateLimited",
-    "BackendTimeout",
-    "BackendUnavailable",
-    "DoneEvent",
-    "ErrorEvent",
-    "Execution",
-    "ExecutionError",
-    "ExecutionStatus",
-    "FileAccessError",
-    "FileInfo",
-    "FileMissing",
-    "FileTooLarge",
-    "InvalidPath",
-    "OutputEvent",
-    "ResourceLimits",
-    "Result",
-    "ResultEvent",
-    "Sandbox",
-    "SandboxClosed",
-    "SandboxError",
-    "SandboxSpec",
-    "SandboxStartError",
-    "StderrEvent",
-    "StdoutEvent",
-    "SyncSandbox",
-    "create_backend",
-]
+__all__ = ["BACKENDS", "Backend", "Sandbox", "SyncSandbox", "create_backend"]

@@ -21,7 +21,7 @@ import signal
 import time
 from pathlib import Path
 
-from sandbox.spec import ResourceLimits
+from code_interpreter_wire.spec import ResourceLimits
 
 ROOT = Path("/sys/fs/cgroup")
 PARENT = "code-interpreter"

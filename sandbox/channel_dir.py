@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sandbox.errors import SandboxStartError
+from code_interpreter_wire.errors import SandboxStartError
 
 MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with the NUL
 

@@ -11,7 +11,7 @@ import functools
 import os
 import shutil
 
-from sandbox.errors import BackendUnavailable
+from code_interpreter_wire.errors import BackendUnavailable
 
 TRUSTED_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOST_ENVIRONMENT: dict[str, str] = {"PATH": TRUSTED_PATH, "LANG": "C.UTF-8"}

@@ -1,28 +1,24 @@
-"""The languages a sandbox can run, each by a Jupyter kernel of its own, and their names.
+"""How each language's Jupyter kernel is talked to, and whether a sandbox has it.
 
 A session holds at most one kernel per language, all in the same sandbox boundary and sharing the
-workspace; Python's starts with the sandbox, every other language's on first use. Which languages
-a sandbox actually has depends on what its backend finds installed (sandbox/kernel/programs.py):
-asking for another is a `LanguageUnavailable` naming the ones there are.
+workspace; Python's starts with the sandbox, every other language's on first use. The names are
+the wire's (code_interpreter_wire/languages.py); which languages a sandbox actually has depends on
+what its backend finds installed (sandbox/kernel/programs.py): asking for another is a
+`LanguageUnavailable` naming the ones there are.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sandbox.errors import LanguageUnavailable, UnknownLanguage
-
-PYTHON = "python"
+from code_interpreter_wire.errors import LanguageUnavailable
+from code_interpreter_wire.languages import LANGUAGES, canonical_language
 
 
 @dataclass(frozen=True)
-class Language:
-    """One language: its canonical name, what else it answers to, and how its kernel talks."""
+class KernelTraits:
+    """What the sandbox must do differently for one language's kernel."""
 
-    name: str
-    aliases: tuple[str, ...]
-    # Script suffixes that name this language (the CLI's `run -f script.R`).
-    suffixes: tuple[str, ...]
     # The kernel binds TCP only (Deno, jjava's JeroMQ): a supervisor in the sandbox relays its
     # sockets to the ipc sockets the host reaches (inside_kernel/kernel_supervisor.py).
     relayed: bool = False
@@ -39,47 +35,15 @@ class Language:
         return self.relayed or self.interrupt_by_signal
 
 
-LANGUAGES: dict[str, Language] = {
-    language.name: language
-    for language in (
-        Language(PYTHON, ("py", "python3", "ipython"), (".py",)),
-        Language("bash", ("sh", "shell"), (".sh", ".bash")),
-        Language(
-            "javascript", ("js", "deno", "node"), (".js", ".mjs"), relayed=True, linger_s=0.05
-        ),
-        Language("typescript", ("ts",), (".ts",), relayed=True, linger_s=0.05),
-        Language("r", ("R",), (".r", ".R"), interrupt_by_signal=True),
-        Language("java", (), (".java", ".jsh"), relayed=True),
-    )
+_PLAIN = KernelTraits()
+_TRAITS: dict[str, KernelTraits] = {
+    "javascript": KernelTraits(relayed=True, linger_s=0.05),
+    "typescript": KernelTraits(relayed=True, linger_s=0.05),
+    "r": KernelTraits(interrupt_by_signal=True),
+    "java": KernelTraits(relayed=True),
 }
-_BY_NAME = {
-    alias.lower(): language.name
-    for language in LANGUAGES.values()
-    for alias in (language.name, *language.aliases)
-}
-MAX_LANGUAGE_NAME = 40
-
-
-def canonical_language(name: str | None) -> str:
-    """The canonical name of `name` (None: Python); `UnknownLanguage` if it names none."""
-    if name is None or name == "":
-        return PYTHON
-    found = _BY_NAME.get(name.strip().lower()) if len(name) <= MAX_LANGUAGE_NAME else None
-    if found is None:
-        shown = name if len(name) <= MAX_LANGUAGE_NAME else name[:MAX_LANGUAGE_NAME] + "..."
-        raise UnknownLanguage(
-            f"unknown language {shown!r}: the languages are {', '.join(LANGUAGES)} "
-            "(aliases: js, ts, sh, py)"
-        )
-    return found
-
-
-def language_for_suffix(suffix: str) -> str | None:
-    """The language a script's suffix names, if any (`.R` and `.r` are both R)."""
-    for language in LANGUAGES.values():
-        if suffix in language.suffixes or suffix.lower() in language.suffixes:
-            return language.name
-    return None
+# Every language the wire names has traits here, most of them the plain ones.
+KERNEL_TRAITS: dict[str, KernelTraits] = {name: _TRAITS.get(name, _PLAIN) for name in LANGUAGES}
 
 
 def check_available(language: str, available: list[str]) -> str:

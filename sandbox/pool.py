@@ -11,8 +11,8 @@ import asyncio
 import logging
 from collections import deque
 
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
-from sandbox.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 

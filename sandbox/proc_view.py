@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from sandbox.spec import ResourceLimits
+from code_interpreter_wire.spec import ResourceLimits
 
 MASKED = (
     "/proc/vmstat", "/proc/zoneinfo", "/proc/diskstats", "/proc/interrupts", "/proc/softirqs",

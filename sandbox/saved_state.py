@@ -26,11 +26,11 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field, ValidationError
 
+from code_interpreter_wire.errors import FileMissing, FileTooLarge, SandboxError, StateNotSaved
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.results import FileInfo
 from sandbox.backends.base import Sandbox
-from sandbox.errors import FileMissing, FileTooLarge, SandboxError, StateNotSaved
 from sandbox.inside_kernel import namespace_state
-from sandbox.languages import PYTHON
-from sandbox.models import FileInfo
 
 NAMESPACE_FILE = "namespace.dill"
 FILES_DIR = "files"

@@ -1,7 +1,8 @@
 """A blocking facade over the async API, for scripts and notebooks.
 
-Every synchronous sandbox of the process lives on the shared loop of `sandbox.background_loop`;
-each call hands its coroutine to that loop and waits for the answer.
+Every synchronous sandbox of the process lives on the shared loop of
+`code_interpreter_wire.background_loop`; each call hands its coroutine to that loop and waits for
+the answer.
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any, Self
 
+from code_interpreter_wire.background_loop import run_sync
+from code_interpreter_wire.results import Execution, FileInfo
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
-from sandbox.background_loop import run_sync
-from sandbox.models import Execution, FileInfo
-from sandbox.registry import create_backend
-from sandbox.spec import SandboxSpec
+from sandbox.backends.registry import create_backend
 
 
 class SyncSandbox:

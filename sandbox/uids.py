@@ -21,7 +21,7 @@ import stat
 import threading
 from pathlib import Path
 
-from sandbox.errors import BackendUnavailable
+from code_interpreter_wire.errors import BackendUnavailable
 
 
 def default_claims_dir() -> Path:

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO, Literal
 
+from code_interpreter_wire.errors import FileAccessError, FileMissing, FileTooLarge
 from sandbox.dir_stack import DIR_FLAGS, DirStack, TreeChanged
-from sandbox.errors import FileAccessError, FileMissing, FileTooLarge
 from sandbox.tree_removal import remove_tree
 from sandbox.workspace_paths import clean_path as clean_path  # its home; kept importable here
 

@@ -5,7 +5,7 @@ Public and pure, so every front door checks a name the same way before any byte 
 
 from __future__ import annotations
 
-from sandbox.errors import InvalidPath
+from code_interpreter_wire.errors import InvalidPath
 
 
 def clean_path(path: str, *, allow_root: bool = False) -> tuple[str, ...]:

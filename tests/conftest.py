@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Backend, Sandbox, SandboxSpec, create_backend
-from sandbox.registry import why_unavailable
-from sandbox.spec import ResourceLimits
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
+from sandbox import Backend, Sandbox, create_backend
+from sandbox.backends.registry import why_unavailable
 from sandbox.tree_removal import remove_tree_at
 
 ALL_BACKENDS = ("local", "docker")

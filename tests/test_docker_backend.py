@@ -14,19 +14,14 @@ from typing import Any
 import docker
 import pytest
 
-from sandbox import Backend, BackendUnavailable, ExecutionStatus, create_backend
-from sandbox.backends.docker import (
-    KERNEL_LOG_FILE_BYTES,
-    KERNEL_LOG_FILES,
-    LABEL_ORCHESTRATOR,
-    LABEL_OWNER,
-    LABEL_SANDBOX,
-    DockerBackend,
-    DockerSandbox,
-)
-from sandbox.errors import SandboxStartError
+from code_interpreter_wire.errors import BackendUnavailable, SandboxStartError
+from code_interpreter_wire.results import ExecutionStatus
+from code_interpreter_wire.spec import ResourceLimits
+from sandbox import Backend, create_backend
+from sandbox.backends.docker import DockerBackend, DockerSandbox
+from sandbox.backends.docker_container import LABEL_ORCHESTRATOR, LABEL_OWNER, LABEL_SANDBOX
+from sandbox.backends.docker_launcher import KERNEL_LOG_FILE_BYTES, KERNEL_LOG_FILES
 from sandbox.process_identity import ProcessIdentity
-from sandbox.spec import ResourceLimits
 from tests.conftest import TEST_ORCHESTRATOR_ID, require_backend, small_spec
 
 

@@ -11,18 +11,16 @@ import time
 import pytest
 from PIL import Image
 
-from sandbox import (
-    Backend,
+from code_interpreter_wire.results import (
     ExecutionStatus,
     OutputEvent,
     ResultEvent,
-    Sandbox,
     StderrEvent,
     StdoutEvent,
-    cgroups,
 )
+from code_interpreter_wire.spec import ResourceLimits
+from sandbox import Backend, Sandbox, cgroups
 from sandbox.backends.local import LocalBackend
-from sandbox.spec import ResourceLimits
 from tests.conftest import small_spec
 
 

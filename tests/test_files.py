@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import FileAccessError, FileTooLarge, InvalidPath, Sandbox
+from code_interpreter_wire.errors import FileAccessError, FileTooLarge, InvalidPath
+from sandbox import Sandbox
 
 
 async def test_upload_list_download_remove(sandbox: Sandbox) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.errors import BackendUnavailable
+from code_interpreter_wire.errors import BackendUnavailable
 from sandbox.uids import HostUidPool
 
 

@@ -19,7 +19,17 @@ from docker.errors import ContainerError, ImageNotFound
 from docker.types import Ulimit
 from PIL import Image
 
-from kernel_images import (
+from code_interpreter_wire.spec import ResourceLimits
+from kernel_images.build import (
+    FULL_IMAGE_EXTRAS,
+    HASH_LABEL,
+    KERNEL_IMAGE_EXTRAS,
+    extra_requirements,
+    full_digest,
+    kernel_digest,
+)
+from sandbox import seccomp
+from sandbox.image_labels import (
     DENO_IN_IMAGE,
     FULL_IMAGE,
     FULL_IMAGE_LANGUAGES,
@@ -31,17 +41,7 @@ from kernel_images import (
     R_IN_IMAGE,
     languages_of,
 )
-from kernel_images.build import (
-    FULL_IMAGE_EXTRAS,
-    HASH_LABEL,
-    KERNEL_IMAGE_EXTRAS,
-    extra_requirements,
-    full_digest,
-    kernel_digest,
-)
-from sandbox import seccomp
 from sandbox.kernel.command import kernel_environment
-from sandbox.spec import ResourceLimits
 from tests.conftest import require_backend
 
 SANDBOX_UID = 231_000  # not in the image's /etc/passwd, as a sandbox's uid is not

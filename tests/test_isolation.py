@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from sandbox import Backend, ExecutionStatus, Sandbox
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Backend, Sandbox
 from tests.conftest import host_processes_with, small_spec
 
 

@@ -1,6 +1,6 @@
 """Review (issue 16): Python's kernel beside other languages' kernels on the local backend.
 
-Python's `_BwrapKernel.kill` waits for the sandbox's whole cgroup to empty before its successor
+Python's `BwrapKernel.kill` waits for the sandbox's whole cgroup to empty before its successor
 starts (`owns_group`). Once another language's kernel runs, that group is never empty: every
 replacement of Python's kernel (a restart, a death, a time limit it ignores) waits the full
 `wait_empty` bound and logs that processes outlived it, and the wait no longer tells whether
@@ -13,8 +13,8 @@ import logging
 
 import pytest
 
-from kernel_images.labels import FULL_IMAGE
 from sandbox import Backend
+from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import small_spec
 
 pytestmark = pytest.mark.timeout(300)

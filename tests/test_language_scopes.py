@@ -1,5 +1,5 @@
 """Review (issue 16): per-call variables and working directory in other languages' kernels
-(sandbox/kernel/scopes.py), with values the service accepts (orchestrator/schemas.py: any text
+(sandbox/kernel/scopes.py), with values the service accepts (code_interpreter_wire/rest.py: any text
 without NUL, up to 65 536 characters).
 """
 
@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kernel_images.labels import FULL_IMAGE
+from code_interpreter_wire.errors import ScopeRefused
+from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Backend, Sandbox
-from sandbox.errors import ScopeRefused
-from sandbox.models import ExecutionStatus
+from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import small_spec
 
 pytestmark = pytest.mark.timeout(600)

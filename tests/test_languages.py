@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from kernel_images.labels import FULL_IMAGE
+from code_interpreter_wire.errors import LanguageUnavailable, UnknownLanguage
+from code_interpreter_wire.languages import LANGUAGES
+from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Backend, Sandbox
 from sandbox.backends.kernel_sandbox import KernelSandbox
-from sandbox.errors import LanguageUnavailable, UnknownLanguage
-from sandbox.languages import LANGUAGES
-from sandbox.models import ExecutionStatus
+from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import small_spec
 
 pytestmark = pytest.mark.timeout(600)

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import BackendUnavailable, cgroups, create_backend
+from code_interpreter_wire.errors import BackendUnavailable, SandboxStartError
+from code_interpreter_wire.network_policy import policy_from_text
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
+from sandbox import cgroups, create_backend
 from sandbox.backends.local import LocalBackend, LocalBackendConfig
 from sandbox.cgroups import SandboxCgroup
-from sandbox.spec import ResourceLimits, SandboxSpec
 
 
 async def test_missing_bwrap_says_how_to_install_it(state_dir: Path) -> None:
@@ -40,6 +42,52 @@ async def test_sandbox_directories_are_removed_on_close(state_dir: Path) -> None
     await sb.close()
     assert list((state_dir / "local").iterdir()) == []
     assert not any(d.exists() for d in groups)
+
+
+async def test_a_kernel_that_cannot_start_leaves_nothing_behind(state_dir: Path) -> None:
+    """The create recipe (kernel_recipe.py) undoes every step when the kernel fails to start:
+    the kernel's driver closed, the directories (channels included) removed, the cgroup's OOM
+    clock closed, the cgroup and then the uid given back; no process of it is left. (Other
+    processes on the machine make cgroups of their own meanwhile: the uid, given back only
+    after its cgroup went, says that it did.)"""
+    backend = LocalBackend(LocalBackendConfig(state_dir=state_dir))
+    children, descriptors = _children(), _descriptors()
+    spec = SandboxSpec(
+        env={"PYTHONHOME": "/nonexistent"},  # the kernel's Python dies at start-up
+        host_tools=True,
+        network=policy_from_text("pypi.org:443"),
+    )
+    with pytest.raises(SandboxStartError, match="No module named 'encodings'"):
+        await backend.create(spec)
+    assert list((state_dir / "local").iterdir()) == []
+    assert backend.uids.in_use == frozenset()
+    assert _children() <= children
+    left = {fd: target for fd, target in _descriptors().items() if fd not in descriptors}
+    assert not [t for t in left.values() if "eventfd" in t or t.startswith("/sys/fs/cgroup")]
+
+
+def _children() -> set[int]:
+    """The pids of this process's children now."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == os.getpid():
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _descriptors() -> dict[int, str]:
+    """This process's open descriptors and what each is."""
+    found = {}
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            found[int(fd.name)] = os.readlink(fd)
+        except OSError:
+            continue  # the directory's own, closed meanwhile
+    return found
 
 
 async def test_orphans_of_a_dead_orchestrator_are_removed_and_nothing_else(

@@ -12,10 +12,10 @@ import signal
 
 import pytest
 
+from code_interpreter_wire.errors import ProcessNotFound
+from code_interpreter_wire.processes import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
 from sandbox import Sandbox
-from sandbox.errors import ProcessNotFound
 from sandbox.processes.managed import ProcessEvent
-from sandbox.processes.models import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
 
 
 def shell(command: str, **options: object) -> ProcessRequest:

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
+from code_interpreter_wire.results import Result
 from sandbox import Backend, Sandbox
-from sandbox.models import Result
 from tests.conftest import small_spec
 
 PNG_MAGIC = b"\x89PNG"

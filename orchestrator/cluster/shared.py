@@ -5,12 +5,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from orchestrator.cluster.lost_guard import LostGuard
-from sandbox.backends.base import Sandbox
-
-# Backends whose sandboxes any replica can attach to (`Backend.attach`).
-SHARED_BACKENDS = frozenset({"ray"})
-
 
 @runtime_checkable
 class SharedSandbox(Protocol):
@@ -40,8 +34,3 @@ class RelayedTools(Protocol):
     async def answer_tool_call(self, key: str, body: bytes) -> None:
         """The answer frame of the call taken under `key`."""
         ...
-
-
-def inner(sandbox: Sandbox) -> Sandbox:
-    """The sandbox itself, under the service's guard."""
-    return sandbox.inner if isinstance(sandbox, LostGuard) else sandbox

@@ -21,9 +21,9 @@ import asyncio
 import contextlib
 import logging
 
+from code_interpreter_wire.errors import SandboxClosed, SandboxError, SandboxLost
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.host_tools import ToolChannel
-from sandbox.errors import SandboxClosed, SandboxError, SandboxLost
 
 log = logging.getLogger(__name__)
 POLL_S = 10.0  # each long poll waits at most this long for a call

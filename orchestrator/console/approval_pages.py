@@ -14,8 +14,8 @@ from orchestrator.console.context import ViewerDep, base, console_of
 from orchestrator.console.render import page, poll_block, polled, text
 from orchestrator.console.shown_outputs import SHOWN_CHARS
 from orchestrator.governance.approvals import MAX_REASON_CHARS
+from orchestrator.governance.stores.approval_store import ApprovalRecord
 from orchestrator.sessions import SessionError
-from orchestrator.state_store.approval_store import ApprovalRecord
 
 router = APIRouter()
 

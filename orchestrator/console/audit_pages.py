@@ -13,8 +13,8 @@ from orchestrator.console.context import ViewerDep, base, console_of, summary
 from orchestrator.console.render import page
 from orchestrator.governance.audit import parse_time
 from orchestrator.governance.audit_kinds import ALL_KINDS
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
 from orchestrator.sessions import SessionError
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
 
 router = APIRouter()
 

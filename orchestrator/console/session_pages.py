@@ -10,15 +10,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
 from markupsafe import Markup
 
+from code_interpreter_wire.rest import SessionInfo
 from orchestrator.console.console_auth import Viewer
 from orchestrator.console.context import Console, ViewerDep, base, console_of, summary
 from orchestrator.console.render import page, poll_block, polled, text
 from orchestrator.console.shown_outputs import ShownOutput, ShownText
 from orchestrator.governance import audit_kinds
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
 from orchestrator.routes.sessions import ARTIFACT_HEADERS
-from orchestrator.schemas import SessionInfo
 from orchestrator.sessions import SessionError
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
 
 router = APIRouter()
 
@@ -62,7 +62,7 @@ def _cut_by_audit(details: dict[str, Any]) -> int:
 
 async def _rows(console: Console, viewer: Viewer) -> list[SessionRow]:
     principals = console.service.principals
-    found = await console.service.owned_session_infos(viewer.owner_filter)
+    found = await console.service.lifecycle.owned_infos(viewer.owner_filter)
     found.sort(key=lambda pair: pair[1].created_at, reverse=True)
     return [SessionRow(owner, principals.of(owner).name, info) for owner, info in found]
 
@@ -101,7 +101,7 @@ async def _live(console: Console, viewer: Viewer, session_id: str) -> SessionRow
     """The viewer's session by that id, running or paused (None: not now, or not theirs)."""
     if len(session_id) > MAX_ID_CHARS:
         raise SessionGone(f"no session {session_id[:MAX_ID_CHARS]}…")
-    found = await console.service.owned_session_info(viewer.owner_filter, session_id)
+    found = await console.service.lifecycle.owned_info(viewer.owner_filter, session_id)
     if found is None:
         return None
     owner, info = found
@@ -176,5 +176,5 @@ async def artifact(
     console = console_of(request)
     if await _live(console, viewer, session_id) is None:
         raise SessionGone(f"no session {session_id}")
-    path, mime = console.service.kept_artifact(session_id, artifact_id)
+    path, mime = console.service.files.kept_artifact(session_id, artifact_id)
     return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

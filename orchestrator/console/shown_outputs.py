@@ -10,8 +10,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from code_interpreter_wire.results import Execution
 from orchestrator.outputs import KeptFile, OutputEvicted, OutputNotFound
-from sandbox.models import Execution
 
 if TYPE_CHECKING:
     from orchestrator.service import Service
@@ -92,7 +92,7 @@ class ShownOutputs:
 
     async def _read(self, session_id: str, execution_id: str) -> ShownOutput:
         try:
-            kept = await self._service.kept_output(session_id, execution_id)
+            kept = await self._service.files.kept_output(session_id, execution_id)
         except OutputEvicted:
             return ShownOutput(
                 missing="its output was evicted to respect the quota on kept outputs"

@@ -16,10 +16,7 @@ from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from pydantic import ValidationError
 
-from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
-from orchestrator.http_errors import problems
-from orchestrator.sessions import Session, SessionError
-from sandbox.errors import (
+from code_interpreter_wire.errors import (
     FileAccessError,
     FileMissing,
     FileTooLarge,
@@ -31,6 +28,9 @@ from sandbox.errors import (
     SandboxClosed,
     SandboxError,
 )
+from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
+from orchestrator.http_errors import problems
+from orchestrator.sessions import Session, SessionError
 
 T = TypeVar("T")
 

@@ -19,13 +19,14 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Response
 from pydantic import BaseModel, StringConstraints
 
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.rest import CreateSessionRequest, KernelText
 from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.execute import context_target
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_CONTEXT, E2B_HOME, SandboxGone
-from orchestrator.schemas import CreateSessionRequest, KernelText
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.languages import PYTHON, check_available
+from sandbox.languages import check_available
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
 MAX_CONTEXTS = 8  # beside the default ones, per sandbox
@@ -53,7 +54,7 @@ async def create_context(
 ) -> ContextInfo:
     record, session = reached.record, reached.session
     # The new session has the same backend and image, so the same languages as this one.
-    language = check_available(body.language or PYTHON, service.session_languages(session))
+    language = check_available(body.language or PYTHON, service.views.session_languages(session))
     cwd = body.cwd
     if language == "java" and cwd is not None:
         if posixpath.normpath(cwd) not in (E2B_HOME, WORKSPACE_IN_SANDBOX):
@@ -66,10 +67,10 @@ async def create_context(
     if len(record.contexts) >= MAX_CONTEXTS:
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
     spec = CreateSessionRequest(backend=session.backend, image=session.image)
-    new = await service.create_session(record.owner, spec, workdir=E2B_HOME)
+    new = await service.lifecycle.create(record.owner, spec, workdir=E2B_HOME)
     # Checked again after the wait: the sandbox may have ended, or other contexts filled it.
     if not sandboxes.is_live(record) or len(record.contexts) >= MAX_CONTEXTS:
-        await service.end_session(new.id, record.owner)
+        await service.lifecycle.end(new.id, record.owner)
         if not sandboxes.is_live(record):
             raise SandboxGone(record.sandbox_id)
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
@@ -82,7 +83,7 @@ async def list_contexts(reached: ReachedDep, service: ServiceDep) -> list[Contex
     record = reached.record
     contexts = [
         ContextInfo(id=record.default_context_id(language), language=language, cwd=E2B_HOME)
-        for language in service.session_languages(reached.session)
+        for language in service.views.session_languages(reached.session)
     ]
     contexts += [
         ContextInfo(id=c.id, language=c.language, cwd=c.cwd or E2B_HOME)
@@ -95,8 +96,8 @@ async def list_contexts(reached: ReachedDep, service: ServiceDep) -> list[Contex
 async def restart_context(context_id: str, reached: ReachedDep, service: ServiceDep) -> Response:
     target = await context_target(service, reached, context_id)
     # A kernel not started yet is fresh already: starting one only to restart it is waste.
-    if target.language in service.started_languages(target.session):
-        await service.restart(target.session, target.language)
+    if target.language in service.views.started_languages(target.session):
+        await service.runs.restart(target.session, target.language)
     return Response(status_code=204)
 
 
@@ -106,7 +107,7 @@ async def remove_context(
 ) -> Response:
     record = reached.record
     default = record.default_context_language(
-        context_id, service.session_languages(reached.session)
+        context_id, service.views.session_languages(reached.session)
     )
     if default is not None or context_id == DEFAULT_CONTEXT:
         raise E2BError(400, "a default context cannot be removed; kill the sandbox instead")

@@ -35,6 +35,7 @@ from e2b.api.client.types import Unset
 from fastapi import APIRouter, Body, Query, Response
 from pydantic import ValidationError
 
+from code_interpreter_wire.rest import CreateSessionRequest, SessionInfo
 from orchestrator.e2b_compatible.deps import ApiOwnerDep, E2BDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.network import policy_for
@@ -45,7 +46,6 @@ from orchestrator.e2b_compatible.sandboxes import (
 )
 from orchestrator.governance.policy_checks import capped_network
 from orchestrator.http_errors import problems
-from orchestrator.schemas import CreateSessionRequest, SessionInfo
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionBusy, SessionError
 
@@ -69,15 +69,16 @@ def _backend_for(service: Service, template: str) -> tuple[str | None, str | Non
     """(backend, image) for an E2B template name: a backend's name, an allowed Docker image, or
     one of E2B's default templates (no backend named: the service picks it, within the key's
     policy)."""
-    enabled = service.backend_names()
+    enabled = service.views.backend_names()
     if template in enabled:
         return template, None
     if template in DEFAULT_TEMPLATES:
         return None, None
     images = service.settings.docker_images or [service.settings.docker_image]
-    if "docker" in enabled and template in images:
-        return "docker", template
-    offered = [*DEFAULT_TEMPLATES, *enabled, *(images if "docker" in enabled else [])]
+    runs_images = service.views.image_backend()
+    if runs_images is not None and template in images:
+        return runs_images, template
+    offered = [*DEFAULT_TEMPLATES, *enabled, *(images if runs_images is not None else [])]
     raise E2BError(404, f"template {template!r} not found; this server offers: {offered}")
 
 
@@ -185,7 +186,7 @@ def _listed(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
 
 
 async def _info(service: Service, record: E2BRecord) -> SessionInfo:
-    return await service.describe_session(record.session_id, record.owner)
+    return await service.lifecycle.describe(record.session_id, record.owner)
 
 
 @router.post("/v2/sandboxes", status_code=201, summary="E2B: create a sandbox (a session)")
@@ -221,7 +222,7 @@ async def create(
         )
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
-    session = await service.create_session(owner, spec, workdir=E2B_HOME)
+    session = await service.lifecycle.create(owner, spec, workdir=E2B_HOME)
     record = sandboxes.add(
         session,
         template=request.template_id,
@@ -230,7 +231,7 @@ async def create(
         auto_resume=auto_resume,
     )
     record.set_timeout(timeout)
-    sandboxes.keep(record, session)
+    await sandboxes.keep(record, session)
     return _created(record)
 
 
@@ -331,8 +332,8 @@ async def set_timeout(
         raise E2BError(400, f"invalid timeout request: {exc}") from None
     record, session = await sandboxes.owned(sandbox_id, owner)  # a paused one: 409, say why
     record.set_timeout(_timeout(service, request.timeout))
-    sandboxes.keep(record, session)
-    await service.keepalive(session)
+    await sandboxes.keep(record, session)
+    await service.lifecycle.keepalive(session)
     return Response(status_code=204)
 
 
@@ -371,8 +372,8 @@ async def connect(
         wanted = time.time() + _timeout(service, request.timeout)
         if record.deadline is not None and wanted > record.deadline:
             record.deadline = wanted
-            sandboxes.keep(record, found)
-    await service.keepalive(found)
+            await sandboxes.keep(record, found)
+    await service.lifecycle.keepalive(found)
     response.status_code = 200
     return _created(record)
 
@@ -423,8 +424,8 @@ async def create_snapshot(
         )
     name = None if isinstance(request.name, Unset) or not request.name else request.name
     record, _ = await sandboxes.found(sandbox_id, owner)
-    session = await service.get_session(record.session_id, owner)
-    taken = await service.snapshot_session(session, name)
+    session = await service.lifecycle.get(record.session_id, owner)
+    taken = await service.persistence.snapshot(session, name)
     return _snapshot(taken.id, taken.name)
 
 
@@ -444,7 +445,7 @@ async def list_snapshots(
 ) -> list[dict[str, Any]]:
     found = [
         s
-        for s in service.list_snapshots(owner)
+        for s in await service.persistence.list_snapshots(owner)
         if (sandbox_id is None or s.session_id == sandbox_id) and (name is None or s.name == name)
     ]
     start = _page_start(next_token)
@@ -458,7 +459,7 @@ async def delete_snapshot(template_id: str, service: ServiceDep, owner: ApiOwner
     """Only snapshots are templates that can be deleted here; another key's is not found."""
     if not template_id.startswith(SNAPSHOT_PREFIX):
         raise E2BError(404, f"snapshot {template_id} not found")
-    service.delete_snapshot(owner, template_id)
+    await service.persistence.delete_snapshot(owner, template_id)
     return Response(status_code=204)
 
 

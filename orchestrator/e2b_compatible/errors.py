@@ -19,15 +19,12 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from code_interpreter_wire.errors import FileAccessError, SandboxClosed
 from orchestrator.e2b_compatible.sandboxes import SandboxGone
 from orchestrator.http_errors import problems, status_of
 from orchestrator.metrics import METRICS
 from orchestrator.request_context import ClientGone
 from orchestrator.sessions import SessionError, SessionExpired
-from sandbox.errors import (
-    FileAccessError,
-    SandboxClosed,
-)
 
 log = logging.getLogger(__name__)
 

@@ -26,16 +26,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Send
 
-from orchestrator.e2b_compatible.deps import E2BDep, Reached, ReachedDep, ServiceDep
-from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes
-from orchestrator.schemas import Env, KernelText
-from orchestrator.service import Service
-from orchestrator.sessions import Session, SessionError
-from orchestrator.streaming import Dropped, Finished, Keepalive
-from sandbox.errors import SandboxError
-from sandbox.languages import canonical_language
-from sandbox.models import (
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.languages import canonical_language
+from code_interpreter_wire.rest import Env, KernelText
+from code_interpreter_wire.results import (
     ErrorEvent,
     OutputEvent,
     Result,
@@ -43,6 +37,12 @@ from sandbox.models import (
     StderrEvent,
     StdoutEvent,
 )
+from orchestrator.e2b_compatible.deps import E2BDep, Reached, ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes
+from orchestrator.service import Service
+from orchestrator.sessions import Session, SessionError
+from orchestrator.streaming import Dropped, Finished, Keepalive
 
 log = logging.getLogger(__name__)
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
@@ -92,14 +92,14 @@ async def context_target(
     record, session = reached.record, reached.session
     if context_id is None:
         return Target(session, canonical_language(language), None)
-    default = record.default_context_language(context_id, service.session_languages(session))
+    default = record.default_context_language(context_id, service.views.session_languages(session))
     if default is not None:
         return Target(session, default, None)
     context = record.contexts.get(context_id)
     if context is None:
         raise E2BError(404, f"Context {context_id} not found")  # E2B's words
     try:
-        found = await service.get_session(context.id, record.owner)
+        found = await service.lifecycle.get(context.id, record.owner)
     except REFUSALS:
         raise  # paused, and its key may not wake it now: said why
     except SessionError:
@@ -132,7 +132,7 @@ async def execute(
     target = await context_target(service, reached, body.context_id, body.language)
     # The client's own deadline governs (it disconnects); ours is the service's ceiling. An
     # unknown or missing language is refused here, before the answer starts.
-    stream = service.stream(
+    stream = service.runs.stream(
         target.session,
         body.code,
         timeout_s=service.settings.max_execution_timeout_s,
@@ -176,7 +176,7 @@ async def _killed(service: Service, sandboxes: E2BSandboxes, reached: Reached) -
     if not sandboxes.is_live(reached.record):
         return True
     try:
-        await service.get_session(reached.record.session_id, reached.record.owner)
+        await service.lifecycle.get(reached.record.session_id, reached.record.owner)
     except SessionError:
         return True
     return False

@@ -13,13 +13,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from starlette.datastructures import UploadFile
 
+from code_interpreter_wire.errors import FileTooLarge
 from orchestrator.e2b_compatible import sandbox_files
 from orchestrator.e2b_compatible.deps import ReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.paths import in_sandbox, in_workspace, to_sandbox, to_workspace
 from orchestrator.service import Service
 from orchestrator.sessions import Session
-from sandbox.errors import FileTooLarge
 
 router = APIRouter(route_class=E2BRoute, tags=["e2b"])
 PathQuery = Annotated[
@@ -47,7 +47,7 @@ async def read_file(
     relative = to_workspace(path)
     if not relative:
         raise E2BError(400, f"{path!r} is a directory")
-    data = await service.download(reached.session, relative)
+    data = await service.files.download(reached.session, relative)
     return Response(data, media_type="application/octet-stream")
 
 
@@ -83,14 +83,14 @@ async def write_files(
 
 async def _write(service: Service, session: Session, path: str, data: bytes) -> dict[str, Any]:
     if not in_workspace(path):
-        service.check_upload_size(len(data))
+        service.admission.check_upload_size(len(data))
         absolute = in_sandbox(path)
         await sandbox_files.write(service, session, absolute, data)
         return {"name": posixpath.basename(absolute), "type": "file", "path": absolute}
     relative = to_workspace(path)
     if not relative:
         raise E2BError(400, "cannot write to the workspace directory itself")
-    await service.upload(session, relative, data)
+    await service.files.upload(session, relative, data)
     return {"name": posixpath.basename(relative), "type": "file", "path": to_sandbox(relative)}
 
 

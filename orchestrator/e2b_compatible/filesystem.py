@@ -23,14 +23,14 @@ from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from code_interpreter_wire.errors import FileMissing
+from code_interpreter_wire.results import FileInfo
 from orchestrator.e2b_compatible import sandbox_files
 from orchestrator.e2b_compatible.connect_calls import call, connect_errors, session_for
 from orchestrator.e2b_compatible.paths import in_sandbox, in_workspace, to_sandbox, to_workspace
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.e2b_compatible.watchers import POLL_S, Watchers, changes, listing
 from orchestrator.sessions import Session
-from sandbox.errors import FileMissing
-from sandbox.models import FileInfo
 
 _TYPES = {
     "file": filesystem_pb.FileType.FILE,
@@ -75,7 +75,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         relative = _relative(request.path)
         if relative:
             await self._stat(session, request.path)  # missing: NOT_FOUND, never an empty list
-        listed = await call(self.service.list_files(session, relative, recursive=depth > 1))
+        listed = await call(self.service.files.list_files(session, relative, recursive=depth > 1))
         base = len(relative.split("/")) if relative else 0
         entries = [_entry(info) for info in listed if len(info.path.split("/")) - base <= depth]
         return filesystem_pb.ListDirResponse(entries=entries)
@@ -93,7 +93,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         relative = _relative(request.path)
         if not relative:
             raise ConnectError(Code.INVALID_ARGUMENT, "the workspace itself cannot be removed")
-        await call(self.service.remove_file(session, relative))
+        await call(self.service.files.remove_file(session, relative))
         return filesystem_pb.RemoveResponse()
 
     async def make_dir(
@@ -111,7 +111,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         else:
             raise ConnectError(Code.ALREADY_EXISTS, f"{request.path} already exists")
         if in_workspace(request.path):
-            await call(self.service.make_directory(session, _relative(request.path)))
+            await call(self.service.files.make_directory(session, _relative(request.path)))
         else:
             path = in_sandbox(request.path)
             await call(sandbox_files.make_dir(self.service, session, path))
@@ -151,7 +151,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
                 path=to_sandbox(""),
             )
         with connect_errors():
-            info = await self.service.file_info(session, relative)
+            info = await self.service.files.file_info(session, relative)
             if info is None:
                 raise FileMissing(f"no such file or directory: {to_sandbox(relative)}")
         return _entry(info)

@@ -3,7 +3,7 @@
 E2B's words: `allow_internet_access` (false is the same as denying 0.0.0.0/0) and `network`'s
 `allow_out` (CIDRs, addresses or domain names, `*.domain` included; allowed entries win over
 denied ones) and `deny_out` (CIDRs or addresses). Ours: a policy the egress proxy enforces by
-host name (sandbox/network_policy.py), held by the service to the operator's ceiling.
+host name (code_interpreter_wire/network_policy.py), held by the service to the operator's ceiling.
 
 - Internet access asked (true, or left to E2B's default of true): the operator's
   `network_internet` policy (by default its ceiling; `none` unless the operator opens it), fitted
@@ -25,9 +25,14 @@ from typing import Any
 
 from e2b.api.client.types import Unset
 
+from code_interpreter_wire.network_policy import (
+    DEFAULT_PORTS,
+    NO_NETWORK,
+    NetworkPolicy,
+    PolicyError,
+)
 from orchestrator.config import Settings
 from orchestrator.e2b_compatible.errors import E2BError
-from sandbox.network_policy import DEFAULT_PORTS, NO_NETWORK, NetworkPolicy, PolicyError
 
 _ALL_TRAFFIC = ("0.0.0.0/0", "::/0")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import posixpath
 
+from code_interpreter_wire.errors import InvalidPath
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.errors import InvalidPath
 from sandbox.workspace_files import clean_path
 
 E2B_HOME = "/home/user"

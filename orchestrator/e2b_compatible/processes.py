@@ -57,14 +57,14 @@ from e2b.envd.process.process_pb import (
 )
 from protobuf import Oneof
 
+from code_interpreter_wire.errors import ProcessNotFound
+from code_interpreter_wire.processes import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
 from orchestrator.e2b_compatible.connect_calls import call, connect_errors, session_for
 from orchestrator.e2b_compatible.paths import to_sandbox_cwd
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.sessions import Session
-from sandbox.errors import ProcessNotFound
 from sandbox.processes.managed import Dropped
 from sandbox.processes.managed import ProcessEvent as OurEvent
-from sandbox.processes.models import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
 
 # The users a process may ask for: E2B's default name, and the sandbox's own (Docker's image).
 SANDBOX_USERS = frozenset({"user", "sandbox"})
@@ -103,10 +103,10 @@ class SandboxProcesses(process_connect.Process):
         check_user(ctx.request_headers.get("authorization"))
         session = await self._session(ctx)
         wanted = _process_request(request, ctx.timeout_ms)
-        info = await call(_within_deadline(self.service.start_process(session, wanted), ctx))
+        info = await call(_within_deadline(self.service.runs.start_process(session, wanted), ctx))
         if request.process is not None:
             self._remember(session.id, info.pid, request.process)
-        events = await self.service.process_events(session, info.pid, replay=True)
+        events = await self.service.runs.process_events(session, info.pid, replay=True)
         async for event in _envd_events(info.pid, events, _keepalive_s(ctx)):
             yield StartResponse(event=event)
 
@@ -121,7 +121,7 @@ class SandboxProcesses(process_connect.Process):
         session = await self._session(ctx)
         pid = await self._pid(session, request.process)
         # envd gives a live process's output from now on; an ended one's start and end.
-        events = await self.service.process_events(session, pid, replay=False)
+        events = await self.service.runs.process_events(session, pid, replay=False)
         async for event in _envd_events(pid, events, _keepalive_s(ctx)):
             yield ConnectResponse(event=event)
 
@@ -131,7 +131,7 @@ class SandboxProcesses(process_connect.Process):
         session = await self._session(ctx)
         listed = []
         with connect_errors():
-            running = await self.service.list_processes(session)
+            running = await self.service.runs.list_processes(session)
         live = {info.pid for info in running}
         for key in [k for k in self._configs if k[0] == session.id and k[1] not in live]:
             self._forget(key)  # ended: List no longer reports it
@@ -150,7 +150,7 @@ class SandboxProcesses(process_connect.Process):
     ) -> SendInputResponse:
         session = await self._session(ctx)
         pid = await self._pid(session, request.process)
-        await call(self.service.send_input(session, pid, _input_bytes(request.input)))
+        await call(self.service.runs.send_input(session, pid, _input_bytes(request.input)))
         return SendInputResponse()
 
     async def stream_input(
@@ -172,7 +172,7 @@ class SandboxProcesses(process_connect.Process):
                         raise ConnectError(
                             Code.INVALID_ARGUMENT, "the first message must name the process"
                         )
-                    await call(self.service.send_input(session, pid, _input_bytes(data.input)))
+                    await call(self.service.runs.send_input(session, pid, _input_bytes(data.input)))
                 case _:  # keepalive
                     pass
         return StreamInputResponse()
@@ -188,7 +188,7 @@ class SandboxProcesses(process_connect.Process):
         signum = _SIGNALS.get(request.signal)
         if signum is None:
             raise ConnectError(Code.INVALID_ARGUMENT, "the signal must be SIGTERM or SIGKILL")
-        await call(self.service.signal_process(session, pid, signum))
+        await call(self.service.runs.signal_process(session, pid, signum))
         return SendSignalResponse()
 
     async def update(
@@ -201,7 +201,7 @@ class SandboxProcesses(process_connect.Process):
             return UpdateResponse()  # nothing to change (envd does the same)
         with connect_errors():
             terminal = TerminalSize(cols=size.cols, rows=size.rows)
-        await call(self.service.resize_terminal(session, pid, terminal))
+        await call(self.service.runs.resize_terminal(session, pid, terminal))
         return UpdateResponse()
 
     async def close_stdin(
@@ -213,12 +213,12 @@ class SandboxProcesses(process_connect.Process):
         session = await self._session(ctx)
         pid = await self._pid(session, request.process)
         with connect_errors():
-            if (await self.service.process_info(session, pid)).terminal:
+            if (await self.service.runs.process_info(session, pid)).terminal:
                 raise ConnectError(
                     Code.FAILED_PRECONDITION,
                     "a terminal's input cannot be closed: send Ctrl-D (0x04) instead",
                 )
-        await call(self.service.close_input(session, pid))
+        await call(self.service.runs.close_input(session, pid))
         return CloseStdinResponse()
 
     # --- helpers
@@ -227,13 +227,13 @@ class SandboxProcesses(process_connect.Process):
         match selector.selector if selector is not None else None:
             case Oneof(field="pid", value=int(pid)):
                 with connect_errors():
-                    await self.service.process_info(session, pid)
+                    await self.service.runs.process_info(session, pid)
                 return pid
             case Oneof(field="tag", value=str(tag)):
                 with connect_errors():
                     found = [
                         p.pid
-                        for p in await self.service.list_processes(session, include_ended=True)
+                        for p in await self.service.runs.list_processes(session, include_ended=True)
                         if p.tag == tag
                     ]
                     if not found:

@@ -20,12 +20,12 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from code_interpreter_wire.errors import FileAccessError, FileMissing, FileTooLarge, SandboxError
+from code_interpreter_wire.processes import CommandResult, ProcessEnd, ProcessOutput, ProcessRequest
 from orchestrator.e2b_compatible.processes import INTERNAL_TAG
 from orchestrator.service import Service
 from orchestrator.sessions import Session
-from sandbox.errors import FileAccessError, FileMissing, FileTooLarge, SandboxError
 from sandbox.processes.managed import Dropped
-from sandbox.processes.models import CommandResult, ProcessEnd, ProcessOutput, ProcessRequest
 
 TIME_LIMIT_S = 120.0  # one transfer; a larger file than fits in it is refused with the reason
 WRITE_CHUNK = 64 << 10
@@ -56,16 +56,18 @@ def _failed(result: CommandResult, what: str, path: str) -> SandboxError:
 
 
 async def _run(service: Service, session: Session, argv: list[str]) -> CommandResult:
-    return await service.run_command(session, _request(argv), file_transfer=True)
+    return await service.runs.run_command(session, _request(argv), file_transfer=True)
 
 
 async def read(service: Service, session: Session, path: str, max_bytes: int) -> bytes:
     """The bytes of a file, read by `cat` in the sandbox; FileTooLarge past `max_bytes`."""
-    info = await service.start_process(session, _request(["cat", "--", path]), file_transfer=True)
+    info = await service.runs.start_process(
+        session, _request(["cat", "--", path]), file_transfer=True
+    )
     data = bytearray()
     end: ProcessEnd | None = None
     stderr = bytearray()
-    events = await service.process_events(session, info.pid, replay=True)
+    events = await service.runs.process_events(session, info.pid, replay=True)
     try:
         async for event in events:
             if isinstance(event, ProcessOutput):
@@ -84,7 +86,7 @@ async def read(service: Service, session: Session, path: str, max_bytes: int) ->
         if close is not None:
             await close()
         if end is None:
-            await service.signal_process(session, info.pid, signal.SIGKILL)
+            await service.runs.signal_process(session, info.pid, signal.SIGKILL)
     if end is None:
         raise FileAccessError(f"reading {path} ended without the command's end")
     if end.exit_code != 0:
@@ -100,17 +102,17 @@ async def read(service: Service, session: Session, path: str, max_bytes: int) ->
 async def write(service: Service, session: Session, path: str, data: bytes) -> None:
     """Write a file (its parents made), fed to `cat` on its stdin in the sandbox."""
     script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-    info = await service.start_process(
+    info = await service.runs.start_process(
         session, _request(["/bin/sh", "-c", script, "sh", path], stdin=True), file_transfer=True
     )
     try:
         for start in range(0, len(data), WRITE_CHUNK):
             chunk = data[start : start + WRITE_CHUNK]  # the file, not input: not recorded as such
-            await service.send_input(session, info.pid, chunk, file_transfer=True)
-        await service.close_input(session, info.pid)
+            await service.runs.send_input(session, info.pid, chunk, file_transfer=True)
+        await service.runs.close_input(session, info.pid)
     except SandboxError:
         pass  # it ended early: its result says why
-    result = await service.wait_process(session, info.pid)
+    result = await service.runs.wait_process(session, info.pid)
     if result.exit_code != 0:
         raise _failed(result, "write", path)
 

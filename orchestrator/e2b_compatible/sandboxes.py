@@ -27,9 +27,10 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ValidationError
 
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.governance.errors import PolicyDenied
-from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import (
     Session,
@@ -39,7 +40,6 @@ from orchestrator.sessions import (
     SessionNotFound,
 )
 from orchestrator.state_store.records import SessionRecord
-from sandbox.languages import PYTHON
 
 log = logging.getLogger(__name__)
 
@@ -235,17 +235,19 @@ class E2BSandboxes:
         self._records[session.id] = record
         return record
 
-    def keep(self, record: E2BRecord, session: Session) -> None:
+    async def keep(self, record: E2BRecord, session: Session) -> None:
         """Keep the record with its (running) session's durable record: what a pause and a
         restart of the service must not lose."""
         if record.token is None:  # the debug sandbox lives and dies with the process
             return
-        self.service.set_labels(session, {**session.labels, SANDBOX_LABEL: _saved(record)})
+        await self.service.lifecycle.set_labels(
+            session, {**session.labels, SANDBOX_LABEL: _saved(record)}
+        )
 
     async def keep_if_running(self, record: E2BRecord) -> None:
-        found = await self.service.session_state(record.session_id, record.owner)
+        found = await self.service.lifecycle.state(record.session_id, record.owner)
         if isinstance(found, Session):
-            self.keep(record, found)
+            await self.keep(record, found)
 
     async def add_context(
         self, record: E2BRecord, session: Session, cwd: str | None, language: str
@@ -253,7 +255,9 @@ class E2BSandboxes:
         context = Context(id=session.id, cwd=cwd, language=language)
         record.contexts[context.id] = context
         self._context_sessions.add(session.id)
-        self.service.set_labels(session, {**session.labels, CONTEXT_LABEL: record.sandbox_id})
+        await self.service.lifecycle.set_labels(
+            session, {**session.labels, CONTEXT_LABEL: record.sandbox_id}
+        )
         await self.keep_if_running(record)
         return context
 
@@ -264,11 +268,11 @@ class E2BSandboxes:
     def is_context(self, session_id: str) -> bool:
         return session_id in self._context_sessions
 
-    def rebuild(self) -> int:
+    async def rebuild(self) -> int:
         """Records of the sandboxes a previous process left paused (a restart pauses or
         salvages every session): found by their session's labels. Returns how many."""
         made = 0
-        for kept in self.service.list_paused(None):
+        for kept in await self.service.lifecycle.list_paused(None):
             if kept.id in self._records or CONTEXT_LABEL in kept.labels:
                 continue
             record = _restored(kept.id, kept.owner, kept.labels)
@@ -282,13 +286,13 @@ class E2BSandboxes:
         self._records[record.sandbox_id] = record
         self._context_sessions.update(record.contexts)
 
-    def _from_store(self, sandbox_id: str) -> E2BRecord | None:
+    async def _from_store(self, sandbox_id: str) -> E2BRecord | None:
         """Cluster mode: the record of a running sandbox another replica made (or changed),
         as kept in its session's labels in the shared store; adopted, or merged into the one
         cached here. None outside cluster mode, or when the store has none."""
         if not self._clustered or not sandbox_id.startswith("s-"):
             return None
-        kept = self.service.store.get_session(sandbox_id)
+        kept = await self.service.persistence.get(sandbox_id)
         if kept is None or kept.state != "running" or CONTEXT_LABEL in kept.labels:
             return None
         return self._merge(_restored(kept.id, kept.owner, kept.labels))
@@ -332,11 +336,11 @@ class E2BSandboxes:
         if self.is_context(session_id):
             raise SessionNotFound(f"no sandbox {sandbox_id}")
         if self._clustered:
-            record = self._from_store(session_id) or record
-        found = await self.service.session_state(session_id, owner)
+            record = await self._from_store(session_id) or record
+        found = await self.service.lifecycle.state(session_id, owner)
         if found is None:
             try:  # the service says why: expired, or never (another key's is not found)
-                await self.service.describe_session(session_id, owner)
+                await self.service.lifecycle.describe(session_id, owner)
             except SessionError:
                 if record is not None and record.owner == owner:
                     await self.forget(record)
@@ -359,7 +363,7 @@ class E2BSandboxes:
         service's own)."""
         record = self._records.get(sandbox_id)
         if self._clustered:  # made, or changed, through another replica
-            record = self._from_store(sandbox_id) or record
+            record = await self._from_store(sandbox_id) or record
         if record is None and sandbox_id == DEBUG_SANDBOX_ID:
             record = await self._debug_record()
         if record is None:
@@ -371,7 +375,7 @@ class E2BSandboxes:
         if record.pausing and record.paused_on_purpose and not record.auto_resume:
             # Being paused: gone already, rather than woken the moment the pause is done.
             raise SandboxGone(sandbox_id)
-        found = await self.service.session_state(record.session_id, record.owner)
+        found = await self.service.lifecycle.state(record.session_id, record.owner)
         if isinstance(found, SessionRecord):
             if record.paused_on_purpose and not record.auto_resume:
                 raise SandboxGone(sandbox_id)
@@ -382,7 +386,7 @@ class E2BSandboxes:
             except SessionError:
                 raise SandboxGone(sandbox_id) from None
         try:
-            session = await self.service.get_session(record.session_id, record.owner)
+            session = await self.service.lifecycle.get(record.session_id, record.owner)
         except REFUSALS:
             raise
         except SessionError:
@@ -398,7 +402,7 @@ class E2BSandboxes:
             record = self._records.get(DEBUG_SANDBOX_ID)
             if record is not None:
                 return record
-            session = await self.service.create_session(
+            session = await self.service.lifecycle.create(
                 LOCAL_OWNER, CreateSessionRequest(), workdir=E2B_HOME
             )
             record = E2BRecord(
@@ -414,7 +418,7 @@ class E2BSandboxes:
     async def listed(self, owner: str) -> list[str]:
         """The ids of the caller's sessions, running and paused, that are sandboxes (not
         contexts of one); the store is read off the event loop."""
-        infos = await self.service.session_infos(owner)
+        infos = await self.service.lifecycle.infos(owner)
         return [x.id for x in infos if not self.is_context(x.id)]
 
     # ----------------------------------------------------------------------------------------
@@ -429,8 +433,8 @@ class E2BSandboxes:
             )
         record.paused_on_purpose = record.pausing = True
         try:
-            self.keep(record, session)
-            await self.service.pause_session(record.session_id, record.owner)
+            await self.keep(record, session)
+            await self.service.lifecycle.pause(record.session_id, record.owner)
         except BaseException:
             record.paused_on_purpose = False
             await self.keep_if_running(record)
@@ -439,7 +443,7 @@ class E2BSandboxes:
             record.pausing = False
         for context in list(record.contexts.values()):
             try:
-                await self.service.pause_session(context.id, record.owner)
+                await self.service.lifecycle.pause(context.id, record.owner)
             except SessionError as exc:
                 log.warning(
                     "context %s of %s was not paused: %s", context.id, record.sandbox_id, exc
@@ -450,14 +454,14 @@ class E2BSandboxes:
         last one, if it has an E2B timeout at all; a /v1 session keeps its idle expiry); its
         contexts wake on their next use (the service resumes a paused session on the call
         that finds it)."""
-        await self.service.resume_session(record.session_id, record.owner)
-        session = await self.service.get_session(record.session_id, record.owner)
+        await self.service.lifecycle.resume(record.session_id, record.owner)
+        session = await self.service.lifecycle.get(record.session_id, record.owner)
         record.paused_on_purpose = record.seen_paused = False
         if timeout_s is not None:
             record.set_timeout(timeout_s)
         elif record.deadline is not None:
             record.set_timeout(record.timeout_s)
-        self.keep(record, session)
+        await self.keep(record, session)
         return session
 
     async def kill(self, record: E2BRecord) -> None:
@@ -465,7 +469,7 @@ class E2BSandboxes:
         state goes with them)."""
         await self.forget(record)
         with contextlib.suppress(SessionError):
-            await self.service.end_session(record.session_id, record.owner)
+            await self.service.lifecycle.end(record.session_id, record.owner)
 
     async def forget(self, record: E2BRecord) -> None:
         """Drop the record of an ended sandbox, ending its contexts' sessions."""
@@ -479,7 +483,7 @@ class E2BSandboxes:
         if self.is_live(record):  # out of the store's copy first: no refresh brings it back
             await self.keep_if_running(record)
         with contextlib.suppress(SessionError):
-            await self.service.end_session(context.id, record.owner)
+            await self.service.lifecycle.end(context.id, record.owner)
 
     # ----------------------------------------------------------------------------------------
     # E2B's timeouts
@@ -488,7 +492,7 @@ class E2BSandboxes:
     async def running(self) -> AsyncIterator[None]:
         """Find the sandboxes a previous process left paused, then sweep while the service
         runs."""
-        found = self.rebuild()
+        found = await self.rebuild()
         if found:
             log.info("found %d paused E2B sandboxes from before a restart", found)
         sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -504,13 +508,13 @@ class E2BSandboxes:
         others alive; return how many ended or paused. A paused one's timeout does not run."""
         ended = 0
         now = time.time()
-        self._adopt_shared()
+        await self._adopt_shared()
         for record in list(self._records.values()):
             if record.pausing:
                 continue
             if self._clustered:  # its deadline as set through any replica
-                self._from_store(record.sandbox_id)
-            found = await self.service.session_state(record.session_id, record.owner)
+                await self._from_store(record.sandbox_id)
+            found = await self.service.lifecycle.state(record.session_id, record.owner)
             if found is None:
                 await self.forget(record)
                 ended += 1
@@ -526,7 +530,7 @@ class E2BSandboxes:
                 record.paused_on_purpose = record.seen_paused = False
                 if record.deadline is not None:
                     record.set_timeout(record.timeout_s)
-                self.keep(record, found)
+                await self.keep(record, found)
             if record.deadline is None:
                 continue
             if now >= record.deadline:
@@ -538,25 +542,22 @@ class E2BSandboxes:
                 continue
             # E2B's timeout, not idleness, ends it (kept alive for every replica's reaper).
             with contextlib.suppress(SessionError):  # lost: its next call says so
-                await self.service.keepalive(found)
+                await self.service.lifecycle.keepalive(found)
             for context in list(record.contexts.values()):
-                context_session = await self.service.session_state(context.id, record.owner)
+                context_session = await self.service.lifecycle.state(context.id, record.owner)
                 if isinstance(context_session, Session):
                     with contextlib.suppress(SessionError):
-                        await self.service.keepalive(context_session)
+                        await self.service.lifecycle.keepalive(context_session)
         return ended
 
-    def _adopt_shared(self) -> None:
+    async def _adopt_shared(self) -> None:
         """Cluster mode: the E2B sandboxes other replicas made, a bounded piece of the store
         per sweep, so their timeouts are kept here too (whichever replica's end claim wins
         kills one, once) and hold when the replica that made them is gone."""
         if not self._clustered:
             return
-        scan = getattr(self.service.store, "scan_sessions", None)
-        if scan is None:
-            return
         batch = self.service.settings.cluster_reap_batch
-        self._cursor, records = scan(self._cursor, batch)
+        self._cursor, records = await self.service.persistence.scan(self._cursor, batch)
         for kept in records:
             if kept.state == "running" and CONTEXT_LABEL not in kept.labels:
                 self._merge(_restored(kept.id, kept.owner, kept.labels))

@@ -22,9 +22,9 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from e2b.envd.filesystem.filesystem_pb import EventType
 
+from code_interpreter_wire.errors import FileAccessError, FileMissing
 from orchestrator.service import Service
 from orchestrator.sessions import Session
-from sandbox.errors import FileAccessError, FileMissing
 
 POLL_S = 0.5  # how often an open WatchDir stream looks
 MAX_WATCHERS_PER_SANDBOX = 16
@@ -39,12 +39,12 @@ Listing = dict[str, tuple[str, int, float]]  # name under the dir -> (type, size
 async def listing(service: Service, session: Session, relative: str, recursive: bool) -> Listing:
     """What is under a workspace directory (`relative` to the workspace), by name under it."""
     if relative:
-        info = await service.file_info(session, relative)
+        info = await service.files.file_info(session, relative)
         if info is None:
             raise FileMissing(f"path {relative} not found")
         if info.type != "directory":
             raise FileAccessError(f"path {relative} not a directory")
-    found = await service.list_files(session, relative, recursive=recursive)
+    found = await service.files.list_files(session, relative, recursive=recursive)
     if len(found) > MAX_ENTRIES:
         raise FileAccessError(
             f"{len(found)} entries are too many to watch here (at most {MAX_ENTRIES}); "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from sandbox.network_policy import IpAddress
+from code_interpreter_wire.network_policy import IpAddress
 
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 _SHARED = ipaddress.ip_network("100.64.0.0/10")

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 
+from code_interpreter_wire.network_policy import (
+    Decision,
+    IpAddress,
+    NetworkPolicy,
+    address_of,
+    is_numeric_name,
+)
 from orchestrator.egress.address_guard import forms_of
-from sandbox.network_policy import Decision, IpAddress, NetworkPolicy, address_of, is_numeric_name
 
 
 def decide(policy: NetworkPolicy, ceiling: NetworkPolicy, host: str, port: int) -> Decision:

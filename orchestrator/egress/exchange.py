@@ -12,18 +12,20 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import h11
 
+from code_interpreter_wire.network_policy import IpAddress, NetworkPolicy
 from orchestrator.egress.decision import decide, denied_address
-from orchestrator.egress.ledger import EgressRecord
-from orchestrator.egress.metering import CapReached, Meter
+from orchestrator.egress.ledger import EgressLedger, EgressRecord
+from orchestrator.egress.metering import ByteBudget, CapReached, Meter
 from orchestrator.egress.pipe import CHUNK, pump, send
 from orchestrator.egress.plain_http import Forward
 from orchestrator.egress.resolver import Unreachable, resolve
 from orchestrator.egress.responses import CONNECT_ESTABLISHED, answer, refusal
 from orchestrator.egress.service_guard import service_refusal
+from orchestrator.egress.settings import EgressSettings
 from orchestrator.egress.target import (
     BadTarget,
     Target,
@@ -31,16 +33,30 @@ from orchestrator.egress.target import (
     parse_absolute,
     parse_connect,
 )
-from sandbox.network_policy import IpAddress
-
-if TYPE_CHECKING:
-    from orchestrator.egress.proxy import EgressProxy
+from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)
 _LINGER_S = 2.0  # after an early answer, how long unread request bytes are drained
 _LINGER_BYTES = 1 << 20
 _CHECK_IDLE_EVERY_S = 1.0
 _MAX_ADDRESSES_TRIED = 8  # each may take the connect timeout
+
+
+class SessionProxy(Protocol):
+    """What an exchange reads and changes of its session's proxy (proxy.py's `EgressProxy`),
+    named here so that the proxy, which makes exchanges, is not imported back."""
+
+    policy: NetworkPolicy
+    ceiling: NetworkPolicy
+    settings: EgressSettings
+    ledger: EgressLedger
+    budget: ByteBudget
+    peer: SocketPeer  # who may connect
+    closing: set[asyncio.Task[None]]  # connections still flushing their last bytes
+
+    def end_all(self, note: str) -> None: ...
+
+    def cap_note(self) -> str: ...
 
 
 class _Answered(Exception):
@@ -52,7 +68,7 @@ class Exchange:
 
     def __init__(
         self,
-        proxy: EgressProxy,
+        proxy: SessionProxy,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
     ) -> None:

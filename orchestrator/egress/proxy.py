@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from code_interpreter_wire.network_policy import NetworkPolicy
 from orchestrator.egress.exchange import Exchange
 from orchestrator.egress.ledger import EgressLedger, EgressRecord
 from orchestrator.egress.metering import ByteBudget
@@ -26,7 +27,6 @@ from orchestrator.egress.responses import answer
 from orchestrator.egress.settings import EgressSettings
 from orchestrator.egress.slots import ConnectionSlots
 from sandbox.channel_dir import MAX_SOCKET_PATH
-from sandbox.network_policy import NetworkPolicy
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)

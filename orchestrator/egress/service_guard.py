@@ -13,10 +13,10 @@ from __future__ import annotations
 import errno
 import socket
 
+from code_interpreter_wire.network_policy import IpAddress, PolicyError, address_of, normalize_host
 from orchestrator.egress.address_guard import forms_of
 from orchestrator.egress.resolver import Unreachable, lookup
 from orchestrator.egress.settings import EgressSettings, ServiceEndpoint
-from sandbox.network_policy import IpAddress, PolicyError, address_of, normalize_host
 
 
 async def service_refusal(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from sandbox.network_policy import PolicyError, normalize_host
+from code_interpreter_wire.network_policy import PolicyError, normalize_host
 
 
 class BadTarget(Exception):
@@ -15,7 +15,7 @@ class BadTarget(Exception):
 
 @dataclass(frozen=True)
 class Target:
-    host: str  # normalized (sandbox.network_policy.normalize_host)
+    host: str  # normalized (code_interpreter_wire.network_policy.normalize_host)
     port: int
     path: str  # origin-form for the upstream request line; "" for CONNECT
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+from code_interpreter_wire.approval_outcome import ABANDONED, TIMEOUT, ApprovalOutcome
 from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.approval_errors import (
@@ -41,7 +42,6 @@ from orchestrator.governance.approval_errors import (
     ApprovalNotFound,
     ApprovalsFull,
 )
-from orchestrator.governance.approval_outcome import ABANDONED, TIMEOUT, ApprovalOutcome
 from orchestrator.governance.call_origins import (
     CallOrigins,
     OriginKind,
@@ -51,13 +51,13 @@ from orchestrator.governance.call_origins import (
 )
 from orchestrator.governance.errors import ApprovalDenied
 from orchestrator.governance.policy import Principal
-from orchestrator.governance.webhook import ApprovalWebhook
-from orchestrator.state_store.approval_store import (
+from orchestrator.governance.stores.approval_store import (
     ApprovalKind,
     ApprovalRecord,
     ApprovalState,
     ApprovalStore,
 )
+from orchestrator.governance.webhook import ApprovalWebhook
 
 if TYPE_CHECKING:
     from orchestrator.governance.audit import AuditLog
@@ -287,7 +287,7 @@ class Approvals:
         helpers: list[asyncio.Task[None]] = []
         started = time.monotonic()
         try:
-            await asyncio.to_thread(self._store_of().put_approval, record)
+            await self._store_of().put_approval(record)
             self._record(
                 audit_kinds.APPROVAL_REQUESTED,
                 record,
@@ -404,7 +404,7 @@ class Approvals:
                 why_abandoned = EXECUTION_ENDED  # on another replica
             if why_abandoned is not None:
                 return await self._end_abandoned(record, why_abandoned)
-            found = await asyncio.to_thread(self._store_of().get_approval, record.id)
+            found = await self._store_of().get_approval(record.id)
             if found is not None and found.state != "pending":
                 return found
         why = f"no one answered within {_seconds(timeout_s)} s"
@@ -414,7 +414,7 @@ class Approvals:
         if decided is not None:
             return decided
         # Answered just before the timeout's decision:
-        found = await asyncio.to_thread(self._store_of().get_approval, record.id)
+        found = await self._store_of().get_approval(record.id)
         if found is None or found.state == "pending":  # gone from the store: still a denial
             return record.model_copy(update={"state": "denied", "decided_by": TIMEOUT})
         return found
@@ -424,7 +424,7 @@ class Approvals:
         decided = await self._decide(record, "expired", ABANDONED, why)
         if decided is not None:
             return decided
-        found = await asyncio.to_thread(self._store_of().get_approval, record.id)
+        found = await self._store_of().get_approval(record.id)
         if found is not None and found.state != "pending":
             return found
         return record.model_copy(  # gone from the store: abandoned all the same
@@ -438,9 +438,7 @@ class Approvals:
     ) -> ApprovalRecord | None:
         """Write a decision if the request is still pending (the one answer that wins), wake
         its waiter here, and record it; the decided record, or None if it was decided already."""
-        decided = await asyncio.to_thread(
-            self._store_of().decide_approval, record.id, state, by, reason, time.time()
-        )
+        decided = await self._store_of().decide_approval(record.id, state, by, reason, time.time())
         if decided is None:
             return None
         event = self._answered.get(record.id)
@@ -480,13 +478,13 @@ class Approvals:
         state: ApprovalState = "approved" if approve else "denied"
         decided = await self._decide(record, state, by.name, _capped(reason, MAX_REASON_CHARS))
         if decided is None:
-            found = await asyncio.to_thread(self._store_of().get_approval, approval_id)
+            found = await self._store_of().get_approval(approval_id)
             raise ApprovalAlreadyDecided(_decided_text(found or record))
         return decided
 
     async def get(self, approval_id: str, viewer: Principal) -> ApprovalRecord:
         """One request `viewer` may see (its own sessions', or any for an admin), else 404."""
-        record = await asyncio.to_thread(self._store_of().get_approval, approval_id)
+        record = await self._store_of().get_approval(approval_id)
         if record is None or not (viewer.admin or record.owner == viewer.id):
             raise ApprovalNotFound(f"no approval request {approval_id!r}")
         return record
@@ -502,8 +500,8 @@ class Approvals:
         """Requests `viewer` may see, newest first: an admin's are everyone's. A pending one
         whose waiter died with its replica is shown (and kept) as the denial it became."""
         owner = None if viewer.admin else viewer.id
-        found = await asyncio.to_thread(
-            self._store_of().approvals, owner=owner, state=state, session_id=session_id, limit=limit
+        found = await self._store_of().approvals(
+            owner=owner, state=state, session_id=session_id, limit=limit
         )
         now = time.time()
         shown = []
@@ -523,7 +521,7 @@ class Approvals:
         decided = await self._decide(record, "denied", TIMEOUT, why)
         if decided is not None:
             return decided
-        return await asyncio.to_thread(self._store_of().get_approval, record.id) or record
+        return await self._store_of().get_approval(record.id) or record
 
     def _record(
         self,

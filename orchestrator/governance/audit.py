@@ -2,7 +2,7 @@
 
 Recording must never hold up or break what it records: `record` is synchronous, does no I/O and
 never raises. It caps the event's fields and puts it on a bounded queue; a background task
-writes batches to the store from a thread. A full queue drops events, counts them, and one
+writes batches to the (async) store. A full queue drops events, counts them, and one
 `audit.dropped` event (and a warning) says how many once there is room again. A store that
 fails is retried with a pause between tries, the queue still bounded meanwhile. `close()`
 flushes what is queued, within a deadline.
@@ -28,8 +28,8 @@ from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.policy import Principal
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditPage, AuditQuery, AuditStore
 from orchestrator.sessions import SessionError
-from orchestrator.state_store.audit_store import AuditEvent, AuditPage, AuditQuery, AuditStore
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ class AuditLog:
         attempt = 0
         while True:
             try:
-                await asyncio.to_thread(self._store.append_events, events)
+                await self._store.append_events(events)
                 return True
             except Exception as exc:
                 if self._closing and attempt >= 2:
@@ -378,8 +378,8 @@ class AuditLog:
         self._last_sweep = moment
         cutoff = (now if now is not None else time.time()) - self._retention_s
         try:
-            gone = await asyncio.to_thread(self._store.delete_events_before, cutoff)
-            gone += await asyncio.to_thread(self._store.keep_newest, self._max_events)
+            gone = await self._store.delete_events_before(cutoff)
+            gone += await self._store.keep_newest(self._max_events)
         except Exception:
             log.exception("the audit log's retention sweep failed")
             return 0
@@ -405,7 +405,7 @@ class AuditLog:
         """A page of events, whoever's (the caller decided who may see them)."""
         if self._store is None:
             raise RuntimeError("the audit log is not started")
-        return await asyncio.to_thread(self._store.query_page, query)
+        return await self._store.query_page(query)
 
     async def export(
         self, viewer: Principal, query: AuditQuery

@@ -17,8 +17,14 @@ from typing import Annotated, Any, TextIO
 import typer
 
 from orchestrator.governance.cli_option_groups import with_options
-from orchestrator.governance.cli_stores import StateDirOption, StoreOption, fail, open_stores
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery, AuditStore
+from orchestrator.governance.cli_stores import (
+    StateDirOption,
+    StoreOption,
+    Stores,
+    fail,
+    open_stores,
+)
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
 
 EXPORT_PAGE = 500
 SUMMARY_CHARS = 80  # of a listed event's details
@@ -156,7 +162,7 @@ def list_events(
     When there are more, the last line says the --before that lists them."""
     query = filters.model_copy(update={"limit": limit})
     with open_stores(state_dir, store) as stores:
-        page = stores.audit.query_page(query)
+        page = stores.run(stores.audit.query_page(query))
     for event in page.events:
         typer.echo(event.model_dump_json() if as_json else _line(event))
     if page.next_before is not None and not as_json:
@@ -179,17 +185,17 @@ def export_events(
     query = filters.model_copy(update={"limit": EXPORT_PAGE})
     with open_stores(state_dir, store) as stores:
         if output is None:
-            count = _export(stores.audit, query, sys.stdout)
+            count = _export(stores, query, sys.stdout)
         else:
             with output.open("w", encoding="utf-8") as out:
-                count = _export(stores.audit, query, out)
+                count = _export(stores, query, out)
     typer.echo(f"{count} events exported", err=True)
 
 
-def _export(audit: AuditStore, query: AuditQuery, out: TextIO) -> int:
+def _export(stores: Stores, query: AuditQuery, out: TextIO) -> int:
     count = 0
     while True:
-        page = audit.query_page(query)
+        page = stores.run(stores.audit.query_page(query))
         for event in page.events:
             out.write(event.model_dump_json() + "\n")
             count += 1
@@ -213,5 +219,5 @@ def prune_events(
         raise fail(f"--older-than: {older_than!r} is not an age such as 90d, 12h, 30m or 45s")
     cutoff = datetime.now(UTC).timestamp() - age
     with open_stores(state_dir, store) as stores:
-        gone = stores.audit.delete_events_before(cutoff)
+        gone = stores.run(stores.audit.delete_events_before(cutoff))
     typer.echo(f"{gone} events older than {_when(cutoff)} deleted")

@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from orchestrator.governance.approval_outcome import ApprovalOutcome
-from orchestrator.state_store.origin_record import OriginRecord
+from code_interpreter_wire.approval_outcome import ApprovalOutcome
+from orchestrator.governance.stores.origin_record import OriginRecord
 from sandbox.host_channel import TOOL_ORIGIN_ENV
 
 log = logging.getLogger(__name__)
@@ -137,17 +137,17 @@ class Caller:
 
 
 class SharedOrigins(Protocol):
-    """The shared store's origins (orchestrator/state_store/redis_origins.py)."""
+    """The shared store's origins (orchestrator/governance/stores/redis_origins.py)."""
 
-    def put_origin(
+    async def put_origin(
         self, session_id: str, origin: str, record: OriginRecord, ttl_s: float
     ) -> None: ...
 
-    def get_origin(self, session_id: str, origin: str) -> OriginRecord | None: ...
+    async def get_origin(self, session_id: str, origin: str) -> OriginRecord | None: ...
 
-    def delete_origin(self, session_id: str, origin: str) -> None: ...
+    async def delete_origin(self, session_id: str, origin: str) -> None: ...
 
-    def refresh_origins(self, origins: list[tuple[str, str]], ttl_s: float) -> None:
+    async def refresh_origins(self, origins: list[tuple[str, str]], ttl_s: float) -> None:
         """Renew the time to live of each (session id, origin) still there."""
 
 
@@ -196,9 +196,7 @@ class CallOrigins:
         if store is None:
             return entry
         record = OriginRecord(kind=kind, code=code, waits_end_at=entry.waits_end_at)
-        put = asyncio.ensure_future(
-            asyncio.to_thread(store.put_origin, session_id, entry.origin, record, self._ttl_s)
-        )
+        put = asyncio.ensure_future(store.put_origin(session_id, entry.origin, record, self._ttl_s))
         try:
             await asyncio.shield(put)
         except Exception as exc:  # its calls are then refused by other replicas only
@@ -210,7 +208,7 @@ class CallOrigins:
         else:
             entry.shared = True
             if self._live.get(session_id, {}).get(entry.origin) is not entry:  # ended meanwhile
-                self._spawn(asyncio.to_thread(store.delete_origin, session_id, entry.origin))
+                self._spawn(store.delete_origin(session_id, entry.origin))
             else:
                 self._keep_refreshing()
         return entry
@@ -221,7 +219,7 @@ class CallOrigins:
     ) -> None:
         with contextlib.suppress(Exception):
             await put
-        await asyncio.to_thread(store.delete_origin, session_id, origin)
+        await store.delete_origin(session_id, origin)
 
     def _keep_refreshing(self) -> None:
         if self._refresher is None or self._refresher.done():
@@ -248,7 +246,7 @@ class CallOrigins:
         ]
         store = self._shared_of() if shared else None
         if store is not None:
-            await asyncio.to_thread(store.refresh_origins, shared, self._ttl_s)
+            await store.refresh_origins(shared, self._ttl_s)
         return len(shared)
 
     def end(self, entry: RunningCode) -> None:
@@ -260,8 +258,8 @@ class CallOrigins:
             del self._live[entry.session_id]
         self._on_end(entry)
         store = self._shared_of() if entry.shared else None
-        if store is not None:  # off the loop, not awaited: an end must not wait on the store
-            self._spawn(asyncio.to_thread(store.delete_origin, entry.session_id, entry.origin))
+        if store is not None:  # a task, not awaited: an end must not wait on the store
+            self._spawn(store.delete_origin(entry.session_id, entry.origin))
 
     def end_after(self, entry: RunningCode, ended: Awaitable[object]) -> None:
         """End `entry` once `ended` is done (a background process's end), or its session."""
@@ -302,7 +300,7 @@ class CallOrigins:
         if store is None or mine or kind_of(origin) is None:
             return None
         try:
-            record = await asyncio.to_thread(store.get_origin, session_id, origin)
+            record = await store.get_origin(session_id, origin)
         except Exception as exc:  # not found is not running: never run a call unchecked
             log.warning("session %s: origin %s could not be read: %s", session_id, origin, exc)
             return None

@@ -1,20 +1,23 @@
 """Where the `keys` and `audit` commands find the service's store: where its settings
 (environment, config file) say, unless `--state-dir` or `--store` say otherwise. Both commands
-open it the same way, so one never reads a store the other did not write."""
+open it the same way, so one never reads a store the other did not write. The stores are async:
+a command runs their calls on an event loop of its own (`Stores.run`), one for the command's
+whole use of them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 import typer
 from pydantic import ValidationError
 
-from orchestrator.state_store.audit_store import AuditStore
-from orchestrator.state_store.principal_store import PrincipalStore
+from orchestrator.governance.stores import GovernanceStores
 
+T = TypeVar("T")
 EXIT_USAGE = 2
 
 StateDirOption = Annotated[
@@ -44,14 +47,22 @@ def fail(message: str) -> typer.Exit:
 
 
 class Stores:
-    """The principal and audit stores of one state dir or Redis."""
+    """The principal and audit stores of one state dir or Redis, and the loop their calls
+    run on."""
 
-    def __init__(self, principals: PrincipalStore, audit: AuditStore, audit_enabled: bool) -> None:
+    def __init__(
+        self, stores: GovernanceStores, audit_enabled: bool, runner: asyncio.Runner
+    ) -> None:
         """`audit_enabled`: whether the service keeps an audit log (a change the CLI makes is
         then recorded in it)."""
-        self.principals = principals
-        self.audit = audit
+        self.principals = stores.principals
+        self.audit = stores.audit
         self.audit_enabled = audit_enabled
+        self._runner = runner
+
+    def run(self, call: Coroutine[Any, Any, T]) -> T:
+        """Await one store call (the command's loop: the Redis client's connections live there)."""
+        return self._runner.run(call)
 
 
 @contextmanager
@@ -64,7 +75,6 @@ def open_stores(
     service ever ran: said on stderr). A store that fails is one line, not a traceback."""
     from orchestrator.config import Settings
     from orchestrator.state_store.redis_auth import UnauthenticatedStore, check_store_url
-    from orchestrator.state_store.redis_store import StoreUnavailable
 
     try:  # only where things are is read; keys are not needed for that
         settings = Settings(auth_disabled=True)
@@ -75,7 +85,8 @@ def open_stores(
     )
     directory = state_dir or settings.state_dir
     if url is not None:
-        from orchestrator.state_store.redis_store import RedisStore
+        from orchestrator.governance.stores import redis_stores
+        from orchestrator.state_store.redis_connection import RedisConnection, StoreUnavailable
 
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise fail("--store must be redis://HOST:PORT/DB (or rediss://, unix://)")
@@ -83,24 +94,25 @@ def open_stores(
             check_store_url(url, allow_unauthenticated=settings.store_allow_unauthenticated)
         except UnauthenticatedStore as exc:
             raise fail(str(exc)) from None
-        redis_store = RedisStore(
+        connection = RedisConnection(
             url,
-            snapshots_dir=directory / "snapshots",
             prefix=settings.store_prefix,
             timeout_s=settings.store_timeout_s,
             allow_unauthenticated=settings.store_allow_unauthenticated,
         )
-        try:
-            redis_store.ping()
-            yield Stores(redis_store.principals, redis_store.audit, settings.audit_enabled)
-        except StoreUnavailable as exc:
-            raise fail(f"{exc} (is --store the cluster's store?)") from None
-        except UnauthenticatedStore as exc:
-            raise fail(str(exc)) from None
-        finally:
-            redis_store.close()
+        with asyncio.Runner() as runner:
+            try:
+                runner.run(connection.ping())
+                yield Stores(redis_stores(connection), settings.audit_enabled, runner)
+            except StoreUnavailable as exc:
+                raise fail(f"{exc} (is --store the cluster's store?)") from None
+            except UnauthenticatedStore as exc:
+                raise fail(str(exc)) from None
+            finally:
+                runner.run(connection.close())
         return
-    from orchestrator.state_store.sqlite_store import SqliteStore
+    from orchestrator.governance.stores import sqlite_stores
+    from orchestrator.state_store.sqlite_db import SqliteDatabase
 
     database = directory / "state.db"
     made = not database.is_file()
@@ -109,7 +121,8 @@ def open_stores(
             f"no service state in {directory} (no state.db): give the service's --state-dir "
             "(its CODE_INTERPRETER_STATE_DIR), or --store for cluster mode"
         )
-    sqlite_store = SqliteStore(directory)
+    db = SqliteDatabase(directory)
+    stores = sqlite_stores(db)
     if made:
         typer.echo(
             f"made {database}: a new state dir; the service must be started with it "
@@ -117,6 +130,8 @@ def open_stores(
             err=True,
         )
     try:
-        yield Stores(sqlite_store.principals, sqlite_store.audit, settings.audit_enabled)
+        with asyncio.Runner() as runner:
+            yield Stores(stores, settings.audit_enabled, runner)
     finally:
-        sqlite_store.close()
+        stores.close()
+        db.close()

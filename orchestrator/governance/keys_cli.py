@@ -35,8 +35,8 @@ from orchestrator.governance.principals import (
     new_key,
     new_principal_id,
 )
-from orchestrator.state_store.audit_store import AuditEvent
-from orchestrator.state_store.principal_store import (
+from orchestrator.governance.stores.audit_store import AuditEvent
+from orchestrator.governance.stores.principal_store import (
     KeyDigest,
     PrincipalNameTaken,
     PrincipalRecord,
@@ -70,7 +70,7 @@ def _audit(stores: Stores, kind: str, record: PrincipalRecord, **details: Any) -
         details={"by": f"cli:{_user()}", **details},
     )
     try:
-        stores.audit.append_events([event])
+        stores.run(stores.audit.append_events([event]))
     except Exception as exc:
         typer.secho(f"warning: the audit log did not take the {kind} event: {exc}", err=True)
 
@@ -268,7 +268,7 @@ def _check_name(name: str) -> None:
 
 
 def _find(stores: Stores, name: str) -> PrincipalRecord:
-    record = stores.principals.get_principal(name)
+    record = stores.run(stores.principals.get_principal(name))
     if record is None:
         raise fail(f"no key named {name!r} (see `code-interpreter keys list`)")
     return record
@@ -330,7 +330,7 @@ def add(
     )
     with open_stores(state_dir, store, may_create=True) as stores:
         try:
-            stores.principals.put_principal(record)
+            stores.run(stores.principals.put_principal(record))
         except PrincipalNameTaken:
             raise fail(f"a key named {name!r} exists; rotate it, or pick another name") from None
         _audit(stores, audit_kinds.KEY_ADDED, record, admin=admin, policy=policy.describe_rules())
@@ -345,7 +345,7 @@ def list_keys(
 ) -> None:
     """The keys made here: names, states and policies (never a key or its digest)."""
     with open_stores(state_dir, store) as stores:
-        records = stores.principals.principals()
+        records = stores.run(stores.principals.principals())
     now = time.time()
     if as_json:
         for record in records:
@@ -409,7 +409,7 @@ def rotate(
         ]
         held = [*old[-(MAX_KEYS - 1) :], KeyDigest(digest=digest_of(key))]
         updated = record.model_copy(update={"keys": held, "updated_at": now})
-        stores.principals.put_principal(updated)
+        stores.run(stores.principals.put_principal(updated))
         _audit(stores, audit_kinds.KEY_ROTATED, updated, grace_s=grace_s)
     _print_key(
         key,
@@ -437,7 +437,7 @@ def revoke(
             return
         now = time.time()
         updated = record.model_copy(update={"revoked_at": now, "updated_at": now, "keys": []})
-        stores.principals.put_principal(updated)
+        stores.run(stores.principals.put_principal(updated))
         _audit(stores, audit_kinds.KEY_REVOKED, updated)
     typer.echo(f"key {name!r} revoked: its sessions end within the service's reap interval")
 
@@ -471,7 +471,7 @@ def set_policy(
                 "updated_at": time.time(),
             }
         )
-        stores.principals.put_principal(updated)
+        stores.run(stores.principals.put_principal(updated))
         _audit(
             stores,
             audit_kinds.KEY_POLICY,

@@ -11,11 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sandbox.errors import UnknownLanguage
-from sandbox.languages import canonical_language
-from sandbox.network_policy import NetworkPolicy, policy_from_text
-from sandbox.registry import BACKENDS
-from sandbox.spec import ResourceLimits
+from code_interpreter_wire.errors import UnknownLanguage
+from code_interpreter_wire.languages import canonical_language
+from code_interpreter_wire.network_policy import NetworkPolicy, policy_from_text
+from code_interpreter_wire.spec import ResourceLimits
+from sandbox.backends.registry import BACKENDS
 
 MAX_NAMES = 256  # the most names one rule lists (backends, images, languages, tools)
 MAX_NAME_CHARS = 256

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from code_interpreter_wire.network_policy import NO_NETWORK, NetworkPolicy
+from code_interpreter_wire.rest import CreateSessionRequest
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.policy import Principal
-from orchestrator.schemas import CreateSessionRequest
-from sandbox.network_policy import NO_NETWORK, NetworkPolicy
-from sandbox.spec import ResourceLimits, SandboxSpec
 
 
 def _listed(names: Iterable[str]) -> str:
@@ -212,18 +212,18 @@ def fit_spec(
     spec: SandboxSpec,
     request: CreateSessionRequest,
     *,
-    backend: str,
+    images: bool,
     default_image: str,
     offered_images: list[str],
 ) -> SandboxSpec:
     """The spec a request made, with what it left to the service's defaults fitted within the
     key's policy: limits lowered to its ceilings, the network to the most it allows, the image
-    to one it allows."""
+    (where its backend runs one: `images`, `BackendCapabilities.images`) to one it allows."""
     asked = request.limits.model_dump(exclude_none=True) if request.limits is not None else {}
     fitted = spec.model_copy(update={"limits": capped_limits(who, spec.limits, asked)})
     if request.network is None:
         fitted.network = capped_network(who, spec.network)
-    if request.image is None and backend == "docker":
+    if request.image is None and images:
         image = _fit_image(who, default_image, offered_images)
         if image is not None:
             fitted.image = image
@@ -231,14 +231,14 @@ def fit_spec(
 
 
 def fit_resumed(
-    who: Principal, backend: str, spec: SandboxSpec, *, default_image: str
+    who: Principal, backend: str, spec: SandboxSpec, *, images: bool, default_image: str
 ) -> tuple[SandboxSpec, list[str]]:
     """A paused session's spec under its key's policy as it is now (it may have changed while
     the session slept), and what changed, said to its caller. What cannot change without losing
     its state (its backend, its image) is refused (PolicyDenied: it stays paused); its network
     and limits are lowered within the policy, as a fresh session's would be."""
     check_backend(who, backend)
-    if backend == "docker":
+    if images:  # its backend runs an image (`BackendCapabilities.images`)
         check_image(who, spec.image or default_image)
     notices: list[str] = []
     fitted = spec.model_copy(deep=True)

@@ -2,8 +2,9 @@
 `code-interpreter keys add` keeps in the store (hashed, each with a policy).
 
 Every lookup is answered from memory, so no request waits on the store: the store's principals
-are read again about once a second, off the event loop, which is how a key added, rotated or
-revoked by the CLI (another process, or another replica) takes effect without a restart.
+are read again about once a second (awaited; the store never holds the event loop), which is
+how a key added, rotated or revoked by the CLI (another process, or another replica) takes
+effect without a restart.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.config import Settings
 from orchestrator.governance.policy import FULL_ACCESS, Principal
-from orchestrator.state_store.principal_store import PrincipalRecord, PrincipalStore
+from orchestrator.governance.stores.principal_store import PrincipalRecord, PrincipalStore
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +112,15 @@ class Principals:
         self._task: asyncio.Task[None] | None = None
 
     # --- the store's principals, read again and again
-    def reload(self) -> None:
-        """Read the store's principals now (blocking: call it off the loop)."""
+    async def reload(self) -> None:
+        """Read the store's principals now."""
         if self._store is None:
             return
-        self._known = _Known.of(self._store.principals())
+        self._known = _Known.of(await self._store.principals())
 
     async def start(self) -> None:
         """Read the store once (a store that fails stops the start), then keep reading it."""
-        await asyncio.to_thread(self.reload)
+        await self.reload()
         if not self.disabled and not self.has_keys:
             log.warning("%s; until then every request answers 401", NO_KEYS_YET)
         if self._store is not None:
@@ -136,7 +137,7 @@ class Principals:
         while True:
             await asyncio.sleep(self._refresh_s)
             try:
-                await asyncio.to_thread(self.reload)
+                await self.reload()
             except Exception as exc:  # what was read last holds until the store answers again
                 if not self._failing:
                     log.warning("reading the keys from the store failed (kept the last): %s", exc)

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from code_interpreter_wire.processes import ProcessRequest
 from orchestrator.governance.approvals import Approvals
 from orchestrator.governance.call_origins import OriginKind, RunningCode
 from sandbox.backends.base import Sandbox
 from sandbox.processes.handle import ProcessHandle
-from sandbox.processes.models import ProcessRequest
 
 
 def _tagged(request: ProcessRequest, entry: RunningCode) -> ProcessRequest:

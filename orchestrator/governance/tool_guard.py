@@ -10,9 +10,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from code_interpreter_wire.approval_outcome import ABANDONED, ApprovalOutcome
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.approval_errors import ApprovalsFull
-from orchestrator.governance.approval_outcome import ABANDONED, ApprovalOutcome
 from orchestrator.governance.approvals import Approvals, arguments_digest
 from orchestrator.governance.call_origins import refusal_text
 from orchestrator.governance.policy import Policy

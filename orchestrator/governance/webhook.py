@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator
 
-from orchestrator.state_store.approval_store import ApprovalRecord
+from orchestrator.governance.stores.approval_store import ApprovalRecord
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from orchestrator.governance.approval_outcome import ApprovalOutcome
+from code_interpreter_wire.approval_outcome import ApprovalOutcome
 from orchestrator.host_tools.base import HostTool, HostToolError, ToolInputError
 from sandbox.frames import (
     FRAME_TIMEOUT_S,

@@ -40,9 +40,21 @@ from mcp_types import (
 )
 from pydantic import BaseModel, Field
 
+from code_interpreter_wire.errors import FileTooLarge, SandboxError, UnknownLanguage
+from code_interpreter_wire.languages import canonical_language
+from code_interpreter_wire.tool_arguments import SHELL_TOOL_NAME, TOOL_NAME, ShellToolArguments
+from code_interpreter_wire.tool_definitions import (
+    LIBRARIES,
+    ToolFormat,
+    description,
+    shell_description,
+)
+from code_interpreter_wire.tool_output import MAX_INLINE_IMAGE_BYTES, format_output
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.governance.approvals import MAX_REASON_CHARS, Responder, canonical_arguments
+from orchestrator.governance.stores.approval_store import ApprovalRecord
+from orchestrator.model_tool import ModelTool
 from orchestrator.process_state_dirs import remove_own, stdio_state_dir
 from orchestrator.service import Service
 from orchestrator.sessions import (
@@ -52,20 +64,6 @@ from orchestrator.sessions import (
     SessionLimitReached,
     SessionNotFound,
 )
-from orchestrator.state_store.approval_store import ApprovalRecord
-from orchestrator.tool import (
-    LIBRARIES,
-    MAX_INLINE_IMAGE_BYTES,
-    SHELL_TOOL_NAME,
-    TOOL_NAME,
-    ShellToolArguments,
-    ToolFormat,
-    description,
-    format_output,
-    shell_description,
-)
-from sandbox.errors import FileTooLarge, SandboxError, UnknownLanguage
-from sandbox.languages import canonical_language
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +125,7 @@ class ConnectionSessions:
         service = self.service
         if session_id is not None:
             try:
-                return await service.get_session(session_id, owner), None
+                return await service.lifecycle.get(session_id, owner), None
             except SessionError as exc:
                 raise ToolFailure(
                     f"[error] {exc}. Omit session_id to use this connection's session."
@@ -136,7 +134,7 @@ class ConnectionSessions:
         known = self.by_connection.get((owner, connection)) if connection else None
         if known is not None:
             try:
-                return await service.get_session(known, owner), None
+                return await service.lifecycle.get(known, owner), None
             except (SessionExpired, SessionNotFound) as exc:
                 note = f"[notice] {exc}; this is a new session: earlier variables are gone."
         if not create:
@@ -147,17 +145,15 @@ class ConnectionSessions:
         try:
             # What the tool starts by itself; clients that never end their connection are
             # common, so what MCP makes expires sooner than other sessions.
-            session = await service.create_session(
-                owner,
-                service.default_tool_session(),
-                idle_timeout_s=service.settings.mcp_idle_timeout_s,
+            session = await ModelTool(service).start_session(
+                owner, idle_timeout_s=service.settings.mcp_idle_timeout_s
             )
         except SessionLimitReached as exc:
             raise ToolFailure(self._quota_full(owner, exc)) from None
         except (SessionError, SandboxError) as exc:
             raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
         if connection is not None:
-            live = {s.id for s in service.list_sessions(owner)}
+            live = {s.id for s in service.lifecycle.running(owner)}
             for key in [k for k, sid in self.by_connection.items() if k[0] == owner]:
                 if self.by_connection[key] not in live:  # ended or expired meanwhile
                     del self.by_connection[key]
@@ -168,7 +164,7 @@ class ConnectionSessions:
     def _quota_full(self, owner: str, exc: SessionLimitReached) -> str:
         """The way out of a full quota, in MCP's terms, naming the sessions that hold it."""
         idle_s = self.service.settings.mcp_idle_timeout_s
-        held = sorted(self.service.list_sessions(owner), key=lambda s: -s.idle_for())
+        held = sorted(self.service.lifecycle.running(owner), key=lambda s: -s.idle_for())
         listed = "\n".join(
             f"- {s.id}: idle {s.idle_for():.0f} s"
             + (f", ends in {max(0.0, idle_s - s.idle_for()):.0f} s" if s.idle_timeout_s else "")
@@ -188,7 +184,7 @@ class ConnectionSessions:
         session_id = self.by_connection.pop((owner, connection), None)
         if session_id is not None:
             with contextlib.suppress(SessionError):  # already expired or deleted
-                await self.service.end_session(session_id, owner)
+                await self.service.lifecycle.end(session_id, owner)
 
 
 class ApprovalForm(BaseModel):
@@ -262,7 +258,7 @@ async def build_mcp_server(
     """The MCP server over `service` (started: its host tools and languages are known), and
     its connection-to-session map."""
     settings = service.settings
-    languages = await service.tool_languages()
+    languages = await service.views.tool_languages()
     sessions = connections or ConnectionSessions(service)
     server: MCPServer = MCPServer(
         name="code-interpreter",
@@ -304,7 +300,9 @@ async def build_mcp_server(
         # The one tool flow, as the REST invoke route runs it, in the connection's session;
         # what waits for a human meanwhile is asked of this client's user too.
         with service.approvals.responder(session.id, _elicitor(ctx)):
-            outcome = await service.invoke_tool(owner, code, session=session, language=language)
+            outcome = await ModelTool(service).invoke(
+                owner, code, session=session, language=language
+            )
         rendered = outcome.rendered
         if note:
             rendered.text = f"{note}\n{rendered.text}"
@@ -327,7 +325,7 @@ async def build_mcp_server(
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one shell tool flow, as the REST invoke route runs it, in the connection's session.
         with service.approvals.responder(session.id, _elicitor(ctx)):
-            outcome = await service.invoke_shell_tool(
+            outcome = await ModelTool(service).invoke_shell(
                 owner, command, session=session, timeout_s=timeout_s
             )
         rendered = outcome.rendered
@@ -352,9 +350,9 @@ async def build_mcp_server(
         if data is None:
             data = content.encode()
         try:
-            service.check_upload_size(len(data))  # before a session is made for it
+            service.admission.check_upload_size(len(data))  # before a session is made for it
             session, _ = await session_for(ctx, session_id)
-            info = await service.upload(session, path, data)
+            info = await service.files.upload(session, path, data)
         except FileTooLarge as exc:
             raise ToolFailure(
                 f"[error] {exc}. Upload it in smaller parts and join them with code_interpreter."
@@ -371,7 +369,7 @@ async def build_mcp_server(
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
         session, _ = await session_for(ctx, session_id, create=False)
-        files = await service.list_files(session, path, recursive=True)
+        files = await service.files.list_files(session, path, recursive=True)
         lines = [f"{f.path}{'/' if f.type == 'directory' else ''}\t{f.size}" for f in files]
         text = "\n".join(lines) if lines else "(empty)"
         return CallToolResult(content=[TextContent(type="text", text=text)])
@@ -382,7 +380,7 @@ async def build_mcp_server(
         session_id: SessionIdArg = None,
     ) -> CallToolResult:
         session, _ = await session_for(ctx, session_id, create=False)
-        data = await service.download(session, path)
+        data = await service.files.download(session, path)
         mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
         if mime.startswith("image/") and len(data) <= MAX_INLINE_IMAGE_BYTES:
             encoded = base64.b64encode(data).decode()
@@ -405,7 +403,7 @@ async def build_mcp_server(
             )
         return CallToolResult(content=[TextContent(type="text", text=text)])
 
-    host_tools = service.host_tool_summaries(settings.host_tools.session_default)
+    host_tools = service.channels.summaries(settings.host_tools.session_default)
     text = description(
         timeout_s=settings.execution_timeout_s,
         libraries=LIBRARIES,
@@ -413,7 +411,7 @@ async def build_mcp_server(
         host_tools=host_tools,
         session_note=_ARGUMENT_HINT,
         languages=languages,
-        network=service.network_of(None),
+        network=service.views.network_of(None),
     )
     tool(code_interpreter, text)
     if settings.shell_tool:  # off unless the operator turned it on
@@ -422,7 +420,7 @@ async def build_mcp_server(
             libraries=LIBRARIES,
             bound_session=True,
             session_note=_ARGUMENT_HINT,
-            network=service.network_of(None),
+            network=service.views.network_of(None),
         )
         tool(run_command, shell_text)
     tool(upload_file, "Write a file into the sandbox's workspace (/workspace), text or base64.")

@@ -10,8 +10,8 @@ from fastapi import APIRouter, Path, Query
 from pydantic import BaseModel, Field
 
 from orchestrator.governance.approvals import MAX_REASON_CHARS
+from orchestrator.governance.stores.approval_store import ApprovalRecord, ApprovalState
 from orchestrator.routes.deps import OwnerDep, ServiceDep
-from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalState
 
 router = APIRouter(prefix="/v1/approvals", tags=["approvals"])
 ApprovalId = Annotated[str, Path(max_length=64, description="An id such as ap-0123456789abcdef.")]

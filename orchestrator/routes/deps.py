@@ -28,7 +28,7 @@ __all__ = [
 
 
 async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> Session:
-    return await service.get_session(session_id, owner)
+    return await service.lifecycle.get(session_id, owner)
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

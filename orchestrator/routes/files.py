@@ -7,8 +7,8 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
 
+from code_interpreter_wire.results import FileInfo
 from orchestrator.routes.deps import ServiceDep, SessionDep
-from sandbox.models import FileInfo
 from sandbox.workspace_files import clean_path
 
 router = APIRouter(prefix="/v1/sessions/{session_id}/files", tags=["files"])
@@ -34,7 +34,7 @@ async def upload(
         if size > limit:
             raise HTTPException(413, f"the upload is larger than the limit of {limit} bytes")
         chunks.append(chunk)
-    return await service.upload(session, target, b"".join(chunks))
+    return await service.files.upload(session, target, b"".join(chunks))
 
 
 @router.get("", summary="List a directory of the workspace")
@@ -44,7 +44,7 @@ async def list_files(
     path: Annotated[str, Query(description="A directory; the workspace root if unset.")] = "",
     recursive: bool = False,
 ) -> list[FileInfo]:
-    return await service.list_files(session, path, recursive=recursive)
+    return await service.files.list_files(session, path, recursive=recursive)
 
 
 @router.get(
@@ -54,7 +54,7 @@ async def list_files(
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 async def download(path: str, session: SessionDep, service: ServiceDep) -> Response:
-    data = await service.download(session, path)
+    data = await service.files.download(session, path)
     name = clean_path(path)[-1]
     ascii_name = name.encode("ascii", "replace").decode().replace("?", "_")
     ascii_name = ascii_name.replace("\\", "_").replace('"', "_")
@@ -68,5 +68,5 @@ async def download(path: str, session: SessionDep, service: ServiceDep) -> Respo
 
 @router.delete("/{path:path}", status_code=204, summary="Delete a file or directory")
 async def delete(path: str, session: SessionDep, service: ServiceDep) -> Response:
-    await service.remove_file(session, path)
+    await service.files.remove_file(session, path)
     return Response(status_code=204)

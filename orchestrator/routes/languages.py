@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.languages import LANGUAGES
+from code_interpreter_wire.rest import LanguagesResponse
 from orchestrator.routes.deps import OwnerDep, ServiceDep
-from orchestrator.schemas import LanguagesResponse
-from sandbox.errors import SandboxError
-from sandbox.languages import LANGUAGES
 
 router = APIRouter(prefix="/v1/languages", tags=["languages"])
 
@@ -17,9 +17,9 @@ async def languages(service: ServiceDep, owner: OwnerDep) -> LanguagesResponse:
     """A backend that cannot say (e.g. its image is missing) lists none: a session there
     fails to start and says why."""
     by_backend: dict[str, list[str]] = {}
-    for name in service.backend_names():
+    for name in service.views.backend_names():
         try:
-            by_backend[name] = await service.languages(name)
+            by_backend[name] = await service.views.languages(name)
         except SandboxError:
             by_backend[name] = []
     default = service.settings.default_backend

@@ -20,7 +20,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/v1/status", summary="The caller's sessions, the backends and their warm pools")
 async def status(service: ServiceDep, owner: OwnerDep) -> dict[str, object]:
-    return service.status(owner)
+    return service.views.status(owner)
 
 
 def metrics_reader(request: Request, service: ServiceDep) -> None:

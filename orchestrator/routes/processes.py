@@ -18,6 +18,15 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.processes import (
+    CommandResult,
+    ProcessEnd,
+    ProcessInfo,
+    ProcessOutput,
+    ProcessRequest,
+    TerminalSize,
+)
 from orchestrator.auth import Authenticator, client_address
 from orchestrator.caller_mark import caller_proven
 from orchestrator.http_errors import status_of
@@ -26,16 +35,7 @@ from orchestrator.routes.deps import ServiceDep, SessionDep, unless_disconnected
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionError
 from orchestrator.streaming import KEEPALIVE_S
-from sandbox.errors import SandboxError
 from sandbox.processes.managed import Dropped, ProcessEvent
-from sandbox.processes.models import (
-    CommandResult,
-    ProcessEnd,
-    ProcessInfo,
-    ProcessOutput,
-    ProcessRequest,
-    TerminalSize,
-)
 
 router = APIRouter(prefix="/v1/sessions/{session_id}", tags=["processes"])
 
@@ -167,10 +167,10 @@ async def _ndjson(
     result. Waiting for the result all along keeps the session in use while someone follows."""
     if start:
         yield _line({"type": "start", "pid": pid})
-    result = asyncio.ensure_future(service.wait_process(session, pid))
+    result = asyncio.ensure_future(service.runs.wait_process(session, pid))
     lines = _Lines()
     try:
-        events = await service.process_events(session, pid, replay=replay)
+        events = await service.runs.process_events(session, pid, replay=replay)
         async for event in _with_keepalives(events):
             if event is None:
                 yield KEEPALIVE_LINE
@@ -212,8 +212,8 @@ class _StreamThenCleanUp(StreamingResponse):
 async def _kill(service: Service, session: Session, pid: int) -> None:
     """SIGKILL to a process and everything it started, if it still runs."""
     with contextlib.suppress(SandboxError, SessionError, OSError):
-        if (await service.process_info(session, pid)).running:
-            await service.signal_process(session, pid, Signals.SIGKILL)
+        if (await service.runs.process_info(session, pid)).running:
+            await service.runs.signal_process(session, pid, Signals.SIGKILL)
 
 
 # --- commands
@@ -227,7 +227,7 @@ async def run_command(
 ) -> Response:
     """`argv` as it is, or `command` through `bash -l -c`, in the session's sandbox beside the
     kernel. Its output is capped like an execution's. A caller that disconnects kills it."""
-    result = await unless_disconnected(request, service.run_command(session, body))
+    result = await unless_disconnected(request, service.runs.run_command(session, body))
     return await json_response(result)
 
 
@@ -245,7 +245,7 @@ async def run_command_stream(
     fell behind, and last `end` with the whole CommandResult (or `failure`, if the session
     ended). Closing the connection kills the command (before it starts, e.g. while it waits
     for a human's approval: it never starts)."""
-    info = await unless_disconnected(request, service.start_process(session, body))
+    info = await unless_disconnected(request, service.runs.start_process(session, body))
     lines = _ndjson(service, session, info.pid, replay=True, start=True)
     return _StreamThenCleanUp(lines, lambda: _kill(service, session, info.pid))
 
@@ -263,7 +263,7 @@ async def start_process(
     output is always read (it never blocks on a full pipe) and the most recent is kept. A
     caller that disconnects before it starts (e.g. while it waits for a human's approval)
     leaves nothing started."""
-    return await unless_disconnected(request, service.start_process(session, body))
+    return await unless_disconnected(request, service.runs.start_process(session, body))
 
 
 @router.get("/processes", summary="List the session's processes")
@@ -274,12 +274,12 @@ async def list_processes(
         bool, Query(description="Also those that ended (the most recent are remembered).")
     ] = False,
 ) -> list[ProcessInfo]:
-    return await service.list_processes(session, include_ended=include_ended)
+    return await service.runs.list_processes(session, include_ended=include_ended)
 
 
 @router.get("/processes/{pid}", summary="Get a process")
 async def get_process(pid: int, session: SessionDep, service: ServiceDep) -> ProcessInfo:
-    return await service.process_info(session, pid)
+    return await service.runs.process_info(session, pid)
 
 
 @router.get(
@@ -298,7 +298,7 @@ async def process_output(
 ) -> StreamingResponse:
     """As `commands/stream`, without `start`: output from now on (or replayed first), then
     `end` with its result. Closing the connection leaves the process running."""
-    await service.process_info(session, pid)  # a wrong pid is a 404 before the stream starts
+    await service.runs.process_info(session, pid)  # a wrong pid is a 404 before the stream starts
     lines = _ndjson(service, session, pid, replay=replay, start=False)
     return StreamingResponse(lines, media_type="application/x-ndjson")
 
@@ -322,14 +322,14 @@ async def send_stdin(
     """The body, raw, as it is (at most the service's request size limit). The process must
     have been started with `stdin: true` or a terminal."""
     data = await request.body()
-    await service.send_input(session, pid, data)
+    await service.runs.send_input(session, pid, data)
     return Response(status_code=204)
 
 
 @router.post("/processes/{pid}/stdin/close", status_code=204, summary="Close a process's stdin")
 async def close_stdin(pid: int, session: SessionDep, service: ServiceDep) -> Response:
     """It reads end-of-file."""
-    await service.close_input(session, pid)
+    await service.runs.close_input(session, pid)
     return Response(status_code=204)
 
 
@@ -339,7 +339,7 @@ async def send_signal(
 ) -> Response:
     """To the process and everything it started. Only the signals listed are sent; others are
     refused with 400."""
-    await service.signal_process(session, pid, signal_number(body.signal))
+    await service.runs.signal_process(session, pid, signal_number(body.signal))
     return Response(status_code=204)
 
 
@@ -352,7 +352,7 @@ async def wait_process(
     pid: int, request: Request, session: SessionDep, service: ServiceDep
 ) -> Response:
     """A caller that disconnects stops waiting; the process runs on."""
-    result = await unless_disconnected(request, service.wait_process(session, pid))
+    result = await unless_disconnected(request, service.runs.wait_process(session, pid))
     return await json_response(result)
 
 
@@ -360,7 +360,7 @@ async def wait_process(
 async def resize(
     pid: int, body: TerminalSize, session: SessionDep, service: ServiceDep
 ) -> Response:
-    await service.resize_terminal(session, pid, body)
+    await service.runs.resize_terminal(session, pid, body)
     return Response(status_code=204)
 
 
@@ -421,7 +421,7 @@ async def terminal(
             wait = min(settings.terminal_auth_timeout_s, settings.http_header_timeout_s)
             owner = await _first_frame_owner(websocket, authenticate, wait)
             caller_proven(websocket.scope)
-        session = await service.get_session(session_id, owner)
+        session = await service.lifecycle.get(session_id, owner)
         request = ProcessRequest(
             argv=TERMINAL_SHELL,
             env=TERMINAL_ENV,
@@ -429,7 +429,7 @@ async def terminal(
             terminal=TerminalSize(cols=cols, rows=rows),
             tag="terminal",
         )
-        info = await service.start_process(session, request)
+        info = await service.runs.start_process(session, request)
     except WebSocketDisconnect:
         return
     except (_Refused, SessionError, SandboxError, HTTPException) as exc:
@@ -445,7 +445,7 @@ async def _run_terminal(
 ) -> None:
     """Output out and keystrokes in until the shell ends (close 1000) or the client leaves
     (the shell is killed). Waiting for its end keeps the session in use while it is open."""
-    waiter = asyncio.ensure_future(service.wait_process(session, pid))
+    waiter = asyncio.ensure_future(service.runs.wait_process(session, pid))
     output = asyncio.ensure_future(_terminal_output(websocket, service, session, pid, sending))
     keys = asyncio.ensure_future(_terminal_input(websocket, service, session, pid, sending))
     try:
@@ -464,7 +464,7 @@ async def _run_terminal(
 async def _terminal_output(
     websocket: WebSocket, service: Service, session: Session, pid: int, sending: asyncio.Lock
 ) -> None:
-    events = await service.process_events(session, pid, replay=True)
+    events = await service.runs.process_events(session, pid, replay=True)
     try:
         async for event in events:
             async with sending:
@@ -491,7 +491,7 @@ async def _terminal_input(
             return
         try:
             if message.get("bytes") is not None:
-                await service.send_input(session, pid, message["bytes"])
+                await service.runs.send_input(session, pid, message["bytes"])
             elif message.get("text") is not None:
                 await _control(message["text"], service, session, pid)
         except (SandboxError, SessionError, OSError, ValueError) as exc:
@@ -515,7 +515,7 @@ async def _control(text: str, service: Service, session: Session, pid: int) -> N
     except ValidationError as exc:
         problem = exc.errors()[0]["msg"]
         raise ValueError(f"a resize needs cols and rows from 1 to 1000: {problem}") from None
-    await service.resize_terminal(session, pid, size)
+    await service.runs.resize_terminal(session, pid, size)
 
 
 def _header_owner(websocket: WebSocket, authenticate: Authenticator) -> str:

@@ -10,10 +10,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse, PlainTextResponse, StreamingResponse
 
-from orchestrator.json_responses import json_response
-from orchestrator.outputs import OutputNotFound
-from orchestrator.routes.deps import OwnerDep, ServiceDep, SessionDep, unless_disconnected
-from orchestrator.schemas import (
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.rest import (
     CreateSessionRequest,
     ExecuteRequest,
     ExecutionRecord,
@@ -24,10 +22,12 @@ from orchestrator.schemas import (
     SnapshotInfo,
     SnapshotRequest,
 )
+from code_interpreter_wire.results import Execution, OutputEvent
+from orchestrator.json_responses import json_response
+from orchestrator.outputs import OutputNotFound
+from orchestrator.routes.deps import OwnerDep, ServiceDep, SessionDep, unless_disconnected
 from orchestrator.sessions import SessionError
 from orchestrator.streaming import Dropped, Finished, Keepalive
-from sandbox.errors import SandboxError
-from sandbox.models import Execution, OutputEvent
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 # An artifact a sandbox made (an SVG can hold script) is shown, never run: no script, no
@@ -43,8 +43,8 @@ STREAMS = ("stdout", "stderr")  # an execution's kept text streams, each readabl
 async def create_session(
     body: CreateSessionRequest, service: ServiceDep, owner: OwnerDep
 ) -> SessionInfo:
-    session = await service.create_session(owner, body)
-    return service.info(session)
+    session = await service.lifecycle.create(owner, body)
+    return service.views.info(session)
 
 
 @router.get("", summary="List the caller's sessions, running and paused")
@@ -55,12 +55,12 @@ async def list_sessions(
         Literal["running", "paused"] | None, Query(description="Only those in this state.")
     ] = None,
 ) -> list[SessionInfo]:
-    return [i for i in await service.session_infos(owner) if state is None or i.state == state]
+    return [i for i in await service.lifecycle.infos(owner) if state is None or i.state == state]
 
 
 @router.get("/{session_id}", summary="Get a session (a paused one stays paused)")
 async def get_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> SessionInfo:
-    return await service.describe_session(session_id, owner)
+    return await service.lifecycle.describe(session_id, owner)
 
 
 @router.post(
@@ -72,12 +72,12 @@ async def pause(session_id: str, service: ServiceDep, owner: OwnerDep) -> Sessio
     its variables, imports, definitions and files come back. What could not be saved (an open
     socket, a generator) is named in the notice of its first execution after. 409 while it
     runs code."""
-    return await service.pause_session(session_id, owner)
+    return await service.lifecycle.pause(session_id, owner)
 
 
 @router.post("/{session_id}/resume", summary="Resume a paused session now")
 async def resume(session_id: str, service: ServiceDep, owner: OwnerDep) -> ResumeInfo:
-    return await service.resume_session(session_id, owner)
+    return await service.lifecycle.resume(session_id, owner)
 
 
 @router.post(
@@ -88,18 +88,18 @@ async def resume(session_id: str, service: ServiceDep, owner: OwnerDep) -> Resum
 async def snapshot(
     session: SessionDep, service: ServiceDep, body: SnapshotRequest | None = None
 ) -> SnapshotInfo:
-    return await service.snapshot_session(session, body.name if body is not None else None)
+    return await service.persistence.snapshot(session, body.name if body is not None else None)
 
 
 @router.delete("/{session_id}", status_code=204, summary="Delete a session and its sandbox")
 async def delete_session(session_id: str, service: ServiceDep, owner: OwnerDep) -> Response:
-    await service.end_session(session_id, owner)
+    await service.lifecycle.end(session_id, owner)
     return Response(status_code=204)
 
 
 @router.post("/{session_id}/keepalive", summary="Mark the session active (resets idle expiry)")
 async def keepalive(session: SessionDep, service: ServiceDep) -> SessionInfo:
-    return await service.keepalive(session)
+    return await service.lifecycle.keepalive(session)
 
 
 @router.get(
@@ -111,12 +111,12 @@ async def network(
     service: ServiceDep,
     limit: Annotated[int, Query(ge=0, le=1000, description="Most connections listed.")] = 100,
 ) -> NetworkReport:
-    return service.network_report(session, limit)
+    return service.views.network_report(session, limit)
 
 
 @router.post("/{session_id}/interrupt", summary="Stop the running execution")
 async def interrupt(session: SessionDep, service: ServiceDep) -> dict[str, bool]:
-    return {"interrupted": await service.interrupt(session)}
+    return {"interrupted": await service.runs.interrupt(session)}
 
 
 @router.post("/{session_id}/restart", summary="Restart a kernel, or all (files are kept)")
@@ -124,7 +124,7 @@ async def restart(
     session: SessionDep, service: ServiceDep, body: RestartRequest | None = None
 ) -> SessionInfo:
     """Without a body (or `language`), every kernel the session started is replaced."""
-    return await service.restart(session, body.language if body is not None else None)
+    return await service.runs.restart(session, body.language if body is not None else None)
 
 
 @router.post(
@@ -139,7 +139,7 @@ async def execute(
     disconnects interrupts its code."""
     record = await unless_disconnected(
         request,
-        service.execute(
+        service.runs.execute(
             session,
             body.code,
             timeout_s=body.timeout_s,
@@ -185,7 +185,7 @@ async def execute_stream(
 
     # Called here, not in `lines`: a language there is not is refused (400) before the stream
     # starts, not as a broken stream.
-    run = service.stream(
+    run = service.runs.stream(
         session,
         body.code,
         timeout_s=body.timeout_s,
@@ -214,7 +214,7 @@ async def execute_stream(
 )
 async def get_execution(execution_id: str, session: SessionDep, service: ServiceDep) -> Response:
     """Sent as it was stored (already a serialised Execution): never parsed again here."""
-    kept = await service.open_kept_execution(session, execution_id)
+    kept = await service.files.open_kept_execution(session, execution_id)
     return StreamingResponse(
         kept.chunks(),
         media_type="application/json",
@@ -234,7 +234,7 @@ async def get_execution_stream(
         raise OutputNotFound(
             f"no output {stream!r} of execution {execution_id}; there are {' and '.join(STREAMS)}"
         )
-    execution = await service.kept_execution(session, execution_id)
+    execution = await service.files.kept_execution(session, execution_id)
     return PlainTextResponse(getattr(execution, stream))
 
 
@@ -244,5 +244,5 @@ async def get_execution_stream(
     response_class=FileResponse,
 )
 async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> FileResponse:
-    path, mime = service.artifact(session, artifact_id)
+    path, mime = service.files.artifact(session, artifact_id)
     return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

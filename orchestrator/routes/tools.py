@@ -7,21 +7,23 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from orchestrator.routes.deps import OwnerDep, ServiceDep, unless_disconnected
-from orchestrator.schemas import ExecutionRecord, InvokeRequest, InvokeResponse
-from orchestrator.service import ToolOutcome
-from orchestrator.tool import (
-    LIBRARIES,
+from code_interpreter_wire.rest import ExecutionRecord, InvokeRequest, InvokeResponse
+from code_interpreter_wire.tool_arguments import (
     SHELL_TOOL_NAME,
     TOOL_NAME,
     ToolCallError,
-    ToolFormat,
-    definitions,
-    format_output,
     parse_arguments,
     parse_shell_arguments,
+)
+from code_interpreter_wire.tool_definitions import (
+    LIBRARIES,
+    ToolFormat,
+    definitions,
     shell_definitions,
 )
+from code_interpreter_wire.tool_output import format_output
+from orchestrator.model_tool import ModelTool, ToolOutcome
+from orchestrator.routes.deps import OwnerDep, ServiceDep, unless_disconnected
 
 router = APIRouter(prefix="/v1/tools", tags=["tool"])
 
@@ -38,17 +40,17 @@ async def definition(
     """With `session_id`, the description lists that session's host tools and languages;
     otherwise those of the sessions the tool creates itself (settings:
     host_tools.session_default, and the default backend's languages)."""
-    session = None if session_id is None else await service.get_session(session_id, owner)
+    session = None if session_id is None else await service.lifecycle.get(session_id, owner)
     if session is not None:
-        names = service.session_tools(session)
+        names = service.views.session_tools(session)
     else:
-        names = service.settings.host_tools.session_default
+        names = service.channels.default_tools()
     defs = definitions(
-        timeout_s=service.settings.execution_timeout_s,
+        timeout_s=service.admission.tool_timeout(),
         libraries=LIBRARIES,
-        host_tools=service.host_tool_summaries(names),
-        languages=await service.tool_languages(session),
-        network=service.network_of(session),
+        host_tools=service.channels.summaries(names),
+        languages=await service.views.tool_languages(session),
+        network=service.views.network_of(session),
     )
     return defs[format] if format is not None else defs
 
@@ -79,7 +81,7 @@ async def invoke(
 
         outcome = await unless_disconnected(
             request,
-            service.invoke_tool(
+            ModelTool(service).invoke(
                 owner, args.code, session_id=args.session_id, links=links, language=args.language
             ),
         )
@@ -105,11 +107,11 @@ def _response(body: InvokeRequest, outcome: ToolOutcome) -> InvokeResponse:
 async def shell_definition(service: ServiceDep, format: ToolFormat | None = None) -> dict[str, Any]:
     """`run_command`: shell command lines in the same sessions as code_interpreter. Off unless
     the operator sets CODE_INTERPRETER_SHELL_TOOL=true; then 404 says so."""
-    service.check_shell_tool()
+    ModelTool(service).check_shell()
     defs = shell_definitions(
-        timeout_s=service.settings.execution_timeout_s,
+        timeout_s=service.admission.tool_timeout(),
         libraries=LIBRARIES,
-        network=service.network_of(None),
+        network=service.views.network_of(None),
     )
     return defs[format] if format is not None else defs
 
@@ -124,7 +126,8 @@ async def invoke_shell(
     """As code_interpreter's invoke: 200 for anything the model did wrong, with a tool output
     telling it what to fix. Status: ok (exit code 0), error (another exit code), timeout, or
     why the call was refused. A caller that disconnects kills its command."""
-    service.check_shell_tool()
+    tool = ModelTool(service)
+    tool.check_shell()
     try:
         args = parse_shell_arguments(body.arguments)
     except ToolCallError as exc:
@@ -132,7 +135,7 @@ async def invoke_shell(
     else:
         outcome = await unless_disconnected(
             request,
-            service.invoke_shell_tool(
+            tool.invoke_shell(
                 owner, args.command, session_id=args.session_id, timeout_s=args.timeout_s
             ),
         )

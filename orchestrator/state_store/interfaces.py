@@ -1,5 +1,6 @@
-"""The store interfaces the service works through. Every method is small, and quick on SQLite;
-a store for many replicas implements the same ones."""
+"""The store interfaces the service works through: session records and saved states. Every
+method is small and async: SQLite runs it on its database's thread (sqlite_db.py), Redis awaits
+the server (redis_connection.py); the event loop waits on neither."""
 
 from __future__ import annotations
 
@@ -15,18 +16,28 @@ from orchestrator.state_store.records import (
 
 
 class SessionStore(ABC):
+    # Whether other replicas write these records too (a cluster's shared store): then the
+    # running sessions it holds are theirs, not a crash's left-overs, and a record another
+    # replica deleted must never be brought back.
+    shared: bool = False
+
     @abstractmethod
-    def put_session(self, record: SessionRecord) -> None:
+    async def put_session(self, record: SessionRecord) -> None:
         """Insert or replace."""
 
     @abstractmethod
-    def get_session(self, session_id: str) -> SessionRecord | None: ...
+    async def update_session(self, record: SessionRecord) -> bool:
+        """Write the record only if it still exists (never bring back a deleted one); whether
+        it did."""
 
     @abstractmethod
-    def delete_session(self, session_id: str) -> None: ...
+    async def get_session(self, session_id: str) -> SessionRecord | None: ...
 
     @abstractmethod
-    def sessions(
+    async def delete_session(self, session_id: str) -> None: ...
+
+    @abstractmethod
+    async def sessions(
         self,
         *,
         owner: str | None = None,
@@ -37,7 +48,12 @@ class SessionStore(ABC):
         """Sessions, filtered; `before`: in their state since before that time."""
 
     @abstractmethod
-    def count_sessions(self, owner: str, state: SessionState) -> int: ...
+    async def count_sessions(self, owner: str, state: SessionState) -> int: ...
+
+    @abstractmethod
+    async def scan_sessions(self, cursor: int, count: int) -> tuple[int, list[SessionRecord]]:
+        """One step of a walk over the running sessions: (the next cursor, 0 when the walk is
+        done; about `count` records). A sweep walks a bounded piece per round this way."""
 
 
 class SnapshotStore(ABC):
@@ -46,17 +62,17 @@ class SnapshotStore(ABC):
         """The directory holding a saved state's files (which may not exist yet)."""
 
     @abstractmethod
-    def put_snapshot(self, record: SnapshotRecord) -> None: ...
+    async def put_snapshot(self, record: SnapshotRecord) -> None: ...
 
     @abstractmethod
-    def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None: ...
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None: ...
 
     @abstractmethod
-    def delete_snapshot(self, snapshot_id: str) -> None:
+    async def delete_snapshot(self, snapshot_id: str) -> None:
         """Remove the record and its files."""
 
     @abstractmethod
-    def snapshots(
+    async def snapshots(
         self,
         *,
         owner: str | None = None,
@@ -66,5 +82,21 @@ class SnapshotStore(ABC):
         """Newest first."""
 
     @abstractmethod
-    def usage(self, owner: str) -> tuple[int, int]:
+    async def usage(self, owner: str) -> tuple[int, int]:
         """(named snapshots, bytes of every saved state) the owner holds."""
+
+    @abstractmethod
+    async def orphan_files(self) -> list[Path]:
+        """Saved states' directories no record names (a crash between writing and
+        recording)."""
+
+
+class StateStore(SessionStore, SnapshotStore):
+    """Both, in one place (a state dir's SQLite file, or the Redis a cluster shares)."""
+
+    @abstractmethod
+    async def ping(self) -> None:
+        """Raise unless the store answers (and, for a shared one, demands a password)."""
+
+    @abstractmethod
+    async def close(self) -> None: ...

@@ -67,20 +67,21 @@ def open_server_refused(url: str) -> UnauthenticatedStore:
     )
 
 
-def answers_without_password(url: str, timeout_s: float) -> bool:
+async def answers_without_password(url: str, timeout_s: float) -> bool:
     """Whether the Redis of `url` answers PING on a connection that sends no user or password
     (its default user has none). Its failures are redis-py's errors, for the caller to tell."""
     import redis  # only here: the settings import this module without cluster mode's packages
+    import redis.asyncio
     from redis.exceptions import NoPermissionError
 
-    pool = redis.ConnectionPool.from_url(
+    pool = redis.asyncio.ConnectionPool.from_url(
         url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
     )
     for credential in ("username", "password"):  # what the URL gave: not sent on this one
         pool.connection_kwargs.pop(credential, None)
-    anonymous = redis.Redis(connection_pool=pool)
+    anonymous = redis.asyncio.Redis(connection_pool=pool)
     try:
-        anonymous.ping()
+        await anonymous.ping()
     except redis.AuthenticationError:
         return False
     except redis.ResponseError as exc:
@@ -90,6 +91,6 @@ def answers_without_password(url: str, timeout_s: float) -> bool:
             return False
         raise
     finally:
-        anonymous.close()
-        pool.disconnect()
+        await anonymous.aclose()
+        await pool.disconnect()
     return True

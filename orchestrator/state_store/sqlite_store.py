@@ -1,28 +1,25 @@
-"""Both stores in one SQLite file under the state dir, and saved states' files beside it.
+"""Session records and saved states in the SQLite file under the state dir (sqlite_db.py), and
+saved states' files beside it.
 
 Rows hold JSON documents (the records' own schema) plus the columns queries filter on, so a new
-field needs no migration. WAL and `synchronous=NORMAL`: a committed row survives a crash of the
-service (not of the machine's power), and each write costs well under a millisecond.
+field needs no migration. Every statement runs on the database's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
-import sqlite3
-import threading
 from pathlib import Path
 from typing import Any
 
-from orchestrator.state_store.interfaces import SessionStore, SnapshotStore
+from orchestrator.state_store.interfaces import StateStore
 from orchestrator.state_store.records import (
     SessionRecord,
     SessionState,
     SnapshotKind,
     SnapshotRecord,
 )
-from orchestrator.state_store.sqlite_approvals import SqliteApprovals
-from orchestrator.state_store.sqlite_audit import SqliteAudit
-from orchestrator.state_store.sqlite_principals import SqlitePrincipals
+from orchestrator.state_store.sqlite_db import SqliteDatabase
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -37,40 +34,40 @@ CREATE INDEX IF NOT EXISTS snapshots_by_session ON snapshots (session_id);
 """
 
 
-class SqliteStore(SessionStore, SnapshotStore):
-    def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self._files = state_dir / "snapshots"
+class SqliteStore(StateStore):
+    def __init__(self, db: SqliteDatabase) -> None:
+        """`db`: the state dir's file; saved states' files go in `snapshots/` beside it."""
+        self.database = db
+        self._files = db.path.parent / "snapshots"
         self._files.mkdir(mode=0o700, exist_ok=True)
         self._files.chmod(0o700)
-        path = state_dir / "state.db"
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        path.chmod(0o600)
-        self._lock = threading.Lock()
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-        self.approvals = SqliteApprovals(self._db, self._lock)
-        self.audit = SqliteAudit(self._db, self._lock)
-        self.principals = SqlitePrincipals(self._db, self._lock)
+        self._db = db.connection
+        self._lock = db.lock
+        db.executescript(_SCHEMA)
 
-    def close(self) -> None:
-        self.audit.close()  # its own reading connection
-        with self._lock:
-            self._db.close()
+    async def ping(self) -> None:
+        """A local file: nothing to reach."""
 
-    def _rows(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+    async def close(self) -> None:
+        """The database is closed by whoever opened it (other stores share it)."""
+
+    def _rows_now(self, sql: str, args: tuple[object, ...]) -> list[tuple[Any, ...]]:
         with self._lock:
             return list(self._db.execute(sql, args).fetchall())
 
-    def _write(self, sql: str, args: tuple[object, ...]) -> None:
+    def _write_now(self, sql: str, args: tuple[object, ...]) -> int:
         with self._lock:
-            self._db.execute(sql, args)
+            return int(self._db.execute(sql, args).rowcount)
+
+    async def _rows(self, sql: str, args: tuple[object, ...] = ()) -> list[tuple[Any, ...]]:
+        return await self.database.run(self._rows_now, sql, args)
+
+    async def _write(self, sql: str, args: tuple[object, ...]) -> int:
+        return await self.database.run(self._write_now, sql, args)
 
     # --- sessions
-    def put_session(self, record: SessionRecord) -> None:
-        self._write(
+    async def put_session(self, record: SessionRecord) -> None:
+        await self._write(
             "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
             (
                 record.id,
@@ -82,14 +79,29 @@ class SqliteStore(SessionStore, SnapshotStore):
             ),
         )
 
-    def get_session(self, session_id: str) -> SessionRecord | None:
-        rows = self._rows("SELECT doc FROM sessions WHERE id = ?", (session_id,))
+    async def update_session(self, record: SessionRecord) -> bool:
+        changed = await self._write(
+            "UPDATE sessions SET owner = ?, backend = ?, state = ?, state_since = ?, doc = ? "
+            "WHERE id = ?",
+            (
+                record.owner,
+                record.backend,
+                record.state,
+                record.state_since,
+                record.model_dump_json(),
+                record.id,
+            ),
+        )
+        return changed == 1
+
+    async def get_session(self, session_id: str) -> SessionRecord | None:
+        rows = await self._rows("SELECT doc FROM sessions WHERE id = ?", (session_id,))
         return SessionRecord.model_validate_json(rows[0][0]) if rows else None
 
-    def delete_session(self, session_id: str) -> None:
-        self._write("DELETE FROM sessions WHERE id = ?", (session_id,))
+    async def delete_session(self, session_id: str) -> None:
+        await self._write("DELETE FROM sessions WHERE id = ?", (session_id,))
 
-    def sessions(
+    async def sessions(
         self,
         *,
         owner: str | None = None,
@@ -102,13 +114,24 @@ class SqliteStore(SessionStore, SnapshotStore):
             where.append("state_since < ?")
             args.append(before)
         sql = "SELECT doc FROM sessions" + _where(where) + " ORDER BY state_since"
-        return [SessionRecord.model_validate_json(r[0]) for r in self._rows(sql, tuple(args))]
+        rows = await self._rows(sql, tuple(args))
+        return [SessionRecord.model_validate_json(r[0]) for r in rows]
 
-    def count_sessions(self, owner: str, state: SessionState) -> int:
-        rows = self._rows(
+    async def count_sessions(self, owner: str, state: SessionState) -> int:
+        rows = await self._rows(
             "SELECT count(*) FROM sessions WHERE owner = ? AND state = ?", (owner, state)
         )
         return int(rows[0][0])
+
+    async def scan_sessions(self, cursor: int, count: int) -> tuple[int, list[SessionRecord]]:
+        """The running sessions in rowid order from `cursor` (a rowid; 0: from the start)."""
+        rows = await self._rows(
+            "SELECT rowid, doc FROM sessions WHERE state = 'running' AND rowid > ? "
+            "ORDER BY rowid LIMIT ?",
+            (cursor, max(1, count)),
+        )
+        records = [SessionRecord.model_validate_json(doc) for _, doc in rows]
+        return (int(rows[-1][0]) if len(rows) == max(1, count) else 0), records
 
     # --- snapshots
     def files_of(self, snapshot_id: str) -> Path:
@@ -116,8 +139,8 @@ class SqliteStore(SessionStore, SnapshotStore):
             raise ValueError(f"not a snapshot id: {snapshot_id!r}")
         return self._files / snapshot_id
 
-    def put_snapshot(self, record: SnapshotRecord) -> None:
-        self._write(
+    async def put_snapshot(self, record: SnapshotRecord) -> None:
+        await self._write(
             "INSERT OR REPLACE INTO snapshots VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 record.id,
@@ -130,15 +153,16 @@ class SqliteStore(SessionStore, SnapshotStore):
             ),
         )
 
-    def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
-        rows = self._rows("SELECT doc FROM snapshots WHERE id = ?", (snapshot_id,))
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotRecord | None:
+        rows = await self._rows("SELECT doc FROM snapshots WHERE id = ?", (snapshot_id,))
         return SnapshotRecord.model_validate_json(rows[0][0]) if rows else None
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        self._write("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
-        shutil.rmtree(self.files_of(snapshot_id), ignore_errors=True)
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        files = self.files_of(snapshot_id)
+        await self._write("DELETE FROM snapshots WHERE id = ?", (snapshot_id,))
+        await asyncio.to_thread(shutil.rmtree, files, True)  # files, not the store
 
-    def snapshots(
+    async def snapshots(
         self,
         *,
         owner: str | None = None,
@@ -147,20 +171,21 @@ class SqliteStore(SessionStore, SnapshotStore):
     ) -> list[SnapshotRecord]:
         where, args = _filters(owner=owner, kind=kind, session_id=session_id)
         sql = "SELECT doc FROM snapshots" + _where(where) + " ORDER BY created_at DESC"
-        return [SnapshotRecord.model_validate_json(r[0]) for r in self._rows(sql, tuple(args))]
+        rows = await self._rows(sql, tuple(args))
+        return [SnapshotRecord.model_validate_json(r[0]) for r in rows]
 
-    def usage(self, owner: str) -> tuple[int, int]:
-        rows = self._rows(
+    async def usage(self, owner: str) -> tuple[int, int]:
+        rows = await self._rows(
             "SELECT count(CASE WHEN kind = 'snapshot' THEN 1 END), coalesce(sum(bytes), 0) "
             "FROM snapshots WHERE owner = ?",
             (owner,),
         )
         return int(rows[0][0]), int(rows[0][1])
 
-    def orphan_files(self) -> list[Path]:
-        """Saved states' directories no row names (a crash between writing and recording)."""
-        known = {r[0] for r in self._rows("SELECT id FROM snapshots")}
-        return [p for p in self._files.iterdir() if p.name not in known]
+    async def orphan_files(self) -> list[Path]:
+        known = {r[0] for r in await self._rows("SELECT id FROM snapshots")}
+        present = await asyncio.to_thread(lambda: list(self._files.iterdir()))
+        return [p for p in present if p.name not in known]
 
 
 def _filters(**columns: object) -> tuple[list[str], list[object]]:

@@ -10,21 +10,23 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, ClassVar, Self
 
+from code_interpreter_wire.errors import ProcessesUnsupported, RuntimeUnavailable, SandboxError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.network_policy import NetworkMode
+from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
+from code_interpreter_wire.results import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.egress_channel import EgressChannel
-from sandbox.errors import ProcessesUnsupported, RuntimeUnavailable, SandboxError
 from sandbox.host_channel import HostChannel
-from sandbox.languages import PYTHON
-from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
 from sandbox.processes.handle import ProcessHandle
 from sandbox.processes.managed import ManagedProcess
-from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
 from sandbox.processes.spawned import Spawner
 from sandbox.processes.table import ProcessTable
-from sandbox.spec import SandboxSpec
 
 # What the sandboxed code sees as its working directory and workspace root.
 WORKSPACE_IN_SANDBOX = "/workspace"
@@ -56,8 +58,8 @@ class Sandbox(ABC):
 
     @property
     def languages(self) -> list[str]:
-        """The languages its kernels speak (canonical names, sandbox/languages.py), Python
-        first."""
+        """The languages its kernels speak (canonical names, code_interpreter_wire/languages.py),
+        Python first."""
         return [PYTHON]
 
     @abstractmethod
@@ -230,17 +232,60 @@ class Sandbox(ABC):
         await self.close()
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BackendCapabilities:
+    """What a backend's sandboxes can do, declared by the backend, so the service asks what it
+    can do rather than which one it is."""
+
+    # The network policy modes it enforces (code_interpreter_wire/network_policy.py).
+    network_modes: tuple[NetworkMode, ...]
+    # Its sandboxes can open a host-tool channel (SandboxSpec.host_tools).
+    host_tools: bool
+    # Commands and terminals beside the kernel (Sandbox.start_process, sandbox/processes/).
+    processes: bool
+    # The engine's own whole-sandbox pause: `Sandbox.suspend`, `Backend.wake`.
+    suspend: bool
+    # Saved states: the service saves a kernel's variables and the files
+    # (sandbox/saved_state.py) and starts new sandboxes from them.
+    snapshot: bool
+    # Any replica of a cluster can attach to its sandboxes (`Backend.attach`).
+    shared_across_nodes: bool
+    # It runs the container image a spec names (SandboxSpec.image).
+    images: bool
+    # It can choose an OCI runtime (SandboxSpec.runtime, `Backend.runtimes`).
+    runtimes: bool
+    # The service's warm pool may keep its sandboxes ready: not where an idle one costs money,
+    # expires on its own, or the backend keeps a pool of its own.
+    warm_pool: bool
+    # Its sandboxes live in an engine other services use too (a Docker engine, a cloud, a
+    # cluster), told apart by its config's `orchestrator_id` when orphans are swept.
+    labels_sandboxes: bool
+    # Its sandboxes keep directories on this host, under `<state dir>/<its name>/`
+    # (sandbox/state_dir.py): what a process that died left there is for the next to sweep.
+    host_dirs: bool
+
+    @property
+    def pause(self) -> bool:
+        """A session on it can be paused and resumed: by the engine, or from a saved state."""
+        return self.suspend or self.snapshot
+
+    @property
+    def egress_rules(self) -> bool:
+        """Our egress proxy stands between it and the network, so allow lists and deny rules
+        hold (a backend without it holds only all or nothing)."""
+        return "allow_list" in self.network_modes
+
+
 class Backend(ABC):
     """Creates sandboxes of one kind."""
 
     name: str
-    # Whether its sandboxes can open a host-tool channel (SandboxSpec.host_tools).
-    supports_host_tools: bool = True
-    # The network policy modes its sandboxes can hold (sandbox/network_policy.py).
-    network_modes: tuple[str, ...] = ("none", "allow_list", "any")
-    # Whether a warm pool may keep its sandboxes ready: not where an idle one costs money or
-    # expires on its own.
-    keeps_warm: bool = True
+    capabilities: ClassVar[BackendCapabilities]
+
+    @classmethod
+    @abstractmethod
+    def configured(cls, **config: Any) -> Self:
+        """One made from its configuration's fields by name (sandbox/backends/registry.py)."""
 
     async def runtimes(self) -> list[str]:
         """The OCI runtimes a sandbox may ask for (SandboxSpec.runtime); none by default."""

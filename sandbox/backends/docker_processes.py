@@ -44,9 +44,14 @@ from typing import Any
 import docker
 from docker.errors import APIError, DockerException, NotFound
 
+from code_interpreter_wire.errors import (
+    FileMissing,
+    ProcessesUnsupported,
+    ProcessStateError,
+    SandboxError,
+)
+from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.errors import FileMissing, ProcessesUnsupported, ProcessStateError, SandboxError
-from sandbox.processes.models import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.processes.spawned import CHUNK_BYTES, SpawnedProcess, Spawner
 
 # Every process carries this variable, with a value of its own; its descendants inherit it.

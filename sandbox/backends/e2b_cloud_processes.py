@@ -21,8 +21,8 @@ from typing import Any
 from e2b import CommandExitException, PtySize
 from e2b_code_interpreter import AsyncSandbox
 
-from sandbox.errors import SandboxError
-from sandbox.processes.models import ProcessEnd, ProcessRequest, Stream, TerminalSize
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.processes.spawned import SpawnedProcess, Spawner
 
 _QUEUED_CHUNKS = 64  # chunks waiting to be read before the SDK's reader waits

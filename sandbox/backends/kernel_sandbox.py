@@ -23,13 +23,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
+from code_interpreter_wire.errors import SandboxClosed, SandboxError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.results import EventSink, Execution, FileInfo
+from code_interpreter_wire.spec import SandboxSpec, check_environment
 from sandbox.backends.base import Sandbox
-from sandbox.errors import SandboxClosed, SandboxError
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.scopes import change_directory, set_env
-from sandbox.languages import PYTHON, check_available
-from sandbox.models import EventSink, Execution, FileInfo
-from sandbox.spec import SandboxSpec, check_environment
+from sandbox.languages import check_available
 from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Entry, Workspace
 

@@ -6,10 +6,10 @@ child), which enters its outer user namespace and its mount, PID, IPC, UTS, netw
 namespaces, takes its root and working directory, and runs the sandbox's own interpreter on
 `inside_kernel/process_launcher.py`; that finishes the job inside (the kernel's user namespace,
 no capabilities, its own session, no_new_privs, the sandbox's seccomp filter) and execs the
-command. The host side is confined as the kernel is (`_confine` in local.py: its cgroup, rlimits,
-and its host uid when the service runs as root), starts from an empty environment, and passes
-only the descriptors it means to. Everything the process needs from the host comes in memory:
-the request as JSON and the filter in memfds, a socketpair for the handshake.
+command. The host side is confined as the kernel is (`confine` in bwrap_kernel.py: its cgroup,
+rlimits, and its host uid when the service runs as root), starts from an empty environment,
+and passes only the descriptors it means to. Everything the process needs from the host comes
+in memory: the request as JSON and the filter in memfds, a socketpair for the handshake.
 
 With cgroups, each process also gets a pids group of its own inside the sandbox's: signals reach
 everything it started, even what left its session; a time limit or close kills them all. Without
@@ -38,17 +38,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox import seccomp
-from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.cgroups import ProcessCgroup, SandboxCgroup
-from sandbox.errors import (
+from code_interpreter_wire.errors import (
     FileAccessError,
     FileMissing,
     ProcessStateError,
     SandboxStartError,
 )
+from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
+from sandbox import seccomp
+from sandbox.backends.base import WORKSPACE_IN_SANDBOX
+from sandbox.cgroups import ProcessCgroup, SandboxCgroup
 from sandbox.host_commands import memfd_with
-from sandbox.processes.models import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
 
 LAUNCHER_FILE = Path(__file__).parent.parent / "inside_kernel" / "process_launcher.py"

@@ -9,10 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sandbox.json_depth import nests_deeper_than
-from sandbox.kernel.long_text import CutText
-from sandbox.kernel.wire import INLINE_DECODE_BYTES, Frame, KernelMessage, Malformed
-from sandbox.models import (
+from code_interpreter_wire.results import (
     DERIVED_MIME_TYPES,
     ErrorEvent,
     Execution,
@@ -23,7 +20,12 @@ from sandbox.models import (
     StderrEvent,
     StdoutEvent,
 )
-from sandbox.models import EventSink as EventSink  # where it was first; it lives beside the models
+from code_interpreter_wire.results import (
+    EventSink as EventSink,  # where it was first; it lives beside the models
+)
+from sandbox.json_depth import nests_deeper_than
+from sandbox.kernel.long_text import CutText
+from sandbox.kernel.wire import INLINE_DECODE_BYTES, Frame, KernelMessage, Malformed
 
 # A rich output's content (its MIME bundle within the message) nests at most this deep.
 RESULT_MAX_DEPTH = 100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sandbox.spec import ResourceLimits
+from code_interpreter_wire.spec import ResourceLimits
 
 STARTUP_FILE = Path(__file__).parent.parent / "inside_kernel" / "startup.py"
 # Where the start-up file sits inside a sandbox (bound by the local backend, copied by images).

@@ -7,33 +7,32 @@ after an interrupt, or on request. Executions run one at a time, in the order th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import socket
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
-from jupyter_client.asynchronous.client import AsyncKernelClient
-
-from sandbox.errors import SandboxClosed, SandboxStartError
-from sandbox.host_channel import TOOL_ORIGIN_ENV, TOOL_ORIGIN_METADATA
-from sandbox.kernel.channels import KernelChannels, OutputHandler, Watch, frame_limit_bytes
+from code_interpreter_wire.errors import SandboxClosed, SandboxStartError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.results import EventSink, Execution, ExecutionError, ExecutionStatus
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox.host_channel import TOOL_ORIGIN_ENV
+from sandbox.kernel.channels import OutputHandler, Watch, frame_limit_bytes
 from sandbox.kernel.collector import OutputCollector, capped
-from sandbox.kernel.connection import reset_kernel_dir, seal_kernel_dir, write_connection_file
-from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
-from sandbox.kernel.programs import INTERRUPT_SOCKET
+from sandbox.kernel.connection import seal_kernel_dir
+from sandbox.kernel.generation import (
+    KernelGeneration,
+    answers,
+    dispose,
+    launch_generation,
+    send_execute,
+    send_interrupt,
+)
+from sandbox.kernel.process import KernelLauncher
 from sandbox.kernel.scopes import scope
 from sandbox.kernel.wire import KernelMessage
-from sandbox.languages import LANGUAGES, PYTHON
-from sandbox.models import EventSink, Execution, ExecutionError, ExecutionStatus
-from sandbox.spec import SandboxSpec
-
-if TYPE_CHECKING:
-    from jupyter_client.connect import KernelConnectionInfo
+from sandbox.languages import KERNEL_TRAITS
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +59,6 @@ class _Run:
         self.woken.set()
 
 
-@dataclass
-class _Kernel:
-    """One kernel generation: its process, client (to send), readers and the task that watches
-    it die."""
-
-    generation: int
-    process: KernelProcess
-    client: AsyncKernelClient
-    channels: KernelChannels
-    exited: asyncio.Future[KernelExit]
-
-
 class KernelDriver:
     """Drives the kernel a `KernelLauncher` starts, over the ipc sockets in its directory."""
 
@@ -88,13 +75,13 @@ class KernelDriver:
     ) -> None:
         self._launcher = launcher
         self.language = language
-        self._linger_s = LANGUAGES[language].linger_s
+        self._linger_s = KERNEL_TRAITS[language].linger_s
         self.interrupt_grace_s = interrupt_grace_s
         self.output_limit_chars = output_limit_chars
         self.result_limit_bytes = result_limit_bytes
         self.result_limit_count = result_limit_count
         self.startup_timeout_s = startup_timeout_s
-        self._kernel: _Kernel | None = None
+        self._kernel: KernelGeneration | None = None
         self._generation = 0
         self._lock = asyncio.Lock()  # FIFO: queued executions run in the order they came
         self._run: _Run | None = None
@@ -164,40 +151,24 @@ class KernelDriver:
 
     async def _start_kernel(self) -> None:
         self._generation += 1
-        launcher = self._launcher
-        reset_kernel_dir(launcher.kernel_dir, launcher.kernel_uid)
-        in_sandbox, info = write_connection_file(
-            launcher.kernel_dir,
-            launcher.kernel_dir_in_sandbox,
+        kernel = await launch_generation(
+            self._launcher,
             self._generation,
-            launcher.kernel_uid,
+            frame_limit=frame_limit_bytes(self.result_limit_bytes, self.output_limit_chars),
+            text_limit=self.output_limit_chars,
         )
-        process = await launcher.launch(in_sandbox)
-        exited: asyncio.Future[KernelExit] = asyncio.ensure_future(process.wait())
-        try:
-            client = AsyncKernelClient()
-            client.load_connection_info(cast("KernelConnectionInfo", info))
-            frame_limit = frame_limit_bytes(self.result_limit_bytes, self.output_limit_chars)
-            channels = KernelChannels(
-                client, frame_limit=frame_limit, text_limit=self.output_limit_chars
-            )
-        except BaseException:  # the kernel runs already: it must not outlive this failure
-            exited.cancel()
-            await process.kill()
-            raise
-        kernel = _Kernel(self._generation, process, client, channels, exited)
         try:
             await self._wait_ready(kernel)
             if self._closed:
                 raise SandboxClosed("the sandbox was closed while its kernel started")
-            seal_kernel_dir(launcher.kernel_dir)
+            seal_kernel_dir(self._launcher.kernel_dir)
         except BaseException:
-            await self._dispose(kernel)
+            await dispose(kernel)
             raise
         self._kernel = kernel
-        exited.add_done_callback(lambda _: self._on_exit(kernel))
+        kernel.exited.add_done_callback(lambda _: self._on_exit(kernel))
 
-    async def _wait_ready(self, kernel: _Kernel) -> None:
+    async def _wait_ready(self, kernel: KernelGeneration) -> None:
         """Wait until a kernel that is starting answers (see `_answers`)."""
         if not await self._answers(kernel):
             output = kernel.process.diagnostics().strip()
@@ -206,39 +177,11 @@ class KernelDriver:
                 + (f"; its last output:\n{output}" if output else "")
             )
 
-    async def _answers(self, kernel: _Kernel) -> bool:
-        """Ask for kernel_info until the shell answers and iopub is seen to be connected: True;
-        False once the kernel is found dead instead."""
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self._closed:  # closed while it starts: the caller disposes of the kernel
-                raise SandboxClosed("the sandbox was closed while its kernel started")
-            if kernel.exited.done():
-                return False
-            if time.monotonic() > deadline:
-                channels = kernel.channels
-                raise SandboxStartError(
-                    f"the kernel did not answer within {self.startup_timeout_s:.0f} s of starting "
-                    f"({channels.shell_received} shell messages read; output channel "
-                    f"{'live' if channels.iopub_seen.is_set() else 'silent'})"
-                )
-            msg_id = kernel.client.kernel_info()
-            reply = kernel.channels.reply_to(msg_id)
-            try:
-                # A death ends the wait at once, not after it.
-                either: set[asyncio.Future[Any]] = {reply, kernel.exited}
-                await asyncio.wait(either, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                if not reply.done():
-                    raise TimeoutError
-                # Each request is answered with busy/idle on iopub: seeing any message proves
-                # that our subscription is live, so no output of the first execution is lost.
-                await asyncio.wait_for(kernel.channels.iopub_seen.wait(), 0.2)
-                return True
-            except TimeoutError:
-                kernel.channels.forget_reply(msg_id)
-                continue
+    async def _answers(self, kernel: KernelGeneration) -> bool:
+        """Whether a kernel answers (`generation.answers`); False once found dead instead."""
+        return await answers(kernel, self.startup_timeout_s, lambda: self._closed)
 
-    async def _found_dead(self, kernel: _Kernel, within_s: float) -> bool:
+    async def _found_dead(self, kernel: KernelGeneration, within_s: float) -> bool:
         """Whether the kernel turns out dead when asked to answer (kernel_info, ~1 ms). One
         alive but slow to answer (stopped, or starved by its own threads) is left to the run's
         time limit, as before, once `within_s` (at most PROBE_S) has passed."""
@@ -252,21 +195,14 @@ class KernelDriver:
     async def _stop_kernel(self) -> None:
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
-            await self._dispose(kernel)
-
-    async def _dispose(self, kernel: _Kernel) -> None:
-        try:
-            await kernel.process.kill()
-        finally:
-            kernel.channels.close()
-            kernel.exited.cancel()
+            await dispose(kernel)
 
     async def _replace_kernel(self) -> None:
         """Kill the current kernel and start a fresh one (the lock is held)."""
         await self._stop_kernel()
         await self._start_kernel()
 
-    def _on_exit(self, kernel: _Kernel) -> None:
+    def _on_exit(self, kernel: KernelGeneration) -> None:
         """A kernel died. If nobody is executing, replace it now so the next call is quick."""
         if self._closed or kernel is not self._kernel or kernel.exited.cancelled():
             return
@@ -276,13 +212,13 @@ class KernelDriver:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _recover_idle(self, kernel: _Kernel) -> None:
+    async def _recover_idle(self, kernel: KernelGeneration) -> None:
         async with self._lock:
             if self._closed or kernel is not self._kernel:
                 return
             await self._replace_dead(kernel)
 
-    async def _replace_dead(self, kernel: _Kernel) -> None:
+    async def _replace_dead(self, kernel: KernelGeneration) -> None:
         """Replace a kernel that died between executions (the lock is held)."""
         death = kernel.exited.result()
         log.warning("kernel died between executions (it %s); restarting", death.reason)
@@ -335,14 +271,8 @@ class KernelDriver:
             self._notice = None
             self._scope_open = False
 
-    def _send_interrupt(self, kernel: _Kernel) -> None:
-        # Message mode works the same in every backend: no signal has to cross a namespace. A
-        # kernel that ignores it is sent SIGINT by its supervisor, asked over a socket.
-        if LANGUAGES[self.language].interrupt_by_signal:
-            _poke(self._launcher.kernel_dir / INTERRUPT_SOCKET)
-            return
-        client = kernel.client
-        client.control_channel.send(client.session.msg("interrupt_request", {}))
+    def _send_interrupt(self, kernel: KernelGeneration) -> None:
+        send_interrupt(kernel, self.language, self._launcher)
 
     # ----------------------------------------------------------------------------------------
     # Execution
@@ -494,7 +424,7 @@ class KernelDriver:
                 collector, ExecutionStatus.KERNEL_DIED, why, name="KernelDied"
             )
         run = self._run = _Run(deadline=time.monotonic() + max(0.0, timeout_s - spent_s))
-        msg_id = run.msg_id = _send_execute(kernel.client, code, silent, origin)
+        msg_id = run.msg_id = send_execute(kernel, code, silent, origin)
         # Registered before any await: nothing of this request can arrive before them.
         take = _without_values(collector.take) if silent else collector.take
         watch = run.watch = kernel.channels.follow(msg_id, take)
@@ -632,44 +562,6 @@ def _origin_apart(
         return env, None
     rest = dict(env)
     return rest, rest.pop(TOOL_ORIGIN_ENV)
-
-
-def _send_execute(client: AsyncKernelClient, code: str, silent: bool, origin: str | None) -> str:
-    """`client.execute` (as jupyter_client builds it), with the origin in the metadata."""
-    content = {
-        "code": code,
-        "silent": silent,
-        "store_history": not silent,
-        "user_expressions": {},
-        "allow_stdin": False,
-        "stop_on_error": False,
-    }
-    metadata = {TOOL_ORIGIN_METADATA: origin} if origin is not None else {}
-    msg = client.session.msg("execute_request", content, metadata=metadata)
-    client.shell_channel.send(msg)
-    return cast(str, msg["header"]["msg_id"])
-
-
-def _poke(path: os.PathLike[str] | str) -> None:
-    """Write one byte to the supervisor's interrupt socket, without following a link the
-    sandbox may have put in its place: the socket is opened by O_PATH and reached through
-    /proc/self/fd, and must be a socket."""
-    try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        log.warning("cannot interrupt the kernel: %s", exc)
-        return
-    try:
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            log.warning("the kernel's interrupt socket is not a socket; not interrupting")
-            return
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.setblocking(False)  # a full backlog: skip it; the grace period restarts the kernel
-            with contextlib.suppress(OSError):
-                s.connect(f"/proc/self/fd/{fd}")
-                s.send(b"\x03")
-    finally:
-        os.close(fd)
 
 
 def _without_values(take: OutputHandler) -> OutputHandler:

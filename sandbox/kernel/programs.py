@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kernel_images.labels import (
+from code_interpreter_wire.languages import LANGUAGES, PYTHON
+from code_interpreter_wire.spec import ResourceLimits
+from sandbox.image_labels import (
     DENO_IN_IMAGE,
     JAVA_IN_IMAGE,
     JJAVA_JAR_IN_IMAGE,
@@ -21,8 +23,7 @@ from kernel_images.labels import (
 )
 from sandbox.inside_kernel import kernel_supervisor
 from sandbox.kernel.command import kernel_command
-from sandbox.languages import LANGUAGES, PYTHON
-from sandbox.spec import ResourceLimits
+from sandbox.languages import KERNEL_TRAITS
 
 SUPERVISOR_FILE = Path(kernel_supervisor.__file__)
 SUPERVISOR_IN_SANDBOX = "/opt/code-interpreter/kernel_supervisor.py"
@@ -71,7 +72,7 @@ class KernelPrograms:
         if language == PYTHON:
             return kernel_command(self.python, connection_file, self.startup_file)
         argv = self._kernel_argv(language, limits)
-        spec = LANGUAGES[language]
+        spec = KERNEL_TRAITS[language]
         if not spec.supervised:
             return [a.replace("{connection_file}", connection_file) for a in argv]
         supervisor = [self.python, self.supervisor, "--connection-file", connection_file]
@@ -121,7 +122,7 @@ def language_environment(language: str) -> dict[str, str]:
 
 def image_programs(labels: dict[str, str] | None, python: str, startup_file: str) -> KernelPrograms:
     """The programs of a kernel image, from its languages label (no label: Python alone), at
-    the paths the images put them (kernel_images/labels.py)."""
+    the paths the images put them (sandbox/image_labels.py)."""
     listed = set(languages_of(labels))
     return KernelPrograms(
         python=python,

@@ -22,8 +22,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from sandbox.errors import ScopeRefused
-from sandbox.languages import PYTHON
+from code_interpreter_wire.errors import ScopeRefused
+from code_interpreter_wire.languages import PYTHON
 
 # The helper module the Python kernel's start-up file installs (inside_kernel/startup.py).
 _PYTHON_RUNTIME = "__import__('_cir_runtime')"

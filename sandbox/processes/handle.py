@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from code_interpreter_wire.processes import CommandResult, ProcessInfo, TerminalSize
 from sandbox.processes.managed import KILL_GRACE_S, ProcessEvent
-from sandbox.processes.models import CommandResult, ProcessInfo, TerminalSize
 
 
 class ProcessHandle(Protocol):

@@ -19,9 +19,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from sandbox.errors import SandboxError
-from sandbox.kernel.collector import CappedText
-from sandbox.processes.models import (
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.processes import (
     CommandResult,
     ProcessEnd,
     ProcessInfo,
@@ -30,6 +29,7 @@ from sandbox.processes.models import (
     Stream,
     TerminalSize,
 )
+from sandbox.kernel.collector import CappedText
 from sandbox.processes.spawned import SpawnedProcess
 
 REPLAY_BYTES = 256 << 10  # the most recent output a reconnecting client is given

@@ -8,7 +8,7 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from sandbox.processes.models import ProcessEnd, ProcessRequest, Stream, TerminalSize
+from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 
 CHUNK_BYTES = 32 << 10  # read at most this much of a stream at once
 

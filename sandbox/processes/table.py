@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from sandbox.errors import ProcessLimitReached, ProcessNotFound
+from code_interpreter_wire.errors import ProcessLimitReached, ProcessNotFound
+from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
 from sandbox.processes.managed import ManagedProcess
-from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
 from sandbox.processes.spawned import Spawner
 
 MAX_RUNNING = 32  # processes started through the API at once, per sandbox

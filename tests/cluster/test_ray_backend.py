@@ -15,23 +15,24 @@ import pytest
 import ray
 from ray.exceptions import ActorUnavailableError
 
-from sandbox.backends.ray_cluster.backend import RayBackend, RayBackendConfig
-from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
-from sandbox.backends.ray_cluster.session_actor import (
-    FILE_CHUNK_BYTES,
-    MAX_IMPORTS,
-    SessionActor,
-)
-from sandbox.errors import (
+from code_interpreter_wire.errors import (
     BackendUnavailable,
     CapacityReached,
     FileMissing,
     SandboxError,
     SandboxLost,
 )
-from sandbox.models import DoneEvent, ExecutionStatus, StdoutEvent
-from sandbox.network_policy import NetworkPolicy
-from sandbox.spec import SandboxSpec
+from code_interpreter_wire.network_policy import NetworkPolicy
+from code_interpreter_wire.results import DoneEvent, ExecutionStatus, StdoutEvent
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.config import RayBackendConfig
+from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
+from sandbox.backends.ray_cluster.session_actor import (
+    FILE_CHUNK_BYTES,
+    MAX_IMPORTS,
+    SessionActor,
+)
 from tests.cluster.conftest import RayTestCluster
 from tests.conftest import host_processes_with, small_spec
 

@@ -23,9 +23,13 @@ from typing import Any
 import pytest
 import ray
 
+from code_interpreter_wire.errors import ProcessNotFound, SandboxLost
+from code_interpreter_wire.processes import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
+from code_interpreter_wire.results import ExecutionStatus
 from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
 from sandbox import Sandbox, create_backend
-from sandbox.backends.ray_cluster.backend import RayBackend, RayBackendConfig
+from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.node_processes import NodeProcesses
 from sandbox.backends.ray_cluster.node_tool_relay import (
     CALLS_PER_POLL,
@@ -39,10 +43,7 @@ from sandbox.backends.ray_cluster.remote_process import (
     remote_run_command,
     remote_start_process,
 )
-from sandbox.errors import ProcessNotFound, SandboxLost
-from sandbox.models import ExecutionStatus
 from sandbox.processes.managed import LISTENER_BACKLOG_BYTES, Dropped, ProcessEvent
-from sandbox.processes.models import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
 from tests.cluster.conftest import RayTestCluster
 from tests.conftest import small_spec
 from tests.host_tools.tools_for_tests import TOOLS

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 import pytest
 import ray
 
-from sandbox.backends.ray_cluster.backend import RayBackend, RayBackendConfig
+from code_interpreter_wire.errors import CapacityReached
+from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.names import NAMESPACE, pool_prefix
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
 from sandbox.backends.ray_cluster.warm_pool import PoolState
-from sandbox.errors import CapacityReached
 from tests.cluster.conftest import RayTestCluster
 from tests.conftest import small_spec
 

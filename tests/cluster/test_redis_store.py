@@ -3,17 +3,23 @@ tombstones hold across two store objects (as two replicas), and bad values are t
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from code_interpreter_wire.spec import SandboxSpec
+from orchestrator.cluster.coordination_store import CoordinationStore
 from orchestrator.state_store.records import SessionRecord, SnapshotRecord
-from orchestrator.state_store.redis_store import CorruptRecord, RedisStore, StoreUnavailable
+from orchestrator.state_store.redis_connection import (
+    CorruptRecord,
+    RedisConnection,
+    StoreUnavailable,
+)
+from orchestrator.state_store.redis_store import RedisStore
 from sandbox.saved_state import SavedState
-from sandbox.spec import SandboxSpec
 from tests.cluster.redis_server import free_port, redis_server
 
 
@@ -29,13 +35,24 @@ def prefix(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def stores(redis_url: str, prefix: str, tmp_path: Path) -> Iterator[tuple[RedisStore, RedisStore]]:
+async def stores(
+    redis_url: str, prefix: str, tmp_path: Path
+) -> AsyncIterator[tuple[RedisStore, RedisStore]]:
     """Two stores on one server, as two replicas would hold."""
-    a = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    b = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+    a = RedisStore(RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path / "snaps")
+    b = RedisStore(RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path / "snaps")
     yield a, b
-    a.close()
-    b.close()
+    await a.connection.close()
+    await b.connection.close()
+
+
+@pytest.fixture
+def coordination_pair(
+    stores: tuple[RedisStore, RedisStore],
+) -> tuple[CoordinationStore, CoordinationStore]:
+    """What the two replicas coordinate through, in the same Redis."""
+    a, b = stores
+    return CoordinationStore(a.connection), CoordinationStore(b.connection)
 
 
 def _session(sid: str, owner: str = "k1", **fields: object) -> SessionRecord:
@@ -57,37 +74,37 @@ def _snapshot(snap_id: str, owner: str = "k1", **fields: object) -> SnapshotReco
     )
 
 
-def test_redis_store_sessions_round_trip_across_replicas(
+async def test_redis_store_sessions_round_trip_across_replicas(
     stores: tuple[RedisStore, RedisStore],
 ) -> None:
     a, b = stores
-    a.put_session(_session("s-1", sandbox_handle="cir-abc", state_since=1.0))
-    a.put_session(_session("s-2", owner="k2", state_since=2.0))
-    a.put_session(_session("s-3", state="paused", backend="local", state_since=3.0))
-    got = b.get_session("s-1")
+    await a.put_session(_session("s-1", sandbox_handle="cir-abc", state_since=1.0))
+    await a.put_session(_session("s-2", owner="k2", state_since=2.0))
+    await a.put_session(_session("s-3", state="paused", backend="local", state_since=3.0))
+    got = await b.get_session("s-1")
     assert got is not None and got.sandbox_handle == "cir-abc" and got.owner == "k1"
-    assert b.get_session("s-none") is None
-    assert [r.id for r in b.sessions(owner="k1")] == ["s-1", "s-3"]
-    assert [r.id for r in b.sessions()] == ["s-1", "s-2", "s-3"]
-    assert [r.id for r in b.sessions(state="running")] == ["s-1", "s-2"]
-    assert [r.id for r in b.sessions(backend="local")] == ["s-3"]
-    assert [r.id for r in b.sessions(before=2.5)] == ["s-1", "s-2"]
-    assert b.count_sessions("k1", "running") == 1
-    b.delete_session("s-1")
-    assert a.get_session("s-1") is None
-    assert [r.id for r in a.sessions(owner="k1")] == ["s-3"]
+    assert await b.get_session("s-none") is None
+    assert [r.id for r in await b.sessions(owner="k1")] == ["s-1", "s-3"]
+    assert [r.id for r in await b.sessions()] == ["s-1", "s-2", "s-3"]
+    assert [r.id for r in await b.sessions(state="running")] == ["s-1", "s-2"]
+    assert [r.id for r in await b.sessions(backend="local")] == ["s-3"]
+    assert [r.id for r in await b.sessions(before=2.5)] == ["s-1", "s-2"]
+    assert await b.count_sessions("k1", "running") == 1
+    await b.delete_session("s-1")
+    assert await a.get_session("s-1") is None
+    assert [r.id for r in await a.sessions(owner="k1")] == ["s-3"]
 
 
-def test_redis_store_scan_walks_every_session_a_piece_at_a_time(
+async def test_redis_store_scan_walks_every_session_a_piece_at_a_time(
     stores: tuple[RedisStore, RedisStore],
 ) -> None:
     a, _ = stores
     for i in range(25):
-        a.put_session(_session(f"s-{i}"))
+        await a.put_session(_session(f"s-{i}"))
     seen: set[str] = set()
     cursor, steps = 0, 0
     while True:
-        cursor, records = a.scan_sessions(cursor, 5)
+        cursor, records = await a.scan_sessions(cursor, 5)
         seen |= {r.id for r in records}
         steps += 1
         if cursor == 0:
@@ -96,76 +113,88 @@ def test_redis_store_scan_walks_every_session_a_piece_at_a_time(
     assert steps > 1
 
 
-def test_redis_store_walk_sees_only_running_sessions(
-    stores: tuple[RedisStore, RedisStore], redis_url: str, prefix: str
+async def test_redis_store_walk_sees_only_running_sessions(
+    stores: tuple[RedisStore, RedisStore],
+    redis_url: str,
+    prefix: str,
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
 ) -> None:
     """The reaper's walk is the running set, not every key (ended sessions' claims and
     tombstones, paused records); a record gone leaves the set."""
+    ca, _ = coordination_pair
     a, _ = stores
-    a.put_session(_session("s-run"))
-    a.put_session(_session("s-paused", state="paused", backend="local"))
-    a.put_session(_session("s-gone"))
+    await a.put_session(_session("s-run"))
+    await a.put_session(_session("s-paused", state="paused", backend="local"))
+    await a.put_session(_session("s-gone"))
     for i in range(300):  # what ended sessions leave behind
-        a.end(f"s-old-{i}", "k1", "was deleted")
-    a.delete_session("s-gone")
+        await ca.end(f"s-old-{i}", "k1", "was deleted")
+    await a.delete_session("s-gone")
     raw = redis.Redis.from_url(redis_url)
     raw.sadd(f"{prefix}:running", "s-stale")  # a record lost without its set entry
-    cursor, records = a.scan_sessions(0, 10)
+    cursor, records = await a.scan_sessions(0, 10)
     assert cursor == 0  # one step: 3 members, not 600 keys
     assert [r.id for r in records] == ["s-run"]
     assert {m.decode() for m in raw.smembers(f"{prefix}:running")} == {"s-run"}
     raw.close()
 
 
-def test_redis_store_handles_named_answers_each_handle(
+async def test_redis_store_handles_named_answers_each_handle(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
     """Asked handle by handle: a listing cut at `max_listed` never makes a live session's
     sandbox look unnamed (the orphan sweep would end it)."""
-    store = RedisStore(redis_url, snapshots_dir=tmp_path, prefix=prefix, max_listed=3)
+    store = RedisStore(
+        RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path, max_listed=3
+    )
     for i in range(10):
-        store.put_session(_session(f"s-{i}", sandbox_handle=f"cir-{i}"))
-    store.delete_session("s-9")
+        await store.put_session(_session(f"s-{i}", sandbox_handle=f"cir-{i}"))
+    await store.delete_session("s-9")
     asked = [f"cir-{i}" for i in range(10)] + ["cir-none"]
-    assert store.handles_named(asked) == {f"cir-{i}" for i in range(9)}
-    assert store.handles_named([]) == set()
-    store.close()
+    assert await store.handles_named(asked) == {f"cir-{i}" for i in range(9)}
+    assert await store.handles_named([]) == set()
+    await store.connection.close()
 
 
-def test_redis_store_update_never_brings_back_a_deleted_record(
+async def test_redis_store_update_never_brings_back_a_deleted_record(
     stores: tuple[RedisStore, RedisStore],
 ) -> None:
     a, b = stores
     record = _session("s-1", labels={"x": "1"})
-    a.put_session(record)
-    assert b.update_session(record.model_copy(update={"labels": {"x": "2"}}))
-    got = a.get_session("s-1")
+    await a.put_session(record)
+    assert await b.update_session(record.model_copy(update={"labels": {"x": "2"}}))
+    got = await a.get_session("s-1")
     assert got is not None and got.labels == {"x": "2"}
-    a.delete_session("s-1")
-    assert not b.update_session(record)
-    assert a.get_session("s-1") is None
+    await a.delete_session("s-1")
+    assert not await b.update_session(record)
+    assert await a.get_session("s-1") is None
 
 
-def test_redis_store_listings_stop_at_their_cap(
+async def test_redis_store_listings_stop_at_their_cap(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    store = RedisStore(redis_url, snapshots_dir=tmp_path, prefix=prefix, max_listed=7)
+    store = RedisStore(
+        RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path, max_listed=7
+    )
     for i in range(20):
-        store.put_session(_session(f"s-{i}"))
-    assert len(store.sessions()) == 7
-    assert len(store.sessions(owner="k1")) == 7
-    store.close()
+        await store.put_session(_session(f"s-{i}"))
+    assert len(await store.sessions()) == 7
+    assert len(await store.sessions(owner="k1")) == 7
+    await store.connection.close()
 
 
-def test_redis_store_every_key_is_under_its_prefix(
-    stores: tuple[RedisStore, RedisStore], redis_url: str, prefix: str
+async def test_redis_store_every_key_is_under_its_prefix(
+    stores: tuple[RedisStore, RedisStore],
+    redis_url: str,
+    prefix: str,
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
 ) -> None:
+    ca, _ = coordination_pair
     a, _ = stores
-    a.put_session(_session("s-1"))
-    a.put_snapshot(_snapshot("snap-1"))
-    assert a.admit("k1", "s-1", 5, 5) is None
-    assert a.end("s-1", "k1", "was deleted") == (True, "was deleted")
-    assert a.admit("k1", "s-2", 5, 5) is None
+    await a.put_session(_session("s-1"))
+    await a.put_snapshot(_snapshot("snap-1"))
+    assert await ca.admit("k1", "s-1", 5, 5) is None
+    assert await ca.end("s-1", "k1", "was deleted") == (True, "was deleted")
+    assert await ca.admit("k1", "s-2", 5, 5) is None
     raw = redis.Redis.from_url(redis_url)
     keys = [k.decode() for k in raw.scan_iter(match=f"{prefix}:*")]
     assert len(keys) >= 8
@@ -174,195 +203,195 @@ def test_redis_store_every_key_is_under_its_prefix(
     raw.close()
 
 
-def test_redis_store_a_corrupt_value_is_a_typed_error(
-    stores: tuple[RedisStore, RedisStore], redis_url: str, prefix: str
+async def test_redis_store_a_corrupt_value_is_a_typed_error(
+    stores: tuple[RedisStore, RedisStore],
+    redis_url: str,
+    prefix: str,
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
 ) -> None:
+    ca, _ = coordination_pair
     a, _ = stores
-    a.put_session(_session("s-good"))
-    a.put_session(_session("s-bad"))
+    await a.put_session(_session("s-good"))
+    await a.put_session(_session("s-bad"))
     raw = redis.Redis.from_url(redis_url)
     raw.set(f"{prefix}:session:s-bad", b'{"id": "s-bad", "owner": 3}')
     raw.set(f"{prefix}:ended:s-x", b"\xff\xfe not json")
     raw.hset(f"{prefix}:slot-details", "s-y", b"[]")
     raw.close()
     with pytest.raises(CorruptRecord, match="corrupt SessionRecord"):
-        a.get_session("s-bad")
+        await a.get_session("s-bad")
     with pytest.raises(CorruptRecord, match="corrupt Tombstone"):
-        a.ended("s-x")
+        await ca.ended("s-x")
     # A listing skips the bad one (logged) rather than hide every other record.
-    assert [r.id for r in a.sessions(owner="k1")] == ["s-good"]
-    a.delete_session("s-bad")  # deletable all the same
-    assert a.get_session("s-bad") is None
-    a.release("s-y")  # a corrupt slot is released all the same
+    assert [r.id for r in await a.sessions(owner="k1")] == ["s-good"]
+    await a.delete_session("s-bad")  # deletable all the same
+    assert await a.get_session("s-bad") is None
+    await ca.release("s-y")  # a corrupt slot is released all the same
 
 
-def test_redis_store_admission_holds_the_caps(stores: tuple[RedisStore, RedisStore]) -> None:
-    a, b = stores
-    assert a.admit("k1", "s-1", 2, 3) is None
-    assert b.admit("k1", "s-1", 2, 3) is None  # the same id twice: one place
-    assert b.admit("k1", "s-2", 2, 3) is None
-    why = a.admit("k1", "s-3", 2, 3)
-    assert why is not None and "API key holds its maximum of 2 sessions" in why
-    assert b.admit("k2", "s-4", 2, 3) is None
-    why = b.admit("k3", "s-5", 2, 3)
-    assert why is not None and "maximum of 3 sessions (3 across its replicas)" in why
-    assert a.slots_held() == 3 and a.slots_held("k1") == 2
-    b.release("s-1")
-    b.release("s-1")  # idempotent
-    assert a.slots_held() == 2 and a.slots_held("k1") == 1
-    assert a.admit("k1", "s-3", 2, 3) is None
-
-
-def test_redis_store_concurrent_admissions_never_pass_the_cap(
+async def test_redis_store_admission_holds_the_caps(
     stores: tuple[RedisStore, RedisStore],
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
 ) -> None:
-    a, b = stores
-    admitted: list[str] = []
-    lock = threading.Lock()
+    ca, cb = coordination_pair
+    assert await ca.admit("k1", "s-1", 2, 3) is None
+    assert await cb.admit("k1", "s-1", 2, 3) is None  # the same id twice: one place
+    assert await cb.admit("k1", "s-2", 2, 3) is None
+    why = await ca.admit("k1", "s-3", 2, 3)
+    assert why is not None and "API key holds its maximum of 2 sessions" in why
+    assert await cb.admit("k2", "s-4", 2, 3) is None
+    why = await cb.admit("k3", "s-5", 2, 3)
+    assert why is not None and "maximum of 3 sessions (3 across its replicas)" in why
+    assert await ca.slots_held() == 3 and await ca.slots_held("k1") == 2
+    await cb.release("s-1")
+    await cb.release("s-1")  # idempotent
+    assert await ca.slots_held() == 2 and await ca.slots_held("k1") == 1
+    assert await ca.admit("k1", "s-3", 2, 3) is None
 
-    def create(store: RedisStore, n: int) -> None:
+
+async def test_redis_store_concurrent_admissions_never_pass_the_cap(
+    stores: tuple[RedisStore, RedisStore],
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
+) -> None:
+    ca, cb = coordination_pair
+    admitted: list[str] = []
+
+    async def create(coordination: CoordinationStore, n: int) -> None:
         for i in range(15):
             sid = f"s-{n}-{i}"
-            if store.admit("k1", sid, 7, 100) is None:
-                with lock:
-                    admitted.append(sid)
+            if await coordination.admit("k1", sid, 7, 100) is None:
+                admitted.append(sid)
 
-    threads = [threading.Thread(target=create, args=(s, n)) for n, s in enumerate([a, b, a, b])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    await asyncio.gather(*(create(c, n) for n, c in enumerate([ca, cb, ca, cb])))
     assert len(admitted) == 7
-    assert a.slots_held("k1") == 7
+    assert await ca.slots_held("k1") == 7
 
 
-def test_redis_store_concurrent_admissions_never_pass_the_total_cap(
+async def test_redis_store_concurrent_admissions_never_pass_the_total_cap(
     stores: tuple[RedisStore, RedisStore],
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
 ) -> None:
-    a, b = stores
+    ca, cb = coordination_pair
     admitted: list[str] = []
-    lock = threading.Lock()
 
-    def create(store: RedisStore, n: int) -> None:
+    async def create(coordination: CoordinationStore, n: int) -> None:
         for i in range(10):
             sid = f"s-{n}-{i}"
-            if store.admit(f"k{i % 4}", sid, 100, 9) is None:  # four keys, nine places
-                with lock:
-                    admitted.append(sid)
+            if await coordination.admit(f"k{i % 4}", sid, 100, 9) is None:  # 4 keys, 9 places
+                admitted.append(sid)
 
-    threads = [threading.Thread(target=create, args=(s, n)) for n, s in enumerate([a, b, a, b])]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    await asyncio.gather(*(create(c, n) for n, c in enumerate([ca, cb, ca, cb])))
     assert len(admitted) == 9
-    assert a.slots_held() == 9
-    assert sum(a.slots_held(f"k{i}") for i in range(4)) == 9
+    assert await ca.slots_held() == 9
+    assert sum([await ca.slots_held(f"k{i}") for i in range(4)]) == 9
 
 
-def test_redis_store_end_is_won_exactly_once(stores: tuple[RedisStore, RedisStore]) -> None:
+async def test_redis_store_end_is_won_exactly_once(
+    stores: tuple[RedisStore, RedisStore],
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
+) -> None:
     """Claim, tombstone and place given back are one step: every loser reads the winner's
     reason (never a missing tombstone), and the place is free once anyone ended it."""
-    a, b = stores
-    assert a.admit("k1", "s-1", 5, 5) is None
-    ends: list[tuple[bool, str]] = []
-    lock = threading.Lock()
-
-    def end(store: RedisStore, n: int) -> None:
-        result = store.end("s-1", "k1", f"why {n}")
-        with lock:
-            ends.append(result)
-
-    threads = [threading.Thread(target=end, args=(s, n)) for n, s in enumerate([a, b] * 4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    ca, cb = coordination_pair
+    assert await ca.admit("k1", "s-1", 5, 5) is None
+    ends = await asyncio.gather(
+        *(c.end("s-1", "k1", f"why {n}") for n, c in enumerate([ca, cb] * 4))
+    )
     winners = [why for won, why in ends if won]
     assert len(winners) == 1
     assert {why for _, why in ends} == set(winners)  # the losers say the winner's reason
-    assert a.slots_held() == 0 and a.slots_held("k1") == 0
-    assert b.ended("s-1") == ("k1", winners[0])
-    assert b.end("s-2", "k2", "lost: n1") == (True, "lost: n1")
-    assert a.end("s-2", "k2", "was deleted") == (False, "lost: n1")
+    assert await ca.slots_held() == 0 and await ca.slots_held("k1") == 0
+    assert await cb.ended("s-1") == ("k1", winners[0])
+    assert await cb.end("s-2", "k2", "lost: n1") == (True, "lost: n1")
+    assert await ca.end("s-2", "k2", "was deleted") == (False, "lost: n1")
 
 
-def test_redis_store_tombstones_are_shared_and_expire(
-    stores: tuple[RedisStore, RedisStore], redis_url: str, prefix: str
+async def test_redis_store_tombstones_are_shared_and_expire(
+    stores: tuple[RedisStore, RedisStore],
+    redis_url: str,
+    prefix: str,
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
 ) -> None:
-    a, b = stores
-    assert b.ended("s-1") is None
-    assert a.end("s-1", "k1", "lost: node n1 died")[0]
-    assert b.ended("s-1") == ("k1", "lost: node n1 died")
-    assert b.ended_among(["s-0", "s-1", "s-2"]) == {"s-1": ("k1", "lost: node n1 died")}
-    assert b.ended_among([]) == {}
+    ca, cb = coordination_pair
+    assert await cb.ended("s-1") is None
+    assert (await ca.end("s-1", "k1", "lost: node n1 died"))[0]
+    assert await cb.ended("s-1") == ("k1", "lost: node n1 died")
+    assert await cb.ended_among(["s-0", "s-1", "s-2"]) == {"s-1": ("k1", "lost: node n1 died")}
+    assert await cb.ended_among([]) == {}
     raw = redis.Redis.from_url(redis_url)
     ttl = raw.ttl(f"{prefix}:ended:s-1")
     assert 0 < ttl <= 86400
-    assert a.end("s-9", "k1", "was deleted")[0]
+    assert (await ca.end("s-9", "k1", "was deleted"))[0]
     assert 0 < raw.ttl(f"{prefix}:ended:s-9") <= 86400
     # The claim outlives a session's longest life and its tombstone: no second end, ever.
     assert raw.ttl(f"{prefix}:claim:s-9") > 86400 + 86400
     raw.close()
 
 
-def test_redis_store_abandoned_slots_are_found(stores: tuple[RedisStore, RedisStore]) -> None:
+async def test_redis_store_abandoned_slots_are_found(
+    stores: tuple[RedisStore, RedisStore],
+    coordination_pair: tuple[CoordinationStore, CoordinationStore],
+) -> None:
+    ca, _ = coordination_pair
     a, _ = stores
-    assert a.admit("k1", "s-recorded", 5, 5) is None
-    assert a.admit("k1", "s-abandoned", 5, 5) is None
-    a.put_session(_session("s-recorded"))
-    assert a.abandoned_slots(older_than_s=3600, most=10) == []  # both too young to tell
-    assert a.abandoned_slots(older_than_s=-1, most=10) == ["s-abandoned"]
+    assert await ca.admit("k1", "s-recorded", 5, 5) is None
+    assert await ca.admit("k1", "s-abandoned", 5, 5) is None
+    await a.put_session(_session("s-recorded"))
+    assert await ca.abandoned_slots(older_than_s=3600, most=10) == []  # both too young to tell
+    assert await ca.abandoned_slots(older_than_s=-1, most=10) == ["s-abandoned"]
     for i in range(250):  # more than a page of old slots, most of them recorded
-        assert a.admit("k2", f"s-{i}", 500, 500) is None
+        assert await ca.admit("k2", f"s-{i}", 500, 500) is None
         if i != 240:
-            a.put_session(_session(f"s-{i}", owner="k2"))
-    assert sorted(a.abandoned_slots(older_than_s=-1, most=10)) == ["s-240", "s-abandoned"]
-    assert len(a.abandoned_slots(older_than_s=-1, most=1)) == 1
+            await a.put_session(_session(f"s-{i}", owner="k2"))
+    assert sorted(await ca.abandoned_slots(older_than_s=-1, most=10)) == ["s-240", "s-abandoned"]
+    assert len(await ca.abandoned_slots(older_than_s=-1, most=1)) == 1
 
 
-def test_redis_store_snapshots(stores: tuple[RedisStore, RedisStore], tmp_path: Path) -> None:
+async def test_redis_store_snapshots(stores: tuple[RedisStore, RedisStore], tmp_path: Path) -> None:
     a, b = stores
-    a.put_snapshot(_snapshot("snap-1", bytes=100, created_at=1.0))
-    a.put_snapshot(_snapshot("snap-2", bytes=50, created_at=2.0, name="two"))
-    a.put_snapshot(_snapshot("snap-3", owner="k2", bytes=7))
+    await a.put_snapshot(_snapshot("snap-1", bytes=100, created_at=1.0))
+    await a.put_snapshot(_snapshot("snap-2", bytes=50, created_at=2.0, name="two"))
+    await a.put_snapshot(_snapshot("snap-3", owner="k2", bytes=7))
     files = b.files_of("snap-1")
     files.mkdir()
     (files / "state").write_text("x")
     (tmp_path / "snaps" / "stray").mkdir()
-    assert [r.id for r in b.snapshots(owner="k1")] == ["snap-2", "snap-1"]
-    assert [r.id for r in b.snapshots(owner="k2", kind="snapshot")] == ["snap-3"]
-    assert b.snapshots(session_id="s-other") == []
-    assert b.usage("k1") == (2, 150)
-    assert [p.name for p in b.orphan_files()] == ["stray"]
-    b.delete_snapshot("snap-1")
-    assert a.get_snapshot("snap-1") is None and not files.exists()
+    assert [r.id for r in await b.snapshots(owner="k1")] == ["snap-2", "snap-1"]
+    assert [r.id for r in await b.snapshots(owner="k2", kind="snapshot")] == ["snap-3"]
+    assert await b.snapshots(session_id="s-other") == []
+    assert await b.usage("k1") == (2, 150)
+    assert [p.name for p in await b.orphan_files()] == ["stray"]
+    await b.delete_snapshot("snap-1")
+    assert await a.get_snapshot("snap-1") is None and not files.exists()
     with pytest.raises(ValueError, match="not a snapshot id"):
         a.files_of("../etc")
 
 
-def test_redis_store_orphan_files_never_on_a_cut_listing(
+async def test_redis_store_orphan_files_never_on_a_cut_listing(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
-    store = RedisStore(redis_url, snapshots_dir=tmp_path, prefix=prefix, max_listed=2)
+    store = RedisStore(
+        RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path, max_listed=2
+    )
     for i in range(5):
-        store.put_snapshot(_snapshot(f"snap-{i}"))
+        await store.put_snapshot(_snapshot(f"snap-{i}"))
         store.files_of(f"snap-{i}").mkdir()
     (tmp_path / "stray").mkdir()
-    assert [p.name for p in store.orphan_files()] == ["stray"]
-    store.close()
+    assert [p.name for p in await store.orphan_files()] == ["stray"]
+    await store.connection.close()
 
 
-def test_redis_store_unreachable_is_a_typed_error(tmp_path: Path) -> None:
+async def test_redis_store_unreachable_is_a_typed_error(tmp_path: Path) -> None:
     store = RedisStore(
-        f"redis://:secret@127.0.0.1:{free_port()}/0", snapshots_dir=tmp_path, prefix="x"
+        RedisConnection(f"redis://:secret@127.0.0.1:{free_port()}/0", prefix="x"),
+        snapshots_dir=tmp_path,
     )
     with pytest.raises(StoreUnavailable, match="shared session store") as caught:
-        store.get_session("s-1")
+        await store.get_session("s-1")
     assert "secret" not in str(caught.value)
     with pytest.raises(StoreUnavailable):
-        store.admit("k", "s-1", 1, 1)
-    store.close()
+        await CoordinationStore(store.connection).admit("k", "s-1", 1, 1)
+    await store.connection.close()
 
 
 def test_redis_store_url_password_is_never_shown() -> None:

@@ -24,7 +24,11 @@ from typing import Any
 import httpx
 import pytest
 
+from code_interpreter_wire.background_loop import run_sync
+from orchestrator.cluster.coordination_store import CoordinationStore
 from orchestrator.config import Settings
+from orchestrator.state_store.records import SessionRecord
+from orchestrator.state_store.redis_connection import RedisConnection
 from orchestrator.state_store.redis_store import RedisStore
 from tests.cluster.conftest import RayTestCluster
 from tests.cluster.redis_server import free_port, redis_server
@@ -107,17 +111,48 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
+class SharedView:
+    """The test's own view of the shared store (what the replicas keep), for these synchronous
+    tests: each call is awaited on the process's background loop."""
+
+    def __init__(self, url: str, snapshots_dir: Path) -> None:
+        self.connection = RedisConnection(url)
+        self.records = RedisStore(self.connection, snapshots_dir=snapshots_dir)
+        self.coordination = CoordinationStore(self.connection)
+
+    def sessions(self) -> list[SessionRecord]:
+        return run_sync(self.records.sessions())
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        return run_sync(self.records.get_session(session_id))
+
+    def put_session(self, record: SessionRecord) -> None:
+        run_sync(self.records.put_session(record))
+
+    def slots_held(self) -> int:
+        return run_sync(self.coordination.slots_held())
+
+    def admit(self, owner: str, session_id: str, per_key: int, total: int) -> str | None:
+        return run_sync(self.coordination.admit(owner, session_id, per_key, total))
+
+    def ended(self, session_id: str) -> tuple[str, str] | None:
+        return run_sync(self.coordination.ended(session_id))
+
+    def close(self) -> None:
+        run_sync(self.connection.close())
+
+
 @pytest.fixture(scope="module")
-def store(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisStore]:
+def store(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedView]:
     """The test's own view of the shared store (what the replicas keep)."""
-    shared = RedisStore(redis_url, snapshots_dir=tmp_path_factory.mktemp("snaps"))
+    shared = SharedView(redis_url, tmp_path_factory.mktemp("snaps"))
     yield shared
     shared.close()
 
 
 @pytest.fixture(scope="module")
 def replicas(
-    ray_cluster: RayTestCluster, redis_url: str, store: RedisStore
+    ray_cluster: RayTestCluster, redis_url: str, store: SharedView
 ) -> Iterator[tuple[Replica, Replica]]:
     root = Path(tempfile.mkdtemp(prefix="cir-rep-", dir="/tmp"))
     root.chmod(0o711)
@@ -179,7 +214,7 @@ def _delete(replica: Replica, sid: str, key: str = KEY_A) -> None:
         assert api.delete(f"/v1/sessions/{sid}").status_code in (204, 410)
 
 
-def _node_of(ray_cluster: RayTestCluster, store: RedisStore, sid: str) -> str:
+def _node_of(ray_cluster: RayTestCluster, store: SharedView, sid: str) -> str:
     record = store.get_session(sid)
     assert record is not None and record.sandbox_handle is not None
     return ray_cluster.node_of_actor(record.sandbox_handle)
@@ -304,7 +339,7 @@ def test_replica_network_other_than_none_is_refused(replicas: tuple[Replica, Rep
 
 @pytest.mark.cluster
 def test_replica_sessions_spread_and_a_lost_node_takes_exactly_its_own(
-    replicas: tuple[Replica, Replica], ray_cluster: RayTestCluster, store: RedisStore
+    replicas: tuple[Replica, Replica], ray_cluster: RayTestCluster, store: SharedView
 ) -> None:
     a, b = replicas
     extra = ray_cluster.start_node(3)  # the emptiest: the next sessions land there first
@@ -351,7 +386,7 @@ def test_replica_sessions_spread_and_a_lost_node_takes_exactly_its_own(
 
 @pytest.mark.cluster
 def test_replica_process_wait_when_its_node_dies_ends_the_session(
-    replicas: tuple[Replica, Replica], ray_cluster: RayTestCluster, store: RedisStore
+    replicas: tuple[Replica, Replica], ray_cluster: RayTestCluster, store: SharedView
 ) -> None:
     import ray
 
@@ -434,7 +469,7 @@ def test_replica_killed_loses_nothing(replicas: tuple[Replica, Replica]) -> None
 
 @pytest.mark.cluster
 def test_replica_idle_expiry_ends_a_session_once(
-    replicas: tuple[Replica, Replica], store: RedisStore
+    replicas: tuple[Replica, Replica], store: SharedView
 ) -> None:
     a, b = replicas
     sid = _create(a)
@@ -518,7 +553,7 @@ def test_replica_host_tools_work_from_another_node(replicas: tuple[Replica, Repl
 
 @pytest.mark.cluster
 def test_replica_keepalive_through_b_holds_off_the_idle_expiry(
-    replicas: tuple[Replica, Replica], store: RedisStore
+    replicas: tuple[Replica, Replica], store: SharedView
 ) -> None:
     """The sandbox counts activity for every replica: a keepalive through B reaches it, so
     A's reaper leaves the kept session running while it ends one that nobody kept alive."""
@@ -635,14 +670,13 @@ def test_replica_hung_store_stalls_neither_healthz_nor_a_cached_session(
 
 @pytest.mark.cluster
 def test_replica_reaper_ends_a_lost_session_no_replica_holds(
-    replicas: tuple[Replica, Replica], store: RedisStore
+    replicas: tuple[Replica, Replica], store: SharedView
 ) -> None:
     """A record whose actor is gone, attached by no replica: a reaper finds it lost and ends it
     (before, it stayed until its maximum lifetime)."""
+    from code_interpreter_wire.spec import SandboxSpec
     from orchestrator.auth import owner_of
-    from orchestrator.state_store.records import SessionRecord
     from sandbox.backends.ray_cluster.names import session_prefix
-    from sandbox.spec import SandboxSpec
 
     _, b = replicas
     sid = f"s-{uuid.uuid4().hex[:24]}"

@@ -10,17 +10,12 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from sandbox import (
-    Backend,
-    FileMissing,
-    InvalidPath,
-    SandboxClosed,
-    SandboxSpec,
-    create_backend,
-)
-from sandbox.backends.e2b_cloud import E2BSandbox
-from sandbox.models import ExecutionStatus, OutputEvent
-from sandbox.registry import why_unavailable
+from code_interpreter_wire.errors import FileMissing, InvalidPath, SandboxClosed
+from code_interpreter_wire.results import ExecutionStatus, OutputEvent
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox import Backend, create_backend
+from sandbox.backends.e2b_sandbox import E2BSandbox
+from sandbox.backends.registry import why_unavailable
 from tests.e2b_compatible.conftest import E2B_VARIABLES, stop_cleanly
 from tests.service.conftest import KEY_A, Server, make_server
 
@@ -120,7 +115,7 @@ async def test_files(remote: E2BSandbox) -> None:
         await remote.download("data/in.txt")
     with pytest.raises(InvalidPath):
         await remote.upload("../escape", b"x")
-    from sandbox import FileTooLarge
+    from code_interpreter_wire.errors import FileTooLarge
 
     with pytest.raises(FileTooLarge):
         await remote.download("data/out.txt", max_bytes=4)

@@ -9,7 +9,8 @@ import signal
 
 import httpx
 
-from sandbox import Backend, SandboxSpec
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox import Backend
 from sandbox.backends.e2b_cloud import ORCHESTRATOR_LABEL
 from tests.e2b_compatible.conftest import E2B_VARIABLES
 from tests.e2b_compatible.test_backend import e2b_backend  # noqa: F401 - a fixture

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from sandbox.backends.e2b_cloud import E2BSandbox
-from sandbox.processes.models import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
+from code_interpreter_wire.processes import ProcessEnd, ProcessOutput, ProcessRequest, TerminalSize
+from sandbox.backends.e2b_sandbox import E2BSandbox
 from tests.e2b_compatible.test_backend import e2b_backend, remote
 
 __all__ = ["e2b_backend", "remote"]  # the fixtures, used here by name

@@ -17,7 +17,7 @@ import pytest
 from e2b import NotFoundException, SandboxException, TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Execution, Sandbox
 
-from kernel_images import FULL_IMAGE, KERNEL_IMAGE
+from sandbox.image_labels import FULL_IMAGE, KERNEL_IMAGE
 from tests.e2b_compatible.conftest import point_sdk_at, stop_cleanly
 from tests.service.conftest import Server, make_server, service_backends
 

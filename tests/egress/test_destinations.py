@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from sandbox.network_policy import NetworkPolicy
+from code_interpreter_wire.network_policy import NetworkPolicy
 from tests.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, overrides, raw_exchange
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.network_policy import NetworkPolicy
 from orchestrator.egress import EgressLedger, EgressProxy, EgressSettings
-from sandbox.network_policy import NetworkPolicy
 from tests.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, overrides
 from tests.egress.test_limits import open_tunnel
 

@@ -12,7 +12,8 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app as cli_app
-from orchestrator.state_store.redis_store import RedisStore
-from orchestrator.state_store.sqlite_store import SqliteStore
+from tests.governance.store_handles import StoreHandle, local_store, shared_store
 from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
 
 __all__ = ["ADMIN_KEY", "KEY_A", "KEY_B", "Server"]
@@ -62,8 +62,12 @@ class CliResult:
 
 def run_keys(server: Server, *args: str) -> CliResult:
     """`code-interpreter keys ARGS --state-dir <the server's>`, in this process (the CLI's own
-    code, on the live service's state.db from another process than the service's)."""
-    result = CliRunner().invoke(cli_app, ["keys", *args, "--state-dir", str(server.state_dir)])
+    code, on the live service's state.db from another process than the service's). On a
+    thread of its own: the CLI runs an event loop of its own, and the caller may be in one."""
+    with ThreadPoolExecutor(1) as thread:
+        result = thread.submit(
+            CliRunner().invoke, cli_app, ["keys", *args, "--state-dir", str(server.state_dir)]
+        ).result()
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return CliResult(result.exit_code, result.stdout, result.stderr)
@@ -143,20 +147,20 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(params=["sqlite", "redis"])
-def store_pair(
+async def store_pair(
     request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[tuple[SqliteStore | RedisStore, SqliteStore | RedisStore]]:
+) -> AsyncIterator[tuple[StoreHandle, StoreHandle]]:
     """Two handles on one new store, as two processes hold it (SQLite under a state dir: the
     service and the CLI) or two replicas (Redis, under a prefix of this test's own)."""
-    a: SqliteStore | RedisStore
-    b: SqliteStore | RedisStore
+    a: StoreHandle
+    b: StoreHandle
     if request.param == "sqlite":
-        a, b = SqliteStore(tmp_path / "state"), SqliteStore(tmp_path / "state")
+        a, b = local_store(tmp_path / "state"), local_store(tmp_path / "state")
     else:
         url: str = request.getfixturevalue("redis_url")
         prefix = f"t{uuid.uuid4().hex[:10]}"
-        a = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-        b = RedisStore(url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+        a = shared_store(url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
+        b = shared_store(url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     yield a, b
-    a.close()
-    b.close()
+    for store in (a, b):
+        await store.close()

@@ -9,16 +9,15 @@ import time
 
 import pytest
 
-from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalStore
-from orchestrator.state_store.redis_approvals import RedisApprovals
-from orchestrator.state_store.redis_store import RedisStore
-from orchestrator.state_store.sqlite_approvals import SqliteApprovals
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.approval_store import ApprovalRecord, ApprovalStore
+from orchestrator.governance.stores.redis_approvals import RedisApprovals
+from orchestrator.governance.stores.sqlite_approvals import SqliteApprovals
+from tests.governance.store_handles import StoreHandle
 
 
 @pytest.fixture
 def approvals(
-    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+    store_pair: tuple[StoreHandle, StoreHandle],
 ) -> ApprovalStore:
     return store_pair[0].approvals
 
@@ -41,29 +40,33 @@ def made(index: int, state: str) -> ApprovalRecord:
     )
 
 
-def sweep(store: ApprovalStore) -> None:
+async def sweep(store: ApprovalStore) -> None:
     """What a put does about once a minute (SQLite) or a second (Redis), now."""
     if isinstance(store, SqliteApprovals):
         store._swept_at = 0.0
-        store.put_approval(made(999, "denied"))
+        await store.put_approval(made(999, "denied"))
     else:
         assert isinstance(store, RedisApprovals)
-        store.trim()
+        await store.trim()
 
 
-def test_only_the_newest_decided_requests_are_kept_past_the_count(approvals: ApprovalStore) -> None:
+async def test_only_the_newest_decided_requests_are_kept_past_the_count(
+    approvals: ApprovalStore,
+) -> None:
     approvals.max_kept = 10  # type: ignore[attr-defined]
     for i in range(3):
-        approvals.put_approval(made(i, "pending"))  # the oldest: still waiting
+        await approvals.put_approval(made(i, "pending"))  # the oldest: still waiting
     for i in range(3, 40):
-        approvals.put_approval(made(i, "approved"))
-    sweep(approvals)
-    kept = approvals.approvals(limit=1000)
+        await approvals.put_approval(made(i, "approved"))
+    await sweep(approvals)
+    kept = await approvals.approvals(limit=1000)
     pending = sorted(r.id for r in kept if r.state == "pending")
     assert pending == ["ap-0000", "ap-0001", "ap-0002"]  # a waiter's request never goes
     decided = [r for r in kept if r.state != "pending"]
     assert 7 <= len(decided) <= 10, [r.id for r in decided]
     newest = sorted((r.id for r in decided), reverse=True)
     assert newest[0] in ("ap-0039", "ap-0999")
-    assert approvals.get_approval("ap-0003") is None  # an old decided one is gone
-    assert [r.id for r in approvals.approvals(owner="p_a", limit=1000)] == [r.id for r in kept]
+    assert await approvals.get_approval("ap-0003") is None  # an old decided one is gone
+    assert [r.id for r in await approvals.approvals(owner="p_a", limit=1000)] == [
+        r.id for r in kept
+    ]

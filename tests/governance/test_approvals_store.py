@@ -26,6 +26,7 @@ from orchestrator.governance.approvals import (
     Approvals,
 )
 from orchestrator.governance.policy import FULL_ACCESS, Principal
+from orchestrator.governance.stores.approval_store import ApprovalRecord, ApprovalStore
 from orchestrator.host_tools import (
     ChannelLimits,
     HostToolsSettings,
@@ -34,10 +35,8 @@ from orchestrator.host_tools import (
     ToolChannel,
     ToolRegistry,
 )
-from orchestrator.state_store.approval_store import ApprovalRecord, ApprovalStore
-from orchestrator.state_store.redis_store import RedisStore
-from orchestrator.state_store.sqlite_store import SqliteStore
 from tests.governance.approval_tools import add, send_money
+from tests.governance.store_handles import StoreHandle, local_store
 
 MCP_SERVER = str(Path(__file__).parents[1] / "host_tools" / "example_mcp_tool_server.py")
 ALICE = Principal(id="p_alice", name="alice", admin=True, policy=FULL_ACCESS)
@@ -62,50 +61,46 @@ def record(approval_id: str, owner: str = "p_a", session_id: str = "s-1", **fiel
 
 @pytest.fixture
 def two_handles(
-    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+    store_pair: tuple[StoreHandle, StoreHandle],
 ) -> tuple[ApprovalStore, ApprovalStore]:
     """Two handles on one store, as two processes (SQLite) or two replicas (Redis) hold."""
     return store_pair[0].approvals, store_pair[1].approvals
 
 
-def test_a_request_is_decided_once_whichever_handle_answers(
+async def test_a_request_is_decided_once_whichever_handle_answers(
     two_handles: tuple[ApprovalStore, ApprovalStore],
 ) -> None:
     a, b = two_handles
-    a.put_approval(record("ap-1"))
-    a.put_approval(record("ap-2", owner="p_b", session_id="s-2"))
-    assert b.get_approval("ap-1") == a.get_approval("ap-1")
-    assert b.get_approval("ap-nope") is None
+    await a.put_approval(record("ap-1"))
+    await a.put_approval(record("ap-2", owner="p_b", session_id="s-2"))
+    assert await b.get_approval("ap-1") == await a.get_approval("ap-1")
+    assert await b.get_approval("ap-nope") is None
 
-    won = b.decide_approval("ap-1", "approved", "alice", "fine", time.time())
+    won = await b.decide_approval("ap-1", "approved", "alice", "fine", time.time())
     assert won is not None and won.state == "approved" and won.decided_by == "alice"
-    assert a.decide_approval("ap-1", "denied", "bob", None, time.time()) is None  # one wins
-    assert a.decide_approval("ap-nope", "denied", "bob", None, time.time()) is None
-    seen = a.get_approval("ap-1")
+    assert await a.decide_approval("ap-1", "denied", "bob", None, time.time()) is None  # one wins
+    assert await a.decide_approval("ap-nope", "denied", "bob", None, time.time()) is None
+    seen = await a.get_approval("ap-1")
     assert seen is not None and seen.state == "approved" and seen.reason == "fine"
 
-    assert [r.id for r in a.approvals(state="pending")] == ["ap-2"]
-    assert [r.id for r in b.approvals(owner="p_a")] == ["ap-1"]
-    assert [r.id for r in b.approvals(session_id="s-2")] == ["ap-2"]
-    assert [r.id for r in a.approvals()] == ["ap-2", "ap-1"]  # newest first
-    assert len(a.approvals(limit=1)) == 1
+    assert [r.id for r in await a.approvals(state="pending")] == ["ap-2"]
+    assert [r.id for r in await b.approvals(owner="p_a")] == ["ap-1"]
+    assert [r.id for r in await b.approvals(session_id="s-2")] == ["ap-2"]
+    assert [r.id for r in await a.approvals()] == ["ap-2", "ap-1"]  # newest first
+    assert len(await a.approvals(limit=1)) == 1
 
 
-def test_concurrent_answers_have_one_winner(
+async def test_concurrent_answers_have_one_winner(
     two_handles: tuple[ApprovalStore, ApprovalStore],
 ) -> None:
     a, b = two_handles
-    a.put_approval(record("ap-race"))
+    await a.put_approval(record("ap-race"))
     results: list[object] = []
 
-    def answer(store: ApprovalStore, who: str) -> None:
-        results.append(store.decide_approval("ap-race", "approved", who, None, time.time()))
+    async def answer(store: ApprovalStore, who: str) -> None:
+        results.append(await store.decide_approval("ap-race", "approved", who, None, time.time()))
 
-    threads = [threading.Thread(target=answer, args=(s, f"p{i}")) for i, s in enumerate([a, b] * 4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    await asyncio.gather(*(answer(s, f"p{i}") for i, s in enumerate([a, b] * 4)))
     assert sum(r is not None for r in results) == 1
 
 
@@ -115,7 +110,7 @@ def settings(tmp_path: Path, **values: Any) -> Settings:
 
 async def wait_for_pending(store: ApprovalStore, count: int = 1) -> list[ApprovalRecord]:
     deadline = time.monotonic() + 30
-    while len(found := await asyncio.to_thread(store.approvals, state="pending")) < count:
+    while len(found := await store.approvals(state="pending")) < count:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     return found
@@ -124,7 +119,7 @@ async def wait_for_pending(store: ApprovalStore, count: int = 1) -> list[Approva
 async def test_an_answer_through_another_handle_reaches_the_waiter(tmp_path: Path) -> None:
     """As another replica (or the CLI's process) would answer: the waiter reads it from the
     store, within its poll."""
-    waiting_side, answering_side = SqliteStore(tmp_path / "state"), SqliteStore(tmp_path / "state")
+    waiting_side, answering_side = local_store(tmp_path / "state"), local_store(tmp_path / "state")
     s = settings(tmp_path, approval_timeout_s=30)
     waiter = Approvals(s, lambda: waiting_side.approvals, principal_of=lambda _: ALICE)
     answerer = Approvals(s, lambda: answering_side.approvals, principal_of=lambda _: ALICE)
@@ -138,12 +133,12 @@ async def test_an_answer_through_another_handle_reaches_the_waiter(tmp_path: Pat
         assert outcome.decision == "denied" and outcome.reason == "from the other side"
         assert outcome.decided_by == "alice" and outcome.waited_s < 10
     finally:
-        waiting_side.close()
-        answering_side.close()
+        await waiting_side.close()
+        await answering_side.close()
 
 
 async def test_what_waits_and_what_is_kept_are_capped(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "state")
+    store = local_store(tmp_path / "state")
     s = settings(tmp_path, approval_max_pending_total=1, approval_timeout_s=30)
     approvals = Approvals(s, lambda: store.approvals, principal_of=lambda _: ALICE)
     try:
@@ -175,11 +170,11 @@ async def test_what_waits_and_what_is_kept_are_capped(tmp_path: Path) -> None:
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        gone = store.approvals.get_approval(kept.id)
+        gone = await store.approvals.get_approval(kept.id)
         assert gone is not None and gone.state == "expired" and gone.decided_by == "abandoned"
         assert approvals.waiting == 0
     finally:
-        store.close()
+        await store.close()
 
 
 @pytest.fixture
@@ -201,7 +196,7 @@ def hung_webhook() -> Iterator[str]:
 
 
 async def test_a_hung_webhook_holds_up_nothing(tmp_path: Path, hung_webhook: str) -> None:
-    store = SqliteStore(tmp_path / "state")
+    store = local_store(tmp_path / "state")
     s = settings(
         tmp_path,
         approval_timeout_s=2,
@@ -219,7 +214,7 @@ async def test_a_hung_webhook_holds_up_nothing(tmp_path: Path, hung_webhook: str
         assert 2 <= time.monotonic() - started < 6
         await approvals.close()
     finally:
-        store.close()
+        await store.close()
 
 
 async def test_every_source_of_tools_can_require_approval() -> None:

@@ -22,13 +22,13 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.cli import app as cli_app
 from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
-from orchestrator.schemas import CreateSessionRequest
+from orchestrator.governance.stores.audit_store import AuditQuery
 from orchestrator.service import Service
-from orchestrator.state_store.audit_store import AuditQuery
-from sandbox.processes.models import ProcessRequest
 from tests.governance.conftest import ADMIN_KEY
 from tests.service.conftest import KEY_A, KEY_B, Server, free_port, leftovers, make_server
 
@@ -322,24 +322,25 @@ async def _swept(service: Service) -> None:
     service.audit.record(audit_kinds.KEY_ADDED, owner="local", details={"name": "k"})
     query = AuditQuery(kinds=[audit_kinds.KEY_ADDED])
     deadline = time.monotonic() + 15
-    while not service.store.audit.query_events(query):
+    log = service.persistence.governance.audit
+    while not await log.query_events(query):
         assert time.monotonic() < deadline, "the event was never written"
         await asyncio.sleep(0.05)
-    while service.store.audit.query_events(query):  # past 1 s, the next sweep deletes it
+    while await log.query_events(query):  # past 1 s, the next sweep deletes it
         assert time.monotonic() < deadline, "the event outlived its retention"
         await asyncio.sleep(0.1)
 
 
 async def test_a_pause_a_resume_and_a_background_process_are_recorded(service: Service) -> None:
-    session = await service.create_session("local", CreateSessionRequest())
-    started = await service.start_process(session, ProcessRequest(argv=["sleep", "0"]))
-    await service.wait_process(session, started.pid)
-    await service.pause_session(session.id, "local")
-    await service.resume_session(session.id, "local")
-    await service.end_session(session.id, "local")
+    session = await service.lifecycle.create("local", CreateSessionRequest())
+    started = await service.runs.start_process(session, ProcessRequest(argv=["sleep", "0"]))
+    await service.runs.wait_process(session, started.pid)
+    await service.lifecycle.pause(session.id, "local")
+    await service.lifecycle.resume(session.id, "local")
+    await service.lifecycle.end(session.id, "local")
     query = AuditQuery(session_id=session.id)
     deadline = time.monotonic() + 15
-    while len(found := service.store.audit.query_events(query)) < 5:
+    while len(found := await service.persistence.governance.audit.query_events(query)) < 5:
         assert time.monotonic() < deadline, found
         await asyncio.sleep(0.05)
     kinds = [e.kind for e in reversed(found)]
@@ -359,4 +360,4 @@ async def test_with_the_log_off_nothing_is_recorded(state_dir: Path) -> None:
     async with in_process(state_dir, audit_enabled=False) as off:
         off.audit.record(audit_kinds.KEY_ADDED, owner="local", details={"name": "k"})
         await off.audit.close()  # flushed: what would have been written is now
-        assert off.store.audit.query_events(AuditQuery()) == []
+        assert await off.persistence.governance.audit.query_events(AuditQuery()) == []

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.network_policy import NetworkPolicy
+from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
-from orchestrator.schemas import CreateSessionRequest
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
 from orchestrator.service import Service
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
-from sandbox.network_policy import NetworkPolicy
 from tests.network.conftest import FETCH
 from tests.network.upstream import HELLO, Upstream, upstream
 
@@ -52,7 +52,7 @@ async def connections(service: Service, session_id: str, count: int) -> list[Aud
     query = AuditQuery(session_id=session_id, kinds=[audit_kinds.EGRESS_CONNECTION])
     deadline = time.monotonic() + 15
     while True:
-        found = await asyncio.to_thread(service.store.audit.query_events, query)
+        found = await service.persistence.governance.audit.query_events(query)
         if len(found) >= count:
             return list(reversed(found))
         assert time.monotonic() < deadline, f"{len(found)} of {count} connections recorded"
@@ -63,22 +63,22 @@ async def test_an_egress_connection_is_recorded_with_host_port_verdict_and_bytes
     service: Service, web: Upstream
 ) -> None:
     policy = NetworkPolicy.model_validate({"allow": [f"allowed.test:{web.port}"]})
-    session = await service.create_session("local", CreateSessionRequest(network=policy))
+    session = await service.lifecycle.create("local", CreateSessionRequest(network=policy))
     try:
-        ran = await service.execute(session, FETCH)
+        ran = await service.runs.execute(session, FETCH)
         assert ran.error is None, ran.error
         code = (
             f"print(json.dumps([fetch('http://allowed.test:{web.port}/hello'), "
             f"fetch('http://other.test:{web.port}/hello')]))"
         )
-        ran = await service.execute(session, code)
+        ran = await service.runs.execute(session, code)
         assert ran.error is None, ran.error
         (status, text), (refused_status, _) = json.loads(ran.stdout)
         assert (status, text) == (200, HELLO.decode())
         assert refused_status == 403
         allowed, refused = await connections(service, session.id, 2)
     finally:
-        await service.end_session(session.id, "local")
+        await service.lifecycle.end(session.id, "local")
     assert allowed.status == "allowed" and allowed.principal == "local"
     assert allowed.details["host"] == "allowed.test" and allowed.details["port"] == web.port
     assert allowed.details["method"] == "GET" and allowed.details["address"] == "127.0.0.1"

@@ -23,8 +23,8 @@ from orchestrator.governance.audit import (
 )
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.policy import Principal
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
+from tests.governance.store_handles import StoreHandle, local_store
 
 ADMIN = Principal(id="p_admin", name="root", admin=True)
 ALICE = Principal(id="p_alice", name="alice")
@@ -37,20 +37,20 @@ def settings(tmp_path: Path, **overrides: object) -> Settings:
 
 
 @pytest.fixture
-async def log_and_store(tmp_path: Path) -> AsyncIterator[tuple[AuditLog, SqliteStore]]:
-    store = SqliteStore(tmp_path / "state")
+async def log_and_store(tmp_path: Path) -> AsyncIterator[tuple[AuditLog, StoreHandle]]:
+    store = local_store(tmp_path / "state")
     audit = AuditLog(settings(tmp_path, audit_max_code_chars=1000), name_of=NAMES.__getitem__)
     audit.start(store.audit)
     yield audit, store
     await audit.close()
-    store.close()
+    await store.close()
 
 
-async def written(audit: AuditLog, store: SqliteStore, count: int) -> list[AuditEvent]:
+async def written(audit: AuditLog, store: StoreHandle, count: int) -> list[AuditEvent]:
     """The newest `count` events once the writer has written them (a poll with a deadline)."""
     deadline = time.monotonic() + 10
     while True:
-        page = store.audit.query_page(AuditQuery(limit=1000))
+        page = await store.audit.query_page(AuditQuery(limit=1000))
         if len(page.events) >= count and not audit.pending:
             return page.events[:count]
         assert time.monotonic() < deadline, f"{len(page.events)} of {count} events written"
@@ -58,7 +58,7 @@ async def written(audit: AuditLog, store: SqliteStore, count: int) -> list[Audit
 
 
 async def test_events_carry_the_principals_name_and_come_back_in_order(
-    log_and_store: tuple[AuditLog, SqliteStore],
+    log_and_store: tuple[AuditLog, StoreHandle],
 ) -> None:
     audit, store = log_and_store
     for i in range(5):
@@ -76,7 +76,7 @@ async def test_events_carry_the_principals_name_and_come_back_in_order(
 
 
 async def test_code_over_the_cap_is_truncated_and_marked_and_other_text_is_bounded(
-    log_and_store: tuple[AuditLog, SqliteStore],
+    log_and_store: tuple[AuditLog, StoreHandle],
 ) -> None:
     audit, store = log_and_store
     code = "x = 1\n" * 10_000  # 60,000 characters; the cap here is 1000
@@ -110,7 +110,7 @@ async def test_code_over_the_cap_is_truncated_and_marked_and_other_text_is_bound
 async def test_a_flood_is_bounded_by_the_queue_and_the_drops_are_counted_and_said(
     tmp_path: Path,
 ) -> None:
-    store = SqliteStore(tmp_path / "state")
+    store = local_store(tmp_path / "state")
     audit = AuditLog(settings(tmp_path, audit_queue_max=100), name_of=NAMES.__getitem__)
     audit.start(store.audit)
     try:
@@ -132,25 +132,25 @@ async def test_a_flood_is_bounded_by_the_queue_and_the_drops_are_counted_and_sai
         assert (await written(audit, store, 1))[0].kind == kinds.EXECUTION
     finally:
         await audit.close()
-        store.close()
+        await store.close()
 
 
 async def test_close_flushes_what_is_queued_and_recording_after_it_never_raises(
     tmp_path: Path,
 ) -> None:
-    store = SqliteStore(tmp_path / "state")
+    store = local_store(tmp_path / "state")
     audit = AuditLog(settings(tmp_path), name_of=NAMES.__getitem__)
     audit.start(store.audit)
     for _ in range(1234):
         audit.record(kinds.FILE_UPLOAD, owner=BOB.id, details={"path": "a", "bytes": 1})
     await audit.close()  # at once: the writer has not had a turn yet
-    assert len(store.audit.query_events(AuditQuery(limit=1000))) == 1000
-    assert store.audit.query_page(AuditQuery(limit=1000)).next_before is not None
+    assert len(await store.audit.query_events(AuditQuery(limit=1000))) == 1000
+    assert (await store.audit.query_page(AuditQuery(limit=1000))).next_before is not None
     audit.record(kinds.FILE_UPLOAD, owner=BOB.id)  # queued, never written: no error
-    store.close()
+    await store.close()
 
 
-async def test_paging_and_filters(log_and_store: tuple[AuditLog, SqliteStore]) -> None:
+async def test_paging_and_filters(log_and_store: tuple[AuditLog, StoreHandle]) -> None:
     audit, store = log_and_store
     for i in range(30):
         owner = ALICE.id if i % 3 else BOB.id
@@ -190,7 +190,7 @@ async def test_paging_and_filters(log_and_store: tuple[AuditLog, SqliteStore]) -
 
 
 async def test_retention_deletes_old_events_and_keeps_the_cursor_valid(
-    log_and_store: tuple[AuditLog, SqliteStore],
+    log_and_store: tuple[AuditLog, StoreHandle],
 ) -> None:
     audit, store = log_and_store
     for i in range(6):
@@ -199,7 +199,7 @@ async def test_retention_deletes_old_events_and_keeps_the_cursor_valid(
     newest = events[0]
     # A sweep "100 days later": everything is past the 90 days kept by default.
     assert await audit.sweep(now=time.time() + 100 * 86400, force=True) == 6
-    assert store.audit.query_events(AuditQuery()) == []
+    assert await store.audit.query_events(AuditQuery()) == []
     audit.record(kinds.EXECUTION, owner=ALICE.id)
     after = await written(audit, store, 1)
     assert after[0].seq is not None and newest.seq is not None and after[0].seq > newest.seq
@@ -210,8 +210,8 @@ async def test_retention_deletes_old_events_and_keeps_the_cursor_valid(
     for i in range(10):
         audit.record(kinds.EXECUTION, owner=ALICE.id, details={"i": i})
     await written(audit, store, 11)
-    assert store.audit.keep_newest(4) == 7
-    assert [e.details["i"] for e in store.audit.query_events(AuditQuery())] == [9, 8, 7, 6]
+    assert await store.audit.keep_newest(4) == 7
+    assert [e.details["i"] for e in await store.audit.query_events(AuditQuery())] == [9, 8, 7, 6]
 
 
 def test_times_and_end_reasons_are_read_as_people_write_them() -> None:

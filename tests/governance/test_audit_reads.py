@@ -5,13 +5,13 @@ have is a 422, not a 500."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import threading
 import time
 from pathlib import Path
 
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
+from tests.governance.store_handles import local_store
 from tests.service.conftest import Server
 
 
@@ -23,33 +23,28 @@ def events(count: int, kind: str = "execution") -> list[AuditEvent]:
     ]
 
 
-def test_a_query_does_not_wait_for_the_stores_lock(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path)
+async def test_a_query_does_not_wait_for_the_stores_lock(tmp_path: Path) -> None:
+    store = local_store(tmp_path)
     try:
-        store.audit.append_events(events(10))
-        answered: list[int] = []
-        with store._lock:  # another store call holds the connection (e.g. a long write)
-            reader = threading.Thread(
-                target=lambda: answered.append(len(store.audit.query_events(AuditQuery())))
-            )
-            reader.start()
-            reader.join(timeout=5)
-            assert answered == [10], "the audit query waited for the session store's lock"
+        await store.audit.append_events(events(10))
+        with store.lock:  # another store call holds the connection (e.g. a long write)
+            answered = await asyncio.wait_for(store.audit.query_events(AuditQuery()), 5)
+            assert len(answered) == 10, "the audit query waited for the session store's lock"
     finally:
-        store.close()
+        await store.close()
 
 
-def test_retention_by_count_keeps_exactly_the_newest(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path)
+async def test_retention_by_count_keeps_exactly_the_newest(tmp_path: Path) -> None:
+    store = local_store(tmp_path)
     try:
-        store.audit.append_events(events(30))
-        newest = [e.seq for e in store.audit.query_events(AuditQuery(limit=12))]
-        assert store.audit.keep_newest(12) == 18
-        assert [e.seq for e in store.audit.query_events(AuditQuery(limit=100))] == newest
-        assert store.audit.keep_newest(12) == 0
-        assert store.audit.keep_newest(100) == 0
+        await store.audit.append_events(events(30))
+        newest = [e.seq for e in await store.audit.query_events(AuditQuery(limit=12))]
+        assert await store.audit.keep_newest(12) == 18
+        assert [e.seq for e in await store.audit.query_events(AuditQuery(limit=100))] == newest
+        assert await store.audit.keep_newest(12) == 0
+        assert await store.audit.keep_newest(100) == 0
     finally:
-        store.close()
+        await store.close()
 
 
 def test_a_cursor_past_any_seq_is_refused_as_bad_input(governed_server: Server) -> None:

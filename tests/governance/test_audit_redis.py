@@ -9,10 +9,9 @@ import uuid
 
 import pytest
 
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
-from orchestrator.state_store.redis_audit import RedisAudit
-from orchestrator.state_store.redis_store import RedisStore
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
+from orchestrator.governance.stores.redis_audit import RedisAudit
+from tests.governance.store_handles import StoreHandle
 
 # Redis alone: the store pair of tests/governance/conftest.py, its Redis kind.
 pytestmark = pytest.mark.parametrize("store_pair", ["redis"], indirect=True)
@@ -20,11 +19,11 @@ pytestmark = pytest.mark.parametrize("store_pair", ["redis"], indirect=True)
 
 @pytest.fixture
 def replicas(
-    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
-) -> tuple[RedisStore, RedisStore]:
+    store_pair: tuple[StoreHandle, StoreHandle],
+) -> tuple[StoreHandle, StoreHandle]:
     """Two replicas' handles on one store (a key prefix of the test's own)."""
     a, b = store_pair
-    assert isinstance(a, RedisStore) and isinstance(b, RedisStore)
+    assert isinstance(a, StoreHandle) and isinstance(b, StoreHandle)
     return a, b
 
 
@@ -46,61 +45,63 @@ def numbers(events: list[AuditEvent]) -> list[int]:
     return [e.details["i"] for e in events]
 
 
-def test_appends_of_two_replicas_share_one_order_and_a_repeat_is_kept_once(
-    replicas: tuple[RedisStore, RedisStore],
+async def test_appends_of_two_replicas_share_one_order_and_a_repeat_is_kept_once(
+    replicas: tuple[StoreHandle, StoreHandle],
 ) -> None:
     a, b = replicas
     first = [event(i) for i in range(3)]
-    a.audit.append_events(first)
-    b.audit.append_events([event(i) for i in range(3, 6)])
-    a.audit.append_events(first)  # again, as after a write whose outcome was unknown
-    got = b.audit.query_events(AuditQuery())
+    await a.audit.append_events(first)
+    await b.audit.append_events([event(i) for i in range(3, 6)])
+    await a.audit.append_events(first)  # again, as after a write whose outcome was unknown
+    got = await b.audit.query_events(AuditQuery())
     assert numbers(got) == [5, 4, 3, 2, 1, 0]
     assert [e.seq for e in got] == [6, 5, 4, 3, 2, 1]
     assert got[0].principal == "alice" and got[0].session_id == "s-2"
 
 
-def test_filters_and_paging_over_every_index(replicas: tuple[RedisStore, RedisStore]) -> None:
+async def test_filters_and_paging_over_every_index(
+    replicas: tuple[StoreHandle, StoreHandle],
+) -> None:
     store = replicas[0].audit
     kinds = ["execution", "command", "file.upload"]
-    store.append_events(
+    await store.append_events(
         [event(i, kind=kinds[i % 3], owner="p_a" if i % 2 else "p_b") for i in range(60)]
     )
 
-    def walk(query: AuditQuery) -> list[int]:
+    async def walk(query: AuditQuery) -> list[int]:
         seen: list[int] = []
         while True:
-            page = store.query_page(query)
+            page = await store.query_page(query)
             seen += numbers(page.events)
             if page.next_before is None:
                 return seen
             query = query.model_copy(update={"before_seq": page.next_before})
 
-    assert walk(AuditQuery(limit=7)) == list(range(59, -1, -1))
-    assert walk(AuditQuery(owner="p_a", limit=4)) == list(range(59, 0, -2))
-    assert walk(AuditQuery(principal="bob", limit=9)) == list(range(58, -1, -2))
-    assert walk(AuditQuery(session_id="s-1", limit=3)) == list(range(58, -1, -3))
+    assert await walk(AuditQuery(limit=7)) == list(range(59, -1, -1))
+    assert await walk(AuditQuery(owner="p_a", limit=4)) == list(range(59, 0, -2))
+    assert await walk(AuditQuery(principal="bob", limit=9)) == list(range(58, -1, -2))
+    assert await walk(AuditQuery(session_id="s-1", limit=3)) == list(range(58, -1, -3))
     two = AuditQuery(kinds=["command", "file.upload"], limit=5)
-    assert walk(two) == [i for i in range(59, -1, -1) if i % 3]
+    assert await walk(two) == [i for i in range(59, -1, -1) if i % 3]
     mixed = AuditQuery(owner="p_a", kinds=["execution"], since=1_700_000_030.0, limit=100)
-    assert walk(mixed) == [i for i in range(59, 29, -1) if i % 2 and i % 3 == 0]
-    assert walk(AuditQuery(until=1_700_000_003.0)) == [2, 1, 0]
-    assert walk(AuditQuery(owner="nobody")) == []
+    assert await walk(mixed) == [i for i in range(59, 29, -1) if i % 2 and i % 3 == 0]
+    assert await walk(AuditQuery(until=1_700_000_003.0)) == [2, 1, 0]
+    assert await walk(AuditQuery(owner="nobody")) == []
 
 
-def test_one_call_looks_at_a_bounded_number_of_events_and_says_where_to_go_on(
-    replicas: tuple[RedisStore, RedisStore], redis_url: str
+async def test_one_call_looks_at_a_bounded_number_of_events_and_says_where_to_go_on(
+    replicas: tuple[StoreHandle, StoreHandle], redis_url: str
 ) -> None:
     store = replicas[0]
-    store.audit.append_events([event(i) for i in range(2400)])
+    await store.audit.append_events([event(i) for i in range(2400)])
     # Times are no index: a query by time alone walks every event newer than it.
-    bounded = RedisAudit(store._redis, store._key, store._errors, max_scanned=1000)
+    bounded = RedisAudit(store.connection, max_scanned=1000)
     at = 1_700_000_000.0 + 1200
     query = AuditQuery(since=at - 0.5, until=at + 0.5, limit=10)
     pages = 0
     found: list[int] = []
     while True:
-        page = bounded.query_page(query)
+        page = await bounded.query_page(query)
         pages += 1
         found += numbers(page.events)
         if page.next_before is None:
@@ -111,17 +112,19 @@ def test_one_call_looks_at_a_bounded_number_of_events_and_says_where_to_go_on(
     assert pages >= 2
 
 
-def test_retention_by_age_and_by_count_leaves_no_index_behind(
-    replicas: tuple[RedisStore, RedisStore],
+async def test_retention_by_age_and_by_count_leaves_no_index_behind(
+    replicas: tuple[StoreHandle, StoreHandle],
 ) -> None:
     store = replicas[0]
-    store.audit.append_events([event(i) for i in range(1100)])
-    assert store.audit.delete_events_before(1_700_000_000.0 + 600) == 600
-    left = store.audit.query_events(AuditQuery(limit=1000))
+    await store.audit.append_events([event(i) for i in range(1100)])
+    assert await store.audit.delete_events_before(1_700_000_000.0 + 600) == 600
+    left = await store.audit.query_events(AuditQuery(limit=1000))
     assert len(left) == 500 and min(numbers(left)) == 600
-    assert store.audit.keep_newest(100) == 400
-    assert numbers(store.audit.query_events(AuditQuery(limit=1000))) == list(range(1099, 999, -1))
-    assert store.audit.delete_events_before(time.time()) == 100
-    prefix = store._p
-    leftover = list(store._redis.scan_iter(match=f"{prefix}:audit:*"))
+    assert await store.audit.keep_newest(100) == 400
+    assert numbers(await store.audit.query_events(AuditQuery(limit=1000))) == list(
+        range(1099, 999, -1)
+    )
+    assert await store.audit.delete_events_before(time.time()) == 100
+    prefix = store.connection.prefix
+    leftover = [k async for k in store.connection.client.scan_iter(match=f"{prefix}:audit:*")]
     assert [k.decode() for k in leftover] == [f"{prefix}:audit:seq"]

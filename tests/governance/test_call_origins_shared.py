@@ -5,25 +5,24 @@ Two registries on one real Redis on 127.0.0.1, as two replicas hold it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from orchestrator.governance.call_origins import CallOrigins, SharedOrigins, refusal_text
-from orchestrator.state_store.origin_record import OriginRecord
-from orchestrator.state_store.redis_store import RedisStore
+from orchestrator.governance.stores.origin_record import OriginRecord
+from tests.governance.store_handles import StoreHandle, shared_store
 
 
 async def test_an_origin_running_on_one_replica_is_found_by_another_until_it_ends(
     redis_url: str, tmp_path: Path
 ) -> None:
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    one = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    other = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+    one = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
+    other = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     here, there = CallOrigins(lambda: one.origins), CallOrigins(lambda: other.origins)
     try:
         entry = await here.open("s-1", "execution", "print('the code')", 30, shared=True)
@@ -46,30 +45,30 @@ async def test_an_origin_running_on_one_replica_is_found_by_another_until_it_end
             entry.origin
         )
         # The time to live: a replica that dies leaves nothing running for long.
-        ttl = one._redis.ttl(f"{prefix}:origin:s-1:{unshared.origin}")
+        ttl = await one.connection.client.ttl(f"{prefix}:origin:s-1:{unshared.origin}")
         assert ttl == -2  # never written
         left = await here.open("s-1", "process", "sleep 1", 5, shared=True)
-        assert 0 < one._redis.ttl(f"{prefix}:origin:s-1:{left.origin}") <= 60
+        assert 0 < await one.connection.client.ttl(f"{prefix}:origin:s-1:{left.origin}") <= 60
     finally:
         await here.close()
         await there.close()
-        one.close()
-        other.close()
+        await one.close()
+        await other.close()
 
 
 @pytest.fixture
-def stores(redis_url: str, tmp_path: Path) -> Iterator[tuple[RedisStore, RedisStore]]:
+async def stores(redis_url: str, tmp_path: Path) -> AsyncIterator[tuple[StoreHandle, StoreHandle]]:
     """Two replicas' handles on one store, under a prefix of the test's own."""
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    one = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    other = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+    one = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
+    other = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     yield one, other
-    one.close()
-    other.close()
+    await one.close()
+    await other.close()
 
 
 async def test_a_running_origin_outlives_its_time_to_live_in_the_store(
-    stores: tuple[RedisStore, RedisStore],
+    stores: tuple[StoreHandle, StoreHandle],
 ) -> None:
     """The time to live is renewed while the origin runs here, so one that waited long for its
     kernel (executions queue on it) is still found by the other replica; once it ends, it goes."""
@@ -78,8 +77,8 @@ async def test_a_running_origin_outlives_its_time_to_live_in_the_store(
     there = CallOrigins(lambda: other.origins)
     try:
         entry = await here.open("s-1", "execution", "queued()", 1, shared=True)
-        key = one._key("origin", "s-1", entry.origin)
-        assert 0 < one._redis.pttl(key) <= 2000
+        key = one.connection.key("origin", "s-1", entry.origin)
+        assert 0 < await one.connection.client.pttl(key) <= 2000
         until = time.monotonic() + 5  # past twice its time to live and its time limit
         while time.monotonic() < until:
             assert await there.caller("s-1", entry.origin) is not None
@@ -90,7 +89,7 @@ async def test_a_running_origin_outlives_its_time_to_live_in_the_store(
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
         assert await here.refresh() == 0  # nothing of it left to renew
-        assert one._redis.exists(key) == 0
+        assert await one.connection.client.exists(key) == 0
     finally:
         await here.close()
         await there.close()
@@ -103,27 +102,29 @@ class HeldWrites:
     def __init__(self, origins: SharedOrigins) -> None:
         self._origins = origins
         self.writing: list[str] = []
-        self.arrived = threading.Event()
-        self.go_on = threading.Event()
+        self.arrived = asyncio.Event()
+        self.go_on = asyncio.Event()
 
-    def put_origin(self, session_id: str, origin: str, record: OriginRecord, ttl_s: float) -> None:
+    async def put_origin(
+        self, session_id: str, origin: str, record: OriginRecord, ttl_s: float
+    ) -> None:
         self.writing.append(origin)
         self.arrived.set()
-        self.go_on.wait(30)
-        self._origins.put_origin(session_id, origin, record, ttl_s)
+        await asyncio.wait_for(self.go_on.wait(), 30)
+        await self._origins.put_origin(session_id, origin, record, ttl_s)
 
-    def get_origin(self, session_id: str, origin: str) -> OriginRecord | None:
-        return self._origins.get_origin(session_id, origin)
+    async def get_origin(self, session_id: str, origin: str) -> OriginRecord | None:
+        return await self._origins.get_origin(session_id, origin)
 
-    def delete_origin(self, session_id: str, origin: str) -> None:
-        self._origins.delete_origin(session_id, origin)
+    async def delete_origin(self, session_id: str, origin: str) -> None:
+        await self._origins.delete_origin(session_id, origin)
 
-    def refresh_origins(self, origins: list[tuple[str, str]], ttl_s: float) -> None:
-        self._origins.refresh_origins(origins, ttl_s)
+    async def refresh_origins(self, origins: list[tuple[str, str]], ttl_s: float) -> None:
+        await self._origins.refresh_origins(origins, ttl_s)
 
 
 async def test_an_origin_whose_opening_is_cancelled_runs_nothing_and_leaves_nothing(
-    stores: tuple[RedisStore, RedisStore],
+    stores: tuple[StoreHandle, StoreHandle],
 ) -> None:
     """Its caller left while it was being written to the store: it is not running here, and
     once the write is done it is deleted there too."""
@@ -132,7 +133,7 @@ async def test_an_origin_whose_opening_is_cancelled_runs_nothing_and_leaves_noth
     here, there = CallOrigins(lambda: held), CallOrigins(lambda: other.origins)
     try:
         opening = asyncio.ensure_future(here.open("s-1", "execution", "x()", 30, shared=True))
-        assert await asyncio.to_thread(held.arrived.wait, 30)
+        await asyncio.wait_for(held.arrived.wait(), 30)
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
@@ -140,7 +141,7 @@ async def test_an_origin_whose_opening_is_cancelled_runs_nothing_and_leaves_noth
         assert await here.caller("s-1", origin) is None
         held.go_on.set()  # the write lands now; the delete follows it
         deadline = time.monotonic() + 10
-        while one._redis.exists(one._key("origin", "s-1", origin)):
+        while await one.connection.client.exists(one.connection.key("origin", "s-1", origin)):
             assert time.monotonic() < deadline, "the origin's record was left in the store"
             await asyncio.sleep(0.02)
         assert await there.caller("s-1", origin) is None
@@ -169,14 +170,14 @@ async def test_the_end_of_a_session_stops_following_its_processes() -> None:
 
 
 async def test_an_origin_whose_session_ends_while_it_is_written_is_deleted_once_written(
-    stores: tuple[RedisStore, RedisStore],
+    stores: tuple[StoreHandle, StoreHandle],
 ) -> None:
     one, other = stores
     held = HeldWrites(one.origins)
     here, there = CallOrigins(lambda: held), CallOrigins(lambda: other.origins)
     try:
         opening = asyncio.ensure_future(here.open("s-1", "execution", "x()", 30, shared=True))
-        assert await asyncio.to_thread(held.arrived.wait, 30)
+        await asyncio.wait_for(held.arrived.wait(), 30)
         [origin] = held.writing
         here.forget_session("s-1")  # the session ends before the write lands
         held.go_on.set()

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.approval_outcome import ABANDONED, TIMEOUT
 from orchestrator.config import Settings
-from orchestrator.governance.approval_outcome import ABANDONED, TIMEOUT
 from orchestrator.governance.approvals import Approvals
 from orchestrator.governance.policy import FULL_ACCESS, Principal
+from orchestrator.governance.stores.approval_store import ApprovalRecord
 from orchestrator.governance.tool_guard import SessionToolGuard
 from orchestrator.host_tools import function_tool
-from orchestrator.state_store.approval_store import ApprovalRecord
-from orchestrator.state_store.redis_store import RedisStore
 from tests.governance.approval_tools import send_money
+from tests.governance.store_handles import StoreHandle, shared_store
 
 ALICE = Principal(id="p_alice", name="alice", admin=True, policy=FULL_ACCESS)
 SEND_MONEY = function_tool(send_money, requires_approval=True)
@@ -34,18 +34,18 @@ SESSION = "s-1"
 class Replicas:
     here: Approvals  # runs the origin
     there: Approvals  # takes its call
-    here_store: RedisStore
+    here_store: StoreHandle
     guard: SessionToolGuard  # the session's calls, as `there` guards them
 
 
 @pytest.fixture
 async def replicas(redis_url: str, tmp_path: Path) -> AsyncIterator[Replicas]:
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    one = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
-    other = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix=prefix)
+    one = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
+    other = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     settings = Settings(api_keys=["k"], state_dir=tmp_path / "state", approval_timeout_s=30)
 
-    def approvals(store: RedisStore) -> Approvals:
+    def approvals(store: StoreHandle) -> Approvals:
         return Approvals(
             settings,
             lambda: store.approvals,
@@ -62,13 +62,13 @@ async def replicas(redis_url: str, tmp_path: Path) -> AsyncIterator[Replicas]:
     finally:
         await here.close()
         await there.close()
-        one.close()
-        other.close()
+        await one.close()
+        await other.close()
 
 
-async def published(store: RedisStore) -> ApprovalRecord:
+async def published(store: StoreHandle) -> ApprovalRecord:
     deadline = time.monotonic() + 30
-    while not (found := await asyncio.to_thread(store.approvals.approvals, state="pending")):
+    while not (found := await store.approvals.approvals(state="pending")):
         assert time.monotonic() < deadline, "no request was published"
         await asyncio.sleep(0.02)
     [pending] = found
@@ -100,7 +100,7 @@ async def test_the_wait_is_abandoned_when_the_origin_ends_on_the_other_replica(
     replicas.here.origins.end(entry)  # the execution ended on the replica that runs it
     outcome = await asyncio.wait_for(wait, 10)  # not approval_timeout_s (30 s)
     assert outcome.decision == "denied" and outcome.decided_by == ABANDONED, outcome
-    found = await asyncio.to_thread(replicas.here_store.approvals.get_approval, pending.id)
+    found = await replicas.here_store.approvals.get_approval(pending.id)
     assert found is not None and found.state == "expired", found
 
 
@@ -114,9 +114,7 @@ async def test_an_approval_that_comes_as_the_origin_ends_elsewhere_runs_nothing(
     async def answer_once_it_ended(record: ApprovalRecord) -> tuple[bool, str | None]:
         replicas.here.origins.end(entry)
         deadline = time.monotonic() + 10
-        while await asyncio.to_thread(
-            replicas.here_store.origins.get_origin, SESSION, entry.origin
-        ):
+        while await replicas.here_store.origins.get_origin(SESSION, entry.origin):
             assert time.monotonic() < deadline, "the origin was never deleted"
             await asyncio.sleep(0.01)
         return True, "fine"

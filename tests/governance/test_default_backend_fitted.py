@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 from e2b_code_interpreter import Sandbox
 
-from sandbox.registry import BACKENDS
+from sandbox.backends.registry import BACKENDS
 from tests.e2b_compatible.conftest import point_sdk_at
 from tests.governance.conftest import unique_name
 from tests.service.conftest import Server

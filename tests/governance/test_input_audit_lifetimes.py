@@ -18,26 +18,26 @@ from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.audit import AuditLog
 from orchestrator.governance.input_audit import FLUSH_S, InputAudit
-from orchestrator.state_store.audit_store import AuditEvent, AuditQuery
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
+from tests.governance.store_handles import StoreHandle, local_store
 
 
 @pytest.fixture
-async def logged(tmp_path: Path) -> AsyncIterator[tuple[AuditLog, SqliteStore]]:
-    store = SqliteStore(tmp_path / "state")
+async def logged(tmp_path: Path) -> AsyncIterator[tuple[AuditLog, StoreHandle]]:
+    store = local_store(tmp_path / "state")
     audit = AuditLog(Settings(auth_disabled=True, state_dir=tmp_path / "state"), lambda o: o)
     audit.start(store.audit)
     yield audit, store
     await audit.close()
-    store.close()
+    await store.close()
 
 
-async def inputs(audit: AuditLog, store: SqliteStore, count: int) -> list[AuditEvent]:
+async def inputs(audit: AuditLog, store: StoreHandle, count: int) -> list[AuditEvent]:
     """The `process.input` events, oldest first, once `count` are written (and no more wait)."""
     query = AuditQuery(kinds=[audit_kinds.PROCESS_INPUT], limit=100)
     deadline = time.monotonic() + 10
     while True:
-        found = list(reversed(store.audit.query_page(query).events))
+        found = list(reversed((await store.audit.query_page(query)).events))
         if len(found) >= count and not audit.pending:
             return found
         assert time.monotonic() < deadline, found
@@ -45,7 +45,7 @@ async def inputs(audit: AuditLog, store: SqliteStore, count: int) -> list[AuditE
 
 
 async def test_what_is_gathered_or_dropped_is_written_when_the_service_closes(
-    logged: tuple[AuditLog, SqliteStore],
+    logged: tuple[AuditLog, StoreHandle],
 ) -> None:
     audit, store = logged
     typed = InputAudit(audit, record_bytes=64, records_per_minute=1)
@@ -69,7 +69,7 @@ async def test_what_is_gathered_or_dropped_is_written_when_the_service_closes(
 
 
 async def test_a_paused_session_writes_its_input_and_keeps_its_rate(
-    logged: tuple[AuditLog, SqliteStore],
+    logged: tuple[AuditLog, StoreHandle],
 ) -> None:
     """Pausing writes what is gathered (its processes are gone) but keeps the rate's window:
     a pause and a resume are no way around the rate."""
@@ -87,7 +87,7 @@ async def test_a_paused_session_writes_its_input_and_keeps_its_rate(
 
 
 async def test_the_end_of_a_session_frees_its_rate_window(
-    logged: tuple[AuditLog, SqliteStore],
+    logged: tuple[AuditLog, StoreHandle],
 ) -> None:
     audit, store = logged
     typed = InputAudit(audit, record_bytes=64, records_per_minute=1)
@@ -103,13 +103,14 @@ ESCAPES = "\x1b]0;owned\x07\x1b[2J\x9b31m\x7f\x00"
 
 
 async def test_audit_list_shows_typed_escape_sequences_inert(
-    logged: tuple[AuditLog, SqliteStore], tmp_path: Path
+    logged: tuple[AuditLog, StoreHandle], tmp_path: Path
 ) -> None:
     audit, store = logged
     typed = InputAudit(audit, record_bytes=1024, records_per_minute=10)
     typed.typed("s-1", "p_a", 7, ESCAPES.encode() + b"\n", terminal=True)
     assert len(await inputs(audit, store, 1)) == 1
-    result = CliRunner().invoke(
+    result = await asyncio.to_thread(  # the CLI runs an event loop of its own
+        CliRunner().invoke,
         cli_app,
         ["audit", "list", "--state-dir", str(tmp_path / "state"), "--kind", "process.input"],
     )

@@ -4,6 +4,7 @@ bad policy file is a clear error naming the field."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.governance.keys_cli import MAX_KEYS
-from orchestrator.state_store.audit_store import AuditQuery
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
 from tests.governance.conftest import CliResult, eventually, unique_name
+from tests.governance.store_handles import local_store
 from tests.service.conftest import Server
 
 
@@ -122,12 +123,16 @@ def test_a_policy_set_by_the_cli_takes_effect_without_a_restart(
     assert shown["policy"]["commands"] is False and shown["policy"]["max_sessions"] == 3
     assert shown["admin"] is True
     assert eventually(lambda: _whoami(governed_server, key)["admin"] is True)
+
     # Each change is in the audit log, under the key's name and id, said by the CLI.
-    store = SqliteStore(governed_server.state_dir)
-    try:
-        events = store.audit.query_events(AuditQuery(principal=name))
-    finally:
-        store.close()
+    async def read() -> list[AuditEvent]:
+        store = local_store(governed_server.state_dir)
+        try:
+            return await store.audit.query_events(AuditQuery(principal=name))
+        finally:
+            await store.close()
+
+    events = asyncio.run(read())
     changes = [e for e in events if e.kind.startswith("key.")]
     assert [e.kind for e in changes] == ["key.policy", "key.policy", "key.added"]
     assert {e.owner for e in events} == {shown["id"]}

@@ -46,7 +46,7 @@ async def test_a_service_without_keys_starts_says_how_to_add_one_and_takes_it(
         )
         assert made.exit_code == 0, made.stderr
         key = made.stdout.strip()
-        await asyncio.to_thread(service.principals.reload)  # as its refresh does within 1 s
+        await service.principals.reload()  # as its refresh does within 1 s
         found = authenticate.principal_for_key(key)
         assert found.name == "first-admin" and found.admin
         with pytest.raises(HTTPException) as caught:

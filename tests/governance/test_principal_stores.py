@@ -22,22 +22,21 @@ from orchestrator.governance.principals import (
     new_principal_id,
     owner_of,
 )
-from orchestrator.state_store.audit_store import AuditQuery
-from orchestrator.state_store.principal_store import (
+from orchestrator.governance.stores.audit_store import AuditQuery
+from orchestrator.governance.stores.principal_store import (
     KeyDigest,
     PrincipalNameTaken,
     PrincipalRecord,
     PrincipalStore,
 )
-from orchestrator.state_store.redis_store import RedisStore
-from orchestrator.state_store.sqlite_store import SqliteStore
+from tests.governance.store_handles import StoreHandle, local_store, shared_store
 
 SETTINGS_KEY, ADMIN_KEY = "settings-key-" + new_key(), "admin-key-" + new_key()
 
 
 @pytest.fixture
 def two_stores(
-    store_pair: tuple[SqliteStore | RedisStore, SqliteStore | RedisStore],
+    store_pair: tuple[StoreHandle, StoreHandle],
 ) -> tuple[PrincipalStore, PrincipalStore]:
     """Two handles on one store, as the service and the CLI (or two replicas) hold."""
     return store_pair[0].principals, store_pair[1].principals
@@ -54,36 +53,40 @@ def record(name: str, *keys: str, **fields: object) -> PrincipalRecord:
     )
 
 
-def test_principals_round_trip_and_a_rotation_drops_the_old_digest(
+async def test_principals_round_trip_and_a_rotation_drops_the_old_digest(
     two_stores: tuple[PrincipalStore, PrincipalStore],
 ) -> None:
     mine, theirs = two_stores
     old, new = new_key(), new_key()
     analyst = record("analyst", old, policy=Policy(backends=["local"]))
-    mine.put_principal(analyst)
-    mine.put_principal(record("admin", new_key(), admin=True))
-    assert theirs.get_principal("analyst") == analyst
-    assert theirs.principal_by_id(analyst.id) == analyst
-    assert theirs.principal_by_digest(digest_of(old)) == analyst
-    assert [r.name for r in theirs.principals()] == ["admin", "analyst"]
-    assert theirs.get_principal("nobody") is None and theirs.principal_by_id("p_x") is None
+    await mine.put_principal(analyst)
+    await mine.put_principal(record("admin", new_key(), admin=True))
+    assert await theirs.get_principal("analyst") == analyst
+    assert await theirs.principal_by_id(analyst.id) == analyst
+    assert await theirs.principal_by_digest(digest_of(old)) == analyst
+    assert [r.name for r in await theirs.principals()] == ["admin", "analyst"]
+    assert (
+        await theirs.get_principal("nobody") is None and await theirs.principal_by_id("p_x") is None
+    )
     rotated = analyst.model_copy(update={"keys": [KeyDigest(digest=digest_of(new))]})
-    theirs.put_principal(rotated)
-    assert mine.principal_by_digest(digest_of(old)) is None
-    assert mine.principal_by_digest(digest_of(new)) == rotated
-    assert len(mine.principals()) == 2
+    await theirs.put_principal(rotated)
+    assert await mine.principal_by_digest(digest_of(old)) is None
+    assert await mine.principal_by_digest(digest_of(new)) == rotated
+    assert len(await mine.principals()) == 2
 
 
-def test_a_name_is_never_taken_over(two_stores: tuple[PrincipalStore, PrincipalStore]) -> None:
+async def test_a_name_is_never_taken_over(
+    two_stores: tuple[PrincipalStore, PrincipalStore],
+) -> None:
     mine, theirs = two_stores
     key = new_key()
     first = record("analyst", key)
-    mine.put_principal(first)
+    await mine.put_principal(first)
     with pytest.raises(PrincipalNameTaken):
-        theirs.put_principal(record("analyst", new_key()))
-    assert theirs.get_principal("analyst") == first  # untouched, key and all
-    assert theirs.principal_by_digest(digest_of(key)) == first
-    assert len(theirs.principals()) == 1
+        await theirs.put_principal(record("analyst", new_key()))
+    assert await theirs.get_principal("analyst") == first  # untouched, key and all
+    assert await theirs.principal_by_digest(digest_of(key)) == first
+    assert len(await theirs.principals()) == 1
 
 
 def settings(tmp_path: Path, **overrides: object) -> Settings:
@@ -97,13 +100,13 @@ def settings(tmp_path: Path, **overrides: object) -> Settings:
 
 
 @pytest.fixture
-async def store_and_principals(tmp_path: Path) -> AsyncIterator[tuple[SqliteStore, Principals]]:
-    store = SqliteStore(tmp_path / "state")
+async def store_and_principals(tmp_path: Path) -> AsyncIterator[tuple[StoreHandle, Principals]]:
+    store = local_store(tmp_path / "state")
     principals = Principals(settings(tmp_path), store.principals, refresh_s=0.05)
     await principals.start()
     yield store, principals
     await principals.close()
-    store.close()
+    await store.close()
 
 
 async def soon(check: object, within_s: float = 5.0) -> bool:
@@ -116,7 +119,7 @@ async def soon(check: object, within_s: float = 5.0) -> bool:
 
 
 async def test_settings_keys_are_full_access_and_admin_keys_admins(
-    store_and_principals: tuple[SqliteStore, Principals],
+    store_and_principals: tuple[StoreHandle, Principals],
 ) -> None:
     _, principals = store_and_principals
     plain = principals.authenticate(f"  {SETTINGS_KEY} ")
@@ -134,25 +137,25 @@ async def test_settings_keys_are_full_access_and_admin_keys_admins(
 
 
 async def test_store_keys_added_rotated_and_revoked_take_effect_within_the_refresh(
-    store_and_principals: tuple[SqliteStore, Principals],
+    store_and_principals: tuple[StoreHandle, Principals],
 ) -> None:
     store, principals = store_and_principals
     old, new = new_key(), new_key()
     analyst = record("analyst", old, policy=Policy(commands=False))
-    store.principals.put_principal(analyst)
+    await store.principals.put_principal(analyst)
     assert await soon(lambda: principals.authenticate(old) is not None)
     found = principals.authenticate(old)
     assert found is not None and found.id == analyst.id and found.name == "analyst"
     assert found.policy.commands is False and principals.of(analyst.id) == found
     # Rotated with a grace period that has passed: the old key no longer works.
     past = KeyDigest(digest=digest_of(old), expires_at=time.time() - 1)
-    store.principals.put_principal(
+    await store.principals.put_principal(
         analyst.model_copy(update={"keys": [past, KeyDigest(digest=digest_of(new))]})
     )
     assert await soon(lambda: principals.authenticate(new) is not None)
     assert principals.authenticate(old) is None
     # Revoked: no key works; it is listed as revoked; its owner id still has its name.
-    store.principals.put_principal(analyst.model_copy(update={"revoked_at": time.time()}))
+    await store.principals.put_principal(analyst.model_copy(update={"revoked_at": time.time()}))
     assert await soon(lambda: principals.authenticate(new) is None)
     assert analyst.id in principals.revoked()
     assert principals.of(analyst.id).name == "analyst"
@@ -168,37 +171,41 @@ async def test_without_auth_every_caller_is_the_local_admin(tmp_path: Path) -> N
     await principals.close()
 
 
-def test_the_cli_writes_the_clusters_store(redis_url: str, tmp_path: Path) -> None:
+async def test_the_cli_writes_the_clusters_store(redis_url: str, tmp_path: Path) -> None:
     """`--store redis://...`: the keys every replica reads."""
     runner = CliRunner()
 
-    def keys(*args: str) -> tuple[int, str, str]:
-        done = runner.invoke(
-            cli_app, ["keys", *args, "--store", redis_url, "--state-dir", str(tmp_path)]
+    async def keys(*args: str) -> tuple[int, str, str]:
+        done = await asyncio.to_thread(  # the CLI runs an event loop of its own
+            runner.invoke,
+            cli_app,
+            ["keys", *args, "--store", redis_url, "--state-dir", str(tmp_path)],
         )
         return done.exit_code, done.stdout, done.stderr
 
-    code, out, err = keys("add", "cluster-analyst", "--backends", "ray", "--max-sessions", "2")
+    code, out, err = await keys(
+        "add", "cluster-analyst", "--backends", "ray", "--max-sessions", "2"
+    )
     assert code == 0, err
     key = out.strip()
-    store = RedisStore(redis_url, snapshots_dir=tmp_path / "snaps", prefix="cir")
+    store = shared_store(redis_url, prefix="cir", snapshots_dir=tmp_path / "snaps")
     try:
-        found = store.principals.principal_by_digest(digest_of(key))
+        found = await store.principals.principal_by_digest(digest_of(key))
         assert found is not None and found.name == "cluster-analyst"
         assert found.policy.backends == ["ray"] and found.policy.max_sessions == 2
-        code, out, err = keys("list")
+        code, out, err = await keys("list")
         assert code == 0 and "cluster-analyst" in out and key[4:] not in out
-        code, out, err = keys("revoke", "cluster-analyst")
+        code, out, err = await keys("revoke", "cluster-analyst")
         assert code == 0, err
-        revoked = store.principals.get_principal("cluster-analyst")
+        revoked = await store.principals.get_principal("cluster-analyst")
         assert revoked is not None and revoked.revoked_at is not None and revoked.keys == []
-        assert store.principals.principal_by_digest(digest_of(key)) is None
-        events = store.audit.query_events(AuditQuery())
+        assert await store.principals.principal_by_digest(digest_of(key)) is None
+        events = await store.audit.query_events(AuditQuery())
         assert [e.kind for e in events if e.principal == "cluster-analyst"] == [
             "key.revoked",
             "key.added",
         ]
     finally:
-        store.close()
+        await store.close()
     wrong = runner.invoke(cli_app, ["keys", "list", "--store", "http://nowhere"])
     assert wrong.exit_code == 2 and "--store must be redis://" in wrong.stderr

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.config import Settings
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.principals import digest_of, new_key, new_principal_id
+from orchestrator.governance.stores.principal_store import KeyDigest, PrincipalRecord
 from orchestrator.host_tools.settings import HostToolsSettings
-from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
-from orchestrator.state_store.principal_store import KeyDigest, PrincipalRecord
-from sandbox.processes.models import ProcessRequest
 
 WAITS_THEN_CALLS = (
     "import host_tools, os, time\n"
@@ -58,30 +58,32 @@ async def test_a_revoked_keys_running_session_calls_no_tool_and_runs_nothing(
     record = PrincipalRecord(
         id=new_principal_id(), name="leaving", keys=[KeyDigest(digest=digest_of(new_key()))]
     )
-    store = service.store.principals
-    await asyncio.to_thread(store.put_principal, record)
-    await asyncio.to_thread(service.principals.reload)
-    session = await service.create_session(record.id, CreateSessionRequest(tools=["add"]))
-    before = await service.execute(session, "import host_tools\nprint(host_tools.sync.add(1, b=2))")
+    store = service.persistence.governance.principals
+    await store.put_principal(record)
+    await service.principals.reload()
+    session = await service.lifecycle.create(record.id, CreateSessionRequest(tools=["add"]))
+    before = await service.runs.execute(
+        session, "import host_tools\nprint(host_tools.sync.add(1, b=2))"
+    )
     assert before.stdout == "3\n", before.error
-    running = asyncio.ensure_future(service.execute(session, WAITS_THEN_CALLS))
+    running = asyncio.ensure_future(service.runs.execute(session, WAITS_THEN_CALLS))
     await asyncio.sleep(0.5)  # it has started, and waits for `go`
 
     revoked = record.model_copy(update={"revoked_at": time.time(), "keys": []})
-    await asyncio.to_thread(store.put_principal, revoked)
-    await asyncio.to_thread(service.principals.reload)
-    await service.upload(session, "go", b"")
+    await store.put_principal(revoked)
+    await service.principals.reload()
+    await service.files.upload(session, "go", b"")
     done = await asyncio.wait_for(running, 60)
     assert "REFUSED" in done.stdout and "CALLED" not in done.stdout, done.stdout
 
     for attempt in (
-        service.execute(session, "1 + 1"),
-        service.run_command(session, ProcessRequest(command="echo hi")),
-        service.start_process(session, ProcessRequest(command="sleep 1")),
+        service.runs.execute(session, "1 + 1"),
+        service.runs.run_command(session, ProcessRequest(command="echo hi")),
+        service.runs.start_process(session, ProcessRequest(command="sleep 1")),
     ):
         with pytest.raises(PolicyDenied) as caught:
             await attempt
         assert caught.value.rule == "revoked" and "'leaving'" in str(caught.value)
     with pytest.raises(PolicyDenied):
-        await service.create_session(record.id, CreateSessionRequest())
-    await service.end_session(session.id, record.id)
+        await service.lifecycle.create(record.id, CreateSessionRequest())
+    await service.lifecycle.end(session.id, record.id)

@@ -73,12 +73,12 @@ def service_of(client: httpx.AsyncClient) -> Service:
 async def while_the_store_is_held(service: Service, work: Awaitable[T]) -> tuple[T, float, float]:
     """(what `work` gave, how long it took, the event loop's longest stall meanwhile), with
     another thread holding the store for HOLD_S from just before it starts."""
-    store = service.store
+    store = service.persistence.store
     assert isinstance(store, SqliteStore)
     held = threading.Event()
 
     def hold() -> None:
-        with store._lock:  # as a long write on another thread does
+        with store.database.lock:  # as a long write on another thread does
             held.set()
             time.sleep(HOLD_S)
 

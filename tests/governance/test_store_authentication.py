@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app as cli_app
 from orchestrator.state_store.redis_auth import UnauthenticatedStore
-from orchestrator.state_store.redis_store import RedisStore
 from tests.cluster.redis_server import redis_server
+from tests.governance.store_handles import shared_store
 from tests.service.conftest import Server, make_server
 
 pytestmark = pytest.mark.skipif(
@@ -92,7 +92,7 @@ def test_the_keys_cli_refuses_it_too(open_redis: str) -> None:
     assert line.startswith("error: the store URL") and "has no password" in line
 
 
-def test_a_redis_that_answers_without_a_password_is_refused(
+async def test_a_redis_that_answers_without_a_password_is_refused(
     open_redis: str, clustered: Callable[..., Server], tmp_path: Path
 ) -> None:
     """An ACL user with a password in the URL, but the server's default user still open: the
@@ -107,10 +107,10 @@ def test_a_redis_that_answers_without_a_password_is_refused(
     log = refused_start(clustered(with_user))
     assert "answers a connection that sends no password" in log
     assert password not in log
-    store = RedisStore(with_user, snapshots_dir=tmp_path)
+    store = shared_store(with_user, snapshots_dir=tmp_path)
     with pytest.raises(UnauthenticatedStore, match="ACL SETUSER default off"):
-        store.ping()
-    store.close()
+        await store.connection.ping()
+    await store.close()
 
 
 def test_the_opt_out_starts_it_and_warns(open_redis: str, clustered: Callable[..., Server]) -> None:
@@ -139,7 +139,7 @@ def test_a_redis_with_a_password_starts_without_a_warning(
     assert "without a password" not in log and password not in log
 
 
-def test_a_locked_down_default_user_with_an_acl_user_is_accepted(tmp_path: Path) -> None:
+async def test_a_locked_down_default_user_with_an_acl_user_is_accepted(tmp_path: Path) -> None:
     """A default user left on without a password but allowed no command (`-@all`) answers
     nothing to a connection without a password (NOPERM): the ACL user's password guards the
     store, and the store starts."""
@@ -151,10 +151,10 @@ def test_a_locked_down_default_user_with_an_acl_user_is_accepted(tmp_path: Path)
         )
         admin.acl_setuser("default", enabled=True, nopass=True, commands=["-@all"])
         admin.close()
-        store = RedisStore(
+        store = shared_store(
             open_url.replace("redis://", f"redis://{user}:{password}@"), snapshots_dir=tmp_path
         )
         try:
-            store.ping()
+            await store.connection.ping()
         finally:
-            store.close()
+            await store.close()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import Backend, ExecutionStatus, Sandbox
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Backend, Sandbox
 from tests.conftest import small_spec
 from tests.gvisor.conftest import GVISOR
 

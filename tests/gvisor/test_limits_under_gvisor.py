@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from code_interpreter_wire.errors import SandboxStartError
+from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.spec import ResourceLimits
 from sandbox import Backend
-from sandbox.errors import SandboxStartError
-from sandbox.processes.models import ProcessRequest
-from sandbox.spec import ResourceLimits
 from tests.conftest import small_spec
 from tests.gvisor.conftest import GVISOR
 

@@ -8,9 +8,10 @@ import docker
 import pytest
 from docker.models.containers import Container
 
-from sandbox import Backend, ExecutionStatus, Sandbox, create_backend
+from code_interpreter_wire.errors import RuntimeUnavailable
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.docker import DockerSandbox
-from sandbox.errors import RuntimeUnavailable
 from tests.conftest import small_spec
 from tests.gvisor.conftest import GVISOR, container_runtime
 

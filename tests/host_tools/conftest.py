@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from code_interpreter_wire.results import ExecutionStatus
 from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
-from sandbox import Backend, ExecutionStatus, Sandbox
+from sandbox import Backend, Sandbox
 from tests.conftest import small_spec
 from tests.host_tools.tools_for_tests import TOOLS
 

@@ -4,7 +4,7 @@ thread, thread-pool work item, asyncio task or child process, never merely the o
 
 from __future__ import annotations
 
-from sandbox import ExecutionStatus
+from code_interpreter_wire.results import ExecutionStatus
 from sandbox.host_channel import TOOL_ORIGIN_ENV
 from tests.host_tools.conftest import ToolSandbox
 

@@ -9,7 +9,8 @@ import socket
 
 import pytest
 
-from sandbox import Backend, ExecutionStatus
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Backend
 from tests.conftest import small_spec
 from tests.host_tools.conftest import RAW_CLIENT, ToolSandbox
 

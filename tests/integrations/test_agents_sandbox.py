@@ -29,14 +29,13 @@ from openai.types.responses import (
 )
 
 from code_interpreter_client.agents_sandbox import (
-    TERMINAL_BUFFER_BYTES,
     CodeInterpreterSandboxClient,
     CodeInterpreterSandboxClientOptions,
     CodeInterpreterSandboxSession,
-    _Terminal,
 )
+from code_interpreter_client.agents_sandbox.terminals import TERMINAL_BUFFER_BYTES, Terminal
 from code_interpreter_client.code_session import CodeSession
-from sandbox.processes.models import ProcessRequest
+from code_interpreter_wire.processes import ProcessRequest
 from tests.conftest import backend_config, small_spec
 from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
 
@@ -290,7 +289,7 @@ async def running_commands(code: CodeSession) -> list[str]:
 
 
 async def test_a_terminal_nobody_polls_keeps_its_latest_output_within_a_bound() -> None:
-    terminal = _Terminal(pid=1, tty=True)
+    terminal = Terminal(pid=1, tty=True)
     chunk = b"x" * (32 << 10)
     for _ in range(3 * TERMINAL_BUFFER_BYTES // len(chunk)):
         await terminal.add(chunk)

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from code_interpreter_client.code_session import CodeSession
-from code_interpreter_client.embedded_session import embedded_settings
-from orchestrator.schemas import ExecutionRecord
-from sandbox import Backend, ExecutionStatus, OutputEvent, StdoutEvent
+from code_interpreter_wire.rest import ExecutionRecord
+from code_interpreter_wire.results import ExecutionStatus, OutputEvent, StdoutEvent
+from orchestrator.embedded_session import embedded_settings
+from sandbox import Backend
 from tests.conftest import small_spec
 
 

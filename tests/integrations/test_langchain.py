@@ -16,7 +16,7 @@ from langchain_core.messages.tool import ToolCall
 
 from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.langchain import CodeInterpreterTool
-from sandbox.models import Execution, ExecutionStatus
+from code_interpreter_wire.results import Execution, ExecutionStatus
 from tests.service.conftest import KEY_A, Server, make_server
 
 PLOT = "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [2, 5])\nplt.show()\nprint('plotted')"

@@ -16,7 +16,7 @@ from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError
 from code_interpreter_client.langchain import CodeInterpreterTool
 from code_interpreter_client.openai_agents import code_interpreter_tool
-from sandbox.errors import UnknownLanguage
+from code_interpreter_wire.errors import UnknownLanguage
 from tests.integrations.test_openai_agents import OFFLINE, ScriptedModel
 from tests.service.conftest import KEY_A, Server, make_server
 

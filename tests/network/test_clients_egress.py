@@ -16,7 +16,7 @@ from code_interpreter_client.agents_sandbox import (
     CodeInterpreterSandboxClientOptions,
 )
 from code_interpreter_client.code_session import CodeSession
-from sandbox.network_policy import NetworkPolicy
+from code_interpreter_wire.network_policy import NetworkPolicy
 from tests.e2b_compatible.conftest import point_sdk_at
 from tests.network.conftest import FETCH, Net
 from tests.network.upstream import HELLO

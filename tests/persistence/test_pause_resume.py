@@ -251,7 +251,7 @@ def test_a_session_resumed_under_a_lower_ceiling_gets_no_more_network() -> None:
 
 @pytest.mark.skipif("docker" not in service_backends(), reason="images are Docker's")
 def test_a_fork_starts_on_its_snapshots_image() -> None:
-    from kernel_images.labels import FULL_IMAGE
+    from sandbox.image_labels import FULL_IMAGE
 
     srv = make_server(docker_images=f"code-interpreter-kernel:latest,{FULL_IMAGE}")
     srv.start()

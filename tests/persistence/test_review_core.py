@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from orchestrator.config import Settings
+from orchestrator.session_coordinator import LocalCoordinator
 from orchestrator.sessions import Session, SessionManager
 from sandbox import Backend
 from sandbox.saved_state import StateTooLarge, save_state
@@ -252,7 +253,12 @@ async def test_a_session_used_while_the_reaper_pauses_others_is_not_paused(
             if other is not session:
                 (await manager.get(other.id, other.owner)).touch()
 
-    manager = SessionManager(settings, given_backends={backend.name: backend}, on_expiry=on_expiry)
+    manager = SessionManager(
+        settings,
+        given_backends={backend.name: backend},
+        on_expiry=on_expiry,
+        coordinator=LocalCoordinator(),
+    )
     await manager.start()
     try:
         first = await manager.create("owner", spec=small_spec())

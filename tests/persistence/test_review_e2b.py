@@ -18,11 +18,11 @@ import httpx
 import pytest
 from fastapi import Response
 
+from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.config import Settings
 from orchestrator.e2b_compatible import control
 from orchestrator.e2b_compatible.errors import E2BError
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BSandboxes, SandboxGone
-from orchestrator.schemas import CreateSessionRequest
 from orchestrator.service import Service
 from orchestrator.sessions import Session
 from orchestrator.state_store.records import SessionRecord
@@ -62,21 +62,21 @@ async def test_a_v1_session_the_e2b_front_looked_at_is_not_killed_by_an_e2b_time
     the service's idle expiry and woken by its /v1 client, it must not be given E2B's 300 s
     timeout, which would then kill it, in use or not."""
     sandboxes = E2BSandboxes(service)
-    session = await service.create_session(OWNER, CreateSessionRequest())
-    await service.pause_session(session.id, OWNER)  # as the service's idle expiry does
+    session = await service.lifecycle.create(OWNER, CreateSessionRequest())
+    await service.lifecycle.pause(session.id, OWNER)  # as the service's idle expiry does
     await sandboxes.found(session.id, OWNER)  # what listing the key's sandboxes does
     await sandboxes.sweep()  # the E2B sweeper sees it paused
-    await service.get_session(session.id, OWNER)  # its /v1 client's next call wakes it
+    await service.lifecycle.get(session.id, OWNER)  # its /v1 client's next call wakes it
     await sandboxes.sweep()
 
     later = time.time() + DEFAULT_TIMEOUT_S + 60  # past any E2B timeout armed just now
     with monkeypatch.context() as clock:
         clock.setattr(time, "time", lambda: later)
         await sandboxes.sweep()
-    assert isinstance(await service.session_state(session.id, OWNER), Session), (
+    assert isinstance(await service.lifecycle.state(session.id, OWNER), Session), (
         "the E2B front killed a /v1 session it had only listed"
     )
-    await service.end_session(session.id, OWNER)
+    await service.lifecycle.end(session.id, OWNER)
 
 
 async def test_data_plane_traffic_that_wakes_a_v1_session_arms_no_e2b_timeout(
@@ -86,19 +86,19 @@ async def test_data_plane_traffic_that_wakes_a_v1_session_arms_no_e2b_timeout(
     connect) after the service's idle expiry paused it: woken by that traffic, it keeps the
     service's idle expiry rather than a 300 s E2B timeout nobody asked for."""
     sandboxes = E2BSandboxes(service)
-    session = await service.create_session(OWNER, CreateSessionRequest())
+    session = await service.lifecycle.create(OWNER, CreateSessionRequest())
     record, _ = await sandboxes.found(session.id, OWNER)  # what a connect does first
-    await service.pause_session(session.id, OWNER)  # as the service's idle expiry does
+    await service.lifecycle.pause(session.id, OWNER)  # as the service's idle expiry does
     await sandboxes.reachable(session.id, record.token)  # E2B data-plane traffic wakes it
 
     later = time.time() + DEFAULT_TIMEOUT_S + 60
     with monkeypatch.context() as clock:
         clock.setattr(time, "time", lambda: later)
         await sandboxes.sweep()
-    assert isinstance(await service.session_state(session.id, OWNER), Session), (
+    assert isinstance(await service.lifecycle.state(session.id, OWNER), Session), (
         "the E2B front killed a /v1 session its data plane had woken"
     )
-    await service.end_session(session.id, OWNER)
+    await service.lifecycle.end(session.id, OWNER)
 
 
 async def test_data_plane_traffic_during_a_pause_does_not_undo_it(service: Service) -> None:
@@ -106,8 +106,8 @@ async def test_data_plane_traffic_during_a_pause_does_not_undo_it(service: Servi
     data-plane call that arrives while the pause is under way finds it gone (E2B's 502), as it
     would once paused; it must not wait for the pause and then wake the sandbox at once."""
     sandboxes = E2BSandboxes(service)
-    session = await service.create_session(OWNER, CreateSessionRequest())
-    await service.execute(session, "x = 1")
+    session = await service.lifecycle.create(OWNER, CreateSessionRequest())
+    await service.runs.execute(session, "x = 1")
     record, _ = await sandboxes.found(session.id, OWNER)
     pausing = asyncio.ensure_future(sandboxes.pause(record, session))
     await asyncio.sleep(0)  # the pause begins (then saves the kernel's state, which takes a while)
@@ -117,7 +117,7 @@ async def test_data_plane_traffic_during_a_pause_does_not_undo_it(service: Servi
             await sandboxes.reachable(session.id, record.token)
     finally:
         await pausing
-    assert isinstance(await service.session_state(session.id, OWNER), SessionRecord), (
+    assert isinstance(await service.lifecycle.state(session.id, OWNER), SessionRecord), (
         "traffic during the pause woke the sandbox it had just paused"
     )
     await sandboxes.kill(record)
@@ -128,8 +128,8 @@ async def test_a_connect_during_a_pause_says_so_rather_than_running(service: Ser
     under way must not say "running" (the sandbox is paused a moment later, and the client's
     next call finds it gone): it is refused with E2B's 409, to connect again once paused."""
     sandboxes = E2BSandboxes(service)
-    session = await service.create_session(OWNER, CreateSessionRequest())
-    await service.execute(session, "x = 1")
+    session = await service.lifecycle.create(OWNER, CreateSessionRequest())
+    await service.runs.execute(session, "x = 1")
     record, _ = await sandboxes.found(session.id, OWNER)
     pausing = asyncio.ensure_future(sandboxes.pause(record, session))
     await asyncio.sleep(0)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.errors import StateNotSaved
 from sandbox import Backend
-from sandbox.errors import StateNotSaved
 from sandbox.saved_state import restore_state, save_state
 from tests.conftest import small_spec
 from tests.persistence.state_code import BUILD, CHECK, CHECKED

@@ -16,7 +16,12 @@ from collections.abc import Iterator
 import docker
 import pytest
 
-from sandbox.backends.docker import MAX_REPORTS, REPORT_KEPT_S, _Container, _DeathWatch
+from sandbox.backends.docker_container import (
+    MAX_REPORTS,
+    REPORT_KEPT_S,
+    DeathWatch,
+    KernelContainer,
+)
 from sandbox.kernel.process import CANNOT_TELL, KernelExit
 from tests.conftest import require_backend
 
@@ -25,10 +30,10 @@ START_NS = 1_800_000_000 * SECOND_NS
 
 
 @pytest.fixture
-def deaths() -> Iterator[_DeathWatch]:
+def deaths() -> Iterator[DeathWatch]:
     require_backend("docker")
     client = docker.from_env()
-    watch = _DeathWatch(client, f"test-deaths-{secrets.token_hex(4)}")  # no container has it
+    watch = DeathWatch(client, f"test-deaths-{secrets.token_hex(4)}")  # no container has it
     yield watch
     watch.close()
     client.close()
@@ -44,16 +49,16 @@ def event(action: str, container_id: str, at_ns: int, exit_code: int = 137) -> d
     }
 
 
-async def death_after(deaths: _DeathWatch, *events: dict[str, object]) -> KernelExit:
+async def death_after(deaths: DeathWatch, *events: dict[str, object]) -> KernelExit:
     container_id = str(events[-1]["id"])
-    process = _Container(None, asyncio.get_running_loop().create_future())
+    process = KernelContainer(None, asyncio.get_running_loop().create_future())
     deaths.watch(container_id, process)
     for each in events:
         deaths._handle(each)
     return await asyncio.wait_for(process.wait(), 10)
 
 
-async def test_memory_is_blamed_by_the_engines_clock(deaths: _DeathWatch) -> None:
+async def test_memory_is_blamed_by_the_engines_clock(deaths: DeathWatch) -> None:
     # Both reports read at once, as a service busy elsewhere would: 6 s apart by the engine.
     late = await death_after(
         deaths, event("oom", "c-late", START_NS), event("die", "c-late", START_NS + 6 * SECOND_NS)
@@ -66,20 +71,20 @@ async def test_memory_is_blamed_by_the_engines_clock(deaths: _DeathWatch) -> Non
 
 
 async def test_a_death_with_no_readable_evidence_says_nothing_can_tell(
-    deaths: _DeathWatch,
+    deaths: DeathWatch,
 ) -> None:
     # No OOM report, and the engine has no such container to ask for its OOM flag.
     gone = await death_after(deaths, event("die", "c-gone", START_NS))
     assert CANNOT_TELL in gone.reason and "not for lack of memory" not in gone.reason, gone
     # Found dead after the stream broke (no death event at all): the same.
-    process = _Container(None, asyncio.get_running_loop().create_future())
+    process = KernelContainer(None, asyncio.get_running_loop().create_future())
     deaths.watch("c-vanished", process)
     await asyncio.to_thread(deaths._recheck)
     vanished = await asyncio.wait_for(process.wait(), 10)
     assert CANNOT_TELL in vanished.reason, vanished
 
 
-def test_reports_of_containers_nobody_watches_are_bounded(deaths: _DeathWatch) -> None:
+def test_reports_of_containers_nobody_watches_are_bounded(deaths: DeathWatch) -> None:
     for i in range(MAX_REPORTS + 500):
         deaths._handle(event("oom", f"c-{i}", START_NS))
         deaths._handle(event("kill", f"c-{i}", START_NS))
@@ -90,11 +95,11 @@ def test_reports_of_containers_nobody_watches_are_bounded(deaths: _DeathWatch) -
 
 
 async def test_an_oom_kill_long_before_a_watched_containers_death_is_kept_and_not_blamed(
-    deaths: _DeathWatch,
+    deaths: DeathWatch,
 ) -> None:
     """Kept: found missing, only the engine's OOM flag would be left, which stays set for the
     container's life (a command's OOM kill then blamed for any later death)."""
-    process = _Container(None, asyncio.get_running_loop().create_future())
+    process = KernelContainer(None, asyncio.get_running_loop().create_future())
     deaths.watch("c-long", process)
     deaths._handle(event("oom", "c-long", START_NS))
     hour = 3600 * SECOND_NS

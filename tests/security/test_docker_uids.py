@@ -14,9 +14,9 @@ from pathlib import Path
 import docker
 import pytest
 
+from code_interpreter_wire.spec import ResourceLimits
 from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.docker import DockerSandbox
-from sandbox.spec import ResourceLimits
 from tests.conftest import TEST_ORCHESTRATOR_ID, require_backend, small_spec
 
 MAX_INOTIFY = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())

@@ -21,12 +21,13 @@ from collections.abc import Iterator
 
 import pytest
 
-import sandbox.backends.docker as docker_backend
+import sandbox.backends.docker_container as docker_container
 import sandbox.cgroup_oom as cgroup_oom
 import sandbox.kernel.driver as kernel_driver
-from sandbox import ExecutionStatus, Sandbox, cgroups, create_backend
+from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Sandbox, cgroups, create_backend
 from sandbox.kernel.process import CANNOT_TELL
-from sandbox.processes.models import ProcessRequest
 from tests.conftest import require_backend, small_spec
 from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
 
@@ -98,7 +99,7 @@ async def test_an_earlier_oom_kill_of_a_command_is_not_blamed_for_a_later_kill(
 ) -> None:
     # "Just before the death": 0.5 s rather than 5, so that the test need not wait long.
     monkeypatch.setattr(cgroup_oom, "OOM_BEFORE_DEATH_S", 0.5)
-    monkeypatch.setattr(docker_backend, "OOM_BEFORE_DEATH_S", 0.5)
+    monkeypatch.setattr(docker_container, "OOM_BEFORE_DEATH_S", 0.5)
     await sandbox.execute("state = 1")
     hog = await sandbox.run_command(
         ProcessRequest(command="python3 -c 'bytearray(4 << 30)' 2>/dev/null; echo $?")

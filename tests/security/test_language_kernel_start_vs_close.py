@@ -17,9 +17,9 @@ from pathlib import Path
 import docker
 import pytest
 
-from kernel_images.labels import FULL_IMAGE
 from sandbox import Backend
 from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import small_spec
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kernel_images.labels import FULL_IMAGE
+from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Backend, Sandbox
-from sandbox.models import ExecutionStatus
+from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import small_spec
 
 pytestmark = pytest.mark.timeout(300)

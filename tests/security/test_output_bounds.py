@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from sandbox import Backend, ExecutionStatus, Sandbox
-from sandbox.models import ErrorEvent, OutputEvent
+from code_interpreter_wire.results import ErrorEvent, ExecutionStatus, OutputEvent
+from sandbox import Backend, Sandbox
 from tests.conftest import small_spec
 
 MB = 1_000_000

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.errors import FileMissing, ProcessesUnsupported
+from code_interpreter_wire.processes import ProcessRequest, TerminalSize
 from sandbox import Backend, Sandbox
 from sandbox.backends.local import LocalBackend, LocalBackendConfig
-from sandbox.errors import FileMissing, ProcessesUnsupported
-from sandbox.processes.models import ProcessRequest, TerminalSize
 from tests.conftest import host_processes_with, require_backend, small_spec
 
 # What /proc/self/status says of a process's privileges and confinement.

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Iterator
 import docker
 import pytest
 
+from code_interpreter_wire.processes import ProcessRequest
 from sandbox import Backend, Sandbox, create_backend
-from sandbox.backends.docker import LABEL_SANDBOX
-from sandbox.processes.models import ProcessRequest
+from sandbox.backends.docker_container import LABEL_SANDBOX
 from tests.conftest import (
     TEST_ORCHESTRATOR_ID,
     host_processes_with,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 import time
 
-from sandbox import Backend, ExecutionStatus, Sandbox
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Backend, Sandbox
 from tests.conftest import small_spec
 
 

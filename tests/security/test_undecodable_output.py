@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 
-from sandbox import ExecutionStatus, Sandbox
+from code_interpreter_wire.results import ExecutionStatus
+from sandbox import Sandbox
 
 RUN_LIMIT_S = 30.0
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError, AsyncClient, Client
-from orchestrator.schemas import ExecutionRecord
-from sandbox.models import OutputEvent, StdoutEvent
+from code_interpreter_wire.rest import ExecutionRecord
+from code_interpreter_wire.results import OutputEvent, StdoutEvent
 from tests.service.conftest import KEY_A, KEY_B, Server
 
 
@@ -133,29 +134,47 @@ def test_client_disconnect_interrupts_the_code(server: Server, session_id: str) 
         assert api.get(f"/v1/sessions/{session_id}").json()["busy"] is False
 
 
+def wait_for(check: Callable[[], bool], what: str, within_s: float = 60.0) -> None:
+    """Look at `check` until it holds (every 20 ms), or fail saying `what` never came."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not seen within {within_s:g} s"
+        time.sleep(0.02)
+
+
 def test_concurrent_executes_queue_in_order(server: Server, session_id: str) -> None:
+    """Executes sent while the session is busy run in the order they came. The first holds
+    the kernel until the test uploads `release`; each next one is sent only once the service
+    counts the one before it among the session's calls in progress (taken, and queued for
+    the kernel), so the arrival order is the test's, not a matter of timing."""
+    base = f"/v1/sessions/{session_id}"
+    hold = "import os, time\nwhile not os.path.exists('release'):\n    time.sleep(0.01)\n"
     with server.client() as api:
-        api.post(f"/v1/sessions/{session_id}/execute", json={"code": "order = []"})
+        api.post(f"{base}/execute", json={"code": "order = []"})
         outcomes: dict[int, str] = {}
 
         def call(i: int) -> None:
             with server.client() as own:
-                r = own.post(
-                    f"/v1/sessions/{session_id}/execute",
-                    json={"code": f"import time; time.sleep(0.2); order.append({i}); {i}"},
-                )
+                code = (hold if i == 0 else "") + f"order.append({i}); {i}"
+                r = own.post(f"{base}/execute", json={"code": code})
                 outcomes[i] = r.json()["results"][0]["text"]
+
+        def in_progress(count: int) -> Callable[[], bool]:
+            return lambda: api.get(base).json()["calls_in_progress"] == count
 
         threads = []
         for i in range(4):
             threads.append(threading.Thread(target=call, args=(i,)))
             threads[-1].start()
-            time.sleep(0.05)  # so the arrival order is known
+            wait_for(in_progress(i + 1), f"execute {i} taken by the service")
+        released = api.post(f"{base}/files", files={"file": ("release", b"")})
+        assert released.status_code == 201, released.text
         for t in threads:
             t.join()
         assert outcomes == {i: str(i) for i in range(4)}
-        order = api.post(f"/v1/sessions/{session_id}/execute", json={"code": "order"}).json()
+        order = api.post(f"{base}/execute", json={"code": "order"}).json()
         assert order["results"][0]["text"] == "[0, 1, 2, 3]"
+        assert api.get(base).json()["calls_in_progress"] == 0
 
 
 def test_interrupt_restart_keepalive(api: httpx.Client, session_id: str) -> None:
@@ -165,12 +184,13 @@ def test_interrupt_restart_keepalive(api: httpx.Client, session_id: str) -> None
 
     def run() -> None:
         outcome["r"] = api.post(
-            f"{base}/execute", json={"code": "import time; time.sleep(60)"}
+            f"{base}/execute",
+            json={"code": "import time; open('started', 'w').close(); time.sleep(60)"},
         ).json()
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.5)
+    wait_for(lambda: api.get(f"{base}/files/started").status_code == 200, "the code running")
     assert api.post(f"{base}/interrupt").json() == {"interrupted": True}
     t.join(timeout=30)
     assert outcome["r"]["status"] == "cancelled"  # type: ignore[index]
@@ -274,19 +294,16 @@ def test_bad_env_names_are_refused_and_leak_nothing(server: Server, api: httpx.C
 def test_a_stream_whose_session_is_deleted_ends_with_failure(server: Server) -> None:
     with server.client() as api:
         sid = api.post("/v1/sessions", json={}).json()["id"]
-
-        def delete_soon() -> None:
-            time.sleep(1.5)
-            with server.client() as other:
-                other.delete(f"/v1/sessions/{sid}")
-
-        threading.Thread(target=delete_soon).start()
         with api.stream(
             "POST",
             f"/v1/sessions/{sid}/execute/stream",
             json={"code": "import time; print('go', flush=True); time.sleep(30)"},
         ) as response:
-            events = [json.loads(line) for line in response.iter_lines()]
+            lines = response.iter_lines()
+            events = [json.loads(next(lines))]
+            with server.client() as other:  # deleted once its code is seen running
+                assert other.delete(f"/v1/sessions/{sid}").status_code == 204
+            events += [json.loads(line) for line in lines]
         assert events[0]["type"] == "stdout"
         assert events[-1]["type"] == "failure"
         assert "closed" in events[-1]["error"]["message"]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from sandbox.errors import InvalidPath
+from code_interpreter_wire.errors import InvalidPath
 from sandbox.workspace_files import clean_path
 
 

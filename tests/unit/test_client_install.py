@@ -70,7 +70,9 @@ def test_the_client_imports_and_constructs_without_the_server_stack() -> None:
         remote = CodeSession.remote("http://127.0.0.1:9", "key")
         assert remote.session_id is None
         import sandbox
-        from sandbox import Execution, SandboxSpec, SandboxError
+        from code_interpreter_wire.results import Execution
+        from code_interpreter_wire.spec import SandboxSpec
+        from code_interpreter_wire.errors import SandboxError
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in SERVER_MODULES)
         assert not loaded, loaded
         print("client ok")

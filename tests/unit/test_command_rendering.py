@@ -3,8 +3,8 @@ out counted and where to find it."""
 
 from __future__ import annotations
 
-from orchestrator.tool import render_command
-from sandbox.processes.models import CommandResult
+from code_interpreter_wire.processes import CommandResult
+from code_interpreter_wire.tool_output import render_command
 
 
 def result(**fields: object) -> CommandResult:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from code_interpreter_wire.errors import SandboxError
 from sandbox.backends.docker_processes import _FRAME_HEADER, DockerProcess, _Source
-from sandbox.errors import SandboxError
 
 STDERR = 2
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from code_interpreter_wire.rest import ExecuteRequest
 from orchestrator.e2b_compatible.contexts import CreateContext
-from orchestrator.schemas import ExecuteRequest
 from sandbox.kernel.scopes import scope
 
 LONE_SURROGATE = "/home/user/\ud800"

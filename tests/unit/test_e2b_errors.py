@@ -10,17 +10,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from orchestrator.e2b_compatible.errors import E2BError, error_response
-from orchestrator.e2b_compatible.sandboxes import SandboxGone
-from orchestrator.outputs import OutputNotFound
-from orchestrator.request_context import ClientGone
-from orchestrator.sessions import (
-    BackendNotEnabled,
-    SessionExpired,
-    SessionLimitReached,
-    SessionNotFound,
-)
-from sandbox.errors import (
+from code_interpreter_wire.errors import (
     BackendRateLimited,
     BackendTimeout,
     BackendUnavailable,
@@ -30,6 +20,16 @@ from sandbox.errors import (
     InvalidPath,
     SandboxClosed,
     SandboxError,
+)
+from orchestrator.e2b_compatible.errors import E2BError, error_response
+from orchestrator.e2b_compatible.sandboxes import SandboxGone
+from orchestrator.outputs import OutputNotFound
+from orchestrator.request_context import ClientGone
+from orchestrator.sessions import (
+    BackendNotEnabled,
+    SessionExpired,
+    SessionLimitReached,
+    SessionNotFound,
 )
 
 

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
+from code_interpreter_wire.errors import InvalidPath
 from orchestrator.e2b_compatible.paths import to_sandbox, to_workspace
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.errors import InvalidPath
 
 
 def test_the_workspace_is_where_the_code_sees_it() -> None:

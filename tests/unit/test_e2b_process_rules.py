@@ -11,10 +11,10 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from e2b.envd.filesystem.filesystem_pb import EventType
 
+from code_interpreter_wire.processes import ProcessEnd
 from orchestrator.e2b_compatible.paths import in_sandbox, in_workspace, to_sandbox_cwd
 from orchestrator.e2b_compatible.processes import check_user, end_event
 from orchestrator.e2b_compatible.watchers import changes
-from sandbox.processes.models import ProcessEnd
 
 
 def test_an_end_reads_as_envd_says_it() -> None:

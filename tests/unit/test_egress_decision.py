@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from code_interpreter_wire.network_policy import NetworkPolicy
 from orchestrator.egress.decision import decide
-from sandbox.network_policy import NetworkPolicy
 
 ANY = NetworkPolicy(mode="any")
 PYPI = NetworkPolicy.model_validate(["pypi.org", "*.pythonhosted.org"])

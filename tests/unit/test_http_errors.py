@@ -7,9 +7,8 @@ import inspect
 import pytest
 from pydantic import BaseModel, ValidationError
 
-import sandbox.errors
-from orchestrator.http_errors import STATUS_OF_ERROR, problems, status_of
-from sandbox.errors import (
+import code_interpreter_wire.errors
+from code_interpreter_wire.errors import (
     BackendRateLimited,
     BackendTimeout,
     BackendUnavailable,
@@ -21,11 +20,12 @@ from sandbox.errors import (
     SandboxError,
     SandboxStartError,
 )
+from orchestrator.http_errors import STATUS_OF_ERROR, problems, status_of
 
 SANDBOX_ERRORS = [
     kind
-    for _, kind in inspect.getmembers(sandbox.errors, inspect.isclass)
-    if issubclass(kind, SandboxError) and kind.__module__ == sandbox.errors.__name__
+    for _, kind in inspect.getmembers(code_interpreter_wire.errors, inspect.isclass)
+    if issubclass(kind, SandboxError) and kind.__module__ == code_interpreter_wire.errors.__name__
 ]
 
 
@@ -55,7 +55,7 @@ def test_a_missing_file_is_not_found_although_it_is_an_access_error() -> None:
 
 def test_every_error_the_sandbox_layer_defines_has_a_status_of_its_own() -> None:
     """Listed by name: a new error would otherwise pass as its base's status (often 500)."""
-    assert SANDBOX_ERRORS, "sandbox.errors defines no errors?"
+    assert SANDBOX_ERRORS, "code_interpreter_wire.errors defines no errors?"
     listed = {kind for kind, _ in STATUS_OF_ERROR}
     missing = [kind.__name__ for kind in SANDBOX_ERRORS if kind not in listed]
     assert not missing, f"no status listed for {missing}"

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from code_interpreter_wire.rest import ExecutionRecord
 from orchestrator import json_responses
 from orchestrator.json_responses import json_response
-from orchestrator.schemas import ExecutionRecord
 
 # ~60 MB of JSON: characters that need escaping or are not ASCII cost an encoder most.
 STDOUT = ("é" + '"' + "\n") * (1 << 18) * 40

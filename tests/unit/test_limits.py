@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from code_interpreter_wire.rest import CreateSessionRequest, LimitsRequest
+from code_interpreter_wire.spec import ResourceLimits, limit_ceilings
 from orchestrator.config import Settings
-from orchestrator.schemas import CreateSessionRequest, LimitsRequest
-from orchestrator.service import LIMITS_CEILING
-from sandbox.spec import ResourceLimits, limit_ceilings
+from orchestrator.service_parts.admission import LIMITS_CEILING
 
 
 def test_every_limit_has_a_ceiling_and_a_request_field() -> None:

@@ -3,7 +3,7 @@ whichever way the operator split the ceiling into rules."""
 
 from __future__ import annotations
 
-from sandbox.network_policy import NetworkPolicy, policy_from_text
+from code_interpreter_wire.network_policy import NetworkPolicy, policy_from_text
 
 
 def test_a_rule_covered_by_two_ceiling_rules_together_fits() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sandbox.network_policy import (
+from code_interpreter_wire.network_policy import (
     NO_NETWORK,
     NetworkPolicy,
     is_numeric_name,

@@ -16,9 +16,11 @@ FRONT_DOORS = [
     *sorted((ROOT / "orchestrator" / "e2b_compatible").glob("*.py")),
     *sorted((ROOT / "orchestrator" / "mcp_front").glob("*.py")),
     *sorted((ROOT / "orchestrator" / "console").glob("*.py")),
-    *sorted((ROOT / "code_interpreter_client").glob("*.py")),
+    *sorted((ROOT / "code_interpreter_client").rglob("*.py")),
     ROOT / "orchestrator" / "app.py",
     ROOT / "orchestrator" / "cli.py",
+    ROOT / "orchestrator" / "embedded_session.py",
+    ROOT / "orchestrator" / "model_tool.py",
 ]
 # Attributes a front door may not reach on anything: a session's sandbox, the service's
 # session manager, kept outputs and host-tool registry, and the session's own activity clock.

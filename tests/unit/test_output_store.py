@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.results import Execution, Result
 from orchestrator.outputs import OutputEvicted, OutputNotFound, OutputStore
-from sandbox.models import Execution, Result
 
 
 def text(n: int) -> Execution:

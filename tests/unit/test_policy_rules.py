@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from code_interpreter_wire.network_policy import NO_NETWORK, policy_from_text
+from code_interpreter_wire.rest import CreateSessionRequest
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from orchestrator.governance import policy_checks as checks
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.policy import FULL_ACCESS, MAX_NAMES, Policy, Principal
-from orchestrator.schemas import CreateSessionRequest
-from sandbox.network_policy import NO_NETWORK, policy_from_text
-from sandbox.spec import ResourceLimits, SandboxSpec
 
 
 def who(**rules: object) -> Principal:
@@ -119,7 +119,7 @@ def test_what_a_request_leaves_unset_is_fitted_within_the_policy() -> None:
         analyst,
         spec,
         request,
-        backend="docker",
+        images=True,
         default_image="code-interpreter-kernel:latest",
         offered_images=["code-interpreter-kernel:latest", "code-interpreter-kernel-full:latest"],
     )
@@ -134,7 +134,7 @@ def test_what_a_request_leaves_unset_is_fitted_within_the_policy() -> None:
             who(images=["mine:1"]),
             spec,
             CreateSessionRequest(),
-            backend="docker",
+            images=True,
             default_image="code-interpreter-kernel:latest",
             offered_images=["code-interpreter-kernel:latest"],
         )
@@ -144,7 +144,7 @@ def test_what_a_request_leaves_unset_is_fitted_within_the_policy() -> None:
         who(images=["mine:1"]),
         spec,
         CreateSessionRequest(),
-        backend="local",
+        images=False,
         default_image="code-interpreter-kernel:latest",
         offered_images=[],
     )

@@ -9,18 +9,18 @@ from pathlib import Path
 
 from orchestrator.config import Settings
 from orchestrator.governance.principals import Principals, digest_of, new_key, owner_of
-from orchestrator.state_store.principal_store import KeyDigest, PrincipalRecord
-from orchestrator.state_store.sqlite_store import SqliteStore
+from orchestrator.governance.stores.principal_store import KeyDigest, PrincipalRecord
+from tests.governance.store_handles import local_store
 
 
-def test_a_digest_authenticates_as_its_key_does(tmp_path: Path) -> None:
+async def test_a_digest_authenticates_as_its_key_does(tmp_path: Path) -> None:
     settings_key, admin_key = "plain-" + new_key(), "boss-" + new_key()
     settings = Settings(api_keys=[settings_key], admin_keys=[admin_key], state_dir=tmp_path)
-    store = SqliteStore(tmp_path)
+    store = local_store(tmp_path)
     try:
         live, old, gone = new_key(), new_key(), new_key()
         now = time.time()
-        store.principals.put_principal(
+        await store.principals.put_principal(
             PrincipalRecord(
                 id="p_live",
                 name="alice",
@@ -30,13 +30,13 @@ def test_a_digest_authenticates_as_its_key_does(tmp_path: Path) -> None:
                 ],
             )
         )
-        store.principals.put_principal(
+        await store.principals.put_principal(
             PrincipalRecord(
                 id="p_gone", name="bob", keys=[KeyDigest(digest=digest_of(gone))], revoked_at=now
             )
         )
         principals = Principals(settings, store.principals)
-        principals.reload()
+        await principals.reload()
         for key in (settings_key, admin_key, live, old, gone, "never-made"):
             by_key = principals.authenticate(key)
             assert principals.authenticate_digest(digest_of(key)) == by_key, key
@@ -51,7 +51,7 @@ def test_a_digest_authenticates_as_its_key_does(tmp_path: Path) -> None:
         assert principals.authenticate_digest("") is None
         assert principals.authenticate_digest("x" * 10_000) is None
     finally:
-        store.close()
+        await store.close()
 
 
 def test_with_auth_off_any_digest_is_the_local_admin(tmp_path: Path) -> None:

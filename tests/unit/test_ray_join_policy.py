@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from code_interpreter_wire.errors import BackendUnavailable
 from sandbox.backends.ray_cluster.join_policy import address_host, check_join, is_loopback
-from sandbox.errors import BackendUnavailable
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
+from code_interpreter_wire.results import Execution, Result
+from code_interpreter_wire.tool_output import render
 from orchestrator.e2b_compatible.execute import result_fields
 from orchestrator.streaming import result_size
-from orchestrator.tool import render
 from sandbox.kernel.collector import OutputCollector
-from sandbox.models import Execution, Result
 
 PNG = base64.b64encode(b"\x89PNG" + b"\0" * 2000).decode()
 CHART = {"type": "line", "title": "t", "elements": [{"label": "a", "points": [[1, 2]]}]}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from sandbox.spec import SandboxSpec, check_environment
+from code_interpreter_wire.spec import SandboxSpec, check_environment
 
 
 @pytest.mark.parametrize(

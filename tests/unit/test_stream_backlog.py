@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
+from code_interpreter_wire.results import ErrorEvent, ExecutionError, OutputEvent, StdoutEvent
 from orchestrator.streaming import Backlog, Dropped, Finished, follow
 from sandbox.kernel.collector import EventSink
-from sandbox.models import ErrorEvent, ExecutionError, OutputEvent, StdoutEvent
 
 
 async def test_past_the_limit_events_are_counted_not_kept() -> None:

@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.tool import ToolArguments, ToolCallError, explain_invalid, parse_arguments
+from code_interpreter_wire.tool_arguments import (
+    ToolArguments,
+    ToolCallError,
+    explain_invalid,
+    parse_arguments,
+)
 
 EXAMPLE = '{"code": "print(1 + 1)"}'
 SESSION_HINT = 'Add "session_id" to continue a session.'

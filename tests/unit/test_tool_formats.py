@@ -6,12 +6,12 @@ import base64
 
 import pytest
 
-from orchestrator.tool import (
+from code_interpreter_wire.tool_arguments import TOOL_NAME
+from code_interpreter_wire.tool_definitions import ToolFormat
+from code_interpreter_wire.tool_output import (
     MAX_INLINE_IMAGES,
-    TOOL_NAME,
     Image,
     RenderedOutput,
-    ToolFormat,
     format_output,
 )
 

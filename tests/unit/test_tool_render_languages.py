@@ -3,8 +3,8 @@ display with HTML only (Deno's), R's data frame as its plain text, the language 
 
 from __future__ import annotations
 
-from orchestrator.tool import render
-from sandbox.models import Execution, ExecutionError, ExecutionStatus, Result
+from code_interpreter_wire.results import Execution, ExecutionError, ExecutionStatus, Result
+from code_interpreter_wire.tool_output import render
 
 
 def rendered(execution: Execution, language: str | None = None) -> str:

@@ -7,8 +7,13 @@ import base64
 
 import pytest
 
-from orchestrator.tool import MAX_INLINE_IMAGE_BYTES, MAX_INLINE_IMAGES, RenderedOutput, render
-from sandbox.models import Execution, ExecutionError, ExecutionStatus, Result
+from code_interpreter_wire.results import Execution, ExecutionError, ExecutionStatus, Result
+from code_interpreter_wire.tool_output import (
+    MAX_INLINE_IMAGE_BYTES,
+    MAX_INLINE_IMAGES,
+    RenderedOutput,
+    render,
+)
 
 FULL = "http://127.0.0.1:8000/v1/sessions/s1/executions/e1"
 

@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
+from orchestrator.governance.stores.approval_store import ApprovalRecord
 from orchestrator.governance.webhook import ApprovalWebhook
-from orchestrator.state_store.approval_store import ApprovalRecord
 
 RECORD = ApprovalRecord(
     id="ap-1",

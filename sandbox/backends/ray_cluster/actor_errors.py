@@ -22,6 +22,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ObjectLostError, RayActorError, RayError, RayTaskError
 
+from code_interpreter_wire.errors import BackendUnavailable, SandboxError, SandboxLost
 from sandbox.backends.ray_cluster.cluster_state import (
     DEAD,
     ActorFate,
@@ -31,7 +32,6 @@ from sandbox.backends.ray_cluster.cluster_state import (
     short,
 )
 from sandbox.backends.ray_cluster.session_actor import SessionFacts
-from sandbox.errors import BackendUnavailable, SandboxError, SandboxLost
 
 SETTLE_S = 2.0  # how long an unreachable actor's fate is read again before "try again later"
 _SETTLE_STEP_S = 0.25

@@ -34,14 +34,22 @@ import random
 import secrets
 import threading
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Self
 
 import ray
-from pydantic import BaseModel, Field, field_validator
-from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.exceptions import ActorDiedError, RayActorError
 
-from sandbox.backends.base import Backend
+from code_interpreter_wire.errors import (
+    BackendTimeout,
+    BackendUnavailable,
+    CapacityReached,
+    SandboxError,
+    SandboxLost,
+    SandboxStartError,
+)
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.ray_cluster.actor_errors import (
     actor_id_of,
     known_fate,
@@ -54,28 +62,18 @@ from sandbox.backends.ray_cluster.cluster_state import (
     free_resources_per_node,
     short,
 )
+from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.join_policy import check_join
 from sandbox.backends.ray_cluster.loopback import LOOPBACK, keep_loopback
 from sandbox.backends.ray_cluster.names import (
-    NAMESPACE,
     SESSION_RESOURCE,
-    check_orchestrator_id,
     session_actor_name,
     session_prefix,
 )
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox, kill_actor
-from sandbox.backends.ray_cluster.session_actor import SessionActor, SessionFacts
+from sandbox.backends.ray_cluster.session_actor import SessionFacts
+from sandbox.backends.ray_cluster.session_start import new_session_actor, start_session
 from sandbox.backends.ray_cluster.warm_pool import PoolState, WarmPools
-from sandbox.errors import (
-    BackendTimeout,
-    BackendUnavailable,
-    CapacityReached,
-    SandboxError,
-    SandboxLost,
-    SandboxStartError,
-)
-from sandbox.languages import PYTHON
-from sandbox.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -84,49 +82,6 @@ RECHECK_S = 0.5  # no node with room: the free slots are read once more after th
 # A slot this replica just filled may still look free in the GCS's view for about this long.
 GCS_LAG_S = 2.0
 MAX_DEAD_NODES = 64  # dead nodes `nodes()` still lists (the most recently seen alive)
-
-
-class RayBackendConfig(BaseModel):
-    address: str | None = Field(
-        None,
-        description="The cluster to join (`host:port` of its head); None: `RAY_ADDRESS`, else "
-        "a cluster already running on this machine. A new cluster is never started.",
-    )
-    namespace: str = Field(NAMESPACE, description="The Ray namespace of the session actors.")
-    orchestrator_id: str = Field(
-        "default", description="Names this service's session actors (replicas share it)."
-    )
-    node_ip: str | None = Field(
-        None,
-        description="This process's address in the cluster (Ray's `_node_ip_address`); "
-        "127.0.0.1 keeps everything on loopback (one-machine clusters).",
-    )
-    pool_size_per_node: int = Field(
-        0,
-        ge=0,
-        le=64,
-        description="Warm session actors kept ready on each node; 0: none. The first replica "
-        "to reach a node's keeper sets its size.",
-    )
-    pool_spec: SandboxSpec = Field(
-        default_factory=SandboxSpec, description="The spec warm pools keep sandboxes of."
-    )
-    placement_wait_s: float = Field(
-        30.0,
-        gt=0,
-        description="How long an actor may stay unplaced before its node counts as full.",
-    )
-    allow_unauthenticated: bool = Field(
-        False,
-        description="Join a cluster at a non-loopback address without RAY_AUTH_MODE=token in "
-        "the environment: only on a private network nobody else reaches (docs/cluster.md, "
-        "'Securing the cluster').",
-    )
-
-    @field_validator("orchestrator_id")
-    @classmethod
-    def _plain_id(cls, value: str) -> str:
-        return check_orchestrator_id(value)
 
 
 @dataclass(frozen=True)
@@ -156,11 +111,26 @@ class _Unplaced(Exception):
 
 class RayBackend(Backend):
     name = "ray"
-    # Sandboxes keep no network: only Ray's own processes talk across machines.
-    network_modes = ("none",)
-    # A warm sandbox here is a cluster actor: replicas share per-node pools (warm_pool.py),
-    # never a replica's own pool of actors no record names.
-    keeps_warm = False
+    capabilities = BackendCapabilities(
+        # Sandboxes keep no network: only Ray's own processes talk across machines.
+        network_modes=("none",),
+        host_tools=True,  # relayed from the sandbox's node (node_tool_relay.py)
+        processes=True,
+        suspend=False,
+        snapshot=False,  # a saved state would be one replica's, of a sandbox every one shares
+        shared_across_nodes=True,
+        images=False,
+        runtimes=False,
+        # A warm sandbox here is a cluster actor: replicas share per-node pools (warm_pool.py),
+        # never a replica's own pool of actors no record names.
+        warm_pool=False,
+        labels_sandboxes=True,  # actors in a cluster other services may share
+        host_dirs=False,  # its nodes keep them, under their own state dirs
+    )
+
+    @classmethod
+    def configured(cls, **config: Any) -> Self:
+        return cls(RayBackendConfig(**config))
 
     def __init__(self, config: RayBackendConfig | None = None) -> None:
         self.config = config or RayBackendConfig()
@@ -510,47 +480,3 @@ def _full_message(usage: list[NodeUsage], *, tried: int = 0) -> str:
         f"every node of the cluster holds its maximum of sessions: {len(alive)} nodes, "
         f"{taken} of {slots} slots taken; try again later or add a node"
     )
-
-
-# --- session actors -------------------------------------------------------------------------
-
-_remote_class: Any = None
-
-
-def new_session_actor(
-    name: str,
-    namespace: str,
-    node_id: str,
-    sandbox_id: str,
-    spec: SandboxSpec,
-    config: RayBackendConfig,
-    *,
-    claimed: bool = True,
-) -> Any:
-    """Ask Ray for a session actor on that node (placed, not yet started)."""
-    global _remote_class
-    if _remote_class is None:
-        _remote_class = ray.remote(SessionActor)
-    return _remote_class.options(
-        name=name,
-        namespace=namespace,
-        lifetime="detached",
-        max_restarts=0,  # never a silent fresh kernel
-        max_task_retries=0,
-        num_cpus=0,
-        resources={SESSION_RESOURCE: 1},
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(sandbox_id, spec, config.orchestrator_id, claimed=claimed)
-
-
-async def start_session(actor: Any, name: str) -> SessionFacts:
-    """Start the actor's sandbox; its errors as the node raised them."""
-    try:
-        facts: SessionFacts = await actor.start.remote()
-    except RayTaskError as exc:
-        if isinstance(exc.cause, Exception):
-            raise exc.cause from None
-        raise
-    except RayActorError as exc:
-        raise SandboxStartError(f"the session actor {name} died while starting: {exc}") from None
-    return facts

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from sandbox.errors import BackendUnavailable
+from code_interpreter_wire.errors import BackendUnavailable
 
 _CAUSE_CHARS = 400
 # The actor table's states (gcs.proto ActorTableData.ActorState).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 
-from sandbox.errors import BackendUnavailable
+from code_interpreter_wire.errors import BackendUnavailable
 
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 # `ray.init` addresses that name a cluster on this machine, not a host.

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandbox.backends.ray_cluster.loopback import LOOPBACK
+from sandbox.backends.ray_cluster.names import NODE_BACKENDS
 
 NODE_START_TIMEOUT_S = 180.0  # a node on a busy 2-core machine may take a minute to come up
 STOP_GRACE_S = 20.0  # how long SIGTERM'd nodes get before what is left is SIGKILL'd
@@ -375,7 +376,7 @@ class LocalCluster:
     def sandbox_dirs(self) -> list[str]:
         """Sandbox directories the nodes' backends hold now (none once every session ended)."""
         found = []
-        for backend in ("local", "docker"):
+        for backend in NODE_BACKENDS:
             base = self.state_dir / backend
             if base.is_dir():
                 found += [str(p) for p in base.iterdir()]

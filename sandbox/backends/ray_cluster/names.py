@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from sandbox.spec import SandboxSpec
+from code_interpreter_wire.spec import SandboxSpec
 
 NAMESPACE = "code-interpreter"
 # The custom resource a node offers sessions by (`ray start --resources='{"cir_sessions": N}'`);

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import ray
 
+from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from sandbox.processes.managed import KILL_GRACE_S, ProcessEvent
-from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 
 if TYPE_CHECKING:
     from sandbox.backends.base import Sandbox

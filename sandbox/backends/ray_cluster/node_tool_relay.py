@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandbox.errors import SandboxError
+from code_interpreter_wire.errors import SandboxError
 from sandbox.frames import (
     FRAME_TIMEOUT_S,
     MAX_CONNECTIONS,

@@ -23,6 +23,11 @@ from typing import Any, NoReturn, TypeVar, cast
 import ray
 from ray.exceptions import RayActorError
 
+from code_interpreter_wire.errors import ProcessesUnsupported, SandboxError, SandboxLost
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
+from code_interpreter_wire.results import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Sandbox
 from sandbox.backends.ray_cluster.actor_errors import (
     actor_id_of,
@@ -32,12 +37,7 @@ from sandbox.backends.ray_cluster.actor_errors import (
     sandbox_error_of,
 )
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
-from sandbox.errors import ProcessesUnsupported, SandboxError, SandboxLost
-from sandbox.languages import PYTHON
-from sandbox.models import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
 from sandbox.processes.handle import ProcessHandle
-from sandbox.processes.models import CommandResult, ProcessInfo, ProcessRequest
-from sandbox.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 

@@ -21,22 +21,22 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import ray
 
-from sandbox.backends.ray_cluster.actor_errors import (
-    actor_id_of,
-    is_actor_failure,
-    sandbox_error_of,
-)
-from sandbox.backends.ray_cluster.node_processes import EVENTS_UNREAD
-from sandbox.errors import SandboxLost
-from sandbox.processes.handle import ProcessHandle
-from sandbox.processes.managed import KILL_GRACE_S, ProcessEvent
-from sandbox.processes.models import (
+from code_interpreter_wire.errors import SandboxLost
+from code_interpreter_wire.processes import (
     CommandResult,
     ProcessEnd,
     ProcessInfo,
     ProcessRequest,
     TerminalSize,
 )
+from sandbox.backends.ray_cluster.actor_errors import (
+    actor_id_of,
+    is_actor_failure,
+    sandbox_error_of,
+)
+from sandbox.backends.ray_cluster.node_processes import EVENTS_UNREAD
+from sandbox.processes.handle import ProcessHandle
+from sandbox.processes.managed import KILL_GRACE_S, ProcessEvent
 
 T = TypeVar("T")
 # A handle of a `SessionActor`. Ray types an actor's methods as reached by name only

@@ -33,16 +33,16 @@ from typing import Any
 
 import ray
 
+from code_interpreter_wire.errors import FileTooLarge, SandboxClosed, SandboxError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.results import FileInfo, OutputEvent
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
 from sandbox.backends.ray_cluster.names import node_backend_name, node_state_dir
 from sandbox.backends.ray_cluster.node_processes import NodeProcesses
 from sandbox.backends.ray_cluster.node_tool_relay import NodeToolRelay
-from sandbox.errors import FileTooLarge, SandboxClosed, SandboxError
-from sandbox.languages import PYTHON
-from sandbox.models import FileInfo, OutputEvent
+from sandbox.backends.registry import backend_type, create_backend
 from sandbox.process_identity import process_start_time
-from sandbox.registry import create_backend
-from sandbox.spec import SandboxSpec
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class SessionActor(NodeProcesses, NodeToolRelay):
         name = node_backend_name()
         state_dir = node_state_dir()
         config: dict[str, Any] = {"state_dir": state_dir}
-        if name == "docker":
+        if backend_type(name).capabilities.labels_sandboxes:  # an engine others may share
             config["orchestrator_id"] = self.orchestrator_id
         backend = create_backend(name, **config)
         await sweep_dead_owners(backend, state_dir)

@@ -33,13 +33,15 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.ray_cluster.cluster_state import free_resources_per_node
+from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.names import (
     SESSION_RESOURCE,
     pool_keeper_name,
@@ -48,10 +50,7 @@ from sandbox.backends.ray_cluster.names import (
 )
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox, kill_actor
 from sandbox.backends.ray_cluster.session_actor import SessionFacts
-from sandbox.spec import SandboxSpec
-
-if TYPE_CHECKING:
-    from sandbox.backends.ray_cluster.backend import RayBackendConfig
+from sandbox.backends.ray_cluster.session_start import new_session_actor, start_session
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +230,6 @@ class PoolKeeper:
     async def _start_one(self) -> bool:
         """Start one warm actor on this node; False when it failed, found no room, or was
         given back meanwhile."""
-        from sandbox.backends.ray_cluster.backend import new_session_actor, start_session
-
         sandbox_id = secrets.token_hex(8)
         name = session_actor_name(self.config.orchestrator_id, sandbox_id)
         spec = self.config.pool_spec.model_copy(deep=True)

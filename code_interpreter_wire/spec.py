@@ -1,0 +1,126 @@
+"""What a caller asks of a sandbox: resource limits, environment and execution defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, Field
+
+from code_interpreter_wire.network_policy import NO_NETWORK, NetworkPolicy
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The most a session may ask for of a limit. Metadata only: pydantic does not enforce it,
+    so an operator's defaults and in-process callers may go past it; the service holds each
+    session's request to it."""
+
+    value: float
+
+
+class ResourceLimits(BaseModel):
+    """Per-sandbox limits. Defaults are safe for untrusted code on a small machine; each field's
+    `Ceiling` is the most a session's request may ask for.
+
+    Which backend enforces what is spelled out in the README ("Limits, honestly").
+    """
+
+    memory_mb: Annotated[int, Ceiling(16384)] = Field(
+        2048, ge=64, description="Memory for the whole sandbox, in MiB."
+    )
+    cpus: Annotated[float, Ceiling(4)] = Field(
+        1.0, gt=0, description="CPU quota in cores (Docker)."
+    )
+    pids: Annotated[int, Ceiling(4096)] = Field(
+        256, ge=16, description="Most processes and threads at once."
+    )
+    file_size_mb: Annotated[int, Ceiling(8192)] = Field(
+        1024, ge=1, description="Largest single file the code may write."
+    )
+    open_files: Annotated[int, Ceiling(65536)] = Field(
+        1024, ge=64, description="Most open file descriptors per process."
+    )
+    tmp_size_mb: Annotated[int, Ceiling(8192)] = Field(
+        512, ge=1, description="Size of the private /tmp."
+    )
+    workspace_size_mb: Annotated[int, Ceiling(16384)] = Field(
+        1024, ge=1, description="Size of the workspace (a tmpfs when the orchestrator is root)."
+    )
+
+
+def limit_ceilings() -> dict[str, float]:
+    """Each limit's ceiling, read from its field's `Ceiling`."""
+    return {
+        name: next(m.value for m in info.metadata if isinstance(m, Ceiling))
+        for name, info in ResourceLimits.model_fields.items()
+    }
+
+
+def check_environment(env: dict[str, str]) -> dict[str, str]:
+    """Refuse what no environment can hold: a NUL anywhere (it would end the string, or an
+    argument of a launcher), an empty name, or `=` in a name."""
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise ValueError(f"{name!r} is not an environment variable name")
+        if "\0" in value:
+            raise ValueError(f"the value of {name} holds a NUL character")
+    return env
+
+
+class SandboxSpec(BaseModel):
+    """Everything needed to start one sandbox."""
+
+    limits: ResourceLimits = Field(default_factory=ResourceLimits)
+    env: Annotated[dict[str, str], AfterValidator(check_environment)] = Field(
+        default_factory=dict, description="Environment variables of the kernel, for its lifetime."
+    )
+    image: str | None = Field(None, description="Kernel image (Docker); None for the default.")
+    # The workspace is mounted at both: /home/user is E2B's home (sandbox/backends/base.py).
+    workdir: Literal["/workspace", "/home/user"] = Field(
+        "/workspace",
+        description="Where kernels start: the workspace, under either of its two names.",
+    )
+    default_timeout_s: float = Field(
+        300.0, gt=0, description="Time limit of an execution that does not set its own."
+    )
+    interrupt_grace_s: float = Field(
+        3.0,
+        gt=0,
+        description="How long an interrupted execution may take to stop before the "
+        "kernel is restarted.",
+    )
+    output_limit_chars: int = Field(
+        1_000_000,
+        ge=1000,
+        description="Most characters kept of each of stdout and stderr per "
+        "execution; the rest is dropped with a visible marker.",
+    )
+    result_limit_bytes: int = Field(
+        50 << 20,
+        ge=1 << 16,
+        description="Most bytes of rich results (HTML, images...) kept "
+        "per execution; a result past it is replaced by a note.",
+    )
+    result_limit_count: int = Field(
+        1000, ge=1, description="Most rich results kept per execution; the rest are counted."
+    )
+    host_tools: bool = Field(
+        False,
+        description="Give the sandbox a host-tool channel: a directory bound read-only at "
+        "/run/host-tools where the host puts a Unix socket, so the code can call tools the host "
+        "allows (see sandbox/host_channel.py). No network is involved.",
+    )
+    runtime: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="The OCI runtime of its containers (Docker only), e.g. `runsc` for gVisor; "
+        "None for the deployment's. Other backends refuse any (docs/gvisor.md).",
+    )
+    network: NetworkPolicy = Field(
+        NO_NETWORK,
+        description="What the sandbox may reach: 'none' (the default), an allow-list of hosts "
+        "and ports, or 'any'; anything but 'none' gives it a proxy on 127.0.0.1:3128 (see "
+        "sandbox/egress_channel.py). The service holds it to the deployment's ceiling.",
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

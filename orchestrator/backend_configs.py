@@ -1,0 +1,33 @@
+"""What each enabled backend is made with: its own section of the settings.
+
+The settings name their sections after the backends (`docker_image`, `e2b_*`, `ray_*`), so this
+table is keyed by the registry's names; what a backend can do once made is asked of it
+(`Backend.capabilities`), never decided here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from code_interpreter_wire.spec import SandboxSpec
+from orchestrator.config import Settings
+
+# name -> (settings, the spec warm sandboxes are made for) -> the backend's configuration.
+_SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
+    "local": lambda s, _: {"state_dir": s.state_dir},
+    "docker": lambda s, _: {
+        "state_dir": s.state_dir,
+        "orchestrator_id": s.orchestrator_id,
+        "image": s.docker_image,
+        "runtime": s.docker_runtime,
+    },
+    "e2b": lambda s, _: s.e2b_backend_config(),
+    # Its warm actors (per node) are made by the backend itself, for the default spec.
+    "ray": lambda s, pool_spec: s.ray_backend_config() | {"pool_spec": pool_spec},
+}
+
+
+def backend_config(settings: Settings, name: str, pool_spec: SandboxSpec) -> dict[str, object]:
+    """The configuration `create_backend(name, ...)` takes, from the settings."""
+    section = _SECTIONS.get(name)
+    return {} if section is None else section(settings, pool_spec)  # none: its defaults

@@ -1,0 +1,167 @@
+"""Pausing (docs/persistence.md): a session's state saved and its sandbox stopped, then brought
+back into a new sandbox when a call wakes it; and a paused session deleted for good. Each runs
+under the session's state lock (`StateLocks`), which its callers hold."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+
+from orchestrator.config import Settings
+from orchestrator.host_tools import HostTool
+from orchestrator.metrics import METRICS
+from orchestrator.outputs import OutputStore
+from orchestrator.saved_states import SavedStateQuotaReached
+from orchestrator.service_parts.admission import Admission
+from orchestrator.service_parts.audit_trail import AuditTrail
+from orchestrator.service_parts.channels import Channels
+from orchestrator.service_parts.errors import ResumeFailed, ToolsNotAvailable
+from orchestrator.service_parts.persistence import Persistence, record_of
+from orchestrator.sessions import Session, SessionBusy, SessionManager
+from orchestrator.state_store import SessionRecord, SnapshotRecord
+
+log = logging.getLogger(__name__)
+
+_RESUMED = "resumed"
+# What each restore says first; the latest one's is the one that holds.
+_RESTORED_COUNTS = re.compile(r"\d+ variable\(s\) and \d+ file\(s\) restored\.?")
+
+
+def pending_notice(earlier: str | None, parts: list[str]) -> str:
+    """A resume's notice, with what an earlier one (or a restart, or a fork) said that no
+    execution has told yet: each thing once, so repeated pauses and resumes between two
+    executions do not make it grow (of the restores' counts, the latest holds)."""
+    pieces: list[str] = []
+    for whole in ([earlier.removeprefix(f"{_RESUMED}: ")] if earlier else []) + parts:
+        for piece in whole.split("; "):
+            if piece in ("", _RESUMED) or piece in pieces:
+                continue
+            if _RESTORED_COUNTS.fullmatch(piece):
+                pieces = [p for p in pieces if not _RESTORED_COUNTS.fullmatch(p)]
+            pieces.append(piece)
+    return f"{_RESUMED}: " + "; ".join(pieces) if pieces else _RESUMED
+
+
+class Pauses:
+    def __init__(
+        self,
+        settings: Settings,
+        sessions: SessionManager,
+        admission: Admission,
+        channels: Channels,
+        persistence: Persistence,
+        trail: AuditTrail,
+        outputs: OutputStore,
+    ) -> None:
+        self.settings = settings
+        self._sessions = sessions
+        self._admission = admission
+        self._channels = channels
+        self._records = persistence
+        self._trail = trail
+        self._outputs = outputs
+
+    async def pause(self, session: Session) -> SessionRecord:
+        """Save, then stop. If the save fails, it keeps running."""
+        limit = self.settings.max_paused_sessions_per_key
+        if await self._records.count_paused(session.owner) >= limit:
+            raise SavedStateQuotaReached(
+                f"this API key keeps its maximum of {limit} paused sessions; delete one first"
+            )
+        executions = session.executions
+        saved: SnapshotRecord | None = None
+        suspended = await session.sandbox.suspend()  # the engine's own pause, where it has one
+        if suspended is None:
+            saved = await self._records.saved.save(session, "paused")
+            if session.busy or session.executions != executions:  # used while it was saved
+                await self._records.drop_saved_state(saved.id)
+                raise SessionBusy("the session ran code while it was being paused; pause it again")
+        earlier = await self._records.get(session.id)  # a paused state left by a failed pause
+        if (
+            earlier is not None
+            and earlier.saved_state
+            and earlier.saved_state != (saved.id if saved else None)
+        ):
+            await self._records.drop_saved_state(earlier.saved_state)
+        record = record_of(session, self._channels.session_tools(session))
+        record.state, record.state_since = "paused", time.time()
+        record.saved_state, record.suspended, record.sandbox_id = (
+            saved.id if saved else None,
+            suspended,
+            None,
+        )
+        record.notice = session.notice
+        await self._records.put(record)
+        await self._channels.close_for(session.id)
+        await self._sessions.release(session.id)
+        METRICS.sessions_paused.inc()
+        self._trail.paused(session, saved.bytes if saved else None, bool(suspended))
+        log.info(
+            "session %s paused (%s)",
+            session.id,
+            f"{saved.bytes} bytes saved" if saved else f"suspended by its backend as {suspended}",
+        )
+        return record
+
+    async def resume(self, record: SessionRecord) -> Session:
+        """A new sandbox, its state brought back into it. If that fails, the session stays
+        paused and nothing is lost (ResumeFailed)."""
+        saved = await self._records.saved_state(record.saved_state) if record.saved_state else None
+        spec, notices = self._admission.fit_resumed(record)
+        async with self._admission.session_slot(record.owner):
+            session = await self._sessions.create(
+                record.owner,
+                backend=record.backend,
+                spec=spec,
+                session_id=record.id,
+                wake=record.suspended,
+            )
+        session.created_at, session.executions = record.created_at, record.executions
+        session.idle_timeout_s, session.on_idle = record.idle_timeout_s, record.on_idle
+        session.labels = dict(record.labels)
+        try:
+            await self._channels.open_egress(session)
+            tools: dict[str, HostTool] = {}
+            try:
+                tools = self._channels.select(record.tools)
+            except ToolsNotAvailable as exc:
+                notices.append(f"its host tools are gone: {exc}")
+            if tools:
+                await self._channels.open_tools(session, tools)
+            if saved is not None:
+                restored = await self._records.saved.restore(session, saved)
+                notices.append(restored.notice)
+            elif record.suspended is not None:
+                notices.append("its whole sandbox was paused and resumed by its backend")
+        except BaseException as exc:
+            await self._channels.close_for(session.id)
+            if record.suspended is not None:  # paused again as it was, not killed
+                with contextlib.suppress(Exception):
+                    record.suspended = await session.sandbox.suspend() or record.suspended
+            await self._sessions.release(session.id)
+            if isinstance(exc, Exception):
+                log.exception("session %s could not be resumed", record.id)
+                raise ResumeFailed(
+                    f"session {record.id} could not be resumed ({exc}); it stays paused, with "
+                    "nothing lost: try again"
+                ) from None
+            raise
+        session.notice = pending_notice(record.notice, notices)
+        session.state_lost = record.state_lost
+        await self._records.put(record_of(session, self._channels.session_tools(session)))
+        if saved is not None:
+            await self._records.drop_saved_state(saved.id)
+        METRICS.sessions_resumed.inc()
+        self._trail.resumed(record.id, record.owner)
+        log.info("session %s resumed", record.id)
+        return session
+
+    async def delete(self, record: SessionRecord, why: str) -> None:
+        """A paused session ends for good: its record, saved state and kept outputs go."""
+        await self._records.forget(record.id)
+        self._sessions.remember_ended(record.id, record.owner, why)
+        self._trail.ended(record.id, record.owner, why)
+        await asyncio.to_thread(self._outputs.drop, record.id)

@@ -53,25 +53,26 @@ test-cluster: install
 # The Docker suite's security-bearing part again, every container under gVisor (docs/gvisor.md).
 # Deselected: what looks for sandbox processes among the host's (under gVisor they are not
 # host processes), and what gVisor does differently (docs/gvisor.md, "What differs").
-GVISOR_TESTS := tests/test_execution.py tests/test_files.py tests/test_processes.py \
-	tests/test_isolation.py tests/test_rich_results.py tests/security/test_escape.py \
+GVISOR_TESTS := tests/sandbox/test_execution.py tests/sandbox/test_files.py \
+	tests/sandbox/processes/test_processes.py tests/sandbox/test_isolation.py \
+	tests/sandbox/kernel/test_rich_results.py tests/security/test_escape.py \
 	tests/security/test_resource_abuse.py tests/security/test_process_abuse.py \
 	tests/security/test_file_abuse.py tests/security/test_output_bounds.py \
 	tests/security/test_interrupt_socket.py tests/security/test_memory_bounds.py \
-	tests/host_tools/test_sandbox_tools.py tests/service/test_processes_api.py \
-	tests/network/test_session_egress.py
+	tests/orchestrator/host_tools/test_sandbox_tools.py \
+	tests/orchestrator/service/test_processes_api.py tests/network/test_session_egress.py
 GVISOR_DIFFERS := \
-	tests/test_isolation.py::test_daemonized_child_does_not_outlive_the_session[docker] \
-	tests/test_isolation.py::test_daemonized_child_does_not_outlive_a_kernel_restart[docker] \
+	tests/sandbox/test_isolation.py::test_daemonized_child_does_not_outlive_the_session[docker] \
+	tests/sandbox/test_isolation.py::test_daemonized_child_does_not_outlive_a_kernel_restart[docker] \
 	tests/security/test_process_abuse.py::test_a_detached_daemon_dies_with_its_session[docker] \
-	tests/test_isolation.py::test_dangerous_system_calls_are_refused[docker] \
+	tests/sandbox/test_isolation.py::test_dangerous_system_calls_are_refused[docker] \
 	tests/security/test_escape.py::test_no_device_or_kernel_interface_to_abuse[docker] \
 	tests/security/test_process_abuse.py::test_a_command_is_confined_exactly_as_the_kernel[docker] \
 	tests/security/test_process_abuse.py::test_a_terminal_is_the_processs_controlling_terminal[docker] \
 	tests/security/test_process_abuse.py::test_a_memory_bomb_as_a_command_ends_typed_and_the_kernel_carries_on[docker] \
-	tests/test_processes.py::test_a_fork_bomb_in_a_command_is_contained[docker] \
+	tests/sandbox/processes/test_processes.py::test_a_fork_bomb_in_a_command_is_contained[docker] \
 	tests/security/test_process_abuse.py::test_a_fork_bomb_leaves_the_bystander_and_the_kernel_working[docker] \
-	tests/service/test_processes_api.py::test_a_terminal_client_that_does_not_read_misses_output_instead_of_queueing_it[docker]
+	tests/orchestrator/service/test_processes_api.py::test_a_terminal_client_that_does_not_read_misses_output_instead_of_queueing_it[docker]
 test-gvisor: install
 	@if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; then \
 		echo "the Docker tests again, under gVisor (runsc)"; \
@@ -82,9 +83,10 @@ test-gvisor: install
 		exit 1; \
 	else echo "warning: no runsc runtime: the gVisor tests cannot run" >&2; fi
 
-# The fast tier: pure modules only (no bwrap, no Docker, no kernel, no server), in seconds.
+# The fast tier: pure modules only (no bwrap, no Docker, no kernel, no server), in seconds. Such a
+# test file lives beside the others of its module and says `pytestmark = pytest.mark.unit`.
 unit: install
-	$(BIN)/pytest tests/unit -q
+	$(BIN)/pytest -m unit -q
 
 engine:
 	scripts/ensure-docker-engine.sh

@@ -19,6 +19,7 @@ from orchestrator.config import Settings
 from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.console import console_app
 from orchestrator.e2b_compatible import mount as mount_e2b
+from orchestrator.front_config import FrontConfig
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
 from orchestrator.mcp_front.http import McpHttpFront
@@ -45,8 +46,9 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     """The app; `host_tools` registers tools for sandboxed code in code (settings can add)."""
     settings = settings or Settings()
     service = Service(settings, host_tools)
-    authenticate = Authenticator(settings, lambda: service.principals)
-    mcp = McpHttpFront(service, authenticate)
+    authenticate = Authenticator(settings, lambda: service.admission.principals)
+    fronts = FrontConfig.of(settings)  # what the front doors are built with
+    mcp = McpHttpFront(service, authenticate, fronts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -65,13 +67,14 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     )
     app.state.service = service
     app.state.authenticate = authenticate
+    app.state.fronts = fronts
     routers = (sessions, snapshots, files, processes, tools, languages, ops, whoami, audit_log)
     app.include_router(approval_routes.router)
     for router in (module.router for module in routers):
         app.include_router(router)
     app.router.routes.append(mcp.route())
     # The console (docs/governance.md): pages for people, behind its own login cookie.
-    app.mount(CONSOLE_PREFIX, console_app(service, authenticate.throttle))
+    app.mount(CONSOLE_PREFIX, console_app(service, fronts, authenticate.throttle))
     # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.
     sandboxes = mount_e2b(app, service) if settings.e2b_compat else None
     e2b_running = sandboxes.running if sandboxes is not None else contextlib.nullcontext

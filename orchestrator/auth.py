@@ -12,6 +12,7 @@ from orchestrator.config import Settings
 from orchestrator.governance.policy import Principal
 from orchestrator.governance.principals import LOCAL_OWNER, NO_KEYS_YET, Principals, owner_of
 from orchestrator.key_throttle import KeyThrottle, TooManyWrongKeys
+from orchestrator.settings_sections import AuthSection
 
 __all__ = ["LOCAL_OWNER", "Authenticator", "WrongKeysThrottled", "client_address", "owner_of"]
 
@@ -54,7 +55,7 @@ class Authenticator:
     ) -> None:
         self.disabled = settings.auth_disabled
         self._principals = principals
-        self._settings_only = Principals(settings, None)
+        self._settings_only = Principals(AuthSection.of(settings), None)
         self.throttle = throttle if throttle is not None else key_throttle(settings)
 
     def principals(self) -> Principals:

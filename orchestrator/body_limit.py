@@ -9,7 +9,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # The routes that take an upload: ours, and E2B's (at its two prefixes). Exactly these: a path
-# that merely ends the same way gets the ordinary limit (tests/unit/test_upload_routes.py).
+# that merely ends the same way gets the ordinary limit (tests/orchestrator/test_body_routes.py).
 # An announced body this far over its limit is not read to its end before the connection
 # closes (reading it would cost more than a client's retry).
 DRAIN_BYTES = 64 << 20

@@ -9,8 +9,8 @@ on every read (a byte every few seconds holds a connection for ever) and granian
 timeout has no body rate; both would change how streaming answers, WebSockets and lifespan
 behave. The guard hooks into uvicorn's h11 protocol at the points it already has (a connection
 made and lost, data received, writing paused and resumed, an answer complete, an upgrade), so
-parsing, streaming and WebSockets stay uvicorn's own; tests/unit/test_uvicorn_hooks.py checks
-that those points are still there."""
+parsing, streaming and WebSockets stay uvicorn's own; tests/orchestrator/test_uvicorn_hooks.py
+checks that those points are still there."""
 
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from code_interpreter_wire.results import FileInfo
-from orchestrator.config import Settings
 from orchestrator.sessions import Session, SessionError
+from orchestrator.settings_sections import StorageSection
 from orchestrator.state_store import SessionRecord, SnapshotRecord, StateStore
 from orchestrator.state_store.records import SnapshotKind
 from sandbox.backends.base import Backend
@@ -61,7 +61,7 @@ class SnapshotInUse(SessionError):
 
 
 class SavedStates:
-    def __init__(self, settings: Settings, store: StateStore) -> None:
+    def __init__(self, settings: StorageSection, store: StateStore) -> None:
         self.settings = settings
         self.store = store
         self._owner_locks: dict[str, asyncio.Lock] = {}  # one save at a time per key: quotas hold

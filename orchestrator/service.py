@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from orchestrator.backend_configs import backend_config
 from orchestrator.config import Settings
 from orchestrator.governance.approvals import Approvals
-from orchestrator.governance.principals import Principals
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.instance_lock import InstanceLock
 from orchestrator.outputs import OutputStore
+from orchestrator.service_endpoints import service_endpoints
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.channels import Channels
+from orchestrator.service_parts.deadlines import Deadlines
 from orchestrator.service_parts.lifecycle import Lifecycle
 from orchestrator.service_parts.pausing import Pauses
 from orchestrator.service_parts.persistence import Persistence
@@ -25,10 +27,11 @@ from orchestrator.service_parts.views import Views
 from orchestrator.service_parts.workspace import Workspace
 from orchestrator.session_coordinator import LocalCoordinator
 from orchestrator.sessions import SessionCoordinator, SessionManager
+from orchestrator.settings_sections import Sections
+from sandbox import create_backend
 from sandbox.backends.base import Backend
 
 if TYPE_CHECKING:
-    from orchestrator.governance.audit import AuditLog
     from orchestrator.state_store.redis_connection import RedisConnection
 
 
@@ -40,8 +43,10 @@ class Service:
     The parts a front calls: `lifecycle` (sessions made, found, listed, paused, resumed,
     ended), `runs` (code, commands, processes), `files` (the workspace's files, kept outputs),
     `persistence` (snapshots), `views` (answers' shapes, languages, status), `admission`
-    (checks a front makes before it has a session), `channels` (host tools' descriptions) and
-    `trail` (the audit log's reader)."""
+    (checks a front makes before it has a session, who a key is, approvals' answers), `channels`
+    (host tools' descriptions), `trail` (the audit log's reader) and `sweeps.deadlines` (the one
+    sweeper a front's own deadlines run on: E2B's sandbox timeouts). Not the settings: fronts
+    are handed what they need when they are built (front_config.py)."""
 
     def __init__(
         self,
@@ -53,7 +58,8 @@ class Service:
         """`tools`: host tools given in code (those the settings name are added).
         `given_backends`: backends the caller made and will close (by name), used instead of
         making them from the settings (an embedded session's own)."""
-        self.settings = settings
+        self._settings = settings  # cut into the parts' sections: no part holds it whole
+        cut = Sections.of(settings, service_endpoints(settings))
         outputs = OutputStore(
             settings.state_dir / "outputs",
             max_bytes_per_session=settings.outputs_max_bytes_per_session,
@@ -61,43 +67,50 @@ class Service:
         )
         self._outputs = outputs
         shared = _shared_store(settings)
-        self._sessions = _session_manager(settings, shared, given_backends, self)
+        self._sessions = _session_manager(settings, cut, shared, given_backends, self)
         sessions = self._sessions
-        self.trail = AuditTrail(settings, principal_of=lambda owner: self.principals.of(owner))
+        self.trail = AuditTrail(cut.audit, principal_of=lambda owner: self.admission.who(owner))
         # Humans who approve risky calls (docs/governance.md); asks the stores start() opens.
-        self.approvals = Approvals(
-            settings,
+        self._approvals = Approvals(
+            cut.approvals,
             lambda: self.persistence.governance.approvals,
-            principal_of=lambda owner: self.principals.of(owner),
+            principal_of=lambda owner: self.admission.who(owner),
             audit=self.trail.log,
             origins_of=lambda: self.persistence.governance.origins,  # a cluster's: shared
         )
-        self.admission = Admission(settings, sessions, self.trail, self.approvals)
+        self.admission = Admission(cut.admission, cut.auth, sessions, self.trail, self._approvals)
         self.channels = Channels(
-            settings,
+            cut.channels,
+            cut.egress,
             tools if tools is not None else ToolRegistry(),
             self.admission,
-            self.approvals,
+            self._approvals,
             self.trail,
         )
-        self.views = Views(settings, sessions, self.channels)
-        self.persistence = Persistence(settings, sessions.backends, self.admission, shared)
-        self.files = Workspace(settings, self.admission, self.trail, outputs)
+        self.views = Views(cut.views, sessions, self.channels)
+        self.persistence = Persistence(cut.storage, sessions.backends, self.admission, shared)
+        self.files = Workspace(cut.admission, self.admission, self.trail, outputs)
         self.runs = Runs(
-            self.admission, self.approvals, self.channels, self.trail, outputs, self.views
+            self.admission, self._approvals, self.channels, self.trail, outputs, self.views
         )
         locks = StateLocks()
         pauses = Pauses(
-            settings, sessions, self.admission, self.channels, self.persistence, self.trail, outputs
+            cut.expiry,
+            sessions,
+            self.admission,
+            self.channels,
+            self.persistence,
+            self.trail,
+            outputs,
         )
         self.sweeps = Sweeps(
-            settings, sessions, self.admission, self.persistence, self.trail, pauses, locks
+            cut.expiry, sessions, self.admission, self.persistence, self.trail, pauses, locks
         )
         self.lifecycle = Lifecycle(
-            settings,
+            cut.expiry,
             sessions,
             admission=self.admission,
-            approvals=self.approvals,
+            approvals=self._approvals,
             channels=self.channels,
             persistence=self.persistence,
             trail=self.trail,
@@ -107,12 +120,13 @@ class Service:
             locks=locks,
             outputs=outputs,
         )
+        self.deadlines = Deadlines(self.lifecycle, self.sweeps)
         self._instance_lock: InstanceLock | None = None  # held from start to close
 
     async def start(self) -> None:
         # First of all: a second instance on this state dir stops here, before it clears
         # anything that belongs to the live one.
-        s = self.settings
+        s = self._settings
         self._instance_lock = InstanceLock.acquire(s.state_dir, s.orchestrator_id)
         try:
             self._outputs.clear()
@@ -130,7 +144,7 @@ class Service:
             await self.sweeps.pause_all()
             await self._sessions.close()
             await self.channels.close()
-            await self.approvals.close()
+            await self._approvals.close()
             await self.trail.close()  # after the sessions' ends, so those are kept too
             await self.admission.close()
             await self.channels.close_tools()
@@ -139,15 +153,6 @@ class Service:
             if self._instance_lock is not None:
                 self._instance_lock.release()
                 self._instance_lock = None
-
-    @property
-    def principals(self) -> Principals:
-        """Who each owner id is, and its policy (docs/governance.md)."""
-        return self.admission.principals
-
-    @property
-    def audit(self) -> AuditLog:
-        return self.trail.log
 
 
 def _shared_store(settings: Settings) -> RedisConnection | None:
@@ -166,6 +171,7 @@ def _shared_store(settings: Settings) -> RedisConnection | None:
 
 def _session_manager(
     settings: Settings,
+    cut: Sections,
     shared: RedisConnection | None,
     given_backends: Mapping[str, Backend] | None,
     service: Service,
@@ -177,12 +183,15 @@ def _session_manager(
         from orchestrator.cluster.coordinator import ClusterCoordinator  # the [cluster] extra's
 
         coordinator = ClusterCoordinator(
-            settings,
+            cut.cluster,
             shared,
             on_attach=lambda session, record: service.channels.attached(session, record),
         )
     return SessionManager(
-        settings,
+        cut.sessions,
+        make_backend=lambda name, spec: create_backend(
+            name, **backend_config(settings, name, spec)
+        ),
         on_end=lambda session_id: service.lifecycle.ended(session_id),
         given_backends=given_backends,
         on_expiry=lambda session, why: service.sweeps.expired(session, why),

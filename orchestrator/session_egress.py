@@ -4,18 +4,16 @@ orchestrator/egress/; this is where it meets the service's settings, metrics and
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from urllib.parse import urlsplit
 
-from orchestrator.config import Settings
 from orchestrator.descriptors import raise_descriptor_limit
 from orchestrator.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
 from orchestrator.egress.settings import ServiceEndpoint
 from orchestrator.egress.slots import ConnectionSlots
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
+from orchestrator.settings_sections import EgressSection
 
 log = logging.getLogger(__name__)
 # Each connection is a line of the service's log even when the service logs only warnings
@@ -23,41 +21,8 @@ log = logging.getLogger(__name__)
 log.setLevel(logging.INFO)
 
 
-def service_endpoints(settings: Settings) -> tuple[ServiceEndpoint, ...]:
-    """What the service itself listens on or depends on, which no sandbox may reach whatever
-    the operator's private hosts allow: its API (a key's way in; the console's login), its
-    shared store (holding every key's principal record and the audit log) and the Ray head of
-    cluster mode (which drives every session's actor)."""
-    endpoints = [ServiceEndpoint("the service's own API", settings.host, settings.port)]
-    if settings.store_url is not None:
-        url = urlsplit(settings.store_url.get_secret_value())
-        with contextlib.suppress(ValueError):  # a port that is no number: no store to reach
-            if url.scheme in ("redis", "rediss"):
-                host = url.hostname or "localhost"
-                endpoints.append(ServiceEndpoint("the cluster store", host, url.port or 6379))
-    ray = _ray_endpoint(settings.ray_address)
-    if ray is not None:
-        endpoints.append(ray)
-    return tuple(endpoints)
-
-
-def _ray_endpoint(address: str | None) -> ServiceEndpoint | None:
-    """The Ray cluster's head (its GCS, or Ray Client's `ray://` port): a session's actor is
-    driven through it. None when unset, `auto`, or not an address."""
-    if not address or address == "auto":
-        return None
-    url = urlsplit(address if "://" in address else f"ray://{address}")
-    try:
-        port = url.port
-    except ValueError:
-        return None
-    if url.hostname is None or port is None:
-        return None
-    return ServiceEndpoint("the Ray cluster's head", url.hostname, port)
-
-
 def egress_settings(
-    settings: Settings, refused_endpoints: Sequence[ServiceEndpoint] = ()
+    settings: EgressSection, refused_endpoints: Sequence[ServiceEndpoint] = ()
 ) -> EgressSettings:
     return EgressSettings(
         private_hosts=frozenset(settings.egress_private_hosts),
@@ -73,17 +38,17 @@ class SessionEgress:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: EgressSection,
         on_connection: Callable[[Session, EgressRecord], None] | None = None,
         refused_endpoints: Sequence[ServiceEndpoint] | None = None,
     ) -> None:
         """`on_connection`: told of each connection as it ends (the audit log); it must not
         block or raise. `refused_endpoints`: what no sandbox may reach (by default the
-        service's API and store, `service_endpoints`)."""
+        service's API and store: the section's `service_endpoints`)."""
         self.settings = settings
         self._on_connection = on_connection
         if refused_endpoints is None:
-            refused_endpoints = service_endpoints(settings)
+            refused_endpoints = settings.service_endpoints
         self._egress = egress_settings(settings, refused_endpoints)
         self._slots = ConnectionSlots(
             settings.egress_max_connections_total,

@@ -19,11 +19,10 @@ from typing import Literal, Protocol, TypeVar
 
 from code_interpreter_wire.errors import SandboxLost
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
-from orchestrator.backend_configs import backend_config
-from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
 from orchestrator.session_error import SessionError as SessionError
-from sandbox import Backend, Sandbox, create_backend
+from orchestrator.settings_sections import SessionTableSection
+from sandbox import Backend, Sandbox
 from sandbox.pool import WarmPool
 
 log = logging.getLogger(__name__)
@@ -190,9 +189,10 @@ class SessionCoordinator(Protocol):
 class SessionManager:
     def __init__(
         self,
-        settings: Settings,
+        settings: SessionTableSection,
         on_end: Callable[[str], Awaitable[None]] | None = None,
         *,
+        make_backend: Callable[[str, SandboxSpec], Backend] | None = None,
         given_backends: Mapping[str, Backend] | None = None,
         on_expiry: Callable[[Session, str], Awaitable[None]] | None = None,
         before_cleanup: Callable[[str, Backend], Awaitable[None]] | None = None,
@@ -201,8 +201,11 @@ class SessionManager:
     ) -> None:
         """`coordinator`: what is asked beyond this process (caps, ends, lost sandboxes): one
         machine's (orchestrator/session_coordinator.py), or cluster mode's shared store's
-        (orchestrator/cluster/coordinator.py)."""
+        (orchestrator/cluster/coordinator.py). `make_backend`: makes a backend by its name,
+        with the sessions' default spec (the composition root knows each one's configuration);
+        `given_backends`: those made already."""
         self.settings = settings
+        self._make_backend = make_backend
         self._coordinator = coordinator
         self._coordinator.bind(self)
         self._on_end = on_end  # told each ended session's id (to drop what is kept for it)
@@ -239,7 +242,9 @@ class SessionManager:
             if name in self._given:
                 self.backends[name] = self._given[name]
                 continue
-            backend = create_backend(name, **backend_config(s, name, self.default_spec()))
+            if self._make_backend is None:
+                raise ValueError(f"no {name!r} backend was given and none can be made here")
+            backend = self._make_backend(name, self.default_spec())
             if self._before_cleanup is not None:
                 await self._before_cleanup(name, backend)
             removed = await backend.cleanup_orphans()

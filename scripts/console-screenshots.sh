@@ -4,7 +4,7 @@
 # small (a palette of 256 colours) so that they are fit to commit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/pytest -q -p no:randomly tests/governance/test_console_browser.py
+.venv/bin/pytest -q -p no:randomly tests/orchestrator/governance/test_console_browser.py
 mkdir -p docs/images
 .venv/bin/python - <<'PY'
 from pathlib import Path

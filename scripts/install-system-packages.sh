@@ -9,7 +9,7 @@
 # languages' kernels the local backend runs (R with IRkernel, a JDK for jjava; Deno and jjava
 # themselves come from PyPI with `make install`), without their recommendations (R's would
 # bring a compiler tool chain); Chromium and its WebDriver for the console's browser tests
-# (tests/governance/test_console_browser.py).
+# (tests/orchestrator/governance/test_console_browser.py).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 packages=(bubblewrap python3 python3-venv python3-dev make docker.io runsc debootstrap git procps

@@ -22,6 +22,11 @@ from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.registry import why_unavailable
 from sandbox.tree_removal import remove_tree_at
 
+# The E2B SDK's fixtures (a service the SDK is pointed at, a sandbox made through it) serve the
+# front's tests (tests/orchestrator/e2b_compatible), the SDK suites (tests/clients/e2b_sdk) and
+# the E2B backend's (tests/sandbox/backends): one module, so one server for all of them.
+pytest_plugins = ["tests.e2b_sdk_fixtures"]
+
 ALL_BACKENDS = ("local", "docker")
 # Each test run labels its containers with an id of its own, so clean-up checks are exact.
 TEST_ORCHESTRATOR_ID = f"test-{uuid.uuid4().hex[:8]}"
@@ -144,8 +149,8 @@ def host_listener() -> Iterator[int]:
 # worker, and a long one that starts last is the run's tail while the other workers stand idle.
 SLOWEST_FILES_FIRST = (
     "tests/security/test_service_abuse.py",
-    "tests/test_cli.py",
-    "tests/e2b_compatible/test_sdk_languages.py",
+    "tests/orchestrator/cli/test_cli.py",
+    "tests/clients/e2b_sdk/test_sdk_languages.py",
 )
 
 

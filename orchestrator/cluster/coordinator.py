@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 from code_interpreter_wire.errors import SandboxError, SandboxLost
 from orchestrator.cluster.coordination_store import CoordinationStore
 from orchestrator.cluster.shared import SharedSandbox
-from orchestrator.config import Settings
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import (
     Session,
@@ -40,6 +39,7 @@ from orchestrator.sessions import (
     SessionManager,
     SessionNotFound,
 )
+from orchestrator.settings_sections import ClusterSection
 from orchestrator.state_store.records import SessionRecord
 from orchestrator.state_store.redis_connection import StoreUnavailable
 from sandbox.backends.base import Sandbox
@@ -68,7 +68,7 @@ class ClusterCoordinator:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: ClusterSection,
         connection: RedisConnection,
         on_attach: OnAttach | None = None,
     ) -> None:

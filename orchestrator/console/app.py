@@ -22,6 +22,7 @@ from orchestrator.console.shown_outputs import ShownOutputs
 from orchestrator.sessions import SessionError
 
 if TYPE_CHECKING:
+    from orchestrator.front_config import FrontConfig
     from orchestrator.key_throttle import KeyThrottle
     from orchestrator.service import Service
 
@@ -41,10 +42,10 @@ def _error_page(request: Request, status: int, title: str, message: str) -> Resp
     )
 
 
-def console_app(service: Service, throttle: KeyThrottle | None = None) -> FastAPI:
-    """`throttle`: the service's throttle of wrong keys (its API's), else one of its own."""
+def console_app(service: Service, fronts: FrontConfig, throttle: KeyThrottle) -> FastAPI:
+    """`throttle`: the service's throttle of wrong keys (its API's: the same budgets)."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    auth = ConsoleAuth(service, throttle)
+    auth = ConsoleAuth(service, fronts, throttle)
     app.state.console = Console(service, auth, ShownOutputs(service))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     for module in (login_pages, session_pages, approval_pages, audit_pages):

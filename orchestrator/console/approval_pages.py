@@ -38,9 +38,13 @@ def _arguments(arguments: Any) -> str:
 
 
 async def _listing(request: Request, viewer: Viewer) -> tuple[str, str]:
-    approvals = console_of(request).service.approvals
-    pending = await approvals.list_requests(viewer.principal, state="pending", limit=PENDING_SHOWN)
-    recent = await approvals.list_requests(viewer.principal, limit=DECIDED_SHOWN + PENDING_SHOWN)
+    admission = console_of(request).service.admission
+    pending = await admission.approval_requests(
+        viewer.principal, state="pending", limit=PENDING_SHOWN
+    )
+    recent = await admission.approval_requests(
+        viewer.principal, limit=DECIDED_SHOWN + PENDING_SHOWN
+    )
     decided = [a for a in recent if a.state != "pending"][:DECIDED_SHOWN]
 
     def can_answer(record: ApprovalRecord) -> bool:
@@ -111,7 +115,7 @@ async def answer(
             refused=400,
         )
     try:
-        decided = await console_of(request).service.approvals.answer(
+        decided = await console_of(request).service.admission.answer_approval(
             approval_id, decision == "approve", reason.strip() or None, viewer.principal
         )
     except SessionError as refusal:  # not found, not this key's to answer, decided already

@@ -71,7 +71,7 @@ def _query(filters: Filters, before: str) -> AuditQuery:
 
 @router.get("/audit")
 async def audit_page(request: Request, viewer: ViewerDep) -> Response:
-    audit = console_of(request).service.audit
+    audit = console_of(request).service.trail
     filters = _filters(request, viewer)
     before = request.query_params.get("before", "").strip()[:20]
     rows: list[EventRow] = []

@@ -13,12 +13,12 @@ from urllib.parse import urlsplit
 
 from fastapi import Request
 
-from orchestrator.auth import key_throttle
 from orchestrator.console.key_check import KeyCheck
 from orchestrator.console.login_tokens import Login, LoginTokens, key_digest, load_secret
 from orchestrator.governance.policy import Principal
 
 if TYPE_CHECKING:
+    from orchestrator.front_config import FrontConfig
     from orchestrator.key_throttle import KeyThrottle
     from orchestrator.service import Service
 
@@ -64,10 +64,11 @@ class Viewer:
 
 
 class ConsoleAuth:
-    def __init__(self, service: Service, throttle: KeyThrottle | None = None) -> None:
+    def __init__(self, service: Service, fronts: FrontConfig, throttle: KeyThrottle) -> None:
         """`throttle`: counts wrong keys with the API's (the same budgets per address)."""
         self._service = service
-        self.throttle = throttle if throttle is not None else key_throttle(service.settings)
+        self._fronts = fronts
+        self.throttle = throttle
         self._tokens: LoginTokens | None = None
         self._keys = KeyCheck(service)
         # Logins ended by a logout, until they would have expired anyway (this replica's).
@@ -77,11 +78,11 @@ class ConsoleAuth:
         """Signed with the `console_secret` setting (every replica's the same), else with the
         secret under the state dir (made the first time it is needed)."""
         if self._tokens is None:
-            settings = self._service.settings
-            if settings.console_secret is not None:
-                secret = settings.console_secret.get_secret_value().encode()
+            fronts = self._fronts
+            if fronts.console_secret is not None:
+                secret = fronts.console_secret.get_secret_value().encode()
             else:
-                secret = await asyncio.to_thread(load_secret, settings.state_dir)
+                secret = await asyncio.to_thread(load_secret, fronts.state_dir)
             self._tokens = LoginTokens(secret)
         return self._tokens
 
@@ -94,9 +95,7 @@ class ConsoleAuth:
         counted = bool(key) and not self._auth_off
         if counted:
             self.throttle.before_check(client, key)
-        principal = (
-            self._service.principals.authenticate(key) if len(key) <= MAX_KEY_CHARS else None
-        )
+        principal = self._service.admission.authenticate(key) if len(key) <= MAX_KEY_CHARS else None
         if principal is None:
             if counted:
                 self.throttle.failed(client, key)
@@ -106,7 +105,7 @@ class ConsoleAuth:
 
     @property
     def _auth_off(self) -> bool:
-        return self._service.settings.auth_disabled
+        return self._service.admission.auth_disabled
 
     async def viewer(self, request: Request) -> Viewer:
         """The logged-in reader of this request, checked again now; else NotLoggedIn."""
@@ -120,7 +119,7 @@ class ConsoleAuth:
         if login.nonce in self._ended:
             raise NotLoggedIn("out")
         if self._auth_off:
-            principal = self._service.principals.authenticate("")
+            principal = self._service.admission.authenticate("")
         elif login.key_digest:
             principal = await self._keys.principal(login.key_digest, login.principal_id)
         else:  # a login made while auth was off: not once it is on

@@ -21,7 +21,7 @@ class KeyCheck:
 
     async def principal(self, digest: str, principal_id: str) -> Principal | None:
         """The principal `principal_id`, if the key of `digest` still authenticates as it."""
-        found = self._service.principals.authenticate_digest(digest)
+        found = self._service.admission.authenticate_digest(digest)
         if found is None or found.id != principal_id:
             return None
         return found

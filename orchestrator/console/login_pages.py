@@ -35,7 +35,7 @@ def login_form(
         section="login",
         message=message,
         refused=refused,
-        auth_disabled=console_of(request).service.settings.auth_disabled,
+        auth_disabled=console_of(request).service.admission.auth_disabled,
         max_key_chars=MAX_KEY_CHARS,
     )
 

@@ -61,10 +61,10 @@ def _cut_by_audit(details: dict[str, Any]) -> int:
 
 
 async def _rows(console: Console, viewer: Viewer) -> list[SessionRow]:
-    principals = console.service.principals
+    admission = console.service.admission
     found = await console.service.lifecycle.owned_infos(viewer.owner_filter)
     found.sort(key=lambda pair: pair[1].created_at, reverse=True)
-    return [SessionRow(owner, principals.of(owner).name, info) for owner, info in found]
+    return [SessionRow(owner, admission.who(owner).name, info) for owner, info in found]
 
 
 async def _listing(request: Request, viewer: Viewer) -> tuple[str, str]:
@@ -105,7 +105,7 @@ async def _live(console: Console, viewer: Viewer, session_id: str) -> SessionRow
     if found is None:
         return None
     owner, info = found
-    return SessionRow(owner, console.service.principals.of(owner).name, info)
+    return SessionRow(owner, console.service.admission.who(owner).name, info)
 
 
 async def _activity(
@@ -113,7 +113,7 @@ async def _activity(
 ) -> str:
     """The session's latest events as HTML; SessionGone if the viewer has no such session."""
     console = console_of(request)
-    audit = console.service.audit
+    audit = console.service.trail
     items: list[ActivityItem] = []
     more = False
     if audit.enabled:

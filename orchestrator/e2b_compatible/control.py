@@ -44,7 +44,6 @@ from orchestrator.e2b_compatible.sandboxes import (
     DEFAULT_TIMEOUT_S,
     E2BRecord,
 )
-from orchestrator.governance.policy_checks import capped_network
 from orchestrator.http_errors import problems
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionBusy, SessionError
@@ -74,7 +73,7 @@ def _backend_for(service: Service, template: str) -> tuple[str | None, str | Non
         return template, None
     if template in DEFAULT_TEMPLATES:
         return None, None
-    images = service.settings.docker_images or [service.settings.docker_image]
+    images = service.views.listed_images()
     runs_images = service.views.image_backend()
     if runs_images is not None and template in images:
         return runs_images, template
@@ -116,7 +115,7 @@ def _timeout(service: Service, value: object) -> float:
     seconds = DEFAULT_TIMEOUT_S if isinstance(value, Unset) or value is None else value
     if not isinstance(seconds, int | float) or seconds <= 0:
         raise E2BError(400, "timeout must be a positive number of seconds")
-    return float(min(seconds, service.settings.max_lifetime_s))
+    return service.lifecycle.within_lifetime(seconds)
 
 
 def _end_at(record: E2BRecord, info: SessionInfo) -> datetime:
@@ -209,10 +208,8 @@ async def create(
     try:
         # "The internet" is what the operator offers, within what the key may have: an SDK's
         # default asks for it, and must not be refused for a key held to less.
-        internet = capped_network(service.principals.of(owner), service.settings.internet_policy)
-        network = policy_for(
-            service.settings, request.allow_internet_access, request.network, internet
-        )
+        internet = service.admission.internet_for(owner)
+        network = policy_for(request.allow_internet_access, request.network, internet)
         spec = CreateSessionRequest(
             backend=backend,
             image=image,

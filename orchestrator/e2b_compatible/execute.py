@@ -135,7 +135,7 @@ async def execute(
     stream = service.runs.stream(
         target.session,
         body.code,
-        timeout_s=service.settings.max_execution_timeout_s,
+        timeout_s=service.admission.execution_ceiling(),
         env=dict(body.env_vars or {}) or None,
         cwd=target.cwd,
         language=target.language,

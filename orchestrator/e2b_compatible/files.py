@@ -41,7 +41,7 @@ async def read_file(
     username: str | None = None,
 ) -> Response:
     if not in_workspace(path):
-        limit = service.settings.max_download_bytes
+        limit = service.admission.download_limit()
         data = await sandbox_files.read(service, reached.session, in_sandbox(path), limit)
         return Response(data, media_type="application/octet-stream")
     relative = to_workspace(path)
@@ -61,7 +61,7 @@ async def write_files(
 ) -> list[dict[str, Any]]:
     if any(name.lower().startswith("x-metadata-") for name in request.headers):
         raise E2BError(400, "file metadata is not supported by this server")
-    limit = service.settings.max_upload_bytes
+    limit = service.admission.upload_limit()
     written: list[tuple[str, bytes]] = []
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         form = await request.form()

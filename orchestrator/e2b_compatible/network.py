@@ -31,7 +31,6 @@ from code_interpreter_wire.network_policy import (
     NetworkPolicy,
     PolicyError,
 )
-from orchestrator.config import Settings
 from orchestrator.e2b_compatible.errors import E2BError
 
 _ALL_TRAFFIC = ("0.0.0.0/0", "::/0")
@@ -62,15 +61,10 @@ def _is_address_or_network(entry: str) -> bool:
     return True
 
 
-def policy_for(
-    settings: Settings,
-    allow_internet_access: Any,
-    network: Any,
-    offered: NetworkPolicy | None = None,
-) -> NetworkPolicy:
+def policy_for(allow_internet_access: Any, network: Any, offered: NetworkPolicy) -> NetworkPolicy:
     """Our policy for E2B's create request fields (Unset where the client sent nothing).
-    `offered`: what internet access is for this caller (the operator's, fitted within its key's
-    policy); by default the operator's."""
+    `offered`: what internet access is for this caller, as the service decides it
+    (`Admission.internet_for`)."""
     internet = allow_internet_access is not False  # E2B's default is true
     allow_out = _entries(getattr(network, "allow_out", None), "allow_out")
     deny_out = _entries(getattr(network, "deny_out", None), "deny_out")
@@ -83,7 +77,7 @@ def policy_for(
             )
         if not internet or deny_all:
             return NO_NETWORK
-        base = settings.internet_policy if offered is None else offered
+        base = offered
         if base.mode == "none" or not deny_rest:
             return base
         denied = NetworkPolicy.model_validate({"mode": "any", "deny": _rules(deny_rest)}).deny

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import secrets
@@ -205,7 +206,7 @@ class E2BSandboxes:
         self._records: dict[str, E2BRecord] = {}  # by sandbox id
         # Cluster mode: the store is the truth of every sandbox's record (any replica may set
         # its timeout or add a context); this replica's records are a cache of it.
-        self._clustered = service.settings.store_url is not None
+        self._clustered = service.persistence.clustered
         self._cursor = 0  # where the sweep's walk over the store goes on from
         self._context_sessions: set[str] = set()
         self._debug_lock = asyncio.Lock()
@@ -396,7 +397,7 @@ class E2BSandboxes:
 
     async def _debug_record(self) -> E2BRecord | None:
         """The sandbox of E2B_DEBUG clients, made on first use; only when auth is disabled."""
-        if not self.service.settings.auth_disabled:
+        if not self.service.admission.auth_disabled:
             return None
         async with self._debug_lock:
             record = self._records.get(DEBUG_SANDBOX_ID)
@@ -495,19 +496,14 @@ class E2BSandboxes:
         found = await self.rebuild()
         if found:
             log.info("found %d paused E2B sandboxes from before a restart", found)
-        sweeper = asyncio.ensure_future(self._sweep_forever())
-        try:
+        async with self.service.deadlines.rounds(self.sweep):  # the service's one sweeper
             yield
-        finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
 
     async def sweep(self) -> int:
-        """Kill (or, with auto-pause, pause) running sandboxes past their deadline, keep the
-        others alive; return how many ended or paused. A paused one's timeout does not run."""
+        """Hand each running sandbox with a timeout to the service's deadline rules (killed,
+        or with auto-pause paused, past it; kept alive before it); return how many ended or
+        paused. A paused one's timeout does not run."""
         ended = 0
-        now = time.time()
         await self._adopt_shared()
         for record in list(self._records.values()):
             if record.pausing:
@@ -531,23 +527,17 @@ class E2BSandboxes:
                 if record.deadline is not None:
                     record.set_timeout(record.timeout_s)
                 await self.keep(record, found)
-            if record.deadline is None:
-                continue
-            if now >= record.deadline:
+            outcome = await self.service.deadlines.enforce(
+                found,
+                record.deadline,
+                action="pause" if record.auto_pause else "end",
+                linked=[context.id for context in record.contexts.values()],
+                pause=functools.partial(self.pause, record, found),
+                end=functools.partial(self.kill, record),
+                name=f"E2B sandbox {record.sandbox_id}",
+            )
+            if outcome in ("paused", "ended", "later"):
                 ended += 1
-                if record.auto_pause and await self._paused_at_timeout(record, found):
-                    continue
-                log.info("E2B sandbox %s reached its timeout", record.sandbox_id)
-                await self.kill(record)
-                continue
-            # E2B's timeout, not idleness, ends it (kept alive for every replica's reaper).
-            with contextlib.suppress(SessionError):  # lost: its next call says so
-                await self.service.lifecycle.keepalive(found)
-            for context in list(record.contexts.values()):
-                context_session = await self.service.lifecycle.state(context.id, record.owner)
-                if isinstance(context_session, Session):
-                    with contextlib.suppress(SessionError):
-                        await self.service.lifecycle.keepalive(context_session)
         return ended
 
     async def _adopt_shared(self) -> None:
@@ -556,30 +546,7 @@ class E2BSandboxes:
         kills one, once) and hold when the replica that made them is gone."""
         if not self._clustered:
             return
-        batch = self.service.settings.cluster_reap_batch
-        self._cursor, records = await self.service.persistence.scan(self._cursor, batch)
+        self._cursor, records = await self.service.persistence.scan(self._cursor)
         for kept in records:
             if kept.state == "running" and CONTEXT_LABEL not in kept.labels:
                 self._merge(_restored(kept.id, kept.owner, kept.labels))
-
-    async def _paused_at_timeout(self, record: E2BRecord, session: Session) -> bool:
-        """Auto-pause; False if it could not be (it is then killed, as E2B's timeout says)."""
-        if session.busy:  # its code runs on; paused on the next sweep after it ends
-            return True
-        try:
-            await self.pause(record, session)
-        except Exception as exc:
-            log.warning(
-                "E2B sandbox %s could not be paused at its timeout: %s", record.sandbox_id, exc
-            )
-            return False
-        log.info("E2B sandbox %s reached its timeout and was paused", record.sandbox_id)
-        return True
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(self.service.settings.reap_interval_s, 5.0))
-            try:
-                await self.sweep()
-            except Exception:
-                log.exception("sweeping E2B sandboxes failed")

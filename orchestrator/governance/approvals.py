@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from code_interpreter_wire.approval_outcome import ABANDONED, TIMEOUT, ApprovalOutcome
-from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.approval_errors import (
     ApprovalAlreadyDecided,
@@ -58,6 +57,7 @@ from orchestrator.governance.stores.approval_store import (
     ApprovalStore,
 )
 from orchestrator.governance.webhook import ApprovalWebhook
+from orchestrator.settings_sections import ApprovalSection
 
 if TYPE_CHECKING:
     from orchestrator.governance.audit import AuditLog
@@ -118,7 +118,7 @@ def _kept_arguments(arguments: Any) -> Any:
 class Approvals:
     def __init__(
         self,
-        settings: Settings,
+        settings: ApprovalSection,
         store_of: Callable[[], ApprovalStore],
         *,
         principal_of: Callable[[str], Principal],

@@ -24,12 +24,12 @@ from collections.abc import AsyncGenerator, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.policy import Principal
 from orchestrator.governance.stores.audit_store import AuditEvent, AuditPage, AuditQuery, AuditStore
 from orchestrator.sessions import SessionError
+from orchestrator.settings_sections import AuditSection
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ _Pending = tuple[float, str, str, str | None, str | None, float | None, dict[str
 
 
 class AuditLog:
-    def __init__(self, settings: Settings, name_of: Callable[[str], str]) -> None:
+    def __init__(self, settings: AuditSection, name_of: Callable[[str], str]) -> None:
         """`name_of(owner)`: the principal's name an event carries (asked when it is written,
         on the event loop; an error there gives the owner id's start instead)."""
         self.enabled = settings.audit_enabled

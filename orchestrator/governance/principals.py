@@ -18,9 +18,9 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from orchestrator.config import Settings
 from orchestrator.governance.policy import FULL_ACCESS, Principal
 from orchestrator.governance.stores.principal_store import PrincipalRecord, PrincipalStore
+from orchestrator.settings_sections import AuthSection
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,10 @@ class _Known:
 
 
 class Principals:
-    """`service.principals`: authenticate a key, and say who an owner id is."""
+    """`Admission.principals`: authenticate a key, and say who an owner id is."""
 
     def __init__(
-        self, settings: Settings, store: PrincipalStore | None, refresh_s: float = REFRESH_S
+        self, settings: AuthSection, store: PrincipalStore | None, refresh_s: float = REFRESH_S
     ) -> None:
         self.disabled = settings.auth_disabled
         self._store = store

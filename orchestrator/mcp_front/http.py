@@ -20,6 +20,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
+from orchestrator.front_config import FrontConfig
 from orchestrator.mcp_front.server import (
     OWNER_SCOPE_KEY,
     ConnectionSessions,
@@ -33,8 +34,9 @@ MCP_PATH = "/mcp"
 class McpHttpFront:
     """An ASGI endpoint: authenticate, hand over to the MCP transport, end what the client ends."""
 
-    def __init__(self, service: Service, authenticate: Authenticator) -> None:
+    def __init__(self, service: Service, authenticate: Authenticator, fronts: FrontConfig) -> None:
         self._service = service
+        self._fronts = fronts
         self._authenticate = authenticate
         self.connections = ConnectionSessions(service)
         self._transport: StreamableHTTPASGIApp | None = None
@@ -43,15 +45,15 @@ class McpHttpFront:
     async def running(self) -> AsyncIterator[None]:
         """Serve while the service runs; the server is made once the service has started, so
         the tool's description can list the host tools (an MCP server's among them)."""
-        settings = self._service.settings
+        fronts = self._fronts
         server, _ = await build_mcp_server(self._service, connections=self.connections)
         # Builds the session manager (with DNS-rebinding protection on a loopback host); the
         # Starlette app it returns is not used: this endpoint is mounted in ours instead.
         server.streamable_http_app(
             streamable_http_path=MCP_PATH,
-            host=settings.host,
-            session_idle_timeout=settings.mcp_idle_timeout_s,
-            max_request_body_size=settings.max_request_bytes,
+            host=fronts.host,
+            session_idle_timeout=fronts.mcp_idle_timeout_s,
+            max_request_body_size=fronts.max_request_bytes,
         )
         manager: StreamableHTTPSessionManager = server.session_manager
         async with manager.run():

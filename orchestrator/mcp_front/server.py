@@ -146,7 +146,7 @@ class ConnectionSessions:
             # What the tool starts by itself; clients that never end their connection are
             # common, so what MCP makes expires sooner than other sessions.
             session = await ModelTool(service).start_session(
-                owner, idle_timeout_s=service.settings.mcp_idle_timeout_s
+                owner, idle_timeout_s=service.admission.connection_idle_timeout()
             )
         except SessionLimitReached as exc:
             raise ToolFailure(self._quota_full(owner, exc)) from None
@@ -163,7 +163,7 @@ class ConnectionSessions:
 
     def _quota_full(self, owner: str, exc: SessionLimitReached) -> str:
         """The way out of a full quota, in MCP's terms, naming the sessions that hold it."""
-        idle_s = self.service.settings.mcp_idle_timeout_s
+        idle_s = self.service.admission.connection_idle_timeout()
         held = sorted(self.service.lifecycle.running(owner), key=lambda s: -s.idle_for())
         listed = "\n".join(
             f"- {s.id}: idle {s.idle_for():.0f} s"
@@ -257,7 +257,6 @@ async def build_mcp_server(
 ) -> tuple[MCPServer, ConnectionSessions]:
     """The MCP server over `service` (started: its host tools and languages are known), and
     its connection-to-session map."""
-    settings = service.settings
     languages = await service.views.tool_languages()
     sessions = connections or ConnectionSessions(service)
     server: MCPServer = MCPServer(
@@ -299,7 +298,7 @@ async def build_mcp_server(
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one tool flow, as the REST invoke route runs it, in the connection's session;
         # what waits for a human meanwhile is asked of this client's user too.
-        with service.approvals.responder(session.id, _elicitor(ctx)):
+        with service.admission.approval_responder(session.id, _elicitor(ctx)):
             outcome = await ModelTool(service).invoke(
                 owner, code, session=session, language=language
             )
@@ -324,7 +323,7 @@ async def build_mcp_server(
         owner, connection = _caller(ctx)
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one shell tool flow, as the REST invoke route runs it, in the connection's session.
-        with service.approvals.responder(session.id, _elicitor(ctx)):
+        with service.admission.approval_responder(session.id, _elicitor(ctx)):
             outcome = await ModelTool(service).invoke_shell(
                 owner, command, session=session, timeout_s=timeout_s
             )
@@ -395,7 +394,7 @@ async def build_mcp_server(
                 blob=base64.b64encode(data).decode(),
             )
             return CallToolResult(content=[EmbeddedResource(type="resource", resource=blob)])
-        limit = settings.tool_output_max_chars  # what a model is shown of one call
+        limit = service.views.tool_output_chars()  # what a model is shown of one call
         if len(text) > limit:
             text = (
                 f"{text[:limit]}\n[note] {len(text) - limit} more characters are left out; "
@@ -403,9 +402,9 @@ async def build_mcp_server(
             )
         return CallToolResult(content=[TextContent(type="text", text=text)])
 
-    host_tools = service.channels.summaries(settings.host_tools.session_default)
+    host_tools = service.channels.summaries(service.channels.default_tools())
     text = description(
-        timeout_s=settings.execution_timeout_s,
+        timeout_s=service.admission.tool_timeout(),
         libraries=LIBRARIES,
         bound_session=True,
         host_tools=host_tools,
@@ -414,9 +413,9 @@ async def build_mcp_server(
         network=service.views.network_of(None),
     )
     tool(code_interpreter, text)
-    if settings.shell_tool:  # off unless the operator turned it on
+    if service.admission.shell_tool_on():  # off unless the operator turned it on
         shell_text = shell_description(
-            timeout_s=settings.execution_timeout_s,
+            timeout_s=service.admission.tool_timeout(),
             libraries=LIBRARIES,
             bound_session=True,
             session_note=_ARGUMENT_HINT,

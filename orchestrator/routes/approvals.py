@@ -32,8 +32,8 @@ async def list_approvals(
     session_id: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> list[ApprovalRecord]:
-    viewer = service.principals.of(owner)
-    return await service.approvals.list_requests(
+    viewer = service.admission.who(owner)
+    return await service.admission.approval_requests(
         viewer, state=state, session_id=session_id, limit=limit
     )
 
@@ -42,7 +42,7 @@ async def list_approvals(
 async def get_approval(
     approval_id: ApprovalId, service: ServiceDep, owner: OwnerDep
 ) -> ApprovalRecord:
-    return await service.approvals.get(approval_id, service.principals.of(owner))
+    return await service.admission.approval(approval_id, service.admission.who(owner))
 
 
 @router.post(
@@ -52,6 +52,6 @@ async def get_approval(
 async def answer_approval(
     approval_id: ApprovalId, body: ApprovalAnswer, service: ServiceDep, owner: OwnerDep
 ) -> ApprovalRecord:
-    return await service.approvals.answer(
-        approval_id, body.decision == "approve", body.reason, service.principals.of(owner)
+    return await service.admission.answer_approval(
+        approval_id, body.decision == "approve", body.reason, service.admission.who(owner)
     )

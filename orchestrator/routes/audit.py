@@ -74,7 +74,7 @@ async def list_events(
 ) -> dict[str, Any]:
     """`next`: the cursor of the next (older) page, to pass as `before`; null at the end."""
     query = filters.model_copy(update={"limit": limit})
-    page = await service.audit.query(service.trail.viewer(owner), query)
+    page = await service.trail.query(service.trail.viewer(owner), query)
     return {"events": [_shown(e) for e in page.events], "next": page.next_before}
 
 
@@ -90,7 +90,7 @@ async def export_events(
     """Newest first, one JSON object a line, read from the store a page at a time (the
     answer is streamed: memory stays bounded however long the log)."""
     query = filters.model_copy(update={"limit": EXPORT_PAGE})
-    events = await service.audit.export(service.trail.viewer(owner), query)
+    events = await service.trail.export(service.trail.viewer(owner), query)
 
     async def lines() -> AsyncIterator[bytes]:
         sent = 0

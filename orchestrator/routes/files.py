@@ -26,7 +26,7 @@ async def upload(
     target = path if path is not None else (file.filename or "")
     clean_path(target)  # refuse a bad name before reading a byte
     # Read in chunks and refuse past the limit before holding it all (the service checks again).
-    limit = service.settings.max_upload_bytes
+    limit = service.admission.upload_limit()
     chunks: list[bytes] = []
     size = 0
     while chunk := await file.read(1 << 20):

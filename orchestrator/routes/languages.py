@@ -22,7 +22,7 @@ async def languages(service: ServiceDep, owner: OwnerDep) -> LanguagesResponse:
             by_backend[name] = await service.views.languages(name)
         except SandboxError:
             by_backend[name] = []
-    default = service.settings.default_backend
+    default = service.views.default_backend()
     return LanguagesResponse(
         default_backend=default,
         languages=by_backend.get(default, []),

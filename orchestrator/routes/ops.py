@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from orchestrator.front_config import FrontConfig
 from orchestrator.metrics import METRICS
 from orchestrator.routes.deps import OwnerDep, ServiceDep, get_owner
 
@@ -23,9 +24,10 @@ async def status(service: ServiceDep, owner: OwnerDep) -> dict[str, object]:
     return service.views.status(owner)
 
 
-def metrics_reader(request: Request, service: ServiceDep) -> None:
+def metrics_reader(request: Request) -> None:
     """A key is needed unless the operator made the metrics public (`metrics_public`)."""
-    if not service.settings.metrics_public:
+    fronts: FrontConfig = request.app.state.fronts
+    if not fronts.metrics_public:
         get_owner(request)
 
 

@@ -21,7 +21,7 @@ class WhoAmI(BaseModel):
 
 @router.get("/whoami", summary="The caller's key: its name, whether it is an admin, its policy")
 async def whoami(service: ServiceDep, owner: OwnerDep) -> WhoAmI:
-    principal = service.principals.of(owner)
+    principal = service.admission.who(owner)
     return WhoAmI(
         id=principal.id, name=principal.name, admin=principal.admin, policy=principal.policy
     )

@@ -29,6 +29,7 @@ from code_interpreter_wire.processes import (
 )
 from orchestrator.auth import Authenticator, client_address
 from orchestrator.caller_mark import caller_proven
+from orchestrator.front_config import FrontConfig
 from orchestrator.http_errors import status_of
 from orchestrator.json_responses import json_response
 from orchestrator.routes.deps import ServiceDep, SessionDep, unless_disconnected
@@ -417,8 +418,8 @@ async def terminal(
             await websocket.accept()
         else:
             await websocket.accept()
-            settings = service.settings
-            wait = min(settings.terminal_auth_timeout_s, settings.http_header_timeout_s)
+            fronts: FrontConfig = websocket.app.state.fronts
+            wait = min(fronts.terminal_auth_timeout_s, fronts.http_header_timeout_s)
             owner = await _first_frame_owner(websocket, authenticate, wait)
             caller_proven(websocket.scope)
         session = await service.lifecycle.get(session_id, owner)

@@ -70,7 +70,7 @@ async def invoke(
     except ToolCallError as exc:
         outcome = ToolOutcome.refused(str(exc), "invalid_call")
     else:
-        base = (service.settings.public_url or str(request.base_url)).rstrip("/")
+        base = (service.views.public_url() or str(request.base_url)).rstrip("/")
 
         def links(session_id: str, record: ExecutionRecord) -> tuple[str, dict[str, str]]:
             prefix = f"{base}/v1/sessions/{session_id}"

@@ -17,12 +17,12 @@ from code_interpreter_wire.network_policy import NO_NETWORK, NetworkPolicy
 from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.rest import CreateSessionRequest, LimitsRequest
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec, limit_ceilings
-from orchestrator.config import Settings
 from orchestrator.governance import policy_checks
-from orchestrator.governance.approvals import Approvals
+from orchestrator.governance.approvals import Approvals, Responder
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.policy import Principal
 from orchestrator.governance.principals import Principals
+from orchestrator.governance.stores.approval_store import ApprovalRecord, ApprovalState
 from orchestrator.governance.stores.principal_store import PrincipalStore
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.errors import (
@@ -35,6 +35,7 @@ from orchestrator.service_parts.errors import (
     ToolsNotAvailable,
 )
 from orchestrator.sessions import Session, SessionManager
+from orchestrator.settings_sections import AdmissionSection, AuthSection
 from orchestrator.state_store import SessionRecord
 from sandbox.backends.base import Backend
 from sandbox.image_labels import FULL_IMAGE
@@ -47,7 +48,8 @@ LIMITS_CEILING = limit_ceilings()
 class Admission:
     def __init__(
         self,
-        settings: Settings,
+        settings: AdmissionSection,
+        auth: AuthSection,
         sessions: SessionManager,
         trail: AuditTrail,
         approvals: Approvals,
@@ -58,15 +60,63 @@ class Admission:
         self._approvals = approvals
         # Who each owner id is, and its policy: the settings' keys until start() reads the
         # store's too (docs/governance.md).
-        self.principals = Principals(settings, None)
+        self._auth = auth
+        self.principals = Principals(auth, None)
         self._making: dict[str, int] = {}  # owner -> its sessions being made (max_sessions)
 
     async def start(self, store: PrincipalStore) -> None:
-        self.principals = Principals(self.settings, store)
+        self.principals = Principals(self._auth, store)
         await self.principals.start()
 
     async def close(self) -> None:
         await self.principals.close()
+
+    # --- who a key is: what fronts ask before they answer or show anything
+    def who(self, owner: str) -> Principal:
+        """Who an owner id is, and its policy (docs/governance.md)."""
+        return self.principals.of(owner)
+
+    @property
+    def auth_disabled(self) -> bool:
+        """Auth is off: one user on a trusted machine, everyone `local`."""
+        return self.principals.disabled
+
+    def authenticate(self, key: str) -> Principal | None:
+        """The principal of an API key (an empty one with auth off: `local`); None: it fails."""
+        return self.principals.authenticate(key)
+
+    def authenticate_digest(self, digest: str) -> Principal | None:
+        """As `authenticate`, known by the key's digest alone (a console login's)."""
+        return self.principals.authenticate_digest(digest)
+
+    # --- approval requests: read and answered by humans through a front
+    async def approval_requests(
+        self,
+        viewer: Principal,
+        *,
+        state: ApprovalState | None = None,
+        session_id: str | None = None,
+        limit: int = 100,
+    ) -> list[ApprovalRecord]:
+        """Requests `viewer` may see, newest first (an admin's: everyone's)."""
+        return await self._approvals.list_requests(
+            viewer, state=state, session_id=session_id, limit=limit
+        )
+
+    async def approval(self, approval_id: str, viewer: Principal) -> ApprovalRecord:
+        return await self._approvals.get(approval_id, viewer)
+
+    async def answer_approval(
+        self, approval_id: str, approve: bool, reason: str | None, by: Principal
+    ) -> ApprovalRecord:
+        """A human's answer (404 unseen, 403 not theirs to answer, 409 decided)."""
+        return await self._approvals.answer(approval_id, approve, reason, by)
+
+    def approval_responder(
+        self, session_id: str, respond: Responder
+    ) -> contextlib.AbstractContextManager[None]:
+        """While a front's call runs in the session, `respond` is asked its approvals too."""
+        return self._approvals.responder(session_id, respond)
 
     # --- keys' policies: checked here, behind every front door
     @contextlib.contextmanager
@@ -228,7 +278,7 @@ class Admission:
         return spec
 
     def _offered_images(self) -> list[str]:
-        return self.settings.docker_images or [self.settings.docker_image, FULL_IMAGE]
+        return list(self.settings.docker_images) or [self.settings.docker_image, FULL_IMAGE]
 
     def network_policy(self, asked: NetworkPolicy) -> NetworkPolicy:
         """`asked`, if it fits within the operator's ceiling; else `NetworkNotAllowed` saying
@@ -240,6 +290,12 @@ class Admission:
                 "the ceiling (network_ceiling)"
             )
         return asked
+
+    def internet_for(self, owner: str) -> NetworkPolicy:
+        """What "the internet" is for this key, where a front's caller asks for it by default
+        (E2B's SDK does): the operator's `network_internet` policy, fitted within the network
+        the key's policy allows, so asking for it is never refused."""
+        return policy_checks.capped_network(self.who(owner), self.settings.internet_policy)
 
     def _check_network_holdable(self, name: str, backend: Backend, policy: NetworkPolicy) -> None:
         """Refuse a policy the backend cannot enforce whole, rather than drop part of it: a
@@ -299,17 +355,39 @@ class Admission:
         s = self.settings
         return min(timeout_s or s.execution_timeout_s, s.max_execution_timeout_s)
 
+    def execution_ceiling(self) -> float:
+        """The longest any execution may run: a front whose client keeps its own deadline
+        (E2B's SDK disconnects at its `timeout`) asks for this."""
+        return self.execution_timeout(self.settings.max_execution_timeout_s)
+
     def process_request(self, request: ProcessRequest) -> ProcessRequest:
         """Within the service's time ceiling: a command may run at most as long as code may."""
         ceiling = self.settings.max_execution_timeout_s
         timeout = min(request.timeout_s or ceiling, ceiling)
         return request.model_copy(update={"timeout_s": timeout})
 
+    def upload_limit(self) -> int:
+        """The largest file a caller may write into a workspace, in bytes."""
+        return self.settings.max_upload_bytes
+
+    def download_limit(self) -> int:
+        """The largest file a caller may read out of a sandbox, in bytes."""
+        return self.settings.max_download_bytes
+
     def check_upload_size(self, size: int) -> None:
         """Refuse a file over the upload limit: before a session is found or made for it."""
         limit = self.settings.max_upload_bytes
         if size > limit:
             raise FileTooLarge(f"the file is {size} bytes, over the upload limit of {limit}")
+
+    def shell_tool_on(self) -> bool:
+        """Whether the operator turned the `run_command` tool on (it is off by default)."""
+        return self.settings.shell_tool
+
+    def connection_idle_timeout(self) -> float:
+        """The idle timeout of a session a model tool starts for an MCP connection: shorter
+        than others, as clients that never end their connection are common."""
+        return self.settings.mcp_idle_timeout_s
 
     def check_shell_tool(self) -> None:
         """Refuse the `run_command` tool unless the operator turned it on."""

@@ -3,18 +3,19 @@ what an event carries is decided here once, and every part records through this.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
 from code_interpreter_wire.results import Execution
-from orchestrator.config import Settings
 from orchestrator.egress import EgressRecord
 from orchestrator.governance import audit_kinds as audited
 from orchestrator.governance.audit import AuditLog, command_line, end_reason
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.governance.input_audit import InputAudit
 from orchestrator.governance.policy import Principal
+from orchestrator.governance.stores.audit_store import AuditEvent, AuditPage, AuditQuery
 from orchestrator.sessions import Session
+from orchestrator.settings_sections import AuditSection
 
 
 def command_outcome(result: CommandResult) -> str:
@@ -28,7 +29,7 @@ class AuditTrail:
     """What ran, who asked, when: the log (written once the store is open) and what is typed
     into terminals and processes' stdin."""
 
-    def __init__(self, settings: Settings, principal_of: Callable[[str], Principal]) -> None:
+    def __init__(self, settings: AuditSection, principal_of: Callable[[str], Principal]) -> None:
         """`principal_of(owner)`: who an owner id is (its name goes with each event)."""
         self._principal_of = principal_of
         self._max_code_chars = settings.audit_max_code_chars
@@ -46,6 +47,21 @@ class AuditTrail:
     async def close(self) -> None:
         self.input.close()  # input typed and not yet written, into the log below
         await self.log.close()
+
+    # --- reading the log: what a front shows a viewer
+    @property
+    def enabled(self) -> bool:
+        return self.log.enabled
+
+    async def query(self, viewer: Principal, query: AuditQuery) -> AuditPage:
+        """A page of the events `viewer` may see (an admin's: everyone's), newest first."""
+        return await self.log.query(viewer, query)
+
+    async def export(
+        self, viewer: Principal, query: AuditQuery
+    ) -> AsyncGenerator[AuditEvent, None]:
+        """Every event `query` selects that `viewer` may see, a page at a time."""
+        return await self.log.export(viewer, query)
 
     def command_line(self, request: ProcessRequest) -> str:
         return command_line(request.argv, request.command, self._max_code_chars)

@@ -8,7 +8,6 @@ import logging
 
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.cluster.tool_relay import ToolRelays
-from orchestrator.config import Settings
 from orchestrator.egress import EgressLedger
 from orchestrator.governance.approvals import Approvals
 from orchestrator.governance.tool_guard import SessionToolGuard
@@ -19,6 +18,7 @@ from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.errors import ToolsNotAvailable
 from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import Session
+from orchestrator.settings_sections import ChannelSection, EgressSection
 from orchestrator.state_store import SessionRecord
 
 log = logging.getLogger(__name__)
@@ -27,13 +27,15 @@ log = logging.getLogger(__name__)
 class Channels:
     def __init__(
         self,
-        settings: Settings,
+        settings: ChannelSection,
+        egress: EgressSection,
         registry: ToolRegistry,
         admission: Admission,
         approvals: Approvals,
         trail: AuditTrail,
     ) -> None:
-        """`registry`: the host tools sessions may call (configured from the settings here)."""
+        """`registry`: the host tools sessions may call (configured from the settings here);
+        `egress`: the settings of sessions' egress proxies."""
         self.settings = settings
         self._registry = registry
         self._registry.configure(settings.host_tools)
@@ -42,7 +44,7 @@ class Channels:
         self._trail = trail
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
         self._relays = ToolRelays()  # host tools of sessions whose sandbox is elsewhere
-        self._egress = SessionEgress(settings, on_connection=trail.egress_connection)
+        self._egress = SessionEgress(egress, on_connection=trail.egress_connection)
 
     async def start(self) -> None:
         await self._registry.start()

@@ -9,7 +9,6 @@ from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.rest import CreateSessionRequest, LimitsRequest, ResumeInfo, SessionInfo
 from code_interpreter_wire.spec import SandboxSpec
 from orchestrator.cluster.shared import SharedSandbox
-from orchestrator.config import Settings
 from orchestrator.governance.approvals import Approvals
 from orchestrator.host_tools import HostTool
 from orchestrator.outputs import OutputStore
@@ -22,6 +21,7 @@ from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.service_parts.views import Views
 from orchestrator.service_parts.workspace import Workspace
 from orchestrator.sessions import Session, SessionBusy, SessionError, SessionManager
+from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
 
 
@@ -44,7 +44,7 @@ def _from_snapshot(request: CreateSessionRequest, snapshot: SnapshotRecord) -> C
 class Lifecycle:
     def __init__(
         self,
-        settings: Settings,
+        settings: ExpirySection,
         sessions: SessionManager,
         *,
         admission: Admission,
@@ -138,6 +138,11 @@ class Lifecycle:
             await self._sessions.delete(session.id, owner)
             raise
         return session
+
+    def within_lifetime(self, seconds: float) -> float:
+        """A deadline a front sets on a session (E2B's sandbox timeout), no later than the
+        session's longest life."""
+        return float(min(seconds, self.settings.max_lifetime_s))
 
     async def set_labels(self, session: Session, labels: dict[str, str]) -> None:
         """Keep a front's own data with a session (E2B's metadata, its timeout): it outlives

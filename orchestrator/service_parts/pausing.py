@@ -10,7 +10,6 @@ import logging
 import re
 import time
 
-from orchestrator.config import Settings
 from orchestrator.host_tools import HostTool
 from orchestrator.metrics import METRICS
 from orchestrator.outputs import OutputStore
@@ -21,6 +20,7 @@ from orchestrator.service_parts.channels import Channels
 from orchestrator.service_parts.errors import ResumeFailed, ToolsNotAvailable
 from orchestrator.service_parts.persistence import Persistence, record_of
 from orchestrator.sessions import Session, SessionBusy, SessionManager
+from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def pending_notice(earlier: str | None, parts: list[str]) -> str:
 class Pauses:
     def __init__(
         self,
-        settings: Settings,
+        settings: ExpirySection,
         sessions: SessionManager,
         admission: Admission,
         channels: Channels,

@@ -10,12 +10,12 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from code_interpreter_wire.rest import SnapshotInfo
-from orchestrator.config import Settings
 from orchestrator.saved_states import SavedStates
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.stores import OpenedStores, open_local, open_shared
 from orchestrator.service_parts.views import snapshot_info
 from orchestrator.sessions import Session
+from orchestrator.settings_sections import StorageSection
 from orchestrator.state_store import SessionRecord, SnapshotRecord, StateStore
 from sandbox.backends.base import Backend
 
@@ -48,7 +48,7 @@ def record_of(session: Session, tools: list[str]) -> SessionRecord:
 class Persistence:
     def __init__(
         self,
-        settings: Settings,
+        settings: StorageSection,
         backends: Mapping[str, Backend],
         admission: Admission,
         shared: RedisConnection | None,
@@ -119,13 +119,18 @@ class Persistence:
             return None
         return record
 
-    async def scan(self, cursor: int, batch: int) -> tuple[int, list[SessionRecord]]:
-        """A bounded piece of the shared store's running sessions from `cursor`, and where the
-        next piece starts (cluster mode; on one machine, where every record is this service's
-        own: nothing, (0, []))."""
+    @property
+    def clustered(self) -> bool:
+        """Cluster mode: every replica shares the store (docs/cluster.md)."""
+        return self._shared is not None
+
+    async def scan(self, cursor: int, batch: int | None = None) -> tuple[int, list[SessionRecord]]:
+        """A bounded piece (`batch`; None: the cluster's reap batch) of the shared store's
+        running sessions from `cursor`, and where the next piece starts (cluster mode; on one
+        machine, where every record is this service's own: nothing, (0, []))."""
         if not self.store.shared:
             return 0, []
-        return await self.store.scan_sessions(cursor, batch)
+        return await self.store.scan_sessions(cursor, batch or self.settings.cluster_reap_batch)
 
     async def list_paused(self, owner: str | None) -> list[SessionRecord]:
         """The owner's paused sessions; None: every owner's (a front finding its own records

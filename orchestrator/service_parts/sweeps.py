@@ -1,28 +1,35 @@
 """Sweeps: what the reaper does with sessions past their time (auto-pause, or end), what the
 service pauses as it shuts down, and what each reaper round deletes (revoked keys' sessions,
-paused sessions past their retention, old audit events)."""
+paused sessions past their retention, old audit events), and the deadline rounds fronts with
+deadlines of their own (E2B's sandbox timeouts) run on the one sweeper."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from orchestrator.config import Settings
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.pausing import Pauses
 from orchestrator.service_parts.persistence import Persistence
 from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.sessions import Session, SessionManager
+from orchestrator.settings_sections import ExpirySection
 
 log = logging.getLogger(__name__)
+
+# The most a deadline (E2B's sandbox timeout) is overrun by: its round runs at least this often.
+DEADLINE_ROUND_MAX_S = 5.0
+DeadlineRound = Callable[[], Awaitable[object]]
 
 
 class Sweeps:
     def __init__(
         self,
-        settings: Settings,
+        settings: ExpirySection,
         sessions: SessionManager,
         admission: Admission,
         persistence: Persistence,
@@ -38,6 +45,8 @@ class Sweeps:
         self._pauses = pauses
         self._locks = locks
         self._revoked_ended: set[str] = set()  # revoked principals with nothing left to end
+        self._deadline_rounds: list[DeadlineRound] = []
+        self._deadline_sweeper: asyncio.Task[None] | None = None
 
     async def expired(self, session: Session, why: str) -> None:
         """The reaper's verdict: paused (auto-pause), or ended when that is off or fails."""
@@ -73,6 +82,33 @@ class Sweeps:
                     log.warning("session %s could not be paused at shutdown: %s", session.id, exc)
 
         await asyncio.gather(*(pause(x) for x in due))
+
+    @contextlib.asynccontextmanager
+    async def deadlines(self, round_: DeadlineRound) -> AsyncIterator[None]:
+        """Run `round_` (a front's deadlines: E2B's sandbox timeouts, kill or auto-pause) on
+        the service's deadline sweeper while this is held: every reaper interval, at most
+        DEADLINE_ROUND_MAX_S apart. One sweeper task serves every front's rounds."""
+        self._deadline_rounds.append(round_)
+        if self._deadline_sweeper is None:
+            self._deadline_sweeper = asyncio.ensure_future(self._sweep_deadlines_forever())
+        try:
+            yield
+        finally:
+            self._deadline_rounds.remove(round_)
+            if not self._deadline_rounds and self._deadline_sweeper is not None:
+                sweeper, self._deadline_sweeper = self._deadline_sweeper, None
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+
+    async def _sweep_deadlines_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.settings.reap_interval_s, DEADLINE_ROUND_MAX_S))
+            for round_ in list(self._deadline_rounds):
+                try:
+                    await round_()
+                except Exception:
+                    log.exception("a deadline round failed")
 
     async def sweep(self) -> None:
         """Each reaper round: what is kept past its time goes."""

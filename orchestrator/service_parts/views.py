@@ -11,9 +11,9 @@ from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.rest import EgressConnection, NetworkReport, SessionInfo, SnapshotInfo
-from orchestrator.config import Settings
 from orchestrator.service_parts.channels import Channels
 from orchestrator.sessions import BackendNotEnabled, Session, SessionManager
+from orchestrator.settings_sections import ViewSection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def started_languages(session: Session) -> list[str]:
 
 
 class Views:
-    def __init__(self, settings: Settings, sessions: SessionManager, channels: Channels) -> None:
+    def __init__(self, settings: ViewSection, sessions: SessionManager, channels: Channels) -> None:
         self.settings = settings
         self._sessions = sessions
         self._channels = channels
@@ -183,6 +183,16 @@ class Views:
     def tool_output_chars(self) -> int:
         """How much of an output a model tool's answer shows (the rest is linked)."""
         return self.settings.tool_output_max_chars
+
+    def public_url(self) -> str | None:
+        """The service's address as its callers reach it (links in answers); None: each
+        front answers with the address its request came to."""
+        return self.settings.public_url
+
+    def listed_images(self) -> list[str]:
+        """The container images the operator lists by name (`docker_images`, else its one
+        default image): what a front offers as names (E2B's templates)."""
+        return list(self.settings.docker_images) or [self.settings.docker_image]
 
     def default_backend(self) -> str:
         """The backend a session that names none gets (its key's policy permitting)."""

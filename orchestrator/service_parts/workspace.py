@@ -8,12 +8,12 @@ import posixpath
 from pathlib import Path
 
 from code_interpreter_wire.results import Execution, FileInfo
-from orchestrator.config import Settings
 from orchestrator.governance import audit_kinds as audited
 from orchestrator.outputs import KeptFile, OutputStore
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.sessions import Session
+from orchestrator.settings_sections import AdmissionSection
 
 _PLACEHOLDER = ".cir-make-dir"
 
@@ -21,7 +21,7 @@ _PLACEHOLDER = ".cir-make-dir"
 class Workspace:
     def __init__(
         self,
-        settings: Settings,
+        settings: AdmissionSection,
         admission: Admission,
         trail: AuditTrail,
         outputs: OutputStore,

@@ -14,9 +14,11 @@ How a process is followed:
   raw for a terminal, else stdout and stderr multiplexed in frames with an 8-byte header, which
   are taken apart here piece by piece (never more than one chunk held). Closing stdin is a
   half-close of that connection (shutdown(SHUT_WR)).
-- Signals are sent from inside the container by an exec of bash builtins (no fork, so it starts
-  even while a fork bomb holds every pid), as the sandbox's uid: to the process's group, then to
-  every process whose environment holds the process's own marker variable. Every descendant
+- Signals are sent from inside the container by an exec of bash builtins (no fork, so it runs
+  even while a fork bomb holds every pid; the engine may still fail to start it then, so it is
+  started again until the engine says it ran, never sent twice; docker_signals.py), as the
+  sandbox's uid: to the process's group, then to every process whose environment holds the
+  process's own marker variable. Every descendant
   inherits that marker, so what escaped the group (setsid, double fork, a daemon) is signalled
   as well, and nothing else in the container is: not the kernel, not another process. Only a
   descendant that wiped its environment escapes the marker; it still dies with the container
@@ -24,6 +26,9 @@ How a process is followed:
   too, so it cannot tell a process's descendants apart; and a sweep from the host would need the
   orchestrator to be root in the engine's PID namespace, which a remote engine never gives.)
 - Its end comes from `exec_inspect`: a death by signal N shows as 128+N (as in a shell).
+- An exec the engine could not start (its pid is 0: runc's own setup needs a free pid, which a
+  fork bomb's leftovers may all hold for a while) ends before the wrapper's first line; nothing
+  of the command ran, so it is started again, backing off, until START_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -31,14 +36,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import io
 import secrets
 import signal as signals
-import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import docker
@@ -46,12 +48,13 @@ from docker.errors import APIError, DockerException, NotFound
 
 from code_interpreter_wire.errors import (
     FileMissing,
-    ProcessesUnsupported,
     ProcessStateError,
     SandboxError,
 )
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
+from sandbox.backends.docker_exec_connection import engine_reason, take_connection
+from sandbox.backends.docker_signals import SIGNALLERS, send_signal
 from sandbox.processes.spawned import CHUNK_BYTES, SpawnedProcess, Spawner
 
 # Every process carries this variable, with a value of its own; its descendants inherit it.
@@ -71,20 +74,6 @@ _WRAPPER = (
     'echo "cir-pid $$" >&2; '
     'exec "$@"'
 )
-# $1 signal number, $2 process group (or empty), $3 marker (NAME=value). Builtins only: no fork.
-_SIGNALLER = (
-    '[ -z "$2" ] || kill -n "$1" -- "-$2" 2>/dev/null; '
-    "for f in /proc/[0-9]*/environ; do "
-    "p=${f#/proc/}; p=${p%/environ}; "
-    "while IFS= read -r -d '' v; do "
-    'if [[ $v == "$3" ]]; then kill -n "$1" "$p" 2>/dev/null; break; fi; '
-    'done < "$f"; '
-    "done 2>/dev/null; exit 0"
-)
-_SIGNAL_ATTEMPTS = 10
-# Signalling runs an exec as the sandbox's user, which the sandbox can slow or stop: on threads
-# of its own, few, so a sandbox can hold up only other signals, never the service's shared pool.
-_SIGNALLERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="docker-signals")
 _FRAME_HEADER = struct.Struct(">BxxxL")
 _FRAME_STREAMS: dict[int, Stream] = {0: "stdout", 1: "stdout", 2: "stderr"}
 
@@ -125,6 +114,35 @@ class DockerSpawner(Spawner):
             "workdir": WORKSPACE_IN_SANDBOX,
             "environment": [f"{k}={v}" for k, v in env.items()],
         }
+        deadline = time.monotonic() + START_TIMEOUT_S
+        delay = 0.05
+        while True:
+            try:
+                return await self._start_once(
+                    container, container_exited, command, options, marker, cwd, deadline
+                )
+            except _NotStarted as exc:
+                if not _transient(str(exc)) or time.monotonic() + delay >= deadline:
+                    raise SandboxError(
+                        f"the process did not start within {START_TIMEOUT_S:g} s: {exc}; the "
+                        "sandbox may be out of processes (its pids limit): end some, or restart "
+                        "its kernel"
+                    ) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _start_once(
+        self,
+        container: str,
+        container_exited: asyncio.Future[Any] | None,
+        command: list[str],
+        options: dict[str, Any],
+        marker: str,
+        cwd: str,
+        deadline: float,
+    ) -> DockerProcess:
+        """One exec of the wrapper, up to its first line; `_NotStarted` if the engine ended it
+        before that line (nothing of the command ran)."""
         starting = asyncio.ensure_future(
             asyncio.to_thread(self._start, container, command, options)
         )
@@ -136,9 +154,11 @@ class DockerSpawner(Spawner):
             )
             raise
         except (APIError, DockerException) as exc:
-            raise SandboxError(f"the engine could not start the process: {_reason(exc)}") from None
+            raise SandboxError(
+                f"the engine could not start the process: {engine_reason(exc)}"
+            ) from None
         try:
-            connection, leftover = _take_connection(hijacked)
+            connection, leftover = take_connection(hijacked)
             reader, writer = await asyncio.open_connection(sock=connection)
         except BaseException:
             self._abandon(starting, container=container, marker=marker)
@@ -151,14 +171,17 @@ class DockerSpawner(Spawner):
             exec_id,
             source,
             writer,
-            tty=tty,
-            stdin=request.stdin or tty,
+            tty=options["tty"],
+            stdin=options["stdin"],
             marker=marker,
         )
         if container_exited is not None:
             process.end_with(container_exited)
         try:
-            await asyncio.wait_for(process.read_pid(), START_TIMEOUT_S)
+            await asyncio.wait_for(process.read_pid(), max(deadline - time.monotonic(), 0.01))
+        except _NotStarted:
+            process.discard_unstarted()
+            raise
         except BaseException as exc:
             await process.discard()
             if isinstance(exc, TimeoutError):
@@ -190,10 +213,10 @@ class DockerSpawner(Spawner):
         with contextlib.suppress(Exception):
             hijacked.close()
         kill = functools.partial(
-            _send_signal, self._api, container, self._user, signals.SIGKILL, None, marker
+            send_signal, self._api, container, self._user, signals.SIGKILL, None, marker
         )
         loop = asyncio.get_running_loop()
-        _abandoned.add(task := asyncio.ensure_future(loop.run_in_executor(_SIGNALLERS, kill)))
+        _abandoned.add(task := asyncio.ensure_future(loop.run_in_executor(SIGNALLERS, kill)))
         task.add_done_callback(_forget)
 
 
@@ -207,31 +230,6 @@ def _forget(task: asyncio.Future[None]) -> None:
         task.exception()  # its container may be gone already: nothing is left to kill
 
 
-def _send_signal(
-    api: Any, container: str, user: str, signum: int, group: int | None, marker: str
-) -> None:
-    """Signal a process's group (if known) and everything holding its marker, from an exec in
-    the container; retried, since a fork bomb may hold every pid for a moment."""
-    # `timeout`: a signaller the sandbox stops or slows is killed, and its thread freed.
-    command = [
-        "timeout", "-s", "KILL", "20",
-        "/bin/bash", "-c", _SIGNALLER, "signal", str(int(signum)), str(group or ""), marker,
-    ]  # fmt: skip
-    for attempt in range(_SIGNAL_ATTEMPTS):
-        try:
-            created = api.exec_create(container, command, stdout=True, stderr=True, user=user)
-            api.exec_start(created["Id"])
-            return
-        except NotFound:
-            raise ProcessLookupError("its container is gone") from None
-        except (APIError, DockerException) as exc:
-            if "is not running" in str(exc):
-                raise ProcessLookupError("its container is not running") from None
-            if attempt == _SIGNAL_ATTEMPTS - 1:
-                raise OSError(f"could not signal the process: {_reason(exc)}") from None
-            time.sleep(0.1 * (attempt + 1))
-
-
 _KILLED_WITH_CONTAINER = ProcessEnd(
     exit_code=None,
     signal=int(signals.SIGKILL),
@@ -241,6 +239,19 @@ _KILLED_WITH_CONTAINER = ProcessEnd(
 
 class _DirectoryMissing(Exception):
     pass
+
+
+class _NotStarted(Exception):
+    """The engine could not start an exec (its pid is 0): nothing of it ran."""
+
+
+# What the engine says when it could not start a process for want of a free pid or memory
+# (runc's own setup forks in the container), or says nothing: worth another try.
+_TRANSIENT = ("resource temporarily unavailable", "init-p", "fork", "cannot allocate memory")
+
+
+def _transient(said: str) -> bool:
+    return not said or "ended its stream" in said or any(t in said.lower() for t in _TRANSIENT)
 
 
 class _Source:
@@ -317,10 +328,16 @@ class DockerProcess(SpawnedProcess):
         line = b""
         while b"\n" not in line:
             piece = await self._next()
+            if piece is None and not line.strip():
+                engine = b"".join(data for _, data in self._early).decode(errors="replace")
+                if await self._never_started():
+                    raise _NotStarted(
+                        engine.strip() or "the engine ended its stream before it began"
+                    )
             if piece is None:
+                said = line or b"".join(data for _, data in self._early)
                 raise SandboxError(
-                    "the process did not start: "
-                    + (line.decode(errors="replace").strip() or "the engine ended its stream")
+                    f"the process did not start: {said.decode(errors='replace').strip()}"
                 )
             stream, data = piece
             if stream == "stdout":
@@ -340,6 +357,17 @@ class DockerProcess(SpawnedProcess):
         if not first.startswith(_PID_PREFIX) or not first[len(_PID_PREFIX) :].isdigit():
             raise SandboxError(f"the process did not start: {first.decode(errors='replace')}")
         self.pid = int(first[len(_PID_PREFIX) :])
+
+    async def _never_started(self) -> bool:
+        """Whether the engine says this exec never ran a process (pid 0): nothing of it ran,
+        so it may be started again. A wrapper that ran and died before its first line did not."""
+        try:
+            state = await asyncio.get_running_loop().run_in_executor(
+                SIGNALLERS, self._api.exec_inspect, self._exec_id
+            )
+        except (APIError, DockerException):
+            return False
+        return not state.get("Running") and not state.get("Pid")
 
     async def _next(self) -> tuple[Stream, bytes] | None:
         """The next piece of output (at most CHUNK_BYTES), or None at the end."""
@@ -402,10 +430,10 @@ class DockerProcess(SpawnedProcess):
             raise ProcessLookupError("the process has no pid yet")
         self._sent.add(signum)
         send = functools.partial(
-            _send_signal, self._api, self._container, self._user, signum, self.pid, self._marker
+            send_signal, self._api, self._container, self._user, signum, self.pid, self._marker
         )
         try:
-            await asyncio.get_running_loop().run_in_executor(_SIGNALLERS, send)
+            await asyncio.get_running_loop().run_in_executor(SIGNALLERS, send)
         except ProcessLookupError:
             # Gone with its container. Under gVisor the engine can keep the exec's stream open
             # after the sandbox died: closed here, so its output ends and its end is read.
@@ -422,7 +450,7 @@ class DockerProcess(SpawnedProcess):
                 self._api.exec_resize, self._exec_id, height=size.rows, width=size.cols
             )
         except (APIError, DockerException) as exc:
-            raise SandboxError(f"could not resize the terminal: {_reason(exc)}") from None
+            raise SandboxError(f"could not resize the terminal: {engine_reason(exc)}") from None
 
     async def wait(self) -> ProcessEnd:
         """Its end from the engine, once the exec no longer runs (output can end before)."""
@@ -433,7 +461,7 @@ class DockerProcess(SpawnedProcess):
             except NotFound:  # removed with force, which kills everything in it
                 return _KILLED_WITH_CONTAINER
             except (APIError, DockerException) as exc:
-                return ProcessEnd(exit_code=None, error=f"the engine lost it: {_reason(exc)}")
+                return ProcessEnd(exit_code=None, error=f"the engine lost it: {engine_reason(exc)}")
             if not state.get("Running") and state.get("ExitCode") is not None:
                 return self._end(int(state["ExitCode"]))
             if self._container_exited is not None and self._container_exited.done():
@@ -461,12 +489,17 @@ class DockerProcess(SpawnedProcess):
         with contextlib.suppress(Exception):
             self._writer.close()
 
+    def discard_unstarted(self) -> None:
+        """Give up on an exec the engine never started: only its connection is left."""
+        self._close_connection()
+
     async def discard(self) -> None:
         """Give up on a process that did not start properly: kill it and close its connection."""
         self._close_connection()
         with contextlib.suppress(ProcessLookupError, OSError):
-            await asyncio.to_thread(
-                _send_signal,
+            await asyncio.get_running_loop().run_in_executor(
+                SIGNALLERS,
+                send_signal,
                 self._api,
                 self._container,
                 self._user,
@@ -474,37 +507,3 @@ class DockerProcess(SpawnedProcess):
                 self.pid or None,
                 self._marker,
             )
-
-
-def _take_connection(hijacked: Any) -> tuple[socket.socket, bytes]:
-    """A socket of our own for the exec's connection, and the bytes docker-py read past its
-    HTTP headers. docker-py's response is closed: from here on the connection is ours alone."""
-    raw = getattr(hijacked, "_sock", hijacked)
-    if not isinstance(raw, socket.socket) or type(raw) is not socket.socket:
-        with contextlib.suppress(Exception):
-            hijacked.close()
-        raise ProcessesUnsupported(
-            "processes need a plain unix or tcp connection to the Docker engine (not TLS, ssh or "
-            "a named pipe)"
-        )
-    connection = raw.dup()
-    connection.setblocking(False)  # shared with `raw`: the peek below never blocks
-    leftover = b""
-    response = getattr(hijacked, "_response", None)
-    buffered = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
-    if isinstance(buffered, io.BufferedReader):
-        with contextlib.suppress(OSError, ValueError):
-            leftover = buffered.peek() or b""
-    with contextlib.suppress(Exception):
-        if response is not None:
-            response.close()
-    with contextlib.suppress(Exception):
-        hijacked.close()
-    with contextlib.suppress(Exception):
-        raw.close()
-    return connection, leftover
-
-
-def _reason(exc: Exception) -> str:
-    explanation = getattr(exc, "explanation", None)
-    return str(explanation or exc)

@@ -35,6 +35,7 @@ from sandbox.processes.spawned import SpawnedProcess
 REPLAY_BYTES = 256 << 10  # the most recent output a reconnecting client is given
 LISTENER_BACKLOG_BYTES = 4 << 20  # what one slow listener may leave queued
 KILL_GRACE_S = 2.0  # SIGTERM first, then SIGKILL this much later
+KILL_RETRIES = 5  # SIGKILLs again at a time limit, while it has not ended (~1 min in all)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,22 @@ class ManagedProcess:
 
     def _time_is_up(self) -> None:
         self._timed_out = True
-        self._killer = asyncio.ensure_future(self.kill())
+        self._killer = asyncio.ensure_future(self._end_at_time_limit())
+
+    async def _end_at_time_limit(self) -> None:
+        """Kill it, then SIGKILL again, backing off, while it has not ended: a kill the sandbox
+        hindered (it can stop or kill a backend's signaller, which runs as its own uid) is tried
+        again rather than leaving it to outlive its limit."""
+        await self.kill()
+        for attempt in range(KILL_RETRIES):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.shield(self._finished.wait()), KILL_GRACE_S * 2**attempt
+                )
+            if self.end is not None:
+                return
+            with contextlib.suppress(ProcessLookupError, OSError, SandboxError):
+                await self.spawned.signal(signal.SIGKILL)
 
     # --- what callers do with it
     @property

@@ -46,7 +46,7 @@ from sandbox.backends.ray_cluster.remote_process import (
 from sandbox.processes.managed import LISTENER_BACKLOG_BYTES, Dropped, ProcessEvent
 from tests.cluster.conftest import RayTestCluster
 from tests.conftest import small_spec
-from tests.host_tools.tools_for_tests import TOOLS
+from tests.orchestrator.host_tools.tools_for_tests import TOOLS
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 WAIT_S = 60.0  # the longest any wait for the cluster here lasts: past it the test fails

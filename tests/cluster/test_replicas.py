@@ -36,7 +36,7 @@ from tests.cluster.redis_server import free_port, redis_server
 KEY_A, KEY_B, KEY_CAPS = (f"key-{n}-{uuid.uuid4().hex}" for n in ("a", "b", "caps"))
 PER_KEY = 3  # max_sessions_per_key of the replicas
 ORCHESTRATOR_ID = f"rep-{uuid.uuid4().hex[:8]}"
-TOOLS = {"python": ["tests.host_tools.tools_for_tests:TOOLS"], "call_timeout_s": 20}
+TOOLS = {"python": ["tests.orchestrator.host_tools.tools_for_tests:TOOLS"], "call_timeout_s": 20}
 
 
 @dataclass
@@ -591,7 +591,7 @@ def test_replica_e2b_sdk_works_across_replicas(
     answers on B, and a timeout set through B holds on every replica's sweep."""
     from e2b_code_interpreter import Sandbox
 
-    from tests.e2b_compatible.conftest import point_sdk_at
+    from tests.e2b_sdk_fixtures import point_sdk_at
 
     a, b = replicas
     point_sdk_at(monkeypatch, a.url, KEY_A)

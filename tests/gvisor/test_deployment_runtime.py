@@ -7,7 +7,7 @@ from __future__ import annotations
 import shutil
 
 from tests.gvisor.conftest import require_gvisor
-from tests.service.conftest import leftovers, make_server
+from tests.orchestrator.service.conftest import leftovers, make_server
 
 
 def test_a_gvisor_deployment_refuses_a_session_asking_for_runc() -> None:

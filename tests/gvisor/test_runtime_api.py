@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.gvisor.conftest import GVISOR, require_gvisor
-from tests.service.conftest import Server, leftovers, make_server
+from tests.orchestrator.service.conftest import Server, leftovers, make_server
 
 
 @pytest.fixture(scope="module")

@@ -88,4 +88,8 @@ async def test_the_local_backend_refuses_any_runtime(state_dir: Path) -> None:
 
 def _containers_of(sandbox_id: str) -> list[Container]:
     client = docker.from_env()
-    return list(client.containers.list(filters={"label": f"code-interpreter.sandbox={sandbox_id}"}))
+    return list(
+        client.containers.list(
+            ignore_removed=True, filters={"label": f"code-interpreter.sandbox={sandbox_id}"}
+        )
+    )

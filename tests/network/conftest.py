@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.network.upstream import Upstream, upstream
-from tests.service.conftest import Server, leftovers, make_server
+from tests.orchestrator.service.conftest import Server, leftovers, make_server
 
 MAX_BYTES = 1 << 20
 # NO_PROXY (localhost, 127.0.0.1, ::1) is cleared: the tests send loopback names to the proxy

@@ -17,10 +17,10 @@ from code_interpreter_client.agents_sandbox import (
 )
 from code_interpreter_client.code_session import CodeSession
 from code_interpreter_wire.network_policy import NetworkPolicy
-from tests.e2b_compatible.conftest import point_sdk_at
+from tests.e2b_sdk_fixtures import point_sdk_at
 from tests.network.conftest import FETCH, Net
 from tests.network.upstream import HELLO
-from tests.service.conftest import KEY_A, make_server, service_backends
+from tests.orchestrator.service.conftest import KEY_A, make_server, service_backends
 
 
 @pytest.fixture(params=service_backends())

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.service.conftest import Server, make_server
+from tests.orchestrator.service.conftest import Server, make_server
 
 
 @pytest.fixture(scope="module")

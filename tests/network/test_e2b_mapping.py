@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 from e2b_code_interpreter import Sandbox
 
-from tests.e2b_compatible.conftest import point_sdk_at
-from tests.service.conftest import Server, make_server, service_backends
+from tests.e2b_sdk_fixtures import point_sdk_at
+from tests.orchestrator.service.conftest import Server, make_server, service_backends
 
 
 @pytest.fixture(scope="module")

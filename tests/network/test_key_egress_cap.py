@@ -13,7 +13,13 @@ import httpx
 import pytest
 
 from tests.network.upstream import Upstream, upstream
-from tests.service.conftest import KEY_B, Server, leftovers, make_server, service_backends
+from tests.orchestrator.service.conftest import (
+    KEY_B,
+    Server,
+    leftovers,
+    make_server,
+    service_backends,
+)
 
 PER_SESSION, PER_KEY = 3, 4
 # Tunnels held open in the sandbox (to the upstream, which then waits for a request).

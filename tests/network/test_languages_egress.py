@@ -11,7 +11,7 @@ import pytest
 
 from tests.network.conftest import Net
 from tests.network.upstream import HELLO
-from tests.service.conftest import service_backends
+from tests.orchestrator.service.conftest import service_backends
 
 CODE = {
     "bash": "curl -sS {url}",

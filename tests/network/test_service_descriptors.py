@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.service.conftest import Server, leftovers, make_server, service_backends
+from tests.orchestrator.service.conftest import Server, leftovers, make_server, service_backends
 
 CAP = 8
 FLOOD = """

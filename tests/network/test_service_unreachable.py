@@ -12,7 +12,7 @@ import pytest
 
 from tests.network.conftest import FETCH, Net
 from tests.network.test_session_egress import fetched, run
-from tests.service.conftest import service_backends
+from tests.orchestrator.service.conftest import service_backends
 
 
 @pytest.fixture(params=service_backends())

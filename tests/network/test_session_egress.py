@@ -14,7 +14,7 @@ import pytest
 
 from tests.network.conftest import FETCH, MAX_BYTES, Net
 from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
-from tests.service.conftest import make_server, service_backends
+from tests.orchestrator.service.conftest import make_server, service_backends
 
 
 @pytest.fixture(params=service_backends())

@@ -16,7 +16,7 @@ import pytest
 
 from tests.network.conftest import FETCH
 from tests.network.upstream import HELLO, Upstream, upstream
-from tests.service.conftest import Server, leftovers, make_server, service_backends
+from tests.orchestrator.service.conftest import Server, leftovers, make_server, service_backends
 
 
 @dataclass

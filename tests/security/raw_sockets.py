@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tests.service.conftest import Server
+from tests.orchestrator.service.conftest import Server
 
 PARTIAL_HEAD = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n"
 # A public answer of some 80 KiB: a few hundred of them are more than any socket's buffers.

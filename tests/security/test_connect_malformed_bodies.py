@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.service.conftest import KEY_A, Server, leftovers, make_server
+from tests.orchestrator.service.conftest import KEY_A, Server, leftovers, make_server
 
 UNARY = {
     "filesystem.Filesystem": (

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.orchestrator.service.conftest import KEY_A, Server, leftovers, make_server
 from tests.security.raw_sockets import (
     PARTIAL_HEAD,
     Sockets,
@@ -29,7 +30,6 @@ from tests.security.raw_sockets import (
     until,
     wait_closed,
 )
-from tests.service.conftest import KEY_A, Server, leftovers, make_server
 
 SERVER_OPEN_FILES = 2048  # the patient server's descriptor limit: the flood goes past it
 FLOOD_ADDRESSES = [f"127.0.1.{i}" for i in range(1, 41)]

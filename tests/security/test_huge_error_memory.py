@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.conftest import KEY_A, KEY_B, Server, make_server, service_backends
+from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server, make_server, service_backends
 
 MB = 1_000_000
 TEXT_CHARS = 100 * MB + 8  # 'head' + 100 MB + 'tail'

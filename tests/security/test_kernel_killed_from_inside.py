@@ -29,7 +29,13 @@ from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Sandbox, cgroups, create_backend
 from sandbox.kernel.process import CANNOT_TELL
 from tests.conftest import require_backend, small_spec
-from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
+from tests.orchestrator.service.conftest import (
+    KEY_A,
+    Server,
+    leftovers,
+    make_server,
+    service_backends,
+)
 
 FROM_INSIDE = "a signal from inside the sandbox (SIGKILL)"
 

@@ -18,7 +18,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from orchestrator.config import Settings
-from tests.service.conftest import KEY_A, Server, make_server
+from tests.orchestrator.service.conftest import KEY_A, Server, make_server
 
 PER_ADDRESS = Settings.model_fields["auth_failures_per_minute"].default  # 20
 PER_PREFIX = 10

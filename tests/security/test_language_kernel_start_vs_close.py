@@ -43,7 +43,12 @@ def _processes_of_uid(uid: int) -> list[str]:
 def _containers_of(sandbox_id: str) -> list[str]:
     client = docker.from_env()
     try:
-        return [c.name for c in client.containers.list(all=True, filters={"name": sandbox_id})]
+        return [
+            c.name
+            for c in client.containers.list(
+                all=True, ignore_removed=True, filters={"name": sandbox_id}
+            )
+        ]
     finally:
         client.close()
 

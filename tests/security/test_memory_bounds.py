@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.conftest import Server, make_server, service_backends
+from tests.orchestrator.service.conftest import Server, make_server, service_backends
 
 GROWTH_LIMIT = 300 << 20  # what the service may grow by while a flood is going on
 

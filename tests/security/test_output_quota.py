@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
+from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
 
 PER_SESSION = 2 << 20
 TOTAL = 3 << 20

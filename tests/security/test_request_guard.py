@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.service.conftest import KEY_A, Server, leftovers, make_server
+from tests.orchestrator.service.conftest import KEY_A, Server, leftovers, make_server
 
 DEEP = b'{"path":' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # ~60 KB
 UNCLOSED = b'{"path":' + b"{" * 30_000  # never closed: a recursive parser still descends

@@ -1,5 +1,6 @@
 """Code that tries to exhaust something: outputs, processes, disk. (Memory, CPU, fork bombs,
-stdout floods and disk fills are in tests/test_execution.py and tests/test_isolation.py.)"""
+stdout floods and disk fills are in tests/sandbox/test_execution.py and
+tests/sandbox/test_isolation.py.)"""
 
 from __future__ import annotations
 

@@ -18,7 +18,13 @@ import pytest
 
 from sandbox import cgroups
 from tests.conftest import host_processes_with
-from tests.service.conftest import KEY_A, Server, leftovers, make_server, service_backends
+from tests.orchestrator.service.conftest import (
+    KEY_A,
+    Server,
+    leftovers,
+    make_server,
+    service_backends,
+)
 
 SECRET_KEY = "key-from-config-file-" + os.urandom(8).hex()
 

@@ -18,7 +18,8 @@ from e2b_code_interpreter import Sandbox
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.e2b_compatible.conftest import point_sdk_at
+from tests.e2b_sdk_fixtures import point_sdk_at
+from tests.orchestrator.service.conftest import KEY_A, Server, leftovers, make_server
 from tests.security.raw_sockets import (
     PARTIAL_HEAD,
     Sockets,
@@ -30,7 +31,6 @@ from tests.security.raw_sockets import (
     until,
     wait_closed,
 )
-from tests.service.conftest import KEY_A, Server, leftovers, make_server
 
 STALL_S = 2  # the quick server's http_write_stall_timeout_s
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
 from tests.security.test_file_abuse import build_deep_tree
-from tests.service.conftest import KEY_A, KEY_B, Server, leftovers, make_server
 
 # Loose: the service answers `1+1` in a few ms when idle; before these fixes the listings made
 # it wait tens of seconds, the re-fetches about a second per call.

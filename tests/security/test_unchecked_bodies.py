@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.orchestrator.service.conftest import Server, leftovers, make_server
 from tests.security.raw_sockets import (
     Sockets,
     server_memory_mib,
@@ -18,7 +19,6 @@ from tests.security.raw_sockets import (
     until,
     wait_closed,
 )
-from tests.service.conftest import Server, leftovers, make_server
 
 BODY = 40 << 20
 CHUNK = b"[" * (1 << 20)

@@ -1,0 +1,122 @@
+"""The OpenAI Agents SDK's own E2B sandbox client, unmodified, on our E2B front: a `SandboxAgent`
+driven by a scripted model runs a command; the session reads, writes and lists; its workspace is
+persisted as a tar and hydrated into a new sandbox. Before the front served processes, the
+session failed at its start (`test -d /workspace` is a command)."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents import Model, ModelResponse, RunConfig, Runner, Usage
+from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
+from agents.items import TResponseInputItem, TResponseStreamEvent
+from agents.run_config import SandboxRunConfig
+from agents.sandbox import SandboxAgent
+from agents.sandbox.session.sandbox_session import SandboxSession
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
+
+from tests.e2b_sdk_fixtures import e2b_env, e2b_server, template
+
+__all__ = ["e2b_env", "e2b_server", "template"]  # the fixtures, used here by name
+
+
+class ShellModel(Model):
+    """Calls the sandbox's `exec_command` tool once with `arguments`, then answers; keeps what
+    it was given."""
+
+    def __init__(self, arguments: dict[str, Any]) -> None:
+        self.arguments = arguments
+        self.inputs: list[Any] = []
+
+    async def get_response(
+        self,
+        system_instructions: str | None,
+        input: str | list[TResponseInputItem],
+        *_: Any,
+        **__: Any,
+    ) -> ModelResponse:
+        self.inputs.append(input)
+        output: list[Any]
+        if len(self.inputs) == 1:
+            output = [
+                ResponseFunctionToolCall(
+                    type="function_call",
+                    id="fc-1",
+                    call_id="call-1",
+                    name="exec_command",
+                    arguments=json.dumps(self.arguments),
+                    status="completed",
+                )
+            ]
+        else:
+            text = ResponseOutputText(type="output_text", text="done", annotations=[])
+            output = [
+                ResponseOutputMessage(
+                    type="message", id="msg", role="assistant", status="completed", content=[text]
+                )
+            ]
+        return ModelResponse(output=output, usage=Usage(), response_id=None)
+
+    def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[TResponseStreamEvent]:
+        raise NotImplementedError("the test runs the agent without streaming")
+
+
+def options(template: str) -> E2BSandboxClientOptions:
+    # The client's defaults ask for internet access and pausing, which sandboxes here do not
+    # have: the control plane refuses them with the reason, so a user passes these.
+    return E2BSandboxClientOptions(
+        sandbox_type="e2b", template=template, allow_internet_access=False, on_timeout="kill"
+    )
+
+
+@pytest.fixture
+async def session(e2b_env: object, template: str) -> AsyncIterator[SandboxSession]:
+    client = E2BSandboxClient()
+    made = await client.create(options=options(template))
+    await made.start()
+    try:
+        yield made
+    finally:
+        await made.shutdown()
+        await client.delete(made)
+
+
+async def test_a_sandbox_agent_runs_a_command(session: SandboxSession) -> None:
+    command = {"cmd": "echo from-the-model > made.txt && cat made.txt && python3 -c 'print(6*7)'"}
+    model = ShellModel(command)
+    agent = SandboxAgent(name="worker", instructions="Use the shell.", model=model)
+    run = RunConfig(tracing_disabled=True, sandbox=SandboxRunConfig(session=session))
+    result = await Runner.run(agent, "make a file", run_config=run)
+    assert result.final_output == "done"
+    tool_output = json.dumps([str(item) for item in model.inputs[-1]])
+    assert "from-the-model" in tool_output and "42" in tool_output
+    assert (await session.read(Path("made.txt"))).read() == b"from-the-model\n"
+
+
+async def test_read_write_ls_persist_and_hydrate(session: SandboxSession, template: str) -> None:
+    await session.write(Path("data/table.csv"), io.BytesIO(b"a,b\n1,2\n"))
+    assert (await session.read(Path("/workspace/data/table.csv"))).read() == b"a,b\n1,2\n"
+    listed = await session.ls(Path("data"))
+    assert [Path(entry.path).name for entry in listed] == ["table.csv"]
+    done = await session.exec("wc", "-l", "data/table.csv")
+    assert done.exit_code == 0 and done.stdout.decode().startswith("2")
+
+    archive = (await session.persist_workspace()).read()
+    client = E2BSandboxClient()
+    other = await client.create(options=options(template))
+    await other.start()
+    try:
+        await other.hydrate_workspace(io.BytesIO(archive))
+        assert (await other.read(Path("data/table.csv"))).read() == b"a,b\n1,2\n"
+    finally:
+        await other.shutdown()
+        await client.delete(other)

@@ -1,0 +1,85 @@
+"""The kept-outputs store's quotas: what is evicted, in which order, and what asking for it says."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from code_interpreter_wire.results import Execution, Result
+from orchestrator.outputs import OutputEvicted, OutputNotFound, OutputStore
+
+pytestmark = pytest.mark.unit
+
+
+def text(n: int) -> Execution:
+    return Execution(stdout="x" * n)
+
+
+def image(seed: int, n: int = 10_000) -> Execution:
+    png = base64.b64encode(bytes([seed]) * n).decode()
+    return Execution(results=[Result(png=png)])
+
+
+def disk(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def evicted(store: OutputStore, execution_id: str) -> bool:
+    try:
+        store.open_execution("s1", execution_id).file.close()
+    except OutputEvicted:
+        return True
+    return False
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> OutputStore:
+    s = OutputStore(tmp_path / "outputs", max_bytes_per_session=50_000, max_bytes_total=80_000)
+    s.clear()
+    return s
+
+
+async def test_a_session_evicts_its_own_oldest_first(store: OutputStore) -> None:
+    ids = [await store.save("s1", text(10_000)) for _ in range(12)]
+    assert store.bytes_kept == disk(store.root) <= 50_000
+    assert store.execution("s1", ids[-1]).stdout == "x" * 10_000
+    with pytest.raises(OutputEvicted, match="run the code again"):
+        store.execution("s1", ids[0])
+    with pytest.raises(OutputNotFound):
+        store.execution("s1", "e-never")
+
+
+async def test_the_service_quota_evicts_the_oldest_of_anyone(store: OutputStore) -> None:
+    first = await store.save("s1", text(20_000))
+    await store.save("s1", text(20_000))
+    for _ in range(3):
+        newest = await store.save("s2", text(15_000))
+    assert store.bytes_kept == disk(store.root) <= 80_000
+    with pytest.raises(OutputEvicted):
+        store.execution("s1", first)
+    assert store.execution("s2", newest).stdout
+
+
+async def test_an_image_stays_while_a_kept_execution_shows_it(store: OutputStore) -> None:
+    old = await store.save("s1", image(1))
+    artifact_id = store.execution("s1", old).artifacts[0].id
+    second = await store.save("s1", image(1))  # the same image again: stored once
+    while not evicted(store, old):
+        await store.save("s1", text(5_000))
+    assert store.artifact("s1", artifact_id)  # the second execution still shows it
+    while not evicted(store, second):
+        await store.save("s1", text(5_000))
+    with pytest.raises(OutputEvicted):
+        store.artifact("s1", artifact_id)
+    assert store.bytes_kept == disk(store.root)
+
+
+async def test_too_big_to_keep_and_drop(store: OutputStore) -> None:
+    huge = await store.save("s1", text(60_000))
+    with pytest.raises(OutputEvicted, match="not kept"):
+        store.open_execution("s1", huge)
+    await store.save("s1", text(10_000))
+    store.drop("s1")
+    assert store.bytes_kept == 0 and not (store.root / "s1").exists()

@@ -1,0 +1,35 @@
+"""A dict or list shown as a cell's value also comes as `application/json`, as E2B's kernel
+gives it (template/startup_scripts/0002_data.py, `E2BJSONFormatter`): E2B's SDK reads it as
+`Result.json`.
+
+Run in a child interpreter with IPython's shell and the kernel's start-up file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+STARTUP = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "startup.py"
+
+PROBE = f"""
+import json
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+exec(compile(open({str(STARTUP)!r}).read(), "startup.py", "exec"), {{"__name__": "startup"}})
+shown = [shell.display_formatter.format(v)[0] for v in ({{"a": 1, "b": [1, 2]}}, [1, "x"])]
+print(json.dumps([bundle.get("application/json") for bundle in shown]))
+"""
+
+
+def test_a_dict_or_list_value_also_comes_as_json() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    forms = json.loads(done.stdout.strip().splitlines()[-1])
+    assert forms == [{"a": 1, "b": [1, 2]}, [1, "x"]]

@@ -8,25 +8,20 @@ minutes away would do.
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from fastapi import Response
 
 from code_interpreter_wire.rest import CreateSessionRequest
-from orchestrator.config import Settings
 from orchestrator.e2b_compatible import control
 from orchestrator.e2b_compatible.errors import E2BError
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_TIMEOUT_S, E2BSandboxes, SandboxGone
 from orchestrator.service import Service
 from orchestrator.sessions import Session
 from orchestrator.state_store.records import SessionRecord
-from tests.conftest import require_backend
+from tests.orchestrator.local_service import local_service
 
 pytestmark = pytest.mark.timeout(300)
 OWNER = "key-a"
@@ -34,23 +29,8 @@ OWNER = "key-a"
 
 @pytest.fixture
 async def service() -> AsyncIterator[Service]:
-    require_backend("local")
-    root = Path(tempfile.mkdtemp(prefix="cir-review-", dir="/tmp"))
-    root.chmod(0o711)  # sandboxes run as another uid: they must reach their state dir
-    settings = Settings(
-        backends=["local"],
-        default_backend="local",
-        state_dir=root / "state",
-        orchestrator_id=f"review-{uuid.uuid4().hex[:8]}",
-        api_keys=["key-a"],
-    )
-    running = Service(settings)
-    await running.start()
-    try:
+    async with local_service(OWNER, "review") as running:
         yield running
-    finally:
-        await running.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def test_a_v1_session_the_e2b_front_looked_at_is_not_killed_by_an_e2b_timeout(

@@ -6,21 +6,16 @@ be paused is ended. Real service, real kernels on the local backend."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from code_interpreter_wire.rest import CreateSessionRequest
-from orchestrator.config import Settings
 from orchestrator.service import Service
 from orchestrator.sessions import Session
 from orchestrator.state_store import SessionRecord
-from tests.conftest import require_backend
+from tests.orchestrator.local_service import local_service
 
 pytestmark = pytest.mark.timeout(300)
 OWNER = "key-a"
@@ -28,23 +23,8 @@ OWNER = "key-a"
 
 @pytest.fixture
 async def service() -> AsyncIterator[Service]:
-    require_backend("local")
-    root = Path(tempfile.mkdtemp(prefix="cir-deadlines-", dir="/tmp"))
-    root.chmod(0o711)  # sandboxes run as another uid: they must reach their state dir
-    settings = Settings(
-        backends=["local"],
-        default_backend="local",
-        state_dir=root / "state",
-        orchestrator_id=f"deadlines-{uuid.uuid4().hex[:8]}",
-        api_keys=[OWNER],
-    )
-    running = Service(settings)
-    await running.start()
-    try:
+    async with local_service(OWNER, "deadlines") as running:
         yield running
-    finally:
-        await running.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def test_before_its_deadline_a_session_and_its_linked_ones_are_kept_alive(

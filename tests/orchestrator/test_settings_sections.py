@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from orchestrator.config import Settings
 from orchestrator.egress.settings import ServiceEndpoint
+from orchestrator.front_config import FrontConfig
 from orchestrator.service_endpoints import service_endpoints
 from orchestrator.settings_sections import Section, Sections
 
@@ -51,6 +52,7 @@ def test_every_section_field_is_a_setting_or_derived_by_the_root() -> None:
         assert isinstance(section, type) and issubclass(section, Section), name
         invented = set(section.model_fields) - flat - derived
         assert not invented, f"{name} has fields no setting holds: {sorted(invented)}"
+    assert not set(FrontConfig.model_fields) - flat  # the fronts' section too
 
 
 def test_the_egress_section_refuses_the_services_own_endpoints(tmp_path: Path) -> None:

@@ -21,6 +21,12 @@ _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
         "image": s.docker_image,
         "runtime": s.docker_runtime,
     },
+    # Machines run the Docker backend's images (unpacked once from its engine).
+    "gvisor": lambda s, _: {
+        "state_dir": s.state_dir,
+        "orchestrator_id": s.orchestrator_id,
+        "image": s.docker_image,
+    },
     "e2b": lambda s, _: s.e2b_backend_config(),
     # Its warm actors (per node) are made by the backend itself, for the default spec.
     "ray": lambda s, pool_spec: s.ray_backend_config() | {"pool_spec": pool_spec},

@@ -58,6 +58,18 @@ class HostUidPool:
             "some sandboxes or widen the range"
         )
 
+    def claim(self, uid: int) -> bool:
+        """Claim this very uid (a sandbox restored as it was keeps its uid); whether it was
+        free."""
+        if not self.base <= uid < self.base + self.count:
+            return False
+        _make_private_dirs(self.claims_dir)
+        with self._lock:
+            if uid in self._held or (fd := self._claim(uid)) is None:
+                return False
+            self._held[uid] = fd
+            return True
+
     def release(self, uid: int) -> None:
         """Give the uid back. Safe to call twice."""
         with self._lock:

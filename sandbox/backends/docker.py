@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import docker
-from docker.errors import DockerException, ImageNotFound, NotFound
+from docker.errors import DockerException, ImageNotFound
 from pydantic import BaseModel, Field
 
 from code_interpreter_wire.errors import BackendUnavailable, RuntimeUnavailable
@@ -28,7 +28,12 @@ from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox import cgroups
 from sandbox.backends.base import Backend, BackendCapabilities
-from sandbox.backends.docker_container import LABEL_ORCHESTRATOR, LABEL_OWNER, DeathWatch
+from sandbox.backends.docker_container import (
+    LABEL_ORCHESTRATOR,
+    LABEL_OWNER,
+    DeathWatch,
+    remove_container,
+)
 from sandbox.backends.docker_launcher import (
     ContainerLauncher,
     gvisor_host_pids,
@@ -276,9 +281,8 @@ class DockerBackend(Backend):
             log.info(
                 "removing orphaned container %s (its owner, %s, is gone)", container.name, owner
             )
-            with contextlib.suppress(NotFound):
-                await asyncio.to_thread(container.remove, force=True)
-            removed += 1
+            if await remove_container(container):
+                removed += 1
         dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
         if cgroups.available():  # the parent groups of exactly those sandboxes, if any
             for sandbox_id in dirs:

@@ -16,6 +16,7 @@ from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, NotFound
+from requests.exceptions import ReadTimeout, RequestException
 
 from sandbox.kernel.process import KernelExit
 
@@ -32,6 +33,56 @@ OOM_BEFORE_DEATH_S = 5.0
 REPORT_KEPT_S = 60.0
 MAX_REPORTS = 10_000
 _REMOVAL_ATTEMPTS = 5
+# A removal the engine has not finished when its call's read timeout ends is still under way
+# (killing a gVisor sandbox full of a fork bomb's processes takes minutes on a loaded host):
+# it is waited for up to this long before the container is given up as left behind.
+REMOVAL_WAIT_S = 300.0
+
+
+async def remove_container(container: Any) -> bool:
+    """Remove a container and every process in it; whether it is gone.
+
+    A busy engine may fail a removal (its root filesystem still busy, a removal already under
+    way): it is asked again a few times. A call that times out (the engine is still killing
+    what the container holds) is not a failure: the container is watched until it is gone,
+    within REMOVAL_WAIT_S, and asked again meanwhile. Never raises for the engine's sake: a
+    sandbox being closed must close."""
+    deadline = time.monotonic() + REMOVAL_WAIT_S
+    failures, delay = 0, 0.5
+    while True:
+        try:
+            await asyncio.to_thread(container.remove, force=True)
+            return True
+        except NotFound:
+            return True
+        except ReadTimeout as exc:  # the engine did not answer in time: still under way
+            if await _gone(container):
+                return True
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "container %s was still being removed after %.0f s: %s",
+                    container.id,
+                    REMOVAL_WAIT_S,
+                    exc,
+                )
+                return False
+        except (APIError, DockerException, RequestException) as exc:  # no engine to ask
+            failures += 1
+            if failures >= _REMOVAL_ATTEMPTS:
+                log.warning("the engine did not remove container %s: %s", container.id, exc)
+                return False
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 10.0)
+
+
+async def _gone(container: Any) -> bool:
+    try:
+        await asyncio.to_thread(container.reload)
+    except NotFound:
+        return True
+    except (APIError, RequestException, DockerException):
+        pass
+    return False
 
 
 class KernelContainer:
@@ -46,22 +97,7 @@ class KernelContainer:
         return await asyncio.shield(self.exited)
 
     async def kill(self) -> None:
-        # Removing the container kills every process in it, daemons included. A busy engine
-        # may fail a removal (its root filesystem still busy, a removal already under way):
-        # asked again a few times, so a closed sandbox does not leave a dead container behind.
-        for attempt in range(_REMOVAL_ATTEMPTS):
-            try:
-                await asyncio.to_thread(self.container.remove, force=True)
-                break
-            except NotFound:
-                break
-            except APIError as exc:
-                if attempt + 1 == _REMOVAL_ATTEMPTS:
-                    log.warning(
-                        "the engine did not remove container %s: %s", self.container.id, exc
-                    )
-                else:
-                    await asyncio.sleep(0.5)
+        await remove_container(self.container)
         if not self.exited.done():
             self.exited.set_result(KernelExit("was killed by the orchestrator", None, 9))
 

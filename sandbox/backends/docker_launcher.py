@@ -29,6 +29,7 @@ from sandbox.backends.docker_container import (
     LABEL_SANDBOX,
     DeathWatch,
     KernelContainer,
+    remove_container,
 )
 from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
@@ -263,15 +264,15 @@ def _remove_once_created(creating: asyncio.Future[Any]) -> None:
     if creating.cancelled() or creating.exception() is not None:
         return
     container = creating.result()
-    removal = asyncio.ensure_future(asyncio.to_thread(container.remove, force=True))
+    removal = asyncio.ensure_future(remove_container(container))
     _removals.add(removal)
     removal.add_done_callback(_removal_done)
 
 
-_removals: set[asyncio.Future[None]] = set()  # kept referenced until they finish
+_removals: set[asyncio.Future[bool]] = set()  # kept referenced until they finish
 
 
-def _removal_done(removal: asyncio.Future[None]) -> None:
+def _removal_done(removal: asyncio.Future[bool]) -> None:
     _removals.discard(removal)
     if not removal.cancelled() and removal.exception() is not None:
         log.warning("could not remove an abandoned kernel container: %s", removal.exception())

@@ -31,6 +31,10 @@ _ENTRIES = {
     "docker": _Entry(
         "sandbox.backends.docker:DockerBackend", "sandbox.backends.docker:why_unavailable"
     ),
+    "gvisor": _Entry(
+        "sandbox.backends.gvisor.backend:GvisorBackend",
+        "sandbox.backends.gvisor.backend:why_unavailable",
+    ),
     "e2b": _Entry(
         "sandbox.backends.e2b_cloud:E2BBackend", "sandbox.backends.e2b_cloud:why_unavailable"
     ),

@@ -550,4 +550,41 @@ try:
     _track_tool_origin()
 except Exception:
     __import__("logging").getLogger(__name__).debug("tool origins unavailable", exc_info=True)
-del _setup, _install_e2b_display_forms, _track_tool_origin
+
+
+def _move_iopub_pipe(path: str) -> None:
+    """Where the kernel's sandbox must be saved whole (a gVisor machine, whose gVisor cannot
+    save a listening TCP socket), the pipe ipykernel listens on for forked children's output
+    moves from a loopback TCP port to an ipc socket at `path`, for its children too."""
+    import threading
+
+    import zmq
+
+    thread = get_ipython().kernel.iopub_thread  # type: ignore[name-defined]  # noqa: F821
+    if not getattr(thread, "_pipe_flag", False) or getattr(thread, "_pipe_in", None) is None:
+        return
+    moved = threading.Event()
+
+    def move() -> None:  # on the IOPub thread, which owns the socket
+        try:
+            sock = thread._pipe_in.socket
+            sock.unbind(sock.getsockopt(zmq.LAST_ENDPOINT))
+            sock.bind(f"ipc://{path}")
+        finally:
+            moved.set()
+
+    def pipe_out() -> tuple[object, object]:
+        context = zmq.Context()
+        out = context.socket(zmq.PUSH)
+        out.linger = 3000
+        out.connect(f"ipc://{path}")
+        return context, out
+
+    thread._setup_pipe_out = pipe_out
+    thread.io_loop.add_callback(move)
+    moved.wait(10)
+
+
+if __import__("os").environ.get("CIR_IOPUB_PIPE"):
+    _move_iopub_pipe(__import__("os").environ["CIR_IOPUB_PIPE"])
+del _setup, _install_e2b_display_forms, _track_tool_origin, _move_iopub_pipe

@@ -28,9 +28,14 @@ MAX_SOCKET_PREFIX = 100
 
 
 def write_connection_file(
-    kernel_dir: Path, in_sandbox: str, generation: int, kernel_uid: int | None = None
+    kernel_dir: Path,
+    in_sandbox: str,
+    generation: int,
+    kernel_uid: int | None = None,
+    key: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Write a fresh connection file; return its in-sandbox path and the host-side settings."""
+    """Write a fresh connection file (with a fresh key, unless a kernel already running keeps
+    its own); return its in-sandbox path and the host-side settings."""
     prefix = f"k{generation}"
     host_ip = str(kernel_dir / prefix)
     if len(host_ip) > MAX_SOCKET_PREFIX:
@@ -42,7 +47,7 @@ def write_connection_file(
         **_PORTS,
         "transport": "ipc",
         "ip": f"{in_sandbox}/{prefix}",
-        "key": secrets.token_hex(32),
+        "key": key or secrets.token_hex(32),
         "signature_scheme": "hmac-sha256",
         "kernel_name": "python3",
     }

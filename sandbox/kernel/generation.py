@@ -51,8 +51,13 @@ async def launch_generation(
     """Start generation `generation` of the launcher's kernel and connect to it (it may not
     answer yet: `answers`). If connecting fails, the kernel is killed: it must not outlive it."""
     reset_kernel_dir(launcher.kernel_dir, launcher.kernel_uid)
+    kept_key = getattr(launcher, "kept_key", None)  # a launcher that takes over a kernel
     in_sandbox, info = write_connection_file(
-        launcher.kernel_dir, launcher.kernel_dir_in_sandbox, generation, launcher.kernel_uid
+        launcher.kernel_dir,
+        launcher.kernel_dir_in_sandbox,
+        generation,
+        launcher.kernel_uid,
+        key=kept_key() if callable(kept_key) else None,
     )
     process = await launcher.launch(in_sandbox)
     exited: asyncio.Future[KernelExit] = asyncio.ensure_future(process.wait())

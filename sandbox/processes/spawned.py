@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 
@@ -53,13 +54,17 @@ class Spawner(ABC):
         Raise SandboxError with the reason if it cannot start."""
 
 
-async def merged(
-    readers: dict[Stream, asyncio.StreamReader],
-) -> AsyncIterator[tuple[Stream, bytes]]:
+class ByteSource(Protocol):
+    """What `merged` reads: an asyncio.StreamReader, or a stream of a machine's channel."""
+
+    async def read(self, n: int = -1, /) -> bytes: ...
+
+
+async def merged(readers: Mapping[Stream, ByteSource]) -> AsyncIterator[tuple[Stream, bytes]]:
     """Chunks of several streams, in the order they arrive, until every one ends."""
     queue: asyncio.Queue[tuple[Stream, bytes] | None] = asyncio.Queue(maxsize=len(readers) * 2)
 
-    async def pump(name: Stream, reader: asyncio.StreamReader) -> None:
+    async def pump(name: Stream, reader: ByteSource) -> None:
         try:
             while chunk := await reader.read(CHUNK_BYTES):
                 await queue.put((name, chunk))

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from code_interpreter_wire.errors import ProcessLimitReached, ProcessNotFound
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
 from sandbox.processes.managed import ManagedProcess
-from sandbox.processes.spawned import Spawner
+from sandbox.processes.spawned import SpawnedProcess, Spawner
 
 MAX_RUNNING = 32  # processes started through the API at once, per sandbox
 REMEMBERED_ENDED = 16  # ended ones kept (their result only) for `list`, `wait` and reconnecting
@@ -47,6 +47,16 @@ class ProcessTable:
         self._processes[process.pid] = process
         self._forget_old()
         return process
+
+    def adopt(self, spawned: SpawnedProcess, request: ProcessRequest) -> ManagedProcess:
+        """A process the sandbox already runs (its machine was restored with it)."""
+        process = ManagedProcess(spawned, request, output_limit_chars=self._output_limit_chars)
+        self._processes[process.pid] = process
+        self._started += 1
+        return process
+
+    def running(self) -> list[ManagedProcess]:
+        return [p for p in self._processes.values() if p.running]
 
     async def run(self, request: ProcessRequest) -> CommandResult:
         """Start it and wait for its end."""

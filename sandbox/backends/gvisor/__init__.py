@@ -1,0 +1,1 @@
+"""The daemonless gVisor backend: runsc driven directly, so whole sandboxes checkpoint."""

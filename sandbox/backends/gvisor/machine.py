@@ -1,0 +1,456 @@
+"""One gVisor machine: a runsc container driven directly (no engine), its OCI bundle, its image's
+root filesystem, and its checkpoint and restore.
+
+Why raw runsc (docs/gvisor.md): its checkpoint and restore are gVisor's own and need no CRIU,
+while Docker's `checkpoint` is CRIU-bound and cannot restore into a new container. The machine's
+first process is our agent (machine_agent.py), given pipes as its stdio: a restore hands it new
+ones and it goes on, so the host loses nothing but the streams it dropped before.
+
+The root filesystem is the image's, exported once per image id and shared read-only by every
+machine of it; what a machine writes goes to its tmpfs mounts (/tmp, /run: saved with it) or to
+its workspace (a bind of the session's host directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tarfile
+from pathlib import Path
+from typing import IO, Any, cast
+
+from code_interpreter_wire.errors import (
+    BackendUnavailable,
+    SandboxClosed,
+    SandboxError,
+    SandboxStartError,
+)
+from code_interpreter_wire.spec import ResourceLimits
+from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
+from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel
+from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
+from sandbox.inside_kernel import machine_agent
+from sandbox.kernel.command import STARTUP_FILE, STARTUP_FILE_IN_SANDBOX
+from sandbox.kernel.programs import SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX
+
+log = logging.getLogger(__name__)
+
+AGENT_IN_SANDBOX = "/opt/code-interpreter/machine_agent.py"
+# The agent's rights inside gVisor: to start children as the sandbox's uid and to signal them.
+_AGENT_CAPABILITIES = [
+    "CAP_SETUID",
+    "CAP_SETGID",
+    "CAP_KILL",
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+]
+# --network=none: only a loopback in gVisor's own netstack. --host-uds=none: no host socket can
+# be reached or bound from inside (either would also make the machine impossible to save).
+RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=none")
+RUNSC_TIMEOUT_S = 120.0
+CGROUP_PARENT = "/code-interpreter-gvisor"
+_REASON_CHARS = 2000
+
+
+class MachineError(SandboxError):
+    """runsc refused or failed (the message holds its verb and reason)."""
+
+
+class ImageUnusable(MachineError):
+    """A saved machine image cannot be restored (missing, truncated, corrupt, or from another
+    gVisor version): nothing of the session was changed."""
+
+
+def runsc_program() -> str:
+    found = shutil.which("runsc")
+    if found is None:
+        raise BackendUnavailable(
+            "gVisor's runsc is not installed: `apt-get install runsc` (docs/gvisor.md)"
+        )
+    if os.geteuid() != 0:
+        raise BackendUnavailable("the gvisor backend drives runsc, which needs root here")
+    return found
+
+
+async def runsc_version(program: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        program, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    out, _ = await process.communicate()
+    return out.decode(errors="replace").splitlines()[0].strip() if out else "unknown"
+
+
+class Machine:
+    """One runsc container and the channel to its agent."""
+
+    def __init__(self, program: str, root: Path, container_id: str, bundle: Path) -> None:
+        self.program = program
+        self.root = root
+        self.id = container_id
+        self.bundle = bundle
+        self.channel: AgentChannel | None = None
+        self.restarts = 0  # times it ended on its own and was started again
+        self._closed = False
+        self._on_accept: AcceptHandler | None = None
+        self._starting = asyncio.Lock()
+        self._drainers: set[asyncio.Future[None]] = set()
+        self.stderr_tail = b""  # the last the machine wrote to its stderr (the agent's)
+
+    async def _runsc(self, *args: str, fds: tuple[int, int] | None = None) -> None:
+        """One runsc command; MachineError with runsc's own reason if it fails.
+
+        Its stderr (and its log: `--log` would otherwise go to stdout, which is the agent's
+        channel for `run` and `restore`) is a pipe read here. A started machine inherits it,
+        so after the command it is read on by `_drain_stderr` for the machine's life, keeping
+        only the last of it: nothing a machine writes there is held unbounded."""
+        err_r, err_w = os.pipe()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self.program,
+                f"--root={self.root}",
+                "--log=/proc/self/fd/2",
+                *RUNSC_FLAGS,
+                *args,
+                stdin=fds[0] if fds else asyncio.subprocess.DEVNULL,
+                stdout=fds[1] if fds else asyncio.subprocess.DEVNULL,
+                stderr=err_w,
+            )
+        finally:
+            os.close(err_w)
+        os.set_blocking(err_r, False)
+        try:
+            try:
+                code = await asyncio.wait_for(process.wait(), RUNSC_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+                raise MachineError(
+                    f"runsc {args[0]} did not end in {RUNSC_TIMEOUT_S:.0f} s"
+                ) from None
+            text = _read_available(err_r).decode(errors="replace")
+        except BaseException:
+            os.close(err_r)
+            raise
+        if fds is None:
+            os.close(err_r)
+        else:  # the machine holds its write end now
+            drainer = asyncio.ensure_future(self._drain_stderr(err_r))
+            self._drainers.add(drainer)
+            drainer.add_done_callback(self._drainers.discard)
+        if code != 0:
+            raise MachineError(f"runsc {args[0]} failed (exit {code}): {_reason(text)}")
+
+    async def _drain_stderr(self, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
+                await readable.wait()
+                readable.clear()
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    return
+                self.stderr_tail = (self.stderr_tail + data)[-_REASON_CHARS:]
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    async def start(self, on_accept: AcceptHandler, *, image: Path | None = None) -> AgentChannel:
+        """Run the machine (or restore it from `image`); its agent's channel."""
+        self._on_accept = on_accept
+        to_agent_r, to_agent_w = os.pipe()
+        from_agent_r, from_agent_w = os.pipe()
+        try:
+            if image is None:
+                await self._runsc(
+                    "run",
+                    "-bundle",
+                    str(self.bundle),
+                    "-detach",
+                    self.id,
+                    fds=(to_agent_r, from_agent_w),
+                )
+            else:
+                await self._runsc(
+                    "restore",
+                    f"--image-path={image}",
+                    "-bundle",
+                    str(self.bundle),
+                    "-detach",
+                    self.id,
+                    fds=(to_agent_r, from_agent_w),
+                )
+        except BaseException:
+            for fd in (to_agent_w, from_agent_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(to_agent_r)
+            os.close(from_agent_w)
+        self.channel = await AgentChannel.over_pipes(from_agent_r, to_agent_w, on_accept)
+        return self.channel
+
+    async def running(self) -> AgentChannel:
+        """Its agent's channel. A machine that ended on its own (its memory limit, most often:
+        gVisor ends whole) is started again first, fresh: the session goes on in a new machine
+        with its workspace, as it goes on in a new kernel after a kernel's crash."""
+        channel = self.channel
+        if channel is not None and not channel.closed.done():
+            return channel
+        if self._closed or channel is None or channel.detached or self._on_accept is None:
+            raise SandboxClosed("the sandbox's machine is closed")
+        async with self._starting:
+            if self.channel is not None and not self.channel.closed.done():
+                return self.channel
+            if self._closed:
+                raise SandboxClosed("the sandbox's machine is closed")
+            log.warning("machine %s ended on its own; starting a new one", self.id)
+            with contextlib.suppress(MachineError):
+                await self._runsc("delete", "-force", self.id)
+            channel = await self.start(self._on_accept)
+            await channel.hello()
+            self.restarts += 1
+            return channel
+
+    async def checkpoint(self, image: Path) -> None:
+        """Save the whole machine to `image` (a new directory); the machine stops. If runsc
+        fails, the machine may run on, its agent quiet until `AgentChannel.reattach`."""
+        assert self.channel is not None
+        await self.channel.detach()
+        os.mkdir(image, 0o700)
+        await self._runsc("checkpoint", f"--image-path={image}", self.id)
+        await self.destroy()
+
+    @property
+    def cgroup(self) -> str:
+        """Its host cgroup (each controller's hierarchy), where runsc puts its limits."""
+        return f"{CGROUP_PARENT}/{self.id}"
+
+    def hit_memory_limit(self) -> bool | None:
+        """Whether the kernel's OOM killer acted in its memory cgroup (cgroup v1's
+        `oom_kill` count): what ends a whole machine at its limit. None where unreadable."""
+        try:
+            control = Path(f"/sys/fs/cgroup/memory{self.cgroup}/memory.oom_control").read_text()
+        except OSError:
+            return None
+        for line in control.splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value or 0) > 0
+        return None
+
+    async def destroy(self) -> None:
+        """Kill and delete the container; safe to call twice."""
+        self._closed = True
+        async with self._starting:  # not while a new machine starts: it is deleted after
+            if self.channel is not None:
+                await self.channel.close()
+            with contextlib.suppress(MachineError):
+                await self._runsc("delete", "-force", self.id)
+        for drainer in list(self._drainers):
+            drainer.cancel()
+
+
+def _read_available(fd: int) -> bytes:
+    """What a non-blocking pipe holds now, at most 1 MiB (the last of it kept)."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return data
+        if not chunk:
+            return data
+        data = (data + chunk)[-(1 << 20) :]
+
+
+def _reason(log_text: str) -> str:
+    """runsc's own words: its first lines that say what went wrong (a Go trace follows them)."""
+    lines = [line for line in log_text.splitlines() if line.strip()]
+    wanted = [line for line in lines if "error" in line.lower() or "panic" in line.lower()]
+    return " | ".join((wanted or lines)[:4])[:_REASON_CHARS] or "no reason given"
+
+
+def oci_config(
+    *,
+    rootfs: Path,
+    dirs_etc: Path,
+    workspace: Path,
+    limits: ResourceLimits,
+    cgroup: str | None,
+) -> dict[str, Any]:
+    """The machine's OCI config: its agent as root with few rights, read-only root, tmpfs
+    /tmp and /run (saved with the machine), the workspace bound twice, our programs bound
+    read-only, and the sandbox's limits."""
+    memory = limits.memory_mb << 20
+
+    def bind(source: Path, target: str, *, ro: bool) -> dict[str, Any]:
+        return {
+            "destination": target,
+            "type": "bind",
+            "source": str(source),
+            "options": ["rbind", "ro" if ro else "rw"],
+        }
+
+    rlimits = [
+        {"type": "RLIMIT_NOFILE", "hard": limits.open_files, "soft": limits.open_files},
+        {"type": "RLIMIT_NPROC", "hard": limits.pids, "soft": limits.pids},
+        {
+            "type": "RLIMIT_FSIZE",
+            "hard": limits.file_size_mb << 20,
+            "soft": limits.file_size_mb << 20,
+        },
+        {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+    ]
+    config: dict[str, Any] = {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/opt/kernel/bin/python", "-I", "-S", AGENT_IN_SANDBOX],
+            "env": ["PATH=/usr/bin:/bin"],
+            "cwd": "/",
+            "capabilities": {
+                k: _AGENT_CAPABILITIES for k in ("bounding", "effective", "permitted")
+            },
+            "noNewPrivileges": True,
+            "rlimits": rlimits,
+        },
+        "root": {"path": str(rootfs), "readonly": True},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["mode=755"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts"},
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["mode=1777", "size=64m"],
+            },
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": [f"size={limits.tmp_size_mb}m", "mode=1777"],
+            },
+            {
+                "destination": "/run",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["size=16m", "mode=755"],
+            },
+            bind(Path(machine_agent.__file__), AGENT_IN_SANDBOX, ro=True),
+            bind(SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX, ro=True),
+            # This service's own start-up file, so a kernel does what this host expects of it.
+            bind(STARTUP_FILE, STARTUP_FILE_IN_SANDBOX, ro=True),
+            bind(FORWARDER_FILE, FORWARDER_IN_SANDBOX, ro=True),
+            bind(dirs_etc / "passwd", "/etc/passwd", ro=True),
+            bind(dirs_etc / "group", "/etc/group", ro=True),
+            bind(workspace, WORKSPACE_IN_SANDBOX, ro=False),
+            bind(workspace, HOME_IN_SANDBOX, ro=False),
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
+            "resources": {
+                "memory": {"limit": memory, "swap": memory},
+                "cpu": {"quota": int(limits.cpus * 100_000), "period": 100_000},
+            },
+        },
+    }
+    if cgroup is not None:
+        config["linux"]["cgroupsPath"] = cgroup
+    return config
+
+
+def write_bundle(bundle: Path, config: dict[str, Any]) -> None:
+    bundle.mkdir(mode=0o700, exist_ok=True)
+    (bundle / "config.json").write_text(json.dumps(config))
+
+
+def unpack_rootfs(client: Any, image: str, store: Path) -> Path:
+    """The image's root filesystem, exported once per image id into `store/<id>/rootfs` and
+    shared read-only; made in a temporary directory and renamed, under a lock, so a half-made
+    one is never used (blocking: run it on a thread)."""
+    try:
+        image_id = str(client.images.get(image).id).removeprefix("sha256:")[:32]
+    except Exception as exc:
+        raise SandboxStartError(
+            f"the kernel image {image!r} is not on the Docker engine (`make image`): {exc}"
+        ) from None
+    store.mkdir(mode=0o755, parents=True, exist_ok=True)
+    done = store / image_id / "rootfs"
+    if done.is_dir():
+        return done
+    with (store / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.is_dir():
+            return done
+        work = store / f".{image_id}.partial"
+        shutil.rmtree(work, ignore_errors=True)
+        (work / "rootfs").mkdir(parents=True)
+        container = client.containers.create(image, command=["true"])
+        try:
+            stream = cast(IO[bytes], _ChunkReader(container.export(chunk_size=1 << 20)))
+            dest = str(work / "rootfs")
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                for member in tar:
+                    if _safe_member(member, dest) is not None:
+                        tar.extract(member, dest, set_attrs=True, numeric_owner=True)
+        finally:
+            container.remove(force=True)
+        (work / "rootfs").chmod(0o755)
+        work.rename(store / image_id)
+    return done
+
+
+def _safe_member(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """The image's files as they are (owners, modes, links), devices skipped; but nothing is
+    written outside `dest`, through a link the image holds or by its name."""
+    if member.isdev():
+        return None
+    name = member.name
+    if name.startswith("/") or ".." in name.split("/"):
+        raise tarfile.TarError(f"an image member named {name!r}")
+    root = os.path.realpath(dest)
+    parent = os.path.realpath(os.path.join(root, os.path.dirname(name)))
+    if parent != root and not parent.startswith(root + os.sep):
+        raise tarfile.TarError(f"an image member {name!r} behind a link out of the image")
+    target = os.path.join(parent, os.path.basename(name))
+    if os.path.islink(target) and not member.isdir():  # never written through a link
+        os.unlink(target)
+    elif os.path.islink(target):
+        raise tarfile.TarError(f"an image directory {name!r} where a link is")
+    if member.islnk() and (member.linkname.startswith("/") or ".." in member.linkname.split("/")):
+        raise tarfile.TarError(f"an image hard link to {member.linkname!r}")
+    return member
+
+
+class _ChunkReader:
+    """A file-like view of the engine's export stream: never more than a chunk held."""
+
+    def __init__(self, chunks: Any) -> None:
+        self._chunks = iter(chunks)
+        self._buffer = b""
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self._buffer) < size:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                break
+            self._buffer += chunk
+        if size < 0:
+            size = len(self._buffer)
+        data, self._buffer = self._buffer[:size], self._buffer[size:]
+        return data

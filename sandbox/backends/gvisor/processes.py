@@ -1,0 +1,118 @@
+"""Processes in a machine: children of its agent, as the sandbox's uid, in their own session.
+
+The agent starts them with pipes or a terminal it holds inside the machine, so they live on
+through a checkpoint and restore; their output goes to the host while a host listens, and the
+last of it is kept inside for the host that takes them over after a restore (`adopt`). A signal
+goes to the process's group and to every process carrying its marker (what left the group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from code_interpreter_wire.errors import SandboxError, SandboxLost
+from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
+from sandbox.backends.base import WORKSPACE_IN_SANDBOX
+from sandbox.backends.gvisor.agent_channel import (
+    AgentChannel,
+    AgentError,
+    ChannelStream,
+    ChildEnd,
+)
+from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
+
+PROCESS_TAG = "process"
+
+
+class MachineProcess(SpawnedProcess):
+    def __init__(
+        self,
+        channel: AgentChannel,
+        pid: int,
+        io: ChannelStream,
+        err: ChannelStream | None,
+        terminal: bool,
+    ) -> None:
+        self.pid = pid
+        self._channel = channel
+        self._io = io
+        self._err = err
+        self._terminal = terminal
+
+    def output(self) -> AsyncIterator[tuple[Stream, bytes]]:
+        first: Stream = "pty" if self._terminal else "stdout"
+        sources: dict[Stream, ChannelStream] = {first: self._io}
+        if self._err is not None:
+            sources["stderr"] = self._err
+        return merged(sources)
+
+    async def write_stdin(self, data: bytes) -> None:
+        await self._io.write(data)
+
+    async def close_stdin(self) -> None:
+        self._io.write_eof()
+
+    async def signal(self, signum: int) -> None:
+        with contextlib.suppress(AgentError, SandboxLost):  # gone already, or with its machine
+            await self._channel.signal(self.pid, signum)
+
+    async def resize(self, size: TerminalSize) -> None:
+        if self._terminal:
+            await self._channel.resize(self.pid, size.rows, size.cols)
+
+    async def wait(self) -> ProcessEnd:
+        try:
+            end = await self._channel.wait_child(self.pid)
+        except SandboxLost as exc:
+            return ProcessEnd(exit_code=None, error=f"its sandbox ended: {exc}")
+        return process_end(end)
+
+
+def process_end(end: ChildEnd) -> ProcessEnd:
+    if end.signal is not None:
+        return ProcessEnd(exit_code=None, signal=end.signal, error=f"killed by signal {end.signal}")
+    code = end.code or 0
+    return ProcessEnd(exit_code=code, error=None if code == 0 else f"exited with code {code}")
+
+
+class MachineSpawner(Spawner):
+    def __init__(
+        self,
+        channel: Callable[[], Awaitable[AgentChannel]],
+        uid: int,
+        environment: Callable[[], dict[str, str]],
+    ) -> None:
+        self._channel = channel
+        self._uid = uid
+        self._environment = environment
+
+    async def spawn(self, request: ProcessRequest) -> MachineProcess:
+        channel = await self._channel()
+        size = request.terminal
+        env = {**self._environment(), **request.env}
+        if size is not None:
+            env.setdefault("TERM", "xterm-256color")
+        try:
+            pid, io, err = await channel.spawn(
+                request.full_argv(),
+                env=env,
+                cwd=request.cwd or WORKSPACE_IN_SANDBOX,
+                uid=self._uid,
+                gid=self._uid,
+                tag=PROCESS_TAG,
+                marker=secrets.token_hex(12),
+                separate_stderr=True,
+                tty=None if size is None else (size.rows, size.cols),
+            )
+        except AgentError as exc:
+            raise SandboxError(f"the process did not start: {exc}") from None
+        return MachineProcess(channel, pid, io, err, size is not None)
+
+    async def adopt(self, pid: int, *, terminal: bool, replay: bool = True) -> MachineProcess:
+        """A process the machine runs already (it was restored with it): its output from now
+        on, after the last of what it wrote before with `replay`."""
+        channel = await self._channel()
+        io, err = await channel.adopt(pid, stderr=not terminal, replay=replay)
+        return MachineProcess(channel, pid, io, err, terminal)

@@ -151,6 +151,7 @@ SLOWEST_FILES_FIRST = (
     "tests/security/test_service_abuse.py",
     "tests/orchestrator/cli/test_cli.py",
     "tests/clients/e2b_sdk/test_sdk_languages.py",
+    "tests/gvisor/test_machine_sandbox.py",
 )
 
 

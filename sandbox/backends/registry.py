@@ -68,8 +68,9 @@ def backend_type(name: str) -> type[Backend]:
 
 
 def create_backend(name: str, **config: Any) -> Backend:
-    """Make a backend: `local` (bubblewrap, the default), `docker`, `e2b` or `ray` (a Ray
-    cluster; Ray is imported only when asked for), from its configuration's fields."""
+    """Make a backend: `local` (bubblewrap, the default), `docker`, `gvisor` (machines over
+    raw runsc), `e2b` or `ray` (a Ray cluster; Ray is imported only when asked for), from its
+    configuration's fields."""
     return backend_type(name).configured(**config)
 
 

@@ -40,6 +40,9 @@ def test_what_each_backend_declares() -> None:
     assert not e2b.warm_pool and local.warm_pool
     assert not any(c.shared_across_nodes for c in (local, docker, e2b))
     assert local.host_dirs and docker.host_dirs and not e2b.host_dirs  # e2b's are in its VM
+    gvisor = backend_type("gvisor").capabilities  # machines, saved whole by gVisor
+    assert gvisor.suspend and gvisor.processes and gvisor.images and not gvisor.runtimes
+    assert gvisor.network_modes == ("none",) and not gvisor.host_tools  # not through it yet
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
@@ -51,7 +54,7 @@ def test_the_ray_backends_sandboxes_are_shared_and_never_saved() -> None:
 
 
 def test_an_unknown_backend_is_named_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="choose one of: local, docker, e2b, ray"):
+    with pytest.raises(ValueError, match="choose one of: local, docker, gvisor, e2b, ray"):
         create_backend("nope")
     assert why_unavailable("nope") == "unknown backend 'nope'"
 

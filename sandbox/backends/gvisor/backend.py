@@ -234,6 +234,8 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         self.restoring: tuple[Path, dict[str, Any]] | None = None
         self.kept: dict[str, KeptKernel] = {}
         self.kept_processes: list[dict[str, Any]] = []
+        # Each language's launcher, as its driver is made: the sandbox saves their kernels.
+        self.launchers: dict[str, MachineKernelLauncher] = {}
 
     async def make_dirs(self) -> SessionDirs:
         if self.restoring is not None:
@@ -313,12 +315,6 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         self.launchers[language] = launcher
         return KernelDriver.for_spec(launcher, self.spec, language)
 
-    @property
-    def launchers(self) -> dict[str, MachineKernelLauncher]:
-        if not hasattr(self, "_launchers"):
-            self._launchers: dict[str, MachineKernelLauncher] = {}
-        return self._launchers
-
     def sandbox(self, dirs: SessionDirs, driver: KernelDriver) -> GvisorSandbox:
         assert self.machine is not None and self.uid is not None
         uids, uid = self.backend.uids, self.uid
@@ -392,7 +388,6 @@ class GvisorSandbox(KernelSandbox):
         self._uid = uid
         self._launchers = launchers
         self._on_close = on_close
-        self._suspended = False
 
     def _channel(self) -> AgentChannel:
         channel = self._machine.channel
@@ -469,7 +464,6 @@ class GvisorSandbox(KernelSandbox):
                 f"the machine was saved, its workspace could not be: {exc}"
             ) from exc
         self._backend.keep_uid(handle, self._uid)  # its processes run as it: kept for them
-        self._suspended = True
         await self.close()
         return handle
 
@@ -491,9 +485,6 @@ class GvisorSandbox(KernelSandbox):
             terminal = process.request.terminal is not None
             spawned = await spawner.adopt(process.pid, terminal=terminal, replay=False)
             self._processes.adopt(spawned, process.request)
-
-    async def close(self) -> None:
-        await super().close()
 
     async def _teardown(self) -> None:
         try:

@@ -20,6 +20,7 @@ from bench import (
     commands,
     gvisor,
     languages,
+    machines,
     memory,
     ours,
     peers,
@@ -104,6 +105,13 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     by_language = await languages.measure(*languages.samples(quick))
     # Pause, resume, snapshot, fork of a session holding ~105 MiB, beside a cold start + re-run.
     by_persistence = await persistence.measure(persistence.samples(quick))
+    # The gvisor backend's machines: paused and resumed whole, started from a template, and a
+    # fresh session's first chart, each beside a raw kernel start of the same run.
+    by_machines: dict[str, Any] | None = None
+    if (why_no_machines := why_unavailable("gvisor")) is None:
+        by_machines = await machines.measure(machines.samples(quick))
+    else:
+        not_run["gvisor machines"] = why_no_machines
     # The ray backend on loopback clusters of our own: the hop, creation, 1 node beside 3.
     by_cluster = await cluster.measure(cluster.plan(quick))
 
@@ -177,6 +185,7 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
         "samples": samples,
         "languages": by_language,
         "persistence": by_persistence,
+        **({"machines": by_machines} if by_machines is not None else {}),
         "cluster": by_cluster,
         "heavy": heavy,
         "throughput_levels": levels,

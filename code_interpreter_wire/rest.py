@@ -169,6 +169,11 @@ class SnapshotInfo(BaseModel):
         default_factory=dict, description="Variables that could not be saved, with why."
     )
     files: int
+    whole_sandbox: bool = Field(
+        False,
+        description="The whole sandbox was saved (every kernel's memory, the processes "
+        "running, the files): sessions started from it carry all of it on.",
+    )
 
 
 class ResumeInfo(BaseModel):

@@ -25,13 +25,11 @@ from orchestrator.state_store import SessionRecord, SnapshotRecord, StateStore
 from orchestrator.state_store.records import SnapshotKind
 from sandbox.backends.base import Backend
 from sandbox.backends.kernel_sandbox import file_info
+from sandbox.saved_report import REPORT_FILE, SavedState, StateTooLarge
 from sandbox.saved_state import (
     FILES_DIR,
     NAMESPACE_FILE,
-    REPORT_FILE,
     RestoredState,
-    SavedState,
-    StateTooLarge,
     copy_files_out,
     restore_state,
     save_state,
@@ -108,7 +106,11 @@ class SavedStates:
             snapshot_id = f"snap-{secrets.token_hex(12)}"
             where = self.store.files_of(snapshot_id)
             try:
-                report = await save_state(session.sandbox, where, max_bytes=room)
+                # The whole sandbox where its engine can (a fork of it carries on its memory
+                # and processes); else the kernel's variables and the files.
+                report = await session.sandbox.save_whole(where, max_bytes=room)
+                if report is None:
+                    report = await save_state(session.sandbox, where, max_bytes=room)
             except StateTooLarge as exc:
                 await asyncio.to_thread(shutil.rmtree, where, True)
                 raise SavedStateTooLarge(f"the state cannot be saved: {exc}") from None
@@ -167,6 +169,11 @@ class SavedStates:
 
     async def restore(self, session: Session, record: SnapshotRecord) -> RestoredState:
         return await restore_state(session.sandbox, self.store.files_of(record.id))
+
+    def whole_machine(self, record: SnapshotRecord) -> Path | None:
+        """Where a snapshot of a whole sandbox is, to fork a new one from (`Backend.fork`);
+        None for a saved kernel state."""
+        return self.store.files_of(record.id) if record.report.machine else None
 
     async def salvage(self, backend: str, engine: Backend) -> int:
         """Turn each session of `backend` the last process left running into a paused one:

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from code_interpreter_wire.errors import SandboxLost
@@ -312,14 +313,16 @@ class SessionManager:
         env: dict[str, str] | None = None,
         session_id: str | None = None,
         wake: str | None = None,
+        fork: Path | None = None,
     ) -> Session:
         """A session with a new sandbox; `session_id`: the id of a paused one it resumes, and
-        `wake`: the backend's handle of its suspended sandbox, woken instead of a new one."""
+        `wake`: the backend's handle of its suspended sandbox, woken instead of a new one;
+        `fork`: a whole-sandbox snapshot its sandbox is restored from (`Backend.fork`)."""
         name = self.enabled_backend(backend)
         session_id = session_id or f"s-{secrets.token_hex(12)}"
         await self._coordinator.admit(owner, session_id)
         try:
-            return await self._create(owner, name, session_id, spec, env, wake)
+            return await self._create(owner, name, session_id, spec, env, wake, fork)
         except BaseException:
             await self._coordinator.not_made(session_id)
             raise
@@ -332,17 +335,20 @@ class SessionManager:
         spec: SandboxSpec | None,
         env: dict[str, str] | None,
         wake: str | None,
+        fork: Path | None,
     ) -> Session:
         self._creating[owner] = self._creating.get(owner, 0) + 1
         try:
             spec = spec or self.default_spec()
             pool = self.pools.get(name)
             sandbox = None
-            if wake is None and pool is not None and pool.fits(spec):
+            if wake is None and fork is None and pool is not None and pool.fits(spec):
                 sandbox = pool.take()
             from_pool = sandbox is not None
             if wake is not None:
                 sandbox = await self.backends[name].wake(wake, spec)
+            elif fork is not None:
+                sandbox = await self.backends[name].fork(fork, spec)
             elif sandbox is None:
                 sandbox = await self.backends[name].create(spec)
             try:

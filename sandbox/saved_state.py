@@ -19,22 +19,20 @@ import json
 import os
 import posixpath
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from code_interpreter_wire.errors import FileMissing, FileTooLarge, SandboxError, StateNotSaved
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.results import FileInfo
 from sandbox.backends.base import Sandbox
 from sandbox.inside_kernel import namespace_state
+from sandbox.saved_report import REPORT_FILE, KernelReport, SavedState, StateTooLarge
 
 NAMESPACE_FILE = "namespace.dill"
 FILES_DIR = "files"
-REPORT_FILE = "state.json"
 FILE_DETAILS = "files.json"  # modes, times and links: what copying files out does not keep
 _MAX_DETAILED = 10_000
 _MAX_DETAILS_BYTES = 16 << 20
@@ -42,41 +40,6 @@ _MAX_DETAILS_BYTES = 16 << 20
 STAGING_DIR = ".cir-state"
 _SOURCE = Path(namespace_state.__file__).read_text(encoding="utf-8")
 _MAX_ENTRIES = 10_000  # as many as a workspace listing gives
-_Name = Annotated[str, Field(max_length=300)]
-_Why = Annotated[str, Field(max_length=400)]
-
-
-class StateTooLarge(SandboxError):
-    """The state is over the size limit it is kept within."""
-
-
-class KernelReport(BaseModel):
-    """What the kernel says it saved: read from sandboxed code, so checked and bounded."""
-
-    saved: list[_Name] = Field(default_factory=list, max_length=200)
-    saved_count: int = Field(0, ge=0)
-    unsaved: dict[_Name, _Why] = Field(default_factory=dict, max_length=200)
-    unsaved_count: int = Field(0, ge=0)
-    cwd: Annotated[str, Field(max_length=4096)] | None = None
-    python: Annotated[str, Field(max_length=40)] | None = None
-
-
-class SavedState(KernelReport):
-    """What a save kept, and what it could not."""
-
-    namespace_error: str | None = None  # nothing of the namespace could be saved: why
-    other_languages: list[str] = Field(
-        default_factory=list, description="Started kernels of other languages: not saved."
-    )
-    namespace_bytes: int = 0
-    workspace_bytes: int = 0
-    details_bytes: int = 0  # the description of the files' modes, times and links
-    files: int = 0
-    saved_at: float = Field(default_factory=time.time)
-
-    @property
-    def bytes(self) -> int:
-        return self.namespace_bytes + self.workspace_bytes + self.details_bytes
 
 
 class RestoredState(BaseModel):

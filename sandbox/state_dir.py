@@ -153,13 +153,12 @@ class SessionDirs:
         _remove_tree(self.root)
 
     @classmethod
-    def remove_orphans(cls, state_dir: Path, backend: str) -> list[str]:
-        """Delete the directories whose orchestrator is gone; never touch a live one's.
-        Returns the sandbox ids removed."""
+    def orphans(cls, state_dir: Path, backend: str) -> list[Path]:
+        """The directories whose orchestrator is gone; never a live one's, nor one being made."""
         base = state_dir / backend
         if not base.is_dir():
             return []
-        removed: list[str] = []
+        found: list[Path] = []
         for entry in base.iterdir():
             try:
                 owner = json.loads((entry / "owner").read_text())
@@ -169,6 +168,15 @@ class SessionDirs:
                 continue  # its orchestrator is alive
             if owner is None and _younger_than(entry, _OWNERLESS_GRACE_S):
                 continue  # being made right now (its owner file comes after its mounts)
+            found.append(entry)
+        return found
+
+    @classmethod
+    def remove_orphans(cls, state_dir: Path, backend: str) -> list[str]:
+        """Delete the directories whose orchestrator is gone; never touch a live one's.
+        Returns the sandbox ids removed."""
+        removed: list[str] = []
+        for entry in cls.orphans(state_dir, backend):
             log.info("removing orphaned sandbox directory %s", entry)
             _remove_tree(entry)
             removed.append(entry.name)

@@ -152,6 +152,8 @@ SLOWEST_FILES_FIRST = (
     "tests/orchestrator/cli/test_cli.py",
     "tests/clients/e2b_sdk/test_sdk_languages.py",
     "tests/gvisor/test_machine_sandbox.py",
+    "tests/gvisor/test_machine_templates.py",
+    "tests/gvisor/test_machine_sessions.py",
 )
 
 

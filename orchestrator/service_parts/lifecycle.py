@@ -41,6 +41,12 @@ def _from_snapshot(request: CreateSessionRequest, snapshot: SnapshotRecord) -> C
     return request.model_copy(update=update)
 
 
+class SnapshotUnfit(SessionError):
+    """The snapshot cannot start a session of the kind asked for."""
+
+    status = 409
+
+
 class Lifecycle:
     def __init__(
         self,
@@ -114,8 +120,16 @@ class Lifecycle:
         name, spec = await self._admission.admit(
             owner, request, spec, tools=bool(tools), from_snapshot=snapshot is not None
         )
+        machine = self._records.saved.whole_machine(snapshot) if snapshot is not None else None
+        if snapshot is not None and machine is not None and name != snapshot.backend:
+            raise SnapshotUnfit(
+                f"snapshot {snapshot.id} is a whole {snapshot.backend} sandbox: start it on the "
+                f"{snapshot.backend} backend (leave `backend` out of the request)"
+            )
         async with self._admission.session_slot(owner):
-            session = await self._sessions.create(owner, backend=name, spec=spec, env=request.env)
+            session = await self._sessions.create(
+                owner, backend=name, spec=spec, env=request.env, fork=machine
+            )
         self._trail.created(session, list(tools), snapshot.id if snapshot is not None else None)
         session.idle_timeout_s = idle_timeout_s
         try:
@@ -125,7 +139,12 @@ class Lifecycle:
                     await session.sandbox.set_workdir(workdir)
                 if tools:
                     await self._channels.open_tools(session, tools)
-                if snapshot is not None:
+                if snapshot is not None and machine is not None:
+                    session.notice = (
+                        f"started from snapshot {snapshot.id}: the whole sandbox as it was "
+                        "(every kernel's variables, the processes still running, the files)"
+                    )
+                elif snapshot is not None:
                     restored = await self._records.saved.restore(session, snapshot)
                     session.notice = f"started from snapshot {snapshot.id}: {restored.notice}"
                 for f in request.files:

@@ -30,6 +30,7 @@ def snapshot_info(record: SnapshotRecord) -> SnapshotInfo:
         variables=record.report.saved_count,
         not_saved=record.report.unsaved,
         files=record.report.files,
+        whole_sandbox=record.report.machine,
     )
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from code_interpreter_wire.spec import SandboxSpec
-from sandbox.saved_state import SavedState
+from sandbox.saved_report import SavedState
 
 SessionState = Literal["running", "paused"]
 # A named snapshot, kept until deleted; or the state of a paused session, kept as long as it.

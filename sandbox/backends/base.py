@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from code_interpreter_wire.errors import ProcessesUnsupported, RuntimeUnavailable, SandboxError
 from code_interpreter_wire.languages import PYTHON
@@ -27,6 +27,9 @@ from sandbox.processes.handle import ProcessHandle
 from sandbox.processes.managed import ManagedProcess
 from sandbox.processes.spawned import Spawner
 from sandbox.processes.table import ProcessTable
+
+if TYPE_CHECKING:
+    from sandbox.saved_report import SavedState
 
 # What the sandboxed code sees as its working directory and workspace root.
 WORKSPACE_IN_SANDBOX = "/workspace"
@@ -169,6 +172,13 @@ class Sandbox(ABC):
         the handle `Backend.wake` takes; the sandbox object is done with either way. None: this
         backend cannot (CRIU does not work here), so the caller saves the kernel's state
         itself (sandbox/saved_state.py) and closes the sandbox."""
+        return None
+
+    async def save_whole(self, into: Path, *, max_bytes: int) -> SavedState | None:
+        """Save the whole sandbox (memory, every process, files) into `into` (a new directory,
+        made here) and run on, where its engine can: what was kept, for `Backend.fork`. None:
+        it cannot, so the caller saves the kernel's state instead (sandbox/saved_state.py).
+        `StateTooLarge` if the save is over `max_bytes` (nothing of it is left)."""
         return None
 
     # --- processes beside the kernel: same boundary, same workspace (sandbox/processes/)
@@ -319,6 +329,11 @@ class Backend(ABC):
     async def wake(self, handle: str, spec: SandboxSpec) -> Sandbox:
         """The sandbox `Sandbox.suspend` paused, running again as it was."""
         raise SandboxError(f"the {self.name} backend cannot wake a suspended sandbox")
+
+    async def fork(self, saved: Path, spec: SandboxSpec) -> Sandbox:
+        """A new sandbox restored from a whole-sandbox save (`Sandbox.save_whole`), as often as
+        asked, each with secrets and random streams of its own; `saved` is left as it was."""
+        raise SandboxError(f"the {self.name} backend cannot restore a whole-sandbox save")
 
     async def suspend_left(self, sandbox_id: str) -> str | None:
         """Pause a sandbox an earlier process of this service left running, where the engine

@@ -15,6 +15,7 @@ handled, no message is held while the next is awaited (a 200 MB reply once staye
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections import deque
@@ -129,6 +130,8 @@ class KernelChannels:
         self.handler_free = asyncio.Event()  # set while no iopub message is being handled
         self.handler_free.set()
         self.last_activity = time.monotonic()  # when an iopub message last came or was handled
+        # While the kernel's key changes (`KernelDriver.rekey`): its old one is good too.
+        self.previous_auth: hmac.HMAC | None = None
         self._tasks = [
             asyncio.ensure_future(self._keep_iopub()),
             asyncio.ensure_future(self._handle_iopub()),
@@ -142,6 +145,14 @@ class KernelChannels:
         for waiter in self.replies.values():
             waiter.cancel()
         self.client.stop_channels()  # destroys the client's context, and our sockets with it
+
+    async def _parse(self, frames: list[Frame]) -> KernelMessage:
+        try:
+            return await parse_off_loop(frames, self.client.session.auth)
+        except Malformed:
+            if self.previous_auth is None:
+                raise
+            return await parse_off_loop(frames, self.previous_auth)
 
     def follow(self, msg_id: str, on_output: OutputHandler | None) -> Watch:
         """From now on, hand this request's output to `on_output` (None: only track its end)."""
@@ -265,7 +276,7 @@ class KernelChannels:
         if watch is None or peek_parent_id(frames) != watch.msg_id:
             return  # nobody wants it (a background thread's output, a past run's): unread
         try:
-            msg = await parse_off_loop(frames, self.client.session.auth)
+            msg = await self._parse(frames)
         except Malformed as exc:
             self._count_malformed(str(exc))
             return
@@ -310,7 +321,7 @@ class KernelChannels:
         if parent_id is None or parent_id not in self.replies:
             return
         try:
-            msg = await parse_off_loop(frames, self.client.session.auth)
+            msg = await self._parse(frames)
         except Malformed as exc:
             self._count_malformed(str(exc))
             return

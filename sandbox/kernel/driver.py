@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from code_interpreter_wire.errors import SandboxClosed, SandboxStartError
+from code_interpreter_wire.errors import SandboxClosed, SandboxError, SandboxStartError
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.results import EventSink, Execution, ExecutionError, ExecutionStatus
 from code_interpreter_wire.spec import SandboxSpec
@@ -93,6 +93,8 @@ class KernelDriver:
         # What processes beside the kernel did (see `watch_processes`), as last seen.
         self._process_activity: Callable[[], int | None] = lambda: 0
         self._activity_seen: int | None = 0
+        # The key the kernel takes during the request being sent (`rekey`), and that kernel.
+        self._key_after_send: tuple[KernelGeneration, bytes] | None = None
 
     @classmethod
     def for_spec(
@@ -125,6 +127,32 @@ class KernelDriver:
         await self._stop_kernel()
         for task in list(self._background):
             task.cancel()
+
+    async def rekey(self, code: str, key: str, *, timeout_s: float = 30.0) -> None:
+        """Give the running kernel a new signing key (one restored from an image other
+        sandboxes are restored from too must not share its key with them). `code` sets it, as
+        its last act, and whatever else such a kernel must not share (its random streams); it
+        runs silently, signed with the old key, and from its sending on the new key signs
+        ours while either is good for the kernel's answers to it. SandboxError if it failed:
+        the kernel then keeps its old key, and so do we."""
+        async with self._lock:
+            kernel = self._kernel
+            if self._closed or kernel is None:
+                raise SandboxClosed("the sandbox is closed")
+            session = kernel.client.session
+            old_key = session.key
+            kernel.channels.previous_auth = session.auth
+            self._key_after_send = (kernel, key.encode())
+            try:
+                done = await self._execute_locked(code, timeout_s, None, None, None, silent=True)
+            finally:
+                self._key_after_send = None
+                kernel.channels.previous_auth = None
+                self._run = None
+            if not done.ok:
+                session.key = old_key
+                why = done.error.value if done.error is not None else done.status.value
+                raise SandboxError(f"the kernel's key could not be changed: {why}")
 
     @property
     def is_busy(self) -> bool:
@@ -425,6 +453,8 @@ class KernelDriver:
             )
         run = self._run = _Run(deadline=time.monotonic() + max(0.0, timeout_s - spent_s))
         msg_id = run.msg_id = send_execute(kernel, code, silent, origin)
+        if self._key_after_send is not None and self._key_after_send[0] is kernel:
+            kernel.client.session.key = self._key_after_send[1]  # what we send from now on
         # Registered before any await: nothing of this request can arrive before them.
         take = _without_values(collector.take) if silent else collector.take
         watch = run.watch = kernel.channels.follow(msg_id, take)

@@ -19,7 +19,7 @@ from orchestrator.state_store.redis_connection import (
     StoreUnavailable,
 )
 from orchestrator.state_store.redis_store import RedisStore
-from sandbox.saved_state import SavedState
+from sandbox.saved_report import SavedState
 from tests.cluster.redis_server import free_port, redis_server
 
 

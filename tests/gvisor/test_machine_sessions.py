@@ -3,9 +3,12 @@ the whole machine, a resume restores it, a restart of the service keeps it, a de
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from code_interpreter_client import Client
@@ -21,7 +24,7 @@ GENERATOR = (
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     require_backend("gvisor")
-    running = make_server(backends="gvisor", default_backend="gvisor").start()
+    running = make_server(backends="gvisor,local", default_backend="gvisor").start()
     yield running
     if running.process is not None and running.process.poll() is None:
         running.stop()
@@ -47,3 +50,77 @@ def test_a_paused_machine_session_resumes_whole_even_after_a_restart(server: Ser
         finally:
             api.delete_session(sid)
         assert not any((server.state_dir / "gvisor-paused").iterdir())  # deleted with it
+
+
+TICKER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks; sleep 0.1; done"
+KEY_AND_DRAW = (
+    "import json, random\n"
+    "from ipykernel.kernelapp import IPKernelApp\n"
+    "with open(IPKernelApp.instance().connection_file) as f:\n"
+    "    on_file = json.load(f)['key']\n"
+    "key = get_ipython().kernel.session.key.decode()\n"
+    "print(json.dumps({'key': key, 'on_file': on_file, 'draw': random.random(),"
+    " 'next': next(c), 'x': x}))"
+)
+
+
+def _ticks(api: httpx.Client, sid: str) -> int:
+    done = api.post(f"/v1/sessions/{sid}/execute", json={"code": "open('/tmp/ticks').read()"})
+    assert done.status_code == 200 and done.json()["status"] == "ok", done.text
+    return int(str(done.json()["results"][0]["text"]).strip("'\\n"))
+
+
+def _until_ticks_pass(api: httpx.Client, sid: str, count: int) -> None:
+    """The session's ticker counts past `count` (it runs on), within 30 s."""
+    deadline = time.monotonic() + 30
+    while _ticks(api, sid) <= count:
+        assert time.monotonic() < deadline, f"the ticker of {sid} stopped at {count}"
+        time.sleep(0.1)
+
+
+def test_forks_of_a_machine_snapshot_carry_memory_and_processes_with_keys_of_their_own(
+    server: Server,
+) -> None:
+    with server.client() as api:
+        created = api.post("/v1/sessions", json={})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        forks: list[str] = []
+        try:
+            assert (
+                api.post(f"/v1/sessions/{sid}/execute", json={"code": GENERATOR}).status_code == 200
+            )
+            api.post(f"/v1/sessions/{sid}/execute", json={"code": "x = 41\nimport random"})
+            ticker = api.post(f"/v1/sessions/{sid}/processes", json={"command": TICKER})
+            assert ticker.status_code == 201, ticker.text
+            _until_ticks_pass(api, sid, 2)
+            taken = api.post(f"/v1/sessions/{sid}/snapshots", json={"name": "machine"})
+            assert taken.status_code == 201, taken.text
+            snap = taken.json()
+            assert snap["whole_sandbox"] is True and snap["bytes"] > 1 << 20, snap
+            # The session itself runs on after its snapshot, its ticker too.
+            _until_ticks_pass(api, sid, _ticks(api, sid))
+            for _ in range(2):
+                made = api.post("/v1/sessions", json={"snapshot_id": snap["id"]})
+                assert made.status_code == 201, made.text
+                forks.append(made.json()["id"])
+            seen = []
+            for fork in forks:
+                out = api.post(f"/v1/sessions/{fork}/execute", json={"code": KEY_AND_DRAW})
+                assert out.status_code == 200 and out.json()["status"] == "ok", out.text
+                seen.append(json.loads(out.json()["stdout"]))
+                listed = api.get(f"/v1/sessions/{fork}/processes").json()
+                assert [p["running"] for p in listed] == [True], listed
+                _until_ticks_pass(api, fork, _ticks(api, fork))  # its own copy of the ticker
+            origin = api.post(f"/v1/sessions/{sid}/execute", json={"code": KEY_AND_DRAW})
+            seen.append(json.loads(origin.json()["stdout"]))
+            # Memory carried: the generator goes on from where it was, in each fork alike.
+            assert [s["next"] for s in seen] == [2, 2, 2] and {s["x"] for s in seen} == {41}
+            # Secrets and random streams of their own; the key on file is the kernel's own.
+            assert len({s["key"] for s in seen}) == 3 and len({s["draw"] for s in seen}) == 3
+            assert all(s["key"] == s["on_file"] for s in seen)
+            refused = api.post("/v1/sessions", json={"snapshot_id": snap["id"], "backend": "local"})
+            assert refused.status_code == 409 and "gvisor backend" in refused.text, refused.text
+        finally:
+            for one in [sid, *forks]:
+                api.delete(f"/v1/sessions/{one}")

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from sandbox import Backend
-from sandbox.saved_state import StateTooLarge, save_state
+from sandbox.saved_report import StateTooLarge
+from sandbox.saved_state import save_state
 from tests.conftest import small_spec
 
 pytestmark = pytest.mark.timeout(300)

@@ -99,10 +99,16 @@ def test_oversized_requests_are_refused_early(guarded: Server) -> None:
 
 
 # Worker pools grow one thread at a time, on demand, up to their caps: the event loop's default
-# executor (min(32, cores + 4)), AnyIO's (40) and the workspace's file workers (8). Their threads
-# are counted apart, against those caps; every other thread must not grow at all.
+# executor (min(32, cores + 4)), AnyIO's (40) and the workspace's file workers (8). An idle AnyIO
+# worker is only pruned when the next call wants a thread, so pool threads grown at a busier
+# moment may stay. Where the kernel sees Python's thread names (Python 3.14 gives them to the
+# system) pool threads are counted apart, against those caps, and every other thread must not
+# grow at all; where it does not (every thread is called after the program), a pool's thread
+# cannot be told from any other, and the growth allowed is the pools' room to grow: a thread
+# left behind by each of 200 sessions is still far past it.
 _POOL_THREADS = {"asyncio_": min(32, (os.cpu_count() or 1) + 4), "AnyIO worker": 40}
 _POOL_THREADS["workspace-files"[:15]] = 8  # a thread's name is cut at 15 characters
+_UNNAMED_POOL_ROOM = sum(_POOL_THREADS.values())
 
 
 def _census(srv: Server) -> dict[str, int]:
@@ -209,7 +215,9 @@ def test_two_hundred_sessions_in_parallel_leak_nothing(backend: str) -> None:
         threads = _thread_names(srv)
         assert after["children"] == before["children"] == 0, (before, after)
         assert after["fds"] <= before["fds"] + 2, (before, after)
-        assert after["threads"] <= before["threads"] + 2, (before, after, threads)
+        named = any(after[f"pool {prefix}"] for prefix in _POOL_THREADS)
+        room = 2 if named else _UNNAMED_POOL_ROOM
+        assert after["threads"] <= before["threads"] + room, (before, after, threads)
         for prefix, cap in _POOL_THREADS.items():
             assert after[f"pool {prefix}"] <= cap, (before, after)
         assert leftovers(srv) == []

@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +176,7 @@ class AgentChannel:
         self.detached = False
         self.attached = asyncio.Event()  # set whenever it is not detached
         self.attached.set()
+        self.going_on = False  # a save after which it runs on is under way
         self._task = asyncio.ensure_future(self._read_loop())
 
     @classmethod
@@ -183,20 +185,27 @@ class AgentChannel:
     ) -> AgentChannel:
         """The channel over our ends of the agent's stdout and stdin (taken over: closed with
         the channel)."""
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=2 * MAX_PAYLOAD, loop=loop)
-        await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
-        )
-        transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.streams.FlowControlMixin(loop=loop),
-            os.fdopen(write_fd, "wb", buffering=0),
-        )
-        writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        return cls(reader, writer, on_accept)
+        return cls(*await _pipe_streams(read_fd, write_fd), on_accept)
+
+    async def rebind(self, read_fd: int, write_fd: int) -> None:
+        """Go on over new pipes: those of the same machine restored from the checkpoint just
+        taken (its agent as it was at the detach). The caller then says `reattach`."""
+        if not self.detached or self.closed.done():
+            raise AgentError("only a detached channel whose machine was saved can be rebound")
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        with contextlib.suppress(Exception):
+            self._writer.transport.abort()
+        self._reader, self._writer = await _pipe_streams(read_fd, write_fd)
+        self._task = asyncio.ensure_future(self._read_loop())
 
     # --- requests ---------------------------------------------------------------------------
     async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        if self.detached and op != "hello":
+            if not self.going_on:  # saved to stop (or a save given up): it answers no more
+                raise AgentError(f"the sandbox's machine is being saved; {op} was not sent")
+            await self._attached_again()  # saved to go on: asked once it does
         if self.closed.done():
             raise SandboxLost(f"the sandbox's agent is gone: {self.closed.result()}")
         rid = next(self._ids)
@@ -211,7 +220,7 @@ class AgentChannel:
                 await asyncio.wait_for(self.drain(), REQUEST_TIMEOUT_S)
             either: set[asyncio.Future[Any]] = {reply, self.closed}
             done, _ = await asyncio.wait(
-                either, timeout=REQUEST_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+                either, timeout=REQUEST_TIMEOUT_S, return_when=FIRST_COMPLETED
             )
         finally:
             self._replies.pop(rid, None)
@@ -223,6 +232,14 @@ class AgentChannel:
         if not answer.get("ok"):
             raise AgentError(f"{op} failed inside the sandbox: {str(answer.get('error'))[:500]}")
         return answer
+
+    async def _attached_again(self) -> None:
+        waiter = asyncio.ensure_future(self.attached.wait())
+        try:
+            either: set[asyncio.Future[Any]] = {waiter, self.closed}
+            await asyncio.wait(either, timeout=REQUEST_TIMEOUT_S, return_when=FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
 
     async def hello(self) -> list[Child]:
         answer = await self.request("hello")
@@ -345,7 +362,7 @@ class AgentChannel:
         if future is None:
             raise AgentError(f"no child {pid} was started here")
         either: set[asyncio.Future[Any]] = {future, self.closed}
-        done, _ = await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(either, return_when=FIRST_COMPLETED)
         if future in done:
             return future.result()
         raise SandboxLost(f"the sandbox's agent is gone: {self.closed.result()}")
@@ -403,6 +420,8 @@ class AgentChannel:
             await self._writer.drain()
 
     async def _read_loop(self) -> None:
+        """Frames until the pipe ends. Cancelled by `rebind` and `close`, which say what
+        follows; an end while detached is a checkpoint's, which a `rebind` may follow."""
         why = "its channel closed (the sandbox ended)"
         try:
             while True:
@@ -413,14 +432,14 @@ class AgentChannel:
                 payload = await self._reader.readexactly(size) if size else b""
                 self._dispatch(kind, sid, payload)
         except asyncio.IncompleteReadError:
-            pass
+            if self.detached:
+                return
         except (ProtocolViolation, ValueError, KeyError, TypeError) as exc:
             why = f"it broke the channel's rules ({exc})"
             log.warning("a machine sandbox's agent %s; the channel is closed", why)
         except (ConnectionError, OSError) as exc:
             why = f"its channel failed ({exc})"
-        finally:
-            self._shut(why)
+        self._shut(why)
 
     def _dispatch(self, kind: int, sid: int, payload: bytes) -> None:
         if kind == CONTROL:
@@ -485,6 +504,21 @@ class AgentChannel:
             await self._task
         for task in list(self._accepting):
             task.cancel()
+
+
+async def _pipe_streams(
+    read_fd: int, write_fd: int
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2 * MAX_PAYLOAD, loop=loop)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_fd, "rb", buffering=0)
+    )
+    transport, protocol = await loop.connect_write_pipe(
+        lambda: asyncio.streams.FlowControlMixin(loop=loop),
+        os.fdopen(write_fd, "wb", buffering=0),
+    )
+    return reader, asyncio.StreamWriter(transport, protocol, None, loop)
 
 
 async def bridge(

@@ -1,14 +1,18 @@
 """The `gvisor` backend: each sandbox one gVisor machine driven by raw runsc, whole-machine
-pause and resume by gVisor's own checkpoint and restore (docs/gvisor.md).
+pause, snapshots and forks by gVisor's own checkpoint and restore (docs/gvisor.md).
 
 A sandbox is a `KernelSandbox` like the local and Docker ones (kernels driven over ZeroMQ,
 files in a host workspace bound in), but everything inside is reached through the machine's
 agent (machine_agent.py), so that nothing inside holds a host socket and the machine can be
 saved whole: every kernel with its variables, every process still running, the files.
 
-A paused machine lives in `<state dir>/gvisor-paused/<handle>/`: the checkpoint image, a copy of
-the workspace, and a manifest (image, uid, kernels, processes). It is read only from there,
-survives a restart of the service, and is removed when its session is deleted.
+Saved machines (machine_images.py) live under the state dir, read only from there:
+- a paused one in `gvisor-paused/<handle>/`, restored once by `wake`, removed with its session;
+- a named snapshot in the service's snapshot store, restored as often as asked by `fork`;
+- a template per image and spec in `gvisor-templates/<key>/`: a machine with the preload's
+  modules imported, made in the background after the first sandbox of its spec, from which
+  the next ones are restored instead of started.
+A machine restored from a save others are restored from too is re-keyed first.
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, Self
 
@@ -27,12 +31,11 @@ import docker
 from docker.errors import DockerException
 from pydantic import BaseModel, Field
 
-from code_interpreter_wire.errors import BackendUnavailable, SandboxError, StateNotSaved
-from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.errors import BackendUnavailable, SandboxError
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.docker_launcher import write_user_database
-from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError, ChannelStream
+from sandbox.backends.gvisor.agent_channel import ChannelStream
 from sandbox.backends.gvisor.kernels import KeptKernel, MachineKernelLauncher
 from sandbox.backends.gvisor.machine import (
     CGROUP_PARENT,
@@ -41,13 +44,19 @@ from sandbox.backends.gvisor.machine import (
     MachineError,
     oci_config,
     runsc_program,
+    runsc_version,
     unpack_rootfs,
     write_bundle,
 )
-from sandbox.backends.gvisor.processes import MachineSpawner
+from sandbox.backends.gvisor.machine_images import (
+    DEFAULT_PRELOAD,
+    MANIFEST,
+    read_manifest,
+    template_key,
+)
+from sandbox.backends.gvisor.machine_sandbox import IMAGE_DIR, WORKSPACE_DIR, GvisorSandbox
 from sandbox.backends.gvisor.workspace_copy import copy_workspace
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
-from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.image_labels import KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
@@ -58,8 +67,7 @@ from sandbox.workspace_files import Workspace
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+__all__ = ["GvisorBackend", "GvisorBackendConfig", "GvisorSandbox", "why_unavailable"]
 
 
 def why_unavailable(**config: Any) -> str | None:
@@ -85,6 +93,18 @@ class GvisorBackendConfig(BaseModel):
         1_700_000, description="Sandbox i runs as host uid host_uid_base + i (never a real user)."
     )
     host_uid_count: int = 10_000
+    templates: bool = Field(
+        True,
+        description="Restore new sandboxes from a template of their image and spec (made in "
+        "the background after the first such sandbox, kept across restarts) instead of "
+        "starting them.",
+    )
+    preload: str = Field(
+        DEFAULT_PRELOAD,
+        description="Python a template runs, in a namespace of its own, before it is saved: "
+        "the modules it imports are loaded in every sandbox restored from it.",
+    )
+    max_templates: int = Field(4, ge=1, description="Templates kept at once (one per spec).")
 
 
 class GvisorBackend(Backend):
@@ -113,8 +133,20 @@ class GvisorBackend(Backend):
         self.runsc_root = self.config.state_dir / "gvisor-runsc"
         self.rootfs_store = self.config.state_dir / "gvisor-rootfs"
         self.paused_dir = self.config.state_dir / "gvisor-paused"
+        self.templates_dir = self.config.state_dir / "gvisor-templates"
         self._programs: dict[str, tuple[KernelPrograms, Path]] = {}
         self._paused_uids: dict[str, int] = {}  # handle -> the uid its processes run as
+        self._templates: dict[str, Path] = {}  # key -> a template found usable
+        self._building: dict[str, asyncio.Task[Path]] = {}
+        self._template_lock = asyncio.Lock()
+        self._finishing: set[asyncio.Future[None]] = set()
+
+    def finish_later(self, work: Awaitable[None]) -> None:
+        """Run `work` (a saved machine's close) on its own, waited for by `close`."""
+        task = asyncio.ensure_future(work)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+        task.add_done_callback(_log_failure)
 
     def keep_uid(self, handle: str, uid: int) -> None:
         """Hold a paused machine's uid for it (its processes run as it), in this process."""
@@ -148,38 +180,111 @@ class GvisorBackend(Backend):
         self.refuse_runtime(spec)
         image = spec.image or self.config.image
         kernels, rootfs = await self._image(image)
+        if self.config.templates:
+            template = await self._template(spec, image, rootfs)
+            if template is not None:
+                try:
+                    return await self._restore(template, spec, shared=True)
+                except ImageUnusable as exc:
+                    log.warning("template %s is unusable, dropped: %s", template.name, exc)
+                    await self._drop_template(template)
         return await _MachineRecipe(self, spec, image, kernels, rootfs).make()
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
         image = (spec.image if spec else None) or self.config.image
         return (await self._image(image))[0].languages
 
+    # --- templates ---------------------------------------------------------------------------
+    async def _template(self, spec: SandboxSpec, image: str, rootfs: Path) -> Path | None:
+        """The ready template for `spec`, or None: one is then made in the background (if
+        there is room for one more), for the sandboxes after this one."""
+        key = template_key(rootfs, spec, self.config.preload)
+        found = self._templates.get(key)
+        if found is not None:
+            return found
+        where = self.templates_dir / key
+        if key not in self._building and (where / MANIFEST).is_file():  # kept from before
+            try:
+                read_manifest(where, await _version())
+                self._templates[key] = where
+                return where
+            except ImageUnusable as exc:
+                log.info("template %s is not reused: %s", key, exc)
+        if key not in self._building and len(self._templates) + len(self._building) < (
+            self.config.max_templates
+        ):
+            task = asyncio.ensure_future(self._make_template(key, spec, image))
+            self._building[key] = task
+            task.add_done_callback(_log_failure)
+        return None
+
+    async def prepare_templates(self, spec: SandboxSpec | None = None) -> Path:
+        """Make (or find) the template sandboxes of `spec` are restored from, now."""
+        spec = spec or SandboxSpec()
+        image = spec.image or self.config.image
+        _, rootfs = await self._image(image)
+        key = template_key(rootfs, spec, self.config.preload)
+        found = await self._template(spec, image, rootfs)
+        if found is not None:
+            return found
+        task = self._building.get(key)
+        if task is None:
+            raise SandboxError("no room for another template: raise max_templates")
+        return await asyncio.shield(task)
+
+    async def _make_template(self, key: str, spec: SandboxSpec, image: str) -> Path:
+        try:
+            async with self._template_lock:  # one at a time: each takes a machine's start
+                where, making = self.templates_dir / key, self.templates_dir / f"{key}.new"
+                for stale in (where, making):
+                    await asyncio.to_thread(shutil.rmtree, stale, True)
+                kernels, rootfs = await self._image(image)
+                sandbox = await _MachineRecipe(self, spec, image, kernels, rootfs).make()
+                try:
+                    if self.config.preload:
+                        await sandbox.preload(self.config.preload)
+                    saved = await sandbox.save_and_stop(making)
+                finally:  # a template holds no uid: see _MachineRecipe
+                    self.finish_later(sandbox.close())
+                if not saved:
+                    raise SandboxError("the template's machine could not be saved")
+                os.rename(making, where)
+                self._templates[key] = where
+                log.info("template %s made for the sandboxes of its spec", key)
+                return where
+        finally:
+            self._building.pop(key, None)
+
+    async def _drop_template(self, where: Path) -> None:
+        self._templates.pop(where.name, None)
+        await asyncio.to_thread(shutil.rmtree, where, True)
+
+    # --- saved machines -----------------------------------------------------------------------
+    async def _restore(self, saved: Path, spec: SandboxSpec, *, shared: bool) -> GvisorSandbox:
+        """A sandbox restored from the saved machine in `saved`; `shared`: others are restored
+        from it too, so it is re-keyed."""
+        manifest = await asyncio.to_thread(read_manifest, saved, await _version())
+        image = str(manifest["image"])
+        kernels, rootfs = await self._image(image)
+        recipe = _MachineRecipe(self, spec, image, kernels, rootfs)
+        recipe.restoring = (saved, manifest)
+        recipe.rekey = shared
+        return await recipe.make()
+
     async def wake(self, handle: str, spec: SandboxSpec) -> GvisorSandbox:
         paused = self._paused(handle)
+        uid = self._give_back_uid(handle)  # claimed again by the machine that wakes
         try:
-            manifest = json.loads((paused / MANIFEST).read_text())
-        except (OSError, ValueError) as exc:
-            raise ImageUnusable(
-                f"the paused machine {handle} has no readable manifest: {exc}"
-            ) from None
-        if manifest.get("version") != MANIFEST_VERSION:
-            raise ImageUnusable(f"the paused machine {handle} was saved by another version")
-        if manifest.get("runsc") != await _version():
-            raise ImageUnusable(
-                f"the paused machine {handle} was saved by gVisor {manifest.get('runsc')}, "
-                f"this host runs {await _version()}"
-            )
-        kernels, rootfs = await self._image(str(manifest["image"]))
-        self._give_back_uid(handle)  # claimed again by the machine that wakes
-        recipe = _MachineRecipe(self, spec, str(manifest["image"]), kernels, rootfs)
-        recipe.restoring = (paused, manifest)
-        try:
-            sandbox = await recipe.make()
+            sandbox = await self._restore(paused, spec, shared=False)
         except BaseException:
-            self.keep_uid(handle, int(manifest["uid"]))  # still paused: still its
+            if uid is not None:
+                self.keep_uid(handle, uid)  # still paused: still its
             raise
         shutil.rmtree(paused, ignore_errors=True)  # running again: the image is spent
         return sandbox
+
+    async def fork(self, saved: Path, spec: SandboxSpec) -> GvisorSandbox:
+        return await self._restore(saved, spec, shared=True)
 
     async def discard(self, handle: str) -> None:
         self._give_back_uid(self._paused(handle).name)
@@ -197,17 +302,28 @@ class GvisorBackend(Backend):
                 with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
                     uid = int(json.loads((paused / MANIFEST).read_text())["uid"])
                     self.keep_uid(paused.name, uid)
-        dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
         program = runsc_program()
-        for sandbox_id in dirs:  # its machine, if it still runs
+        # Their machines first, if they still run: then nothing writes in their directories.
+        for found in await asyncio.to_thread(SessionDirs.orphans, self.config.state_dir, self.name):
             with contextlib.suppress(MachineError):
-                await Machine(program, self.runsc_root, sandbox_id, self.runsc_root).destroy()
-        return len(dirs)
+                await Machine(program, self.runsc_root, found.name, self.runsc_root).destroy()
+        return len(
+            await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
+        )
+
+    async def close(self) -> None:
+        for building in list(self._building.values()):
+            building.cancel()
+        while self._building or self._finishing:  # a build given up closes its machine too
+            await asyncio.gather(*self._building.values(), *self._finishing, return_exceptions=True)
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a machine's work in the background failed: %s", task.exception())
 
 
 async def _version() -> str:
-    from sandbox.backends.gvisor.machine import runsc_version
-
     return await runsc_version(runsc_program())
 
 
@@ -232,6 +348,8 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         self.dirs: SessionDirs | None = None
         self.machine: Machine | None = None
         self.restoring: tuple[Path, dict[str, Any]] | None = None
+        self.rekey = False  # restored from a save others are restored from too
+        self.uid_claimed = False
         self.kept: dict[str, KeptKernel] = {}
         self.kept_processes: list[dict[str, Any]] = []
         # Each language's launcher, as its driver is made: the sandbox saves their kernels.
@@ -239,12 +357,15 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
 
     async def make_dirs(self) -> SessionDirs:
         if self.restoring is not None:
-            uid = int(self.restoring[1]["uid"])
-            if not self.backend.uids.claim(uid):
-                raise SandboxError(f"the uid {uid} of the paused machine is in use")
-            self.uid = uid
+            # Its processes run as the uid they were saved with, which forks of one snapshot
+            # or template share: claimed when free, shared if not. In gVisor that uid is the
+            # sentry's, not a host process's (no host quota is counted on it), and each
+            # machine's gofer serves its own workspace alone (docs/gvisor.md).
+            self.uid = int(self.restoring[1]["uid"])
+            self.uid_claimed = self.backend.uids.claim(self.uid)
         else:
             self.uid = self.backend.uids.allocate()
+            self.uid_claimed = True
         self.dirs = await asyncio.to_thread(
             SessionDirs.create,
             self.backend.config.state_dir,
@@ -274,9 +395,9 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         self.machine = Machine(program, self.backend.runsc_root, self.sandbox_id, bundle)
         image = None
         if self.restoring is not None:
-            paused, manifest = self.restoring
-            await asyncio.to_thread(copy_workspace, paused / "workspace", dirs.workspace)
-            image = paused / "image"
+            saved, manifest = self.restoring
+            await asyncio.to_thread(copy_workspace, saved / WORKSPACE_DIR, dirs.workspace)
+            image = saved / IMAGE_DIR
             self.kept = {k: KeptKernel.from_json(v) for k, v in manifest["kernels"].items()}
             self.kept_processes = list(manifest.get("processes") or [])
         try:
@@ -284,7 +405,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             await channel.hello()
         except MachineError as exc:
             if image is not None:
-                raise ImageUnusable(f"the paused machine could not be restored: {exc}") from None
+                raise ImageUnusable(f"the saved machine could not be restored: {exc}") from None
             raise
 
     def wants_egress(self) -> bool:
@@ -317,7 +438,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
 
     def sandbox(self, dirs: SessionDirs, driver: KernelDriver) -> GvisorSandbox:
         assert self.machine is not None and self.uid is not None
-        uids, uid = self.backend.uids, self.uid
+        uids, uid, claimed = self.backend.uids, self.uid, self.uid_claimed
         sandbox = GvisorSandbox(
             self.sandbox_id,
             self.spec,
@@ -331,7 +452,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             image=self.image,
             uid=uid,
             launchers=self.launchers,
-            on_close=lambda: uids.release(uid),
+            on_close=lambda: uids.release(uid) if claimed else None,
         )
         return sandbox
 
@@ -343,7 +464,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
     async def undo(self) -> None:
         if self.machine is not None:
             await self.machine.destroy()
-        if self.uid is not None:
+        if self.uid is not None and self.uid_claimed:
             self.backend.uids.release(self.uid)
 
     async def make(self) -> GvisorSandbox:
@@ -351,6 +472,8 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         try:
             await self.start_kept_kernels(sandbox)
             await sandbox.adopt_processes(self.kept_processes)
+            if self.rekey:
+                await sandbox.rekey()
         except BaseException:
             await sandbox.close()
             raise
@@ -359,136 +482,3 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
 
 async def _refuse_accept(channel: str, stream: ChannelStream) -> None:
     stream.close()  # no channel listens inside yet (host tools, egress)
-
-
-class GvisorSandbox(KernelSandbox):
-    backend = "gvisor"
-
-    def __init__(
-        self,
-        sandbox_id: str,
-        spec: SandboxSpec,
-        driver: KernelDriver,
-        dirs: SessionDirs,
-        workspace: Workspace,
-        *,
-        languages: list[str],
-        make_driver: Callable[[str], KernelDriver],
-        backend: GvisorBackend,
-        machine: Machine,
-        image: str,
-        uid: int,
-        launchers: dict[str, MachineKernelLauncher],
-        on_close: Callable[[], None],
-    ) -> None:
-        super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
-        self._backend = backend
-        self._machine = machine
-        self._image = image
-        self._uid = uid
-        self._launchers = launchers
-        self._on_close = on_close
-
-    def _channel(self) -> AgentChannel:
-        channel = self._machine.channel
-        if channel is None:
-            raise SandboxError("the sandbox's machine is not running")
-        return channel
-
-    def spawner(self) -> MachineSpawner:
-        return MachineSpawner(self._machine.running, self._uid, lambda: dict(self.spec.env))
-
-    async def adopt_processes(self, saved: list[dict[str, Any]]) -> None:
-        """Processes the machine ran when saved, in this sandbox's table again."""
-        if not saved:
-            return
-        table = self._process_table()
-        spawner = self.spawner()
-        for item in saved:
-            request = ProcessRequest.model_validate(item["request"])
-            try:
-                spawned = await spawner.adopt(
-                    int(item["pid"]), terminal=request.terminal is not None
-                )
-            except AgentError:  # it ended while the machine was being saved, and is gone
-                continue
-            table.adopt(spawned, request)
-
-    async def suspend(self) -> str | None:
-        """Save the whole machine (kernels, processes, memory, files) and stop it. None where
-        its gVisor cannot save what it holds (a network socket): the caller then saves the
-        kernels' state instead, and the machine runs on until then."""
-        if self.is_busy:
-            raise SandboxError("the sandbox is running code; pause it once the code ends")
-        channel = await self._machine.running()
-        reasons = await channel.unsaveable()
-        if reasons:
-            log.info("machine %s cannot be saved whole (%s)", self.id, "; ".join(reasons))
-            return None
-        handle = secrets.token_hex(12)
-        paused = self._backend.paused_dir / handle
-        paused.mkdir(mode=0o700, parents=True)
-        kernels = {
-            language: launcher.current.kept.as_json()
-            for language, launcher in self._launchers.items()
-            if launcher.current is not None and language in self.started_languages
-        }
-        running = self._processes.running() if self._processes is not None else []
-        processes = [{"pid": p.pid, "request": p.request.model_dump(mode="json")} for p in running]
-        try:
-            await self._machine.checkpoint(paused / "image")
-        except MachineError as exc:
-            shutil.rmtree(paused, ignore_errors=True)
-            log.warning("machine %s could not be saved whole: %s", self.id, exc)
-            await self._reattach()
-            return None
-        except BaseException:
-            shutil.rmtree(paused, ignore_errors=True)
-            raise
-        try:  # nothing runs in it now: its workspace is still
-            (paused / "workspace").mkdir(mode=0o700)
-            await asyncio.to_thread(copy_workspace, self.dirs.workspace, paused / "workspace")
-            manifest = {
-                "version": MANIFEST_VERSION,
-                "runsc": await _version(),
-                "image": self._image,
-                "uid": self._uid,
-                "kernels": kernels,
-                "processes": processes,
-            }
-            (paused / MANIFEST).write_text(json.dumps(manifest))
-        except BaseException as exc:
-            shutil.rmtree(paused, ignore_errors=True)
-            await self.close()
-            raise StateNotSaved(
-                f"the machine was saved, its workspace could not be: {exc}"
-            ) from exc
-        self._backend.keep_uid(handle, self._uid)  # its processes run as it: kept for them
-        await self.close()
-        return handle
-
-    async def _reattach(self) -> None:
-        """After a checkpoint that failed: the machine runs on, talked to again, each process
-        followed anew (without its output again). If it does not answer, the next call
-        starts a new machine (`Machine.running`)."""
-        channel = self._channel()
-        try:
-            await channel.reattach()
-        except SandboxError as exc:
-            log.warning("machine %s did not answer after a failed checkpoint: %s", self.id, exc)
-            channel.not_detached()
-            return
-        if self._processes is None:
-            return
-        spawner = self.spawner()
-        for process in self._processes.running():
-            terminal = process.request.terminal is not None
-            spawned = await spawner.adopt(process.pid, terminal=terminal, replay=False)
-            self._processes.adopt(spawned, process.request)
-
-    async def _teardown(self) -> None:
-        try:
-            await self._machine.destroy()
-            await super()._teardown()
-        finally:
-            self._on_close()

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tarfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -169,6 +170,12 @@ class Machine:
     async def start(self, on_accept: AcceptHandler, *, image: Path | None = None) -> AgentChannel:
         """Run the machine (or restore it from `image`); its agent's channel."""
         self._on_accept = on_accept
+        from_agent_r, to_agent_w = await self._launch(image)
+        self.channel = await AgentChannel.over_pipes(from_agent_r, to_agent_w, on_accept)
+        return self.channel
+
+    async def _launch(self, image: Path | None) -> tuple[int, int]:
+        """`runsc run` (or `restore` from `image`), detached, its stdio our pipes: our ends."""
         to_agent_r, to_agent_w = os.pipe()
         from_agent_r, from_agent_w = os.pipe()
         try:
@@ -198,22 +205,20 @@ class Machine:
         finally:
             os.close(to_agent_r)
             os.close(from_agent_w)
-        self.channel = await AgentChannel.over_pipes(from_agent_r, to_agent_w, on_accept)
-        return self.channel
+        return from_agent_r, to_agent_w
 
     async def running(self) -> AgentChannel:
         """Its agent's channel. A machine that ended on its own (its memory limit, most often:
         gVisor ends whole) is started again first, fresh: the session goes on in a new machine
         with its workspace, as it goes on in a new kernel after a kernel's crash."""
         channel = self.channel
-        if channel is not None and not channel.closed.done():
+        if channel is not None and not channel.closed.done() and not channel.detached:
             return channel
-        if self._closed or channel is None or channel.detached or self._on_accept is None:
-            raise SandboxClosed("the sandbox's machine is closed")
-        async with self._starting:
-            if self.channel is not None and not self.channel.closed.done():
-                return self.channel
-            if self._closed:
+        async with self._starting:  # after a save that goes on (`checkpoint_and_go_on`)
+            channel = self.channel
+            if channel is not None and not channel.closed.done() and not channel.detached:
+                return channel
+            if self._closed or channel is None or channel.detached or self._on_accept is None:
                 raise SandboxClosed("the sandbox's machine is closed")
             log.warning("machine %s ended on its own; starting a new one", self.id)
             with contextlib.suppress(MachineError):
@@ -231,6 +236,52 @@ class Machine:
         os.mkdir(image, 0o700)
         await self._runsc("checkpoint", f"--image-path={image}", self.id)
         await self.destroy()
+
+    async def checkpoint_and_go_on(
+        self, image: Path, while_stopped: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Save the whole machine to `image` (a new directory) and run on, restored from it at
+        once: the same agent, channel and children (this gVisor's `checkpoint --leave-running`
+        never returns). `while_stopped` runs between the two (the files are still then); its
+        failure is raised once the machine runs again. A failed checkpoint is the caller's to
+        `reattach` after; a failed restore leaves the channel closed, so `running` starts a
+        new machine."""
+        channel = self.channel
+        assert channel is not None
+        os.mkdir(image, 0o700)
+        async with self._starting:
+            channel.going_on = True
+            try:
+                await self._checkpoint_and_restore(channel, image, while_stopped)
+            finally:
+                channel.going_on = False
+
+    async def _checkpoint_and_restore(
+        self,
+        channel: AgentChannel,
+        image: Path,
+        while_stopped: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        await channel.detach()
+        await self._runsc("checkpoint", f"--image-path={image}", self.id)
+        failure: Exception | None = None
+        if while_stopped is not None:
+            try:
+                await while_stopped()
+            except Exception as exc:
+                failure = exc
+        try:
+            with contextlib.suppress(MachineError):
+                await self._runsc("delete", "-force", self.id)
+            from_agent_r, to_agent_w = await self._launch(image)
+            await channel.rebind(from_agent_r, to_agent_w)
+            await channel.reattach()
+        except BaseException:
+            await channel.close()
+            channel.not_detached()  # ended, not saved: the next call starts anew
+            raise
+        if failure is not None:
+            raise failure
 
     @property
     def cgroup(self) -> str:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from code_interpreter_wire.spec import SandboxSpec
 from orchestrator.state_store import SessionRecord, SnapshotRecord, SqliteDatabase, SqliteStore
-from sandbox.saved_state import KernelReport, SavedState
+from sandbox.saved_report import KernelReport, SavedState
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,117 @@
+"""Saved machines on disk, and what a machine restored from a shared one must change.
+
+A saved machine is a directory: gVisor's checkpoint `image/`, a copy of the `workspace/`, and a
+`manifest.json` (the kernel image, the uid its processes run as, its kernels and processes,
+the runsc that saved it). Three kinds share that form: a paused session's machine (restored
+once, then gone), a named snapshot (restored as often as asked: forks) and a template (a
+machine with modules imported, restored for each new session of its spec).
+
+A machine restored from a save others are restored from too starts with their secrets and
+their random streams: `rekey_code` is what its Python kernel runs before any code of the
+session does (docs/gvisor.md, "Templates and forks").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox.backends.gvisor.machine import ImageUnusable
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+
+# Imported once in a template, so a session restored from it has them at hand; a frame read
+# from CSV and a chart drawn by pandas and rendered as the kernel renders a shown figure, then
+# closed: what the first chart of a session would load and fill (caches, fonts) is there.
+DEFAULT_PRELOAD = """\
+import io
+import numpy
+import pandas
+import matplotlib.pyplot as plt
+from IPython.core.pylabtools import print_figure
+frame = pandas.read_csv(io.StringIO("x,y\\n0,0\\n1,1\\n2,4\\n"))
+axes = frame.plot(x="x", y="y", title="warm-up")
+print_figure(axes.figure, "png", bbox_inches="tight")
+plt.close("all")
+"""
+
+
+def write_manifest(where: Path, manifest: dict[str, Any]) -> None:
+    (where / MANIFEST).write_text(json.dumps({"version": MANIFEST_VERSION, **manifest}))
+
+
+def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
+    """The manifest of the saved machine in `where`, if this host's runsc can restore it."""
+    try:
+        with (where / MANIFEST).open("rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError("over 1 MiB")
+        manifest = json.loads(data)
+        if not isinstance(manifest, dict):
+            raise ValueError("not an object")
+        int(manifest["uid"])
+        str(manifest["image"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ImageUnusable(f"the saved machine has no readable manifest: {exc}") from None
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise ImageUnusable("the saved machine was saved by another version of this service")
+    if manifest.get("runsc") != runsc:
+        raise ImageUnusable(
+            f"the saved machine was saved by gVisor {manifest.get('runsc')}, this host runs {runsc}"
+        )
+    return manifest
+
+
+def tree_bytes(root: Path) -> int:
+    """The bytes of the files under `root` (links not followed)."""
+    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def template_key(rootfs: Path, spec: SandboxSpec, preload: str) -> str:
+    """What a template is made for: the image's root filesystem (by image id), what of the
+    spec its machine holds (limits, environment, working directory) and the preload."""
+    held = spec.model_dump(mode="json", include={"limits", "env", "workdir"})
+    text = json.dumps([rootfs.name, held, preload], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# Run silently in a namespace of its own, so the session's is untouched; the key is set last,
+# so a failure before it leaves the old one (`KernelDriver.rekey`). The connection file inside
+# is rewritten too: it would still show the key every sibling was restored with.
+_PYTHON_REKEY = """\
+exec('''
+import json, random, sys, tempfile, uuid
+random.seed()
+if "numpy" in sys.modules:
+    sys.modules["numpy"].random.seed()
+tempfile._name_sequence = None
+kernel = get_ipython().kernel
+try:
+    from ipykernel.kernelapp import IPKernelApp
+    path = IPKernelApp.instance().connection_file
+    with open(path) as f:
+        info = json.load(f)
+    info["key"] = {key!r}
+    with open(path, "w") as f:
+        json.dump(info, f)
+except Exception:
+    pass
+kernel.session.session = str(uuid.uuid4())
+kernel.session.key = {key!r}.encode()
+''', {{"get_ipython": get_ipython}})
+"""
+
+
+def rekey_code(language: str, key: str) -> str | None:
+    """The code by which a restored kernel of `language` takes `key` and reseeds its random
+    streams; None for a language whose kernel cannot change its key as it runs."""
+    if language != PYTHON:
+        return None
+    return _PYTHON_REKEY.format(key=key)

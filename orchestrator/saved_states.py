@@ -106,11 +106,7 @@ class SavedStates:
             snapshot_id = f"snap-{secrets.token_hex(12)}"
             where = self.store.files_of(snapshot_id)
             try:
-                # The whole sandbox where its engine can (a fork of it carries on its memory
-                # and processes); else the kernel's variables and the files.
-                report = await session.sandbox.save_whole(where, max_bytes=room)
-                if report is None:
-                    report = await save_state(session.sandbox, where, max_bytes=room)
+                report = await self._save(session, kind, where, room)
             except StateTooLarge as exc:
                 await asyncio.to_thread(shutil.rmtree, where, True)
                 raise SavedStateTooLarge(f"the state cannot be saved: {exc}") from None
@@ -130,6 +126,23 @@ class SavedStates:
             )
             await self.store.put_snapshot(record)
             return record
+
+    @staticmethod
+    async def _save(session: Session, kind: SnapshotKind, where: Path, room: int) -> SavedState:
+        """A snapshot saves the whole sandbox where its engine can (a fork of it carries on
+        its memory and processes); a pause's saved state (the engine could not pause it) and
+        every other save, the kernel's variables and the files."""
+        if kind == "snapshot":
+            try:
+                whole = await session.sandbox.save_whole(where, max_bytes=room)
+            except StateTooLarge as exc:  # its memory is over the room; its variables may fit
+                log.info(
+                    "session %s: no whole snapshot (%s); its variables instead", session.id, exc
+                )
+                whole = None
+            if whole is not None:
+                return whole
+        return await save_state(session.sandbox, where, max_bytes=room)
 
     async def get(self, owner: str, snapshot_id: str) -> SnapshotRecord:
         """The owner's named snapshot; another key's is reported exactly like a missing one."""

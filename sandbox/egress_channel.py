@@ -78,14 +78,18 @@ def proxy_environment() -> dict[str, str]:
 
 
 def with_forwarder(
-    python: str, command: list[str], forwarder: str = FORWARDER_IN_SANDBOX
+    python: str,
+    command: list[str],
+    forwarder: str = FORWARDER_IN_SANDBOX,
+    socket_path: str = SOCKET_IN_SANDBOX,
 ) -> list[str]:
-    """`command` started behind the forwarder: the proxy port is bound before it runs."""
+    """`command` started behind the forwarder: the proxy port is bound before it runs;
+    `socket_path`: where the proxy is reached from inside."""
     return [
         python,
         forwarder,
         "--socket",
-        SOCKET_IN_SANDBOX,
+        socket_path,
         "--port",
         str(PROXY_PORT),
         "--make-dir",

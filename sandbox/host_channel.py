@@ -25,6 +25,8 @@ from sandbox.socket_peer import SocketPeer
 HOST_TOOLS_DIR_IN_SANDBOX = "/run/host-tools"
 # Tells the kernel's start-up file where the module lives (the host path without a sandbox).
 HOST_TOOLS_ENV = "CIR_HOST_TOOLS_DIR"
+# Where the module reaches the host, where that is not the directory's own socket.
+HOST_TOOLS_SOCKET_ENV = "CIR_HOST_TOOLS_SOCKET"
 # Which execution, command, background process or terminal started the code that calls a tool:
 # a process is given it in this variable; a Python execution in its execute request's metadata,
 # under TOOL_ORIGIN_METADATA (the kernel's start-up file reads it; the driver moves it there).

@@ -5,6 +5,12 @@ message-queue bytes, pending signals, processes. Sandboxes sharing a uid share t
 one could exhaust another's. A uid is claimed for a sandbox's whole life and given back when it
 is closed (only once its processes are gone).
 
+One exception, by design: gVisor machines restored from one saved machine (a template, a
+snapshot's forks) run as the uid it was saved with, claimed by the first of them while free and
+shared by the others. In gVisor that uid is its sentry's notion, not a host process's: no host
+quota is counted on it, and each machine's gofer serves its own workspace alone
+(sandbox/backends/gvisor/backend.py).
+
 Claims hold across processes too: each is an exclusive `flock` on a file named after the uid in
 a claims directory shared by every orchestrator of this user on the host, so two services (or a
 service and a test run) drawing from the same range never hand out the same uid at once. The

@@ -56,15 +56,7 @@ class KernelRecipe(ABC, Generic[S]):
         try:
             dirs = await self.make_dirs()
             await self.prepare(dirs)
-            peer = self.channel_peer()
-            if self.spec.host_tools:
-                self.host_channel = HostChannel.create(
-                    dirs.host_tools, peer_uid=peer.uid, peer_gid=peer.gid, peer_program=peer.program
-                )
-            if self.wants_egress():
-                self.egress_channel = EgressChannel.create(
-                    dirs.egress, peer=SocketPeer(peer.uid, peer.program), peer_gid=peer.gid
-                )
+            self.make_channels(dirs)
             driver = self.driver(PYTHON)
             await driver.start()
             sandbox = self.sandbox(dirs, driver)
@@ -78,6 +70,19 @@ class KernelRecipe(ABC, Generic[S]):
         sandbox.host_channel = self.host_channel
         sandbox.egress_channel = self.egress_channel
         return sandbox
+
+    def make_channels(self, dirs: SessionDirs) -> None:
+        """The host-tool and egress channels' directories, where the spec asks for them (once:
+        a backend that binds them into its sandbox makes them in `prepare`)."""
+        peer = self.channel_peer()
+        if self.spec.host_tools and self.host_channel is None:
+            self.host_channel = HostChannel.create(
+                dirs.host_tools, peer_uid=peer.uid, peer_gid=peer.gid, peer_program=peer.program
+            )
+        if self.wants_egress() and self.egress_channel is None:
+            self.egress_channel = EgressChannel.create(
+                dirs.egress, peer=SocketPeer(peer.uid, peer.program), peer_gid=peer.gid
+            )
 
     def driver(self, language: str) -> KernelDriver:
         """A driver for the sandbox's kernel of `language` (Python's at first, the others on

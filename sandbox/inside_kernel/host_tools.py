@@ -42,6 +42,9 @@ from collections.abc import Callable
 from typing import Any
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
+# Beside this module, or where the sandbox says (a gVisor machine's agent listens elsewhere:
+# the directory is the host's, bound read-only, and its socket cannot be reached from inside).
+_SOCKET = os.environ.get("CIR_HOST_TOOLS_SOCKET") or os.path.join(_DIR, "sock")
 _MARGIN_S = 5.0  # the host enforces the time limit; this side only waits a little longer
 
 
@@ -148,7 +151,7 @@ class _Connection:
             self._pending = {}
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(os.path.join(_DIR, "sock"))
+            sock.connect(_SOCKET)
         except OSError as exc:
             sock.close()
             raise ToolChannelError(f"cannot reach the host tool channel: {exc}") from None
@@ -381,9 +384,7 @@ def _load() -> list[str]:
     """Read the manifest and put one async function per tool here, one blocking in `sync`."""
     with open(os.path.join(_DIR, "manifest.json"), "rb") as f:
         manifest = json.load(f)
-    connection = _Connection(
-        os.path.join(_DIR, "sock"), int(manifest.get("max_result_bytes", 8 << 20)) + 4096
-    )
+    connection = _Connection(_SOCKET, int(manifest.get("max_result_bytes", 8 << 20)) + 4096)
     this = sys.modules[__name__]
     names: list[str] = []
     lines = []

@@ -25,7 +25,8 @@ Requests (`{"id": n, "op": ...}`, answered `{"id": n, "ok": true, ...}` or `"ok"
     spawn    argv, env, cwd, uid, gid, tag, marker, io (stream), err (stream | null),
              tty ({"rows", "cols"} | null), files ([{"path", "data", "mode"}]) -> {"pid"}
     adopt    pid, io, err, replay -> {}: a child's output goes to new streams, its tail
-             replayed first unless `replay` is false
+             replayed first (`replay` true), not (false), or only what it wrote while no
+             host listened ("unsent")
     unsaveable -> {"reasons"}: what gVisor could not save (network sockets)
     signal   pid, signum -> {}: to its process group and every process carrying its marker
     resize   pid, rows, cols -> {}
@@ -102,6 +103,7 @@ class Child:
         self.input = -1  # its stdin pipe, or a dup of its terminal's master
         self.tails: dict[str, deque[bytes]] = {"io": deque(), "err": deque()}
         self.tail_sizes = {"io": 0, "err": 0}
+        self.unsent = {"io": 0, "err": 0}  # the tail's last bytes, kept while no host listened
         self.streams: dict[str, Stream | None] = {"io": None, "err": None}
         self.exit: dict[str, int] | None = None
 
@@ -352,6 +354,8 @@ class Agent:
         if stream is not None:
             stream.credit -= len(data)
             self.frame(DATA, stream.sid, data)
+        else:
+            child.unsent[name] = min(child.unsent[name] + len(data), child.tail_sizes[name])
 
     def resume_child(self, child: Child) -> None:
         for name, fd in child.out.items():
@@ -474,8 +478,12 @@ class Agent:
         self.bind(child, io_sid, None if err_sid is None else int(err_sid))
         return {"pid": child.pid}
 
-    def bind(self, child: Child, io_sid: int, err_sid: int | None, *, replay: bool = True) -> None:
-        """Give the child's output (and input) to new streams; what it kept of it goes first."""
+    def bind(
+        self, child: Child, io_sid: int, err_sid: int | None, *, replay: bool | str = True
+    ) -> None:
+        """Give the child's output (and input) to new streams; what it kept of it goes first:
+        all its tail (`replay` true), none, or what it wrote while no host listened
+        ("unsent")."""
         for sid in (io_sid, err_sid):
             if sid is not None and (sid in self.streams or len(self.streams) >= MAX_STREAMS):
                 raise ValueError(f"stream {sid} cannot be opened")
@@ -490,9 +498,16 @@ class Agent:
             stream = child.streams[name]
             if stream is None:
                 continue
-            for chunk in list(child.tails[name]) if replay else []:
-                stream.credit -= len(chunk)
-                self.frame(DATA, stream.sid, chunk)
+            chunks = list(child.tails[name]) if replay else []
+            if replay == "unsent":
+                unsent = child.unsent[name]
+                chunks = [b"".join(chunks)[-unsent:]] if unsent else []
+            child.unsent[name] = 0
+            for chunk in chunks:
+                for at in range(0, len(chunk), MAX_PAYLOAD):
+                    piece = chunk[at : at + MAX_PAYLOAD]
+                    stream.credit -= len(piece)
+                    self.frame(DATA, stream.sid, piece)
             if name not in child.out:
                 stream.eof_sent = True
                 self.frame(EOF, stream.sid)
@@ -501,7 +516,8 @@ class Agent:
     def op_adopt(self, request: dict[str, Any]) -> dict[str, Any]:
         child = self.children[int(request["pid"])]
         err = request.get("err")
-        replay = bool(request.get("replay", True))
+        asked = request.get("replay", True)
+        replay = "unsent" if asked == "unsent" else bool(asked)
         self.bind(child, int(request["io"]), None if err is None else int(err), replay=replay)
         if child.exit is not None:  # told again, to the host that adopts it
             self.report_exit(child)

@@ -28,6 +28,7 @@ import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandbox.kernel.wire import (
+    BAD_SIGNATURE,
     Frame,
     KernelMessage,
     Malformed,
@@ -132,6 +133,7 @@ class KernelChannels:
         self.last_activity = time.monotonic()  # when an iopub message last came or was handled
         # While the kernel's key changes (`KernelDriver.rekey`): its old one is good too.
         self.previous_auth: hmac.HMAC | None = None
+        self.replied_with_previous_key: set[str] = set()
         self._tasks = [
             asyncio.ensure_future(self._keep_iopub()),
             asyncio.ensure_future(self._handle_iopub()),
@@ -146,13 +148,16 @@ class KernelChannels:
             waiter.cancel()
         self.client.stop_channels()  # destroys the client's context, and our sockets with it
 
-    async def _parse(self, frames: list[Frame]) -> KernelMessage:
+    async def _parse(self, frames: list[Frame], *, reply: bool = False) -> KernelMessage:
         try:
             return await parse_off_loop(frames, self.client.session.auth)
-        except Malformed:
-            if self.previous_auth is None:
+        except Malformed as exc:
+            if self.previous_auth is None or str(exc) != BAD_SIGNATURE:
                 raise
-            return await parse_off_loop(frames, self.previous_auth)
+            msg = await parse_off_loop(frames, self.previous_auth)
+            if reply:  # the kernel answered with its old key: it did not take the new one
+                self.replied_with_previous_key.add(msg.parent_id)
+            return msg
 
     def follow(self, msg_id: str, on_output: OutputHandler | None) -> Watch:
         """From now on, hand this request's output to `on_output` (None: only track its end)."""
@@ -321,7 +326,7 @@ class KernelChannels:
         if parent_id is None or parent_id not in self.replies:
             return
         try:
-            msg = await self._parse(frames)
+            msg = await self._parse(frames, reply=True)
         except Malformed as exc:
             self._count_malformed(str(exc))
             return

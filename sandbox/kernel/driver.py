@@ -7,9 +7,10 @@ after an interrupt, or on request. Executions run one at a time, in the order th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +94,9 @@ class KernelDriver:
         # What processes beside the kernel did (see `watch_processes`), as last seen.
         self._process_activity: Callable[[], int | None] = lambda: 0
         self._activity_seen: int | None = 0
-        # The key the kernel takes during the request being sent (`rekey`), and that kernel.
-        self._key_after_send: tuple[KernelGeneration, bytes] | None = None
+        # The key the kernel takes during the request being sent (`rekey`), that kernel, and
+        # once sent, the request's id.
+        self._key_after_send: tuple[KernelGeneration, bytes, str] | None = None
 
     @classmethod
     def for_spec(
@@ -139,20 +141,31 @@ class KernelDriver:
             kernel = self._kernel
             if self._closed or kernel is None:
                 raise SandboxClosed("the sandbox is closed")
-            session = kernel.client.session
+            session, channels = kernel.client.session, kernel.channels
             old_key = session.key
-            kernel.channels.previous_auth = session.auth
-            self._key_after_send = (kernel, key.encode())
+            channels.previous_auth = session.auth
+            self._key_after_send = (kernel, key.encode(), "")
             try:
                 done = await self._execute_locked(code, timeout_s, None, None, None, silent=True)
+                msg_id = self._key_after_send[2]
             finally:
                 self._key_after_send = None
-                kernel.channels.previous_auth = None
+                channels.previous_auth = None
                 self._run = None
-            if not done.ok:
+            # The code may have run and not changed the key (what it calls can be shadowed by
+            # the session's own code): its answer, signed with the old key, says so.
+            kept_old = msg_id in channels.replied_with_previous_key
+            channels.replied_with_previous_key.clear()
+            if not done.ok or kept_old:
                 session.key = old_key
-                why = done.error.value if done.error is not None else done.status.value
+                why = "it kept its old key" if kept_old else done.error or done.status.value
                 raise SandboxError(f"the kernel's key could not be changed: {why}")
+
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """Inside, no code runs in the kernel (its sandbox is saved whole meanwhile)."""
+        async with self._lock:
+            yield
 
     @property
     def is_busy(self) -> bool:
@@ -453,8 +466,10 @@ class KernelDriver:
             )
         run = self._run = _Run(deadline=time.monotonic() + max(0.0, timeout_s - spent_s))
         msg_id = run.msg_id = send_execute(kernel, code, silent, origin)
-        if self._key_after_send is not None and self._key_after_send[0] is kernel:
-            kernel.client.session.key = self._key_after_send[1]  # what we send from now on
+        pending = self._key_after_send
+        if pending is not None and pending[1] and pending[0] is kernel:
+            kernel.client.session.key = pending[1]  # what we send from now on
+            self._key_after_send = (kernel, b"", msg_id)
         # Registered before any await: nothing of this request can arrive before them.
         take = _without_values(collector.take) if silent else collector.take
         watch = run.watch = kernel.channels.follow(msg_id, take)

@@ -38,6 +38,9 @@ ZERO_COPY_BYTES = 64 << 10
 Frame = bytes | memoryview
 
 
+BAD_SIGNATURE = "bad signature"
+
+
 class Malformed(Exception):
     """A kernel message we cannot use; its text says why."""
 
@@ -105,7 +108,7 @@ def parse(frames: list[Frame], auth: hmac.HMAC | None) -> KernelMessage:
         for part in (header_bytes, parent_bytes, metadata, content):
             check.update(part)
         if not hmac.compare_digest(check.hexdigest().encode(), bytes(signature)):
-            raise Malformed("bad signature")
+            raise Malformed(BAD_SIGNATURE)
     if max(len(header_bytes), len(parent_bytes)) > MAX_PARENT_HEADER_BYTES:
         raise Malformed(f"a header of over {MAX_PARENT_HEADER_BYTES} bytes")
     header = decode_object(header_bytes, "header")

@@ -55,6 +55,11 @@ def wait_for(check: Callable[[], bool], what: str, seconds: float = 30) -> None:
         time.sleep(0.1)
 
 
+def has_counted(sbx: Sandbox) -> bool:
+    """Whether the counter has written its file yet (E2B's SDK raises on a non-zero exit)."""
+    return str(sbx.commands.run("if test -s /tmp/count; then echo yes; fi").stdout) == "yes\n"
+
+
 def counted(sbx: Sandbox) -> tuple[int, int]:
     """(the counter's pid, its count), read inside the machine."""
     pid, count = sbx.commands.run("cat /tmp/count").stdout.split()
@@ -67,9 +72,7 @@ def test_the_sdk_pauses_and_resumes_a_whole_gvisor_machine(sdk: Server) -> None:
     try:
         assert sbx.run_code(GENERATOR).text == "1"
         counter = sbx.commands.run(COUNTER, background=True)
-        wait_for(
-            lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, "the counter counted"
-        )
+        wait_for(lambda: has_counted(sbx), "the counter counted")
         pid, before = counted(sbx)
         assert pid == counter.pid and pid in {p.pid for p in sbx.commands.list()}
 
@@ -95,3 +98,54 @@ def test_the_sdk_pauses_and_resumes_a_whole_gvisor_machine(sdk: Server) -> None:
         assert not any((sdk.state_dir / "gvisor-paused").iterdir())  # the image is spent
     finally:
         Sandbox.kill(sid)
+
+
+def counts_on(sbx: Sandbox, what: str) -> int:
+    """Wait until the machine's counter has counted five more; return the counter's pid."""
+    pid, at = counted(sbx)
+    wait_for(lambda: counted(sbx)[1] >= at + 5, what)
+    return pid
+
+
+def test_the_sdks_snapshot_of_a_gvisor_machine_forks_it_whole(sdk: Server) -> None:
+    """E2B's snapshot of a gvisor sandbox is the whole machine: each sandbox made from it goes on
+    from the same memory (a generator, which no pickle keeps) and the same running command,
+    with a random stream of its own; the source runs on."""
+    sbx = Sandbox.create(template="gvisor")
+    made: list[str] = [sbx.sandbox_id]
+    snapshot_id = None
+    try:
+        assert sbx.run_code(GENERATOR).text == "1"
+        sbx.run_code("import random")
+        counter = sbx.commands.run(COUNTER, background=True)
+        wait_for(lambda: has_counted(sbx), "the counter counted")
+        assert counted(sbx)[0] == counter.pid
+
+        snap = sbx.create_snapshot(name="machine")
+        snapshot_id = snap.snapshot_id
+        assert snap.names == ["machine"]
+        with sdk.client() as api:  # the same snapshot seen over REST: a whole-machine save
+            info = api.get(f"/v1/snapshots/{snap.snapshot_id}").json()
+        assert info["whole_sandbox"] is True, info
+        # The source runs on after its snapshot: its counter and its kernel.
+        assert counts_on(sbx, "the source's counter counting on") == counter.pid
+        assert sbx.run_code("x").text == "41"
+
+        draws = []
+        for _ in range(2):
+            fork = Sandbox.create(snap.snapshot_id)
+            made.append(fork.sandbox_id)
+            assert fork.run_code("x").text == "41"
+            assert fork.run_code("next(c)").text == "2"  # memory carried, not pickled
+            assert counter.pid in {p.pid for p in fork.commands.list()}  # its copy of it
+            assert counts_on(fork, "the fork's counter counting on") == counter.pid
+            draws.append(fork.run_code("random.random()").text)
+        assert len(set(made)) == 3
+        assert sbx.run_code("next(c)").text == "2"  # the forks took nothing from the source
+        draws.append(sbx.run_code("random.random()").text)
+        assert len(set(draws)) == 3, draws  # reseeded: no two share a random stream
+    finally:
+        for sid in made:
+            Sandbox.kill(sid)
+        if snapshot_id is not None:
+            Sandbox.delete_snapshot(snapshot_id)

@@ -4,13 +4,17 @@ start as clean as a fresh one."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
+from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
@@ -38,6 +42,13 @@ async def gvisor(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Gvis
     assert isinstance(backend, GvisorBackend)
     yield backend
     await backend.close()
+
+
+async def until_true(condition: Callable[[], object], limit_s: float = 30.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "never happened"
+        await asyncio.sleep(0.02)
 
 
 async def look(sb: GvisorSandbox) -> dict[str, object]:
@@ -115,3 +126,36 @@ async def test_a_machine_saved_whole_runs_on_and_a_corrupt_save_forks_nothing(
         assert (await sb.execute("x")).text == "41"
     finally:
         await sb.close()
+
+
+async def test_a_save_keeps_a_commands_output_and_waits_for_no_cell(
+    gvisor: GvisorBackend, tmp_path: Path
+) -> None:
+    sb = await gvisor.create(SandboxSpec(limits=ResourceLimits(memory_mb=768)))
+    try:
+        lines = "for i in 1 2 3 4 5 6; do echo line$i; sleep 0.5; done"
+        command = asyncio.ensure_future(sb.run_command(ProcessRequest(command=lines)))
+        await until_true(lambda: len(sb.list_processes()) > 0)
+        running = asyncio.ensure_future(sb.execute("import time; time.sleep(2); 'slept'"))
+        await until_true(lambda: sb.is_busy)
+        with pytest.raises(SandboxError, match="running code"):
+            await sb.save_whole(tmp_path / "busy", max_bytes=1 << 32)
+        assert (await running).text == "'slept'"
+        assert await sb.save_whole(tmp_path / "whole", max_bytes=1 << 32) is not None
+        done = await command  # followed again after the save, what it wrote meanwhile first
+        assert done.exit_code == 0 and done.stdout.split() == [f"line{i}" for i in range(1, 7)]
+    finally:
+        await sb.close()
+
+
+async def test_a_fork_whose_kernel_will_not_take_its_new_key_fails_loudly(
+    gvisor: GvisorBackend, tmp_path: Path
+) -> None:
+    sb = await gvisor.create(SandboxSpec(limits=ResourceLimits(memory_mb=768)))
+    try:
+        await sb.execute("exec = lambda *args, **kwargs: None  # the session's own, shadowing")
+        assert await sb.save_whole(tmp_path / "whole", max_bytes=1 << 32) is not None
+    finally:
+        await sb.close()
+    with pytest.raises(SandboxError, match="key could not be changed"):
+        await gvisor.fork(tmp_path / "whole", sb.spec)

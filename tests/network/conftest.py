@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ class Net:
         return f"http://allowed.test:{self.up.port}"
 
 
-@pytest.fixture(scope="module")
-def net() -> Iterator[Net]:
+@contextlib.contextmanager
+def served_net(**settings: object) -> Iterator[Net]:
+    """A server with the loopback internet below, its egress settings those of these tests
+    (`settings`: more of the server's own, e.g. its backends)."""
     with upstream() as up:
         resolve = {
             "allowed.test": "127.0.0.1",
@@ -59,6 +62,7 @@ def net() -> Iterator[Net]:
                 f"{name}:{up.port}" for name in ("allowed.test", "other.test", "127.0.0.1")
             ),
             egress_max_bytes_per_session=MAX_BYTES,
+            **settings,
         )
         # The operator names the service's own port with a private host, as by mistake: the
         # proxy still refuses it (test_service_unreachable.py).
@@ -71,3 +75,9 @@ def net() -> Iterator[Net]:
             server.stop()
             assert leftovers(server) == []
             shutil.rmtree(server.state_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[Net]:
+    with served_net() as served:
+        yield served

@@ -19,7 +19,7 @@ import os
 from asyncio import FIRST_COMPLETED
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from code_interpreter_wire.errors import SandboxError, SandboxLost
 from sandbox.inside_kernel.machine_agent import (
@@ -233,6 +233,18 @@ class AgentChannel:
             raise AgentError(f"{op} failed inside the sandbox: {str(answer.get('error'))[:500]}")
         return answer
 
+    async def until_attached(self) -> bool:
+        """Wait out a detach (a save): whether the agent talks again (False: its machine
+        ended, or was saved to stop)."""
+        while self.detached and not self.closed.done():
+            waiter = asyncio.ensure_future(self.attached.wait())
+            try:
+                either: set[asyncio.Future[Any]] = {waiter, self.closed}
+                await asyncio.wait(either, return_when=FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+        return not self.closed.done()
+
     async def _attached_again(self) -> None:
         waiter = asyncio.ensure_future(self.attached.wait())
         try:
@@ -330,10 +342,10 @@ class AgentChannel:
         return pid, io, err
 
     async def adopt(
-        self, pid: int, *, stderr: bool, replay: bool = True
+        self, pid: int, *, stderr: bool, replay: bool | Literal["unsent"] = True
     ) -> tuple[ChannelStream, ChannelStream | None]:
         """A child started before (listed by hello), its output on new streams: the last of
-        what it wrote first, with `replay`."""
+        what it wrote first, with `replay` ("unsent": only what it wrote while detached)."""
         io = self.open_stream()
         err = self.open_stream() if stderr else None
         self._exits.setdefault(pid, asyncio.get_running_loop().create_future())

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, Self
@@ -35,7 +36,7 @@ from code_interpreter_wire.errors import BackendUnavailable, SandboxError
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.docker_launcher import write_user_database
-from sandbox.backends.gvisor.agent_channel import ChannelStream
+from sandbox.backends.gvisor.agent_channel import AgentError
 from sandbox.backends.gvisor.kernels import KeptKernel, MachineKernelLauncher
 from sandbox.backends.gvisor.machine import (
     CGROUP_PARENT,
@@ -47,6 +48,12 @@ from sandbox.backends.gvisor.machine import (
     runsc_version,
     unpack_rootfs,
     write_bundle,
+)
+from sandbox.backends.gvisor.machine_channels import (
+    ChannelRouter,
+    channel_environment,
+    open_inside,
+    read_only_dirs,
 )
 from sandbox.backends.gvisor.machine_images import (
     DEFAULT_PRELOAD,
@@ -66,6 +73,8 @@ from sandbox.uids import HostUidPool
 from sandbox.workspace_files import Workspace
 
 log = logging.getLogger(__name__)
+
+TEMPLATE_RETRY_S = 600.0  # a template that failed is not made again sooner
 
 __all__ = ["GvisorBackend", "GvisorBackendConfig", "GvisorSandbox", "why_unavailable"]
 
@@ -110,8 +119,8 @@ class GvisorBackendConfig(BaseModel):
 class GvisorBackend(Backend):
     name = "gvisor"
     capabilities = BackendCapabilities(
-        network_modes=("none",),
-        host_tools=False,
+        network_modes=("none", "allow_list", "any"),  # through the agent (machine_channels.py)
+        host_tools=True,
         processes=True,
         suspend=True,  # the whole machine, by gVisor's checkpoint and restore
         snapshot=True,
@@ -140,6 +149,7 @@ class GvisorBackend(Backend):
         self._building: dict[str, asyncio.Task[Path]] = {}
         self._template_lock = asyncio.Lock()
         self._finishing: set[asyncio.Future[None]] = set()
+        self._failed: dict[str, float] = {}  # key -> when its template last failed
 
     def finish_later(self, work: Awaitable[None]) -> None:
         """Run `work` (a saved machine's close) on its own, waited for by `close`."""
@@ -147,6 +157,13 @@ class GvisorBackend(Backend):
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
         task.add_done_callback(_log_failure)
+
+    def hold_uid_for(self, handle: str, uid: int) -> None:
+        """A paused machine's uid, whose claim its sandbox handed over, held for it."""
+        self._paused_uids[handle] = uid
+
+    def release_uid(self, uid: int) -> None:
+        self.uids.release(uid)
 
     def keep_uid(self, handle: str, uid: int) -> None:
         """Hold a paused machine's uid for it (its processes run as it), in this process."""
@@ -180,12 +197,14 @@ class GvisorBackend(Backend):
         self.refuse_runtime(spec)
         image = spec.image or self.config.image
         kernels, rootfs = await self._image(image)
-        if self.config.templates:
+        # A machine with a network holds the forwarder's TCP port, which this gVisor cannot
+        # save: no template of it could be made.
+        if self.config.templates and not spec.network.enabled:
             template = await self._template(spec, image, rootfs)
             if template is not None:
                 try:
                     return await self._restore(template, spec, shared=True)
-                except ImageUnusable as exc:
+                except SandboxError as exc:  # it does not restore, or not re-key: started
                     log.warning("template %s is unusable, dropped: %s", template.name, exc)
                     await self._drop_template(template)
         return await _MachineRecipe(self, spec, image, kernels, rootfs).make()
@@ -210,6 +229,9 @@ class GvisorBackend(Backend):
                 return where
             except ImageUnusable as exc:
                 log.info("template %s is not reused: %s", key, exc)
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() - failed < TEMPLATE_RETRY_S:
+            return None  # made, or used, in vain lately: started, without trying again yet
         if key not in self._building and len(self._templates) + len(self._building) < (
             self.config.max_templates
         ):
@@ -224,6 +246,7 @@ class GvisorBackend(Backend):
         image = spec.image or self.config.image
         _, rootfs = await self._image(image)
         key = template_key(rootfs, spec, self.config.preload)
+        self._failed.pop(key, None)  # asked for: tried again now
         found = await self._template(spec, image, rootfs)
         if found is not None:
             return found
@@ -250,13 +273,18 @@ class GvisorBackend(Backend):
                     raise SandboxError("the template's machine could not be saved")
                 os.rename(making, where)
                 self._templates[key] = where
+                self._failed.pop(key, None)
                 log.info("template %s made for the sandboxes of its spec", key)
                 return where
+        except Exception:
+            self._failed[key] = time.monotonic()
+            raise
         finally:
             self._building.pop(key, None)
 
     async def _drop_template(self, where: Path) -> None:
         self._templates.pop(where.name, None)
+        self._failed[where.name] = time.monotonic()
         await asyncio.to_thread(shutil.rmtree, where, True)
 
     # --- saved machines -----------------------------------------------------------------------
@@ -264,6 +292,15 @@ class GvisorBackend(Backend):
         """A sandbox restored from the saved machine in `saved`; `shared`: others are restored
         from it too, so it is re-keyed."""
         manifest = await asyncio.to_thread(read_manifest, saved, await _version())
+        for holds, asked, what in (
+            (manifest.get("host_tools", False), spec.host_tools, "host tools"),
+            (manifest.get("network", False), spec.network.enabled, "a network"),
+        ):
+            if bool(holds) != asked:  # its mounts and listeners are the machine's own
+                had = "had" if holds else "had no"
+                raise ImageUnusable(
+                    f"the saved machine {had} {what}; a sandbox restored from it must too"
+                )
         image = str(manifest["image"])
         kernels, rootfs = await self._image(image)
         recipe = _MachineRecipe(self, spec, image, kernels, rootfs)
@@ -354,6 +391,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         self.kept_processes: list[dict[str, Any]] = []
         # Each language's launcher, as its driver is made: the sandbox saves their kernels.
         self.launchers: dict[str, MachineKernelLauncher] = {}
+        self.router = ChannelRouter()
 
     async def make_dirs(self) -> SessionDirs:
         if self.restoring is not None:
@@ -380,6 +418,11 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
     async def prepare(self, dirs: SessionDirs) -> None:
         assert self.uid is not None
         write_user_database(dirs, self.uid)
+        self.make_channels(dirs)  # bound into the machine: made before it starts
+        self.router.host_channel, self.router.egress_channel = (
+            self.host_channel,
+            self.egress_channel,
+        )
         program = runsc_program()
         self.backend.runsc_root.mkdir(mode=0o700, parents=True, exist_ok=True)
         bundle = dirs.root / "bundle"
@@ -389,6 +432,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             workspace=dirs.workspace,
             limits=self.spec.limits,
             cgroup=f"{CGROUP_PARENT}/{self.sandbox_id}",
+            read_only=read_only_dirs(self.host_channel, self.egress_channel),
         )
         config["process"]["cwd"] = "/"
         write_bundle(bundle, config)
@@ -401,19 +445,21 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             self.kept = {k: KeptKernel.from_json(v) for k, v in manifest["kernels"].items()}
             self.kept_processes = list(manifest.get("processes") or [])
         try:
-            channel = await self.machine.start(_refuse_accept, image=image)
+            channel = await self.machine.start(self.router.accept, image=image)
             await channel.hello()
-        except MachineError as exc:
+        except (MachineError, AgentError) as exc:
             if image is not None:
                 raise ImageUnusable(f"the saved machine could not be restored: {exc}") from None
             raise
-
-    def wants_egress(self) -> bool:
-        return False
+        if image is None:  # a restored machine has its listeners and forwarder already
+            await open_inside(channel, self.spec, self.kernels.python, self.uid)
 
     def channel_peer(self) -> ChannelPeer:
+        # The host's channel sockets are reached by this service alone, for the agent inside
+        # (machine_channels.py): no process of the machine can connect to a host socket. The
+        # directories are the sandbox's group's to read (the tools' module and manifest).
         assert self.uid is not None
-        return ChannelPeer(self.uid, self.uid)
+        return ChannelPeer(os.geteuid(), self.uid)
 
     def launcher(self, language: str) -> MachineKernelLauncher:
         assert self.dirs is not None and self.uid is not None
@@ -426,7 +472,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             self.kernels,
             self.uid,
             kernel_path=self.backend.config.kernel_path,
-            environment=lambda: dict(self.spec.env),
+            environment=lambda: channel_environment(self.spec),
             hit_memory_limit=self.machine.hit_memory_limit,
             kept=self.kept.pop(language, None),
         )
@@ -438,7 +484,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
 
     def sandbox(self, dirs: SessionDirs, driver: KernelDriver) -> GvisorSandbox:
         assert self.machine is not None and self.uid is not None
-        uids, uid, claimed = self.backend.uids, self.uid, self.uid_claimed
+        uid = self.uid
         sandbox = GvisorSandbox(
             self.sandbox_id,
             self.spec,
@@ -452,8 +498,9 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             image=self.image,
             uid=uid,
             launchers=self.launchers,
-            on_close=lambda: uids.release(uid) if claimed else None,
+            uid_claimed=self.uid_claimed,
         )
+        self.uid_claimed = False  # the sandbox's to give back now
         return sandbox
 
     async def start_kept_kernels(self, sandbox: GvisorSandbox) -> None:
@@ -478,7 +525,3 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             await sandbox.close()
             raise
         return sandbox
-
-
-async def _refuse_accept(channel: str, stream: ChannelStream) -> None:
-    stream.close()  # no channel listens inside yet (host tools, egress)

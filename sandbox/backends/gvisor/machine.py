@@ -33,7 +33,7 @@ from code_interpreter_wire.errors import (
 )
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
-from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel
+from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
 from sandbox.inside_kernel import machine_agent
 from sandbox.kernel.command import STARTUP_FILE, STARTUP_FILE_IN_SANDBOX
@@ -63,6 +63,11 @@ class MachineError(SandboxError):
     """runsc refused or failed (the message holds its verb and reason)."""
 
 
+class RestoreFailed(MachineError):
+    """A machine saved while it ran could not be restored to run on: the image is good, the
+    machine is gone (the next call starts a new one)."""
+
+
 class ImageUnusable(MachineError):
     """A saved machine image cannot be restored (missing, truncated, corrupt, or from another
     gVisor version): nothing of the session was changed."""
@@ -79,12 +84,20 @@ def runsc_program() -> str:
     return found
 
 
+_versions: dict[tuple[str, int, int], str] = {}
+
+
 async def runsc_version(program: str) -> str:
-    process = await asyncio.create_subprocess_exec(
-        program, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
-    out, _ = await process.communicate()
-    return out.decode(errors="replace").splitlines()[0].strip() if out else "unknown"
+    """What `runsc --version` says first, asked once per binary (a new one is asked again)."""
+    st = os.stat(program)
+    key = (program, st.st_ino, st.st_mtime_ns)
+    if key not in _versions:
+        process = await asyncio.create_subprocess_exec(
+            program, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+        out, _ = await process.communicate()
+        _versions[key] = out.decode(errors="replace").splitlines()[0].strip() if out else "unknown"
+    return _versions[key]
 
 
 class Machine:
@@ -235,7 +248,7 @@ class Machine:
         await self.channel.detach()
         os.mkdir(image, 0o700)
         await self._runsc("checkpoint", f"--image-path={image}", self.id)
-        await self.destroy()
+        # Stopped: the container's delete (a second or so) is left to `destroy`, its close's.
 
     async def checkpoint_and_go_on(
         self, image: Path, while_stopped: Callable[[], Awaitable[None]] | None = None
@@ -249,12 +262,24 @@ class Machine:
         channel = self.channel
         assert channel is not None
         os.mkdir(image, 0o700)
-        async with self._starting:
-            channel.going_on = True
-            try:
-                await self._checkpoint_and_restore(channel, image, while_stopped)
-            finally:
-                channel.going_on = False
+
+        async def save() -> None:
+            async with self._starting:
+                channel.going_on = True
+                try:
+                    await self._checkpoint_and_restore(channel, image, while_stopped)
+                finally:
+                    channel.going_on = False
+
+        # Not given up half-way by a caller that leaves: a machine stopped and not restored
+        # would be neither running nor saved. It is finished, then the cancel goes on.
+        task = asyncio.ensure_future(save())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await task
+            raise
 
     async def _checkpoint_and_restore(
         self,
@@ -270,18 +295,33 @@ class Machine:
                 await while_stopped()
             except Exception as exc:
                 failure = exc
-        try:
-            with contextlib.suppress(MachineError):
-                await self._runsc("delete", "-force", self.id)
-            from_agent_r, to_agent_w = await self._launch(image)
-            await channel.rebind(from_agent_r, to_agent_w)
-            await channel.reattach()
-        except BaseException:
-            await channel.close()
-            channel.not_detached()  # ended, not saved: the next call starts anew
-            raise
+        for attempt in (1, 2):  # the image is good: a restore that fails is tried once more
+            try:
+                with contextlib.suppress(MachineError):
+                    await self._runsc("delete", "-force", self.id)
+                await self._rebind(channel, image)
+                await channel.reattach()
+                break
+            except (MachineError, AgentError) as exc:
+                log.warning(
+                    "machine %s: restore %d after its save failed: %s", self.id, attempt, exc
+                )
+                if attempt == 2:
+                    await channel.close()
+                    channel.not_detached()  # ended: the next call starts anew
+                    raise RestoreFailed(f"the machine was saved, then not restored: {exc}") from exc
         if failure is not None:
             raise failure
+
+    async def _rebind(self, channel: AgentChannel, image: Path) -> None:
+        from_agent_r, to_agent_w = await self._launch(image)
+        try:
+            await channel.rebind(from_agent_r, to_agent_w)
+        except BaseException:
+            for fd in (from_agent_r, to_agent_w):
+                with contextlib.suppress(OSError):  # unless the channel took it already
+                    os.close(fd)
+            raise
 
     @property
     def cgroup(self) -> str:
@@ -340,10 +380,12 @@ def oci_config(
     workspace: Path,
     limits: ResourceLimits,
     cgroup: str | None,
+    read_only: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
     """The machine's OCI config: its agent as root with few rights, read-only root, tmpfs
     /tmp and /run (saved with the machine), the workspace bound twice, our programs bound
-    read-only, and the sandbox's limits."""
+    read-only, `read_only`'s host directories at their paths inside (the channels' files),
+    and the sandbox's limits."""
     memory = limits.memory_mb << 20
 
     def bind(source: Path, target: str, *, ro: bool) -> dict[str, Any]:
@@ -411,6 +453,7 @@ def oci_config(
             bind(dirs_etc / "group", "/etc/group", ro=True),
             bind(workspace, WORKSPACE_IN_SANDBOX, ro=False),
             bind(workspace, HOME_IN_SANDBOX, ro=False),
+            *(bind(source, target, ro=True) for target, source in (read_only or {}).items()),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],

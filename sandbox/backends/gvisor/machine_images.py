@@ -13,6 +13,7 @@ session does (docs/gvisor.md, "Templates and forks").
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -21,6 +22,11 @@ from typing import Any
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.gvisor.machine import ImageUnusable
+from sandbox.egress_channel import FORWARDER_FILE
+from sandbox.host_channel import KERNEL_MODULE
+from sandbox.inside_kernel import machine_agent
+from sandbox.kernel.command import STARTUP_FILE
+from sandbox.kernel.programs import SUPERVISOR_FILE
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -58,6 +64,10 @@ def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
             raise ValueError("not an object")
         int(manifest["uid"])
         str(manifest["image"])
+        if not isinstance(manifest.get("kernels"), dict):
+            raise ValueError("no kernels")
+        if not isinstance(manifest.get("processes", []), list):
+            raise ValueError("no processes")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ImageUnusable(f"the saved machine has no readable manifest: {exc}") from None
     if manifest.get("version") != MANIFEST_VERSION:
@@ -74,11 +84,28 @@ def tree_bytes(root: Path) -> int:
     return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+@functools.cache
+def inside_code_digest() -> str:
+    """Our code a machine runs inside (its agent, start-up file, supervisor, forwarder, the
+    tools' module, the re-key code): a template made with other code is not this service's."""
+    digest = hashlib.sha256(f"{MANIFEST_VERSION}\n{_PYTHON_REKEY}".encode())
+    for path in (
+        Path(machine_agent.__file__),
+        STARTUP_FILE,
+        SUPERVISOR_FILE,
+        FORWARDER_FILE,
+        KERNEL_MODULE,
+    ):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def template_key(rootfs: Path, spec: SandboxSpec, preload: str) -> str:
     """What a template is made for: the image's root filesystem (by image id), what of the
-    spec its machine holds (limits, environment, working directory) and the preload."""
-    held = spec.model_dump(mode="json", include={"limits", "env", "workdir"})
-    text = json.dumps([rootfs.name, held, preload], sort_keys=True)
+    spec its machine holds (limits, environment, working directory, host tools), the preload
+    and our code inside."""
+    held = spec.model_dump(mode="json", include={"limits", "env", "workdir", "host_tools"})
+    text = json.dumps([rootfs.name, held, preload, inside_code_digest()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

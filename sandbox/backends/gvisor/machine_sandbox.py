@@ -5,11 +5,12 @@ that gVisor saves whole, to pause it (`suspend`) or to keep a copy it runs on fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +20,14 @@ from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError
 from sandbox.backends.gvisor.kernels import MachineKernelLauncher
-from sandbox.backends.gvisor.machine import Machine, MachineError, runsc_program, runsc_version
+from sandbox.backends.gvisor.machine import (
+    Machine,
+    MachineError,
+    RestoreFailed,
+    runsc_program,
+    runsc_version,
+)
+from sandbox.backends.gvisor.machine_channels import channel_environment
 from sandbox.backends.gvisor.machine_images import rekey_code, tree_bytes, write_manifest
 from sandbox.backends.gvisor.processes import MachineSpawner
 from sandbox.backends.gvisor.workspace_copy import copy_workspace
@@ -42,7 +50,9 @@ class MachineHome(Protocol):
     @property
     def paused_dir(self) -> Path: ...
 
-    def keep_uid(self, handle: str, uid: int) -> None: ...
+    def hold_uid_for(self, handle: str, uid: int) -> None: ...
+
+    def release_uid(self, uid: int) -> None: ...
 
     def finish_later(self, work: Awaitable[None]) -> None: ...
 
@@ -65,7 +75,7 @@ class GvisorSandbox(KernelSandbox):
         image: str,
         uid: int,
         launchers: dict[str, MachineKernelLauncher],
-        on_close: Callable[[], None],
+        uid_claimed: bool,
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._backend = backend
@@ -73,7 +83,7 @@ class GvisorSandbox(KernelSandbox):
         self._image = image
         self._uid = uid
         self._launchers = launchers
-        self._on_close = on_close
+        self._uid_claimed = uid_claimed  # its claim on its uid is its own to give back
 
     def _channel(self) -> AgentChannel:
         channel = self._machine.channel
@@ -82,7 +92,9 @@ class GvisorSandbox(KernelSandbox):
         return channel
 
     def spawner(self) -> MachineSpawner:
-        return MachineSpawner(self._machine.running, self._uid, lambda: dict(self.spec.env))
+        return MachineSpawner(
+            self._machine.running, self._uid, lambda: channel_environment(self.spec)
+        )
 
     async def adopt_processes(self, saved: list[dict[str, Any]]) -> None:
         """Processes the machine ran when saved, in this sandbox's table again."""
@@ -138,13 +150,23 @@ class GvisorSandbox(KernelSandbox):
             "runsc": await runsc_version(runsc_program()),
             "image": self._image,
             "uid": self._uid,
+            "host_tools": self.spec.host_tools,
+            "network": self.spec.network.enabled,
             "kernels": kernels,
             "processes": processes,
         }
 
-    async def _refuse_unsaveable(self) -> bool:
+    @contextlib.asynccontextmanager
+    async def _quiet(self) -> AsyncIterator[None]:
+        """No code runs in any of its kernels while inside: what is saved is between cells."""
         if self.is_busy:
             raise SandboxError("the sandbox is running code; save it once the code ends")
+        async with contextlib.AsyncExitStack() as stack:
+            for driver in list(self._drivers.values()):
+                await stack.enter_async_context(driver.quiet())
+            yield
+
+    async def _refuse_unsaveable(self) -> bool:
         channel = await self._machine.running()
         reasons = await channel.unsaveable()
         if reasons:
@@ -159,19 +181,20 @@ class GvisorSandbox(KernelSandbox):
         paused = self._backend.paused_dir / handle
         if not await self.save_and_stop(paused):
             return None
-
-        async def close_then_keep_uid() -> None:
-            await self.close()
-            if paused.is_dir():  # still paused: its processes run as it, kept for them
-                self._backend.keep_uid(handle, self._uid)
-
+        if self._uid_claimed:  # its processes run as it: its claim is the paused machine's now
+            self._backend.hold_uid_for(handle, self._uid)
+            self._uid_claimed = False
         # runsc's delete of the stopped machine takes a second or so: not the pause's to wait.
-        self._backend.finish_later(close_then_keep_uid())
+        self._backend.finish_later(self.close())
         return handle
 
     async def save_and_stop(self, into: Path) -> bool:
         """Save the whole machine into `into` (a new directory) and stop it: whether it was
         saved (if not, for what it holds, it runs on). Either way the caller closes it."""
+        async with self._quiet():
+            return await self._save_and_stop(into)
+
+    async def _save_and_stop(self, into: Path) -> bool:
         if await self._refuse_unsaveable():
             return False
         await asyncio.to_thread(into.mkdir, mode=0o700, parents=True)
@@ -202,33 +225,41 @@ class GvisorSandbox(KernelSandbox):
         """Save the whole machine into `into` and run on from the image just taken: its
         kernels, processes and terminals carry on (their output of the second or so the save
         takes may be lost). None where its gVisor cannot save what it holds."""
+        async with self._quiet():
+            return await self._save_whole(into, max_bytes)
+
+    async def _save_whole(self, into: Path, max_bytes: int) -> SavedState | None:
         if await self._refuse_unsaveable():
             return None
         await asyncio.to_thread(into.mkdir, mode=0o700, parents=True)
         workspace = into / WORKSPACE_DIR
+        copied: list[bool] = []
 
         async def copy_files() -> None:  # while the machine is stopped: the files are still
             await asyncio.to_thread(workspace.mkdir, mode=0o700)
             await asyncio.to_thread(copy_workspace, self.dirs.workspace, workspace)
+            copied.append(True)
 
         try:
             manifest = await self._manifest()
             try:
                 await self._machine.checkpoint_and_go_on(into / IMAGE_DIR, copy_files)
+            except RestoreFailed as exc:
+                # Saved, but not running on: the save holds; the session goes on in a new
+                # machine, its kernel's state lost (the next execution says so).
+                log.warning("machine %s: %s", self.id, exc)
+                if not copied:
+                    raise StateNotSaved(
+                        f"the machine was saved, its files were not: {exc}"
+                    ) from exc
             except MachineError as exc:
                 log.warning("machine %s could not be saved whole: %s", self.id, exc)
                 channel = self._machine.channel
                 if channel is not None and channel.detached and not channel.closed.done():
                     await self._reattach()
-                else:
-                    await self._follow_processes_again()
                 await asyncio.to_thread(shutil.rmtree, into, True)
                 return None
-            await self._follow_processes_again()
-            state = SavedState(machine=True)
-            state.machine_bytes = await asyncio.to_thread(tree_bytes, into / IMAGE_DIR)
-            state.workspace_bytes = await asyncio.to_thread(tree_bytes, workspace)
-            state.files = sum(1 for p in workspace.rglob("*") if not p.is_dir())
+            state = await asyncio.to_thread(_measured, into)
             if state.bytes > max_bytes:
                 raise StateTooLarge(
                     f"the whole machine takes {state.bytes} bytes, over the {max_bytes} allowed"
@@ -241,36 +272,32 @@ class GvisorSandbox(KernelSandbox):
         return state
 
     async def _reattach(self) -> None:
-        """After a checkpoint that failed: the machine runs on, talked to again, each process
-        followed anew (without its output again). If it does not answer, the next call
-        starts a new machine (`Machine.running`)."""
+        """After a checkpoint that failed: the machine runs on, talked to again (its processes
+        follow it again on their own: `MachineProcess.output`). If it does not answer, the
+        next call starts a new machine (`Machine.running`)."""
         channel = self._channel()
         try:
             await channel.reattach()
         except SandboxError as exc:
             log.warning("machine %s did not answer after a failed checkpoint: %s", self.id, exc)
             channel.not_detached()
-            return
-        await self._follow_processes_again()
-
-    async def _follow_processes_again(self) -> None:
-        """After a detach: each process still running followed anew (without its output of
-        before again); one the machine no longer has ends as lost."""
-        if self._processes is None:
-            return
-        spawner = self.spawner()
-        for process in self._processes.running():
-            terminal = process.request.terminal is not None
-            try:
-                spawned = await spawner.adopt(process.pid, terminal=terminal, replay=False)
-            except SandboxError as exc:
-                log.warning("process %d of machine %s is lost: %s", process.pid, self.id, exc)
-                continue
-            self._processes.adopt(spawned, process.request)
 
     async def _teardown(self) -> None:
         try:
             await self._machine.destroy()
             await super()._teardown()
         finally:
-            self._on_close()
+            if self._uid_claimed:
+                self._uid_claimed = False
+                self._backend.release_uid(self._uid)
+
+
+def _measured(saved: Path) -> SavedState:
+    """What a whole save in `saved` holds, by its files (blocking: run it on a thread)."""
+    workspace = saved / WORKSPACE_DIR
+    return SavedState(
+        machine=True,
+        machine_bytes=tree_bytes(saved / IMAGE_DIR),
+        workspace_bytes=tree_bytes(workspace),
+        files=sum(1 for p in workspace.rglob("*") if not p.is_dir()),
+    )

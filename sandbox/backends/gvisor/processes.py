@@ -41,12 +41,25 @@ class MachineProcess(SpawnedProcess):
         self._err = err
         self._terminal = terminal
 
-    def output(self) -> AsyncIterator[tuple[Stream, bytes]]:
+    async def output(self) -> AsyncIterator[tuple[Stream, bytes]]:
+        """Its output to its end. A save of its machine drops its streams; once the machine
+        runs on, it is followed again, and what it wrote meanwhile comes first."""
         first: Stream = "pty" if self._terminal else "stdout"
-        sources: dict[Stream, ChannelStream] = {first: self._io}
-        if self._err is not None:
-            sources["stderr"] = self._err
-        return merged(sources)
+        while True:
+            sources: dict[Stream, ChannelStream] = {first: self._io}
+            if self._err is not None:
+                sources["stderr"] = self._err
+            async for item in merged(sources):
+                yield item
+            channel = self._channel
+            if not channel.detached or not await channel.until_attached():
+                return
+            try:
+                self._io, self._err = await channel.adopt(
+                    self.pid, stderr=not self._terminal, replay="unsent"
+                )
+            except (AgentError, SandboxLost):  # it ended meanwhile, and is gone
+                return
 
     async def write_stdin(self, data: bytes) -> None:
         await self._io.write(data)

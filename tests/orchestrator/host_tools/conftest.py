@@ -50,7 +50,8 @@ RAW_CLIENT = """
 import json, os, socket
 def raw(data, wait=10):
     s = socket.socket(socket.AF_UNIX)
-    s.connect(os.path.join(os.environ['CIR_HOST_TOOLS_DIR'], 'sock'))
+    tools_dir = os.environ['CIR_HOST_TOOLS_DIR']
+    s.connect(os.environ.get('CIR_HOST_TOOLS_SOCKET') or os.path.join(tools_dir, 'sock'))
     s.settimeout(wait)
     s.sendall(data)
     got = b''

@@ -1,0 +1,107 @@
+"""A gVisor machine's ways out, through its agent (sandbox/backends/gvisor/machine_channels.py):
+host tools called from the kernel, across a whole-machine pause too, and a
+network policy's egress proxy reached through the forwarder inside."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
+from sandbox import create_backend
+from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
+from tests.conftest import require_backend, small_spec
+from tests.network.conftest import FETCH, Net, served_net
+from tests.network.upstream import HELLO
+from tests.orchestrator.host_tools.tools_for_tests import TOOLS
+
+
+@pytest.fixture(scope="module")
+async def gvisor(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GvisorBackend]:
+    require_backend("gvisor")
+    state = tmp_path_factory.mktemp("gv-channels", numbered=True)
+    backend = create_backend("gvisor", state_dir=state, templates=False)
+    assert isinstance(backend, GvisorBackend)
+    yield backend
+    await backend.close()
+
+
+async def _tools(sb: GvisorSandbox) -> ToolChannel:
+    assert sb.host_channel is not None
+    return await ToolChannel.open(
+        sb.host_channel, ToolRegistry(TOOLS).select(["add"]), ChannelLimits()
+    )
+
+
+async def test_host_tools_are_reached_through_the_agent_and_kept_across_a_pause(
+    gvisor: GvisorBackend,
+) -> None:
+    sb = await gvisor.create(small_spec(host_tools=True))
+    channel = await _tools(sb)
+    try:
+        assert (await sb.execute("import host_tools\nawait host_tools.add(1, b=2)")).text == "3"
+        # The host's socket is in the directory, unreachable from inside: only the agent's is.
+        refused = await sb.execute(
+            "import os, socket\ns = socket.socket(socket.AF_UNIX)\n"
+            "s.connect(os.path.join(os.environ['CIR_HOST_TOOLS_DIR'], 'sock'))"
+        )
+        assert refused.error is not None, refused
+        handle = await sb.suspend()
+        assert handle is not None  # a Unix socket inside: saved whole
+    finally:
+        channel.close()
+        await sb.close()
+    woken = await gvisor.wake(handle, sb.spec)
+    channel = await _tools(woken)
+    try:  # its kernel and its listener restored; the host side is the new sandbox's
+        assert (await woken.execute("await host_tools.add(4, b=5)")).text == "9"
+    finally:
+        channel.close()
+        await woken.close()
+
+
+@pytest.fixture(scope="module")
+def gvisor_net() -> Iterator[Net]:
+    require_backend("gvisor")
+    with served_net(backends="gvisor", default_backend="gvisor") as served:
+        yield served
+
+
+def _run(api: httpx.Client, sid: str, code: str) -> str:
+    reply = api.post(f"/v1/sessions/{sid}/execute", json={"code": code, "timeout_s": 120})
+    assert reply.status_code == 200 and reply.json()["error"] is None, reply.text
+    return str(reply.json()["stdout"])
+
+
+def test_a_network_policy_is_served_through_the_agent_and_pauses_the_kernel_way(
+    gvisor_net: Net,
+) -> None:
+    net = gvisor_net
+    policy = {"allow": [f"allowed.test:{net.up.port}"]}
+    with net.server.client() as api:
+        created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        try:
+            _run(api, sid, FETCH + "x = 41")
+            fetch = f"print(json.dumps(fetch('{net.allowed}/hello')))"
+            assert json.loads(_run(api, sid, fetch)) == [200, HELLO.decode()]
+            curl = api.post(
+                f"/v1/sessions/{sid}/commands",
+                json={"argv": ["curl", "-sS", f"{net.allowed}/hello"]},
+            ).json()
+            assert (curl["exit_code"], curl["stdout"]) == (0, HELLO.decode()), curl
+            outside = json.loads(_run(api, sid, "print(json.dumps(fetch('http://other.test/')))"))
+            assert outside[0] == 403, outside
+            # The forwarder's TCP port cannot be saved by this gVisor: the kernel's state is.
+            assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
+            paused_dir = net.server.state_dir / "gvisor-paused"
+            assert not paused_dir.exists() or not any(paused_dir.iterdir())
+            assert api.post(f"/v1/sessions/{sid}/resume").status_code == 200
+            assert _run(api, sid, "print(x + 1)").strip() == "42"
+            assert json.loads(_run(api, sid, FETCH + fetch)) == [200, HELLO.decode()]
+        finally:
+            api.delete(f"/v1/sessions/{sid}")

@@ -132,8 +132,11 @@ class Agent:
         os.set_blocking(sig_w, False)
         signal.set_wakeup_fd(sig_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGPIPE"):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
+        # Shrugged off by a handler, not ignored: an ignored signal stays ignored in the
+        # children across their exec, and a command must end at SIGTERM, a kernel at SIGINT.
+        for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+            signal.signal(getattr(signal, name), lambda *_: None)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # restored in children by Popen
         # The host's pipes are read and written blocking, stdin by a thread of its own: after a
         # restore they are new host files, which gVisor's epoll does not report ready again.
         self.host_r, self.host_w = socket.socketpair()

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Awaitable
@@ -258,9 +259,16 @@ class GvisorBackend(Backend):
     async def _make_template(self, key: str, spec: SandboxSpec, image: str) -> Path:
         try:
             async with self._template_lock:  # one at a time: each takes a machine's start
-                where, making = self.templates_dir / key, self.templates_dir / f"{key}.new"
-                for stale in (where, making):
-                    await asyncio.to_thread(shutil.rmtree, stale, True)
+                # Made apart (another service on this state dir may make the same one), then
+                # renamed into place: one found there meanwhile is the one kept.
+                where = self.templates_dir / key
+                making = self.templates_dir / f".{key}.{secrets.token_hex(4)}.new"
+                try:  # made meanwhile by another service on this state dir
+                    await asyncio.to_thread(read_manifest, where, await _version())
+                    self._templates[key] = where
+                    return where
+                except ImageUnusable:
+                    await asyncio.to_thread(shutil.rmtree, where, True)
                 kernels, rootfs = await self._image(image)
                 sandbox = await _MachineRecipe(self, spec, image, kernels, rootfs).make()
                 try:
@@ -271,7 +279,10 @@ class GvisorBackend(Backend):
                     self.finish_later(sandbox.close())
                 if not saved:
                     raise SandboxError("the template's machine could not be saved")
-                os.rename(making, where)
+                try:
+                    os.rename(making, where)
+                except OSError:  # made by another meanwhile: theirs is as good
+                    await asyncio.to_thread(shutil.rmtree, making, True)
                 self._templates[key] = where
                 self._failed.pop(key, None)
                 log.info("template %s made for the sandboxes of its spec", key)

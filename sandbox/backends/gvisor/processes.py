@@ -9,10 +9,11 @@ goes to the process's group and to every process carrying its marker (what left 
 from __future__ import annotations
 
 import contextlib
+import posixpath
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from code_interpreter_wire.errors import SandboxError, SandboxLost
+from code_interpreter_wire.errors import FileMissing, SandboxError, SandboxLost
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 from sandbox.backends.gvisor.agent_channel import (
@@ -111,7 +112,8 @@ class MachineSpawner(Spawner):
             pid, io, err = await channel.spawn(
                 request.full_argv(),
                 env=env,
-                cwd=request.cwd or WORKSPACE_IN_SANDBOX,
+                # A relative directory is the workspace's, as a command's `cd` would take it.
+                cwd=posixpath.join(WORKSPACE_IN_SANDBOX, request.cwd or ""),
                 uid=self._uid,
                 gid=self._uid,
                 tag=PROCESS_TAG,
@@ -120,6 +122,11 @@ class MachineSpawner(Spawner):
                 tty=None if size is None else (size.rows, size.cols),
             )
         except AgentError as exc:
+            if "FileNotFoundError" in str(exc) or "NotADirectoryError" in str(exc):
+                raise FileMissing(
+                    f"the process did not start: its program or working directory is missing "
+                    f"({exc})"
+                ) from None
             raise SandboxError(f"the process did not start: {exc}") from None
         return MachineProcess(channel, pid, io, err, size is not None)
 

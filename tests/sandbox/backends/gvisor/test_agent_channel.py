@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from code_interpreter_wire.errors import SandboxLost
-from sandbox.backends.gvisor.agent_channel import AgentChannel, ChannelStream, ChildEnd
+from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError, ChannelStream, ChildEnd
 from sandbox.inside_kernel import machine_agent
 from sandbox.inside_kernel.machine_agent import HEADER, MAX_PAYLOAD, TAIL_BYTES, WINDOW
 
@@ -183,7 +183,8 @@ async def test_after_a_detach_a_new_host_adopts_a_child_with_the_last_of_its_out
             break
         await asyncio.sleep(0.05)
     assert written.exists()
-    children = await agent.hello()
+    children = await agent.hello()  # talked to again (what `reattach` does)
+    agent.not_detached()
     assert [c.pid for c in children if c.end is None] == [pid]
     io, _ = await agent.adopt(pid, stderr=True)
     await io.write(b"\n")
@@ -263,3 +264,14 @@ async def test_a_rogue_agent_cannot_make_the_host_write_for_it(tmp_path: Path) -
         await channel.close()
         process.kill()
         process.wait()
+
+
+async def test_a_detached_channel_refuses_requests_unless_a_save_goes_on(
+    agent: AgentChannel,
+) -> None:
+    await agent.detach()  # a save that stops the machine: nothing is asked of it any more
+    with pytest.raises(AgentError, match="being saved"):
+        await agent.signal(1, 0)
+    with pytest.raises(AgentError, match="only a detached channel"):
+        agent.not_detached()
+        await agent.rebind(0, 1)

@@ -343,15 +343,7 @@ class Agent:
         except OSError:  # a terminal's master reads EIO once every holder of its side is gone
             data = b""
         if not data:
-            self.forget(fd)
-            os.close(fd)
-            del child.out[name]
-            if stream is not None and not stream.eof_sent:
-                stream.eof_sent = True
-                self.frame(EOF, stream.sid)
-            if child.tty and child.input >= 0:
-                os.close(child.input)
-                child.input = -1
+            self.end_output(child, name, fd)
             return
         child.keep(name, data)
         if stream is not None:
@@ -359,6 +351,19 @@ class Agent:
             self.frame(DATA, stream.sid, data)
         else:
             child.unsent[name] = min(child.unsent[name] + len(data), child.tail_sizes[name])
+
+    def end_output(self, child: Child, name: str, fd: int) -> None:
+        """The child's output `name` is over: its stream told, its descriptor closed."""
+        self.forget(fd)
+        os.close(fd)
+        del child.out[name]
+        stream = child.streams[name]
+        if stream is not None and not stream.eof_sent:
+            stream.eof_sent = True
+            self.frame(EOF, stream.sid)
+        if child.tty and child.input >= 0:
+            os.close(child.input)
+            child.input = -1
 
     def resume_child(self, child: Child) -> None:
         for name, fd in child.out.items():
@@ -387,6 +392,10 @@ class Agent:
                     self.read_child(child, name, fd)
                     if child.tail_sizes[name] == before:
                         break
+                # A terminal ends with its process: gVisor's master does not report the
+                # slave's last close (Linux's reads EIO), and the session is over anyway.
+                if child.tty and name in child.out:
+                    self.end_output(child, name, fd)
             self.report_exit(child)
 
     def report_exit(self, child: Child) -> None:

@@ -6,14 +6,17 @@ gVisor is installed); without one they skip on a developer's machine and fail in
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import AsyncIterator
+import shutil
+from collections.abc import AsyncIterator, Iterator
 
 import docker
 import pytest
 
 from sandbox import Backend, create_backend
 from tests.conftest import TEST_ORCHESTRATOR_ID, require_backend
+from tests.orchestrator.service.conftest import Server, make_server
 
 GVISOR = "runsc"
 
@@ -41,3 +44,17 @@ async def docker_backend() -> AsyncIterator[Backend]:
 def container_runtime(name: str) -> str:
     """The runtime the engine says a container runs under."""
     return str(docker.from_env().containers.get(name).attrs["HostConfig"]["Runtime"])
+
+
+@contextlib.contextmanager
+def machine_server(backends: str) -> Iterator[Server]:
+    """A real server whose default backend is gvisor (`backends`: the ones it enables); it may
+    be stopped and started again by its test."""
+    require_backend("gvisor")
+    running = make_server(backends=backends, default_backend="gvisor").start()
+    try:
+        yield running
+    finally:
+        if running.process is not None and running.process.poll() is None:
+            running.stop()
+        shutil.rmtree(running.state_dir.parent, ignore_errors=True)

@@ -4,7 +4,6 @@ kernel's variables and a background command come back as they were, and the comm
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable, Iterator
 
@@ -12,9 +11,9 @@ import pytest
 from e2b import SandboxQuery, SandboxState
 from e2b_code_interpreter import Sandbox
 
-from tests.conftest import require_backend
 from tests.e2b_sdk_fixtures import point_sdk_at
-from tests.orchestrator.service.conftest import Server, make_server
+from tests.gvisor.conftest import machine_server
+from tests.orchestrator.service.conftest import Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,12 +32,8 @@ GENERATOR = (
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     """A server whose only backend is gvisor (E2B's template `gvisor` names it)."""
-    require_backend("gvisor")
-    running = make_server(backends="gvisor", default_backend="gvisor").start()
-    yield running
-    if running.process is not None and running.process.poll() is None:
-        running.stop()
-    shutil.rmtree(running.state_dir.parent, ignore_errors=True)
+    with machine_server("gvisor") as running:
+        yield running
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ the whole machine, a resume restores it, a restart of the service keeps it, a de
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
 
@@ -12,8 +11,8 @@ import httpx
 import pytest
 
 from code_interpreter_client import Client
-from tests.conftest import require_backend
-from tests.orchestrator.service.conftest import KEY_A, Server, make_server
+from tests.gvisor.conftest import machine_server
+from tests.orchestrator.service.conftest import KEY_A, Server
 
 GENERATOR = (
     "def counting():\n    n = 0\n    while True:\n        n += 1\n        yield n\n"
@@ -23,12 +22,8 @@ GENERATOR = (
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    require_backend("gvisor")
-    running = make_server(backends="gvisor,local", default_backend="gvisor").start()
-    yield running
-    if running.process is not None and running.process.poll() is None:
-        running.stop()
-    shutil.rmtree(running.state_dir.parent, ignore_errors=True)
+    with machine_server("gvisor,local") as running:
+        yield running
 
 
 def test_a_paused_machine_session_resumes_whole_even_after_a_restart(server: Server) -> None:

@@ -19,6 +19,7 @@ from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
 from sandbox.backends.gvisor.machine import ImageUnusable
+from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import require_backend
 
 LOOK = (
@@ -159,3 +160,16 @@ async def test_a_fork_whose_kernel_will_not_take_its_new_key_fails_loudly(
         await sb.close()
     with pytest.raises(SandboxError, match="key could not be changed"):
         await gvisor.fork(tmp_path / "whole", sb.spec)
+
+
+async def test_another_image_is_never_restored_from_this_images_template(
+    gvisor: GvisorBackend,
+) -> None:
+    limits = ResourceLimits(memory_mb=768)  # the spec whose template the tests above made
+    await gvisor.prepare_templates(SandboxSpec(limits=limits))
+    full = await gvisor.create(SandboxSpec(image=FULL_IMAGE, limits=limits))
+    try:
+        assert {"r", "javascript"} <= set(full.languages), full.languages
+        assert (await full.execute("import sys; 'pandas' in sys.modules")).text == "False"
+    finally:
+        await full.close()

@@ -105,7 +105,7 @@ assert set(CASES) == set(LANGUAGES)
 @pytest.fixture(scope="module")
 async def polyglot(backend: Backend) -> AsyncIterator[Sandbox]:
     """A sandbox with every language: the host's kernels (local), the full image (Docker)."""
-    spec = small_spec(image=FULL_IMAGE) if backend.name == "docker" else small_spec()
+    spec = small_spec(image=FULL_IMAGE) if backend.capabilities.images else small_spec()
     sb = await backend.create(spec)
     try:
         missing = set(LANGUAGES) - set(sb.languages)
@@ -205,7 +205,7 @@ async def test_python_and_r_work_on_the_same_workspace_file(polyglot: Sandbox) -
 
 
 async def test_a_language_starts_on_first_use_only(backend: Backend) -> None:
-    spec = small_spec(image=FULL_IMAGE) if backend.name == "docker" else small_spec()
+    spec = small_spec(image=FULL_IMAGE) if backend.capabilities.images else small_spec()
     sb = await backend.create(spec)
     try:
         assert isinstance(sb, KernelSandbox)
@@ -242,7 +242,7 @@ async def test_the_memory_limit_binds_the_sandbox_not_each_kernel(backend: Backe
     if not cgroups.available():
         pytest.skip("needs root and cgroup v1 (as in CI) for the sandbox-wide memory limit")
     limits = small_spec().limits.model_copy(update={"memory_mb": 600})
-    image = {"image": FULL_IMAGE} if backend.name == "docker" else {}
+    image = {"image": FULL_IMAGE} if backend.capabilities.images else {}
     sb = await backend.create(small_spec(limits=limits, **image))
     try:
         held = await sb.execute("import numpy as np; a = np.ones(400 * 2**20 // 8); a[0] = 2")

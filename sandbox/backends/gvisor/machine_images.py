@@ -105,7 +105,8 @@ def template_key(rootfs: Path, spec: SandboxSpec, preload: str) -> str:
     spec its machine holds (limits, environment, working directory, host tools), the preload
     and our code inside."""
     held = spec.model_dump(mode="json", include={"limits", "env", "workdir", "host_tools"})
-    text = json.dumps([rootfs.name, held, preload, inside_code_digest()], sort_keys=True)
+    image_id = rootfs.parent.name  # `<store>/<image id>/rootfs` (unpack_rootfs)
+    text = json.dumps([image_id, held, preload, inside_code_digest()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

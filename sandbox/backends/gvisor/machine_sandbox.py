@@ -10,12 +10,13 @@ import dataclasses
 import logging
 import secrets
 import shutil
+import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from code_interpreter_wire.errors import SandboxError, StateNotSaved
-from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.languages import PYTHON, canonical_language
 from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError
@@ -95,6 +96,14 @@ class GvisorSandbox(KernelSandbox):
         return MachineSpawner(
             self._machine.running, self._uid, lambda: channel_environment(self.spec)
         )
+
+    async def restart(self, language: str | None = None) -> None:
+        """As on the other backends, where a new Python kernel is a new sandbox: the
+        processes beside it end with it (the machine itself runs on)."""
+        if language is None or canonical_language(language) == PYTHON:
+            for process in self._processes.running() if self._processes is not None else []:
+                await process.signal(signal.SIGKILL)
+        await super().restart(language)
 
     async def adopt_processes(self, saved: list[dict[str, Any]]) -> None:
         """Processes the machine ran when saved, in this sandbox's table again."""

@@ -42,7 +42,8 @@ def test_what_each_backend_declares() -> None:
     assert local.host_dirs and docker.host_dirs and not e2b.host_dirs  # e2b's are in its VM
     gvisor = backend_type("gvisor").capabilities  # machines, saved whole by gVisor
     assert gvisor.suspend and gvisor.processes and gvisor.images and not gvisor.runtimes
-    assert gvisor.network_modes == ("none",) and not gvisor.host_tools  # not through it yet
+    # Host tools and egress through its agent (sandbox/backends/gvisor/machine_channels.py).
+    assert gvisor.network_modes == docker.network_modes and gvisor.host_tools
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")

@@ -29,6 +29,8 @@ from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.e2b_sandbox import E2BSandbox, working_directory
 
 log = logging.getLogger(__name__)
+
+_STALE_CONNECTION = "connection closed before message completed"
 DEFAULT_TEMPLATE = "code-interpreter-v1"
 ORCHESTRATOR_LABEL = "code-interpreter.orchestrator"
 
@@ -125,21 +127,30 @@ class E2BBackend(Backend):
             raise BackendUnavailable(_missing_key(cfg) or "no E2B API key")
         if spec.host_tools:  # the service refuses earlier (400); a direct caller learns here
             raise SandboxStartError("host tools need a local or Docker sandbox: E2B has no channel")
-        try:
-            remote = await AsyncSandbox.create(
-                template=spec.image or cfg.template,
-                timeout=cfg.sandbox_timeout_s,
-                metadata={**cfg.metadata, **spec.labels, **self._label()},
-                envs=dict(spec.env) or None,
-                allow_internet_access=spec.network.mode == "any",
-                **self.connection(),
-            )
-        except AuthenticationException as exc:
-            raise BackendUnavailable(f"E2B refused the API key: {exc}") from exc
-        except RateLimitException as exc:
-            raise BackendRateLimited(f"E2B is rate-limiting sandbox creation: {exc}") from exc
-        except Exception as exc:
-            raise SandboxStartError(f"could not create an E2B sandbox: {exc}") from exc
+        for attempt in (1, 2):
+            try:
+                remote = await AsyncSandbox.create(
+                    template=spec.image or cfg.template,
+                    timeout=cfg.sandbox_timeout_s,
+                    metadata={**cfg.metadata, **spec.labels, **self._label()},
+                    envs=dict(spec.env) or None,
+                    allow_internet_access=spec.network.mode == "any",
+                    **self.connection(),
+                )
+                break
+            except AuthenticationException as exc:
+                raise BackendUnavailable(f"E2B refused the API key: {exc}") from exc
+            except RateLimitException as exc:
+                raise BackendRateLimited(f"E2B is rate-limiting sandbox creation: {exc}") from exc
+            except Exception as exc:
+                # The SDK's pooled connection was closed by the server as idle just as the
+                # request went out (the SDK retries refused connections, not these): once
+                # more, on a new one. A sandbox made by the first all the same is labelled as
+                # ours, and cleared with the orphans.
+                if attempt == 1 and _STALE_CONNECTION in str(exc):
+                    log.info("E2B create met a connection closed as idle; trying again")
+                    continue
+                raise SandboxStartError(f"could not create an E2B sandbox: {exc}") from exc
         try:
             workdir = await working_directory(remote)
         except BaseException:

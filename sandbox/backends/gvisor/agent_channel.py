@@ -205,7 +205,8 @@ class AgentChannel:
         if self.detached and op != "hello":
             if not self.going_on:  # saved to stop (or a save given up): it answers no more
                 raise AgentError(f"the sandbox's machine is being saved; {op} was not sent")
-            await self._attached_again()  # saved to go on: asked once it does
+            with contextlib.suppress(TimeoutError):  # saved to go on: asked once it does
+                await asyncio.wait_for(self.until_attached(), REQUEST_TIMEOUT_S)
         if self.closed.done():
             raise SandboxLost(f"the sandbox's agent is gone: {self.closed.result()}")
         rid = next(self._ids)
@@ -244,14 +245,6 @@ class AgentChannel:
             finally:
                 waiter.cancel()
         return not self.closed.done()
-
-    async def _attached_again(self) -> None:
-        waiter = asyncio.ensure_future(self.attached.wait())
-        try:
-            either: set[asyncio.Future[Any]] = {waiter, self.closed}
-            await asyncio.wait(either, timeout=REQUEST_TIMEOUT_S, return_when=FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
 
     async def hello(self) -> list[Child]:
         answer = await self.request("hello")

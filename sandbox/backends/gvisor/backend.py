@@ -44,9 +44,9 @@ from sandbox.backends.gvisor.machine import (
     ImageUnusable,
     Machine,
     MachineError,
+    host_runsc_version,
     oci_config,
     runsc_program,
-    runsc_version,
     unpack_rootfs,
     write_bundle,
 )
@@ -225,7 +225,7 @@ class GvisorBackend(Backend):
         where = self.templates_dir / key
         if key not in self._building and (where / MANIFEST).is_file():  # kept from before
             try:
-                read_manifest(where, await _version())
+                read_manifest(where, await host_runsc_version())
                 self._templates[key] = where
                 return where
             except ImageUnusable as exc:
@@ -264,7 +264,7 @@ class GvisorBackend(Backend):
                 where = self.templates_dir / key
                 making = self.templates_dir / f".{key}.{secrets.token_hex(4)}.new"
                 try:  # made meanwhile by another service on this state dir
-                    await asyncio.to_thread(read_manifest, where, await _version())
+                    await asyncio.to_thread(read_manifest, where, await host_runsc_version())
                     self._templates[key] = where
                     return where
                 except ImageUnusable:
@@ -302,7 +302,7 @@ class GvisorBackend(Backend):
     async def _restore(self, saved: Path, spec: SandboxSpec, *, shared: bool) -> GvisorSandbox:
         """A sandbox restored from the saved machine in `saved`; `shared`: others are restored
         from it too, so it is re-keyed."""
-        manifest = await asyncio.to_thread(read_manifest, saved, await _version())
+        manifest = await asyncio.to_thread(read_manifest, saved, await host_runsc_version())
         for holds, asked, what in (
             (manifest.get("host_tools", False), spec.host_tools, "host tools"),
             (manifest.get("network", False), spec.network.enabled, "a network"),
@@ -369,10 +369,6 @@ class GvisorBackend(Backend):
 def _log_failure(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("a machine's work in the background failed: %s", task.exception())
-
-
-async def _version() -> str:
-    return await runsc_version(runsc_program())
 
 
 class _MachineRecipe(KernelRecipe["GvisorSandbox"]):

@@ -100,6 +100,11 @@ async def runsc_version(program: str) -> str:
     return _versions[key]
 
 
+async def host_runsc_version() -> str:
+    """The version of the runsc this host runs machines with."""
+    return await runsc_version(runsc_program())
+
+
 class Machine:
     """One runsc container and the channel to its agent."""
 

@@ -25,8 +25,7 @@ from sandbox.backends.gvisor.machine import (
     Machine,
     MachineError,
     RestoreFailed,
-    runsc_program,
-    runsc_version,
+    host_runsc_version,
 )
 from sandbox.backends.gvisor.machine_channels import channel_environment
 from sandbox.backends.gvisor.machine_images import rekey_code, tree_bytes, write_manifest
@@ -156,7 +155,7 @@ class GvisorSandbox(KernelSandbox):
         """What the image about to be taken holds; written last, once all of it is saved."""
         kernels, processes = self._saved_parts()
         return {
-            "runsc": await runsc_version(runsc_program()),
+            "runsc": await host_runsc_version(),
             "image": self._image,
             "uid": self._uid,
             "host_tools": self.spec.host_tools,

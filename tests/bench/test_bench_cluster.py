@@ -12,6 +12,7 @@ import pytest
 
 from bench.cluster import COLD, HOP, LOCAL, THROUGHPUT_WHO, WARM, Plan, figures_of, section
 from bench.report import render
+from tests.bench.minimal_report import minimal_report
 
 pytestmark = pytest.mark.unit
 
@@ -73,18 +74,5 @@ def test_the_section_shows_ratios_percentiles_and_the_cores_beside_the_ratio() -
 
 
 def test_make_bench_s_report_includes_the_section_when_measured() -> None:
-    report: dict[str, Any] = {
-        "date": "today",
-        "machine": "here",
-        "latency": [],
-        "cluster": _figures(),
-        "heavy": [],
-        "throughput_levels": [1],
-        "throughput": {},
-        "density_counts": [1],
-        "density": {},
-        "capacity": {},
-        "peers": {},
-        "not_run": {},
-    }
+    report = minimal_report(cluster=_figures())
     assert "## Cluster mode" in render(report)

@@ -24,6 +24,7 @@ from bench.machines import (
     section,
 )
 from bench.report import render
+from tests.bench.minimal_report import minimal_report
 
 pytestmark = pytest.mark.unit
 
@@ -91,18 +92,7 @@ def test_the_section_shows_times_goals_verdicts_sizes_and_the_template() -> None
 
 
 def test_make_bench_s_report_includes_the_section_when_measured() -> None:
-    report: dict[str, Any] = {
-        "date": "today",
-        "machine": "here",
-        "latency": [],
-        "machines": _figures({"pandas_imported": True, "prepare_s": 1.0, "bytes": 1}),
-        "heavy": [],
-        "throughput_levels": [1],
-        "throughput": {},
-        "density_counts": [1],
-        "density": {},
-        "capacity": {},
-        "peers": {},
-        "not_run": {},
-    }
+    report = minimal_report(
+        machines=_figures({"pandas_imported": True, "prepare_s": 1.0, "bytes": 1})
+    )
     assert "## Machine sandboxes (`gvisor`)" in render(report)

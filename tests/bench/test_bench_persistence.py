@@ -11,6 +11,7 @@ import pytest
 
 from bench.persistence import BASELINE, MEASURES, rows_of, section
 from bench.report import render
+from tests.bench.minimal_report import minimal_report
 
 pytestmark = pytest.mark.unit
 
@@ -43,18 +44,5 @@ def test_the_section_shows_times_ratios_bytes_and_what_was_not_run() -> None:
 
 
 def test_make_bench_s_report_includes_the_section_when_measured() -> None:
-    report: dict[str, Any] = {
-        "date": "today",
-        "machine": "here",
-        "latency": [],
-        "persistence": _figures(),
-        "heavy": [],
-        "throughput_levels": [1],
-        "throughput": {},
-        "density_counts": [1],
-        "density": {},
-        "capacity": {},
-        "peers": {},
-        "not_run": {},
-    }
+    report = minimal_report(persistence=_figures())
     assert "## Pause, resume, snapshots" in render(report)

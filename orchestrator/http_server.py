@@ -15,6 +15,7 @@ checks that those points are still there."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
@@ -137,6 +138,18 @@ class _PauseNotingFlow(FlowControl):
         super().pause_reading()
 
 
+def answer_at_once(transport: asyncio.BaseTransport) -> None:
+    """No Nagle delay on a TCP connection: an answer goes out in several writes (head, body),
+    and Nagle holds the second until the first is acknowledged, which a client delays by up to
+    40 ms on a kept-alive connection (measured: every request after a connection's first took
+    44 ms, `/healthz` included). asyncio sets TCP_NODELAY only on sockets whose protocol number
+    says TCP; set here for every connection, however its listening socket was made."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, telling the guard what each connection waits for and whether
     its request's caller has proven a key (a CallerMark in each request's scope)."""
@@ -153,6 +166,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        answer_at_once(transport)
         self.flow = self._flow = _PauseNotingFlow(transport)
         try:
             refusal = self.guard.admit(self, self.client[0] if self.client else "")
@@ -310,7 +324,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
     known before the app is made (the sandboxes' egress proxies refuse it) and nothing can
     take the port in between. OSError when it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = _ListeningSocket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, so that asyncio treats its connections as TCP (TCP_NODELAY) too.
+    sock = _ListeningSocket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

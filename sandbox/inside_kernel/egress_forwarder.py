@@ -41,7 +41,9 @@ def _listeners(port: int) -> list[socket.socket]:
     """Listening sockets on the IPv4 and (when the sandbox has it) IPv6 loopback."""
     found = []
     for family, address in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio then sets TCP_NODELAY on each connection (it does only
+        # for sockets that say TCP), so a relayed answer is not held back by Nagle's wait.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:

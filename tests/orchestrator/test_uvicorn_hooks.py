@@ -19,7 +19,12 @@ from websockets.asyncio.client import connect
 
 from orchestrator.caller_mark import EXTENSION, CallerMark, caller_proven
 from orchestrator.connection_guard import ConnectionGuard, ConnectionLimits, Phase, Watched
-from orchestrator.http_server import GuardedH11Protocol, guarded_protocol, listening_socket
+from orchestrator.http_server import (
+    GuardedH11Protocol,
+    answer_at_once,
+    guarded_protocol,
+    listening_socket,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -176,3 +181,43 @@ async def test_a_websocket_upgrade_carries_the_mark(served: Served) -> None:
     await until(lambda: protocol.is_gone())
     guard.sweep()
     assert guard.phase(protocol) is None
+
+
+def nodelay(protocol: GuardedH11Protocol) -> int:
+    sock = protocol.transport.get_extra_info("socket")
+    return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+
+async def test_connections_answer_without_nagles_wait(served: Served) -> None:
+    """An answer's writes go out at once (TCP_NODELAY): with Nagle's algorithm, the body waited
+    for the client's delayed acknowledgement of the head, 40 ms on every request after a
+    kept-alive connection's first. Set whether or not the listening socket names TCP."""
+    _, writer = await asyncio.open_connection("127.0.0.1", served.port)
+    try:
+        await until(lambda: bool(served.guard.admitted))
+        assert nodelay(served.guard.protocol()) == 1
+    finally:
+        writer.close()
+    # A listening socket made without naming TCP (asyncio then leaves Nagle on): still set.
+    bare = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    bare.bind(("127.0.0.1", 0))
+    bare.listen()
+    loop = asyncio.get_running_loop()
+    made: list[asyncio.Transport] = []
+
+    class Recorder(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport)
+            made.append(transport)
+
+    server = await loop.create_server(Recorder, sock=bare)
+    try:
+        _, plain = await asyncio.open_connection(*bare.getsockname()[:2])
+        await until(lambda: bool(made))
+        sock = made[0].get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # asyncio's default
+        answer_at_once(made[0])
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        plain.close()
+    finally:
+        server.close()

@@ -113,9 +113,19 @@ class KernelChannels:
     """The reading side of one kernel generation's sockets (sending stays with the client)."""
 
     def __init__(
-        self, client: AsyncKernelClient, *, frame_limit: int, text_limit: int = 1_000_000
+        self,
+        client: AsyncKernelClient,
+        *,
+        frame_limit: int,
+        text_limit: int = 1_000_000,
+        output_moved: Callable[[], float] | None = None,
     ) -> None:
         self.client = client
+        # When bytes of iopub last moved toward us below ZeroMQ (a backend that relays the
+        # kernel's sockets, in time.monotonic()); None where ZeroMQ reads the kernel directly.
+        # A message still crossing a slow relay is activity too: its reply, on another
+        # socket, may overtake it by seconds.
+        self.output_moved = output_moved
         self.frame_limit = frame_limit
         self.text_limit = text_limit  # a reply's texts are kept up to this many characters
         context = client.context
@@ -210,6 +220,8 @@ class KernelChannels:
             now = time.monotonic()
             if self.inbox.items or self.handling:
                 self.last_activity = now
+            if self.output_moved is not None:
+                self.last_activity = max(self.last_activity, self.output_moved())
             quiet_until = max(self.last_activity, replied) + QUIET_AFTER_REPLY_S
             wait = min(quiet_until, replied + MAX_WAIT_AFTER_REPLY_S) - now
             if wait <= 0:

@@ -64,7 +64,13 @@ async def launch_generation(
     try:
         client = AsyncKernelClient()
         client.load_connection_info(cast("KernelConnectionInfo", info))
-        channels = KernelChannels(client, frame_limit=frame_limit, text_limit=text_limit)
+        moved = getattr(process, "output_moved", None)  # a process whose iopub is relayed
+        channels = KernelChannels(
+            client,
+            frame_limit=frame_limit,
+            text_limit=text_limit,
+            output_moved=moved if callable(moved) else None,
+        )
     except BaseException:
         exited.cancel()
         await process.kill()

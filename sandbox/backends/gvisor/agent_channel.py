@@ -527,9 +527,13 @@ async def _pipe_streams(
 
 
 async def bridge(
-    stream: ChannelStream, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    stream: ChannelStream,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    moved: Callable[[], None] | None = None,
 ) -> None:
-    """Copy a host connection and a channel stream into each other until both ends are done."""
+    """Copy a host connection and a channel stream into each other until both ends are done;
+    `moved()` is called each time bytes from the sandbox were taken by the host connection."""
 
     async def inbound() -> None:  # host connection -> sandbox
         try:
@@ -544,6 +548,8 @@ async def bridge(
             while data := await stream.read():
                 writer.write(data)
                 await writer.drain()
+                if moved is not None:
+                    moved()
             if writer.can_write_eof():
                 writer.write_eof()
         except (ConnectionError, OSError):

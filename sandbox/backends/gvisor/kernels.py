@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,20 @@ class KeptKernel:
         return cls(int(str(data["pid"])), str(data["prefix"]), str(data["key"]))
 
 
+class OutputMoved:
+    """When the relay of a kernel's iopub last handed bytes to the driver's socket.
+
+    A large message crosses the agent's channel far slower than a Unix socket (a 200 MB print
+    takes seconds under load) while the run's reply, on the shell socket, overtakes it: the
+    driver counts these bytes as output still coming, not as the quiet that ends a run."""
+
+    def __init__(self) -> None:
+        self.at = 0.0  # time.monotonic(); 0: never
+
+    def mark(self) -> None:
+        self.at = time.monotonic()
+
+
 class MachineKernel:
     """A kernel process in a machine, as the driver sees it (a `KernelProcess`)."""
 
@@ -66,12 +81,14 @@ class MachineKernel:
         output: ChannelStream | None,
         kept: KeptKernel,
         hit_memory_limit: Callable[[], bool | None],
+        iopub_moved: OutputMoved | None = None,
     ) -> None:
         self.channel = channel
         self._hit_memory_limit = hit_memory_limit
         self.pid = pid
         self.kept = kept
         self._relays = relays
+        self._iopub_moved = iopub_moved or OutputMoved()
         self._log = bytearray()
         self._reader = asyncio.ensure_future(self._read(output)) if output else None
 
@@ -109,6 +126,10 @@ class MachineKernel:
 
     def diagnostics(self) -> str:
         return self._log.decode(errors="replace")
+
+    def output_moved(self) -> float:
+        """When iopub bytes last reached the driver through our relay (time.monotonic())."""
+        return self._iopub_moved.at
 
 
 class MachineKernelLauncher:
@@ -196,21 +217,34 @@ class MachineKernelLauncher:
             )
             inside = f"{self.kernel_dir_in_sandbox}/{host_prefix}"
             kept = KeptKernel(pid, inside, str(info["key"]))
-        relays = await self._relay(channel, host_prefix, kept.prefix_in_sandbox)
-        self.current = MachineKernel(channel, pid, relays, output, kept, self._hit_memory_limit)
+        iopub_moved = OutputMoved()
+        iopub = f"{host_prefix}-{int(info['iopub_port'])}"
+        relays = await self._relay(
+            channel, host_prefix, kept.prefix_in_sandbox, {iopub: iopub_moved.mark}
+        )
+        self.current = MachineKernel(
+            channel, pid, relays, output, kept, self._hit_memory_limit, iopub_moved
+        )
         return self.current
 
     async def _relay(
-        self, channel: AgentChannel, host_prefix: str, inside_prefix: str
+        self,
+        channel: AgentChannel,
+        host_prefix: str,
+        inside_prefix: str,
+        watched: dict[str, Callable[[], None]],
     ) -> list[asyncio.Server]:
-        """Host sockets named as the driver expects, each relayed to the kernel's inside."""
+        """Host sockets named as the driver expects, each relayed to the kernel's inside;
+        `watched[name]()` is called as bytes from inside reach the driver on socket `name`."""
         pairs = [(f"{host_prefix}-{n}", f"{inside_prefix}-{n}") for n in _SOCKETS]
         inside_dir = str(Path(inside_prefix).parent)
         pairs.append((INTERRUPT_SOCKET, f"{inside_dir}/{INTERRUPT_SOCKET}"))
         servers = []
         try:
             for host_name, inside in pairs:
-                servers.append(await _relay_server(channel, self._kernel_dir / host_name, inside))
+                path = self._kernel_dir / host_name
+                moved = watched.get(host_name)
+                servers.append(await _relay_server(channel, path, inside, moved))
         except BaseException:
             for server in servers:
                 server.close()
@@ -218,7 +252,9 @@ class MachineKernelLauncher:
         return servers
 
 
-async def _relay_server(channel: AgentChannel, path: Path, inside: str) -> asyncio.Server:
+async def _relay_server(
+    channel: AgentChannel, path: Path, inside: str, moved: Callable[[], None] | None = None
+) -> asyncio.Server:
     slots = asyncio.Semaphore(MAX_RELAYED)
 
     async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -230,7 +266,7 @@ async def _relay_server(channel: AgentChannel, path: Path, inside: str) -> async
             if stream is None:
                 writer.close()
                 return
-            await bridge(stream, reader, writer)
+            await bridge(stream, reader, writer, moved)
 
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a socket of the kernel's generation before

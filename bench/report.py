@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cluster import section as cluster_section
+from bench.first_chart import section as first_chart_section
 from bench.machines import section as machines_section
 from bench.persistence import section as persistence_section
 from code_interpreter_wire.languages import LANGUAGES
@@ -60,6 +61,8 @@ def render(report: dict[str, Any]) -> str:
         out += languages_section(report["languages"])
     if "persistence" in report:
         out += persistence_section(report["persistence"])
+    if "first_chart" in report:
+        out += first_chart_section(report["first_chart"])
     if "machines" in report:
         out += machines_section(report["machines"])
     if "cluster" in report:

@@ -18,6 +18,7 @@ from bench import (
     audit,
     cluster,
     commands,
+    first_chart,
     gvisor,
     languages,
     machines,
@@ -107,6 +108,8 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
     by_persistence = await persistence.measure(persistence.samples(quick))
     # The gvisor backend's machines: paused and resumed whole, started from a template, and a
     # fresh session's first chart, each beside a raw kernel start of the same run.
+    # A fresh session's first chart over HTTP, from a warm pool with and without a preload.
+    by_first_chart = await first_chart.measure(first_chart.samples(quick))
     by_machines: dict[str, Any] | None = None
     if (why_no_machines := why_unavailable("gvisor")) is None:
         by_machines = await machines.measure(machines.samples(quick))
@@ -185,6 +188,7 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
         "samples": samples,
         "languages": by_language,
         "persistence": by_persistence,
+        "first_chart": by_first_chart,
         **({"machines": by_machines} if by_machines is not None else {}),
         "cluster": by_cluster,
         "heavy": heavy,

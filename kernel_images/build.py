@@ -37,7 +37,7 @@ from sandbox.image_labels import (
     LANGUAGES_LABEL,
     languages_label,
 )
-from sandbox.kernel.command import STARTUP_FILE
+from sandbox.kernel.command import KERNEL_START_FILES
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def kernel_digest(client: docker.DockerClient, *, base_image: str = BASE_IMAGE) 
     return _digest(
         (HERE / "Dockerfile").read_bytes(),
         _requirements_file(*KERNEL_IMAGE_EXTRAS),
-        STARTUP_FILE.read_bytes(),
+        *(host.read_bytes() for host, _ in KERNEL_START_FILES),
         client.images.get(base_image).id,
     )
 
@@ -251,7 +251,7 @@ def build_kernel(
             ROLE_LABEL: "kernel",
             LANGUAGES_LABEL: languages_label(KERNEL_IMAGE_LANGUAGES),
         },
-        files={"startup.py": STARTUP_FILE},
+        files={host.name: host for host, _ in KERNEL_START_FILES},
     )
     return Built(tag, image_id, cached=False)
 

@@ -30,6 +30,7 @@ from code_interpreter_wire.spec import ResourceLimits
 from orchestrator.egress.private_hosts import parse_private_hosts
 from orchestrator.host_tools.settings import HostToolsSettings
 from orchestrator.state_store.redis_auth import check_store_url
+from sandbox.preload import check_module_names
 from sandbox.state_dir import default_state_dir
 
 # What a Docker session may ask to run under unless the operator says otherwise: the engine's
@@ -145,6 +146,18 @@ class Settings(BaseSettings):
     max_sessions_total: int = Field(200, ge=1)
     pool_size: int = Field(
         0, ge=0, description="Ready sandboxes kept per backend for the default spec."
+    )
+    preload_modules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Modules a pool's sandboxes import before they are handed over "
+        "(comma-separated in the env, e.g. `pandas,numpy,matplotlib.pyplot`): a session's "
+        "first cell finds them loaded; nothing else of the preload is visible to its code.",
+    )
+    preload_code: str = Field(
+        "",
+        description="Python a pool's sandboxes run after importing preload_modules, in a "
+        "namespace of its own, before they are handed over: warm-up work such as a first chart "
+        "drawn so caches are filled (sandbox/preload.py's ANALYST_PRELOAD is one).",
     )
     reap_interval_s: float = Field(5.0, gt=0)
 
@@ -476,6 +489,7 @@ class Settings(BaseSettings):
         "docker_images",
         "docker_runtimes",
         "egress_private_hosts",
+        "preload_modules",
         mode="before",
     )
     @classmethod
@@ -483,6 +497,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("preload_modules")
+    @classmethod
+    def _check_module_names(cls, value: list[str]) -> list[str]:
+        return check_module_names(value)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -25,6 +25,7 @@ from orchestrator.session_error import SessionError as SessionError
 from orchestrator.settings_sections import SessionTableSection
 from sandbox import Backend, Sandbox
 from sandbox.pool import WarmPool
+from sandbox.preload import preload_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -253,7 +254,8 @@ class SessionManager:
                 log.info("removed %d orphans of the %s backend", removed, name)
             self.backends[name] = backend
             if s.pool_size and backend.capabilities.warm_pool:
-                pool = WarmPool(backend, self.default_spec(), s.pool_size)
+                preload = preload_code(list(s.preload_modules), s.preload_code)
+                pool = WarmPool(backend, self.default_spec(), s.pool_size, preload=preload)
                 pool.fill()
                 self.pools[name] = pool
         self._reaper = asyncio.ensure_future(self._reap_forever())

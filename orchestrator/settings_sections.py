@@ -119,6 +119,8 @@ class SessionTableSection(Section):
     output_limit_chars: int
     network_default: NetworkPolicy
     pool_size: int
+    preload_modules: tuple[str, ...]
+    preload_code: str
     max_sessions_per_key: int
     max_sessions_total: int
     idle_timeout_s: float

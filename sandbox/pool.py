@@ -2,7 +2,9 @@
 
 A pool holds up to `size` ready sandboxes of one backend and one spec. Taking one hands it over
 at once and starts a replacement in the background. A sandbox leaves the pool once and is never
-put back: sessions never share a sandbox.
+put back: sessions never share a sandbox. A pool with a preload runs it in each sandbox before
+the sandbox counts as ready (`Sandbox.preload`: modules imported, caches warmed, nothing of it
+visible to the session's code), so the first cell of a session pays for none of it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ log = logging.getLogger(__name__)
 
 
 class WarmPool:
-    def __init__(self, backend: Backend, spec: SandboxSpec, size: int) -> None:
+    def __init__(
+        self, backend: Backend, spec: SandboxSpec, size: int, *, preload: str = ""
+    ) -> None:
         self.backend = backend
+        self.preload = preload
         self.spec = spec
         self.size = size
         self._ready: deque[Sandbox] = deque()
@@ -46,7 +51,7 @@ class WarmPool:
 
     async def _start_one(self) -> None:
         try:
-            sandbox = await self.backend.create(self.spec.model_copy(deep=True))
+            sandbox = await self._ready_sandbox()
         except Exception:
             self.failures += 1
             log.exception("the %s pool could not start a sandbox", self.backend.name)
@@ -60,6 +65,16 @@ class WarmPool:
             await sandbox.close()
             return
         self._ready.append(sandbox)
+
+    async def _ready_sandbox(self) -> Sandbox:
+        sandbox = await self.backend.create(self.spec.model_copy(deep=True))
+        if self.preload:
+            try:
+                await sandbox.preload(self.preload)
+            except BaseException:
+                await sandbox.close()
+                raise
+        return sandbox
 
     def take(self) -> Sandbox | None:
         """A ready sandbox, or None when the pool is empty; the pool refills either way."""

@@ -167,6 +167,11 @@ class Sandbox(ABC):
     async def close(self) -> None:
         """Stop everything the sandbox runs and delete its workspace. Safe to call twice."""
 
+    async def preload(self, code: str, *, timeout_s: float = 300.0) -> None:
+        """Run `code` in Python's kernel before the sandbox is handed over, leaving no trace a
+        session's code could see but the modules it imported (warm pools, templates)."""
+        raise SandboxError(f"{type(self).__name__} cannot run code before it is handed over")
+
     async def suspend(self) -> str | None:
         """Pause the whole sandbox (memory, processes, files) where its engine can, and return
         the handle `Backend.wake` takes; the sandbox object is done with either way. None: this

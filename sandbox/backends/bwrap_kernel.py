@@ -38,7 +38,7 @@ from sandbox.egress_channel import (
 )
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.host_commands import memfd_with
-from sandbox.kernel.command import STARTUP_FILE, STARTUP_FILE_IN_SANDBOX, kernel_environment
+from sandbox.kernel.command import KERNEL_START_FILES, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.process import KernelExit
 from sandbox.kernel.programs import (
@@ -296,7 +296,7 @@ class BwrapLauncher:
         for root in self.python_roots:
             mounts.append(("--ro-bind", root, root))
         mounts += [
-            ("--ro-bind", str(STARTUP_FILE), STARTUP_FILE_IN_SANDBOX),
+            *(("--ro-bind", str(host), inside) for host, inside in KERNEL_START_FILES),
             ("--ro-bind", str(LAUNCHER_FILE), LAUNCHER_IN_SANDBOX),
             ("--ro-bind", str(SUPERVISOR_FILE), SUPERVISOR_IN_SANDBOX),
             ("--ro-bind", str(FORWARDER_FILE), FORWARDER_IN_SANDBOX),

@@ -39,6 +39,10 @@ FILE_OPERATIONS_PER_SANDBOX = 2
 _FILE_WORKERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="workspace-files")
 
 
+# The longest a preload may run: imports of a data stack on a loaded machine take seconds.
+PRELOAD_TIMEOUT_S = 300.0
+
+
 class KernelSandbox(Sandbox):
     """A sandbox whose code runs in Jupyter kernels driven by `KernelDriver`s."""
 
@@ -69,6 +73,17 @@ class KernelSandbox(Sandbox):
     def _process_activity(self) -> int | None:
         """What processes beside the kernels did (see `ProcessTable.activity`)."""
         return 0 if self._processes is None else self._processes.activity()
+
+    async def preload(self, code: str, *, timeout_s: float = PRELOAD_TIMEOUT_S) -> None:
+        """Run `code` in Python's kernel silently, in a namespace of its own: what it imports
+        stays loaded; nothing of it is in the session's namespace, history or execution count
+        (`In`, `Out`, `_` are untouched; the first cell is still 1)."""
+        driver = await self._driver_for(PYTHON)
+        wrapped = f"exec(compile({code!r}, '<preload>', 'exec'), {{}})"
+        done = await driver.execute(wrapped, timeout_s=timeout_s, silent=True)
+        if not done.ok:
+            why = done.error.value if done.error is not None else done.status.value
+            raise SandboxError(f"the preload failed: {why}")
 
     async def _driver_for(self, language: str) -> KernelDriver:
         """The kernel of `language`, started now if this is its first use."""

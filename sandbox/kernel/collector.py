@@ -127,7 +127,7 @@ def _bundle_label(data: dict[str, Any]) -> str:
 
 
 # How far over what a run may still keep an output may be and still be decoded to drop its
-# derived forms: the two forms the kernel sends are at most 4 MiB of JSON each (startup.py).
+# derived forms: the two forms the kernel sends are at most 4 MiB of JSON each (display_forms.py).
 DERIVED_FORMS_SLACK = 10 << 20
 _DERIVED_FORM_KEY = re.compile(rb'"e2b/')  # searches ZeroMQ's buffer in place
 

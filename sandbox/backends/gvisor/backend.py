@@ -57,7 +57,6 @@ from sandbox.backends.gvisor.machine_channels import (
     read_only_dirs,
 )
 from sandbox.backends.gvisor.machine_images import (
-    DEFAULT_PRELOAD,
     MANIFEST,
     read_manifest,
     template_key,
@@ -69,6 +68,7 @@ from sandbox.image_labels import KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs
+from sandbox.preload import ANALYST_PRELOAD
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.uids import HostUidPool
 from sandbox.workspace_files import Workspace
@@ -110,7 +110,7 @@ class GvisorBackendConfig(BaseModel):
         "starting them.",
     )
     preload: str = Field(
-        DEFAULT_PRELOAD,
+        ANALYST_PRELOAD,
         description="Python a template runs, in a namespace of its own, before it is saved: "
         "the modules it imports are loaded in every sandbox restored from it.",
     )

@@ -36,7 +36,7 @@ from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
 from sandbox.inside_kernel import machine_agent
-from sandbox.kernel.command import STARTUP_FILE, STARTUP_FILE_IN_SANDBOX
+from sandbox.kernel.command import KERNEL_START_FILES
 from sandbox.kernel.programs import SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX
 
 log = logging.getLogger(__name__)
@@ -451,8 +451,8 @@ def oci_config(
             },
             bind(Path(machine_agent.__file__), AGENT_IN_SANDBOX, ro=True),
             bind(SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX, ro=True),
-            # This service's own start-up file, so a kernel does what this host expects of it.
-            bind(STARTUP_FILE, STARTUP_FILE_IN_SANDBOX, ro=True),
+            # This service's own start-up files, so a kernel does what this host expects of it.
+            *(bind(host, inside, ro=True) for host, inside in KERNEL_START_FILES),
             bind(FORWARDER_FILE, FORWARDER_IN_SANDBOX, ro=True),
             bind(dirs_etc / "passwd", "/etc/passwd", ro=True),
             bind(dirs_etc / "group", "/etc/group", ro=True),

@@ -25,27 +25,12 @@ from sandbox.backends.gvisor.machine import ImageUnusable
 from sandbox.egress_channel import FORWARDER_FILE
 from sandbox.host_channel import KERNEL_MODULE
 from sandbox.inside_kernel import machine_agent
-from sandbox.kernel.command import STARTUP_FILE
+from sandbox.kernel.command import KERNEL_START_FILES
 from sandbox.kernel.programs import SUPERVISOR_FILE
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 20
-
-# Imported once in a template, so a session restored from it has them at hand; a frame read
-# from CSV and a chart drawn by pandas and rendered as the kernel renders a shown figure, then
-# closed: what the first chart of a session would load and fill (caches, fonts) is there.
-DEFAULT_PRELOAD = """\
-import io
-import numpy
-import pandas
-import matplotlib.pyplot as plt
-from IPython.core.pylabtools import print_figure
-frame = pandas.read_csv(io.StringIO("x,y\\n0,0\\n1,1\\n2,4\\n"))
-axes = frame.plot(x="x", y="y", title="warm-up")
-print_figure(axes.figure, "png", bbox_inches="tight")
-plt.close("all")
-"""
 
 
 def write_manifest(where: Path, manifest: dict[str, Any]) -> None:
@@ -86,12 +71,12 @@ def tree_bytes(root: Path) -> int:
 
 @functools.cache
 def inside_code_digest() -> str:
-    """Our code a machine runs inside (its agent, start-up file, supervisor, forwarder, the
+    """Our code a machine runs inside (its agent, start-up files, supervisor, forwarder, the
     tools' module, the re-key code): a template made with other code is not this service's."""
     digest = hashlib.sha256(f"{MANIFEST_VERSION}\n{_PYTHON_REKEY}".encode())
     for path in (
         Path(machine_agent.__file__),
-        STARTUP_FILE,
+        *(host for host, _ in KERNEL_START_FILES),
         SUPERVISOR_FILE,
         FORWARDER_FILE,
         KERNEL_MODULE,

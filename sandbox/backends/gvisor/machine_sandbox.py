@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 IMAGE_DIR = "image"
 WORKSPACE_DIR = "workspace"
-_PRELOAD_TIMEOUT_S = 300.0
 
 
 class MachineHome(Protocol):
@@ -119,16 +118,6 @@ class GvisorSandbox(KernelSandbox):
             except AgentError:  # it ended while the machine was being saved, and is gone
                 continue
             table.adopt(spawned, request)
-
-    async def preload(self, code: str) -> None:
-        """Run `code` in Python's kernel in a namespace of its own, silently: what it imports
-        stays loaded, nothing of it is in the session's namespace or history (a template)."""
-        driver = await self._driver_for(PYTHON)
-        wrapped = f"exec(compile({code!r}, '<preload>', 'exec'), {{}})"
-        done = await driver.execute(wrapped, timeout_s=_PRELOAD_TIMEOUT_S, silent=True)
-        if not done.ok:
-            why = done.error.value if done.error is not None else done.status.value
-            raise SandboxError(f"the template's preload failed: {why}")
 
     async def rekey(self) -> None:
         """New keys and random streams for the kernels of a machine restored from a save other

@@ -1,7 +1,7 @@
 """The `e2b/data` form of a DataFrame is given up before it costs the kernel more than the
 form may hold: a frame whose columns cannot fit is not first turned into their whole JSON text.
 
-Run in a child interpreter with IPython's shell and the kernel's start-up file, as a kernel
+Run in a child interpreter with IPython's shell and the kernel's display forms file, as a kernel
 runs it, so the formatters it installs stay out of this process."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-STARTUP = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "startup.py"
+FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 # 100 rows sharing one 1 MB string: the frame holds about 1 MB; its columns as JSON, 100 MB.
 PROBE = f"""
 import json, tracemalloc
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-exec(compile(open({str(STARTUP)!r}).read(), "startup.py", "exec"), {{"__name__": "startup"}})
+exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
 import pandas as pd
 frame = pd.DataFrame({{"doc": ["x" * 1_000_000] * 100}})
 tracemalloc.start()

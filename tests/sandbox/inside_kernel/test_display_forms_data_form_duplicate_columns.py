@@ -1,8 +1,8 @@
-"""Showing a DataFrame whose column names repeat prints no warning from the start-up file (the
+"""Showing a DataFrame whose column names repeat prints no warning from the display forms file (the
 user did nothing wrong, and the warning names a file they never wrote), and its `e2b/data` form
 never silently holds fewer columns than the frame.
 
-Run in a child interpreter with IPython's shell and the kernel's start-up file."""
+Run in a child interpreter with IPython's shell and the kernel's display forms file."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-STARTUP = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "startup.py"
+FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 PROBE = f"""
 import json, warnings
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-exec(compile(open({str(STARTUP)!r}).read(), "startup.py", "exec"), {{"__name__": "startup"}})
+exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
 import pandas as pd
 frame = pd.DataFrame([[1, 2]], columns=["a", "a"])
 with warnings.catch_warnings(record=True) as caught:

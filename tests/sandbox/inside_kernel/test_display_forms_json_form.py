@@ -2,7 +2,7 @@
 gives it (template/startup_scripts/0002_data.py, `E2BJSONFormatter`): E2B's SDK reads it as
 `Result.json`.
 
-Run in a child interpreter with IPython's shell and the kernel's start-up file."""
+Run in a child interpreter with IPython's shell and the kernel's display forms file."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-STARTUP = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "startup.py"
+FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 PROBE = f"""
 import json
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-exec(compile(open({str(STARTUP)!r}).read(), "startup.py", "exec"), {{"__name__": "startup"}})
+exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
 shown = [shell.display_formatter.format(v)[0] for v in ({{"a": 1, "b": [1, 2]}}, [1, "x"])]
 print(json.dumps([bundle.get("application/json") for bundle in shown]))
 """

@@ -1,8 +1,8 @@
-"""The start-up file patches Pillow when `PIL.Image` is first imported. Asking whether a module
+"""The display forms file patches Pillow when `PIL.Image` is first imported. Asking whether a module
 exists (`importlib.util.find_spec`, as libraries do to probe optional dependencies) imports
 nothing, so it must not use the patch up: the later import still gets it.
 
-Run in a child interpreter with IPython's shell and the kernel's start-up file."""
+Run in a child interpreter with IPython's shell and the kernel's display forms file."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-STARTUP = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "startup.py"
+FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 PROBE = f"""
 import importlib.util
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
-exec(compile(open({str(STARTUP)!r}).read(), "startup.py", "exec"), {{"__name__": "startup"}})
+exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
 assert importlib.util.find_spec("PIL.Image") is not None
 from PIL import Image
 print("patched" if hasattr(Image.Image.save, "__wrapped__") else "not patched")

@@ -11,7 +11,7 @@ from sandbox.kernel.wire import KernelMessage
 
 pytestmark = pytest.mark.unit
 
-# Far past the budget plus any derived forms the kernel would send (startup.py: 4 MiB each).
+# Far past the budget plus any derived forms the kernel would send (display_forms.py: 4 MiB each).
 HUGE = 48 << 20
 
 

@@ -1,0 +1,180 @@
+"""A fresh session to its first chart, as an agent sees it, on the local and Docker backends.
+
+Over HTTP against the service with a warm pool of one: a session created (handed over from
+the pool, inside the clock), a 0.5 MB CSV uploaded, a cell that reads it with pandas and plots
+it with matplotlib, the PNG in hand. Twice: with the pool as it was (no preload), and with the
+pool preloading the analyst stack (`preload_modules` and sandbox/preload.py's warm-up). Before
+each sample the pool is full again, so every session comes from it. Beside them, measured in the
+same run: a raw jupyter_client kernel's start (the ratio's baseline) and a raw kernel's start
+plus the same chart.
+
+`python -m bench.first_chart [--quick]` runs this part alone, prints its table and writes
+bench/results/first_chart.{md,json}; `make bench` includes it in bench/results/latest.*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.machines import CHART, CSV_NAME, PNG, raw_floor, sales_csv
+from bench.part_results import save_part
+from bench.served import API_KEY, served
+from bench.stats import summarize
+from sandbox.backends.registry import why_unavailable
+from sandbox.preload import ANALYST_PRELOAD
+
+BASELINE = "raw: kernel start"
+RAW_CHART = "raw: kernel start + first chart"
+GOAL_MS = 150.0
+PRELOAD_MODULES = "pandas,numpy,matplotlib.pyplot"
+
+
+def name_of(backend: str, preloaded: bool) -> str:
+    how = "preloaded pool" if preloaded else "pool, no preload"
+    return f"{backend}: fresh session to first chart, {how}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    raw: int
+    charts: int
+
+
+def samples(quick: bool) -> Plan:
+    return Plan(3, 5) if quick else Plan(8, 15)
+
+
+async def pool_full(api: httpx.AsyncClient, backend: str, limit_s: float = 180.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while (await api.get("/v1/status")).json()["pools"].get(backend, 0) < 1:
+        assert time.monotonic() < deadline, f"the {backend} pool did not fill"
+        await asyncio.sleep(0.05)
+
+
+async def first_chart(api: httpx.AsyncClient, backend: str, data: bytes) -> float:
+    """Seconds from the create to the PNG in hand; the session came from the pool."""
+    t = time.perf_counter()
+    created = (await api.post("/v1/sessions", json={"backend": backend})).json()
+    sid = created["id"]
+    try:
+        up = await api.post(f"/v1/sessions/{sid}/files", files={"file": (CSV_NAME, data)})
+        assert up.status_code in (200, 201), up.text
+        ran = (
+            await api.post(
+                f"/v1/sessions/{sid}/execute", json={"code": CHART.format(path=CSV_NAME)}
+            )
+        ).json()
+        pngs = [
+            base64.b64decode(r["png"]) for r in ran.get("results", []) if r.get("png") is not None
+        ]
+        took = time.perf_counter() - t
+        assert ran["error"] is None, ran["error"]
+        assert pngs and pngs[0][:4] == PNG, "no PNG came back"
+        assert created["from_pool"] is True, "the session did not come from the pool"
+        return took
+    finally:
+        await api.delete(f"/v1/sessions/{sid}")
+
+
+async def charts_on(backend: str, preloaded: bool, n: int, data: bytes) -> list[float]:
+    settings = {
+        "backends": backend,
+        "default_backend": backend,
+        "pool_size": "1",
+    }
+    if preloaded:
+        settings |= {"preload_modules": PRELOAD_MODULES, "preload_code": ANALYST_PRELOAD}
+    took = []
+    async with (
+        served(**settings) as url,
+        httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300
+        ) as api,
+    ):
+        for _ in range(n):
+            await pool_full(api, backend)
+            took.append(await first_chart(api, backend, data))
+    return took
+
+
+def backends_here() -> list[str]:
+    return [b for b in ("local", "docker") if why_unavailable(b) is None]
+
+
+async def measure(plan: Plan) -> dict[str, Any]:
+    data = sales_csv()
+    scratch = Path(tempfile.mkdtemp(prefix="cir-bench-chart-", dir="/tmp"))
+    out: dict[str, list[float]] = {}
+    try:
+        out[BASELINE], out[RAW_CHART] = await raw_floor(plan.raw, data, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for backend in backends_here():
+        for preloaded in (False, True):
+            out[name_of(backend, preloaded)] = await charts_on(
+                backend, preloaded, plan.charts, data
+            )
+    return {"plan": asdict(plan), "rows": rows_of(out), "csv_bytes": len(data)}
+
+
+def rows_of(out: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Each measure's summary and its median over the raw start's; the preloaded pools' goal."""
+    base = summarize(out[BASELINE])["median_ms"]
+    rows = []
+    for name, values in out.items():
+        stats = summarize(values)
+        row: dict[str, Any] = {
+            "name": name,
+            "stats": stats,
+            "samples": values,
+            "ratio": stats["median_ms"] / base,
+        }
+        if name.endswith("preloaded pool"):
+            row["goal"] = f"<= {GOAL_MS:g} ms"
+            row["met"] = stats["median_ms"] <= GOAL_MS
+        rows.append(row)
+    return rows
+
+
+def section(figures: dict[str, Any]) -> list[str]:
+    """The report's section on a fresh session's first chart, as markdown lines."""
+    out = [
+        "## A fresh session to its first chart (local and Docker, over HTTP)",
+        "",
+        "The service with a warm pool of one, each session handed over from it inside the clock: "
+        f"a {figures['csv_bytes'] / 2**20:.2f} MiB CSV uploaded, read by pandas, plotted by "
+        "matplotlib, the PNG in hand. `pool, no preload` is the pool as it was; `preloaded pool` "
+        f"sets `preload_modules={PRELOAD_MODULES}` and the analyst warm-up "
+        "(sandbox/preload.py). Ratio: median over a raw jupyter_client kernel start of the same "
+        f"run ({figures['plan']['raw']} starts).",
+        "",
+        "| measure | median ms | p95 ms | min ms | max ms | n | ratio | goal | met |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in figures["rows"]:
+        s = row["stats"]
+        met = "" if "met" not in row else "yes" if row["met"] else "**no**"
+        out.append(
+            f"| {row['name']} | {s['median_ms']:.0f} | {s['p95_ms']:.0f} | {s['min_ms']:.0f} "
+            f"| {s['max_ms']:.0f} | {s['n']} | {row['ratio']:.2f}x | {row.get('goal', '')} "
+            f"| {met} |"
+        )
+    return [*out, ""]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few samples of each measure")
+    args = parser.parse_args()
+    figures = asyncio.run(measure(samples(args.quick)))
+    save_part("first_chart", figures, section(figures))

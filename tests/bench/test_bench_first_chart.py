@@ -1,0 +1,44 @@
+"""The first-chart benchmark's own logic: ratios to the raw kernel start, the preloaded pools'
+goal and verdict, and its report section.
+
+Pure logic only; `make bench` (bench/first_chart.py) measures, no test times anything.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.first_chart import BASELINE, RAW_CHART, name_of, rows_of, section
+from bench.report import render
+from tests.bench.minimal_report import minimal_report
+
+pytestmark = pytest.mark.unit
+
+
+def _out() -> dict[str, list[float]]:
+    return {
+        BASELINE: [0.4, 0.5, 0.6],  # median 500 ms
+        RAW_CHART: [1.0, 1.0],
+        name_of("local", False): [0.6, 0.6],
+        name_of("local", True): [0.1, 0.12, 0.2],  # median 120 ms: within 150
+        name_of("docker", True): [0.2, 0.16, 0.3],  # median 200 ms: past it
+    }
+
+
+def test_each_row_is_a_ratio_to_the_raw_start_and_only_preloaded_pools_have_the_goal() -> None:
+    rows = {r["name"]: r for r in rows_of(_out())}
+    assert rows[BASELINE]["ratio"] == 1.0 and "goal" not in rows[BASELINE]
+    assert rows[RAW_CHART]["ratio"] == 2.0
+    assert "goal" not in rows[name_of("local", False)]
+    assert rows[name_of("local", True)]["met"] and rows[name_of("local", True)]["ratio"] == 0.24
+    assert not rows[name_of("docker", True)]["met"]
+    assert rows[name_of("docker", True)]["goal"] == "<= 150 ms"
+
+
+def test_the_section_renders_in_the_report() -> None:
+    figures = {"plan": {"raw": 3, "charts": 3}, "rows": rows_of(_out()), "csv_bytes": 512 * 1024}
+    lines = section(figures)
+    assert lines[0].startswith("## A fresh session to its first chart")
+    assert any("local: fresh session to first chart, preloaded pool | 120 |" in ln for ln in lines)
+    assert "| **no** |" in lines[-2]
+    assert "## A fresh session to its first chart" in render(minimal_report(first_chart=figures))

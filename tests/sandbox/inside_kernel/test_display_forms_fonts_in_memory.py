@@ -1,0 +1,90 @@
+"""The display forms file has matplotlib draw text from fonts held in memory: FreeType otherwise
+reads a font file through a seek and a read for every glyph it loads, and a system call is dear in a
+gVisor machine (docs/gvisor.md). What is drawn must not change: the same PNG byte for byte, PDF
+and SVG output as before, the font's path where matplotlib asks a font for one.
+
+Run in child interpreters with IPython's shell, one with the display forms file, one without."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
+
+DRAW = f"""
+import hashlib, io, json, os, sys, threading
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+if sys.argv[1] == "with-forms":
+    exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
+import matplotlib
+matplotlib.use("agg")
+import matplotlib.pyplot as plt
+from matplotlib import font_manager
+
+def draw(title):
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3], [4, 1, 9])
+    ax.set_title(title)
+    ax.set_xlabel("day")
+    out = {{}}
+    for form in ("png", "pdf", "svg"):
+        buf = io.BytesIO()
+        fig.savefig(buf, format=form)
+        out[form] = buf.getvalue()
+    plt.close(fig)
+    return out
+
+drawn = draw("units by day")
+in_thread = []
+worker = threading.Thread(target=lambda: in_thread.append(draw("units by day")))
+worker.start()
+worker.join()
+path = font_manager.findfont("DejaVu Sans")
+font = font_manager.get_font(path)
+open_fonts = sorted(
+    os.readlink(f"/proc/self/fd/{{fd}}") for fd in os.listdir("/proc/self/fd")
+    if os.path.exists(f"/proc/self/fd/{{fd}}")
+    and os.readlink(f"/proc/self/fd/{{fd}}") == os.path.realpath(path)
+)
+print(json.dumps({{
+    "png": hashlib.sha256(drawn["png"]).hexdigest(),
+    "png_in_thread": hashlib.sha256(in_thread[0]["png"]).hexdigest(),
+    "pdf_embeds_font": b"DejaVuSans" in drawn["pdf"],
+    "pdf_bytes": len(drawn["pdf"]),
+    "svg_has_title": b"units by day" in drawn["svg"] or b"<!-- units by day -->" in drawn["svg"],
+    "fname": str(font.fname),
+    "path": os.path.realpath(path),
+    "open_fonts": open_fonts,
+}}))
+"""
+
+
+def drawn(mode: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", DRAW, mode], capture_output=True, text=True, timeout=120, check=True
+    )
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_fonts_are_drawn_from_memory_and_the_drawing_is_the_same() -> None:
+    plain, patched = drawn("plain"), drawn("with-forms")
+    # Without the display forms file matplotlib keeps the font file open to read glyphs from it;
+    # (one for each thread that drew); with it, the font's bytes were read once, the file closed.
+    assert plain["open_fonts"] and set(plain["open_fonts"]) == {plain["path"]}
+    assert patched["open_fonts"] == []
+    # The same drawing, byte for byte, on the main thread and on another one.
+    assert patched["png"] == plain["png"] == patched["png_in_thread"]
+    # PDF embeds the font by its path (matplotlib asks the font for it): still there.
+    assert patched["pdf_embeds_font"] and plain["pdf_embeds_font"]
+    assert patched["pdf_bytes"] == plain["pdf_bytes"]
+    assert patched["svg_has_title"]
+    assert patched["fname"] == patched["path"]

@@ -27,6 +27,10 @@ ROOT = Path("/sys/fs/cgroup")
 PARENT = "code-interpreter"
 log = logging.getLogger(__name__)
 _CONTROLLERS = ("memory", "pids", "cpu")
+# cpu.shares of a sandbox warming up in a pool, and of a live one (cgroup v1's default): a
+# warming sandbox gets the CPU a live session leaves (2/1026 of it when both want it all).
+BACKGROUND_SHARES = 2
+LIVE_SHARES = 1024
 
 
 def available() -> bool:
@@ -55,6 +59,18 @@ class SandboxCgroup:
         period = 100_000
         (self.dirs[2] / "cpu.cfs_period_us").write_text(str(period))
         (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * period)))
+
+    def weigh(self, *, background: bool) -> bool:
+        """The sandbox's CPU weight among its siblings: background (a warm pool's sandbox
+        warming up, which yields the CPU to live sessions') or a live session's (the cgroup
+        default). False where the group is not there (no limits made for this sandbox)."""
+        try:
+            (self.dirs[2] / "cpu.shares").write_text(
+                str(BACKGROUND_SHARES if background else LIVE_SHARES)
+            )
+        except FileNotFoundError:
+            return False
+        return True
 
     def join_self(self, pids_group: Path | None = None) -> None:
         """Move the calling process here (run in the child before it execs); in the pids

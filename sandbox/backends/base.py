@@ -167,6 +167,11 @@ class Sandbox(ABC):
     async def close(self) -> None:
         """Stop everything the sandbox runs and delete its workspace. Safe to call twice."""
 
+    def weigh_cpu(self, *, background: bool) -> None:  # noqa: B027 - most cannot
+        """Weigh the sandbox's CPU as background work (a warm pool's sandbox warming up
+        yields the CPU to live sessions) or as a live session's again (handed over). Where
+        the backend has no CPU weights of its own here, the weight stays as it is."""
+
     async def preload(self, code: str, *, timeout_s: float = 300.0) -> None:
         """Run `code` in Python's kernel before the sandbox is handed over, leaving no trace a
         session's code could see but the modules it imported (warm pools, templates)."""

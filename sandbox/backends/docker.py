@@ -431,6 +431,12 @@ class DockerSandbox(KernelSandbox):
         self._launcher = launcher
         self._on_close = on_close
 
+    def weigh_cpu(self, *, background: bool) -> None:
+        # Its containers' parent group, where the engine shares cgroups with this service
+        # (`session_cgroup`); otherwise there is none and the weight stays the engine's.
+        if cgroups.available():  # a cgroup write, quick enough to make on the loop
+            cgroups.SandboxCgroup(self.id).weigh(background=background)
+
     @property
     def container_name(self) -> str | None:
         """The container running the current kernel."""

@@ -323,6 +323,10 @@ class LocalSandbox(KernelSandbox):
         self._make_spawner = make_spawner
         self._oom_clock = oom_clock
 
+    def weigh_cpu(self, *, background: bool) -> None:
+        if cgroups.available():  # a cgroup write, quick enough to make on the loop
+            cgroups.SandboxCgroup(self.id).weigh(background=background)
+
     def spawner(self) -> Spawner:
         """Processes join the running kernel's sandbox; a kernel restart ends them."""
         return self._make_spawner()

@@ -6,7 +6,10 @@ it with matplotlib, the PNG in hand. Twice: with the pool as it was (no preload)
 pool preloading the analyst stack (`preload_modules` and sandbox/preload.py's warm-up). Before
 each sample the pool is full again, so every session comes from it. Beside them, measured in the
 same run: a raw jupyter_client kernel's start (the ratio's baseline) and a raw kernel's start
-plus the same chart.
+plus the same chart. Then the same again with the host loaded (one busy process per core, at
+the host's ordinary weight): a preloaded pool's first chart beside a raw kernel's start plus
+chart under the same load, so that the sandboxes' CPU weight (sandbox/cgroups.py
+`rescale_parent`) shows.
 
 `python -m bench.first_chart [--quick]` runs this part alone, prints its table and writes
 bench/results/first_chart.{md,json}; `make bench` includes it in bench/results/latest.*.
@@ -17,9 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +43,28 @@ from sandbox.preload import ANALYST_PRELOAD
 
 BASELINE = "raw: kernel start"
 RAW_CHART = "raw: kernel start + first chart"
+RAW_CHART_LOADED = "raw: kernel start + first chart, host loaded"
+LOADED = ", host loaded"
 GOAL_MS = 150.0
 PRELOAD_MODULES = "pandas,numpy,matplotlib.pyplot"
 
 
-def name_of(backend: str, preloaded: bool) -> str:
+def name_of(backend: str, preloaded: bool, loaded: bool = False) -> str:
     how = "preloaded pool" if preloaded else "pool, no preload"
-    return f"{backend}: fresh session to first chart, {how}"
+    return f"{backend}: fresh session to first chart, {how}" + (LOADED if loaded else "")
+
+
+@contextlib.contextmanager
+def busy_host() -> Iterator[None]:
+    """One busy process per core beside the measure, at the host's ordinary weight."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    busy = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 1)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
 
 
 @dataclass(frozen=True)
@@ -124,6 +147,16 @@ async def measure(plan: Plan) -> dict[str, Any]:
             out[name_of(backend, preloaded)] = await charts_on(
                 backend, preloaded, plan.charts, data
             )
+    with busy_host():
+        scratch = Path(tempfile.mkdtemp(prefix="cir-bench-chart-", dir="/tmp"))
+        try:
+            _, out[RAW_CHART_LOADED] = await raw_floor(plan.raw, data, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        for backend in backends_here():
+            out[name_of(backend, True, loaded=True)] = await charts_on(
+                backend, True, plan.charts, data
+            )
     return {"plan": asdict(plan), "rows": rows_of(out), "csv_bytes": len(data)}
 
 
@@ -139,6 +172,8 @@ def rows_of(out: dict[str, list[float]]) -> list[dict[str, Any]]:
             "samples": values,
             "ratio": stats["median_ms"] / base,
         }
+        if name.endswith(LOADED) and RAW_CHART_LOADED in out:  # beside raw under the same load
+            row["loaded_ratio"] = stats["median_ms"] / summarize(out[RAW_CHART_LOADED])["median_ms"]
         if name.endswith("preloaded pool"):
             row["goal"] = f"<= {GOAL_MS:g} ms"
             row["met"] = stats["median_ms"] <= GOAL_MS
@@ -156,18 +191,22 @@ def section(figures: dict[str, Any]) -> list[str]:
         "matplotlib, the PNG in hand. `pool, no preload` is the pool as it was; `preloaded pool` "
         f"sets `preload_modules={PRELOAD_MODULES}` and the analyst warm-up "
         "(sandbox/preload.py). Ratio: median over a raw jupyter_client kernel start of the same "
-        f"run ({figures['plan']['raw']} starts).",
+        f"run ({figures['plan']['raw']} starts). Rows ending `host loaded` ran beside one busy "
+        "process per core; their `vs raw loaded` is the median over the raw kernel's start plus "
+        "chart under the same load.",
         "",
-        "| measure | median ms | p95 ms | min ms | max ms | n | ratio | goal | met |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| measure | median ms | p95 ms | min ms | max ms | n | ratio | vs raw loaded | goal "
+        "| met |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in figures["rows"]:
         s = row["stats"]
         met = "" if "met" not in row else "yes" if row["met"] else "**no**"
+        loaded = f"{row['loaded_ratio']:.2f}x" if "loaded_ratio" in row else ""
         out.append(
             f"| {row['name']} | {s['median_ms']:.0f} | {s['p95_ms']:.0f} | {s['min_ms']:.0f} "
-            f"| {s['max_ms']:.0f} | {s['n']} | {row['ratio']:.2f}x | {row.get('goal', '')} "
-            f"| {met} |"
+            f"| {s['max_ms']:.0f} | {s['n']} | {row['ratio']:.2f}x | {loaded} "
+            f"| {row.get('goal', '')} | {met} |"
         )
     return [*out, ""]
 

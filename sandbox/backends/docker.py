@@ -105,6 +105,12 @@ class DockerBackendConfig(BaseModel):
         "cgroup with the sandbox's memory, pids and CPU limits, so that the limits bind the "
         "sandbox as a whole and not each kernel alone.",
     )
+    cpu_weight_per_sandbox: bool = Field(
+        default=True,
+        description="With session_cgroup: weigh the sandboxes' parent group as one process per "
+        "live sandbox among the host's others (cpu.shares 1024 each), so a busy host does not "
+        "squeeze every session into one process's share; off, the parent weighs as one.",
+    )
 
 
 class DockerBackend(Backend):
@@ -286,7 +292,7 @@ class DockerBackend(Backend):
         dirs = await asyncio.to_thread(SessionDirs.remove_orphans, self.config.state_dir, self.name)
         if cgroups.available():  # the parent groups of exactly those sandboxes, if any
             for sandbox_id in dirs:
-                await asyncio.to_thread(_remove_group, sandbox_id)
+                await asyncio.to_thread(_remove_group, cgroups.SandboxCgroup(sandbox_id))
         return removed + len(dirs)
 
     async def close(self) -> None:
@@ -346,7 +352,9 @@ class _DockerRecipe(KernelRecipe["DockerSandbox"]):
     async def prepare(self, dirs: SessionDirs) -> None:
         assert self.uid is not None
         if self.engine.parent_cgroup:
-            self.group = cgroups.SandboxCgroup(self.sandbox_id)
+            self.group = cgroups.SandboxCgroup(
+                self.sandbox_id, scale_parent=self.backend.config.cpu_weight_per_sandbox
+            )
             host_limits = self.spec.limits
             if self.engine.gvisor:  # the host group holds gVisor's own tasks too: a backstop
                 host_limits = host_limits.model_copy(
@@ -392,7 +400,7 @@ class _DockerRecipe(KernelRecipe["DockerSandbox"]):
 
     def sandbox(self, dirs: SessionDirs, driver: KernelDriver) -> DockerSandbox:
         assert self.python_launcher is not None and self.uid is not None
-        uids, uid, group_of = self.backend.uids, self.uid, self.sandbox_id if self.group else None
+        uids, uid, group = self.backend.uids, self.uid, self.group
         return DockerSandbox(
             self.sandbox_id,
             self.spec,
@@ -400,14 +408,15 @@ class _DockerRecipe(KernelRecipe["DockerSandbox"]):
             dirs,
             Workspace(str(dirs.workspace), owner=self.owner),
             self.python_launcher,
-            on_close=lambda: _closed(uids, uid, group_of),
+            on_close=lambda: _closed(uids, uid, group),
             languages=self.engine.kernels.languages,
             make_driver=self.driver,
+            cpu_group=group,
         )
 
     async def undo(self) -> None:
         if self.group is not None:
-            await asyncio.to_thread(_remove_group, self.sandbox_id)
+            await asyncio.to_thread(_remove_group, self.group)
         if self.uid is not None:
             self.backend.uids.release(self.uid)
 
@@ -426,16 +435,18 @@ class DockerSandbox(KernelSandbox):
         on_close: Callable[[], None],
         languages: list[str] | None = None,
         make_driver: Callable[[str], KernelDriver] | None = None,
+        cpu_group: cgroups.SandboxCgroup | None = None,
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._launcher = launcher
         self._on_close = on_close
+        self._cpu_group = cpu_group
 
     def weigh_cpu(self, *, background: bool) -> None:
         # Its containers' parent group, where the engine shares cgroups with this service
         # (`session_cgroup`); otherwise there is none and the weight stays the engine's.
-        if cgroups.available():  # a cgroup write, quick enough to make on the loop
-            cgroups.SandboxCgroup(self.id).weigh(background=background)
+        if self._cpu_group is not None:  # cgroup writes, quick enough to make on the loop
+            self._cpu_group.weigh(background=background)
 
     @property
     def container_name(self) -> str | None:
@@ -478,13 +489,13 @@ class DockerSandbox(KernelSandbox):
                 )
 
 
-def _remove_group(sandbox_id: str) -> None:
-    cgroups.SandboxCgroup(sandbox_id).remove()
-    cgroups.remove_engine_parents(sandbox_id)
+def _remove_group(group: cgroups.SandboxCgroup) -> None:
+    group.remove()
+    cgroups.remove_engine_parents(group.sandbox_id)
 
 
-def _closed(uids: HostUidPool, uid: int, group_of: str | None) -> None:
+def _closed(uids: HostUidPool, uid: int, group: cgroups.SandboxCgroup | None) -> None:
     """Once a sandbox's containers are gone: its parent cgroup, then its uid."""
-    if group_of is not None:
-        _remove_group(group_of)
+    if group is not None:
+        _remove_group(group)
     uids.release(uid)

@@ -98,6 +98,12 @@ class LocalBackendConfig(BaseModel):
         description="As root on cgroup v1, limit each sandbox's memory, processes and CPU in a "
         "cgroup of its own (otherwise: per-process rlimits only).",
     )
+    cpu_weight_per_sandbox: bool = Field(
+        default=True,
+        description="With cgroups: weigh the sandboxes' parent group as one process per live "
+        "sandbox among the host's others (cpu.shares 1024 each), so a busy host does not "
+        "squeeze every session into one process's share; off, the parent weighs as one.",
+    )
 
 
 class LocalBackend(Backend):
@@ -247,7 +253,7 @@ class _LocalRecipe(KernelRecipe["LocalSandbox"]):
     async def prepare(self, dirs: SessionDirs) -> None:
         cfg = self.config
         if cfg.use_cgroups and not cfg.unsafe_no_sandbox and cgroups.available():
-            self.cgroup = SandboxCgroup(self.sandbox_id)
+            self.cgroup = SandboxCgroup(self.sandbox_id, scale_parent=cfg.cpu_weight_per_sandbox)
             self.cgroup.create(self.spec.limits)
             self.oom_clock = OomClock.open(self.cgroup.memory)
 
@@ -294,6 +300,7 @@ class _LocalRecipe(KernelRecipe["LocalSandbox"]):
             make_spawner=lambda: self.backend.spawner_for(launcher),
             languages=self.programs.kernels.languages,
             make_driver=self.driver,
+            cpu_group=cgroup,
         )
 
     async def undo(self) -> None:
@@ -317,15 +324,17 @@ class LocalSandbox(KernelSandbox):
         languages: list[str] | None = None,
         make_driver: Callable[[str], KernelDriver] | None = None,
         oom_clock: OomClock | None = None,
+        cpu_group: SandboxCgroup | None = None,
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._on_close = on_close
         self._make_spawner = make_spawner
         self._oom_clock = oom_clock
+        self._cpu_group = cpu_group
 
     def weigh_cpu(self, *, background: bool) -> None:
-        if cgroups.available():  # a cgroup write, quick enough to make on the loop
-            cgroups.SandboxCgroup(self.id).weigh(background=background)
+        if self._cpu_group is not None:  # cgroup writes, quick enough to make on the loop
+            self._cpu_group.weigh(background=background)
 
     def spawner(self) -> Spawner:
         """Processes join the running kernel's sandbox; a kernel restart ends them."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.first_chart import BASELINE, RAW_CHART, name_of, rows_of, section
+from bench.first_chart import BASELINE, RAW_CHART, RAW_CHART_LOADED, name_of, rows_of, section
 from bench.report import render
 from tests.bench.minimal_report import minimal_report
 
@@ -22,6 +22,8 @@ def _out() -> dict[str, list[float]]:
         name_of("local", False): [0.6, 0.6],
         name_of("local", True): [0.1, 0.12, 0.2],  # median 120 ms: within 150
         name_of("docker", True): [0.2, 0.16, 0.3],  # median 200 ms: past it
+        RAW_CHART_LOADED: [2.0, 2.0],
+        name_of("local", True, loaded=True): [0.5, 0.5],  # 0.25x the raw under the same load
     }
 
 
@@ -33,6 +35,9 @@ def test_each_row_is_a_ratio_to_the_raw_start_and_only_preloaded_pools_have_the_
     assert rows[name_of("local", True)]["met"] and rows[name_of("local", True)]["ratio"] == 0.24
     assert not rows[name_of("docker", True)]["met"]
     assert rows[name_of("docker", True)]["goal"] == "<= 150 ms"
+    loaded = rows[name_of("local", True, loaded=True)]
+    assert loaded["loaded_ratio"] == 0.25 and loaded["ratio"] == 1.0 and "goal" not in loaded
+    assert "loaded_ratio" not in rows[name_of("local", True)]
 
 
 def test_the_section_renders_in_the_report() -> None:
@@ -40,5 +45,9 @@ def test_the_section_renders_in_the_report() -> None:
     lines = section(figures)
     assert lines[0].startswith("## A fresh session to its first chart")
     assert any("local: fresh session to first chart, preloaded pool | 120 |" in ln for ln in lines)
-    assert "| **no** |" in lines[-2]
+    assert any(ln.endswith("| 0.25x |  |  |") for ln in lines)
+    assert any(
+        "docker: fresh session to first chart, preloaded pool |" in ln and "**no**" in ln
+        for ln in lines
+    )
     assert "## A fresh session to its first chart" in render(minimal_report(first_chart=figures))

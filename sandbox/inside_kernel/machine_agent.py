@@ -2,40 +2,9 @@
 
 A sandbox gVisor can checkpoint may hold no socket bound on a host path, and the kernels, host
 tools and egress all used to be reached that way. So the host reaches everything inside through
-this agent instead, over the container's stdio, which a restore hands over to new pipes. One
-framed, multiplexed channel carries:
-
-- control (stream 0): JSON requests from the host, each answered by id; events from the agent;
-- byte streams, each flow-controlled by credit: connections the host asks for to Unix sockets
-  inside (the kernels' ZeroMQ sockets, a supervisor's interrupt socket), connections accepted on
-  sockets the agent listens on inside (the host-tool and egress channels), and the stdio of the
-  children it starts (kernels, commands, terminals).
-
-Frame: `>BII` kind, stream id, payload length, then the payload (at most MAX_PAYLOAD bytes).
-    CONTROL 0  JSON object, stream 0
-    DATA    1  bytes, within the credit the receiver has granted for the stream
-    EOF     2  the sender sends no more on this stream (half-close)
-    CLOSE   3  the stream is gone both ways
-    CREDIT  4  `>I`: the receiver may take that many more bytes of the stream
-Each side may send WINDOW bytes of a stream before any credit. The host opens even stream ids,
-the agent odd ones.
-
-Requests (`{"id": n, "op": ...}`, answered `{"id": n, "ok": true, ...}` or `"ok": false, "error"`):
-    hello    -> {"version", "children": [{"pid", "tag", "tty", "exit": null | {...}}]}
-    spawn    argv, env, cwd, uid, gid, tag, marker, io (stream), err (stream | null),
-             tty ({"rows", "cols"} | null), files ([{"path", "data", "mode"}]) -> {"pid"}
-    adopt    pid, io, err, replay -> {}: a child's output goes to new streams, its tail
-             replayed first (`replay` true), not (false), or only what it wrote while no
-             host listened ("unsent")
-    unsaveable -> {"reasons"}: what gVisor could not save (network sockets)
-    signal   pid, signum -> {}: to its process group and every process carrying its marker
-    resize   pid, rows, cols -> {}
-    connect  stream, path -> {}
-    listen   path, channel, uid, gid -> {}
-    detach   -> {}: every stream is dropped (children keep running, their output kept in a
-             bounded tail), nothing more is written until the next hello: the host may now
-             checkpoint the sandbox, and talks again over the pipes a restore gives.
-Events: {"event": "exited", "pid", "code" | "signal"}, {"event": "accepted", "stream", "channel"}.
+this agent instead, over the container's stdio, which a restore hands over to new pipes: one
+framed, multiplexed channel of requests, events and byte streams under credit (its format, its
+requests and its limits: machine_wire.py; the children the agent starts: machine_children.py).
 
 Standard library only, run with -I -S: it runs beside code it must not trust, which may also try
 to talk to it; it trusts its stdin alone. Single-threaded: one selector, non-blocking fds.
@@ -43,76 +12,31 @@ to talk to it; it trusts its stdin alone. Single-threaded: one selector, non-blo
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
-import fcntl
 import json
 import os
-import pty
 import selectors
 import signal
 import socket
-import struct
-import subprocess
 import sys
-import termios
 import threading
 import time
-from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-VERSION = 1
-HEADER = struct.Struct(">BII")
-CREDIT = struct.Struct(">I")
-CONTROL, DATA, EOF, CLOSE, GRANT = 0, 1, 2, 3, 4
-MAX_PAYLOAD = 64 << 10
-WINDOW = 256 << 10
-TAIL_BYTES = 256 << 10  # what is kept of each child's output for the host that adopts it
-MAX_CHILDREN = 512
-MAX_STREAMS = 4096
-MAX_ACCEPTED = 64  # connections open at once per listening socket
-MARKER_VARIABLE = "CODE_INTERPRETER_PROCESS"
+if TYPE_CHECKING or __package__:  # on the host (its tests, the template digest): in the package
+    from sandbox.inside_kernel import machine_children as children
+    from sandbox.inside_kernel import machine_wire as wire
+else:
+    # In the machine it runs as a script, with -I: Python leaves the script's own directory off
+    # sys.path, so it is put first here, on purpose, for the siblings bound read-only beside it
+    # (backends/gvisor/machine.py). Nothing in the sandbox can write there, and no file there
+    # is named like a standard module.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import machine_children as children
+    import machine_wire as wire
+
 _READ = 1 << 16
-
-
-class Stream:
-    """One byte stream to the host. A socket stream reads and writes its own fd; a child's
-    stream writes the child's input (`fd`, or -1) while its output is read by the child."""
-
-    def __init__(self, sid: int, fd: int, child: Child | None = None) -> None:
-        self.sid = sid
-        self.fd = fd
-        self.child = child
-        self.credit = WINDOW  # what we may still send to the host
-        self.inbound = bytearray()  # host data not yet written to fd
-        self.reading = child is None  # a socket not yet at EOF
-        self.eof_sent = False
-        self.host_eof = False
-
-
-class Child:
-    """A process the agent started, whose output outlives any one host connection."""
-
-    def __init__(self, pid: int, tag: str, tty: bool, marker: str) -> None:
-        self.pid = pid
-        self.tag = tag
-        self.tty = tty
-        self.marker = marker
-        self.out: dict[str, int] = {}  # its output fds: "io" (stdout or terminal), "err"
-        self.input = -1  # its stdin pipe, or a dup of its terminal's master
-        self.tails: dict[str, deque[bytes]] = {"io": deque(), "err": deque()}
-        self.tail_sizes = {"io": 0, "err": 0}
-        self.unsent = {"io": 0, "err": 0}  # the tail's last bytes, kept while no host listened
-        self.streams: dict[str, Stream | None] = {"io": None, "err": None}
-        self.exit: dict[str, int] | None = None
-
-    def keep(self, name: str, data: bytes) -> None:
-        tail = self.tails[name]
-        tail.append(data)
-        self.tail_sizes[name] += len(data)
-        while self.tail_sizes[name] > TAIL_BYTES and len(tail) > 1:
-            self.tail_sizes[name] -= len(tail.popleft())
 
 
 class Agent:
@@ -122,8 +46,8 @@ class Agent:
         self.sel = selectors.DefaultSelector()
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.streams: dict[int, Stream] = {}
-        self.children: dict[int, Child] = {}
+        self.streams: dict[int, wire.Stream] = {}
+        self.children: dict[int, children.Child] = {}
         self.listeners: dict[int, tuple[socket.socket, str, set[int]]] = {}
         self.next_sid = 1
         self.attached = True
@@ -179,11 +103,11 @@ class Agent:
     # --- writing to the host ------------------------------------------------------------------
     def frame(self, kind: int, sid: int, payload: bytes = b"") -> None:
         if self.attached:
-            self.outbuf += HEADER.pack(kind, sid, len(payload)) + payload
+            self.outbuf += wire.HEADER.pack(kind, sid, len(payload)) + payload
             self.flush()
 
     def control(self, message: dict[str, Any]) -> None:
-        self.frame(CONTROL, 0, json.dumps(message).encode())
+        self.frame(wire.CONTROL, 0, json.dumps(message).encode())
 
     def flush(self) -> None:
         try:
@@ -199,33 +123,33 @@ class Agent:
         except BlockingIOError:
             return
         self.inbuf += data
-        while len(self.inbuf) >= HEADER.size:
-            kind, sid, size = HEADER.unpack_from(self.inbuf)
-            if size > MAX_PAYLOAD:
+        while len(self.inbuf) >= wire.HEADER.size:
+            kind, sid, size = wire.HEADER.unpack_from(self.inbuf)
+            if size > wire.MAX_PAYLOAD:
                 raise SystemExit(f"machine agent: a frame of {size} bytes from the host")
-            if len(self.inbuf) < HEADER.size + size:
+            if len(self.inbuf) < wire.HEADER.size + size:
                 break
-            payload = bytes(self.inbuf[HEADER.size : HEADER.size + size])
-            del self.inbuf[: HEADER.size + size]
+            payload = bytes(self.inbuf[wire.HEADER.size : wire.HEADER.size + size])
+            del self.inbuf[: wire.HEADER.size + size]
             self.dispatch(kind, sid, payload)
 
     def dispatch(self, kind: int, sid: int, payload: bytes) -> None:
-        if kind == CONTROL:
+        if kind == wire.CONTROL:
             self.answer(json.loads(payload))
             return
         stream = self.streams.get(sid)
         if stream is None:
             return
-        if kind == DATA:
+        if kind == wire.DATA:
             stream.inbound += payload
             self.write_stream(stream)
-        elif kind == EOF:
+        elif kind == wire.EOF:
             stream.host_eof = True
             self.write_stream(stream)
-        elif kind == CLOSE:
+        elif kind == wire.CLOSE:
             self.drop(stream, tell=False)
-        elif kind == GRANT:
-            stream.credit += CREDIT.unpack(payload)[0]
+        elif kind == wire.GRANT:
+            stream.credit += wire.CREDIT.unpack(payload)[0]
             if stream.child is not None:
                 self.resume_child(stream.child)
             else:
@@ -243,22 +167,22 @@ class Agent:
             self.attached = False
 
     # --- streams ------------------------------------------------------------------------------
-    def add_stream(self, sid: int, fd: int, child: Child | None = None) -> Stream:
-        if sid in self.streams or len(self.streams) >= MAX_STREAMS:
+    def add_stream(self, sid: int, fd: int, child: children.Child | None = None) -> wire.Stream:
+        if sid in self.streams or len(self.streams) >= wire.MAX_STREAMS:
             raise ValueError(f"stream {sid} cannot be opened")
         if fd >= 0:
             os.set_blocking(fd, False)
-        stream = Stream(sid, fd, child)
+        stream = wire.Stream(sid, fd, child)
         self.streams[sid] = stream
         self.stream_state(stream)
         return stream
 
-    def stream_state(self, stream: Stream) -> None:
+    def stream_state(self, stream: wire.Stream) -> None:
         if stream.fd >= 0:
             reading = stream.reading and stream.credit > 0
             self.watch(stream.fd, stream, reading=reading, writing=bool(stream.inbound))
 
-    def write_stream(self, stream: Stream) -> None:
+    def write_stream(self, stream: wire.Stream) -> None:
         while stream.inbound and stream.fd >= 0:
             try:
                 written = os.write(stream.fd, stream.inbound[:_READ])
@@ -267,15 +191,15 @@ class Agent:
             except OSError:  # its reader is gone: what the host sends is dropped
                 written = len(stream.inbound)
             del stream.inbound[:written]
-            self.frame(GRANT, stream.sid, CREDIT.pack(written))
+            self.frame(wire.GRANT, stream.sid, wire.CREDIT.pack(written))
         if stream.fd < 0 and stream.inbound:  # nobody reads it: granted back, dropped
-            self.frame(GRANT, stream.sid, CREDIT.pack(len(stream.inbound)))
+            self.frame(wire.GRANT, stream.sid, wire.CREDIT.pack(len(stream.inbound)))
             stream.inbound.clear()
         if not stream.inbound and stream.host_eof and stream.fd >= 0:
             self.end_input(stream)
         self.stream_state(stream)
 
-    def end_input(self, stream: Stream) -> None:
+    def end_input(self, stream: wire.Stream) -> None:
         child = stream.child
         if child is None:
             try:
@@ -292,7 +216,7 @@ class Agent:
         os.close(stream.fd)
         child.input = stream.fd = -1
 
-    def read_stream(self, stream: Stream) -> None:
+    def read_stream(self, stream: wire.Stream) -> None:
         try:
             data = os.read(stream.fd, min(_READ, stream.credit))
         except BlockingIOError:
@@ -301,18 +225,18 @@ class Agent:
             data = b""
         if data:
             stream.credit -= len(data)
-            self.frame(DATA, stream.sid, data)
+            self.frame(wire.DATA, stream.sid, data)
         else:
             stream.reading = False
             stream.eof_sent = True
-            self.frame(EOF, stream.sid)
+            self.frame(wire.EOF, stream.sid)
         self.stream_state(stream)
 
-    def drop(self, stream: Stream, *, tell: bool = True) -> None:
+    def drop(self, stream: wire.Stream, *, tell: bool = True) -> None:
         if self.streams.pop(stream.sid, None) is None:
             return
         if tell:
-            self.frame(CLOSE, stream.sid)
+            self.frame(wire.CLOSE, stream.sid)
         child = stream.child
         if child is not None:  # the child lives on, its output kept in its tail
             for name, bound in child.streams.items():
@@ -328,7 +252,7 @@ class Agent:
         os.close(stream.fd)
 
     # --- children -----------------------------------------------------------------------------
-    def read_child(self, child: Child, name: str, fd: int) -> None:
+    def read_child(self, child: children.Child, name: str, fd: int) -> None:
         if child.out.get(name) != fd:
             return  # already at its end
         stream = child.streams[name]
@@ -348,11 +272,11 @@ class Agent:
         child.keep(name, data)
         if stream is not None:
             stream.credit -= len(data)
-            self.frame(DATA, stream.sid, data)
+            self.frame(wire.DATA, stream.sid, data)
         else:
             child.unsent[name] = min(child.unsent[name] + len(data), child.tail_sizes[name])
 
-    def end_output(self, child: Child, name: str, fd: int) -> None:
+    def end_output(self, child: children.Child, name: str, fd: int) -> None:
         """The child's output `name` is over: its stream told, its descriptor closed."""
         self.forget(fd)
         os.close(fd)
@@ -360,12 +284,12 @@ class Agent:
         stream = child.streams[name]
         if stream is not None and not stream.eof_sent:
             stream.eof_sent = True
-            self.frame(EOF, stream.sid)
+            self.frame(wire.EOF, stream.sid)
         if child.tty and child.input >= 0:
             os.close(child.input)
             child.input = -1
 
-    def resume_child(self, child: Child) -> None:
+    def resume_child(self, child: children.Child) -> None:
         for name, fd in child.out.items():
             stream = child.streams[name]
             reading = stream is None or stream.credit > 0
@@ -398,7 +322,7 @@ class Agent:
                     self.end_output(child, name, fd)
             self.report_exit(child)
 
-    def report_exit(self, child: Child) -> None:
+    def report_exit(self, child: children.Child) -> None:
         if child.exit is not None:
             self.control({"event": "exited", "pid": child.pid, **child.exit})
 
@@ -414,90 +338,34 @@ class Agent:
     # --- requests -----------------------------------------------------------------------------
     def op_hello(self, request: dict[str, Any]) -> dict[str, Any]:
         self.attached = True
-        children = [
+        listed = [
             {"pid": c.pid, "tag": c.tag, "tty": c.tty, "exit": c.exit}
             for c in self.children.values()
         ]
-        return {"version": VERSION, "children": children}
+        return {"version": wire.VERSION, "children": listed}
 
     def op_spawn(self, request: dict[str, Any]) -> dict[str, Any]:
         self.forget_ended()
-        if len(self.children) >= MAX_CHILDREN:
-            raise RuntimeError(f"the sandbox runs {MAX_CHILDREN} processes already")
+        if len(self.children) >= children.MAX_CHILDREN:
+            raise RuntimeError(f"the sandbox runs {children.MAX_CHILDREN} processes already")
         uid, gid = int(request["uid"]), int(request["gid"])
-        for item in request.get("files") or []:
-            data = base64.b64decode(item["data"])
-            _write_file(str(item["path"]), data, int(item["mode"]), uid, gid)
-        env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
-        marker = str(request.get("marker") or "")
-        if marker:
-            env[MARKER_VARIABLE] = marker
-        tty = request.get("tty")
+        children.write_files(request.get("files") or [], uid, gid)
         io_sid, err_sid = int(request["io"]), request.get("err")
         if io_sid in self.streams or err_sid in self.streams:
             raise ValueError("its streams are taken")
-        ours: list[int] = []  # our ends, closed if it does not start
-        theirs: list[int] = []  # its ends, closed once it started
-        try:
-            if tty:
-                master, slave = pty.openpty()
-                ours.append(master)
-                theirs.append(slave)
-                _set_size(master, int(tty["rows"]), int(tty["cols"]))
-                stdin = stdout = stderr = slave
-                out = {"io": master}
-                ours.append(os.dup(master))
-                child_input = ours[-1]
-            else:
-                in_r, child_input = os.pipe()
-                out_r, out_w = os.pipe()
-                ours += [child_input, out_r]
-                theirs += [in_r, out_w]
-                stdin, stdout, stderr = in_r, out_w, out_w
-                out = {"io": out_r}
-                if err_sid is not None:
-                    err_r, err_w = os.pipe()
-                    ours.append(err_r)
-                    theirs.append(err_w)
-                    stderr = err_w
-                    out["err"] = err_r
-            process = subprocess.Popen(
-                [str(a) for a in request["argv"]],
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                cwd=str(request.get("cwd") or "/"),
-                env=env,
-                user=uid,
-                group=gid,
-                extra_groups=[],
-                start_new_session=True,
-                preexec_fn=_take_terminal if tty else None,
-            )
-        except BaseException:
-            for fd in ours:
-                os.close(fd)
-            raise
-        finally:
-            for fd in theirs:
-                os.close(fd)
-        process.returncode = 0  # reaped by our own waitpid loop, never by Popen
-        child = Child(process.pid, str(request.get("tag") or ""), bool(tty), marker)
-        child.out, child.input = out, child_input
-        for fd in (*out.values(), child_input):
-            os.set_blocking(fd, False)
+        child = children.start_child(request, uid, gid, with_err=err_sid is not None)
         self.children[child.pid] = child
         self.bind(child, io_sid, None if err_sid is None else int(err_sid))
         return {"pid": child.pid}
 
     def bind(
-        self, child: Child, io_sid: int, err_sid: int | None, *, replay: bool | str = True
+        self, child: children.Child, io_sid: int, err_sid: int | None, *, replay: bool | str = True
     ) -> None:
         """Give the child's output (and input) to new streams; what it kept of it goes first:
         all its tail (`replay` true), none, or what it wrote while no host listened
         ("unsent")."""
         for sid in (io_sid, err_sid):
-            if sid is not None and (sid in self.streams or len(self.streams) >= MAX_STREAMS):
+            if sid is not None and (sid in self.streams or len(self.streams) >= wire.MAX_STREAMS):
                 raise ValueError(f"stream {sid} cannot be opened")
         for name in ("io", "err"):
             old = child.streams[name]
@@ -516,13 +384,13 @@ class Agent:
                 chunks = [b"".join(chunks)[-unsent:]] if unsent else []
             child.unsent[name] = 0
             for chunk in chunks:
-                for at in range(0, len(chunk), MAX_PAYLOAD):
-                    piece = chunk[at : at + MAX_PAYLOAD]
+                for at in range(0, len(chunk), wire.MAX_PAYLOAD):
+                    piece = chunk[at : at + wire.MAX_PAYLOAD]
                     stream.credit -= len(piece)
-                    self.frame(DATA, stream.sid, piece)
+                    self.frame(wire.DATA, stream.sid, piece)
             if name not in child.out:
                 stream.eof_sent = True
-                self.frame(EOF, stream.sid)
+                self.frame(wire.EOF, stream.sid)
         self.resume_child(child)
 
     def op_adopt(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -536,27 +404,13 @@ class Agent:
         return {}
 
     def op_signal(self, request: dict[str, Any]) -> dict[str, Any]:
-        child = self.children[int(request["pid"])]
-        signum = int(request["signum"])
-        with contextlib.suppress(OSError):
-            os.killpg(child.pid, signum)
-        if child.marker:  # what left its group: double forks, daemons
-            wanted = f"{MARKER_VARIABLE}={child.marker}".encode()
-            for name in os.listdir("/proc"):
-                if not name.isdigit():
-                    continue
-                try:
-                    with open(f"/proc/{name}/environ", "rb") as f:
-                        if wanted in f.read(1 << 20).split(b"\0"):
-                            os.kill(int(name), signum)
-                except OSError:
-                    continue
+        children.signal_child(self.children[int(request["pid"])], int(request["signum"]))
         return {}
 
     def op_resize(self, request: dict[str, Any]) -> dict[str, Any]:
         child = self.children[int(request["pid"])]
         if child.tty and child.input >= 0:
-            _set_size(child.input, int(request["rows"]), int(request["cols"]))
+            children.set_size(child.input, int(request["rows"]), int(request["cols"]))
             with contextlib.suppress(OSError):
                 os.killpg(child.pid, signal.SIGWINCH)
         return {}
@@ -592,20 +446,7 @@ class Agent:
         return {}
 
     def op_unsaveable(self, request: dict[str, Any]) -> dict[str, Any]:
-        """What in the machine its gVisor cannot save: network sockets (TCP, UDP) of any
-        process, listed by the netstack in /proc/net."""
-        found = []
-        for name in ("tcp", "tcp6", "udp", "udp6"):
-            try:
-                with open(f"/proc/net/{name}") as table:
-                    rows = table.read(1 << 20).splitlines()[1:]
-            except OSError:
-                continue
-            for row in rows[:16]:
-                fields = row.split()
-                if len(fields) > 3:
-                    found.append(f"a {name} socket at {_address(fields[1])}")
-        return {"reasons": found}
+        return {"reasons": children.network_sockets()}
 
     def op_detach(self, request: dict[str, Any]) -> dict[str, Any]:
         for stream in list(self.streams.values()):
@@ -618,7 +459,11 @@ class Agent:
             conn, _ = sock.accept()
         except OSError:
             return
-        if not self.attached or len(open_fds) >= MAX_ACCEPTED or len(self.streams) >= MAX_STREAMS:
+        if (
+            not self.attached
+            or len(open_fds) >= wire.MAX_ACCEPTED
+            or len(self.streams) >= wire.MAX_STREAMS
+        ):
             conn.close()
             return
         sid = self.next_sid
@@ -642,47 +487,13 @@ class Agent:
                     self.reap()
                 elif what == "listener":
                     self.accept(key.fd)
-                elif isinstance(what, Stream):
+                elif isinstance(what, wire.Stream):
                     if events & selectors.EVENT_WRITE:
                         self.write_stream(what)
                     if events & selectors.EVENT_READ and what.sid in self.streams:
                         self.read_stream(what)
                 elif isinstance(what, tuple):
                     self.read_child(what[0], what[1], key.fd)
-
-
-def _write_file(path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):  # the kernel's own directory: its alone
-        os.makedirs(parent, mode=0o700)
-        os.chown(parent, uid, gid)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags, mode & 0o777)
-    try:
-        os.fchown(fd, uid, gid)
-        os.fchmod(fd, mode & 0o777)
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-
-
-def _set_size(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-def _address(hex_address: str) -> str:
-    """`0100007F:1F90` as /proc/net writes it, as `127.0.0.1:8080` (IPv4; else as it is)."""
-    host, _, port = hex_address.partition(":")
-    try:
-        if len(host) == 8:
-            host = ".".join(str(b) for b in reversed(bytes.fromhex(host)))
-        return f"{host}:{int(port, 16)}"
-    except ValueError:
-        return hex_address
-
-
-def _take_terminal() -> None:
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from code_interpreter_wire.errors import SandboxError, SandboxLost
-from sandbox.inside_kernel.machine_agent import (
+from sandbox.inside_kernel.machine_wire import (
     CLOSE,
     CONTROL,
     CREDIT,

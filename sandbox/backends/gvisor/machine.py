@@ -22,7 +22,7 @@ import os
 import shutil
 import tarfile
 from collections.abc import Awaitable, Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
 from code_interpreter_wire.errors import (
@@ -35,13 +35,18 @@ from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
-from sandbox.inside_kernel import machine_agent
+from sandbox.inside_kernel import machine_agent, machine_children, machine_wire
 from sandbox.kernel.command import KERNEL_START_FILES
 from sandbox.kernel.programs import SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX
 
 log = logging.getLogger(__name__)
 
 AGENT_IN_SANDBOX = "/opt/code-interpreter/machine_agent.py"
+# The agent and the modules it imports from its own directory, bound read-only beside it.
+AGENT_FILES = tuple(
+    (Path(host), str(PurePosixPath(AGENT_IN_SANDBOX).with_name(Path(host).name)))
+    for host in (machine_agent.__file__, machine_wire.__file__, machine_children.__file__)
+)
 # The agent's rights inside gVisor: to start children as the sandbox's uid and to signal them.
 _AGENT_CAPABILITIES = [
     "CAP_SETUID",
@@ -449,7 +454,7 @@ def oci_config(
                 "source": "tmpfs",
                 "options": ["size=16m", "mode=755"],
             },
-            bind(Path(machine_agent.__file__), AGENT_IN_SANDBOX, ro=True),
+            *(bind(host, inside, ro=True) for host, inside in AGENT_FILES),
             bind(SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX, ro=True),
             # This service's own start-up files, so a kernel does what this host expects of it.
             *(bind(host, inside, ro=True) for host, inside in KERNEL_START_FILES),

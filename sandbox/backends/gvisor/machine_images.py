@@ -21,10 +21,9 @@ from typing import Any
 
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import SandboxSpec
-from sandbox.backends.gvisor.machine import ImageUnusable
+from sandbox.backends.gvisor.machine import AGENT_FILES, ImageUnusable
 from sandbox.egress_channel import FORWARDER_FILE
 from sandbox.host_channel import KERNEL_MODULE
-from sandbox.inside_kernel import machine_agent
 from sandbox.kernel.command import KERNEL_START_FILES
 from sandbox.kernel.programs import SUPERVISOR_FILE
 
@@ -71,11 +70,12 @@ def tree_bytes(root: Path) -> int:
 
 @functools.cache
 def inside_code_digest() -> str:
-    """Our code a machine runs inside (its agent, start-up files, supervisor, forwarder, the
-    tools' module, the re-key code): a template made with other code is not this service's."""
+    """Our code a machine runs inside (its agent and the modules beside it, start-up files,
+    supervisor, forwarder, the tools' module, the re-key code): a template made with other code
+    is not this service's."""
     digest = hashlib.sha256(f"{MANIFEST_VERSION}\n{_PYTHON_REKEY}".encode())
     for path in (
-        Path(machine_agent.__file__),
+        *(host for host, _ in AGENT_FILES),
         *(host for host, _ in KERNEL_START_FILES),
         SUPERVISOR_FILE,
         FORWARDER_FILE,

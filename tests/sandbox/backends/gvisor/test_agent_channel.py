@@ -17,7 +17,8 @@ import pytest
 from code_interpreter_wire.errors import SandboxLost
 from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError, ChannelStream, ChildEnd
 from sandbox.inside_kernel import machine_agent
-from sandbox.inside_kernel.machine_agent import HEADER, MAX_PAYLOAD, TAIL_BYTES, WINDOW
+from sandbox.inside_kernel.machine_children import TAIL_BYTES
+from sandbox.inside_kernel.machine_wire import HEADER, MAX_PAYLOAD, WINDOW
 
 AGENT = machine_agent.__file__
 UID, GID = os.getuid(), os.getgid()

@@ -28,8 +28,9 @@ PARENT = "code-interpreter"
 log = logging.getLogger(__name__)
 _CONTROLLERS = ("memory", "pids", "cpu")
 # cpu.shares of a sandbox warming up in a pool, and of a live one (cgroup v1's default): a
-# warming sandbox gets the CPU a live session leaves (2/1026 of it when both want it all).
-BACKGROUND_SHARES = 2
+# warming sandbox gets what a live session leaves, and 1/17 when both want all of it; never
+# starved, so a preload (seconds of imports) ends well within its time limit on a busy host.
+BACKGROUND_SHARES = 64
 LIVE_SHARES = 1024
 MAX_SHARES = 262_144  # cgroup v1's most
 

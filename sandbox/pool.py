@@ -25,6 +25,9 @@ from sandbox.backends.base import Backend, Sandbox
 log = logging.getLogger(__name__)
 
 REFILL_DELAY_S = 0.5
+# A preload that failed this many times in a row is given up: the pool serves sandboxes
+# without it (saying so once) rather than none.
+MAX_PRELOAD_FAILURES = 3
 
 
 class WarmPool:
@@ -47,7 +50,9 @@ class WarmPool:
         self._starting = 0
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing: set[asyncio.Task[None]] = set()  # awaited at close, never cancelled
         self.failures = 0
+        self.preload_failures = 0
 
     @property
     def ready(self) -> int:
@@ -78,7 +83,7 @@ class WarmPool:
         self.failures = 0
         self._starting -= 1
         if self._closed:
-            await sandbox.close()
+            await self._close_later(sandbox)
             return
         self._ready.append(sandbox)
 
@@ -86,13 +91,41 @@ class WarmPool:
         sandbox = await self.backend.create(self.spec.model_copy(deep=True))
         try:  # warmed as background work: live sessions come first (measured: a handed-over
             # session's first cell took 50 ms instead of 9 beside a refill's imports)
-            sandbox.weigh_cpu(background=True)
+            try:
+                sandbox.weigh_cpu(background=True)
+            except OSError:
+                log.exception("a pooled sandbox warms at a live session's CPU weight")
             if self.preload:
-                await sandbox.preload(self.preload)
+                await self._preload(sandbox)
         except BaseException:
-            await sandbox.close()
+            await self._close_later(sandbox)
             raise
         return sandbox
+
+    async def _preload(self, sandbox: Sandbox) -> None:
+        try:
+            await sandbox.preload(self.preload)
+        except Exception as exc:
+            self.preload_failures += 1
+            if self.preload_failures >= MAX_PRELOAD_FAILURES:
+                log.error(
+                    "the %s pool's preload failed %d times in a row (%s): its sandboxes are "
+                    "served without it; fix preload_modules/preload_code and restart",
+                    self.backend.name,
+                    self.preload_failures,
+                    exc,
+                )
+                self.preload = ""
+            raise
+        self.preload_failures = 0
+
+    async def _close_later(self, sandbox: Sandbox) -> None:
+        """Close `sandbox` whatever befalls the caller: a close cut half-way (the pool closing
+        cancels its starts) would leave its container, cgroup or uid behind."""
+        task = asyncio.ensure_future(sandbox.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
 
     def take(self) -> Sandbox | None:
         """A ready sandbox, or None when the pool is empty; the pool refills either way."""
@@ -103,8 +136,8 @@ class WarmPool:
             except OSError:  # never a session starved by a pool's weight: started anew
                 log.exception("a pooled sandbox's CPU weight could not be restored; dropped")
                 task = asyncio.ensure_future(sandbox.close())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
                 sandbox = None
         if sandbox is None or self.refill_delay_s <= 0:
             self.fill()
@@ -124,6 +157,6 @@ class WarmPool:
             self._refill.cancel()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._closing, return_exceptions=True)
         while self._ready:
             await self._ready.popleft().close()

@@ -185,10 +185,14 @@ def _install_e2b_display_forms() -> None:
         call costs ~40 us there), 2 ms from memory (4 ms and 1 ms on a host). Each font file is
         read once (256 MiB at most kept); a font reads a view of its bytes that stands for its
         path where matplotlib asks `fname` for one (`str()` for PDF embedding, cache keys).
-        Not path-like: FreeType would open a path-like object as a file again."""
+        Not path-like: FreeType would open a path-like object as a file again. Only where
+        matplotlib takes a font's path through `FontPath` (3.11 on): older releases use
+        `fname` as a path of their own (measured: 3.8's PDF and PS output fail with it)."""
         import io
 
-        original = font_manager._get_font
+        original = getattr(font_manager, "_get_font", None)
+        if original is None or not hasattr(font_manager, "FontPath"):
+            return
         kept: dict[str, bytes] = {}
 
         class FontBytes(io.BytesIO):  # shares the bytes it is given, never written
@@ -218,7 +222,7 @@ def _install_e2b_display_forms() -> None:
 
         @functools.wraps(original)
         def get_font(font_filepaths: tuple[Any, ...], *args: Any, **kwargs: Any) -> Any:
-            # The same cache key as given: (path, face index) pairs since 3.11, paths before.
+            # The same cache key as given: (path, face index) pairs (3.11), paths before.
             return original(
                 tuple(
                     (in_memory(p[0]), *p[1:]) if isinstance(p, tuple) else in_memory(p)
@@ -228,6 +232,12 @@ def _install_e2b_display_forms() -> None:
                 **kwargs,
             )
 
+        def cache_clear() -> None:  # "a font file changed": the bytes kept go too
+            kept.clear()
+            original.cache_clear()
+
+        get_font.cache_clear = cache_clear  # type: ignore[attr-defined]
+        get_font.cache_info = original.cache_info  # type: ignore[attr-defined]
         font_manager._get_font = get_font  # type: ignore[attr-defined]
 
     patches: dict[str, Callable[[types.ModuleType], None]] = {

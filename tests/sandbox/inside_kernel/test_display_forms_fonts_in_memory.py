@@ -55,7 +55,11 @@ open_fonts = sorted(
     if os.path.exists(f"/proc/self/fd/{{fd}}")
     and os.readlink(f"/proc/self/fd/{{fd}}") == os.path.realpath(path)
 )
+# A font file changed: matplotlib's own recipe to see it, which must clear the bytes kept too.
+font_manager._get_font.cache_clear()
+after_clear = font_manager.get_font(path)
 print(json.dumps({{
+    "cleared_is_new": after_clear is not font,
     "png": hashlib.sha256(drawn["png"]).hexdigest(),
     "png_in_thread": hashlib.sha256(in_thread[0]["png"]).hexdigest(),
     "pdf_embeds_font": b"DejaVuSans" in drawn["pdf"],
@@ -88,3 +92,4 @@ def test_fonts_are_drawn_from_memory_and_the_drawing_is_the_same() -> None:
     assert patched["pdf_bytes"] == plain["pdf_bytes"]
     assert patched["svg_has_title"]
     assert patched["fname"] == patched["path"]
+    assert patched["cleared_is_new"] and plain["cleared_is_new"]

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import AfterValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -147,17 +147,12 @@ class Settings(BaseSettings):
     pool_size: int = Field(
         0, ge=0, description="Ready sandboxes kept per backend for the default spec."
     )
-    preload_modules: Annotated[list[str], NoDecode] = Field(
+    preload_modules: Annotated[list[str], AfterValidator(check_module_names), NoDecode] = Field(
         default_factory=list,
-        description="Modules a pool's sandboxes import before they are handed over "
-        "(comma-separated in the env, e.g. `pandas,numpy,matplotlib.pyplot`): a session's "
-        "first cell finds them loaded; nothing else of the preload is visible to its code.",
+        description="Modules a pool's sandboxes import before the hand-over (comma-separated).",
     )
     preload_code: str = Field(
-        "",
-        description="Python a pool's sandboxes run after importing preload_modules, in a "
-        "namespace of its own, before they are handed over: warm-up work such as a first chart "
-        "drawn so caches are filled (sandbox/preload.py's ANALYST_PRELOAD is one).",
+        "", description="Warm-up a pool's sandboxes run after those imports (sandbox/preload.py)."
     )
     reap_interval_s: float = Field(5.0, gt=0)
 
@@ -497,11 +492,6 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
-
-    @field_validator("preload_modules")
-    @classmethod
-    def _check_module_names(cls, value: list[str]) -> list[str]:
-        return check_module_names(value)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import resource
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from sandbox import proc_view, seccomp
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.backends.local_processes import LAUNCHER_FILE, LAUNCHER_IN_SANDBOX
 from sandbox.cgroup_oom import OomClock
+from sandbox.cgroups import ROOT as CGROUP_ROOT
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
@@ -75,6 +77,9 @@ _ETC_FILES = (
 _ETC_PATTERNS = ("java-*-openjdk",)
 _SANDBOX_UID = 1000  # the uid and gid the code sees
 _SHM_SIZE_MB = 64  # as Docker's default /dev/shm
+# How long bwrap may take to exit once its PID namespace's init is killed (every process of
+# the namespace exits first, freeing its memory) before it is killed itself.
+INIT_EXIT_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,13 @@ class BwrapKernel:
         cgroup: SandboxCgroup | None,
         group: Path | None = None,
         oom_clock: OomClock | None = None,
+        *,
+        init_first: bool = False,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
+        # `proc` is bwrap with a PID namespace of its own (not the unsafe mode's bare kernel).
+        self.init_first = init_first
         # Python's kernel waits for the group to empty before its successor starts; another
         # language's shares the group with Python's, which is never empty while it runs.
         self.group = group
@@ -125,11 +134,18 @@ class BwrapKernel:
         return counted and self.oom_clock.ran_out_shortly_before(died)
 
     async def kill(self) -> None:
-        # The sandbox's init dies with bwrap (--die-with-parent), taking its PID namespace,
-        # and so every process the code started, with it.
+        # The sandbox's init (bwrap's child, pid 1 of its PID namespace) goes first: its death
+        # kills every process the code started, and bwrap, still alive, reaps it and exits.
+        # Killed first, bwrap would orphan it (--die-with-parent kills it then): its zombie
+        # would hold the sandbox's pids count until the host's init reaped it, a second or more
+        # later (or never, with this service as a container's pid 1).
         if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
+            if self.init_first and kill_namespace_init(self.proc.pid, self.group):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.proc.wait(), INIT_EXIT_WAIT_S)
+            if self.proc.returncode is None:  # no init found, or bwrap did not exit: kill it
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
         await self.proc.wait()
         self.output.stop()
         if self.cgroup is not None:  # the next kernel shares the limits: its leftovers go first
@@ -245,7 +261,13 @@ class BwrapLauncher:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.kernel = BwrapKernel(proc, self.cgroup, group=pids_group, oom_clock=self.oom_clock)
+        self.kernel = BwrapKernel(
+            proc,
+            self.cgroup,
+            group=pids_group,
+            oom_clock=self.oom_clock,
+            init_first=not self.unsafe,
+        )
         return self.kernel
 
     def _kernel_command(self, connection_file: str) -> list[str]:
@@ -324,6 +346,40 @@ class BwrapLauncher:
             "--seccomp",
             str(fds[-1]),
         ]
+
+
+def kill_namespace_init(bwrap_pid: int, group: Path | None) -> bool:
+    """SIGKILL the init of bwrap's PID namespace (bwrap's one child); say whether it was found.
+    The child is pinned by a pidfd, then checked to be bwrap's child, pid 1 of a namespace of
+    its own, and (with cgroups) in the kernel's group: a pid reused meanwhile is never hit."""
+    try:
+        children = Path(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children").read_text().split()
+    except OSError:  # gone already, or no such file on this kernel: bwrap is killed instead
+        return False
+    found = False
+    for child in children:
+        with contextlib.suppress(OSError, ValueError):
+            pidfd = os.pidfd_open(int(child))
+            try:
+                if _is_namespace_init(int(child), bwrap_pid, group):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    found = True
+            finally:
+                os.close(pidfd)
+    return found
+
+
+def _is_namespace_init(pid: int, parent: int, group: Path | None) -> bool:
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    nspids = status.get("NSpid", "").split()
+    if int(status.get("PPid", "0")) != parent or len(nspids) < 2 or nspids[-1] != "1":
+        return False
+    if group is None:
+        return True
+    member = f":pids:/{group.relative_to(CGROUP_ROOT / 'pids')}\n"
+    return member in Path(f"/proc/{pid}/cgroup").read_text()
 
 
 def confine(

@@ -25,10 +25,10 @@ class KernelTraits:
     # The kernel ignores Jupyter's interrupt_request (IRkernel): the supervisor turns an
     # interrupt into SIGINT instead.
     interrupt_by_signal: bool = False
-    # The kernel may publish a call's last output after its idle status (Deno's sends stdout
-    # and the result a millisecond or two late): a call is over once its output has been
-    # quiet this long after the idle.
-    linger_s: float = 0.0
+    # The kernel may publish a call's output after its idle status, even under the next
+    # request's id (Deno's: its output goes through a queue of its own): a flush request after
+    # each call proves all of it is in (sandbox/kernel/late_output.py).
+    late_output: bool = False
 
     @property
     def supervised(self) -> bool:
@@ -37,8 +37,8 @@ class KernelTraits:
 
 _PLAIN = KernelTraits()
 _TRAITS: dict[str, KernelTraits] = {
-    "javascript": KernelTraits(relayed=True, linger_s=0.05),
-    "typescript": KernelTraits(relayed=True, linger_s=0.05),
+    "javascript": KernelTraits(relayed=True, late_output=True),
+    "typescript": KernelTraits(relayed=True, late_output=True),
     "r": KernelTraits(interrupt_by_signal=True),
     "java": KernelTraits(relayed=True),
 }

@@ -33,6 +33,7 @@ from typing import Any
 
 _CHANNELS = ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port")
 _CHUNK = 1 << 16
+_TCP_QUICKACK = getattr(socket, "TCP_QUICKACK", 12)  # Linux's
 PLACEHOLDER = "{connection_file}"
 
 
@@ -62,9 +63,13 @@ def _tcp_connection_file(path: str, info: dict[str, Any]) -> tuple[str, dict[str
     return target, {f"{info['ip']}-{info[name]}": ports[name] for name in _CHANNELS}
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ack_now: socket.socket | None = None
+) -> None:
     try:
         while data := await reader.read(_CHUNK):
+            if ack_now is not None:
+                _ack_now(ack_now)
             writer.write(data)
             await writer.drain()  # back-pressure: never more than a chunk or two in flight
     except (ConnectionError, OSError):
@@ -74,13 +79,23 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             writer.close()
 
 
+def _ack_now(sock: socket.socket) -> None:
+    """Acknowledge what the kernel sent at once. Deno's kernel leaves Nagle's algorithm on, so
+    each small message it writes while one is unacknowledged waits for that ACK, which Linux
+    delays up to 40 ms: quick ACKs (a flag Linux clears again, hence after each read) keep
+    its back-to-back messages (a reply, then the next request's) from stalling."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
+
+
 async def _relay_one(port: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         kernel_reader, kernel_writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:  # not listening yet: ZeroMQ on the host connects again by itself
         writer.close()
         return
-    await asyncio.gather(_pipe(reader, kernel_writer), _pipe(kernel_reader, writer))
+    kernel_socket = kernel_writer.get_extra_info("socket")
+    await asyncio.gather(_pipe(reader, kernel_writer), _pipe(kernel_reader, writer, kernel_socket))
 
 
 async def _serve_relay(routes: dict[str, int]) -> list[asyncio.AbstractServer]:

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
+from sandbox.kernel.late_output import MARK_TYPE, Flush, send_flush
 from sandbox.kernel.wire import (
     BAD_SIGNATURE,
     Frame,
@@ -51,7 +52,16 @@ MIN_FRAME_BYTES = 256 << 20
 # though its idle status never came (PUB/SUB drops messages when a subscriber falls behind).
 QUIET_AFTER_REPLY_S = 2.0
 MAX_WAIT_AFTER_REPLY_S = 10.0
-MAX_LINGER_S = 0.5
+# Where iopub crosses a slow relay (`output_moved`: a gVisor machine's agent, ~85 MB/s, slower
+# on a loaded host), a message still moving may take longer than that to cross: the wait goes
+# on while its bytes move, this long at most (a background flood does not hold a call for ever).
+MAX_WAIT_AFTER_RELAYED_REPLY_S = 60.0
+# A kernel that publishes after its idle (late_output.py): the flush's marker ends the call, or
+# else iopub staying quiet this long (its code was replaced or the kernel's thread hangs), or
+# this long at most (a backlog of a million prints is still being published; a timer printing
+# forever).
+QUIET_BEFORE_MARK_S = 2.0
+MAX_WAIT_FOR_MARK_S = 30.0
 # A status message's one field is a word: anything longer in it is cut before decoding.
 STATUS_TEXT_CHARS = 1000
 
@@ -107,6 +117,9 @@ class Watch:
     malformed: int = 0  # messages dropped as unusable while this request was followed
     end_unconfirmed: bool = False  # ended by the quiet after the reply: no idle status came
     last_message: float = 0.0  # when a message of this request was last taken (monotonic)
+    # The request proving this one's output is all in (late_output.py): until its marker, what
+    # comes under its id is this request's late output.
+    flush: Flush | None = None
 
 
 class KernelChannels:
@@ -187,50 +200,52 @@ class KernelChannels:
             waiter.cancel()
 
     async def until_finished(
-        self, watch: Watch, reply: asyncio.Future[dict[str, Any]], linger_s: float = 0.0
+        self, watch: Watch, reply: asyncio.Future[dict[str, Any]], late_output: bool = False
     ) -> None:
         """Return once the request is over: its reply came and its idle status too, or iopub
         went quiet for a moment after the reply (the idle was dropped on the way: then
         `watch.end_unconfirmed` says so, once the message being handled is done).
 
-        `linger_s`: for kernels that may publish output after their idle status (Deno's), the
-        request is over only once no message of its own has come for that long after the idle,
-        or `MAX_LINGER_S` after the idle at most (a timer printing forever does not hold the
-        call)."""
+        `late_output`: the kernel may publish output after its idle status (Deno's): a flush
+        request (late_output.py) is sent at once, queued in the kernel behind this one, which
+        it takes only once this one is over, idle status published. The flush's marker follows
+        all of this request's output on iopub, so it alone ends the wait; without it, the
+        same quiet rule as for a missing idle applies."""
+        if late_output and watch.flush is None:
+            watch.flush = send_flush(self.client)
         await asyncio.shield(reply)
         replied = time.monotonic()
-        await self._until_idle(watch, replied)
-        if linger_s > 0:
-            await self._until_quiet(watch, linger_s)
+        if watch.flush is None:
+            most = MAX_WAIT_AFTER_REPLY_S
+            if self.output_moved is not None:
+                most = MAX_WAIT_AFTER_RELAYED_REPLY_S
+            await self._until_event(watch, watch.idle, replied, QUIET_AFTER_REPLY_S, most)
+            return
+        await self._until_event(
+            watch, watch.flush.marked, replied, QUIET_BEFORE_MARK_S, MAX_WAIT_FOR_MARK_S
+        )
 
-    async def _until_quiet(self, watch: Watch, quiet_s: float) -> None:
-        limit = time.monotonic() + MAX_LINGER_S
-        while True:
-            now = time.monotonic()
-            if self.handling:  # a message being taken may be this request's
-                watch.last_message = now
-            wait = min(max(watch.last_message, now - quiet_s) + quiet_s, limit) - now
-            if wait <= 0 or now >= limit:
-                await self.handler_free.wait()
-                return
-            await asyncio.sleep(min(wait, 0.01))
-
-    async def _until_idle(self, watch: Watch, replied: float) -> None:
-        while not watch.idle.is_set():
+    async def _until_event(
+        self, watch: Watch, event: asyncio.Event, since: float, quiet_s: float, most_s: float
+    ) -> None:
+        """Until `event`; or iopub quiet for `quiet_s` after `since`, or `most_s` after it (then
+        the end is unconfirmed)."""
+        limit = since + most_s
+        while not event.is_set():
             now = time.monotonic()
             if self.inbox.items or self.handling:
                 self.last_activity = now
             if self.output_moved is not None:
                 self.last_activity = max(self.last_activity, self.output_moved())
-            quiet_until = max(self.last_activity, replied) + QUIET_AFTER_REPLY_S
-            wait = min(quiet_until, replied + MAX_WAIT_AFTER_REPLY_S) - now
+            quiet_until = max(self.last_activity, since) + quiet_s
+            wait = min(quiet_until, limit) - now
             if wait <= 0:
                 watch.end_unconfirmed = True
                 await self.handler_free.wait()  # a message half taken would change the run
                 return
             wait = min(wait, 0.1)
             try:
-                await asyncio.wait_for(watch.idle.wait(), wait)
+                await asyncio.wait_for(event.wait(), wait)
             except TimeoutError:
                 continue
 
@@ -290,7 +305,7 @@ class KernelChannels:
 
     async def _handle_one(self, frames: list[Frame]) -> None:
         watch = self.watch
-        if watch is None or peek_parent_id(frames) != watch.msg_id:
+        if watch is None or not _wanted(watch, peek_parent_id(frames)):
             return  # nobody wants it (a background thread's output, a past run's): unread
         try:
             msg = await self._parse(frames)
@@ -298,11 +313,17 @@ class KernelChannels:
             self._count_malformed(str(exc))
             return
         watch = self.watch
-        if watch is None or msg.parent_id != watch.msg_id:
+        if watch is None or not _wanted(watch, msg.parent_id):
             return  # nobody wants it: output of a background thread, or of a past run
         watch.last_message = time.monotonic()
         try:
-            if msg.msg_type == "status":
+            flush = watch.flush
+            if flush is not None and msg.parent_id == flush.msg_id:  # marker, or late output
+                if msg.msg_type == MARK_TYPE:
+                    flush.marked.set()
+                elif msg.msg_type not in ("status", "execute_input") and watch.on_output:
+                    await watch.on_output(msg)
+            elif msg.msg_type == "status":
                 status = await msg.text_content(STATUS_TEXT_CHARS)
                 if status.get("execution_state") == "idle":
                     watch.idle.set()
@@ -361,3 +382,11 @@ class KernelChannels:
                 await receive_frames(socket, self.frame_limit)
             except zmq.ZMQError:  # closed with its kernel
                 return
+
+
+def _wanted(watch: Watch, parent_id: str | None) -> bool:
+    """A message of the followed request, or of its flush until the flush's marker came."""
+    if parent_id == watch.msg_id:
+        return True
+    flush = watch.flush
+    return flush is not None and parent_id == flush.msg_id and not flush.marked.is_set()

@@ -76,7 +76,7 @@ class KernelDriver:
     ) -> None:
         self._launcher = launcher
         self.language = language
-        self._linger_s = KERNEL_TRAITS[language].linger_s
+        self._late_output = KERNEL_TRAITS[language].late_output
         self.interrupt_grace_s = interrupt_grace_s
         self.output_limit_chars = output_limit_chars
         self.result_limit_bytes = result_limit_bytes
@@ -368,7 +368,7 @@ class KernelDriver:
                         self._send_interrupt(kernel)
                         await asyncio.wait_for(asyncio.shield(run.reply), self.interrupt_grace_s)
                     # Stopped: its last output is drained under a bound of the reader's own.
-                    await kernel.channels.until_finished(run.watch, run.reply, self._linger_s)
+                    await kernel.channels.until_finished(run.watch, run.reply, self._late_output)
                 except TimeoutError:
                     self._notice = (
                         "An execution whose caller went away did not stop when interrupted, so "
@@ -475,7 +475,7 @@ class KernelDriver:
         watch = run.watch = kernel.channels.follow(msg_id, take)
         reply = run.reply = kernel.channels.reply_to(msg_id)
         finished = asyncio.ensure_future(
-            kernel.channels.until_finished(watch, reply, self._linger_s)
+            kernel.channels.until_finished(watch, reply, self._late_output)
         )
         try:
             while True:

@@ -23,8 +23,9 @@ PRINTED = 200 * 1024 * 1024
 OUTPUT_LIMIT = 100_000
 # Busy processes beside the kernel slow the channel as a loaded host does: without them the
 # message may cross it within the driver's quiet time after the reply (2 s), and hide the race.
-# One per two host cores: the message then crosses in seconds (4 on two cores), well within the
-# 10 s the driver waits at most after a reply; every core taken would take longer than that.
+# One per two host cores: the message then crosses in seconds (4 on two cores; 10-20 s on a
+# host loaded by other work as well), within the 60 s a relayed call waits at most while its
+# output is still moving.
 HOG_COUNT = max(1, (os.cpu_count() or 2) // 2)
 HOGS = (
     "import subprocess\n"

@@ -51,15 +51,20 @@ async def test_thousands_of_tiny_outputs(sandbox: Sandbox, bystander: Sandbox) -
         timeout_s=120,
     )
     assert ex.ok, ex.error
-    assert len(ex.results) == 1001  # the limit, then one note
-    # The note counts the outputs that reached the service past the limit: all 2000, unless
-    # the kernel's own output socket dropped some on a busy machine (ZeroMQ's high-water mark).
-    note = ex.results[-1].text
-    assert note is not None
-    counted = re.search(r"\[(\d+) more rich outputs were left out", note)
-    assert counted is not None, note
-    assert 1000 <= int(counted.group(1)) <= 2000
-    assert ex.results_dropped == int(counted.group(1))
+    # The kernel's own output socket drops what a busy machine's service does not read in time
+    # (ZeroMQ's high-water mark, 1,000 messages): with two such tests at once on two cores,
+    # 1,000 to 2,003 of the 3,000 were dropped there, before the service saw them. What
+    # reaches the service is capped at the limit, then one note counting the rest.
+    assert 0 < len(ex.results) <= 1001
+    if len(ex.results) == 1001:
+        note = ex.results[-1].text
+        assert note is not None
+        counted = re.search(r"\[(\d+) more rich outputs were left out", note)
+        assert counted is not None, note
+        assert 1 <= int(counted.group(1)) <= 2000
+        assert ex.results_dropped == int(counted.group(1))
+    else:  # all that came fit under the limit: nothing was left out by the service
+        assert ex.results_dropped == 0
     assert time.monotonic() - started < 60
 
 

@@ -46,7 +46,7 @@ class Agent:
         self.sel = selectors.DefaultSelector()
         self.inbuf = bytearray()
         self.outbuf = bytearray()
-        self.streams: dict[int, wire.Stream] = {}
+        self.streams: dict[int, wire.Stream[children.Child]] = {}
         self.children: dict[int, children.Child] = {}
         self.listeners: dict[int, tuple[socket.socket, str, set[int]]] = {}
         self.next_sid = 1
@@ -167,7 +167,9 @@ class Agent:
             self.attached = False
 
     # --- streams ------------------------------------------------------------------------------
-    def add_stream(self, sid: int, fd: int, child: children.Child | None = None) -> wire.Stream:
+    def add_stream(
+        self, sid: int, fd: int, child: children.Child | None = None
+    ) -> wire.Stream[children.Child]:
         if sid in self.streams or len(self.streams) >= wire.MAX_STREAMS:
             raise ValueError(f"stream {sid} cannot be opened")
         if fd >= 0:
@@ -177,12 +179,12 @@ class Agent:
         self.stream_state(stream)
         return stream
 
-    def stream_state(self, stream: wire.Stream) -> None:
+    def stream_state(self, stream: wire.Stream[children.Child]) -> None:
         if stream.fd >= 0:
             reading = stream.reading and stream.credit > 0
             self.watch(stream.fd, stream, reading=reading, writing=bool(stream.inbound))
 
-    def write_stream(self, stream: wire.Stream) -> None:
+    def write_stream(self, stream: wire.Stream[children.Child]) -> None:
         while stream.inbound and stream.fd >= 0:
             try:
                 written = os.write(stream.fd, stream.inbound[:_READ])
@@ -199,7 +201,7 @@ class Agent:
             self.end_input(stream)
         self.stream_state(stream)
 
-    def end_input(self, stream: wire.Stream) -> None:
+    def end_input(self, stream: wire.Stream[children.Child]) -> None:
         child = stream.child
         if child is None:
             try:
@@ -216,7 +218,7 @@ class Agent:
         os.close(stream.fd)
         child.input = stream.fd = -1
 
-    def read_stream(self, stream: wire.Stream) -> None:
+    def read_stream(self, stream: wire.Stream[children.Child]) -> None:
         try:
             data = os.read(stream.fd, min(_READ, stream.credit))
         except BlockingIOError:
@@ -232,7 +234,7 @@ class Agent:
             self.frame(wire.EOF, stream.sid)
         self.stream_state(stream)
 
-    def drop(self, stream: wire.Stream, *, tell: bool = True) -> None:
+    def drop(self, stream: wire.Stream[children.Child], *, tell: bool = True) -> None:
         if self.streams.pop(stream.sid, None) is None:
             return
         if tell:

@@ -43,7 +43,7 @@ class Child:
         self.tails: dict[str, deque[bytes]] = {"io": deque(), "err": deque()}
         self.tail_sizes = {"io": 0, "err": 0}
         self.unsent = {"io": 0, "err": 0}  # the tail's last bytes, kept while no host listened
-        self.streams: dict[str, Stream | None] = {"io": None, "err": None}
+        self.streams: dict[str, Stream[Child] | None] = {"io": None, "err": None}
         self.exit: dict[str, int] | None = None
 
     def keep(self, name: str, data: bytes) -> None:

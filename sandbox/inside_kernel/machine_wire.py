@@ -42,10 +42,11 @@ Standard library only: it runs inside the machine too, imported by the agent as 
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    from sandbox.inside_kernel.machine_children import Child
+# What a child's stream belongs to (machine_children.Child), named only by the agent that pairs
+# them: this module imports no sibling.
+ChildT = TypeVar("ChildT")
 
 VERSION = 1
 HEADER = struct.Struct(">BII")
@@ -57,11 +58,11 @@ MAX_STREAMS = 4096
 MAX_ACCEPTED = 64  # connections open at once per listening socket
 
 
-class Stream:
+class Stream(Generic[ChildT]):
     """One byte stream to the host. A socket stream reads and writes its own fd; a child's
     stream writes the child's input (`fd`, or -1) while its output is read by the child."""
 
-    def __init__(self, sid: int, fd: int, child: Child | None = None) -> None:
+    def __init__(self, sid: int, fd: int, child: ChildT | None = None) -> None:
         self.sid = sid
         self.fd = fd
         self.child = child

@@ -18,6 +18,7 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ _CONTROLLERS = ("memory", "pids", "cpu")
 BACKGROUND_SHARES = 64
 LIVE_SHARES = 1024
 MAX_SHARES = 262_144  # cgroup v1's most
+_RESCALING = threading.Lock()  # called from the event loop and from worker threads
 
 
 def available() -> bool:
@@ -144,21 +146,29 @@ class SandboxCgroup:
 
 def rescale_parent(parent: Path = ROOT / "cpu" / PARENT) -> int | None:
     """Weigh the sandboxes' parent group among the host's processes as that many live sessions:
-    LIVE_SHARES for each live sandbox under it (at least one's; warming ones add nothing), up
-    to the kernel's most. With one fixed weight, a host's whole fleet of sessions got the CPU
-    of one process beside a busy host's others (a first chart took 0.69x a raw kernel's when
-    the host was quiet, 1.59x when it was loaded). The weight set, or None where there is no
-    parent group. Several services on one host share the parent, and count each other's."""
-    live = 0
-    try:
-        for child in parent.iterdir():
-            with contextlib.suppress(OSError, ValueError):  # one going away as it is read
-                live += int((child / "cpu.shares").read_text()) >= LIVE_SHARES
-        shares = min(MAX_SHARES, LIVE_SHARES * max(1, live))
-        (parent / "cpu.shares").write_text(str(shares))
-    except FileNotFoundError:
-        return None
-    return shares
+    LIVE_SHARES for each live sandbox under it (at least one's; warming ones add nothing), and
+    at most one per core (more sessions than cores cannot use more than every core: beyond
+    that the weight would only starve the service that relays their output). With one fixed
+    weight, a host's whole fleet of sessions got the CPU of one process beside a busy host's
+    others (a first chart took 0.69x a raw kernel's when the host was quiet, 1.59x when it was
+    loaded). The weight set, or None where there is no parent group or it could not be set
+    (best effort: a sandbox never fails for it). Several services on one host share the parent
+    and count each other's; within one, the count and the write are one step."""
+    with _RESCALING:
+        live = 0
+        try:
+            for child in parent.iterdir():
+                with contextlib.suppress(OSError, ValueError):  # one going away as it is read
+                    live += int((child / "cpu.shares").read_text()) >= LIVE_SHARES
+            most = min(MAX_SHARES, LIVE_SHARES * (os.cpu_count() or 1))
+            shares = min(most, LIVE_SHARES * max(1, live))
+            (parent / "cpu.shares").write_text(str(shares))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            log.exception("the sandboxes' parent cgroup could not be weighed")
+            return None
+        return shares
 
 
 def remove_engine_parents(sandbox_id: str, wait_s: float = 3.0) -> None:

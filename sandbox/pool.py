@@ -21,6 +21,7 @@ from collections import deque
 
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
+from sandbox.preload import PreloadFailed
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class WarmPool:
     async def _preload(self, sandbox: Sandbox) -> None:
         try:
             await sandbox.preload(self.preload)
-        except Exception as exc:
+        except PreloadFailed as exc:  # its code's own error: a time limit on a busy host is not
             self.preload_failures += 1
             if self.preload_failures >= MAX_PRELOAD_FAILURES:
                 log.error(

@@ -28,7 +28,6 @@ from sandbox import proc_view, seccomp
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.backends.local_processes import LAUNCHER_FILE, LAUNCHER_IN_SANDBOX
 from sandbox.cgroup_oom import OomClock
-from sandbox.cgroups import ROOT as CGROUP_ROOT
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
@@ -378,8 +377,9 @@ def _is_namespace_init(pid: int, parent: int, group: Path | None) -> bool:
         return False
     if group is None:
         return True
-    member = f":pids:/{group.relative_to(CGROUP_ROOT / 'pids')}\n"
-    return member in Path(f"/proc/{pid}/cgroup").read_text()
+    # The group's own list, not /proc/<pid>/cgroup: that names paths as the reader's cgroup
+    # namespace sees them (inside a container on v1: under /docker/<id>/), which never match.
+    return str(pid) in (group / "cgroup.procs").read_text().split()
 
 
 def confine(

@@ -109,7 +109,8 @@ class DockerBackendConfig(BaseModel):
         default=True,
         description="With session_cgroup: weigh the sandboxes' parent group as one process per "
         "live sandbox among the host's others (cpu.shares 1024 each), so a busy host does not "
-        "squeeze every session into one process's share; off, the parent weighs as one.",
+        "squeeze every session into one process's share (at most one per core); off, the "
+        "parent's weight is left as it is.",
     )
 
 

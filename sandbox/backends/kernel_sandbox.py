@@ -31,6 +31,7 @@ from sandbox.backends.base import Sandbox
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.scopes import change_directory, set_env
 from sandbox.languages import check_available
+from sandbox.preload import PreloadFailed
 from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Entry, Workspace
 
@@ -81,9 +82,10 @@ class KernelSandbox(Sandbox):
         driver = await self._driver_for(PYTHON)
         wrapped = f"exec(compile({code!r}, '<preload>', 'exec'), {{}})"
         done = await driver.execute(wrapped, timeout_s=timeout_s, silent=True)
+        if done.error is not None:
+            raise PreloadFailed(f"the preload failed: {done.error.value}")
         if not done.ok:
-            why = done.error.value if done.error is not None else done.status.value
-            raise SandboxError(f"the preload failed: {why}")
+            raise SandboxError(f"the preload did not finish: {done.status.value}")
 
     async def _driver_for(self, language: str) -> KernelDriver:
         """The kernel of `language`, started now if this is its first use."""

@@ -320,8 +320,10 @@ class KernelChannels:
             flush = watch.flush
             if flush is not None and msg.parent_id == flush.msg_id:  # marker, or late output
                 if msg.msg_type == MARK_TYPE:
-                    flush.marked.set()
-                elif msg.msg_type not in ("status", "execute_input") and watch.on_output:
+                    content = await msg.text_content(STATUS_TEXT_CHARS)
+                    if content.get("nonce") == flush.nonce:  # not one the call's code forged
+                        flush.marked.set()
+                elif msg.msg_type not in ("status", "execute_input", "error") and watch.on_output:
                     await watch.on_output(msg)
             elif msg.msg_type == "status":
                 status = await msg.text_content(STATUS_TEXT_CHARS)

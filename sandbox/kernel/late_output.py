@@ -22,6 +22,7 @@ does not set it). Sent at once rather than after the reply, it costs no round tr
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -29,9 +30,14 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 # The marker's message type: one no Jupyter client shows (Deno passes any type through).
 MARK_TYPE = "cir_output_flushed"
-# It cannot throw, so no error under the flush's id is ever its own: all such are the call's. Code
-# that replaced `Deno.jupyter.broadcast` gets no marker: its calls end by quiet, unconfirmed.
-FLUSH_CODE = f'try {{ Deno.jupyter.broadcast("{MARK_TYPE}", {{}}); }} catch {{}}'
+# It carries a nonce of its flush's own, so the call's code (which may broadcast anything) cannot
+# end the call early by forging a marker. Code that replaced `Deno.jupyter.broadcast` gets no
+# marker: its calls end by quiet, unconfirmed. An `error` under the flush's id is the flush's own
+# (Deno publishes errors itself, under the request being run, not through the queue): an
+# interrupt meant for the call that stopped the flush instead; it is not the call's.
+FLUSH_CODE = (
+    'try {{ Deno.jupyter.broadcast("' + MARK_TYPE + '", {{"nonce": "{nonce}"}}); }} catch {{}}'
+)
 
 
 @dataclass
@@ -39,13 +45,14 @@ class Flush:
     """One flush request in flight, and whether its marker has come back on iopub."""
 
     msg_id: str
+    nonce: str
     marked: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def send_flush(client: AsyncKernelClient) -> Flush:
     """Queue the flush request on the shell socket (the kernel runs it after the call)."""
     content = {
-        "code": FLUSH_CODE,
+        "code": FLUSH_CODE.format(nonce=(nonce := secrets.token_hex(16))),
         "silent": True,
         "store_history": False,
         "user_expressions": {},
@@ -54,4 +61,4 @@ def send_flush(client: AsyncKernelClient) -> Flush:
     }
     msg = client.session.msg("execute_request", content)
     client.shell_channel.send(msg)
-    return Flush(cast(str, msg["header"]["msg_id"]))
+    return Flush(cast(str, msg["header"]["msg_id"]), nonce)

@@ -44,22 +44,29 @@ def shares(path: Path) -> int:
     return int((path / "cpu.shares").read_text())
 
 
+def weight_of(live: int) -> int:
+    """One live session's weight per live sandbox, at least one's, at most one per core."""
+    return LIVE_SHARES * min(max(1, live), os.cpu_count() or 1, MAX_SHARES // LIVE_SHARES)
+
+
 def test_the_parent_weighs_one_live_session_per_live_sandbox(parent: Path) -> None:
     assert rescale_parent(parent) == LIVE_SHARES  # none: at least one's
     assert shares(parent) == LIVE_SHARES
     first, second = child(parent, LIVE_SHARES), child(parent, LIVE_SHARES)
     child(parent, BACKGROUND_SHARES)  # warming in a pool: adds nothing
-    assert rescale_parent(parent) == 2 * LIVE_SHARES == shares(parent)
+    assert rescale_parent(parent) == weight_of(2) == shares(parent)
     (second / "cpu.shares").write_text(str(BACKGROUND_SHARES))
     assert rescale_parent(parent) == LIVE_SHARES
     first.rmdir()
     assert rescale_parent(parent) == LIVE_SHARES  # still at least one's
 
 
-def test_the_parent_weight_stops_at_the_kernels_most(parent: Path) -> None:
-    for _ in range(MAX_SHARES // LIVE_SHARES + 3):
+def test_the_parent_weighs_at_most_one_live_session_per_core(parent: Path) -> None:
+    cores = os.cpu_count() or 1
+    for _ in range(cores + 3):
         child(parent, LIVE_SHARES)
-    assert rescale_parent(parent) == MAX_SHARES == shares(parent)
+    assert rescale_parent(parent) == weight_of(cores + 3) == LIVE_SHARES * cores
+    assert shares(parent) == LIVE_SHARES * cores
 
 
 def test_no_parent_group_is_no_weight() -> None:

@@ -112,3 +112,18 @@ async def test_code_that_breaks_the_marker_still_ends_each_call(deno: Sandbox) -
     fine = await deno.execute("console.log('fine'); 1", language="javascript")
     assert fine.notice is None, fine
     assert fine.stdout == "fine\n" and [r.text for r in fine.results] == ["1"]
+
+
+async def test_a_forged_marker_does_not_end_the_call(deno: Sandbox) -> None:
+    """The call's code may broadcast the marker's type itself: without its flush's nonce it is
+    not the marker, and what the call prints after it is still the call's."""
+    forged = (
+        'Deno.jupyter.broadcast("cir_output_flushed", {nonce: "guessed"});\n'
+        "for (let i = 0; i < 2000; i++) console.log('after', i)"
+    )
+    done = await deno.execute(forged, language="javascript", timeout_s=120)
+    assert done.status is ExecutionStatus.OK, done
+    assert done.notice is None, done.notice
+    assert done.stdout.splitlines() == [f"after {i}" for i in range(2000)]
+    after = await deno.execute("console.log('next')", language="javascript")
+    assert after.stdout == "next\n", after.stdout[:200]

@@ -151,8 +151,8 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Modules a pool's sandboxes import before the hand-over (comma-separated).",
     )
-    preload_code: str = Field(
-        "", description="Warm-up a pool's sandboxes run after those imports (sandbox/preload.py)."
+    preload_code: str | None = Field(
+        None, description="Warm-up a pool's sandboxes run after those imports (sandbox/preload.py)."
     )
     reap_interval_s: float = Field(5.0, gt=0)
 

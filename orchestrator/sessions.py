@@ -254,7 +254,7 @@ class SessionManager:
                 log.info("removed %d orphans of the %s backend", removed, name)
             self.backends[name] = backend
             if s.pool_size and backend.capabilities.warm_pool:
-                preload = preload_code(list(s.preload_modules), s.preload_code)
+                preload = preload_code(list(s.preload_modules), s.preload_code or "")
                 pool = WarmPool(backend, self.default_spec(), s.pool_size, preload=preload)
                 pool.fill()
                 self.pools[name] = pool

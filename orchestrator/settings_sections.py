@@ -120,7 +120,7 @@ class SessionTableSection(Section):
     network_default: NetworkPolicy
     pool_size: int
     preload_modules: tuple[str, ...]
-    preload_code: str
+    preload_code: str | None
     max_sessions_per_key: int
     max_sessions_total: int
     idle_timeout_s: float

@@ -67,7 +67,7 @@ class SandboxCgroup:
         (self.dirs[2] / "cpu.cfs_period_us").write_text(str(period))
         (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * period)))
         if self.scale_parent:
-            rescale_parent()
+            rescale_parent(joining=self.sandbox_id)
 
     def weigh(self, *, background: bool) -> bool:
         """The sandbox's CPU weight among its siblings: background (a warm pool's sandbox
@@ -144,7 +144,7 @@ class SandboxCgroup:
             rescale_parent()
 
 
-def rescale_parent(parent: Path = ROOT / "cpu" / PARENT) -> int | None:
+def rescale_parent(parent: Path = ROOT / "cpu" / PARENT, *, joining: str = "") -> int | None:
     """Weigh the sandboxes' parent group among the host's processes as that many live sessions:
     LIVE_SHARES for each live sandbox under it (at least one's; warming ones add nothing), and
     at most one per core (more sessions than cores cannot use more than every core: beyond
@@ -153,13 +153,17 @@ def rescale_parent(parent: Path = ROOT / "cpu" / PARENT) -> int | None:
     others (a first chart took 0.69x a raw kernel's when the host was quiet, 1.59x when it was
     loaded). The weight set, or None where there is no parent group or it could not be set
     (best effort: a sandbox never fails for it). Several services on one host share the parent
-    and count each other's; within one, the count and the write are one step."""
+    and count each other's; within one, the count and the write are one step. A sandbox is live
+    while its group holds a process (the pids hierarchy's count, which takes in the containers'
+    groups below a Docker sandbox's), or as it is made (`joining`, before its kernel joins):
+    a group left empty by a crash counts for nothing."""
     with _RESCALING:
         live = 0
         try:
             for child in parent.iterdir():
                 with contextlib.suppress(OSError, ValueError):  # one going away as it is read
-                    live += int((child / "cpu.shares").read_text()) >= LIVE_SHARES
+                    if int((child / "cpu.shares").read_text()) >= LIVE_SHARES:
+                        live += child.name == joining or _holds_processes(child)
             most = min(MAX_SHARES, LIVE_SHARES * (os.cpu_count() or 1))
             shares = min(most, LIVE_SHARES * max(1, live))
             (parent / "cpu.shares").write_text(str(shares))
@@ -169,6 +173,18 @@ def rescale_parent(parent: Path = ROOT / "cpu" / PARENT) -> int | None:
             log.exception("the sandboxes' parent cgroup could not be weighed")
             return None
         return shares
+
+
+def _holds_processes(cpu_group: Path) -> bool:
+    """Whether the sandbox whose cpu group this is holds a process now; where there is no pids
+    group of the same name to ask (a group made by hand), it is taken to."""
+    try:
+        return (
+            int((ROOT / "pids" / cpu_group.relative_to(ROOT / "cpu") / "pids.current").read_text())
+            > 0
+        )
+    except (OSError, ValueError):
+        return True
 
 
 def remove_engine_parents(sandbox_id: str, wait_s: float = 3.0) -> None:

@@ -16,6 +16,7 @@ class PreloadFailed(SandboxError):
     """The preload's own code raised (a module that is not there, a warm-up that fails): it
     would fail again in every sandbox of that image. Not a time limit or a kernel that died."""
 
+
 # The data stack imported, a frame read from CSV, grouped and charted by pandas, then put
 # through every display form a shown figure gets (the PNG as the inline backend renders it,
 # E2B's chart, which imports e2b_charts: ~270 ms measured under gVisor), then closed: what a

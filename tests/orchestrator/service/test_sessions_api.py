@@ -282,6 +282,12 @@ def test_limits_cannot_be_switched_off(api: httpx.Client, limits: dict[str, int]
 
 
 def test_bad_env_names_are_refused_and_leak_nothing(server: Server, api: httpx.Client) -> None:
+    # The pool full first: a refill after an earlier test's hand-over (half a second later)
+    # would add a sandbox's directory during this test.
+    deadline = time.monotonic() + 60
+    while api.get("/v1/status").json()["pools"].get("local", 0) < 1:
+        assert time.monotonic() < deadline, "the pool did not fill"
+        time.sleep(0.05)
     before = len(list((server.state_dir / "local").iterdir()))
     for env in ({"A=B": "1"}, {"": "1"}, {"OK": "nul\u0000byte"}):
         r = api.post("/v1/sessions", json={"env": env})

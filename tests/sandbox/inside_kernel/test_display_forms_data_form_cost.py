@@ -9,20 +9,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.sandbox.inside_kernel.forms_shell import SHELL_WITH_FORMS
+
 pytestmark = pytest.mark.unit
 
-FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 # 100 rows sharing one 1 MB string: the frame holds about 1 MB; its columns as JSON, 100 MB.
 PROBE = f"""
 import json, tracemalloc
-from IPython.core.interactiveshell import InteractiveShell
-shell = InteractiveShell.instance()
-exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
+{SHELL_WITH_FORMS}
 import pandas as pd
 frame = pd.DataFrame({{"doc": ["x" * 1_000_000] * 100}})
 tracemalloc.start()

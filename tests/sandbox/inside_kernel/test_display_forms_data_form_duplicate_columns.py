@@ -9,19 +9,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.sandbox.inside_kernel.forms_shell import SHELL_WITH_FORMS
+
 pytestmark = pytest.mark.unit
 
-FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 PROBE = f"""
 import json, warnings
-from IPython.core.interactiveshell import InteractiveShell
-shell = InteractiveShell.instance()
-exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
+{SHELL_WITH_FORMS}
 import pandas as pd
 frame = pd.DataFrame([[1, 2]], columns=["a", "a"])
 with warnings.catch_warnings(record=True) as caught:

@@ -10,22 +10,19 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.sandbox.inside_kernel.forms_shell import LOAD_FORMS, SHELL
+
 pytestmark = pytest.mark.unit
 
-FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 DRAW = f"""
 import hashlib, io, json, os, sys, threading
-from IPython.core.interactiveshell import InteractiveShell
-shell = InteractiveShell.instance()
-if sys.argv[1] == "with-forms":
-    exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
-import matplotlib
+{SHELL}if sys.argv[1] == "with-forms":
+    {LOAD_FORMS}import matplotlib
 matplotlib.use("agg")
 import matplotlib.pyplot as plt
 from matplotlib import font_manager

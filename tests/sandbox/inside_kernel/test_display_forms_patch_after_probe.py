@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.sandbox.inside_kernel.forms_shell import SHELL_WITH_FORMS
+
 pytestmark = pytest.mark.unit
 
-FORMS = Path(__file__).parents[3] / "sandbox" / "inside_kernel" / "display_forms.py"
 
 PROBE = f"""
 import importlib.util
-from IPython.core.interactiveshell import InteractiveShell
-shell = InteractiveShell.instance()
-exec(compile(open({str(FORMS)!r}).read(), "display_forms.py", "exec"), {{"__name__": "forms"}})
+{SHELL_WITH_FORMS}
 assert importlib.util.find_spec("PIL.Image") is not None
 from PIL import Image
 print("patched" if hasattr(Image.Image.save, "__wrapped__") else "not patched")

@@ -59,10 +59,19 @@ KEY_AND_DRAW = (
 )
 
 
+# The ticker's file is missing before its first tick and empty for a moment at each one (the
+# shell truncates it before writing): both read as no tick yet.
+READ_TICKS = (
+    "import pathlib\n"
+    "_t = pathlib.Path('/tmp/ticks')\n"
+    "int(_t.read_text() or 0) if _t.exists() else 0"
+)
+
+
 def _ticks(api: httpx.Client, sid: str) -> int:
-    done = api.post(f"/v1/sessions/{sid}/execute", json={"code": "open('/tmp/ticks').read()"})
+    done = api.post(f"/v1/sessions/{sid}/execute", json={"code": READ_TICKS})
     assert done.status_code == 200 and done.json()["status"] == "ok", done.text
-    return int(str(done.json()["results"][0]["text"]).strip("'\\n"))
+    return int(done.json()["results"][0]["text"])
 
 
 def _until_ticks_pass(api: httpx.Client, sid: str, count: int) -> None:

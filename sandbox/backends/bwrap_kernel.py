@@ -26,7 +26,7 @@ from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import proc_view, seccomp
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
-from sandbox.backends.local_processes import LAUNCHER_FILE, LAUNCHER_IN_SANDBOX
+from sandbox.backends.local_command_server import SERVER_FILE, SERVER_IN_SANDBOX
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import (
@@ -318,7 +318,7 @@ class BwrapLauncher:
             mounts.append(("--ro-bind", root, root))
         mounts += [
             *(("--ro-bind", str(host), inside) for host, inside in KERNEL_START_FILES),
-            ("--ro-bind", str(LAUNCHER_FILE), LAUNCHER_IN_SANDBOX),
+            ("--ro-bind", str(SERVER_FILE), SERVER_IN_SANDBOX),
             ("--ro-bind", str(SUPERVISOR_FILE), SUPERVISOR_IN_SANDBOX),
             ("--ro-bind", str(FORWARDER_FILE), FORWARDER_IN_SANDBOX),
             ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),

@@ -1,22 +1,17 @@
 """Processes on the local backend: each joins the running kernel's bubblewrap sandbox.
 
-A process must be inside the very boundary the kernel is in, not a new one beside it: the host
-runs util-linux `nsenter` (an absolute path, resolved once) aimed at the sandbox's init (bwrap's
-child), which enters its outer user namespace and its mount, PID, IPC, UTS, network and cgroup
-namespaces, takes its root and working directory, and runs the sandbox's own interpreter on
-`inside_kernel/process_launcher.py`; that finishes the job inside (the kernel's user namespace,
-no capabilities, its own session, no_new_privs, the sandbox's seccomp filter) and execs the
-command. The host side is confined as the kernel is (`confine` in bwrap_kernel.py: its cgroup,
-rlimits, and its host uid when the service runs as root), starts from an empty environment,
-and passes only the descriptors it means to. Everything the process needs from the host comes
-in memory: the request as JSON and the filter in memfds, a socketpair for the handshake.
+A process must be inside the very boundary the kernel is in, not a new one beside it: the
+sandbox's command server (`local_command_server.py`), entered and confined once, forks each
+one there. The host makes its pipes (or terminal) and a control socket, and hands them over
+with the request; the process says its pid, waits while the host puts it in its cgroup, and
+execs. Its end comes from the server, which reaps it.
 
 With cgroups, each process also gets a pids group of its own inside the sandbox's: signals reach
 everything it started, even what left its session; a time limit or close kills them all. Without
 them (not root, or cgroups off), signals reach its process group, and whatever escaped that dies
 with the sandbox. The sandbox is per kernel: a kernel restart ends its processes.
 
-`unsafe_no_sandbox` has no sandbox to enter: processes are plain host subprocesses in the
+`unsafe_no_sandbox` has no sandbox to enter: processes are plain host processes in the
 workspace, with the kernel's environment and no isolation at all, as the kernel itself is.
 """
 
@@ -25,16 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import select
 import signal
 import socket
 import struct
-import subprocess
 import termios
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,21 +40,22 @@ from code_interpreter_wire.errors import (
     SandboxStartError,
 )
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
-from sandbox import seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
+from sandbox.backends.local_command_server import (
+    CommandFds,
+    CommandServer,
+    ServerGone,
+    child_with_pid,
+)
 from sandbox.cgroups import ProcessCgroup, SandboxCgroup
-from sandbox.host_commands import memfd_with
 from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
 
-LAUNCHER_FILE = Path(__file__).parent.parent / "inside_kernel" / "process_launcher.py"
-LAUNCHER_IN_SANDBOX = "/opt/code-interpreter/process_launcher.py"
 NSENTER_HINT = (
     "util-linux `nsenter` runs processes inside local sandboxes and was not found: install "
     "util-linux (`apt-get install util-linux`)."
 )
 HANDSHAKE_TIMEOUT_S = 30.0
-_NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
-_CONTROL_LIMIT = 1 << 16  # the most the launcher may say before its exec
+_CONTROL_LIMIT = 1 << 16  # the most a process may say before its exec
 
 
 @dataclass(frozen=True)
@@ -85,86 +81,110 @@ class LocalSpawner(Spawner):
         self._settings = settings
         self._sandbox_pid = sandbox_pid
         self._environment = environment
+        self._server: CommandServer | None = None
+        self._server_lock = asyncio.Lock()
+        self._closed = False
 
     async def spawn(self, request: ProcessRequest) -> SpawnedProcess:
         s = self._settings
-        fds: list[int] = []  # what the child inherits; closed here once it runs
+        server = await self._running_server()
         host_end, child_end = socket.socketpair()
         group = s.cgroup.process_group() if s.cgroup is not None else None
         terminal = os.openpty() if request.terminal is not None else None
+        theirs: list[int] = [child_end.detach()]  # sent to the server, then closed here
+        ours: list[int] = []  # kept: the host's ends of the process's pipes
+        pipes: _Pipes | None = None
+        command, end = server.expect()
         try:
-            fds.append(child_end.detach())
+            if terminal is not None:
+                theirs.append(terminal[1])
+                fds = CommandFds(terminal[1], terminal[1], terminal[1], theirs[0])
+                _set_size(terminal[0], request.terminal or TerminalSize())
+            else:
+                stdin_writer = None
+                if request.stdin:
+                    stdin, stdin_writer = os.pipe()
+                    ours.append(stdin_writer)
+                else:
+                    stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                theirs.append(stdin)
+                stdout_reader, stdout = os.pipe()
+                stderr_reader, stderr = os.pipe()
+                ours += [stdout_reader, stderr_reader]
+                theirs += [stdout, stderr]
+                fds = CommandFds(stdin, stdout, stderr, theirs[0])
+                pipes = _Pipes(stdin_writer, stdout_reader, stderr_reader)
+            cwd = request.cwd if s.nsenter is not None else _unsafe_cwd(request.cwd)
             spec: dict[str, object] = {
                 "argv": request.full_argv(),
                 "env": self._environment(request.env),
-                "cwd": request.cwd,
+                "cwd": cwd,
                 "terminal": terminal is not None,
-                "control_fd": fds[0],
             }
-            if s.nsenter is None:
-                argv = [s.python, "-I", "-S", str(LAUNCHER_FILE)]
-                spec.update(workspace=str(s.workspace), cwd=_unsafe_cwd(request.cwd))
-            else:
-                init = self._init_pid()
-                outer_userns, inner_userns = _namespaces(init, fds)
-                fds.append(memfd_with("seccomp", seccomp.bpf_program()))
-                spec.update(workspace=WORKSPACE_IN_SANDBOX, userns_fd=inner_userns)
-                spec["seccomp_fd"] = fds[-1]
-                argv = [
-                    s.nsenter, f"--target={init}",
-                    f"--user=/proc/self/fd/{outer_userns}", "--preserve-credentials",
-                    "--mount", "--pid", "--ipc", "--uts", "--net", "--cgroup",
-                    "--root", "--wd", "--",
-                    s.python, "-I", "-S", LAUNCHER_IN_SANDBOX,
-                ]  # fmt: skip
-            fds.append(memfd_with("process", json.dumps(spec).encode()))
-            argv.append(str(fds[-1]))
-            if terminal is not None:
-                stdin = stdout = stderr = terminal[1]
-                _set_size(terminal[0], request.terminal or TerminalSize())
-            else:
-                stdin = subprocess.PIPE if request.stdin else subprocess.DEVNULL
-                stdout = stderr = subprocess.PIPE
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=stdin,
-                stdout=stdout,
-                stderr=stderr,
-                env={},
-                cwd="/",
-                preexec_fn=s.preexec,
-                pass_fds=fds,
-                limit=1 << 16,
-            )
+            try:
+                await server.send(command, spec, fds)
+            except ServerGone:  # killed from inside the sandbox, say: once more, with a new one
+                server.forget(command)
+                server = await self._running_server(replacing=server)
+                command, end = server.expect()
+                await server.send(command, spec, fds)
         except BaseException:
+            server.forget(command)
             host_end.close()
+            for fd in ours:
+                os.close(fd)
             if terminal is not None:
                 os.close(terminal[0])
             if group is not None:
                 group.remove()
             raise
         finally:
-            for fd in fds:
+            for fd in theirs:
                 os.close(fd)
-            if terminal is not None:
-                os.close(terminal[1])
         master = terminal[0] if terminal is not None else None
-        nsenter_pid = proc.pid if s.nsenter is not None else None
         try:
-            pid, host_pid = await asyncio.to_thread(_handshake, nsenter_pid, host_end, group)
+            pid, host_pid = await asyncio.to_thread(_handshake, server.host_pid, host_end, group)
         except BaseException as exc:
-            await _abandon(proc, master, group)
+            server.forget(command)
+            for fd in ours:
+                os.close(fd)
+            await _abandon(master, group)
             if isinstance(exc, TimeoutError):
                 raise SandboxStartError("the process did not start in time") from None
             if isinstance(exc, _NotEntered):
-                why = await _stderr(proc)
-                raise SandboxStartError(f"the process could not enter the sandbox: {why}") from None
+                raise SandboxStartError(
+                    "the process could not enter the sandbox: its command server ended (the "
+                    "kernel is restarting or the sandbox is closing); try again in a moment"
+                ) from None
             raise
         finally:
             with contextlib.suppress(OSError):  # wakes a handshake thread left behind
                 host_end.shutdown(socket.SHUT_RDWR)
             host_end.close()
-        return LocalProcess(proc, pid, host_pid, master, group, s.cgroup)
+        return LocalProcess(end, pid, host_pid, master, pipes, group, s.cgroup)
+
+    async def _running_server(self, replacing: CommandServer | None = None) -> CommandServer:
+        """The server of the sandbox as it is now: started at its first command, and again
+        after a kernel restart (which ends the old one with its sandbox) or once it is found
+        gone (`replacing` it)."""
+        if self._closed:
+            raise SandboxStartError("the sandbox is closed")
+        async with self._server_lock:
+            init = self._init_pid() if self._settings.nsenter is not None else None
+            current = self._server
+            fresh = current is not None and current is not replacing and current.alive
+            if current is not None and fresh and current.init == init:
+                return current
+            if current is not None:
+                await current.close()
+            self._server = await CommandServer.start(self._settings, init)
+            return self._server
+
+    async def close(self) -> None:
+        self._closed = True
+        async with self._server_lock:
+            if self._server is not None:
+                await self._server.close()
 
     def _init_pid(self) -> int:
         """The sandbox's init: bwrap's one child, pid 1 of the sandbox."""
@@ -180,25 +200,22 @@ class LocalSpawner(Spawner):
         )
 
 
-def _namespaces(init: int, fds: list[int]) -> tuple[int, int]:
-    """The sandbox's outer user namespace (it owns the others) and the kernel's own, nested
-    in it (bwrap's --disable-userns): nsenter enters the first, the launcher the second."""
-    pid_ns = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fds.append(fcntl.ioctl(pid_ns, _NS_GET_USERNS))
-    finally:
-        os.close(pid_ns)
-    fds.append(os.open(f"/proc/{init}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
-    return fds[-2], fds[-1]
+@dataclass(frozen=True)
+class _Pipes:
+    """The host's ends of a process's pipes (stdin's None when it reads /dev/null)."""
+
+    stdin: int | None
+    stdout: int
+    stderr: int
 
 
 def _handshake(
-    nsenter_pid: int | None, control: socket.socket, group: ProcessCgroup | None
+    server_pid: int, control: socket.socket, group: ProcessCgroup | None
 ) -> tuple[int, int]:
-    """The launcher says its pid in the sandbox, hands over a pipe that its exec closes, and
-    waits; its host pid is found (nsenter's child, when it entered a sandbox), put in its
-    cgroup, and it is told to go. It then execs (the pipe reads EOF) or says why it could not.
-    Returns (pid in the sandbox, host pid). Blocking: run in a thread."""
+    """The process says its pid in the sandbox, hands over a pipe that its exec closes, and
+    waits; its host pid is found (a child of the server's), put in its cgroup, and it is told to
+    go. It then execs (the pipe reads EOF) or says why it could not. Returns (pid in the
+    sandbox, host pid). Blocking: run in a thread."""
     control.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         said, fds, _, _ = socket.recv_fds(control, _CONTROL_LIMIT, 1)
@@ -208,11 +225,17 @@ def _handshake(
         for fd in fds:
             stack.callback(os.close, fd)
         try:
-            pid = int(json.loads(said.split(b"\n", 1)[0])["pid"])
+            told = json.loads(said.split(b"\n", 1)[0])
+        except ValueError:
+            raise _NotEntered from None
+        if isinstance(told, dict) and "error" in told and not fds:  # it could not be forked
+            raise _start_error(str(told["error"]))
+        try:
+            pid = int(told["pid"])
             (report,) = fds
         except (ValueError, KeyError, TypeError):
             raise _NotEntered from None
-        host_pid = _host_pid(nsenter_pid, pid) if nsenter_pid is not None else pid
+        host_pid = child_with_pid(server_pid, pid)
         if group is not None:
             group.add(host_pid)
         control.sendall(b"go")
@@ -227,7 +250,7 @@ def _handshake(
 
 
 class _NotEntered(Exception):
-    """The launcher never said its pid: nsenter (or the interpreter) failed first."""
+    """The process never said its pid: the server ended first."""
 
 
 def _read_until_closed(fd: int) -> bytes:
@@ -246,16 +269,6 @@ def _read_until_closed(fd: int) -> bytes:
     return said
 
 
-def _host_pid(nsenter_pid: int, sandbox_pid: int) -> int:
-    """nsenter's one child, checked to be `sandbox_pid` in the sandbox."""
-    children = Path(f"/proc/{nsenter_pid}/task/{nsenter_pid}/children").read_text().split()
-    for child in children:
-        for line in Path(f"/proc/{child}/status").read_text().splitlines():
-            if line.startswith("NSpid:") and line.split()[-1] == str(sandbox_pid):
-                return int(child)
-    raise SandboxStartError("the process that entered the sandbox could not be found")
-
-
 def _start_error(reason: str) -> Exception:
     if "No such file" in reason:
         return FileMissing(f"the process could not start: {reason}")
@@ -264,26 +277,11 @@ def _start_error(reason: str) -> Exception:
     return SandboxStartError(f"the process could not start: {reason}")
 
 
-async def _stderr(proc: asyncio.subprocess.Process) -> str:
-    if proc.stderr is None:
-        return f"it exited with status {proc.returncode}"
-    with contextlib.suppress(Exception):
-        text = (await asyncio.wait_for(proc.stderr.read(4096), 5)).decode(errors="replace")
-        if text.strip():
-            return text.strip()
-    return f"it exited with status {proc.returncode}"
-
-
-async def _abandon(
-    proc: asyncio.subprocess.Process, master: int | None, group: ProcessCgroup | None
-) -> None:
-    """Undo a start that failed half-way: nothing of it may be left running or open."""
+async def _abandon(master: int | None, group: ProcessCgroup | None) -> None:
+    """Undo a start that failed half-way: nothing of it may be left running or open (a
+    process told nothing ends by itself, its control closed)."""
     if group is not None:
         await group.kill_all()
-    if proc.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-    await proc.wait()
     if master is not None:
         os.close(master)
     if group is not None:
@@ -304,30 +302,35 @@ def _set_size(master: int, size: TerminalSize) -> None:
 
 
 class LocalProcess(SpawnedProcess):
-    """A process in a local sandbox: its nsenter (or, unsafe, itself) is this service's child;
-    the process, `host_pid`, leads its own session and process group."""
+    """A process in a local sandbox, forked by its command server; the process, `host_pid`,
+    leads its own session and process group."""
 
     def __init__(
         self,
-        proc: asyncio.subprocess.Process,
+        end: Awaitable[int],
         pid: int,
         host_pid: int,
         master: int | None,
+        pipes: _Pipes | None,
         group: ProcessCgroup | None,
         sandbox_cgroup: SandboxCgroup | None,
     ) -> None:
         self.pid = pid
         self.host_pid = host_pid
-        self._proc = proc
+        self._end_code = end
+        self._code: int | None = None
         self._master = master
+        self._pipes = pipes
         # The reader closes `master` at the terminal's end; sizes are set on a copy of it that
         # lives until wait(), so a number reused meanwhile is never touched.
         self._sizer = os.dup(master) if master is not None else None
         self._group = group
         self._sandbox_cgroup = sandbox_cgroup
         self._oom_kills = sandbox_cgroup.oom_kills() if sandbox_cgroup is not None else 0
+        self._stdin_writer: asyncio.StreamWriter | None = None
         self._terminal_writer: asyncio.StreamWriter | None = None
         self._terminal_opened: asyncio.Future[asyncio.StreamReader] | None = None
+        self._pipes_opened: asyncio.Future[dict[Stream, asyncio.StreamReader]] | None = None
         self._end: ProcessEnd | None = None
 
     async def output(self) -> AsyncIterator[tuple[Stream, bytes]]:
@@ -335,10 +338,38 @@ class LocalProcess(SpawnedProcess):
         if self._master is not None:
             readers = {"pty": await self._terminal()}
         else:
-            assert self._proc.stdout is not None and self._proc.stderr is not None
-            readers = {"stdout": self._proc.stdout, "stderr": self._proc.stderr}
+            readers = await self._opened_pipes()
         async for item in merged(readers):
             yield item
+
+    async def _opened_pipes(self) -> dict[Stream, asyncio.StreamReader]:
+        """stdout and stderr read through the event loop, and stdin written through it; opened
+        once (output() and write_stdin() may both ask at the same time)."""
+        if self._pipes_opened is None:
+            self._pipes_opened = asyncio.ensure_future(self._open_pipes())
+        return await asyncio.shield(self._pipes_opened)
+
+    async def _open_pipes(self) -> dict[Stream, asyncio.StreamReader]:
+        assert self._pipes is not None
+        loop = asyncio.get_running_loop()
+        readers: dict[Stream, asyncio.StreamReader] = {}
+        pipes: tuple[tuple[Stream, int], ...] = (
+            ("stdout", self._pipes.stdout),
+            ("stderr", self._pipes.stderr),
+        )
+        for name, fd in pipes:
+            reader = readers[name] = asyncio.StreamReader(limit=1 << 16)
+            await loop.connect_read_pipe(
+                functools.partial(asyncio.StreamReaderProtocol, reader),
+                os.fdopen(fd, "rb", buffering=0),
+            )
+        if self._pipes.stdin is not None:
+            transport, protocol = await loop.connect_write_pipe(
+                lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+                os.fdopen(self._pipes.stdin, "wb", buffering=0),
+            )
+            self._stdin_writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        return readers
 
     async def _terminal(self) -> asyncio.StreamReader:
         """The terminal's master, read and written through the event loop (never blocking it).
@@ -369,7 +400,7 @@ class LocalProcess(SpawnedProcess):
             self._terminal_writer.write(data)
             await self._terminal_writer.drain()
             return
-        stdin = self._stdin()
+        stdin = await self._stdin()
         try:
             stdin.write(data)
             await stdin.drain()
@@ -382,35 +413,31 @@ class LocalProcess(SpawnedProcess):
         if self._master is not None:  # a terminal's end of input: ^D at the start of a line
             await self.write_stdin(b"\x04")
             return
-        stdin = self._stdin()
+        stdin = await self._stdin()
         if not stdin.is_closing():
             stdin.close()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             await stdin.wait_closed()
 
-    def _stdin(self) -> asyncio.StreamWriter:
-        if self._proc.stdin is None:
+    async def _stdin(self) -> asyncio.StreamWriter:
+        if self._pipes is None or self._pipes.stdin is None:
             raise ProcessStateError(
                 f"process {self.pid} was started without input: start it with stdin set to "
                 "send it any"
             )
-        return self._proc.stdin
+        await self._opened_pipes()
+        assert self._stdin_writer is not None
+        return self._stdin_writer
 
     async def signal(self, signum: int) -> None:
-        if self._proc.returncode is not None and self._group is None:
-            return  # reaped: its group's number may be another process's by now
         if self._group is not None:
             await asyncio.to_thread(self._group.signal, signum)
             if signum == signal.SIGKILL:
                 await self._group.kill_all()
-        else:
+        elif self._code is None and not _ended(self._end_code):
+            # Not reaped yet (once it is, its group's number may be another process's).
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.host_pid, signum)
-        if signum not in (signal.SIGSTOP, signal.SIGTSTP) and self._proc.returncode is None:
-            # nsenter stops itself when its child stops (it mirrors the child's state) and,
-            # stopped, never reaps it: wake it after anything but a stop.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self._proc.pid, signal.SIGCONT)
 
     async def resize(self, size: TerminalSize) -> None:
         if self._master is None:
@@ -421,9 +448,10 @@ class LocalProcess(SpawnedProcess):
 
     async def wait(self) -> ProcessEnd:
         if self._end is None:
-            code = await self._proc.wait()
-            if self._terminal_writer is not None:
-                self._terminal_writer.close()
+            code = self._code = await self._end_code
+            for writer in (self._terminal_writer, self._stdin_writer):
+                if writer is not None:
+                    writer.close()
             if self._sizer is not None:
                 os.close(self._sizer)
                 self._sizer = None
@@ -444,3 +472,7 @@ class LocalProcess(SpawnedProcess):
         if signum == signal.SIGKILL and cgroup is not None and cgroup.oom_kills() > self._oom_kills:
             error = "it was killed for lack of memory: the sandbox ran out of its memory limit"
         return ProcessEnd(exit_code=None, signal=signum, error=error)
+
+
+def _ended(end: Awaitable[int]) -> bool:
+    return isinstance(end, asyncio.Future) and end.done()

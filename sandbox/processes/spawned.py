@@ -53,6 +53,10 @@ class Spawner(ABC):
         variables included) and then the request's; in the workspace unless it names a cwd.
         Raise SandboxError with the reason if it cannot start."""
 
+    async def close(self) -> None:  # noqa: B027 - most spawners hold nothing between starts
+        """Release what it holds between starts; the sandbox is closing (its processes were
+        killed already)."""
+
 
 class ByteSource(Protocol):
     """What `merged` reads: an asyncio.StreamReader, or a stream of a machine's channel."""

@@ -98,3 +98,4 @@ class ProcessTable:
         """Kill every process; the sandbox is going away."""
         self._closed = True
         await asyncio.gather(*(p.close() for p in self._processes.values()), return_exceptions=True)
+        await self._spawner.close()

@@ -1,0 +1,90 @@
+"""The local sandbox's command server (sandbox/inside_kernel/command_server.py): one per sandbox,
+holding nothing the kernel does not (no capability, the kernel's seccomp filter), the parent of
+every command; killed by code in the sandbox, it is started again and what it ran is reported
+ended, never left waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from code_interpreter_wire.processes import ProcessRequest
+from sandbox import Sandbox, create_backend
+from tests.conftest import require_backend, small_spec
+
+# The kernel's view of the sandbox's command servers: pid, parent and confinement of each.
+SERVERS = (
+    "import json, os\n"
+    "def status(pid):\n"
+    "    return dict(line.split(':\\t', 1) for line in open(f'/proc/{pid}/status').read()"
+    ".splitlines() if ':\\t' in line)\n"
+    "servers = []\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    try:\n"
+    "        argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    if any(a.endswith(b'command_server.py') for a in argv):\n"
+    "        s = status(pid)\n"
+    "        servers.append({k: s[k].strip() for k in ('Pid', 'CapEff', 'CapPrm', 'CapBnd',"
+    " 'NoNewPrivs', 'Seccomp', 'Uid')})\n"
+    "print(json.dumps(servers))"
+)
+
+
+@pytest.fixture
+async def sandbox() -> AsyncIterator[Sandbox]:
+    require_backend("local")
+    backend = create_backend("local")
+    sb = await backend.create(small_spec())
+    try:
+        yield sb
+    finally:
+        await sb.close()
+        await backend.close()
+
+
+async def servers(sandbox: Sandbox) -> list[dict[str, str]]:
+    found: list[dict[str, str]] = json.loads((await sandbox.execute(SERVERS)).stdout)
+    return found
+
+
+async def test_one_server_without_privilege_is_every_commands_parent(sandbox: Sandbox) -> None:
+    assert await servers(sandbox) == []  # started by the first command, not before
+    parents = set()
+    for _ in range(3):
+        done = await sandbox.run_command(ProcessRequest(command="grep PPid /proc/self/status"))
+        parents.add(done.stdout.split()[-1])
+    (server,) = await servers(sandbox)
+    assert parents == {server["Pid"]}
+    for field in ("CapEff", "CapPrm", "CapBnd"):
+        assert int(server[field], 16) == 0, server
+    assert server["NoNewPrivs"] == "1" and server["Seccomp"] == "2", server
+    assert server["Uid"].split()[0] == "1000", server
+
+
+async def test_a_server_killed_from_the_sandbox_ends_its_commands_and_is_started_again(
+    sandbox: Sandbox,
+) -> None:
+    sleeper = await sandbox.start_process(ProcessRequest(argv=["sleep", "1000"]))
+    (server,) = await servers(sandbox)
+    killed = await sandbox.execute(f"import os, signal\nos.kill({server['Pid']}, signal.SIGKILL)")
+    assert killed.status == "ok", killed
+    ended = await asyncio.wait_for(sleeper.wait(), 30)
+    assert ended.exit_code is None and ended.signal == 9, ended
+    again = await sandbox.run_command(ProcessRequest(argv=["echo", "again"]))
+    assert again.stdout == "again\n", again
+    (new_server,) = await servers(sandbox)
+    assert new_server["Pid"] != server["Pid"]
+
+
+async def test_a_kernel_restart_starts_a_new_server_in_the_new_sandbox(sandbox: Sandbox) -> None:
+    await sandbox.run_command(ProcessRequest(argv=["true"]))
+    await sandbox.restart()
+    assert await servers(sandbox) == []
+    done = await sandbox.run_command(ProcessRequest(argv=["echo", "after"]))
+    assert done.stdout == "after\n"
+    assert len(await servers(sandbox)) == 1

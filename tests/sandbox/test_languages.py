@@ -21,6 +21,7 @@ from sandbox import Backend, Sandbox
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.image_labels import FULL_IMAGE
 from tests.conftest import small_spec
+from tests.sandbox.polyglot import polyglot_sandbox
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -105,14 +106,8 @@ assert set(CASES) == set(LANGUAGES)
 @pytest.fixture(scope="module")
 async def polyglot(backend: Backend) -> AsyncIterator[Sandbox]:
     """A sandbox with every language: the host's kernels (local), the full image (Docker)."""
-    spec = small_spec(image=FULL_IMAGE) if backend.capabilities.images else small_spec()
-    sb = await backend.create(spec)
-    try:
-        missing = set(LANGUAGES) - set(sb.languages)
-        assert not missing, f"the {backend.name} sandbox lacks {missing}: {sb.languages}"
+    async with polyglot_sandbox(backend, LANGUAGES) as sb:
         yield sb
-    finally:
-        await sb.close()
 
 
 @pytest.mark.parametrize("language", list(CASES))

@@ -16,8 +16,7 @@ import pytest
 
 from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Backend, Sandbox
-from sandbox.image_labels import FULL_IMAGE
-from tests.conftest import small_spec
+from tests.sandbox.polyglot import polyglot_sandbox
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,14 +29,8 @@ LINES = 10_000
 
 @pytest.fixture(scope="module")
 async def deno(backend: Backend) -> AsyncIterator[Sandbox]:
-    spec = small_spec(image=FULL_IMAGE) if backend.capabilities.images else small_spec()
-    sb = await backend.create(spec)
-    try:
-        missing = set(LANGUAGES) - set(sb.languages)
-        assert not missing, f"the {backend.name} sandbox lacks {missing}: {sb.languages}"
+    async with polyglot_sandbox(backend, LANGUAGES) as sb:
         yield sb
-    finally:
-        await sb.close()
 
 
 @pytest.mark.parametrize("language", LANGUAGES)

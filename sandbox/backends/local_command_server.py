@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -39,8 +40,11 @@ log = logging.getLogger(__name__)
 SERVER_FILE = Path(__file__).parent.parent / "inside_kernel" / "command_server.py"
 SERVER_IN_SANDBOX = "/opt/code-interpreter/command_server.py"
 START_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 30.0  # a server that takes no command for this long is stopped or wedged
 _NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 _MESSAGE_LIMIT = 1 << 12  # the most one message from the server may hold
+# A send failing with one of these found the server gone; any other refused this one message.
+_GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF}
 
 
 class ServerSettings(Protocol):
@@ -89,6 +93,7 @@ class CommandServer:
         self._ends: dict[int, asyncio.Future[int]] = {}
         self._next_id = 0
         self._sending = asyncio.Lock()
+        self._wedged = False
         self._reader = asyncio.ensure_future(self._read())
 
     @classmethod
@@ -157,7 +162,12 @@ class CommandServer:
 
     @property
     def alive(self) -> bool:
-        return not self._reader.done()
+        return not self._reader.done() and not self._wedged
+
+    def wedged(self) -> None:
+        """It stopped taking commands or starting them (code in the sandbox can stop it): the
+        next command replaces it."""
+        self._wedged = True
 
     def expect(self) -> tuple[int, asyncio.Future[int]]:
         """A new command's id and the future of its end, made before it is sent (its end can
@@ -174,26 +184,45 @@ class CommandServer:
         self._ends.pop(command, None)
 
     async def send(self, command: int, spec: dict[str, object], fds: CommandFds) -> None:
-        message = json.dumps({**spec, "id": command}).encode()
-        descriptors = [fds.stdin, fds.stdout, fds.stderr, fds.control]
+        """Hand it a command: its JSON (any size) in a memfd, the descriptors it gets."""
+        spec_fd = memfd_with("command", json.dumps(spec).encode())
+        try:
+            descriptors = [fds.stdin, fds.stdout, fds.stderr, fds.control, spec_fd]
+            await self._send({"id": command}, descriptors)
+        finally:
+            os.close(spec_fd)
+
+    async def kill(self, command: int) -> None:
+        """Kill a command whose start was given up (best effort: it may have ended)."""
+        with contextlib.suppress(SandboxStartError):
+            await self._send({"kill": command}, [])
+
+    async def _send(self, message: dict[str, int], descriptors: list[int]) -> None:
         loop = asyncio.get_running_loop()
-        async with self._sending:
-            while True:
-                try:
-                    socket.send_fds(self._connection, [message], descriptors)
-                    return
-                except BlockingIOError:
-                    writable = loop.create_future()
-                    loop.add_writer(self._connection, writable.set_result, None)
+        data = json.dumps(message).encode()
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT_S), self._sending:
+                while True:
                     try:
-                        await writable
-                    finally:
-                        loop.remove_writer(self._connection)
-                except OSError as exc:
-                    raise ServerGone(
-                        "the sandbox's command server has ended (its kernel is restarting or "
-                        "the sandbox is closing); try again in a moment"
-                    ) from exc
+                        socket.send_fds(self._connection, [data], descriptors)
+                        return
+                    except BlockingIOError:
+                        writable = loop.create_future()
+                        loop.add_writer(self._connection, writable.set_result, None)
+                        try:
+                            await writable
+                        finally:
+                            loop.remove_writer(self._connection)
+        except TimeoutError:
+            self.wedged()
+            raise ServerGone("the sandbox's command server took no command in time") from None
+        except OSError as exc:
+            if exc.errno in _GONE:
+                raise ServerGone(
+                    "the sandbox's command server has ended (its kernel is restarting or "
+                    "the sandbox is closing); try again in a moment"
+                ) from exc
+            raise SandboxStartError(f"the process could not be handed over: {exc}") from exc
 
     async def _read(self) -> None:
         loop = asyncio.get_running_loop()
@@ -242,7 +271,10 @@ def _namespaces(init: int, fds: list[int]) -> tuple[int, int]:
 
 def child_with_pid(parent: int, sandbox_pid: int) -> int:
     """The host pid of `parent`'s child whose pid in its sandbox is `sandbox_pid`."""
-    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:  # the parent (a command server) is gone
+        children = []
     for child in children:
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{child}/status").read_text().splitlines():

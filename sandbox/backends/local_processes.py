@@ -89,29 +89,33 @@ class LocalSpawner(Spawner):
         s = self._settings
         server = await self._running_server()
         host_end, child_end = socket.socketpair()
-        group = s.cgroup.process_group() if s.cgroup is not None else None
-        terminal = os.openpty() if request.terminal is not None else None
         theirs: list[int] = [child_end.detach()]  # sent to the server, then closed here
         ours: list[int] = []  # kept: the host's ends of the process's pipes
+        master: int | None = None  # kept: a terminal's
+        group: ProcessCgroup | None = None
         pipes: _Pipes | None = None
         command, end = server.expect()
         try:
-            if terminal is not None:
-                theirs.append(terminal[1])
-                fds = CommandFds(terminal[1], terminal[1], terminal[1], theirs[0])
-                _set_size(terminal[0], request.terminal or TerminalSize())
+            group = s.cgroup.process_group() if s.cgroup is not None else None
+            if request.terminal is not None:
+                master, slave = os.openpty()
+                theirs.append(slave)
+                fds = CommandFds(slave, slave, slave, theirs[0])
+                _set_size(master, request.terminal)
             else:
                 stdin_writer = None
                 if request.stdin:
                     stdin, stdin_writer = os.pipe()
                     ours.append(stdin_writer)
                 else:
-                    stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                    stdin = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
                 theirs.append(stdin)
                 stdout_reader, stdout = os.pipe()
+                ours.append(stdout_reader)
+                theirs.append(stdout)
                 stderr_reader, stderr = os.pipe()
-                ours += [stdout_reader, stderr_reader]
-                theirs += [stdout, stderr]
+                ours.append(stderr_reader)
+                theirs.append(stderr)
                 fds = CommandFds(stdin, stdout, stderr, theirs[0])
                 pipes = _Pipes(stdin_writer, stdout_reader, stderr_reader)
             cwd = request.cwd if s.nsenter is not None else _unsafe_cwd(request.cwd)
@@ -119,11 +123,11 @@ class LocalSpawner(Spawner):
                 "argv": request.full_argv(),
                 "env": self._environment(request.env),
                 "cwd": cwd,
-                "terminal": terminal is not None,
+                "terminal": master is not None,
             }
             try:
                 await server.send(command, spec, fds)
-            except ServerGone:  # killed from inside the sandbox, say: once more, with a new one
+            except ServerGone:  # killed or stopped from inside the sandbox: again, with a new one
                 server.forget(command)
                 server = await self._running_server(replacing=server)
                 command, end = server.expect()
@@ -133,22 +137,23 @@ class LocalSpawner(Spawner):
             host_end.close()
             for fd in ours:
                 os.close(fd)
-            if terminal is not None:
-                os.close(terminal[0])
-            if group is not None:
-                group.remove()
+            await _abandon(master, group)
             raise
         finally:
             for fd in theirs:
                 os.close(fd)
-        master = terminal[0] if terminal is not None else None
         try:
             pid, host_pid = await asyncio.to_thread(_handshake, server.host_pid, host_end, group)
         except BaseException as exc:
+            with contextlib.suppress(OSError):  # wakes the handshake's thread, if it still runs
+                host_end.shutdown(socket.SHUT_RDWR)
+            await server.kill(command)
             server.forget(command)
             for fd in ours:
                 os.close(fd)
             await _abandon(master, group)
+            if isinstance(exc, _ServerSilent):
+                server.wedged()
             if isinstance(exc, TimeoutError):
                 raise SandboxStartError("the process did not start in time") from None
             if isinstance(exc, _NotEntered):
@@ -158,7 +163,7 @@ class LocalSpawner(Spawner):
                 ) from None
             raise
         finally:
-            with contextlib.suppress(OSError):  # wakes a handshake thread left behind
+            with contextlib.suppress(OSError):
                 host_end.shutdown(socket.SHUT_RDWR)
             host_end.close()
         return LocalProcess(end, pid, host_pid, master, pipes, group, s.cgroup)
@@ -219,16 +224,20 @@ def _handshake(
     control.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         said, fds, _, _ = socket.recv_fds(control, _CONTROL_LIMIT, 1)
+    except TimeoutError:
+        raise _ServerSilent from None
     except OSError:
         said, fds = b"", []
     with contextlib.ExitStack() as stack:
         for fd in fds:
             stack.callback(os.close, fd)
         try:
-            told = json.loads(said.split(b"\n", 1)[0])
+            told = json.loads(said.split(b"\n", 1)[0]) if said else {}
         except ValueError:
             raise _NotEntered from None
-        if isinstance(told, dict) and "error" in told and not fds:  # it could not be forked
+        if not isinstance(told, dict):
+            raise _NotEntered
+        if "error" in told and not fds:  # it could not be forked
             raise _start_error(str(told["error"]))
         try:
             pid = int(told["pid"])
@@ -251,6 +260,10 @@ def _handshake(
 
 class _NotEntered(Exception):
     """The process never said its pid: the server ended first."""
+
+
+class _ServerSilent(TimeoutError):
+    """The server forked nothing for the command in time: it is stopped or wedged."""
 
 
 def _read_until_closed(fd: int) -> bytes:
@@ -278,8 +291,9 @@ def _start_error(reason: str) -> Exception:
 
 
 async def _abandon(master: int | None, group: ProcessCgroup | None) -> None:
-    """Undo a start that failed half-way: nothing of it may be left running or open (a
-    process told nothing ends by itself, its control closed)."""
+    """Undo a start that failed half-way: nothing of it may be left running or open (the
+    process itself was killed by its server, or ends by itself once its control closes; its
+    group holds whatever it started)."""
     if group is not None:
         await group.kill_all()
     if master is not None:

@@ -9,13 +9,14 @@ capability from the bounding set and then its own; set no_new_privs; load the sa
 filter. Its children inherit all of it.
 
 The host holds the other end of its one connection, a SOCK_SEQPACKET socket (no path: nothing in
-the sandbox can reach it). Each message from the host is a command, JSON with four descriptors
-(its stdin, stdout, stderr and a control socket); the server forks a child for it, which says
-its pid on the control socket with a pipe its exec closes, waits for the host's go-ahead (the
-host puts it in its own cgroup meanwhile), then takes its working directory, a session of its
-own (and the terminal, when it has one), the signals Python ignores back, closes every other
-descriptor, and execs the command with exactly the environment asked for; a failure before the
-exec is written to that pipe. The server reaps its children and tells the host each one's
+the sandbox can reach it). Each message from the host is a command (its id, with five
+descriptors: its stdin, stdout, stderr, a control socket, and a memfd of its JSON, which may be
+large) or a request to kill one whose start it gave up; the server forks a child for a command,
+which says its pid on the control socket with a pipe its exec closes, waits for the host's
+go-ahead (the host puts it in its own cgroup meanwhile), then takes its working directory, a
+session of its own (and the terminal, when it has one), the signals Python ignores back, closes
+every other descriptor, and execs the command with exactly the environment asked for; a failure
+before the exec is written to that pipe. The server reaps its children and tells the host each one's
 status, by the command's id. It exits when the host closes the connection, and its children are
 killed then (their parent-death signal).
 
@@ -26,6 +27,7 @@ Standard library only, with -I -S: it runs inside the sandbox, beside code it mu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -46,7 +48,7 @@ PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 MESSAGE_LIMIT = 1 << 20  # a command's JSON (its argv and environment) from the host
-FDS_PER_COMMAND = 4
+FDS_PER_COMMAND = 5  # stdin, stdout, stderr, control, the command's JSON (a memfd)
 
 
 class _SockFprog(ctypes.Structure):
@@ -121,12 +123,16 @@ def _handshake(control: int) -> int:
     return report_write
 
 
-def _become_the_command(libc: ctypes.CDLL, spec: dict[str, Any], fds: list[int]) -> None:
+def _become_the_command(
+    libc: ctypes.CDLL, spec: dict[str, Any], fds: list[int], server: int
+) -> None:
     """In the forked child: never returns."""
     stdin, stdout, stderr, control = fds
     report = -1
     try:
         _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal")
+        if os.getppid() != server:  # it died before the signal was set: nobody waits for us
+            os._exit(1)
         report = _handshake(control)
         cwd = os.path.join(str(spec["workspace"]), str(spec.get("cwd") or ""))
         try:
@@ -178,36 +184,49 @@ class Server:
             self._reap()
 
     def _take_command(self) -> bool:
-        """One command from the host; False once it has closed the connection."""
+        """One message from the host; False once it has closed the connection."""
         try:
             message, fds, _, _ = socket.recv_fds(self.connection, MESSAGE_LIMIT, FDS_PER_COMMAND)
         except InterruptedError:
             return True
         if not message:
             return False
-        if len(fds) != FDS_PER_COMMAND:
-            for fd in fds:
-                os.close(fd)
-            return True
-        spec = json.loads(message)
+        told = json.loads(message)
+        if "kill" in told:
+            self._kill(int(told["kill"]))
+        elif len(fds) == FDS_PER_COMMAND:
+            spec = json.loads(_read_all(fds.pop()))  # read and closed: four are left
+            self._fork(int(told["id"]), fds, spec)
+        for fd in fds:  # the command's (its child has them now), or a message's that was cut
+            os.close(fd)
+        return True
+
+    def _fork(self, command: int, fds: list[int], spec: dict[str, Any]) -> None:
         spec["workspace"] = self.workspace
+        server = os.getpid()
         try:
             pid = os.fork()
         except OSError as exc:
-            # The sandbox's process limit, most likely: the host reads why on the control.
-            with socket.socket(fileno=os.dup(fds[3])) as control:
-                reason = f"it could not be forked: {exc.strerror}"
+            # The sandbox's process limit, most likely: the host reads why on the control (if
+            # it still listens: it may have given up on this start).
+            reason = f"it could not be forked: {exc.strerror}"
+            with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fds[3])) as control:
                 control.send(json.dumps({"error": reason}).encode() + b"\n")
-        else:
-            if pid == 0:
-                self.connection.close()
-                os.close(self.wake_read)
-                signal.set_wakeup_fd(-1)
-                _become_the_command(self.libc, spec, fds)
-            self.children[pid] = int(spec["id"])
-        for fd in fds:
-            os.close(fd)
-        return True
+            return
+        if pid == 0:
+            self.connection.close()
+            os.close(self.wake_read)
+            signal.set_wakeup_fd(-1)
+            _become_the_command(self.libc, spec, fds, server)
+        self.children[pid] = command
+
+    def _kill(self, command: int) -> None:
+        """A command whose start the host gave up: it and its group, if it made one."""
+        for pid, its_command in self.children.items():
+            if its_command == command:
+                for kill in (os.killpg, os.kill):
+                    with contextlib.suppress(OSError):
+                        kill(pid, signal.SIGKILL)
 
     def _reap(self) -> None:
         try:
@@ -235,8 +254,9 @@ def main() -> None:
     try:
         _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal")
         _confine(libc, spec)
-        for signum in (signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(signum, signal.SIG_DFL)
+        # Nothing else it was given stays open (nsenter's user namespace, say).
+        os.closerange(3, connection.fileno())
+        os.closerange(connection.fileno() + 1, os.sysconf("SC_OPEN_MAX"))
     except OSError as exc:
         connection.send(json.dumps({"error": exc.strerror or str(exc)}).encode())
         sys.exit(1)

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessRequest
 from sandbox import Sandbox, create_backend
+from sandbox.backends import local_processes
 from tests.conftest import require_backend, small_spec
 
 # The kernel's view of the sandbox's command servers: pid, parent and confinement of each.
@@ -88,3 +90,35 @@ async def test_a_kernel_restart_starts_a_new_server_in_the_new_sandbox(sandbox: 
     done = await sandbox.run_command(ProcessRequest(argv=["echo", "after"]))
     assert done.stdout == "after\n"
     assert len(await servers(sandbox)) == 1
+
+
+async def test_a_command_larger_than_a_socket_message_starts_and_spares_the_others(
+    sandbox: Sandbox,
+) -> None:
+    """Its JSON goes in a memfd: 300 KB of environment and 120 KB of non-ASCII command start,
+    and a command already running is left alone."""
+    sleeper = await sandbox.start_process(ProcessRequest(argv=["sleep", "1000"]))
+    env = {f"BIG_{i}": "x" * 100_000 for i in range(3)}
+    done = await sandbox.run_command(ProcessRequest(command="echo ${#BIG_2}", env=env))
+    assert done.stdout == "100000\n", done
+    wide = "中" * 40_000
+    done = await sandbox.run_command(ProcessRequest(command=f": {wide}; echo wide"))
+    assert done.stdout == "wide\n", done
+    assert sleeper.info().running
+    await sleeper.kill(grace_s=0.5)
+
+
+async def test_a_server_stopped_from_the_sandbox_fails_a_start_in_time_and_is_replaced(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local_processes, "HANDSHAKE_TIMEOUT_S", 3.0)
+    await sandbox.run_command(ProcessRequest(argv=["true"]))
+    (server,) = await servers(sandbox)
+    stopped = await sandbox.execute(f"import os, signal\nos.kill({server['Pid']}, signal.SIGSTOP)")
+    assert stopped.status == "ok", stopped
+    with pytest.raises(SandboxStartError, match="in time"):
+        await asyncio.wait_for(sandbox.run_command(ProcessRequest(argv=["true"])), 60)
+    done = await asyncio.wait_for(sandbox.run_command(ProcessRequest(argv=["echo", "on"])), 60)
+    assert done.stdout == "on\n", done
+    (new_server,) = await servers(sandbox)  # the stopped one was killed, not left behind
+    assert new_server["Pid"] != server["Pid"]

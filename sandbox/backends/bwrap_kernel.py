@@ -26,7 +26,6 @@ from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import proc_view, seccomp
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
-from sandbox.backends.local_command_server import SERVER_FILE, SERVER_IN_SANDBOX
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import (
@@ -43,6 +42,8 @@ from sandbox.kernel.command import KERNEL_START_FILES, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.process import KernelExit
 from sandbox.kernel.programs import (
+    COMMAND_SERVER_FILE,
+    COMMAND_SERVER_IN_SANDBOX,
     SUPERVISOR_FILE,
     SUPERVISOR_IN_SANDBOX,
     KernelPrograms,
@@ -318,7 +319,7 @@ class BwrapLauncher:
             mounts.append(("--ro-bind", root, root))
         mounts += [
             *(("--ro-bind", str(host), inside) for host, inside in KERNEL_START_FILES),
-            ("--ro-bind", str(SERVER_FILE), SERVER_IN_SANDBOX),
+            ("--ro-bind", str(COMMAND_SERVER_FILE), COMMAND_SERVER_IN_SANDBOX),
             ("--ro-bind", str(SUPERVISOR_FILE), SUPERVISOR_IN_SANDBOX),
             ("--ro-bind", str(FORWARDER_FILE), FORWARDER_IN_SANDBOX),
             ("--bind", str(self.dirs.workspace), WORKSPACE_IN_SANDBOX),

@@ -1,15 +1,22 @@
-"""Runs a local sandbox's commands from inside it: entered and confined once, it forks each.
+"""Runs a sandbox's commands from inside it: entered and confined once, it forks each.
 
-Entering a sandbox per command (util-linux `nsenter`, then a fresh interpreter on a launcher)
-cost ~30 ms of an `echo hi`. This server is entered once: the host's `nsenter` has put it in the
+Entering a sandbox per command (util-linux `nsenter` and a fresh interpreter, or an engine's
+exec) cost ~30-40 ms of an `echo hi`. This server is entered once.
+
+In a Docker container (runc), an exec starts it as the sandbox's uid (the container confines it
+as it does the kernel: capabilities, seccomp profile, limits) and it connects to a socket the
+host listens on in the kernel's directory; a command's signals go through it too (`_signal`).
+
+On the local backend, the host's `nsenter` has put it in the
 sandbox's outer user namespace and its mount, PID, IPC, UTS, network and cgroup namespaces, with
 the sandbox's root, under the sandbox's own interpreter. Here it does, once, what bwrap does for
 the kernel: enter the kernel's (inner) user namespace, where it is uid 1000; drop every
 capability from the bounding set and then its own; set no_new_privs; load the sandbox's seccomp
 filter. Its children inherit all of it.
 
-The host holds the other end of its one connection, a SOCK_SEQPACKET socket (no path: nothing in
-the sandbox can reach it). Each message from the host is a command (its id, with five
+The host holds the other end of its one connection, a SOCK_SEQPACKET socket (locally a
+socketpair: nothing in the sandbox can reach it; in a container, the host checks its peer is
+the exec it started). Each message from the host is a command (its id, with five
 descriptors: its stdin, stdout, stderr, a control socket, and a memfd of its JSON, which may be
 large) or a request to kill one whose start it gave up; the server forks a child for a command,
 which says its pid on the control socket with a pipe its exec closes, waits for the host's
@@ -23,6 +30,7 @@ killed then (their parent-death signal).
 Standard library only, with -I -S: it runs inside the sandbox, beside code it must not trust.
 
     python -I -S command_server.py FD   (FD: a memfd with the JSON the host sends first)
+    python -I -S command_server.py --connect SOCKET WORKSPACE   (in a container, by an exec)
 """
 
 from __future__ import annotations
@@ -194,6 +202,8 @@ class Server:
         told = json.loads(message)
         if "kill" in told:
             self._kill(int(told["kill"]))
+        elif "signal" in told:
+            self._signal(int(told["signal"]), int(told["signum"]), str(told["marker"]))
         elif len(fds) == FDS_PER_COMMAND:
             spec = json.loads(_read_all(fds.pop()))  # read and closed: four are left
             self._fork(int(told["id"]), fds, spec)
@@ -228,6 +238,22 @@ class Server:
                     with contextlib.suppress(OSError):
                         kill(pid, signal.SIGKILL)
 
+    def _signal(self, command: int, signum: int, marker: str) -> None:
+        """A command's group while it runs (once reaped, its number may be another's), then
+        every process whose environment holds its marker: what it started, even what left the
+        group. Only what this uid may signal, so never anything outside the sandbox."""
+        for pid, its_command in self.children.items():
+            if its_command == command:
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signum)
+        entry = marker.encode()
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError), open(f"/proc/{name}/environ", "rb") as environ:
+                if entry in environ.read().split(b"\0"):
+                    os.kill(int(name), signum)
+
     def _reap(self) -> None:
         try:
             while os.read(self.wake_read, 4096):
@@ -248,8 +274,13 @@ class Server:
 
 
 def main() -> None:
-    spec = json.loads(_read_all(int(sys.argv[1])))
-    connection = socket.socket(fileno=int(spec["connection_fd"]))
+    if sys.argv[1] == "--connect":  # a container: Docker confined it; reach the host's socket
+        spec = {"workspace": sys.argv[3]}
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        connection.connect(sys.argv[2])
+    else:
+        spec = json.loads(_read_all(int(sys.argv[1])))
+        connection = socket.socket(fileno=int(spec["connection_fd"]))
     libc = ctypes.CDLL(None, use_errno=True)
     try:
         _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal")

@@ -21,12 +21,15 @@ from sandbox.image_labels import (
     R_IN_IMAGE,
     languages_of,
 )
-from sandbox.inside_kernel import kernel_supervisor
+from sandbox.inside_kernel import command_server, kernel_supervisor
 from sandbox.kernel.command import kernel_command
 from sandbox.languages import KERNEL_TRAITS
 
 SUPERVISOR_FILE = Path(kernel_supervisor.__file__)
 SUPERVISOR_IN_SANDBOX = "/opt/code-interpreter/kernel_supervisor.py"
+# What runs a sandbox's commands from inside it (local and Docker under runc).
+COMMAND_SERVER_FILE = Path(command_server.__file__)
+COMMAND_SERVER_IN_SANDBOX = "/opt/code-interpreter/command_server.py"
 # The supervisor's interrupt socket, in the kernel's directory.
 INTERRUPT_SOCKET = "interrupt"
 # Where the images put jjava's jar: in the kernel's Python environment, as `pip install jjava`

@@ -14,7 +14,7 @@ import pytest
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessRequest
 from sandbox import Sandbox, create_backend
-from sandbox.backends import local_processes
+from sandbox.processes import served
 from tests.conftest import require_backend, small_spec
 
 # The kernel's view of the sandbox's command servers: pid, parent and confinement of each.
@@ -111,7 +111,7 @@ async def test_a_command_larger_than_a_socket_message_starts_and_spares_the_othe
 async def test_a_server_stopped_from_the_sandbox_fails_a_start_in_time_and_is_replaced(
     sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(local_processes, "HANDSHAKE_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(served, "HANDSHAKE_TIMEOUT_S", 3.0)
     await sandbox.run_command(ProcessRequest(argv=["true"]))
     (server,) = await servers(sandbox)
     stopped = await sandbox.execute(f"import os, signal\nos.kill({server['Pid']}, signal.SIGSTOP)")

@@ -1,0 +1,441 @@
+"""Processes started through a sandbox's command server (`command_server.py`), on any backend
+that has one: the host makes a process's pipes (or terminal) and a control socket and hands
+them over with the request; the server forks it; it says its pid, waits while the host places
+it (a local sandbox puts it in a cgroup of its own), and execs. Its end comes from the server,
+which reaps it. What differs between backends (how a server starts, where a process is placed,
+how it is signalled) is the subclasses'."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import termios
+import time
+from abc import abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from code_interpreter_wire.errors import (
+    FileAccessError,
+    FileMissing,
+    ProcessStateError,
+    SandboxStartError,
+)
+from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
+from sandbox.cgroups import ProcessCgroup
+from sandbox.processes.command_server import CommandFds, CommandServer, ServerGone
+from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
+
+HANDSHAKE_TIMEOUT_S = 30.0
+_CONTROL_LIMIT = 1 << 16  # the most a process may say before its exec
+
+
+@dataclass(frozen=True)
+class Pipes:
+    """The host's ends of a process's pipes (stdin's None when it reads /dev/null)."""
+
+    stdin: int | None
+    stdout: int
+    stderr: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """A process its server forked and that has exec'd, as its spawner hands it over."""
+
+    server: CommandServer
+    command: int  # its id with its server
+    end: asyncio.Future[int]  # its exit status, or -signal
+    pid: int  # in the sandbox
+    host_pid: int | None  # on the host, where the host sees it
+    master: int | None  # its terminal's, if it has one
+    pipes: Pipes | None  # else its pipes
+    group: ProcessCgroup | None  # its cgroup, where it has one
+    marker: str | None  # NAME=VALUE in its environment (and its descendants'), if any
+
+
+class ServedSpawner(Spawner):
+    """Starts processes through the command server of the sandbox as it is now: started at its
+    first command, again when the sandbox changed (a kernel restart) or the server is gone."""
+
+    def __init__(self) -> None:
+        self._server: CommandServer | None = None
+        self._server_lock = asyncio.Lock()
+        self._closed = False
+
+    @abstractmethod
+    def _current_sandbox(self) -> int | str | None:
+        """Which sandbox processes join now (raise SandboxStartError if none runs)."""
+
+    @abstractmethod
+    async def _start_server(self, sandbox: int | str | None) -> CommandServer:
+        """A new server in `sandbox`."""
+
+    @abstractmethod
+    def _command(self, request: ProcessRequest) -> tuple[dict[str, object], str | None]:
+        """What the server is told of the request (argv, env, cwd), and the process's marker."""
+
+    @abstractmethod
+    def _process(self, started: Started) -> SpawnedProcess:
+        """The backend's handle on a started process."""
+
+    def _new_group(self) -> ProcessCgroup | None:
+        """A cgroup of its own for the next process, where the backend makes one."""
+        return None
+
+    def _place(self, server: CommandServer, pid: int, group: ProcessCgroup | None) -> int | None:
+        """Before it execs: its host pid, where the host sees it, after putting it in `group`.
+        Blocking (a thread runs it)."""
+        return None
+
+    async def spawn(self, request: ProcessRequest) -> SpawnedProcess:
+        server = await self._running_server()
+        host_end, child_end = socket.socketpair()
+        theirs: list[int] = [child_end.detach()]  # sent to the server, then closed here
+        ours: list[int] = []  # kept: the host's ends of the process's pipes
+        master: int | None = None  # kept: a terminal's
+        group: ProcessCgroup | None = None
+        pipes: Pipes | None = None
+        command, end = server.expect()
+        try:
+            group = self._new_group()
+            if request.terminal is not None:
+                master, slave = os.openpty()
+                theirs.append(slave)
+                fds = CommandFds(slave, slave, slave, theirs[0])
+                set_size(master, request.terminal)
+            else:
+                stdin_writer = None
+                if request.stdin:
+                    stdin, stdin_writer = os.pipe()
+                    ours.append(stdin_writer)
+                else:
+                    stdin = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                theirs.append(stdin)
+                stdout_reader, stdout = os.pipe()
+                ours.append(stdout_reader)
+                theirs.append(stdout)
+                stderr_reader, stderr = os.pipe()
+                ours.append(stderr_reader)
+                theirs.append(stderr)
+                fds = CommandFds(stdin, stdout, stderr, theirs[0])
+                pipes = Pipes(stdin_writer, stdout_reader, stderr_reader)
+            spec, marker = self._command(request)
+            spec["terminal"] = master is not None
+            try:
+                await server.send(command, spec, fds)
+            except ServerGone:  # killed or stopped from inside the sandbox: again, with a new one
+                server.forget(command)
+                server = await self._running_server(replacing=server)
+                command, end = server.expect()
+                await server.send(command, spec, fds)
+        except BaseException:
+            server.forget(command)
+            host_end.close()
+            for fd in ours:
+                os.close(fd)
+            await _abandon(master, group)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        place = functools.partial(self._place, server)
+        try:
+            pid, host_pid = await asyncio.to_thread(handshake, host_end, place, group)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):  # wakes the handshake's thread, if it still runs
+                host_end.shutdown(socket.SHUT_RDWR)
+            await server.kill(command)
+            server.forget(command)
+            for fd in ours:
+                os.close(fd)
+            await _abandon(master, group)
+            if isinstance(exc, _ServerSilent):
+                server.wedged()
+            if isinstance(exc, TimeoutError):
+                raise SandboxStartError("the process did not start in time") from None
+            if isinstance(exc, _NotEntered):
+                raise SandboxStartError(
+                    "the process could not start: the sandbox's command server ended (its "
+                    "kernel is restarting or the sandbox is closing); try again in a moment"
+                ) from None
+            raise
+        finally:
+            with contextlib.suppress(OSError):
+                host_end.shutdown(socket.SHUT_RDWR)
+            host_end.close()
+        return self._process(
+            Started(server, command, end, pid, host_pid, master, pipes, group, marker)
+        )
+
+    async def _running_server(self, replacing: CommandServer | None = None) -> CommandServer:
+        if self._closed:
+            raise SandboxStartError("the sandbox is closed")
+        async with self._server_lock:
+            sandbox = self._current_sandbox()
+            current = self._server
+            fresh = current is not None and current is not replacing and current.alive
+            if current is not None and fresh and current.serves == sandbox:
+                return current
+            if current is not None:
+                await current.close()
+            self._server = await self._start_server(sandbox)
+            return self._server
+
+    async def close(self) -> None:
+        self._closed = True
+        async with self._server_lock:
+            if self._server is not None:
+                await self._server.close()
+
+
+def handshake(
+    control: socket.socket,
+    place: functools.partial[int | None],
+    group: ProcessCgroup | None,
+) -> tuple[int, int | None]:
+    """The process says its pid in the sandbox, hands over a pipe that its exec closes, and
+    waits; it is placed (`place(pid, group)`), and told to go. It then execs (the pipe reads
+    EOF) or says why it could not. Returns (pid in the sandbox, host pid where known).
+    Blocking: run in a thread."""
+    control.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        said, fds, _, _ = socket.recv_fds(control, _CONTROL_LIMIT, 1)
+    except TimeoutError:
+        raise _ServerSilent from None
+    except OSError:
+        said, fds = b"", []
+    with contextlib.ExitStack() as stack:
+        for fd in fds:
+            stack.callback(os.close, fd)
+        try:
+            told = json.loads(said.split(b"\n", 1)[0]) if said else {}
+        except ValueError:
+            raise _NotEntered from None
+        if not isinstance(told, dict):
+            raise _NotEntered
+        if "error" in told and not fds:  # it could not be forked
+            raise _start_error(str(told["error"]))
+        try:
+            pid = int(told["pid"])
+            (report,) = fds
+        except (ValueError, KeyError, TypeError):
+            raise _NotEntered from None
+        host_pid = place(pid, group)
+        control.sendall(b"go")
+        said = _read_until_closed(report)
+    if said:
+        try:
+            reason = str(json.loads(said.split(b"\n", 1)[0])["error"])
+        except (ValueError, KeyError, TypeError):
+            reason = "it ended before it ran"
+        raise _start_error(reason)
+    return pid, host_pid
+
+
+class _NotEntered(Exception):
+    """The process never said its pid: the server ended first."""
+
+
+class _ServerSilent(TimeoutError):
+    """The server forked nothing for the command in time: it is stopped or wedged."""
+
+
+def _read_until_closed(fd: int) -> bytes:
+    said = b""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+    poller = select.poll()  # not select(): the service's descriptors pass 1024 under load
+    poller.register(fd, select.POLLIN)
+    while len(said) < _CONTROL_LIMIT:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not poller.poll(remaining * 1000):
+            raise TimeoutError
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        said += chunk
+    return said
+
+
+def _start_error(reason: str) -> Exception:
+    if "No such file" in reason:
+        return FileMissing(f"the process could not start: {reason}")
+    if "Permission denied" in reason or "Not a directory" in reason:
+        return FileAccessError(f"the process could not start: {reason}")
+    return SandboxStartError(f"the process could not start: {reason}")
+
+
+async def _abandon(master: int | None, group: ProcessCgroup | None) -> None:
+    """Undo a start that failed half-way: nothing of it may be left running or open (the
+    process itself was killed by its server, or ends by itself once its control closes; its
+    group holds whatever it started)."""
+    if group is not None:
+        await group.kill_all()
+    if master is not None:
+        os.close(master)
+    if group is not None:
+        group.remove()
+
+
+def set_size(master: int, size: TerminalSize) -> None:
+    fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
+
+
+class ServedProcess(SpawnedProcess):
+    """A process its sandbox's command server forked: it leads its own session and process
+    group; its pipes (or terminal) are held here, its end comes from the server."""
+
+    def __init__(self, started: Started) -> None:
+        self.pid = started.pid
+        self.started = started
+        self._code: int | None = None
+        self._master = started.master
+        self._pipes = started.pipes
+        # The reader closes `master` at the terminal's end; sizes are set on a copy of it that
+        # lives until wait(), so a number reused meanwhile is never touched.
+        self._sizer = os.dup(started.master) if started.master is not None else None
+        self._stdin_writer: asyncio.StreamWriter | None = None
+        self._terminal_writer: asyncio.StreamWriter | None = None
+        self._terminal_opened: asyncio.Future[asyncio.StreamReader] | None = None
+        self._pipes_opened: asyncio.Future[dict[Stream, asyncio.StreamReader]] | None = None
+        self._end: ProcessEnd | None = None
+
+    @property
+    def reaped(self) -> bool:
+        """Its end is known: its pid (and group number) may be another process's now."""
+        return self.started.end.done()
+
+    async def output(self) -> AsyncIterator[tuple[Stream, bytes]]:
+        readers: dict[Stream, asyncio.StreamReader]
+        if self._master is not None:
+            readers = {"pty": await self._terminal()}
+        else:
+            readers = await self._opened_pipes()
+        async for item in merged(readers):
+            yield item
+
+    async def _opened_pipes(self) -> dict[Stream, asyncio.StreamReader]:
+        """stdout and stderr read through the event loop, and stdin written through it; opened
+        once (output() and write_stdin() may both ask at the same time)."""
+        if self._pipes_opened is None:
+            self._pipes_opened = asyncio.ensure_future(self._open_pipes())
+        return await asyncio.shield(self._pipes_opened)
+
+    async def _open_pipes(self) -> dict[Stream, asyncio.StreamReader]:
+        assert self._pipes is not None
+        loop = asyncio.get_running_loop()
+        readers: dict[Stream, asyncio.StreamReader] = {}
+        pipes: tuple[tuple[Stream, int], ...] = (
+            ("stdout", self._pipes.stdout),
+            ("stderr", self._pipes.stderr),
+        )
+        for name, fd in pipes:
+            reader = readers[name] = asyncio.StreamReader(limit=1 << 16)
+            await loop.connect_read_pipe(
+                functools.partial(asyncio.StreamReaderProtocol, reader),
+                os.fdopen(fd, "rb", buffering=0),
+            )
+        if self._pipes.stdin is not None:
+            transport, protocol = await loop.connect_write_pipe(
+                lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+                os.fdopen(self._pipes.stdin, "wb", buffering=0),
+            )
+            self._stdin_writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        return readers
+
+    async def _terminal(self) -> asyncio.StreamReader:
+        """The terminal's master, read and written through the event loop (never blocking it).
+        Opened once: output() and write_stdin() may both ask at the same time."""
+        if self._terminal_opened is None:
+            self._terminal_opened = asyncio.ensure_future(self._open_terminal())
+        return await asyncio.shield(self._terminal_opened)
+
+    async def _open_terminal(self) -> asyncio.StreamReader:
+        assert self._master is not None
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=1 << 16)
+        master = os.fdopen(self._master, "rb", buffering=0)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), master)
+        transport, protocol = await loop.connect_write_pipe(
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
+            os.fdopen(os.dup(self._master), "wb", buffering=0),
+        )
+        self._terminal_writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        return reader
+
+    async def write_stdin(self, data: bytes) -> None:
+        if self._master is not None:
+            await self._terminal()
+            assert self._terminal_writer is not None
+            if self._terminal_writer.is_closing():
+                raise ProcessStateError(f"process {self.pid} has ended: its terminal is gone")
+            self._terminal_writer.write(data)
+            await self._terminal_writer.drain()
+            return
+        stdin = await self._stdin()
+        try:
+            stdin.write(data)
+            await stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            raise ProcessStateError(
+                f"process {self.pid} no longer reads its input (it closed it or ended)"
+            ) from None
+
+    async def close_stdin(self) -> None:
+        if self._master is not None:  # a terminal's end of input: ^D at the start of a line
+            await self.write_stdin(b"\x04")
+            return
+        stdin = await self._stdin()
+        if not stdin.is_closing():
+            stdin.close()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            await stdin.wait_closed()
+
+    async def _stdin(self) -> asyncio.StreamWriter:
+        if self._pipes is None or self._pipes.stdin is None:
+            raise ProcessStateError(
+                f"process {self.pid} was started without input: start it with stdin set to "
+                "send it any"
+            )
+        await self._opened_pipes()
+        assert self._stdin_writer is not None
+        return self._stdin_writer
+
+    async def resize(self, size: TerminalSize) -> None:
+        if self._master is None:
+            raise ProcessStateError(f"process {self.pid} has no terminal to resize")
+        if self._sizer is None:
+            raise ProcessStateError(f"process {self.pid} has ended: its terminal is gone")
+        set_size(self._sizer, size)
+
+    async def wait(self) -> ProcessEnd:
+        if self._end is None:
+            code = self._code = await self.started.end
+            for writer in (self._terminal_writer, self._stdin_writer):
+                if writer is not None:
+                    writer.close()
+            if self._sizer is not None:
+                os.close(self._sizer)
+                self._sizer = None
+            if self.started.group is not None:
+                # When nothing it started still runs; else with the sandbox.
+                self.started.group.remove()
+            self._end = self._ending(code)
+        return self._end
+
+    def _ending(self, code: int) -> ProcessEnd:
+        if code >= 0:
+            return ProcessEnd(
+                exit_code=code, error=None if code == 0 else f"it exited with status {code}"
+            )
+        signum = -code
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
+        return ProcessEnd(exit_code=None, signal=signum, error=f"it was ended by {name}")

@@ -28,6 +28,7 @@ from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox import cgroups
 from sandbox.backends.base import Backend, BackendCapabilities
+from sandbox.backends.docker_command_server import DockerServedSpawner
 from sandbox.backends.docker_container import (
     LABEL_ORCHESTRATOR,
     LABEL_OWNER,
@@ -47,6 +48,7 @@ from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs
 from sandbox.process_identity import OwnerState, ProcessIdentity
+from sandbox.processes.spawned import Spawner
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.uids import HostUidPool
 from sandbox.workspace_files import Workspace
@@ -464,15 +466,22 @@ class DockerSandbox(KernelSandbox):
         """The OCI runtime its containers run under, as the engine names it."""
         return self._launcher.runtime
 
-    def spawner(self) -> DockerSpawner:
-        """Execs in the current kernel's container (docker_processes.py): replacing the kernel
-        replaces its container, and so ends every process started in it."""
+    def spawner(self) -> Spawner:
+        """Processes in the current kernel's container: forked by its command server under runc
+        (docker_command_server.py), execs under gVisor (docker_processes.py). Replacing the
+        kernel replaces its container, and so ends every process started in it."""
         launcher = self._launcher
-        return DockerSpawner(
+        container = lambda: (launcher.current_name, launcher.current_exited)  # noqa: E731
+        user = f"{launcher.uid}:{launcher.uid}"
+        if launcher.gvisor:
+            return DockerSpawner(launcher.client, container, user, launcher.process_environment)
+        return DockerServedSpawner(
             launcher.client,
-            lambda: (launcher.current_name, launcher.current_exited),
-            f"{launcher.uid}:{launcher.uid}",
+            container,
+            user,
             launcher.process_environment,
+            launcher.kernels.python,
+            lambda: launcher.kernel_dir,
         )
 
     async def _teardown(self) -> None:

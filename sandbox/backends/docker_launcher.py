@@ -44,6 +44,8 @@ from sandbox.kernel.command import kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.process import KernelExit
 from sandbox.kernel.programs import (
+    COMMAND_SERVER_FILE,
+    COMMAND_SERVER_IN_SANDBOX,
     SUPERVISOR_FILE,
     SUPERVISOR_IN_SANDBOX,
     KernelPrograms,
@@ -201,6 +203,7 @@ class ContainerLauncher:
                 # The supervisor of kernels that need one: this service's own copy, so every
                 # image runs the version the host expects.
                 str(SUPERVISOR_FILE): {"bind": SUPERVISOR_IN_SANDBOX, "mode": "ro"},
+                str(COMMAND_SERVER_FILE): {"bind": COMMAND_SERVER_IN_SANDBOX, "mode": "ro"},
                 str(FORWARDER_FILE): {"bind": FORWARDER_IN_SANDBOX, "mode": "ro"},
                 str(self.dirs.workspace): {"bind": WORKSPACE_IN_SANDBOX, "mode": "rw"},
                 # The image knows only the uid it was built with: name ours (getpass, pwd).

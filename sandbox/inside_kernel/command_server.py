@@ -160,6 +160,8 @@ def _become_the_command(
         os.closerange(report + 1, os.sysconf("SC_OPEN_MAX"))
         argv = [str(a) for a in spec["argv"]]
         env = {str(k): str(v) for k, v in spec["env"].items()}
+        if spec.get("inherit_env"):  # a container's: the server's own, as an exec's would be
+            env = {**os.environ, **env}
         try:
             os.execvpe(argv[0], argv, env)
         except OSError as exc:
@@ -220,8 +222,9 @@ class Server:
             # The sandbox's process limit, most likely: the host reads why on the control (if
             # it still listens: it may have given up on this start).
             reason = f"it could not be forked: {exc.strerror}"
+            told = {"error": reason, "errno": exc.errno}
             with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fds[3])) as control:
-                control.send(json.dumps({"error": reason}).encode() + b"\n")
+                control.send(json.dumps(told).encode() + b"\n")
             return
         if pid == 0:
             self.connection.close()

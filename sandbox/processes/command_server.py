@@ -23,6 +23,7 @@ from sandbox.host_commands import memfd_with
 log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # a server that takes no command for this long is stopped or wedged
+HOLDER_EXIT_S = 2.0  # for a server's holder to end once the server was told to, or killed
 MESSAGE_LIMIT = 1 << 12  # the most one message from a server may hold
 # A send failing with one of these found the server gone; any other refused this one message.
 _GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF}
@@ -161,12 +162,44 @@ class CommandServer:
             self._ends.clear()
             self._connection.close()
             if self._proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.kill()
-                await self._proc.wait()
+                await self._end_holder(self._proc)
+
+    async def _end_holder(self, proc: asyncio.subprocess.Process) -> None:
+        """The host's process that holds the server (nsenter) ends once the server has: it
+        reaps it. Killed first, it would orphan the server to whatever reaps for this service,
+        and a zombie of the sandbox's PID namespace held there keeps that namespace's init from
+        ending. So the server goes first: it ends by itself once its connection is closed, and is
+        killed if it does not (stopped, say)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(proc.wait()), HOLDER_EXIT_S)
+        if proc.returncode is None and self.host_pid is not None and self.host_pid != proc.pid:
+            await asyncio.to_thread(_kill_child, proc.pid, self.host_pid)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), HOLDER_EXIT_S)
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        await proc.wait()
 
     async def close(self) -> None:
         """End it (and, with it, whatever it still runs)."""
         with contextlib.suppress(OSError):
             self._connection.shutdown(socket.SHUT_RDWR)
         await asyncio.shield(self._reader)
+
+
+def _kill_child(parent: int, pid: int) -> None:
+    """SIGKILL `pid` if it is still `parent`'s child (pinned by a pidfd: never a reused pid)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            ppid = next((line.split()[1] for line in status if line.startswith("PPid:")), "")
+        if ppid == str(parent):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(pidfd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import functools
 import json
@@ -35,7 +36,14 @@ from sandbox.processes.command_server import CommandFds, CommandServer, ServerGo
 from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
 
 HANDSHAKE_TIMEOUT_S = 30.0
+# A start that failed for want of a process (the sandbox's pids limit: a fork bomb's leftovers
+# may hold every pid for a while) is tried again, backing off, for this long.
+RETRY_START_S = 60.0
 _CONTROL_LIMIT = 1 << 16  # the most a process may say before its exec
+
+
+class StartAgain(SandboxStartError):
+    """A start that failed for now (no free pid in the sandbox): nothing of it ran."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,22 @@ class ServedSpawner(Spawner):
         return None
 
     async def spawn(self, request: ProcessRequest) -> SpawnedProcess:
+        deadline = time.monotonic() + RETRY_START_S
+        delay = 0.05
+        while True:
+            try:
+                return await self._spawn_once(request)
+            except StartAgain as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise SandboxStartError(
+                        f"the process did not start within {RETRY_START_S:g} s: {exc}; the "
+                        "sandbox may be out of processes (its pids limit): end some, or restart "
+                        "its kernel"
+                    ) from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _spawn_once(self, request: ProcessRequest) -> SpawnedProcess:
         server = await self._running_server()
         host_end, child_end = socket.socketpair()
         theirs: list[int] = [child_end.detach()]  # sent to the server, then closed here
@@ -223,6 +247,8 @@ def handshake(
         if not isinstance(told, dict):
             raise _NotEntered
         if "error" in told and not fds:  # it could not be forked
+            if told.get("errno") == errno.EAGAIN:
+                raise StartAgain(str(told["error"]))
             raise _start_error(str(told["error"]))
         try:
             pid = int(told["pid"])

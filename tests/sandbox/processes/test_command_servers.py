@@ -1,7 +1,8 @@
-"""The local sandbox's command server (sandbox/inside_kernel/command_server.py): one per sandbox,
-holding nothing the kernel does not (no capability, the kernel's seccomp filter), the parent of
-every command; killed by code in the sandbox, it is started again and what it ran is reported
-ended, never left waiting."""
+"""A sandbox's command server (sandbox/inside_kernel/command_server.py), locally and in a Docker
+container under runc: one per sandbox, with no privilege the kernel lacks (no capability, its
+seccomp filter, its uid), the parent of every command; killed or stopped by code in the sandbox,
+it is replaced and what it ran is reported ended, never left waiting; in a container, code that
+connects to the host's socket before it is refused."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessRequest
-from sandbox import Sandbox, create_backend
+from sandbox import Backend, Sandbox
 from sandbox.processes import served
-from tests.conftest import require_backend, small_spec
+from tests.conftest import DOCKER_RUNTIME, small_spec
 
 # The kernel's view of the sandbox's command servers: pid, parent and confinement of each.
 SERVERS = (
@@ -33,25 +34,28 @@ SERVERS = (
     "        s = status(pid)\n"
     "        servers.append({k: s[k].strip() for k in ('Pid', 'CapEff', 'CapPrm', 'CapBnd',"
     " 'NoNewPrivs', 'Seccomp', 'Uid')})\n"
-    "print(json.dumps(servers))"
+    "print(json.dumps({'kernel_uid': os.getuid(), 'servers': servers}))"
 )
 
 
 @pytest.fixture
-async def sandbox() -> AsyncIterator[Sandbox]:
-    require_backend("local")
-    backend = create_backend("local")
+async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
+    if backend.name == "docker" and DOCKER_RUNTIME == "runsc":
+        pytest.skip("under gVisor, a container's commands are execs: it has no command server")
     sb = await backend.create(small_spec())
     try:
         yield sb
     finally:
         await sb.close()
-        await backend.close()
 
 
 async def servers(sandbox: Sandbox) -> list[dict[str, str]]:
-    found: list[dict[str, str]] = json.loads((await sandbox.execute(SERVERS)).stdout)
+    found: list[dict[str, str]] = json.loads((await sandbox.execute(SERVERS)).stdout)["servers"]
     return found
+
+
+async def kernel_uid(sandbox: Sandbox) -> str:
+    return str(json.loads((await sandbox.execute(SERVERS)).stdout)["kernel_uid"])
 
 
 async def test_one_server_without_privilege_is_every_commands_parent(sandbox: Sandbox) -> None:
@@ -65,7 +69,7 @@ async def test_one_server_without_privilege_is_every_commands_parent(sandbox: Sa
     for field in ("CapEff", "CapPrm", "CapBnd"):
         assert int(server[field], 16) == 0, server
     assert server["NoNewPrivs"] == "1" and server["Seccomp"] == "2", server
-    assert server["Uid"].split()[0] == "1000", server
+    assert set(server["Uid"].split()) == {await kernel_uid(sandbox)}, server
 
 
 async def test_a_server_killed_from_the_sandbox_ends_its_commands_and_is_started_again(
@@ -120,5 +124,39 @@ async def test_a_server_stopped_from_the_sandbox_fails_a_start_in_time_and_is_re
         await asyncio.wait_for(sandbox.run_command(ProcessRequest(argv=["true"])), 60)
     done = await asyncio.wait_for(sandbox.run_command(ProcessRequest(argv=["echo", "on"])), 60)
     assert done.stdout == "on\n", done
-    (new_server,) = await servers(sandbox)  # the stopped one was killed, not left behind
-    assert new_server["Pid"] != server["Pid"]
+    serving = [s["Pid"] for s in await servers(sandbox) if s["Pid"] != server["Pid"]]
+    assert len(serving) == 1, serving
+    if sandbox.backend == "local":  # killed with its nsenter (a container's is left stopped)
+        assert [s["Pid"] for s in await servers(sandbox)] == serving
+
+
+async def test_code_that_connects_to_the_hosts_socket_first_is_refused(sandbox: Sandbox) -> None:
+    """In a container the server connects to a socket the host listens on in the kernel's
+    directory, which the sandbox can reach too: code that connects before the server is turned
+    away, and the server that the engine started is the one served."""
+    if sandbox.backend != "docker":
+        pytest.skip("locally the server's connection is a socketpair: it has no address")
+    lurker = await sandbox.execute(
+        "import os, socket, threading, time\n"
+        "caught = []\n"
+        "def lurk():\n"
+        "    deadline = time.monotonic() + 60\n"
+        "    while not caught and time.monotonic() < deadline:\n"
+        "        for name in os.listdir('/run/kernel'):\n"
+        "            if name.startswith('commands-'):\n"
+        "                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+        "                try:\n"
+        "                    s.connect('/run/kernel/' + name)\n"
+        "                    caught.append(s)\n"
+        "                except OSError:\n"
+        "                    pass\n"
+        "threading.Thread(target=lurk, daemon=True).start()"
+    )
+    assert lurker.status == "ok", lurker
+    done = await sandbox.run_command(ProcessRequest(argv=["echo", "served"]))
+    assert done.stdout == "served\n", done
+    connected = await sandbox.execute("len(caught)")
+    assert connected.text == "1", connected  # it did connect first, and was refused
+    (server,) = await servers(sandbox)
+    parent = await sandbox.run_command(ProcessRequest(command="grep PPid /proc/self/status"))
+    assert parent.stdout.split()[-1] == server["Pid"]

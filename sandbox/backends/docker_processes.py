@@ -1,5 +1,6 @@
-"""Processes in a Docker sandbox: each one an exec in the kernel's container, through the
-engine's exec API.
+"""Processes in a Docker sandbox as execs in the kernel's container, through the engine's exec
+API: under gVisor, and wherever a command server's connection cannot be verified (under runc a
+command server forks them instead: docker_command_server.py).
 
 So a process shares everything the kernel has: the container's namespaces, cgroup (memory, CPU
 and pids limits), seccomp profile, dropped capabilities, ulimits, read-only root, /tmp, the

@@ -3,6 +3,10 @@
 Per session, on disk: `<dir>/<session>/<execution id>.json` (the whole Execution) and
 `<dir>/<session>/<artifact id>.<ext>` (each image). They go with the session.
 
+A save is written on a thread of its own after its execution's answer has gone (the answer carries
+its id): a reader of that id, or of one of its images, waits for the write first. At most
+`_WRITES_PENDING` are in flight; past that a save waits for its own.
+
 Kept outputs have two quotas: bytes per session and bytes in all. Saving past either evicts the
 oldest executions (that session's first, then anyone's), with the images only they used. The
 accounting is kept in memory, in save order, so a save costs O(1) plus what it evicts, never a
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -20,6 +25,7 @@ import shutil
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -33,6 +39,8 @@ _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
 _REMEMBERED_EVICTIONS = 100_000  # ids still answered "evicted" (410) rather than "not found"
 _CHUNK = 1 << 20
+_WRITES_PENDING = 64
+log = logging.getLogger(__name__)
 
 
 class OutputNotFound(SessionError):
@@ -88,6 +96,12 @@ class OutputStore:
         self._bytes = 0
         self._evicted: OrderedDict[tuple[str, str], str] = OrderedDict()  # (session, id) -> why
         self._dropped: OrderedDict[str, None] = OrderedDict()  # ended sessions: keep nothing more
+        # (session, execution or image id) -> its write, until done
+        self._writing: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._slots = asyncio.Semaphore(_WRITES_PENDING)
+        # One thread: saves are written in the order they were made (the quotas evict the
+        # oldest first).
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kept-outputs")
 
     def clear(self) -> None:
         """Start empty: sessions do not outlive the service, so neither do their outputs.
@@ -112,10 +126,40 @@ class OutputStore:
         return self.root / session_id
 
     async def save(self, session_id: str, execution: Execution) -> str:
-        """Keep an execution and its images (evicting older ones past a quota); return its id."""
+        """Keep an execution and its images (evicting older ones past a quota); return its id
+        at once, the write under way (`settled` waits for it)."""
         execution_id = f"e-{secrets.token_hex(8)}"
-        await asyncio.to_thread(self._save, session_id, execution_id, execution)
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        writing = loop.run_in_executor(
+            self._writer, self._save, session_id, execution_id, execution
+        )
+        keys = [(session_id, execution_id)] + [(session_id, a.id) for a in execution.artifacts]
+        for key in keys:
+            self._writing[key] = writing
+
+        def written(done: asyncio.Future[None]) -> None:
+            self._slots.release()
+            for key in keys:
+                if self._writing.get(key) is done:
+                    del self._writing[key]
+            failed = None if done.cancelled() else done.exception()
+            if failed is not None:
+                log.error("an output of session %s was not kept", session_id, exc_info=failed)
+
+        writing.add_done_callback(written)
         return execution_id
+
+    @property
+    def writes_pending(self) -> int:
+        return len(set(self._writing.values()))
+
+    async def settled(self, session_id: str, item_id: str) -> None:
+        """Once the write of an execution (or image) of that id, if one is under way, is done."""
+        writing = self._writing.get((session_id, item_id))
+        if writing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(writing)
 
     def _save(self, session_id: str, execution_id: str, execution: Execution) -> None:
         d = self._dir(session_id)

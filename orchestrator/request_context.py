@@ -14,14 +14,21 @@ from orchestrator.service import Service
 T = TypeVar("T")
 
 
-def get_service(request: Request) -> Service:
+# Dependencies are coroutines: FastAPI runs a plain function on a worker thread, a hop (and a
+# wake-up of this loop) per dependency per request.
+async def get_service(request: Request) -> Service:
     service: Service = request.app.state.service
     return service
 
 
-def get_owner(request: Request) -> str:
+def owner_of(request: Request) -> str:
+    """The caller's owner id, authenticated (in memory: keys are held here), or 401."""
     owner: str = request.app.state.authenticate(request)
     return owner
+
+
+async def get_owner(request: Request) -> str:
+    return owner_of(request)
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]

@@ -176,5 +176,5 @@ async def artifact(
     console = console_of(request)
     if await _live(console, viewer, session_id) is None:
         raise SessionGone(f"no session {session_id}")
-    path, mime = console.service.files.kept_artifact(session_id, artifact_id)
+    path, mime = await console.service.files.kept_artifact(session_id, artifact_id)
     return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

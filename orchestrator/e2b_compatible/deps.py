@@ -21,7 +21,7 @@ from orchestrator.sessions import Session
 __all__ = ["ApiOwnerDep", "E2BDep", "Reached", "ReachedDep", "ServiceDep"]
 
 
-def get_e2b(request: Request) -> E2BSandboxes:
+async def get_e2b(request: Request) -> E2BSandboxes:
     sandboxes: E2BSandboxes = request.app.state.e2b
     return sandboxes
 
@@ -29,7 +29,7 @@ def get_e2b(request: Request) -> E2BSandboxes:
 E2BDep = Annotated[E2BSandboxes, Depends(get_e2b)]
 
 
-def api_owner(request: Request) -> str:
+async def api_owner(request: Request) -> str:
     """The owner of the API key the SDK sends (`X-API-Key`), or 401."""
     key = request.headers.get("x-api-key", "")
     if not key:

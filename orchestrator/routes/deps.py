@@ -12,6 +12,7 @@ from orchestrator.request_context import (
     ServiceDep,
     get_owner,
     get_service,
+    owner_of,
     unless_disconnected,
 )
 from orchestrator.sessions import Session
@@ -23,6 +24,7 @@ __all__ = [
     "SessionDep",
     "get_owner",
     "get_service",
+    "owner_of",
     "unless_disconnected",
 ]
 

@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from orchestrator.front_config import FrontConfig
 from orchestrator.metrics import METRICS
-from orchestrator.routes.deps import OwnerDep, ServiceDep, get_owner
+from orchestrator.routes.deps import OwnerDep, ServiceDep, owner_of
 
 router = APIRouter(tags=["operations"])
 
@@ -24,11 +24,11 @@ async def status(service: ServiceDep, owner: OwnerDep) -> dict[str, object]:
     return service.views.status(owner)
 
 
-def metrics_reader(request: Request) -> None:
+async def metrics_reader(request: Request) -> None:
     """A key is needed unless the operator made the metrics public (`metrics_public`)."""
     fronts: FrontConfig = request.app.state.fronts
     if not fronts.metrics_public:
-        get_owner(request)
+        owner_of(request)
 
 
 @router.get(

@@ -244,5 +244,5 @@ async def get_execution_stream(
     response_class=FileResponse,
 )
 async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> FileResponse:
-    path, mime = service.files.artifact(session, artifact_id)
+    path, mime = await service.files.artifact(session, artifact_id)
     return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)

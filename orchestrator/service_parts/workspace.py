@@ -75,20 +75,25 @@ class Workspace:
 
     # --- kept outputs
     async def open_kept_execution(self, session: Session, execution_id: str) -> KeptFile:
+        await self._outputs.settled(session.id, execution_id)
         return await asyncio.to_thread(self._outputs.open_execution, session.id, execution_id)
 
     async def kept_execution(self, session: Session, execution_id: str) -> Execution:
+        await self._outputs.settled(session.id, execution_id)
         return await asyncio.to_thread(self._outputs.execution, session.id, execution_id)
 
-    def artifact(self, session: Session, artifact_id: str) -> tuple[Path, str]:
+    async def artifact(self, session: Session, artifact_id: str) -> tuple[Path, str]:
         """The file of an image an execution produced, and its MIME type."""
+        await self._outputs.settled(session.id, artifact_id)
         return self._outputs.artifact(session.id, artifact_id)
 
     async def kept_output(self, session_id: str, execution_id: str) -> KeptFile:
         """A kept execution's JSON by session id, running or paused: for a reader that has
         checked whose session it is (the console), without waking it."""
+        await self._outputs.settled(session_id, execution_id)
         return await asyncio.to_thread(self._outputs.open_execution, session_id, execution_id)
 
-    def kept_artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
+    async def kept_artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
         """`artifact`, by session id (as `kept_output`)."""
+        await self._outputs.settled(session_id, artifact_id)
         return self._outputs.artifact(session_id, artifact_id)

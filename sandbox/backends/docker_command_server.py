@@ -37,7 +37,7 @@ from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 from sandbox.backends.docker_exec_connection import engine_reason
-from sandbox.backends.docker_processes import MARKER_VARIABLE, DockerSpawner
+from sandbox.backends.docker_processes import MARKER_VARIABLE, DockerSpawner, transient
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.programs import COMMAND_SERVER_IN_SANDBOX
 from sandbox.processes.command_server import MESSAGE_LIMIT, CommandServer
@@ -45,6 +45,9 @@ from sandbox.processes.served import ServedProcess, ServedSpawner, StartAgain, S
 from sandbox.processes.spawned import SpawnedProcess
 
 START_TIMEOUT_S = 30.0
+_BACKLOG = 16
+_REFUSED_AT_MOST = 16  # connections not the server's before it is given up for this start
+_UNVERIFIED_AT_MOST = 3  # starts in a row whose server cannot be verified: then execs for good
 _UCRED = struct.Struct("iII")  # pid, uid, gid
 
 
@@ -58,31 +61,12 @@ async def start_in_container(
     """Start a server in `container` (the sandbox's current kernel's) and take its connection."""
     name = f"commands-{secrets.token_hex(8)}.sock"
     path = kernel_dir / name
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     loop = asyncio.get_running_loop()
+    listener = await asyncio.to_thread(_listen, kernel_dir, name)
     try:
-        directory = os.open(kernel_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:  # through the directory's descriptor: a socket's path has room for 107 bytes
-            listener.bind(f"/proc/self/fd/{directory}/{name}")
-        finally:
-            os.close(directory)
-        os.chmod(path, 0o666)  # the directory is the sandbox's alone
-        listener.listen(4)
-        listener.setblocking(False)
         argv = [python, "-I", "-S", COMMAND_SERVER_IN_SANDBOX, "--connect"]
         argv += [f"{KERNEL_DIR_IN_SANDBOX}/{name}", WORKSPACE_IN_SANDBOX]
-
-        def start() -> str:
-            exec_id: str = api.exec_create(container, argv, user=user, workdir="/")["Id"]
-            api.exec_start(exec_id, detach=True)
-            return exec_id
-
-        try:
-            exec_id = await asyncio.to_thread(start)
-        except (APIError, DockerException) as exc:
-            raise SandboxStartError(
-                f"the engine could not start the sandbox's command server: {engine_reason(exc)}"
-            ) from None
+        exec_id = await asyncio.to_thread(start_exec, api, container, user, argv)
         async with asyncio.timeout(START_TIMEOUT_S):
             connection = await _the_exec_connects(api, exec_id, listener, loop)
     except TimeoutError:
@@ -102,14 +86,70 @@ async def start_in_container(
     return CommandServer(connection, serves=container)
 
 
+def _listen(kernel_dir: Path, name: str) -> socket.socket:
+    """A socket listening at `kernel_dir/name`, which the sandbox's uid may connect to. It is
+    made and opened up in a directory of the service's own inside it, reached by descriptor,
+    then moved out: the kernel's directory may still be the sandbox's to write (its kernel
+    starting), and a chmod by name there could be sent through a link it planted. Unverifiable if
+    it cannot be (a service that is not root may not add to a sealed kernel directory): the
+    sandbox's commands are then execs."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    staging = f".staging-{secrets.token_hex(8)}"
+    kernel_fd = staging_fd = -1
+    try:
+        kernel_fd = os.open(kernel_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.mkdir(staging, 0o700, dir_fd=kernel_fd)
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        staging_fd = os.open(staging, flags, dir_fd=kernel_fd)
+        if os.fstat(staging_fd).st_uid != os.geteuid():  # swapped for another: not ours
+            raise OSError(f"{staging} in the kernel's directory is not the service's")
+        # Through the descriptor: a socket's path has room for 107 bytes, and names under
+        # `staging` are the service's alone.
+        inside = f"/proc/self/fd/{staging_fd}/{name}"
+        listener.bind(inside)
+        os.chmod(inside, 0o666)
+        listener.listen(_BACKLOG)
+        listener.setblocking(False)
+        os.rename(name, name, src_dir_fd=staging_fd, dst_dir_fd=kernel_fd)
+    except OSError as exc:
+        listener.close()
+        raise Unverifiable(f"the command server's socket could not be made: {exc}") from None
+    finally:
+        if staging_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=staging_fd)
+            os.close(staging_fd)
+        if kernel_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.rmdir(staging, dir_fd=kernel_fd)
+            os.close(kernel_fd)
+    return listener
+
+
+def start_exec(api: Any, container: str, user: str, argv: list[str]) -> str:
+    """Start the server's exec (blocking); StartAgain if the engine refused it for now."""
+    try:
+        exec_id: str = api.exec_create(container, argv, user=user, workdir="/")["Id"]
+        api.exec_start(exec_id, detach=True)
+    except (APIError, DockerException) as exc:
+        reason = engine_reason(exc)
+        if transient(reason):
+            raise StartAgain(f"the engine could not start the command server: {reason}") from None
+        raise SandboxStartError(
+            f"the engine could not start the sandbox's command server: {reason}"
+        ) from None
+    return exec_id
+
+
 async def _the_exec_connects(
     api: Any, exec_id: str, listener: socket.socket, loop: asyncio.AbstractEventLoop
 ) -> socket.socket:
-    """The connection of the exec's own process; StartAgain if the exec ended first (the engine
-    could not start it: the sandbox had no free pid, most likely)."""
+    """The connection of the exec's own process; StartAgain if the exec never started (the
+    sandbox had no free pid, most likely)."""
     started_pid = 0
     delay = 0.01
     settle = time.monotonic() + 2.0  # an exec not running by then never started
+    refused = 0
     accepting = asyncio.ensure_future(loop.sock_accept(listener))
     try:
         while True:
@@ -117,9 +157,14 @@ async def _the_exec_connects(
             if not done:
                 state = await asyncio.to_thread(api.exec_inspect, exec_id)
                 started_pid = int(state.get("Pid") or 0)
-                ended = state.get("ExitCode") is not None or time.monotonic() > settle
-                if not state.get("Running") and ended:
-                    raise StartAgain("the engine could not start the sandbox's command server")
+                if not state.get("Running"):
+                    if started_pid:
+                        raise SandboxStartError(
+                            "the sandbox's command server ended as it started (exit status "
+                            f"{state.get('ExitCode')})"
+                        )
+                    if state.get("ExitCode") is not None or time.monotonic() > settle:
+                        raise StartAgain("the engine could not start the sandbox's command server")
                 delay = min(delay * 2, 0.5)
                 continue
             connection, _ = accepting.result()
@@ -133,7 +178,8 @@ async def _the_exec_connects(
                 connection.setblocking(False)
                 return connection
             connection.close()
-            if pid == 0 or started_pid == 0:
+            refused += 1
+            if pid == 0 or started_pid == 0 or refused > _REFUSED_AT_MOST:
                 raise Unverifiable("the command server's connection cannot be told from another's")
             accepting = asyncio.ensure_future(loop.sock_accept(listener))
     finally:
@@ -162,14 +208,19 @@ class DockerServedSpawner(ServedSpawner):
         self._python = python
         self._kernel_dir = kernel_dir
         self._execs = DockerSpawner(client, container, user, environment)
-        self._execs_only = False
+        self._unverified = 0  # starts in a row whose server could not be verified
+        # The death of each container a server was started in, by the container's name.
+        self._exits: dict[str, asyncio.Future[Any] | None] = {}
 
     async def spawn(self, request: ProcessRequest) -> SpawnedProcess:
-        if not self._execs_only:
+        if self._unverified < _UNVERIFIED_AT_MOST:
             try:
-                return await super().spawn(request)
+                process = await super().spawn(request)
             except Unverifiable:
-                self._execs_only = True
+                self._unverified += 1  # this one as an exec; after a few, every one
+            else:
+                self._unverified = 0
+                return process
         return await self._execs.spawn(request)
 
     def _current_sandbox(self) -> str:
@@ -180,9 +231,12 @@ class DockerServedSpawner(ServedSpawner):
 
     async def _start_server(self, sandbox: int | str | None) -> CommandServer:
         assert isinstance(sandbox, str)
-        return await start_in_container(
+        _, exited = self._container()
+        server = await start_in_container(
             self._api, sandbox, self._user, self._python, self._kernel_dir()
         )
+        self._exits = {sandbox: exited}  # the one container it serves now
+        return server
 
     def _command(self, request: ProcessRequest) -> tuple[dict[str, object], str | None]:
         marker = secrets.token_hex(12)
@@ -196,12 +250,13 @@ class DockerServedSpawner(ServedSpawner):
         return spec, f"{MARKER_VARIABLE}={marker}"
 
     def _process(self, started: Started) -> SpawnedProcess:
-        _, exited = self._container()
+        exited = self._exits.get(str(started.server.serves))
         return DockerServedProcess(started, exited)
 
 
 class DockerServedProcess(ServedProcess):
-    """Signalled through its server: its group, and whatever holds its marker."""
+    """Signalled through its server: its group, and whatever holds its marker. Its end is told
+    in the words an exec's is (docker_processes.py)."""
 
     def __init__(self, started: Started, container_exited: asyncio.Future[Any] | None) -> None:
         super().__init__(started)
@@ -214,16 +269,22 @@ class DockerServedProcess(ServedProcess):
         await self.started.server.signal(self.started.command, signum, self.started.marker)
 
     def _ending(self, code: int) -> ProcessEnd:
-        end = super()._ending(code)
-        if end.signal != signal.SIGKILL or signal.SIGKILL in self._sent:
-            return end
-        if not self.started.server.alive or (
-            self._container_exited is not None and self._container_exited.done()
-        ):
-            error = "killed with its container: the sandbox closed or its kernel was replaced"
-        else:
-            error = (
-                "killed by SIGKILL, not sent through the API: the sandbox's memory limit (which "
-                "kills the largest process when it is reached) or a signal from inside the sandbox"
-            )
-        return end.model_copy(update={"error": error})
+        if code >= 0:
+            return ProcessEnd(exit_code=code, error=f"exit status {code}" if code else None)
+        signum = -code
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
+        error = f"killed by {name}"
+        if signum == signal.SIGKILL and signum not in self._sent:
+            if self._container_exited is not None and self._container_exited.done():
+                error = "killed with its container: the sandbox closed or its kernel was replaced"
+            elif not self.started.server.alive:
+                error = (
+                    "killed with the sandbox's command server, which was ended from inside the "
+                    "sandbox"
+                )
+            else:
+                error += (
+                    ", not sent through the API: the sandbox's memory limit (which kills the "
+                    "largest process when it is reached) or a signal from inside the sandbox"
+                )
+        return ProcessEnd(exit_code=None, signal=signum, error=error)

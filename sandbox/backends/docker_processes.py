@@ -123,7 +123,7 @@ class DockerSpawner(Spawner):
                     container, container_exited, command, options, marker, cwd, deadline
                 )
             except _NotStarted as exc:
-                if not _transient(str(exc)) or time.monotonic() + delay >= deadline:
+                if not transient(str(exc)) or time.monotonic() + delay >= deadline:
                     raise SandboxError(
                         f"the process did not start within {START_TIMEOUT_S:g} s: {exc}; the "
                         "sandbox may be out of processes (its pids limit): end some, or restart "
@@ -251,7 +251,8 @@ class _NotStarted(Exception):
 _TRANSIENT = ("resource temporarily unavailable", "init-p", "fork", "cannot allocate memory")
 
 
-def _transient(said: str) -> bool:
+def transient(said: str) -> bool:
+    """Whether the engine's refusal of an exec is for now (no free pid in the sandbox)."""
     return not said or "ended its stream" in said or any(t in said.lower() for t in _TRANSIENT)
 
 

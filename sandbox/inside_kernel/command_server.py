@@ -216,16 +216,30 @@ class Server:
     def _fork(self, command: int, fds: list[int], spec: dict[str, Any]) -> None:
         spec["workspace"] = self.workspace
         server = os.getpid()
+        slave = None
         try:
+            if spec.get("terminal"):
+                # Made here, in the sandbox's own devpts: the command's terminal has a name
+                # there (`tty`, `ttyname`). The host gets its master first, on the control.
+                master, slave = os.openpty()
+                try:
+                    with socket.socket(fileno=os.dup(fds[3])) as control:
+                        socket.send_fds(control, [b'{"terminal": true}\n'], [master])
+                finally:
+                    os.close(master)
+                fds = [slave, slave, slave, fds[3]]
             pid = os.fork()
         except OSError as exc:
             # The sandbox's process limit, most likely: the host reads why on the control (if
             # it still listens: it may have given up on this start).
-            reason = f"it could not be forked: {exc.strerror}"
+            reason = f"it could not be started: {exc.strerror}"
             told = {"error": reason, "errno": exc.errno}
             with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fds[3])) as control:
                 control.send(json.dumps(told).encode() + b"\n")
             return
+        finally:
+            if slave is not None and os.getpid() == server:
+                os.close(slave)
         if pid == 0:
             self.connection.close()
             os.close(self.wake_read)

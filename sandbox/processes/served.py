@@ -39,6 +39,7 @@ HANDSHAKE_TIMEOUT_S = 30.0
 # A start that failed for want of a process (the sandbox's pids limit: a fork bomb's leftovers
 # may hold every pid for a while) is tried again, backing off, for this long.
 RETRY_START_S = 60.0
+TERMINAL_TYPE = "xterm"
 _CONTROL_LIMIT = 1 << 16  # the most a process may say before its exec
 
 
@@ -131,11 +132,10 @@ class ServedSpawner(Spawner):
         command, end = server.expect()
         try:
             group = self._new_group()
-            if request.terminal is not None:
-                master, slave = os.openpty()
-                theirs.append(slave)
-                fds = CommandFds(slave, slave, slave, theirs[0])
-                set_size(master, request.terminal)
+            if request.terminal is not None:  # the server makes it, in the sandbox
+                nothing = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                theirs.append(nothing)
+                fds = CommandFds(nothing, nothing, nothing, theirs[0])
             else:
                 stdin_writer = None
                 if request.stdin:
@@ -153,7 +153,11 @@ class ServedSpawner(Spawner):
                 fds = CommandFds(stdin, stdout, stderr, theirs[0])
                 pipes = Pipes(stdin_writer, stdout_reader, stderr_reader)
             spec, marker = self._command(request)
-            spec["terminal"] = master is not None
+            spec["terminal"] = request.terminal is not None
+            env = spec["env"]
+            if request.terminal is not None and "TERM" not in request.env:
+                assert isinstance(env, dict)
+                env["TERM"] = TERMINAL_TYPE  # what an engine's exec with a tty says
             try:
                 await server.send(command, spec, fds)
             except ServerGone:  # killed or stopped from inside the sandbox: again, with a new one
@@ -172,9 +176,14 @@ class ServedSpawner(Spawner):
             for fd in theirs:
                 os.close(fd)
         place = functools.partial(self._place, server)
+        given: list[int] = []  # what the handshake's thread was given: a terminal's master
         try:
-            pid, host_pid = await asyncio.to_thread(handshake, host_end, place, group)
+            pid, host_pid, master = await asyncio.to_thread(
+                handshake, host_end, place, group, request.terminal, given
+            )
         except BaseException as exc:
+            if master is None and given:  # the thread ended after it was given it
+                master = given[0]
             with contextlib.suppress(OSError):  # wakes the handshake's thread, if it still runs
                 host_end.shutdown(socket.SHUT_RDWR)
             await server.kill(command)
@@ -225,36 +234,39 @@ def handshake(
     control: socket.socket,
     place: functools.partial[int | None],
     group: ProcessCgroup | None,
-) -> tuple[int, int | None]:
-    """The process says its pid in the sandbox, hands over a pipe that its exec closes, and
-    waits; it is placed (`place(pid, group)`), and told to go. It then execs (the pipe reads
-    EOF) or says why it could not. Returns (pid in the sandbox, host pid where known).
-    Blocking: run in a thread."""
+    terminal: TerminalSize | None,
+    given: list[int],
+) -> tuple[int, int | None, int | None]:
+    """A terminal's master comes first, from the server (appended to `given` as it comes, so a
+    caller that gave up closes it); then the process says its pid in the sandbox, hands over a
+    pipe that its exec closes, and waits; it is placed (`place(pid, group)`), and told to go.
+    It then execs (the pipe reads EOF) or says why it could not. Returns (pid in the sandbox,
+    host pid where known, the terminal's master). Blocking: run in a thread."""
     control.settimeout(HANDSHAKE_TIMEOUT_S)
-    try:
-        said, fds, _, _ = socket.recv_fds(control, _CONTROL_LIMIT, 1)
-    except TimeoutError:
-        raise _ServerSilent from None
-    except OSError:
-        said, fds = b"", []
+    master: int | None = None
     with contextlib.ExitStack() as stack:
-        for fd in fds:
-            stack.callback(os.close, fd)
-        try:
-            told = json.loads(said.split(b"\n", 1)[0]) if said else {}
-        except ValueError:
-            raise _NotEntered from None
-        if not isinstance(told, dict):
+        while True:
+            told, fds = _told(control)
+            for fd in fds:
+                stack.callback(os.close, fd)
+            if "error" in told and not fds:  # it could not be started
+                if told.get("errno") == errno.EAGAIN:
+                    raise StartAgain(str(told["error"]))
+                raise _start_error(str(told["error"]))
+            if told.get("terminal") is True and len(fds) == 1 and master is None:
+                master = os.dup(fds[0])
+                given.append(master)
+                if terminal is not None:
+                    set_size(master, terminal)
+                continue
+            try:
+                pid = int(str(told["pid"]))
+                (report,) = fds
+            except (ValueError, KeyError, TypeError):
+                raise _NotEntered from None
+            break
+        if (terminal is None) != (master is None):
             raise _NotEntered
-        if "error" in told and not fds:  # it could not be forked
-            if told.get("errno") == errno.EAGAIN:
-                raise StartAgain(str(told["error"]))
-            raise _start_error(str(told["error"]))
-        try:
-            pid = int(told["pid"])
-            (report,) = fds
-        except (ValueError, KeyError, TypeError):
-            raise _NotEntered from None
         host_pid = place(pid, group)
         control.sendall(b"go")
         said = _read_until_closed(report)
@@ -264,7 +276,27 @@ def handshake(
         except (ValueError, KeyError, TypeError):
             reason = "it ended before it ran"
         raise _start_error(reason)
-    return pid, host_pid
+    return pid, host_pid, master
+
+
+def _told(control: socket.socket) -> tuple[dict[str, object], list[int]]:
+    """One line from the control socket (the server's, then the process's), with the descriptors
+    it carried. Each is sent by one sendmsg with its descriptors, which a read never merges."""
+    try:
+        said, fds, _, _ = socket.recv_fds(control, _CONTROL_LIMIT, 1)
+    except TimeoutError:
+        raise _ServerSilent from None
+    except OSError:
+        said, fds = b"", []
+    try:
+        told = json.loads(said.split(b"\n", 1)[0]) if said else {}
+    except ValueError:
+        told = None
+    if not isinstance(told, dict):
+        for fd in fds:
+            os.close(fd)
+        raise _NotEntered
+    return told, fds
 
 
 class _NotEntered(Exception):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from code_interpreter_wire.results import Execution, Result
+from orchestrator import outputs
 from orchestrator.outputs import OutputEvicted, OutputNotFound, OutputStore
 
 pytestmark = pytest.mark.unit
@@ -34,6 +35,13 @@ def evicted(store: OutputStore, execution_id: str) -> bool:
     return False
 
 
+async def saved(store: OutputStore, session_id: str, execution: Execution) -> str:
+    """Saved and written."""
+    execution_id = await store.save(session_id, execution)
+    await store.settled(session_id, execution_id)
+    return execution_id
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> OutputStore:
     s = OutputStore(tmp_path / "outputs", max_bytes_per_session=50_000, max_bytes_total=80_000)
@@ -42,7 +50,7 @@ def store(tmp_path: Path) -> OutputStore:
 
 
 async def test_a_session_evicts_its_own_oldest_first(store: OutputStore) -> None:
-    ids = [await store.save("s1", text(10_000)) for _ in range(12)]
+    ids = [await saved(store, "s1", text(10_000)) for _ in range(12)]
     assert store.bytes_kept == disk(store.root) <= 50_000
     assert store.execution("s1", ids[-1]).stdout == "x" * 10_000
     with pytest.raises(OutputEvicted, match="run the code again"):
@@ -52,10 +60,10 @@ async def test_a_session_evicts_its_own_oldest_first(store: OutputStore) -> None
 
 
 async def test_the_service_quota_evicts_the_oldest_of_anyone(store: OutputStore) -> None:
-    first = await store.save("s1", text(20_000))
-    await store.save("s1", text(20_000))
+    first = await saved(store, "s1", text(20_000))
+    await saved(store, "s1", text(20_000))
     for _ in range(3):
-        newest = await store.save("s2", text(15_000))
+        newest = await saved(store, "s2", text(15_000))
     assert store.bytes_kept == disk(store.root) <= 80_000
     with pytest.raises(OutputEvicted):
         store.execution("s1", first)
@@ -63,23 +71,38 @@ async def test_the_service_quota_evicts_the_oldest_of_anyone(store: OutputStore)
 
 
 async def test_an_image_stays_while_a_kept_execution_shows_it(store: OutputStore) -> None:
-    old = await store.save("s1", image(1))
+    old = await saved(store, "s1", image(1))
     artifact_id = store.execution("s1", old).artifacts[0].id
-    second = await store.save("s1", image(1))  # the same image again: stored once
+    second = await saved(store, "s1", image(1))  # the same image again: stored once
     while not evicted(store, old):
-        await store.save("s1", text(5_000))
+        await saved(store, "s1", text(5_000))
     assert store.artifact("s1", artifact_id)  # the second execution still shows it
     while not evicted(store, second):
-        await store.save("s1", text(5_000))
+        await saved(store, "s1", text(5_000))
     with pytest.raises(OutputEvicted):
         store.artifact("s1", artifact_id)
     assert store.bytes_kept == disk(store.root)
 
 
 async def test_too_big_to_keep_and_drop(store: OutputStore) -> None:
-    huge = await store.save("s1", text(60_000))
+    huge = await saved(store, "s1", text(60_000))
     with pytest.raises(OutputEvicted, match="not kept"):
         store.open_execution("s1", huge)
-    await store.save("s1", text(10_000))
+    await saved(store, "s1", text(10_000))
     store.drop("s1")
     assert store.bytes_kept == 0 and not (store.root / "s1").exists()
+
+
+async def test_a_save_answers_before_its_write_and_waits_past_the_cap(store: OutputStore) -> None:
+    """The id comes back at once; what reads it (or its image) right away finds it written; at
+    most `_WRITES_PENDING` writes are ever under way."""
+    saves = [store.save(f"s{i % 3}", image(i % 5)) for i in range(200)]
+    ids = []
+    for saving in saves:
+        ids.append(await saving)
+        assert store.writes_pending <= outputs._WRITES_PENDING
+    session, last = f"s{199 % 3}", ids[-1]
+    await store.settled(session, last)
+    artifact_id = store.execution(session, last).artifacts[0].id
+    await store.settled(session, artifact_id)
+    assert store.artifact(session, artifact_id)

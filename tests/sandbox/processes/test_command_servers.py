@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from code_interpreter_wire.errors import SandboxStartError
-from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.processes import ProcessRequest, TerminalSize
 from sandbox import Backend, Sandbox
+from sandbox.backends import docker_command_server
+from sandbox.backends.docker_command_server import start_exec
 from sandbox.processes import served
 from tests.conftest import DOCKER_RUNTIME, small_spec
 
@@ -130,33 +133,48 @@ async def test_a_server_stopped_from_the_sandbox_fails_a_start_in_time_and_is_re
         assert [s["Pid"] for s in await servers(sandbox)] == serving
 
 
-async def test_code_that_connects_to_the_hosts_socket_first_is_refused(sandbox: Sandbox) -> None:
+async def test_code_that_connects_to_the_hosts_socket_first_is_refused(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """In a container the server connects to a socket the host listens on in the kernel's
-    directory, which the sandbox can reach too: code that connects before the server is turned
-    away, and the server that the engine started is the one served."""
+    directory, which the sandbox can reach too: a process of the sandbox that connects before
+    the server (made to, here: it runs and connects before the server's exec starts) is turned
+    away, and the server the engine started is the one that serves."""
     if sandbox.backend != "docker":
         pytest.skip("locally the server's connection is a socketpair: it has no address")
-    lurker = await sandbox.execute(
-        "import os, socket, threading, time\n"
-        "caught = []\n"
-        "def lurk():\n"
-        "    deadline = time.monotonic() + 60\n"
-        "    while not caught and time.monotonic() < deadline:\n"
-        "        for name in os.listdir('/run/kernel'):\n"
-        "            if name.startswith('commands-'):\n"
-        "                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
-        "                try:\n"
-        "                    s.connect('/run/kernel/' + name)\n"
-        "                    caught.append(s)\n"
-        "                except OSError:\n"
-        "                    pass\n"
-        "threading.Thread(target=lurk, daemon=True).start()"
-    )
-    assert lurker.status == "ok", lurker
+    impostors: list[bytes] = []
+
+    def impostor_first(api: Any, container: str, user: str, argv: list[str]) -> str:
+        impostor = api.exec_create(container, [argv[0], "-c", CONNECT, argv[5]], user=user)
+        impostors.append(api.exec_start(impostor["Id"]))
+        return start_exec(api, container, user, argv)
+
+    monkeypatch.setattr(docker_command_server, "start_exec", impostor_first)
     done = await sandbox.run_command(ProcessRequest(argv=["echo", "served"]))
     assert done.stdout == "served\n", done
-    connected = await sandbox.execute("len(caught)")
-    assert connected.text == "1", connected  # it did connect first, and was refused
+    assert impostors == [b"connected\n"]
     (server,) = await servers(sandbox)
     parent = await sandbox.run_command(ProcessRequest(command="grep PPid /proc/self/status"))
     assert parent.stdout.split()[-1] == server["Pid"]
+
+
+CONNECT = (
+    "import socket, sys\n"
+    "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+    "s.connect(sys.argv[1])\n"
+    "print('connected')"
+)
+
+
+async def test_a_terminal_is_the_sandboxs_own_with_a_name_and_a_type(sandbox: Sandbox) -> None:
+    """Made by the server inside the sandbox: `tty` names it; TERM is set unless asked."""
+    done = await sandbox.run_command(
+        ProcessRequest(command="tty; echo TERM=$TERM", terminal=TerminalSize(cols=90, rows=30))
+    )
+    lines = done.stdout.split()
+    assert lines[0].startswith("/dev/pts/") and lines[1] == "TERM=xterm", done
+    size = TerminalSize(cols=90, rows=30)
+    sized = await sandbox.run_command(
+        ProcessRequest(command="stty size; echo $TERM", terminal=size, env={"TERM": "vt100"})
+    )
+    assert sized.stdout.split() == ["30", "90", "vt100"], sized

@@ -40,6 +40,7 @@ _TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
 _REMEMBERED_EVICTIONS = 100_000  # ids still answered "evicted" (410) rather than "not found"
 _CHUNK = 1 << 20
 _WRITES_PENDING = 64
+_UNWRITTEN = "it could not be written"
 log = logging.getLogger(__name__)
 
 
@@ -144,11 +145,19 @@ class OutputStore:
                 if self._writing.get(key) is done:
                     del self._writing[key]
             failed = None if done.cancelled() else done.exception()
-            if failed is not None:
+            if failed is not None:  # its readers are told why (410), not "no such execution"
                 log.error("an output of session %s was not kept", session_id, exc_info=failed)
+                with self._lock:
+                    for session, item in keys:
+                        self._remember(session, item, f"{_UNWRITTEN}: {failed}")
 
         writing.add_done_callback(written)
         return execution_id
+
+    async def close(self) -> None:
+        """Once every write under way is done (the service is closing)."""
+        await asyncio.gather(*set(self._writing.values()), return_exceptions=True)
+        await asyncio.to_thread(self._writer.shutdown, wait=True)
 
     @property
     def writes_pending(self) -> int:
@@ -227,6 +236,11 @@ class OutputStore:
         why = self._evicted.get((session_id, item_id))
         if why is None:
             return OutputNotFound(f"no {what} {item_id} in session {session_id}")
+        if why.startswith(_UNWRITTEN):
+            return OutputEvicted(
+                f"{what} {item_id} was not kept ({why}): run the code again, or have it write "
+                "what you need to a file in the workspace"
+            )
         reason = "was evicted" if why == "evicted" else f"was not kept ({why})"
         return OutputEvicted(
             f"{what} {item_id} {reason} to respect the quota on kept outputs "
@@ -241,7 +255,7 @@ class OutputStore:
             raise OutputNotFound(f"no execution {execution_id} in session {session_id}")
         try:
             f = open(self._dir(session_id) / f"{execution_id}.json", "rb")  # noqa: SIM115
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             raise self._missing(session_id, "execution", execution_id) from None
         return KeptFile(f, os.fstat(f.fileno()).st_size)
 

@@ -149,6 +149,7 @@ class Service:
             await self.admission.close()
             await self.channels.close_tools()
             await self.persistence.close()
+            await self._outputs.close()  # writes still under way, done
         finally:  # last: nothing of this instance is left running
             if self._instance_lock is not None:
                 self._instance_lock.release()

@@ -67,9 +67,12 @@ async def start_in_container(
         argv = [python, "-I", "-S", COMMAND_SERVER_IN_SANDBOX, "--connect"]
         argv += [f"{KERNEL_DIR_IN_SANDBOX}/{name}", WORKSPACE_IN_SANDBOX]
         exec_id = await asyncio.to_thread(start_exec, api, container, user, argv)
+        refused: list[int] = []
         async with asyncio.timeout(START_TIMEOUT_S):
-            connection = await _the_exec_connects(api, exec_id, listener, loop)
+            connection = await _the_exec_connects(api, exec_id, listener, loop, refused)
     except TimeoutError:
+        if refused:  # others came, never the exec's own: its pid is not as this service sees it
+            raise Unverifiable("the command server's connection was never told apart") from None
         raise SandboxStartError("the sandbox's command server did not start in time") from None
     finally:
         listener.close()
@@ -142,14 +145,17 @@ def start_exec(api: Any, container: str, user: str, argv: list[str]) -> str:
 
 
 async def _the_exec_connects(
-    api: Any, exec_id: str, listener: socket.socket, loop: asyncio.AbstractEventLoop
+    api: Any,
+    exec_id: str,
+    listener: socket.socket,
+    loop: asyncio.AbstractEventLoop,
+    refused: list[int],
 ) -> socket.socket:
     """The connection of the exec's own process; StartAgain if the exec never started (the
     sandbox had no free pid, most likely)."""
     started_pid = 0
     delay = 0.01
     settle = time.monotonic() + 2.0  # an exec not running by then never started
-    refused = 0
     accepting = asyncio.ensure_future(loop.sock_accept(listener))
     try:
         while True:
@@ -178,8 +184,8 @@ async def _the_exec_connects(
                 connection.setblocking(False)
                 return connection
             connection.close()
-            refused += 1
-            if pid == 0 or started_pid == 0 or refused > _REFUSED_AT_MOST:
+            refused.append(pid)
+            if pid == 0 or started_pid == 0 or len(refused) > _REFUSED_AT_MOST:
                 raise Unverifiable("the command server's connection cannot be told from another's")
             accepting = asyncio.ensure_future(loop.sock_accept(listener))
     finally:

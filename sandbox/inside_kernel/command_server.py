@@ -162,6 +162,8 @@ def _become_the_command(
         env = {str(k): str(v) for k, v in spec["env"].items()}
         if spec.get("inherit_env"):  # a container's: the server's own, as an exec's would be
             env = {**os.environ, **env}
+        for name, value in (spec.get("default_env") or {}).items():
+            env.setdefault(str(name), str(value))
         try:
             os.execvpe(argv[0], argv, env)
         except OSError as exc:

@@ -39,7 +39,7 @@ HANDSHAKE_TIMEOUT_S = 30.0
 # A start that failed for want of a process (the sandbox's pids limit: a fork bomb's leftovers
 # may hold every pid for a while) is tried again, backing off, for this long.
 RETRY_START_S = 60.0
-TERMINAL_TYPE = "xterm"
+TERMINAL_TYPE = "xterm-256color"
 _CONTROL_LIMIT = 1 << 16  # the most a process may say before its exec
 
 
@@ -154,10 +154,8 @@ class ServedSpawner(Spawner):
                 pipes = Pipes(stdin_writer, stdout_reader, stderr_reader)
             spec, marker = self._command(request)
             spec["terminal"] = request.terminal is not None
-            env = spec["env"]
-            if request.terminal is not None and "TERM" not in request.env:
-                assert isinstance(env, dict)
-                env["TERM"] = TERMINAL_TYPE  # what an engine's exec with a tty says
+            if request.terminal is not None:  # unless the process's environment names one
+                spec["default_env"] = {"TERM": TERMINAL_TYPE}
             try:
                 await server.send(command, spec, fds)
             except ServerGone:  # killed or stopped from inside the sandbox: again, with a new one
@@ -177,16 +175,21 @@ class ServedSpawner(Spawner):
                 os.close(fd)
         place = functools.partial(self._place, server)
         given: list[int] = []  # what the handshake's thread was given: a terminal's master
+        handshaking = asyncio.ensure_future(
+            asyncio.to_thread(handshake, host_end, place, group, request.terminal, given)
+        )
         try:
-            pid, host_pid, master = await asyncio.to_thread(
-                handshake, host_end, place, group, request.terminal, given
-            )
+            pid, host_pid, master = await asyncio.shield(handshaking)
         except BaseException as exc:
-            if master is None and given:  # the thread ended after it was given it
-                master = given[0]
             with contextlib.suppress(OSError):  # wakes the handshake's thread, if it still runs
                 host_end.shutdown(socket.SHUT_RDWR)
             await server.kill(command)
+            # Its thread is done before what it was given is closed (it may still use it).
+            await asyncio.wait({handshaking}, timeout=HANDSHAKE_TIMEOUT_S)
+            if handshaking.done() and not handshaking.cancelled() and not handshaking.exception():
+                master = handshaking.result()[2]  # it started after all: killed just now
+            elif given:
+                master = given[0]
             server.forget(command)
             for fd in ours:
                 os.close(fd)
@@ -254,6 +257,8 @@ def handshake(
                     raise StartAgain(str(told["error"]))
                 raise _start_error(str(told["error"]))
             if told.get("terminal") is True and len(fds) == 1 and master is None:
+                if not os.isatty(fds[0]):  # from the sandbox: it must be what it says
+                    raise _NotEntered
                 master = os.dup(fds[0])
                 given.append(master)
                 if terminal is not None:
@@ -281,7 +286,8 @@ def handshake(
 
 def _told(control: socket.socket) -> tuple[dict[str, object], list[int]]:
     """One line from the control socket (the server's, then the process's), with the descriptors
-    it carried. Each is sent by one sendmsg with its descriptors, which a read never merges."""
+    it carried. Each is sent by one sendmsg, and every one but the last carries a descriptor,
+    which a read never reads past; a read may join the last to nothing after it."""
     try:
         said, fds, _, _ = socket.recv_fds(control, _CONTROL_LIMIT, 1)
     except TimeoutError:
@@ -472,7 +478,12 @@ class ServedProcess(SpawnedProcess):
             raise ProcessStateError(f"process {self.pid} has no terminal to resize")
         if self._sizer is None:
             raise ProcessStateError(f"process {self.pid} has ended: its terminal is gone")
-        set_size(self._sizer, size)
+        try:
+            set_size(self._sizer, size)
+        except OSError as exc:
+            raise ProcessStateError(
+                f"process {self.pid}'s terminal cannot be resized: {exc}"
+            ) from None
 
     async def wait(self) -> ProcessEnd:
         if self._end is None:

@@ -106,3 +106,13 @@ async def test_a_save_answers_before_its_write_and_waits_past_the_cap(store: Out
     artifact_id = store.execution(session, last).artifacts[0].id
     await store.settled(session, artifact_id)
     assert store.artifact(session, artifact_id)
+
+
+async def test_a_write_that_fails_is_told_as_such(store: OutputStore) -> None:
+    """The id was given out before the write: if the write fails, a reader is told why."""
+    (store.root / "s-blocked").write_text("a file where the session's directory goes")
+    execution_id = await store.save("s-blocked", text(100))
+    await store.settled("s-blocked", execution_id)
+    with pytest.raises(OutputEvicted, match="could not be written"):
+        store.execution("s-blocked", execution_id)
+    await store.close()

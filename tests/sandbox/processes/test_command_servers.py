@@ -172,7 +172,7 @@ async def test_a_terminal_is_the_sandboxs_own_with_a_name_and_a_type(sandbox: Sa
         ProcessRequest(command="tty; echo TERM=$TERM", terminal=TerminalSize(cols=90, rows=30))
     )
     lines = done.stdout.split()
-    assert lines[0].startswith("/dev/pts/") and lines[1] == "TERM=xterm", done
+    assert lines[0].startswith("/dev/pts/") and lines[1] == "TERM=xterm-256color", done
     size = TerminalSize(cols=90, rows=30)
     sized = await sandbox.run_command(
         ProcessRequest(command="stty size; echo $TERM", terminal=size, env={"TERM": "vt100"})

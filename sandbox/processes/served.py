@@ -24,6 +24,8 @@ from abc import abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from code_interpreter_wire.errors import (
     FileAccessError,
     FileMissing,
@@ -106,20 +108,22 @@ class ServedSpawner(Spawner):
         return None
 
     async def spawn(self, request: ProcessRequest) -> SpawnedProcess:
-        deadline = time.monotonic() + RETRY_START_S
-        delay = 0.05
-        while True:
-            try:
-                return await self._spawn_once(request)
-            except StartAgain as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise SandboxStartError(
-                        f"the process did not start within {RETRY_START_S:g} s: {exc}; the "
-                        "sandbox may be out of processes (its pids limit): end some, or restart "
-                        "its kernel"
-                    ) from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StartAgain),
+            stop=stop_after_delay(RETRY_START_S),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._spawn_once(request)
+        except StartAgain as exc:
+            raise SandboxStartError(
+                f"the process did not start within {RETRY_START_S:g} s: {exc}; the sandbox may "
+                "be out of processes (its pids limit): end some, or restart its kernel"
+            ) from None
+        raise AssertionError("tenacity ends in a result or an error")
 
     async def _spawn_once(self, request: ProcessRequest) -> SpawnedProcess:
         server = await self._running_server()

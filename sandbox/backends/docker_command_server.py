@@ -26,7 +26,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,17 @@ from code_interpreter_wire.processes import ProcessEnd, ProcessRequest
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 from sandbox.backends.docker_exec_connection import engine_reason
 from sandbox.backends.docker_processes import MARKER_VARIABLE, DockerSpawner, transient
+from sandbox.cgroups import ProcessCgroup
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.programs import COMMAND_SERVER_IN_SANDBOX
-from sandbox.processes.command_server import MESSAGE_LIMIT, CommandServer
-from sandbox.processes.served import ServedProcess, ServedSpawner, StartAgain, Started
+from sandbox.processes.command_server import MESSAGE_LIMIT, CommandServer, child_with_pid
+from sandbox.processes.served import (
+    SANDBOX_END_S,
+    ServedProcess,
+    ServedSpawner,
+    StartAgain,
+    Started,
+)
 from sandbox.processes.spawned import SpawnedProcess
 
 START_TIMEOUT_S = 30.0
@@ -69,7 +76,7 @@ async def start_in_container(
         exec_id = await asyncio.to_thread(start_exec, api, container, user, argv)
         refused: list[int] = []
         async with asyncio.timeout(START_TIMEOUT_S):
-            connection = await _the_exec_connects(api, exec_id, listener, loop, refused)
+            connection, host_pid = await _the_exec_connects(api, exec_id, listener, loop, refused)
     except TimeoutError:
         if refused:  # others came, never the exec's own: its pid is not as this service sees it
             raise Unverifiable("the command server's connection was never told apart") from None
@@ -86,7 +93,7 @@ async def start_in_container(
     except (TimeoutError, ValueError, TypeError):
         connection.close()
         raise SandboxStartError("the sandbox's command server did not start properly") from None
-    return CommandServer(connection, serves=container)
+    return CommandServer(connection, serves=container, host_pid=host_pid)
 
 
 def _listen(kernel_dir: Path, name: str) -> socket.socket:
@@ -150,7 +157,7 @@ async def _the_exec_connects(
     listener: socket.socket,
     loop: asyncio.AbstractEventLoop,
     refused: list[int],
-) -> socket.socket:
+) -> tuple[socket.socket, int]:
     """The connection of the exec's own process; StartAgain if the exec never started (the
     sandbox had no free pid, most likely)."""
     started_pid = 0
@@ -182,7 +189,7 @@ async def _the_exec_connects(
                 started_pid = int(state.get("Pid") or 0)
             if pid > 0 and pid == started_pid:
                 connection.setblocking(False)
-                return connection
+                return connection, pid
             connection.close()
             refused.append(pid)
             if pid == 0 or started_pid == 0 or len(refused) > _REFUSED_AT_MOST:
@@ -255,24 +262,53 @@ class DockerServedSpawner(ServedSpawner):
         }
         return spec, f"{MARKER_VARIABLE}={marker}"
 
+    def _place(self, server: CommandServer, pid: int, group: ProcessCgroup | None) -> int:
+        """Its host pid (a child of the server's, as the host sees it: verified at its start)."""
+        assert server.host_pid is not None
+        return child_with_pid(server.host_pid, pid)
+
     def _process(self, started: Started) -> SpawnedProcess:
         exited = self._exits.get(str(started.server.serves))
-        return DockerServedProcess(started, exited)
+        return DockerServedProcess(
+            started, exited, self._running_server, lambda: self._container()[0]
+        )
 
 
 class DockerServedProcess(ServedProcess):
     """Signalled through its server: its group, and whatever holds its marker. Its end is told
     in the words an exec's is (docker_processes.py)."""
 
-    def __init__(self, started: Started, container_exited: asyncio.Future[Any] | None) -> None:
+    def __init__(
+        self,
+        started: Started,
+        container_exited: asyncio.Future[Any] | None,
+        current_server: Callable[[], Awaitable[CommandServer]],
+        current_container: Callable[[], str | None],
+    ) -> None:
         super().__init__(started)
         self._container_exited = container_exited
+        self._current_server = current_server
+        self._current_container = current_container
         self._sent: set[int] = set()
 
     async def signal(self, signum: int) -> None:
+        """Through its server; through the sandbox's current one (by its marker alone) if its
+        own was killed while it lives on."""
         assert self.started.marker is not None
         self._sent.add(signum)
-        await self.started.server.signal(self.started.command, signum, self.started.marker)
+        server = self.started.server
+        if not server.alive and not self.reaped:
+            server = await self._current_server()
+        await server.signal(self.started.command, signum, self.started.marker)
+
+    async def _unseen(self) -> ProcessEnd:
+        if self._container_exited is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._container_exited), SANDBOX_END_S)
+        exited = self._container_exited is not None and self._container_exited.done()
+        if exited or self._current_container() != self.started.server.serves:
+            return self._ending(-signal.SIGKILL)  # with its container
+        return await super()._unseen()
 
     def _ending(self, code: int) -> ProcessEnd:
         if code >= 0:
@@ -281,7 +317,8 @@ class DockerServedProcess(ServedProcess):
         name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
         error = f"killed by {name}"
         if signum == signal.SIGKILL and signum not in self._sent:
-            if self._container_exited is not None and self._container_exited.done():
+            exited = self._container_exited is not None and self._container_exited.done()
+            if exited or self._current_container() != self.started.server.serves:
                 error = "killed with its container: the sandbox closed or its kernel was replaced"
             elif not self.started.server.alive:
                 error = (

@@ -32,7 +32,7 @@ from sandbox import seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
 from sandbox.host_commands import memfd_with
 from sandbox.kernel.programs import COMMAND_SERVER_FILE, COMMAND_SERVER_IN_SANDBOX
-from sandbox.processes.command_server import MESSAGE_LIMIT, CommandServer
+from sandbox.processes.command_server import MESSAGE_LIMIT, CommandServer, child_with_pid
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +127,6 @@ def _namespaces(init: int, fds: list[int]) -> tuple[int, int]:
         os.close(pid_ns)
     fds.append(os.open(f"/proc/{init}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
     return fds[-2], fds[-1]
-
-
-def child_with_pid(parent: int, sandbox_pid: int) -> int:
-    """The host pid of `parent`'s child whose pid in its sandbox is `sandbox_pid`."""
-    try:
-        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    except OSError:  # the parent (a command server) is gone
-        children = []
-    for child in children:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                if line.startswith("NSpid:") and line.split()[-1] == str(sandbox_pid):
-                    return int(child)
-    raise SandboxStartError("the process that entered the sandbox could not be found")
 
 
 async def _stderr(proc: asyncio.subprocess.Process) -> str:

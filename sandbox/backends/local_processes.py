@@ -28,10 +28,10 @@ from pathlib import Path
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.backends.local_command_server import child_with_pid, start_local_server
+from sandbox.backends.local_command_server import start_local_server
 from sandbox.cgroups import ProcessCgroup, SandboxCgroup
-from sandbox.processes.command_server import CommandServer
-from sandbox.processes.served import ServedProcess, ServedSpawner, Started
+from sandbox.processes.command_server import CommandServer, child_with_pid
+from sandbox.processes.served import SANDBOX_END_S, ServedProcess, ServedSpawner, Started, exit_of
 from sandbox.processes.spawned import SpawnedProcess
 
 NSENTER_HINT = (
@@ -140,6 +140,16 @@ class LocalProcess(ServedProcess):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.host_pid, signum)
 
+    async def _unseen(self) -> ProcessEnd:
+        init = self.started.server.serves
+        if isinstance(init, int) and await _ends_soon(init):
+            return ProcessEnd(
+                exit_code=None,
+                signal=signal.SIGKILL,
+                error="killed with its sandbox: its kernel was replaced or the sandbox closed",
+            )
+        return await super()._unseen()
+
     def _ending(self, code: int) -> ProcessEnd:
         end = super()._ending(code)
         cgroup = self._sandbox_cgroup
@@ -148,3 +158,18 @@ class LocalProcess(ServedProcess):
             error = "it was killed for lack of memory: the sandbox ran out of its memory limit"
             return end.model_copy(update={"error": error})
         return end
+
+
+async def _ends_soon(init: int) -> bool:
+    """Whether the sandbox whose init is `init` has ended, or does within SANDBOX_END_S."""
+    try:
+        pidfd = os.pidfd_open(init)
+    except OSError:
+        return True  # gone already
+    try:
+        await asyncio.wait_for(exit_of(pidfd), SANDBOX_END_S)
+    except TimeoutError:
+        return False
+    finally:
+        os.close(pidfd)
+    return True

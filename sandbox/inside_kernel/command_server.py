@@ -24,8 +24,9 @@ go-ahead (the host puts it in its own cgroup meanwhile), then takes its working 
 session of its own (and the terminal, when it has one), the signals Python ignores back, closes
 every other descriptor, and execs the command with exactly the environment asked for; a failure
 before the exec is written to that pipe. The server reaps its children and tells the host each one's
-status, by the command's id. It exits when the host closes the connection, and its children are
-killed then (their parent-death signal).
+status, by the command's id. It exits when the host closes the connection; its children live on
+(a command that kills everything its uid may, `kill -9 -1`, kills the server too, and runs on),
+and the host follows each to its end by a pidfd.
 
 Standard library only, with -I -S: it runs inside the sandbox, beside code it must not trust.
 
@@ -131,16 +132,11 @@ def _handshake(control: int) -> int:
     return report_write
 
 
-def _become_the_command(
-    libc: ctypes.CDLL, spec: dict[str, Any], fds: list[int], server: int
-) -> None:
+def _become_the_command(libc: ctypes.CDLL, spec: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: never returns."""
     stdin, stdout, stderr, control = fds
     report = -1
     try:
-        _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal")
-        if os.getppid() != server:  # it died before the signal was set: nobody waits for us
-            os._exit(1)
         report = _handshake(control)
         cwd = os.path.join(str(spec["workspace"]), str(spec.get("cwd") or ""))
         try:
@@ -246,7 +242,7 @@ class Server:
             self.connection.close()
             os.close(self.wake_read)
             signal.set_wakeup_fd(-1)
-            _become_the_command(self.libc, spec, fds, server)
+            _become_the_command(self.libc, spec, fds)
         self.children[pid] = command
 
     def _kill(self, command: int) -> None:

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from code_interpreter_wire.errors import SandboxStartError
 from sandbox.host_commands import memfd_with
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # a server that takes no command for this long is stopped or wedged
 HOLDER_EXIT_S = 2.0  # for a server's holder to end once the server was told to, or killed
+# The end given to a command whose server ended before it did: its own is not known to the
+# server any more (it lives on, reparented); its spawner follows it by a pidfd instead.
+SERVER_GONE = -(1 << 16)
 MESSAGE_LIMIT = 1 << 12  # the most one message from a server may hold
 # A send failing with one of these found the server gone; any other refused this one message.
 _GONE = {errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF}
@@ -84,7 +88,7 @@ class CommandServer:
         self._next_id += 1
         end: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         if not self.alive:
-            end.set_result(-signal.SIGKILL)
+            end.set_result(SERVER_GONE)
         self._ends[self._next_id] = end
         return self._next_id, end
 
@@ -156,10 +160,10 @@ class CommandServer:
         except OSError:
             pass
         finally:
-            # Gone: its commands were killed with it (their parent-death signal).
+            # Gone: its commands live on, or ended unseen.
             for end in self._ends.values():
                 if not end.done():
-                    end.set_result(-signal.SIGKILL)
+                    end.set_result(SERVER_GONE)
             self._ends.clear()
             self._connection.close()
             if self._proc is not None:
@@ -204,3 +208,17 @@ def _kill_child(parent: int, pid: int) -> None:
         pass
     finally:
         os.close(pidfd)
+
+
+def child_with_pid(parent: int, sandbox_pid: int) -> int:
+    """The host pid of `parent`'s child whose pid in its sandbox is `sandbox_pid`."""
+    try:
+        children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    except OSError:  # the parent (a command server) is gone
+        children = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                if line.startswith("NSpid:") and line.split()[-1] == str(sandbox_pid):
+                    return int(child)
+    raise SandboxStartError("the process that entered the sandbox could not be found")

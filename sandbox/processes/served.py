@@ -34,10 +34,12 @@ from code_interpreter_wire.errors import (
 )
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest, Stream, TerminalSize
 from sandbox.cgroups import ProcessCgroup
-from sandbox.processes.command_server import CommandFds, CommandServer, ServerGone
+from sandbox.processes.command_server import SERVER_GONE, CommandFds, CommandServer, ServerGone
 from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
 
 HANDSHAKE_TIMEOUT_S = 30.0
+# A process whose server ended first was killed with its sandbox if the sandbox ends this soon.
+SANDBOX_END_S = 2.0
 # A start that failed for want of a process (the sandbox's pids limit: a fork bomb's leftovers
 # may hold every pid for a while) is tried again, backing off, for this long.
 RETRY_START_S = 60.0
@@ -71,6 +73,7 @@ class Started:
     pipes: Pipes | None  # else its pipes
     group: ProcessCgroup | None  # its cgroup, where it has one
     marker: str | None  # NAME=VALUE in its environment (and its descendants'), if any
+    pidfd: int | None  # pins it, where the host sees it: its end when its server's is first
 
 
 class ServedSpawner(Spawner):
@@ -166,7 +169,10 @@ class ServedSpawner(Spawner):
                 server.forget(command)
                 server = await self._running_server(replacing=server)
                 command, end = server.expect()
-                await server.send(command, spec, fds)
+                try:
+                    await server.send(command, spec, fds)
+                except ServerGone as exc:  # gone as it came (no memory to start in, say)
+                    raise StartAgain(str(exc)) from None
         except BaseException:
             server.forget(command)
             host_end.close()
@@ -183,7 +189,7 @@ class ServedSpawner(Spawner):
             asyncio.to_thread(handshake, host_end, place, group, request.terminal, given)
         )
         try:
-            pid, host_pid, master = await asyncio.shield(handshaking)
+            pid, host_pid, master, pidfd = await asyncio.shield(handshaking)
         except BaseException as exc:
             with contextlib.suppress(OSError):  # wakes the handshake's thread, if it still runs
                 host_end.shutdown(socket.SHUT_RDWR)
@@ -191,7 +197,9 @@ class ServedSpawner(Spawner):
             # Its thread is done before what it was given is closed (it may still use it).
             await asyncio.wait({handshaking}, timeout=HANDSHAKE_TIMEOUT_S)
             if handshaking.done() and not handshaking.cancelled() and not handshaking.exception():
-                master = handshaking.result()[2]  # it started after all: killed just now
+                _, _, master, pidfd = handshaking.result()  # it started after all: killed now
+                if pidfd is not None:
+                    os.close(pidfd)
             elif given:
                 master = given[0]
             server.forget(command)
@@ -202,10 +210,11 @@ class ServedSpawner(Spawner):
                 server.wedged()
             if isinstance(exc, TimeoutError):
                 raise SandboxStartError("the process did not start in time") from None
-            if isinstance(exc, _NotEntered):
-                raise SandboxStartError(
-                    "the process could not start: the sandbox's command server ended (its "
-                    "kernel is restarting or the sandbox is closing); try again in a moment"
+            if isinstance(exc, _NotEntered):  # it ended before it forked: nothing ran
+                server.wedged()
+                raise StartAgain(
+                    "the sandbox's command server ended before it started the process (its "
+                    "kernel is restarting, or it was killed from inside the sandbox)"
                 ) from None
             raise
         finally:
@@ -213,7 +222,7 @@ class ServedSpawner(Spawner):
                 host_end.shutdown(socket.SHUT_RDWR)
             host_end.close()
         return self._process(
-            Started(server, command, end, pid, host_pid, master, pipes, group, marker)
+            Started(server, command, end, pid, host_pid, master, pipes, group, marker, pidfd)
         )
 
     async def _running_server(self, replacing: CommandServer | None = None) -> CommandServer:
@@ -243,12 +252,13 @@ def handshake(
     group: ProcessCgroup | None,
     terminal: TerminalSize | None,
     given: list[int],
-) -> tuple[int, int | None, int | None]:
+) -> tuple[int, int | None, int | None, int | None]:
     """A terminal's master comes first, from the server (appended to `given` as it comes, so a
     caller that gave up closes it); then the process says its pid in the sandbox, hands over a
     pipe that its exec closes, and waits; it is placed (`place(pid, group)`), and told to go.
     It then execs (the pipe reads EOF) or says why it could not. Returns (pid in the sandbox,
-    host pid where known, the terminal's master). Blocking: run in a thread."""
+    host pid where known, the terminal's master, a pidfd of the process where its host pid is
+    known: opened while it waits, so it is that process). Blocking: run in a thread."""
     control.settimeout(HANDSHAKE_TIMEOUT_S)
     master: int | None = None
     with contextlib.ExitStack() as stack:
@@ -277,15 +287,23 @@ def handshake(
         if (terminal is None) != (master is None):
             raise _NotEntered
         host_pid = place(pid, group)
-        control.sendall(b"go")
-        said = _read_until_closed(report)
+        pidfd = os.pidfd_open(host_pid) if host_pid is not None else None
+        try:
+            control.sendall(b"go")
+            said = _read_until_closed(report)
+        except BaseException:
+            if pidfd is not None:
+                os.close(pidfd)
+            raise
     if said:
+        if pidfd is not None:
+            os.close(pidfd)
         try:
             reason = str(json.loads(said.split(b"\n", 1)[0])["error"])
         except (ValueError, KeyError, TypeError):
             reason = "it ended before it ran"
         raise _start_error(reason)
-    return pid, host_pid, master
+    return pid, host_pid, master, pidfd
 
 
 def _told(control: socket.socket) -> tuple[dict[str, object], list[int]]:
@@ -378,8 +396,14 @@ class ServedProcess(SpawnedProcess):
 
     @property
     def reaped(self) -> bool:
-        """Its end is known: its pid (and group number) may be another process's now."""
-        return self.started.end.done()
+        """It has ended: its pid (and group number) may be another process's now."""
+        if self._end is not None or not self.started.end.done():
+            return self._end is not None
+        if self.started.end.result() != SERVER_GONE or self.started.pidfd is None:
+            return True
+        poller = select.poll()  # not select(): descriptors here pass 1024 under load
+        poller.register(self.started.pidfd, select.POLLIN)
+        return bool(poller.poll(0))  # it exited, unseen
 
     async def output(self) -> AsyncIterator[tuple[Stream, bytes]]:
         readers: dict[Stream, asyncio.StreamReader]
@@ -491,7 +515,12 @@ class ServedProcess(SpawnedProcess):
 
     async def wait(self) -> ProcessEnd:
         if self._end is None:
-            code = self._code = await self.started.end
+            code = await self.started.end
+            if code == SERVER_GONE and self.started.pidfd is not None:
+                await exit_of(self.started.pidfd)  # it outlived its server: followed here
+            self._code = code
+            if self.started.pidfd is not None:
+                os.close(self.started.pidfd)
             for writer in (self._terminal_writer, self._stdin_writer):
                 if writer is not None:
                     writer.close()
@@ -501,8 +530,17 @@ class ServedProcess(SpawnedProcess):
             if self.started.group is not None:
                 # When nothing it started still runs; else with the sandbox.
                 self.started.group.remove()
-            self._end = self._ending(code)
+            self._end = await self._unseen() if code == SERVER_GONE else self._ending(code)
         return self._end
+
+    async def _unseen(self) -> ProcessEnd:
+        """The end of a process whose server ended first: that it ended, not how (a backend
+        that can tell it was killed with its whole sandbox says so)."""
+        return ProcessEnd(
+            exit_code=None,
+            error="it ended, how is not known: the sandbox's command server, its parent, ended "
+            "before it (killed from inside the sandbox, or with the sandbox)",
+        )
 
     def _ending(self, code: int) -> ProcessEnd:
         if code >= 0:
@@ -512,3 +550,19 @@ class ServedProcess(SpawnedProcess):
         signum = -code
         name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
         return ProcessEnd(exit_code=None, signal=signum, error=f"it was ended by {name}")
+
+
+async def exit_of(pidfd: int) -> None:
+    """Once the process `pidfd` pins has exited (it reads ready then)."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(pidfd, ready)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(pidfd)

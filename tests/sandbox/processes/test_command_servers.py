@@ -15,11 +15,11 @@ import pytest
 
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessRequest, TerminalSize
-from sandbox import Backend, Sandbox
+from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends import docker_command_server
 from sandbox.backends.docker_command_server import start_exec
 from sandbox.processes import served
-from tests.conftest import DOCKER_RUNTIME, small_spec
+from tests.conftest import DOCKER_RUNTIME, backend_config, require_backend, small_spec
 
 # The kernel's view of the sandbox's command servers: pid, parent and confinement of each.
 SERVERS = (
@@ -138,15 +138,29 @@ async def test_a_server_stopped_from_the_sandbox_fails_a_start_in_time_and_is_re
         assert [s["Pid"] for s in await servers(sandbox)] == serving
 
 
+@pytest.fixture
+async def container() -> AsyncIterator[Sandbox]:
+    """A Docker sandbox under runc: where a server has an address."""
+    require_backend("docker")
+    backend = create_backend("docker", **backend_config("docker"))
+    if DOCKER_RUNTIME == "runsc":
+        pytest.skip("under gVisor, a container's commands are execs: it has no command server")
+    sb = await backend.create(small_spec())
+    try:
+        yield sb
+    finally:
+        await sb.close()
+        await backend.close()
+
+
 async def test_code_that_connects_to_the_hosts_socket_first_is_refused(
-    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+    container: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In a container the server connects to a socket the host listens on in the kernel's
     directory, which the sandbox can reach too: a process of the sandbox that connects before
     the server (made to, here: it runs and connects before the server's exec starts) is turned
     away, and the server the engine started is the one that serves."""
-    if sandbox.backend != "docker":
-        pytest.skip("locally the server's connection is a socketpair: it has no address")
+    sandbox = container  # locally the server's connection is a socketpair: it has no address
     impostors: list[bytes] = []
 
     def impostor_first(api: Any, container: str, user: str, argv: list[str]) -> str:

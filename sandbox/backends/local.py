@@ -34,8 +34,9 @@ from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.bwrap_kernel import BwrapLauncher, HostPrograms, confine
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.backends.local_command_server import LocalProcessSettings
 from sandbox.backends.local_probe import PythonProbe, absolute_python, probe_python
-from sandbox.backends.local_processes import NSENTER_HINT, LocalProcessSettings, LocalSpawner
+from sandbox.backends.local_processes import NSENTER_HINT, LocalSpawner
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.host_commands import resolve

@@ -24,12 +24,14 @@ import logging
 import os
 import socket
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
 
 from code_interpreter_wire.errors import SandboxStartError
 from sandbox import seccomp
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
+from sandbox.cgroups import SandboxCgroup
 from sandbox.host_commands import memfd_with
 from sandbox.kernel.programs import COMMAND_SERVER_FILE, COMMAND_SERVER_IN_SANDBOX
 from sandbox.processes.command_server import MESSAGE_LIMIT, CommandServer, child_with_pid
@@ -40,20 +42,18 @@ START_TIMEOUT_S = 30.0
 _NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 
 
-class ServerSettings(Protocol):
-    """What starting a server needs of the local backend's process settings."""
+@dataclass(frozen=True)
+class LocalProcessSettings:
+    """What the local backend gives its spawner: how its kernel's sandbox is entered."""
 
-    @property
-    def python(self) -> str: ...
-    @property
-    def nsenter(self) -> str | None: ...
-    @property
-    def workspace(self) -> Path: ...
-    @property
-    def preexec(self) -> Any: ...
+    python: str  # the kernel's interpreter (also inside the sandbox, at the same path)
+    nsenter: str | None  # None in unsafe mode: there is no sandbox to enter
+    workspace: Path  # on the host; the working directory of unsafe-mode processes
+    cgroup: SandboxCgroup | None
+    preexec: Callable[[], None]  # the host side of the kernel's own confinement
 
 
-async def start_local_server(settings: ServerSettings, init: int | None) -> CommandServer:
+async def start_local_server(settings: LocalProcessSettings, init: int | None) -> CommandServer:
     """Start one in the sandbox whose init is `init` (None: unsafe, no sandbox)."""
     connection, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fds = [server_end.detach()]

@@ -22,13 +22,12 @@ import contextlib
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.processes import ProcessEnd, ProcessRequest
 from sandbox.backends.base import WORKSPACE_IN_SANDBOX
-from sandbox.backends.local_command_server import start_local_server
+from sandbox.backends.local_command_server import LocalProcessSettings, start_local_server
 from sandbox.cgroups import ProcessCgroup, SandboxCgroup
 from sandbox.processes.command_server import CommandServer, child_with_pid
 from sandbox.processes.served import SANDBOX_END_S, ServedProcess, ServedSpawner, Started, exit_of
@@ -38,17 +37,6 @@ NSENTER_HINT = (
     "util-linux `nsenter` runs processes inside local sandboxes and was not found: install "
     "util-linux (`apt-get install util-linux`)."
 )
-
-
-@dataclass(frozen=True)
-class LocalProcessSettings:
-    """What the local backend gives its spawner: how its kernel's sandbox is entered."""
-
-    python: str  # the kernel's interpreter (also inside the sandbox, at the same path)
-    nsenter: str | None  # None in unsafe mode: there is no sandbox to enter
-    workspace: Path  # on the host; the working directory of unsafe-mode processes
-    cgroup: SandboxCgroup | None
-    preexec: Callable[[], None]  # the host side of the kernel's own confinement
 
 
 class LocalSpawner(ServedSpawner):

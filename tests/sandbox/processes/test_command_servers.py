@@ -7,6 +7,7 @@ connects to the host's socket before it is refused."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -41,8 +42,9 @@ SERVERS = (
 )
 
 
-@pytest.fixture
-async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
+@contextlib.asynccontextmanager
+async def served_sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
+    """A sandbox of `backend` whose commands go through a server."""
     if backend.name == "docker" and DOCKER_RUNTIME == "runsc":
         pytest.skip("under gVisor, a container's commands are execs: it has no command server")
     sb = await backend.create(small_spec())
@@ -50,6 +52,12 @@ async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
         yield sb
     finally:
         await sb.close()
+
+
+@pytest.fixture
+async def sandbox(backend: Backend) -> AsyncIterator[Sandbox]:
+    async with served_sandbox(backend) as sb:
+        yield sb
 
 
 async def servers(sandbox: Sandbox) -> list[dict[str, str]]:
@@ -143,13 +151,10 @@ async def container() -> AsyncIterator[Sandbox]:
     """A Docker sandbox under runc: where a server has an address."""
     require_backend("docker")
     backend = create_backend("docker", **backend_config("docker"))
-    if DOCKER_RUNTIME == "runsc":
-        pytest.skip("under gVisor, a container's commands are execs: it has no command server")
-    sb = await backend.create(small_spec())
     try:
-        yield sb
+        async with served_sandbox(backend) as sb:
+            yield sb
     finally:
-        await sb.close()
         await backend.close()
 
 

@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-cluster test-gvisor unit lint format demo image engine serve bench clean
+.PHONY: install test test-cluster test-gvisor unit lint format demo image engine serve bench bench-full clean
 
 install: $(STAMP)
 
@@ -109,10 +109,15 @@ format: install
 serve: install
 	CODE_INTERPRETER_AUTH_DISABLED=true $(BIN)/code-interpreter serve --host 127.0.0.1 --port 8000
 
-# Latencies beside the raw jupyter_client baseline, same run; writes bench/results/latest.*
+# Every goal's figure beside its baseline, sampled in turns (about 15 minutes on 2 cores);
+# writes bench/results/latest.*. bench-full adds the long parts (about 45 minutes).
 bench: install
 	@scripts/ensure-docker-engine.sh && $(MAKE) --no-print-directory image || true
 	$(BIN)/python -m bench.run
+
+bench-full: install
+	@scripts/ensure-docker-engine.sh && $(MAKE) --no-print-directory image || true
+	$(BIN)/python -m bench.run --full
 
 demo: install
 	$(BIN)/code-interpreter run -f examples/quickstart.py --output-dir outputs

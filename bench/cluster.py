@@ -17,7 +17,7 @@ Ray's token authentication is on (`RAY_AUTH_MODE=token`) with a token of this ru
 environment of every node and of this process (never ~/.ray/auth_token).
 
 `python -m bench.cluster [--quick]` runs this part alone, prints its table and writes
-bench/results/cluster.{md,json}; `make bench` includes it in bench/results/latest.*.
+bench/results/cluster.{md,json}; `make bench-full` includes it in bench/results/latest.*.
 """
 
 from __future__ import annotations

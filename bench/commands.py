@@ -1,37 +1,42 @@
 """`echo hi` as a command beside the kernel: through our Python API, our HTTP API and E2B's SDK
-against our E2B front, each beside the floor it is measured against in the same run (a plain
-subprocess on this machine; `docker exec` into a running container of our image)."""
+against our E2B front, each beside the floor it is measured against (a plain subprocess on this
+machine; `docker exec` into a running container of our image). bench/latency.py takes their
+samples in turns."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import docker
-import httpx
 
-from bench.ours import backend
-from bench.served import API_KEY, served
-from bench.stats import timed
+from bench.served import API_KEY
 from code_interpreter_wire.processes import ProcessRequest
+from sandbox import Sandbox
 from sandbox.backends.docker import DEFAULT_IMAGE
 
 ECHO = ProcessRequest(argv=["echo", "hi"])
+Once = Callable[[], Awaitable[None]]
 
 
-async def subprocess_floor(runs: int) -> list[float]:
-    async def once() -> None:
-        proc = await asyncio.create_subprocess_exec(
-            "echo", "hi", stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        out, _ = await proc.communicate()
-        assert out == b"hi\n"
-
-    return await timed(runs, once)
+async def subprocess_once() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        "echo", "hi", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert out == b"hi\n"
 
 
-async def docker_exec_floor(runs: int) -> list[float]:
+async def sandbox_once(sb: Sandbox) -> None:
+    result = await sb.run_command(ECHO)
+    assert (result.exit_code, result.stdout) == (0, "hi\n")
+
+
+@contextlib.asynccontextmanager
+async def docker_exec_floor() -> AsyncIterator[Once]:
     """The engine's own exec into a container of our image, with the same options ours use."""
     client = docker.from_env()
     container = client.containers.run(
@@ -47,49 +52,24 @@ async def docker_exec_floor(runs: int) -> list[float]:
         async def once() -> None:
             await asyncio.to_thread(once_blocking)
 
-        return await timed(runs, once)
+        yield once
     finally:
         container.kill()
         client.close()
 
 
-async def through_the_sandbox(name: str, runs: int) -> list[float]:
-    b = backend(name)
-    try:
-        async with await b.create() as sb:
-
-            async def once() -> None:
-                result = await sb.run_command(ECHO)
-                assert (result.exit_code, result.stdout) == (0, "hi\n")
-
-            return await timed(runs, once)
-    finally:
-        await b.close()
-
-
-async def through_the_service(runs: int) -> dict[str, list[float]]:
-    """`echo hi` over our HTTP API and through E2B's SDK (`commands.run`) against our front."""
+@contextlib.asynccontextmanager
+async def e2b_sandbox(url: object) -> AsyncIterator[Once]:
+    """`commands.run("echo hi")` through E2B's SDK against our front at `url`."""
     from e2b import AsyncSandbox
 
-    async with served() as url:
-        async with httpx.AsyncClient(
-            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
-        ) as api:
-            sid = (await api.post("/v1/sessions", json={})).json()["id"]
+    sdk: Any = await AsyncSandbox.create(api_key=API_KEY, api_url=str(url), sandbox_url=str(url))
+    try:
 
-            async def over_http() -> None:
-                r = await api.post(f"/v1/sessions/{sid}/commands", json={"argv": ["echo", "hi"]})
-                assert r.json()["stdout"] == "hi\n"
+        async def once() -> None:
+            done = await sdk.commands.run("echo hi")
+            assert done.stdout == "hi\n"
 
-            http = await timed(runs, over_http)
-        sdk: Any = await AsyncSandbox.create(api_key=API_KEY, api_url=url, sandbox_url=url)
-        try:
-
-            async def over_e2b() -> None:
-                done = await sdk.commands.run("echo hi")
-                assert done.stdout == "hi\n"
-
-            e2b = await timed(runs, over_e2b)
-        finally:
-            await sdk.kill()
-        return {"http": http, "e2b": e2b}
+        yield once
+    finally:
+        await sdk.kill()

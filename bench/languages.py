@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -35,8 +35,9 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from bench import raw, report
+from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
 from bench.ours import backend
-from bench.stats import summarize, timed
+from bench.stats import summarize_sampled
 from code_interpreter_wire.languages import LANGUAGES, PYTHON
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import Backend, Sandbox
@@ -67,7 +68,7 @@ def samples(quick: bool) -> tuple[int, int]:
     """How many cold starts and round trips per language and backend: each cold start costs
     seconds (Java's most), so fewer than Python's in the latency table; a quick run only shows
     that every language works."""
-    return (1, 10) if quick else (5, 100)
+    return (1, 10) if quick else (8, 200)
 
 
 # --- the floor: each host kernel started and driven by jupyter_client, no sandbox
@@ -118,6 +119,7 @@ async def _start_raw(specs: KernelSpecManager, language: str) -> tuple[Any, Any]
         return await raw.start()
     km = AsyncKernelManager(kernel_name=f"bench-{language}", kernel_spec_manager=specs)
     await km.start_kernel(stderr=subprocess.DEVNULL)
+    raw.place(km)
     kc = km.client()
     kc.start_channels()
     try:
@@ -146,52 +148,44 @@ async def _run_raw(kc: Any, code: str) -> None:
         hook(await kc.get_iopub_msg(timeout=30))
 
 
-async def raw_figures(
-    specs: KernelSpecManager, language: str, starts: int, runs: int
-) -> dict[str, list[float]]:
-    code = TRIVIAL[language]
-    cold: list[float] = []
-    for sample in range(starts):
-        t = time.perf_counter()
-        km, kc = await _start_raw(specs, language)
-        try:
-            await _run_raw(kc, code)
-            cold.append(time.perf_counter() - t)
-            if sample == starts - 1:
-                return {"cold": cold, "round_trip": await timed(runs, partial(_run_raw, kc, code))}
-        finally:
-            await raw.stop(km, kc)
-    raise AssertionError("unreachable")
+async def _raw_cold(specs: KernelSpecManager, language: str, after: Untimed) -> None:
+    km, kc = await _start_raw(specs, language)
+    after.later(partial(raw.stop, km, kc))  # stopped untimed, as our sandboxes are closed
+    await _run_raw(kc, TRIVIAL[language])
 
 
 # --- ours: the same kernels, in our sandboxes
 
 
-async def our_figures(
-    b: Backend, spec: SandboxSpec, language: str, starts: int, runs: int
-) -> dict[str, list[float]]:
-    code = TRIVIAL[language]
+async def _answer(sb: Sandbox, language: str) -> None:
+    ex = await sb.execute(TRIVIAL[language], language=language)
+    # IRkernel shows a value as a display, not as the cell's result.
+    shown = "".join(r.text or "" for r in ex.results) + ex.stdout
+    assert ex.ok and shows_two(shown), ex
 
-    async def answer(sb: Sandbox) -> None:
-        ex = await sb.execute(code, language=language)
-        # IRkernel shows a value as a display, not as the cell's result.
-        shown = "".join(r.text or "" for r in ex.results) + ex.stdout
-        assert ex.ok and shows_two(shown), ex
 
-    cold: list[float] = []
-    for sample in range(starts):
-        t = time.perf_counter()
-        sb = await b.create(spec)
-        try:
-            if language != PYTHON:  # Python's kernel starts with the sandbox: it is timed
-                t = time.perf_counter()
-            await answer(sb)
-            cold.append(time.perf_counter() - t)
-            if sample == starts - 1:
-                return {"cold": cold, "round_trip": await timed(runs, partial(answer, sb))}
-        finally:
-            await sb.close()
-    raise AssertionError("unreachable")
+class _OurCold:
+    """A fresh sandbox per sample, closed untimed (by `after`) before the next sample of any
+    measure. Python's kernel starts with the sandbox, so its creation is timed; another
+    language's sandbox is made untimed first, then its first call (which starts its kernel) is
+    timed."""
+
+    def __init__(self, b: Backend, spec: SandboxSpec, language: str, after: Untimed) -> None:
+        self.b, self.spec, self.language, self.after = b, spec, language, after
+        self.sb: Sandbox | None = None
+
+    async def prepare(self) -> None:
+        await self.after.run()
+        if self.language != PYTHON:
+            self.sb = await self.b.create(self.spec)
+        await quiet()  # the last sample's teardown (a container removed) is over
+
+    async def once(self) -> None:
+        if self.sb is None:
+            self.sb = await self.b.create(self.spec)
+        sb, self.sb = self.sb, None
+        self.after.later(sb.close)
+        await _answer(sb, self.language)
 
 
 def _full_image_missing() -> str | None:
@@ -207,59 +201,101 @@ def _full_image_missing() -> str | None:
     return None
 
 
-async def measure(starts: int, runs: int) -> dict[str, Any]:
-    """Every language's figures: the floor, then each backend (Docker: the full image)."""
+async def measure(
+    starts: int, runs: int, only: tuple[str, ...] = tuple(LANGUAGES)
+) -> dict[str, Any]:
+    """Each language's figures, the floor's and every backend's (Docker: the full image) taken
+    in turns (bench/interleave.py): cold starts, then round trips on kernels all started."""
     rows: list[dict[str, Any]] = []
     not_run: dict[str, str] = {}
     programs = host_kernels()
     on_host = programs.languages
-    for language in LANGUAGES:
-        if language not in on_host:
-            not_run[f"{language} (raw, local)"] = "its kernel is not installed on this host"
-
-    floor: dict[str, dict[str, list[float]]] = {}
-    with _kernel_specs(programs) as specs:
-        for language in on_host:
-            floor[language] = await raw_figures(specs, language, starts, runs)
-            rows.append(_row(language, "raw", floor[language], floor[language]))
-
-    for name in ("local", "docker"):
-        why = why_unavailable(name) or (_full_image_missing() if name == "docker" else None)
-        if why:
-            not_run[f"every language ({name})"] = why
-            continue
-        spec = SandboxSpec(image=FULL_IMAGE) if name == "docker" else SandboxSpec()
-        b = backend(name)
-        try:
-            has = await b.languages(spec)
-            for language in LANGUAGES:
-                if language not in has:
+    async with contextlib.AsyncExitStack() as stack:
+        walls: dict[str, tuple[Backend, SandboxSpec, tuple[str, ...]]] = {}
+        for name in ("local", "docker"):
+            why = why_unavailable(name) or (_full_image_missing() if name == "docker" else None)
+            if why:
+                not_run[f"every language ({name})"] = why
+                continue
+            spec = SandboxSpec(image=FULL_IMAGE) if name == "docker" else SandboxSpec()
+            b = backend(name)
+            stack.push_async_callback(b.close)
+            walls[name] = (b, spec, tuple(await b.languages(spec)))
+        specs = stack.enter_context(_kernel_specs(programs))
+        for language in only:
+            if language not in on_host:
+                not_run[f"{language} (raw, local)"] = "its kernel is not installed on this host"
+                continue
+            here = {}
+            for name, (b, spec, has) in walls.items():
+                if language in has:
+                    here[name] = (b, spec)
+                else:
                     not_run[f"{language} ({name})"] = (
                         "the full image has no kernel for it"
                         if name == "docker"
                         else "its kernel is not installed on this host"
                     )
-                elif language not in floor:
-                    not_run[f"{language} ({name})"] = "no floor to compare with on this host"
-                else:
-                    mine = await our_figures(b, spec, language, starts, runs)
-                    rows.append(_row(language, name, mine, floor[language]))
-        finally:
-            await b.close()
-    return {"rows": rows, "not_run": not_run}
+            rows += await _one_language(specs, language, here, starts, runs)
+    return {"rows": rows, "not_run": not_run, "languages": list(only)}
+
+
+async def _one_language(
+    specs: KernelSpecManager,
+    language: str,
+    walls: dict[str, tuple[Backend, SandboxSpec]],
+    starts: int,
+    runs: int,
+) -> list[dict[str, Any]]:
+    after = Untimed()
+    colds = {name: _OurCold(b, spec, language, after) for name, (b, spec) in walls.items()}
+
+    async def raw_settled() -> None:
+        await after.run()
+        await quiet()
+
+    try:
+        cold = await interleaved(
+            {
+                "raw": Measure(partial(_raw_cold, specs, language, after), raw_settled),
+                **{name: Measure(c.once, c.prepare) for name, c in colds.items()},
+            },
+            starts,
+            batch=1,
+            warmup=0,
+        )
+    finally:
+        await after.run()
+    async with contextlib.AsyncExitStack() as stack:
+        km, kc = await _start_raw(specs, language)
+        stack.push_async_callback(raw.stop, km, kc)
+        trips = {"raw": Measure(partial(_run_raw, kc, TRIVIAL[language]))}
+        for name, (b, spec) in walls.items():
+            sb = await stack.enter_async_context(await b.create(spec))
+            trips[name] = Measure(partial(_answer, sb, language))
+        round_trip = await interleaved(trips, runs)
+    return [
+        _row(language, who, {"cold": cold[who], "round_trip": round_trip[who]}, cold, round_trip)
+        for who in cold
+    ]
 
 
 def _row(
-    language: str, who: str, mine: dict[str, list[float]], floor: dict[str, list[float]]
+    language: str,
+    who: str,
+    mine: dict[str, Sampled],
+    cold: dict[str, Sampled],
+    round_trip: dict[str, Sampled],
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"language": language, "who": who}
-    for key in ("cold", "round_trip"):
-        stats, base = summarize(mine[key]), summarize(floor[key])
+    for key, floor in (("cold", cold["raw"]), ("round_trip", round_trip["raw"])):
+        stats, base = summarize_sampled(mine[key]), summarize_sampled(floor)
         out[key] = {
             "stats": stats,
-            "samples": mine[key],
+            "samples": mine[key].wall,
             "raw_median_ms": base["median_ms"],
             "ratio": stats["median_ms"] / base["median_ms"],
+            "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
         }
     return out
 

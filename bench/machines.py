@@ -18,7 +18,7 @@ scale, machines booted without a template, and a raw kernel's start plus the sam
 Each measure is stated beside its goal and whether this run met it.
 
 `python -m bench.machines [--quick]` runs this part alone, prints its table and writes
-bench/results/machines.{md,json}; `make bench` includes it in bench/results/latest.*.
+bench/results/machines.{md,json}; `make bench-full` includes it in bench/results/latest.*.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Our figures, through the Python API (local and Docker) and through the HTTP service."""
+"""Our figures through the Python API, local and Docker: large outputs, throughput, density."""
 
 from __future__ import annotations
 
@@ -11,47 +11,15 @@ import sys
 import time
 from typing import Any
 
-import httpx
-
 from bench import workloads
 from bench.memory import CGROUP_MEMORY, cgroup_pids, memory_cgroup_of, pss_of, tree_pids
 from bench.raw import _count
-from bench.served import API_KEY, served
-from bench.stats import timed
 from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.docker import DockerSandbox
 
 
 def backend(name: str) -> Backend:
     return create_backend(name, **({"orchestrator_id": "bench"} if name == "docker" else {}))
-
-
-async def latencies(name: str, starts: int, runs: int) -> dict[str, list[float]]:
-    b = backend(name)
-    try:
-        start_samples = []
-        for _ in range(starts):
-            t = time.perf_counter()
-            sb = await b.create()
-            start_samples.append(time.perf_counter() - t)
-            await sb.close()
-        async with await b.create() as sb:
-            await sb.execute(workloads.FIGURE_SETUP)
-
-            async def trivial() -> None:
-                assert (await sb.execute(workloads.TRIVIAL)).text == "2"
-
-            async def figure() -> None:
-                ex = await sb.execute(workloads.FIGURE)
-                assert ex.artifacts and ex.artifacts[0].data[:4] == b"\x89PNG"
-
-            return {
-                "start": start_samples,
-                "execute": await timed(runs, trivial),
-                "figure": await timed(max(10, runs // 10), figure),
-            }
-    finally:
-        await b.close()
 
 
 async def heavy(name: str, code: str) -> float:
@@ -97,17 +65,23 @@ def sandbox_pids(sb: Sandbox) -> list[int]:
     return []
 
 
-async def density(name: str, counts: list[int]) -> dict[int, float]:
-    """Orchestrator plus sandbox memory (PSS) per idle session, in MiB."""
+async def density(name: str, counts: list[int], preload: str = "") -> dict[int, float]:
+    """Orchestrator plus sandbox memory (PSS) per idle session, in MiB; with `preload`, each
+    session has run it first, as a preloading pool's do."""
     b = backend(name)
     out: dict[int, float] = {}
     boxes: list[Sandbox] = []
+
+    async def made() -> Sandbox:
+        sb = await b.create()
+        if preload:
+            await sb.preload(preload)
+        return sb
+
     try:
         for count in counts:
             while len(boxes) < count:
-                boxes += await asyncio.gather(
-                    *(b.create() for _ in range(min(8, count - len(boxes))))
-                )
+                boxes += await asyncio.gather(*(made() for _ in range(min(4, count - len(boxes)))))
             await asyncio.sleep(2)
             pids = tree_pids(os.getpid())
             for sb in boxes:
@@ -117,48 +91,6 @@ async def density(name: str, counts: list[int]) -> dict[int, float]:
     finally:
         await asyncio.gather(*(sb.close() for sb in boxes))
         await b.close()
-
-
-async def over_http(handovers: int, runs: int) -> dict[str, list[float]]:
-    settings = {"pool_size": "1", "max_sessions_per_key": str(handovers + 10)}
-    async with (
-        served(**settings) as url,
-        httpx.AsyncClient(
-            base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
-        ) as api,
-    ):
-
-        async def pool_ready() -> None:
-            while (await api.get("/v1/status")).json()["pools"]["local"] < 1:
-                await asyncio.sleep(0.02)
-
-        handover = []
-        for _ in range(handovers):
-            await pool_ready()
-            t = time.perf_counter()
-            r = await api.post("/v1/sessions", json={})
-            handover.append(time.perf_counter() - t)
-            assert r.json()["from_pool"] is True
-            await api.delete(f"/v1/sessions/{r.json()['id']}")
-        await pool_ready()
-        sid = (await api.post("/v1/sessions", json={})).json()["id"]
-
-        async def execute() -> None:
-            r = await api.post(f"/v1/sessions/{sid}/execute", json={"code": "1+1"})
-            assert r.json()["results"][0]["text"] == "2"
-
-        async def invoke() -> None:
-            r = await api.post(
-                "/v1/tools/code_interpreter/invoke",
-                json={"arguments": {"code": "1+1", "session_id": sid}, "call_id": "b"},
-            )
-            assert "[result]\n2" in r.json()["output"]["content"]
-
-        return {
-            "handover": handover,
-            "execute": await timed(runs, execute),
-            "invoke": await timed(runs, invoke),
-        }
 
 
 def heavy_in_subprocess(who: str, case: str, repeat: int = 3) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import shutil
 import tempfile
 import time
@@ -31,9 +32,10 @@ from typing import Any
 
 import httpx
 
+from bench.interleave import Sampled, host_cpu_seconds
 from bench.part_results import save_part
 from bench.served import API_KEY, served
-from bench.stats import summarize
+from bench.stats import summarize_sampled
 from sandbox.backends.registry import why_unavailable
 
 # The cells that build the state, each a step an analysis would take.
@@ -112,15 +114,20 @@ def _bytes_under(root: Path) -> int:
 
 
 async def one_sample(
-    client: Client, backend: str, snapshots_dir: Path, out: dict[str, list[float]]
+    client: Client, backend: str, snapshots_dir: Path, out: dict[str, Sampled]
 ) -> dict[str, int]:
     """One session built, snapshotted, forked, paused and resumed; appends a sample of each
-    measure to `out` and returns the bytes each kind of save kept."""
+    measure (wall time, and the host's CPU time over it) to `out` and returns the bytes each
+    kind of save kept."""
+    cpu: dict[str, float] = {}
 
     async def timed(coroutine: Any) -> tuple[float, Any]:
+        used = host_cpu_seconds()
         t = time.perf_counter()
         got = await coroutine
-        return time.perf_counter() - t, got
+        took = time.perf_counter() - t
+        cpu[str(len(cpu))] = host_cpu_seconds() - used
+        return took, got
 
     cold, created = await timed(client.call("/v1/sessions", {"backend": backend}, 201))
     sid = created["id"]
@@ -151,12 +158,18 @@ async def one_sample(
     assert shown == fingerprint, "the lazy resume lost state"
     await client.delete(f"/v1/sessions/{sid}")
 
-    for name, value in zip(
+    # The order `timed` ran in: cold, the build cells, snapshot, fork, pause, resume, lazy.
+    spent = list(cpu.values())
+    cold_cpu, rerun_cpu = spent[0], sum(spent[1 : 1 + len(BUILD_CELLS)])
+    later = spent[1 + len(BUILD_CELLS) :]
+    for name, value, used in zip(
         MEASURES,
         (cold + rerun, cold, rerun, took_snapshot, took_fork, took_pause, took_resume, took_lazy),
+        (cold_cpu + rerun_cpu, cold_cpu, rerun_cpu, *later),
         strict=True,
     ):
-        out[name].append(value)
+        out[name].wall.append(value)
+        out[name].cpu.append(used)
     return {"snapshot_bytes": int(snapshot["bytes"]), "paused_bytes_on_disk": paused_bytes}
 
 
@@ -182,32 +195,38 @@ async def measure(n: int) -> dict[str, Any]:
             ) as api,
         ):
             client = Client(api)
-            for backend in backends:
-                out: dict[str, list[float]] = {m: [] for m in MEASURES}
-                for _ in range(n):
+            out = {b: {m: Sampled() for m in MEASURES} for b in backends}
+            for turn in range(n):  # the backends in turns, the order rotated each round
+                shift = turn % max(1, len(backends))
+                for backend in backends[shift:] + backends[:shift]:
                     saved[backend] = await one_sample(
-                        client, backend, root / "state" / "snapshots", out
+                        client, backend, root / "state" / "snapshots", out[backend]
                     )
-                rows += rows_of(backend, out)
+            for backend in backends:
+                rows += rows_of(backend, out[backend])
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return {"samples_per_backend": n, "rows": rows, "saved": saved, "not_run": not_run}
 
 
-def rows_of(backend: str, out: dict[str, list[float]]) -> list[dict[str, Any]]:
+def rows_of(backend: str, out: dict[str, Sampled]) -> list[dict[str, Any]]:
     """One backend's rows: each measure's summary and its median over the baseline's."""
-    base = summarize(out[BASELINE])["median_ms"]
-    return [
-        {
-            "backend": backend,
-            "name": name,
-            "stats": summarize(out[name]),
-            "samples": out[name],
-            "baseline_median_ms": base,
-            "ratio": summarize(out[name])["median_ms"] / base,
-        }
-        for name in MEASURES
-    ]
+    base = summarize_sampled(out[BASELINE])
+    rows = []
+    for name in MEASURES:
+        stats = summarize_sampled(out[name])
+        rows.append(
+            {
+                "backend": backend,
+                "name": name,
+                "stats": stats,
+                "samples": out[name].wall,
+                "baseline_median_ms": base["median_ms"],
+                "ratio": stats["median_ms"] / base["median_ms"],
+                "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
+            }
+        )
+    return rows
 
 
 def section(figures: dict[str, Any]) -> list[str]:
@@ -220,18 +239,21 @@ def section(figures: dict[str, Any]) -> list[str]:
         "cold session start plus re-running those cells, same backend, same run. Ratio = "
         "measure / baseline, medians of "
         f"{figures['samples_per_backend']} samples per backend; warm pool off, so resumed and "
-        "forked sessions start cold too. Fork: until the new session answers, state restored. "
+        "forked sessions start cold too; the backends' samples are taken in turns. CPU: the "
+        "host's CPU time over the measure. Fork: until the new session answers, state restored. "
         "Lazy resume: the first execute on a paused session (it wakes it), until its result.",
         "",
-        "| backend | measure | median ms | min ms | max ms | n | baseline median ms | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| backend | measure | median ms | min ms | max ms | n | baseline median ms | ratio "
+        "| CPU ms | CPU ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in figures["rows"]:
         s = row["stats"]
         out.append(
             f"| {row['backend']} | {row['name']} | {s['median_ms']:.0f} | {s['min_ms']:.0f} "
             f"| {s['max_ms']:.0f} | {s['n']} | {row['baseline_median_ms']:.0f} "
-            f"| {row['ratio']:.2f}x |"
+            f"| {row['ratio']:.2f}x | {s.get('cpu_median_ms', math.nan):.0f} "
+            f"| {row.get('cpu_ratio', math.nan):.2f}x |"
         )
     out.append("")
     for backend, kept in figures["saved"].items():

@@ -10,8 +10,7 @@ from typing import Any
 
 from jupyter_client.manager import start_new_async_kernel
 
-from bench import workloads
-from bench.stats import timed
+from bench import raw_group, workloads
 
 
 async def start() -> tuple[Any, Any]:
@@ -20,13 +19,24 @@ async def start() -> tuple[Any, Any]:
     async with _starting:
         for attempt in range(3):
             try:
-                return await start_new_async_kernel(
+                km, kc = await start_new_async_kernel(
                     kernel_name="python3", stderr=subprocess.DEVNULL
                 )
             except RuntimeError:
                 if attempt == 2:
                     raise
+                continue
+            place(km)
+            return km, kc
     raise AssertionError("unreachable")
+
+
+def place(km: Any) -> None:
+    """The kernel into a CPU group weighed as our sandboxes are (raw_group.py)."""
+    pid = km.provisioner.pid if km.provisioner is not None else None
+    if pid is not None:
+        raw_group.place(pid)
+        km.bench_pid = pid
 
 
 _starting = asyncio.Lock()
@@ -35,6 +45,8 @@ _starting = asyncio.Lock()
 async def stop(km: Any, kc: Any) -> None:
     kc.stop_channels()
     await km.shutdown_kernel(now=True)
+    if (pid := getattr(km, "bench_pid", None)) is not None:
+        await asyncio.to_thread(raw_group.release, pid)
 
 
 async def run(kc: Any, code: str) -> dict[str, Any]:
@@ -51,28 +63,6 @@ async def run(kc: Any, code: str) -> dict[str, Any]:
     reply = await kc.execute_interactive(code, output_hook=hook, timeout=120)
     assert reply["content"]["status"] == "ok", reply["content"]
     return got
-
-
-async def latencies(starts: int, runs: int) -> dict[str, list[float]]:
-    start_samples = []
-    for _ in range(starts):
-        t = time.perf_counter()
-        km, kc = await start()
-        start_samples.append(time.perf_counter() - t)
-        await stop(km, kc)
-    km, kc = await start()
-    try:
-        await run(kc, workloads.FIGURE_SETUP)
-        trivial = await timed(runs, lambda: run(kc, workloads.TRIVIAL))
-        figure = await timed(max(10, runs // 10), lambda: _figure(kc))
-    finally:
-        await stop(km, kc)
-    return {"start": start_samples, "execute": trivial, "figure": figure}
-
-
-async def _figure(kc: Any) -> None:
-    got = await run(kc, workloads.FIGURE)
-    assert got["png"] and got["png"][0][:4] == b"\x89PNG"
 
 
 async def heavy(code: str) -> float:

@@ -1,7 +1,10 @@
-"""`make bench`: where we stand against the kernel itself and against peers, in one run.
+"""`make bench`: where we stand against the kernel itself, every figure beside its baseline.
 
-Writes bench/results/latest.{md,json,png}. All traffic stays on this machine; every sandbox,
-ours and the peers', runs with networking off.
+Each part samples ours and its baseline in turns (bench/interleave.py) and logs the machine's
+load as it begins and ends; the default run keeps to about 15 minutes on 2 cores, `--full`
+(`make bench-full`) adds the long parts and the peers. Writes bench/results/latest.{md,json,png}
+and compares the run with the previous one of the same kind (bench/agreement.py). All traffic
+stays on this machine; every sandbox, ours and the peers', runs with networking off.
 """
 
 from __future__ import annotations
@@ -10,14 +13,16 @@ import argparse
 import asyncio
 import os
 import platform
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench import (
     audit,
     cluster,
-    commands,
     first_chart,
     gvisor,
     languages,
@@ -27,11 +32,20 @@ from bench import (
     peers,
     persistence,
     raw,
+    raw_group,
     report,
 )
-from bench.stats import summarize
+from bench import latency as latency_part
+from bench.interleave import Sampled, cpu_counter
+from bench.latency import RAW_START, RAW_TRIVIAL
+from bench.machine_load import LoadLog
+from bench.stats import summarize_sampled
+from code_interpreter_wire.languages import LANGUAGES
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.backends.registry import why_unavailable
+from sandbox.preload import ANALYST_PRELOAD, preload_code
+
+T = TypeVar("T")
 
 
 def _available_bytes() -> int:
@@ -41,121 +55,189 @@ def _available_bytes() -> int:
     return 0
 
 
-async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
-    starts, runs = (3, 30) if quick else (10, 200)
+@dataclass(frozen=True)
+class Plan:
+    """How much a run measures. The default stays within 15 minutes on a 2-core machine: every
+    goal's figure with its baseline; `--full` adds the long parts (every language, gVisor, the
+    machines, the cluster, large outputs, throughput, density at 100 sessions, peers)."""
+
+    quick: bool
+    full: bool
+
+    @property
+    def density_counts(self) -> list[int]:
+        return [5] if self.quick else [10, 50, 100] if self.full else [20]
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return tuple(LANGUAGES) if self.full else ("python", "javascript", "typescript")
+
+
+async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
+    quick = plan.quick
     levels = [1, 4] if quick else [1, 4, 16, 64]
-    counts = [5, 10] if quick else [10, 50, 100]
     seconds = 2.0 if quick else 4.0
     backends = [b for b in ("local", "docker") if why_unavailable(b) is None]
     not_run = {f"{b} backend": why for b in ("local", "docker") if (why := why_unavailable(b))}
     free = _available_bytes()
+    raw_group.clear()
+    load = LoadLog()
+    took: dict[str, float] = {}
+
+    async def part(name: str, work: Awaitable[T]) -> T:
+        load.mark(f"{name}: start")
+        began = time.monotonic()
+        try:
+            return await work
+        finally:
+            took[name] = time.monotonic() - began
+            load.mark(f"{name}: end")
 
     samples: dict[str, list[float]] = {}
     latency: list[dict[str, Any]] = []
 
-    def add(name: str, values: list[float], baseline: str) -> None:
-        samples[name] = values
-        stats = summarize(values)
-        base = summarize(samples[baseline])["median_ms"]
+    def add(name: str, sampled: Sampled, baseline: str, by: dict[str, Sampled]) -> None:
+        samples[name] = sampled.wall
+        stats, base = summarize_sampled(sampled), summarize_sampled(by[baseline])
         latency.append(
             {
                 "name": name,
                 "stats": stats,
                 "baseline": baseline,
-                "baseline_median_ms": base,
-                "ratio": stats["median_ms"] / base,
+                "baseline_median_ms": base["median_ms"],
+                "ratio": stats["median_ms"] / base["median_ms"],
+                "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
             }
         )
 
-    floor = await raw.latencies(starts, runs)
-    add("raw: kernel start", floor["start"], "raw: kernel start")
-    add("raw: 1+1 round trip", floor["execute"], "raw: 1+1 round trip")
-    add(
-        "raw: matplotlib figure, PNG in hand",
-        floor["figure"],
-        "raw: matplotlib figure, PNG in hand",
-    )
-    for name in backends:
-        mine = await ours.latencies(name, starts, runs)
-        add(f"{name}: cold session start", mine["start"], "raw: kernel start")
-        add(f"{name}: 1+1 via Python API", mine["execute"], "raw: 1+1 round trip")
-        add(
-            f"{name}: matplotlib figure, PNG in hand",
-            mine["figure"],
-            "raw: matplotlib figure, PNG in hand",
-        )
-    # gVisor: the Docker backend under runsc, each figure over the same under runc.
-    if "docker" in backends and (why_not := gvisor.why_unavailable()) is None:
-        for measure, by_runtime in (await gvisor.measure(starts, runs)).items():
-            under_runc = f"docker, runc: {measure}"
-            add(under_runc, by_runtime[gvisor.RUNC], under_runc)
-            add(f"docker, runsc (gVisor): {measure}", by_runtime[gvisor.RUNSC], under_runc)
-    elif "docker" in backends:
-        not_run["gVisor (runsc)"] = why_not or ""
-    http = await ours.over_http(starts * 2, runs)
-    add("service: warm-pool hand-over (HTTP)", http["handover"], "raw: 1+1 round trip")
-    add("service: 1+1 via HTTP execute", http["execute"], "raw: 1+1 round trip")
-    add("service: 1+1 via HTTP tool invoke", http["invoke"], "raw: 1+1 round trip")
+    measured = await part("latency", latency_part.measure(latency_part.plan(quick), backends))
+    by_name = {name: sampled for name, (sampled, _) in measured.items()}
+    for name, (sampled, baseline) in measured.items():
+        add(name, sampled, baseline, by_name)
     # The audit log's cost: 1+1 over HTTP execute with it on, as a ratio to the same with it off.
-    logged = await audit.on_and_off(runs)
-    add("service: 1+1 via HTTP execute, audit off", logged["off"], "raw: 1+1 round trip")
+    runs = 30 if quick else 200
+    audited = await part("audit", audit.on_and_off(runs))
     off = "service: 1+1 via HTTP execute, audit off"
-    add("service: 1+1 via HTTP execute, audit on (ratio: to off)", logged["on"], off)
+    add(off, audited["off"], "off", audited)
+    add("service: 1+1 via HTTP execute, audit on (ratio: to off)", audited["on"], "off", audited)
+    # gVisor: the Docker backend under runsc, each figure over the same under runc.
+    if plan.full and "docker" in backends and (why_not := gvisor.why_unavailable()) is None:
+        starts = 3 if quick else 10
+        for measure, by_runtime in (await part("gvisor", gvisor.measure(starts, runs))).items():
+            runtimes = {
+                "runc": Sampled(wall=by_runtime[gvisor.RUNC]),
+                "runsc": Sampled(wall=by_runtime[gvisor.RUNSC]),
+            }
+            add(f"docker, runc: {measure}", runtimes["runc"], "runc", runtimes)
+            add(f"docker, runsc (gVisor): {measure}", runtimes["runsc"], "runc", runtimes)
+    elif plan.full and "docker" in backends:
+        not_run["gVisor (runsc)"] = why_not or ""
 
-    # Every other language's kernel beside Python's, each against the same kernel run directly.
-    by_language = await languages.measure(*languages.samples(quick))
-    # Pause, resume, snapshot, fork of a session holding ~105 MiB, beside a cold start + re-run.
-    by_persistence = await persistence.measure(persistence.samples(quick))
-    # The gvisor backend's machines: paused and resumed whole, started from a template, and a
-    # fresh session's first chart, each beside a raw kernel start of the same run.
-    # A fresh session's first chart over HTTP, from a warm pool with and without a preload.
-    by_first_chart = await first_chart.measure(first_chart.samples(quick))
-    by_machines: dict[str, Any] | None = None
-    if (why_no_machines := why_unavailable("gvisor")) is None:
-        by_machines = await machines.measure(machines.samples(quick))
-    else:
-        not_run["gvisor machines"] = why_no_machines
-    # The ray backend on loopback clusters of our own: the hop, creation, 1 node beside 3.
-    by_cluster = await cluster.measure(cluster.plan(quick))
-
-    # Commands beside the kernel, each beside a plain subprocess (`docker exec` shown beside).
-    add(
-        "raw: echo hi, a subprocess",
-        await commands.subprocess_floor(runs),
-        "raw: echo hi, a subprocess",
+    # Each language's kernel beside the same kernel run directly (default: Python, JS, TS).
+    by_language = await part(
+        "languages", languages.measure(*languages.samples(quick), only=plan.languages)
     )
-    if "docker" in backends:
-        floor_exec = await commands.docker_exec_floor(runs)
-        add("raw: echo hi, docker exec", floor_exec, "raw: echo hi, docker exec")
-    for name in backends:  # the goal is a plain subprocess's cost, whatever the wall
-        mine_echo = await commands.through_the_sandbox(name, runs)
-        add(f"{name}: echo hi via Python API", mine_echo, "raw: echo hi, a subprocess")
-    served = await commands.through_the_service(runs)
-    add("service: echo hi via HTTP", served["http"], "raw: echo hi, a subprocess")
-    add("service: echo hi via E2B SDK", served["e2b"], "raw: echo hi, a subprocess")
+    # Pause, resume, snapshot, fork of a session holding ~105 MiB, beside a cold start + re-run.
+    by_persistence = await part("persistence", persistence.measure(persistence.samples(quick)))
+    # A fresh session's first chart over HTTP, from a warm pool with and without a preload.
+    by_first_chart = await part("first chart", first_chart.measure(first_chart.samples(quick)))
+    # Memory per idle session: bare, and preloaded as a preloading pool's sessions are.
+    counts = plan.density_counts
+    preload = preload_code(first_chart.PRELOAD_MODULES.split(","), ANALYST_PRELOAD)
+    density: dict[str, dict[str, float]] = {}
+    density["raw"] = await part("density: raw", raw_density(counts))
+    for name in backends:
+        for label, code in ((name, ""), (f"{name}, preloaded", preload)):
+            got = await part(f"density: {label}", ours.density(name, counts, code))
+            density[label] = {str(k): v for k, v in got.items()}
+    capacity = {
+        who: int(free / (by_count[str(counts[-1])] * 2**20)) for who, by_count in density.items()
+    }
 
+    by_machines: dict[str, Any] | None = None
+    by_cluster: dict[str, Any] | None = None
+    heavy: list[dict[str, Any]] = []
+    throughput: dict[str, dict[str, float]] = {}
     peer_figures: dict[str, str] = {}
-    if with_peers and "docker" in backends:
-        llm = peers.llm_sandbox(DEFAULT_IMAGE, starts, runs)
-        add("llm-sandbox (docker): session start", llm["start"], "raw: kernel start")
-        add("llm-sandbox (docker): print(1+1) run", llm["execute"], "raw: 1+1 round trip")
-        peer_figures[f"llm-sandbox {llm['version']}"] = (
-            "Docker backend with our kernel image, networking off; each run writes a file and "
-            "starts a new Python, so it is "
-            + ("stateful" if llm["stateful"] else "not stateful (x = 1, then print(x), fails)")
-            + ". See the latency table."
+    if plan.full:
+        # The gvisor backend's machines: paused and resumed whole, started from a template,
+        # and a fresh session's first chart, each beside a raw kernel start of the same run.
+        if (why_no_machines := why_unavailable("gvisor")) is None:
+            by_machines = await part("machines", machines.measure(machines.samples(quick)))
+        else:
+            not_run["gvisor machines"] = why_no_machines
+        # The ray backend on loopback clusters of our own: the hop, creation, 1 node beside 3.
+        by_cluster = await part("cluster", cluster.measure(cluster.plan(quick)))
+        heavy = await part("large outputs", asyncio.to_thread(_heavy, backends))
+        throughput = await part("throughput", _throughput(backends, levels, seconds))
+        if with_peers and "docker" in backends:
+            starts = 3 if quick else 10
+            llm = await part(
+                "peers", asyncio.to_thread(peers.llm_sandbox, DEFAULT_IMAGE, starts, runs)
+            )
+            # Its baseline: the latency part's raw kernel (its samples were not taken in turns).
+            add(
+                "llm-sandbox (docker): session start",
+                Sampled(wall=llm["start"]),
+                RAW_START,
+                by_name,
+            )
+            add(
+                "llm-sandbox (docker): print(1+1) run",
+                Sampled(wall=llm["execute"]),
+                RAW_TRIVIAL,
+                by_name,
+            )
+            peer_figures[f"llm-sandbox {llm['version']}"] = (
+                "Docker backend with our kernel image, networking off; each run writes a file "
+                "and starts a new Python, so it is "
+                + ("stateful" if llm["stateful"] else "not stateful (x = 1, then print(x), fails)")
+                + ". See the latency table."
+            )
+        not_run |= peers.NOT_RUNNABLE
+    else:
+        not_run["the long parts"] = (
+            "every language, gVisor, the gvisor machines, the cluster, large outputs, "
+            "throughput, density at 50 and 100 sessions and the peers run with `make bench-full`"
         )
-    not_run |= peers.NOT_RUNNABLE
 
-    heavy = []
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}, "
+        f"{free / 2**30:.1f} GiB free, Python {platform.python_version()})",
+        "kind": "quick" if quick else "full" if plan.full else "default",
+        "cpu_counter": cpu_counter(),
+        "raw_weight": raw_group.where(),
+        "load": load.figures(),
+        "parts_s": took,
+        "latency": latency,
+        "samples": samples,
+        "languages": by_language,
+        "persistence": by_persistence,
+        "first_chart": by_first_chart,
+        **({"machines": by_machines} if by_machines is not None else {}),
+        **({"cluster": by_cluster} if by_cluster is not None else {}),
+        "heavy": heavy,
+        "throughput_levels": levels if throughput else [],
+        "throughput": throughput,
+        "density_counts": counts,
+        "density": density,
+        "capacity": capacity,
+        "peers": peer_figures,
+        "not_run": not_run,
+    }
+
+
+def _heavy(backends: list[str]) -> list[dict[str, Any]]:
+    out = []
     for case in ("stdout_10mb", "image_5mb"):
         base = ours.heavy_in_subprocess("raw", case)
-        heavy.append(
+        out.append(
             {"case": case, "who": "raw", **base, "time_ratio": "1.00x", "memory_ratio": "1.00x"}
         )
         for name in backends:
             got = ours.heavy_in_subprocess(name, case)
-            heavy.append(
+            out.append(
                 {
                     "case": case,
                     "who": name,
@@ -164,39 +246,18 @@ async def main(quick: bool, with_peers: bool) -> dict[str, Any]:
                     "memory_ratio": f"{got['peak_mb'] / base['peak_mb']:.2f}x",
                 }
             )
+    return out
 
-    throughput: dict[str, dict[str, float]] = {"raw": {}}
+
+async def _throughput(
+    backends: list[str], levels: list[int], seconds: float
+) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {"raw": {}}
     for n in levels:
-        throughput["raw"][str(n)] = await raw.throughput(n, seconds)
+        out["raw"][str(n)] = await raw.throughput(n, seconds)
     for name in backends:
-        throughput[name] = {str(n): await ours.throughput(name, n, seconds) for n in levels}
-
-    density: dict[str, dict[str, float]] = {"raw": await raw_density(counts)}
-    for name in backends:
-        density[name] = {str(k): v for k, v in (await ours.density(name, counts)).items()}
-    capacity = {
-        who: int(free / (by_count[str(counts[-1])] * 2**20)) for who, by_count in density.items()
-    }
-    return {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()}, "
-        f"{free / 2**30:.1f} GiB free, Python {platform.python_version()})",
-        "latency": latency,
-        "samples": samples,
-        "languages": by_language,
-        "persistence": by_persistence,
-        "first_chart": by_first_chart,
-        **({"machines": by_machines} if by_machines is not None else {}),
-        "cluster": by_cluster,
-        "heavy": heavy,
-        "throughput_levels": levels,
-        "throughput": throughput,
-        "density_counts": counts,
-        "density": density,
-        "capacity": capacity,
-        "peers": peer_figures,
-        "not_run": not_run,
-    }
+        out[name] = {str(n): await ours.throughput(name, n, seconds) for n in levels}
+    return out
 
 
 async def raw_density(counts: list[int]) -> dict[str, float]:
@@ -219,6 +280,7 @@ async def raw_density(counts: list[int]) -> dict[str, float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, for a smoke run")
+    parser.add_argument("--full", action="store_true", help="the long parts too")
     parser.add_argument("--no-peers", action="store_true", help="skip the peers")
     args = parser.parse_args()
-    print(report.write(asyncio.run(main(args.quick, not args.no_peers))))
+    print(report.write(asyncio.run(main(Plan(args.quick, args.full), not args.no_peers))))

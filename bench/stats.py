@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from bench.interleave import Sampled
+
 
 def summarize(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
@@ -38,3 +40,10 @@ def peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def summarize_sampled(sampled: Sampled) -> dict[str, float]:
+    """`summarize` of the wall times, with the median of the host's CPU time per sample."""
+    out = summarize(sampled.wall)
+    out["cpu_median_ms"] = statistics.median(sampled.cpu) * 1000 if sampled.cpu else math.nan
+    return out

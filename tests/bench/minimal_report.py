@@ -10,6 +10,10 @@ def minimal_report(**parts: Any) -> dict[str, Any]:
     return {
         "date": "today",
         "machine": "here",
+        "kind": "default",
+        "cpu_counter": "cgroup v1 cpuacct.usage (ns)",
+        "raw_weight": "raw kernels where they are",
+        "load": {"marks": [], "wall_s": 60.0, "cpu_s": 30.0, "cores": 2},
         "latency": [],
         "heavy": [],
         "throughput_levels": [1],

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from bench.interleave import Sampled
 from bench.languages import bare_argv, shows_two
 from bench.report import languages_section
-from bench.stats import summarize
+from bench.stats import summarize, summarize_sampled
 from sandbox.inside_kernel.kernel_supervisor import PLACEHOLDER
 from sandbox.kernel.programs import KernelPrograms
 
@@ -70,10 +71,11 @@ def test_a_trivial_call_shows_two_in_each_language_s_own_form() -> None:
 
 def _part(median_s: float, raw_median_ms: float) -> dict[str, object]:
     return {
-        "stats": summarize([median_s]),
+        "stats": summarize_sampled(Sampled([median_s], [median_s * 2])),
         "samples": [median_s],
         "raw_median_ms": raw_median_ms,
         "ratio": median_s * 1000 / raw_median_ms,
+        "cpu_ratio": 1.5,
     }
 
 
@@ -99,7 +101,7 @@ def test_the_language_table_shows_each_row_with_its_ratio_and_says_what_was_not_
     rows = [line for line in lines if line.startswith("| python") or line.startswith("| r ")]
     assert rows[0].startswith("| python | raw | 1000.00 |")  # Python first, as LANGUAGES orders
     assert rows[1] == (
-        "| r | local | 2000.00 | 2000.00 | 1 | 1000.00 | 2.00x "
-        "| 10.00 | 10.00 | 1 | 20.00 | 0.50x |"
+        "| r | local | 2000.00 | 2000.00 | 1 | 1000.00 | 2.00x | 1.50x "
+        "| 10.00 | 10.00 | 1 | 20.00 | 0.50x | 1.50x |"
     )
     assert "- **java (local)**: not run: its kernel is not installed on this host." in lines

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from bench.interleave import Sampled
 from bench.persistence import BASELINE, MEASURES, rows_of, section
 from bench.report import render
 from tests.bench.minimal_report import minimal_report
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.unit
 
 
 def _figures() -> dict[str, Any]:
-    out = {name: [1.0] for name in MEASURES}
-    out[BASELINE] = [4.0, 2.0, 3.0]  # median 3 s
-    out["resume (POST .../resume)"] = [1.5, 0.5, 0.75]  # median 0.75 s
+    out = {name: Sampled([1.0], [0.5]) for name in MEASURES}
+    out[BASELINE] = Sampled([4.0, 2.0, 3.0], [2.0, 2.0, 2.0])  # median 3 s, 2 s of CPU
+    out["resume (POST .../resume)"] = Sampled([1.5, 0.5, 0.75], [0.1, 0.1, 0.1])  # 0.75 s
     return {
         "samples_per_backend": 3,
         "rows": rows_of("docker", out),
@@ -38,7 +39,10 @@ def test_each_measure_is_a_ratio_of_medians_to_the_same_backend_s_baseline() -> 
 
 def test_the_section_shows_times_ratios_bytes_and_what_was_not_run() -> None:
     lines = section(_figures())
-    assert "| docker | resume (POST .../resume) | 750 | 500 | 1500 | 3 | 3000 | 0.25x |" in lines
+    assert (
+        "| docker | resume (POST .../resume) | 750 | 500 | 1500 | 3 | 3000 | 0.25x | 100 | 0.05x |"
+        in lines
+    )
     assert "- **docker**: a snapshot keeps 3.0 MiB; a paused session 2.5 MiB on disk." in lines
     assert "- **local backend**: not run: bubblewrap is missing." in lines
 

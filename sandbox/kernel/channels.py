@@ -149,6 +149,7 @@ class KernelChannels:
         self.replies: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.iopub_seen = asyncio.Event()  # any message arrived: our subscription is live
         self.shell_received = 0  # messages read from the shell socket (for diagnostics)
+        self._shell_sent = asyncio.Event()  # a request went out on shell (wire._readable)
         self.inbox = Inbox()
         self.handling = False  # an iopub message is being handled
         self.handler_free = asyncio.Event()  # set while no iopub message is being handled
@@ -163,6 +164,10 @@ class KernelChannels:
             asyncio.ensure_future(self._read_shell(client.shell_channel.socket)),
             asyncio.ensure_future(self._drain(client.control_channel.socket)),
         ]
+
+    def sent_on_shell(self) -> None:
+        """Say a request went out on the shell socket: the reply's reader looks again now."""
+        self._shell_sent.set()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -213,6 +218,7 @@ class KernelChannels:
         same quiet rule as for a missing idle applies."""
         if late_output and watch.flush is None:
             watch.flush = send_flush(self.client)
+            self.sent_on_shell()
         await asyncio.shield(reply)
         replied = time.monotonic()
         if watch.flush is None:
@@ -342,7 +348,7 @@ class KernelChannels:
         awaited: a reply can be hundreds of megabytes."""
         while True:
             try:
-                frames = await receive_frames(socket, self.frame_limit)
+                frames = await receive_frames(socket, self.frame_limit, self._shell_sent)
             except zmq.ZMQError:  # closed with its kernel
                 return
             self.shell_received += 1

@@ -227,6 +227,7 @@ class KernelDriver:
         alive but slow to answer (stopped, or starved by its own threads) is left to the run's
         time limit, as before, once `within_s` (at most PROBE_S) has passed."""
         msg_id = kernel.client.kernel_info()
+        kernel.channels.sent_on_shell()
         either: set[asyncio.Future[Any]] = {kernel.channels.reply_to(msg_id), kernel.exited}
         wait_s = min(PROBE_S, within_s)
         await asyncio.wait(either, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)

@@ -98,6 +98,7 @@ async def answers(
                 f"{'live' if channels.iopub_seen.is_set() else 'silent'})"
             )
         msg_id = kernel.client.kernel_info()
+        kernel.channels.sent_on_shell()
         reply = kernel.channels.reply_to(msg_id)
         try:
             # A death ends the wait at once, not after it.
@@ -138,6 +139,7 @@ def send_execute(kernel: KernelGeneration, code: str, silent: bool, origin: str 
     metadata = {TOOL_ORIGIN_METADATA: origin} if origin is not None else {}
     msg = client.session.msg("execute_request", content, metadata=metadata)
     client.shell_channel.send(msg)
+    kernel.channels.sent_on_shell()
     return cast(str, msg["header"]["msg_id"])
 
 

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import time
+from pathlib import Path
 
 import pytest
+import zmq
+import zmq.asyncio
 from jupyter_client.session import Session
 
+from sandbox.kernel import wire
 from sandbox.kernel.wire import DELIMITER, Frame, KernelMessage, Malformed, parse, peek_parent_id
 
 pytestmark = pytest.mark.unit
@@ -84,3 +90,42 @@ async def test_content_is_utf8_or_malformed_whichever_way_it_is_decoded(encoding
             await msg.content()
         with pytest.raises(Malformed, match=r"not valid JSON|does not decode"):
             await msg.text_content(10)
+
+
+async def test_a_send_on_the_socket_makes_a_waiting_receive_look_again_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A send can consume the edge pyzmq's poll waits for (a Deno call's flush, sent right
+    behind the call, held its reply for a whole recheck). Here the edge is consumed as a send
+    does (the socket's events read while the reply is there), with no recheck in the test's
+    lifetime: only the sender's word can end the wait, and it does."""
+    monkeypatch.setattr(wire, "RECHECK_MS", 3_600_000)
+    endpoint = f"ipc://{tmp_path}/shell"
+    ours_context, theirs_context = zmq.asyncio.Context(), zmq.Context()
+    ours, theirs = ours_context.socket(zmq.DEALER), theirs_context.socket(zmq.ROUTER)
+    try:
+        theirs.bind(endpoint)
+        ours.connect(endpoint)
+        sent = asyncio.Event()
+        receiving = asyncio.ensure_future(wire.receive_frames(ours, 1 << 20, sent))
+        await ours.send_multipart([b"request"])
+        identity, request = await asyncio.to_thread(theirs.recv_multipart)
+        assert request == b"request"
+        await asyncio.sleep(0)  # the receive is polling
+        theirs.send_multipart([identity, b"reply"])
+        # The edge, taken as a send takes it: the socket's events read while the reply is
+        # there, before the event loop looks at the descriptor again (no await in between).
+        deadline = time.monotonic() + 30
+        while not int(ours.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            assert time.monotonic() < deadline, "the reply never came"
+            time.sleep(0.001)  # noqa: ASYNC251 - the loop must not run meanwhile
+        for _ in range(10):  # the loop goes round: nothing wakes the poll
+            await asyncio.sleep(0)
+        assert not receiving.done()
+        sent.set()  # what the sender does after each request
+        assert await asyncio.wait_for(receiving, 30) == [b"reply"]
+    finally:
+        ours.close(linger=0)
+        theirs.close(linger=0)
+        ours_context.term()
+        theirs_context.term()

@@ -68,7 +68,7 @@ def samples(quick: bool) -> tuple[int, int]:
     """How many cold starts and round trips per language and backend: each cold start costs
     seconds (Java's most), so fewer than Python's in the latency table; a quick run only shows
     that every language works."""
-    return (1, 10) if quick else (8, 200)
+    return (1, 10) if quick else (12, 200)
 
 
 # --- the floor: each host kernel started and driven by jupyter_client, no sandbox

@@ -121,11 +121,6 @@ async def _service(backend: str, preloaded: bool) -> AsyncIterator[httpx.AsyncCl
         yield api
 
 
-async def _raw_start(after: Untimed) -> None:
-    km, kc = await raw.start()
-    after.later(partial(raw.stop, km, kc))
-
-
 async def _raw_chart(data: bytes, scratch: Path, after: Untimed) -> None:
     km, kc = await raw.start()
     after.later(partial(raw.stop, km, kc))
@@ -168,7 +163,10 @@ async def _round(plan: Plan, data: bytes, *, loaded: bool) -> dict[str, Sampled]
             },
         }
         if not loaded:
-            measures = {BASELINE: Measure(partial(_raw_start, after), every_pool_full), **measures}
+            measures = {
+                BASELINE: Measure(partial(raw.start_untimed_stop, after), every_pool_full),
+                **measures,
+            }
         if loaded:
             stack.enter_context(busy_host())
         return await interleaved(measures, plan.charts, batch=1, warmup=1)

@@ -76,6 +76,11 @@ class Untimed:
         while self._pending:
             await self._pending.pop(0)()
 
+    async def settle(self) -> None:
+        """Do what was left, then wait for the host to be quiet (its teardown over too)."""
+        await self.run()
+        await quiet()
+
 
 @dataclass
 class Sampled:

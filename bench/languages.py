@@ -250,14 +250,10 @@ async def _one_language(
     after = Untimed()
     colds = {name: _OurCold(b, spec, language, after) for name, (b, spec) in walls.items()}
 
-    async def raw_settled() -> None:
-        await after.run()
-        await quiet()
-
     try:
         cold = await interleaved(
             {
-                "raw": Measure(partial(_raw_cold, specs, language, after), raw_settled),
+                "raw": Measure(partial(_raw_cold, specs, language, after), after.settle),
                 **{name: Measure(c.once, c.prepare) for name, c in colds.items()},
             },
             starts,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from bench import commands, raw, workloads
-from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
+from bench.interleave import Measure, Sampled, Untimed, interleaved
 from bench.ours import backend
 from bench.served import API_KEY, served
 from sandbox import Backend, Sandbox
@@ -93,11 +93,6 @@ async def _over_http(sessions: int) -> AsyncIterator[_Http]:
         yield http
 
 
-async def _raw_start(after: Untimed) -> None:
-    km, kc = await raw.start()
-    after.later(partial(raw.stop, km, kc))
-
-
 async def _cold(b: Backend, after: Untimed) -> None:
     sb = await b.create()
     after.later(sb.close)
@@ -127,15 +122,11 @@ async def measure(p: Plan, backends: list[str]) -> dict[str, tuple[Sampled, str]
             stack.push_async_callback(walls[name].close)
 
         after = Untimed()
-
-        async def settled() -> None:
-            await after.run()
-            await quiet()
-
+        settled = after.settle
         try:
             starts = await interleaved(
                 {
-                    RAW_START: Measure(partial(_raw_start, after), settled),
+                    RAW_START: Measure(partial(raw.start_untimed_stop, after), settled),
                     **{
                         f"{n}: cold session start": Measure(partial(_cold, b, after), settled)
                         for n, b in walls.items()

@@ -6,11 +6,13 @@ import asyncio
 import base64
 import subprocess
 import time
+from functools import partial
 from typing import Any
 
 from jupyter_client.manager import start_new_async_kernel
 
 from bench import raw_group, workloads
+from bench.interleave import Untimed
 
 
 async def start() -> tuple[Any, Any]:
@@ -40,6 +42,12 @@ def place(km: Any) -> None:
 
 
 _starting = asyncio.Lock()
+
+
+async def start_untimed_stop(after: Untimed) -> None:
+    """A kernel started (a sample's timed part), its stop left to `after`, outside the clock."""
+    km, kc = await start()
+    after.later(partial(stop, km, kc))
 
 
 async def stop(km: Any, kc: Any) -> None:

@@ -40,7 +40,7 @@ from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
 from bench.machines import CHART, CSV_NAME, PNG, sales_csv
 from bench.part_results import save_part
 from bench.served import API_KEY, served
-from bench.stats import summarize_sampled
+from bench.stats import beside, summarize_sampled
 from sandbox.backends.registry import why_unavailable
 from sandbox.preload import ANALYST_PRELOAD
 
@@ -184,17 +184,11 @@ async def measure(plan: Plan) -> dict[str, Any]:
 
 def rows_of(out: dict[str, Sampled]) -> list[dict[str, Any]]:
     """Each measure's summary and its median over the raw start's; the preloaded pools' goal."""
-    base = summarize_sampled(out[BASELINE])
     rows = []
     for name, sampled in out.items():
-        stats = summarize_sampled(sampled)
-        row: dict[str, Any] = {
-            "name": name,
-            "stats": stats,
-            "samples": sampled.wall,
-            "ratio": stats["median_ms"] / base["median_ms"],
-            "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
-        }
+        row: dict[str, Any] = {"name": name, "samples": sampled.wall}
+        row |= beside(sampled, out[BASELINE])
+        stats = row["stats"]
         if name.endswith(LOADED) and RAW_CHART_LOADED in out:  # beside raw under the same load
             loaded_raw = summarize_sampled(out[RAW_CHART_LOADED])["median_ms"]
             row["loaded_ratio"] = stats["median_ms"] / loaded_raw

@@ -37,7 +37,7 @@ from jupyter_client.manager import AsyncKernelManager
 from bench import raw, report
 from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
 from bench.ours import backend
-from bench.stats import summarize_sampled
+from bench.stats import beside
 from code_interpreter_wire.languages import LANGUAGES, PYTHON
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import Backend, Sandbox
@@ -285,14 +285,7 @@ def _row(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"language": language, "who": who}
     for key, floor in (("cold", cold["raw"]), ("round_trip", round_trip["raw"])):
-        stats, base = summarize_sampled(mine[key]), summarize_sampled(floor)
-        out[key] = {
-            "stats": stats,
-            "samples": mine[key].wall,
-            "raw_median_ms": base["median_ms"],
-            "ratio": stats["median_ms"] / base["median_ms"],
-            "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
-        }
+        out[key] = {"samples": mine[key].wall, **beside(mine[key], floor)}
     return out
 
 

@@ -35,7 +35,7 @@ import httpx
 from bench.interleave import Sampled, host_cpu_seconds
 from bench.part_results import save_part
 from bench.served import API_KEY, served
-from bench.stats import summarize_sampled
+from bench.stats import beside
 from sandbox.backends.registry import why_unavailable
 
 # The cells that build the state, each a step an analysis would take.
@@ -211,22 +211,15 @@ async def measure(n: int) -> dict[str, Any]:
 
 def rows_of(backend: str, out: dict[str, Sampled]) -> list[dict[str, Any]]:
     """One backend's rows: each measure's summary and its median over the baseline's."""
-    base = summarize_sampled(out[BASELINE])
-    rows = []
-    for name in MEASURES:
-        stats = summarize_sampled(out[name])
-        rows.append(
-            {
-                "backend": backend,
-                "name": name,
-                "stats": stats,
-                "samples": out[name].wall,
-                "baseline_median_ms": base["median_ms"],
-                "ratio": stats["median_ms"] / base["median_ms"],
-                "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
-            }
-        )
-    return rows
+    return [
+        {
+            "backend": backend,
+            "name": name,
+            "samples": out[name].wall,
+            **beside(out[name], out[BASELINE]),
+        }
+        for name in MEASURES
+    ]
 
 
 def section(figures: dict[str, Any]) -> list[str]:

@@ -214,7 +214,8 @@ def languages_section(figures: dict[str, Any]) -> list[str]:
             s = part["stats"]
             cells.append(
                 f"{s['median_ms']:.2f} | {s['p95_ms']:.2f} | {s['n']} | "
-                f"{part['raw_median_ms']:.2f} | {part['ratio']:.2f}x | {_times(part['cpu_ratio'])}"
+                f"{part['baseline_median_ms']:.2f} | {part['ratio']:.2f}x "
+                f"| {_times(part['cpu_ratio'])}"
             )
         out.append(f"| {row['language']} | {row['who']} | " + " | ".join(cells) + " |")
     if figures["not_run"]:

@@ -39,7 +39,7 @@ from bench import latency as latency_part
 from bench.interleave import Sampled, cpu_counter
 from bench.latency import RAW_START, RAW_TRIVIAL
 from bench.machine_load import LoadLog
-from bench.stats import summarize_sampled
+from bench.stats import beside
 from code_interpreter_wire.languages import LANGUAGES
 from sandbox.backends.docker import DEFAULT_IMAGE
 from sandbox.backends.registry import why_unavailable
@@ -98,17 +98,7 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
 
     def add(name: str, sampled: Sampled, baseline: str, by: dict[str, Sampled]) -> None:
         samples[name] = sampled.wall
-        stats, base = summarize_sampled(sampled), summarize_sampled(by[baseline])
-        latency.append(
-            {
-                "name": name,
-                "stats": stats,
-                "baseline": baseline,
-                "baseline_median_ms": base["median_ms"],
-                "ratio": stats["median_ms"] / base["median_ms"],
-                "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
-            }
-        )
+        latency.append({"name": name, "baseline": baseline, **beside(sampled, by[baseline])})
 
     measured = await part("latency", latency_part.measure(latency_part.plan(quick), backends))
     by_name = {name: sampled for name, (sampled, _) in measured.items()}

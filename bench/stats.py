@@ -42,6 +42,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def beside(sampled: Sampled, baseline: Sampled) -> dict[str, Any]:
+    """A measure's summary beside its baseline's: the ratio of their medians, and of the
+    host's CPU time over a sample."""
+    stats, base = summarize_sampled(sampled), summarize_sampled(baseline)
+    return {
+        "stats": stats,
+        "baseline_median_ms": base["median_ms"],
+        "ratio": stats["median_ms"] / base["median_ms"],
+        "cpu_ratio": stats["cpu_median_ms"] / base["cpu_median_ms"],
+    }
+
+
 def summarize_sampled(sampled: Sampled) -> dict[str, float]:
     """`summarize` of the wall times, with the median of the host's CPU time per sample."""
     out = summarize(sampled.wall)

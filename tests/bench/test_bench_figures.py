@@ -73,7 +73,7 @@ def _part(median_s: float, raw_median_ms: float) -> dict[str, object]:
     return {
         "stats": summarize_sampled(Sampled([median_s], [median_s * 2])),
         "samples": [median_s],
-        "raw_median_ms": raw_median_ms,
+        "baseline_median_ms": raw_median_ms,
         "ratio": median_s * 1000 / raw_median_ms,
         "cpu_ratio": 1.5,
     }

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from bench import interleave
 from bench.agreement import compare
 from bench.interleave import Measure, Sampled, Untimed, host_cpu_seconds, interleaved
 from bench.report import render
@@ -30,7 +31,13 @@ def _recorder(calls: list[str], name: str) -> Measure:
     return Measure(once, prepare)
 
 
-def test_each_measure_takes_its_batch_in_turn_and_the_order_rotates_each_round() -> None:
+def test_each_measure_takes_its_batch_in_turn_and_the_order_rotates_each_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def at_once() -> None:  # a busy test machine is never quiet: no wait for it here
+        pass
+
+    monkeypatch.setattr(interleave, "quiet", at_once)
     calls: list[str] = []
     measures = {name: _recorder(calls, name) for name in ("raw", "ours")}
     out = asyncio.run(interleaved(measures, 5, batch=2, warmup=1))

@@ -109,7 +109,7 @@ format: install
 serve: install
 	CODE_INTERPRETER_AUTH_DISABLED=true $(BIN)/code-interpreter serve --host 127.0.0.1 --port 8000
 
-# Every goal's figure beside its baseline, sampled in turns (about 15 minutes on 2 cores);
+# Every goal's figure beside its baseline, sampled in turns (about 8 minutes on 2 cores);
 # writes bench/results/latest.*. bench-full adds the long parts (about 45 minutes).
 bench: install
 	@scripts/ensure-docker-engine.sh && $(MAKE) --no-print-directory image || true

@@ -99,11 +99,13 @@ class Measure:
 
 
 async def interleaved(
-    measures: dict[str, Measure], n: int, *, batch: int = 10, warmup: int = 2
+    measures: dict[str, Measure], n: int, *, batch: int = 10, warmup: int = 2, settle: bool = True
 ) -> dict[str, Sampled]:
     """`n` samples of every measure, taken `batch` at a time in turns, once the host is quiet
-    (what came before, a part's set-up or teardown, falls on none of them)."""
-    await quiet()
+    (what came before, a part's set-up or teardown, falls on none of them); `settle=False`
+    where the host is kept busy on purpose."""
+    if settle:
+        await quiet()
     names = list(measures)
     for name in names:
         for _ in range(warmup):

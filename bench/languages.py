@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -32,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from jupyter_client.kernelspec import KernelSpecManager
-from jupyter_client.manager import AsyncKernelManager
 
 from bench import raw, report
 from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
@@ -117,17 +115,7 @@ def _kernel_specs(programs: KernelPrograms) -> Iterator[KernelSpecManager]:
 async def _start_raw(specs: KernelSpecManager, language: str) -> tuple[Any, Any]:
     if language == PYTHON:
         return await raw.start()
-    km = AsyncKernelManager(kernel_name=f"bench-{language}", kernel_spec_manager=specs)
-    await km.start_kernel(stderr=subprocess.DEVNULL)
-    raw.place(km)
-    kc = km.client()
-    kc.start_channels()
-    try:
-        await kc.wait_for_ready(timeout=START_TIMEOUT_S)
-    except BaseException:
-        await raw.stop(km, kc)
-        raise
-    return km, kc
+    return await raw.start(f"bench-{language}", specs)
 
 
 async def _run_raw(kc: Any, code: str) -> None:

@@ -9,7 +9,6 @@ plain subprocess, sampled the same way.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,8 +17,8 @@ from typing import Any
 
 import httpx
 
-from bench import commands, raw, workloads
-from bench.interleave import Measure, Sampled, Untimed, interleaved
+from bench import commands, first_chart, raw, workloads
+from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
 from bench.ours import backend
 from bench.served import API_KEY, served
 from sandbox import Backend, Sandbox
@@ -61,12 +60,13 @@ class _Http:
         assert "[result]\n2" in r.json()["output"]["content"], r.text
 
     async def pool_full(self) -> None:
-        """The last hand-over's session gone and the pool full again: untimed."""
+        """The last hand-over's session gone, the pool full again and the host quiet (the
+        refill over): untimed, before each sample beside a hand-over, the floor's too."""
         if self.handed is not None:
             await self.api.delete(f"/v1/sessions/{self.handed}")
             self.handed = None
-        while (await self.api.get("/v1/status")).json()["pools"]["local"] < 1:
-            await asyncio.sleep(0.02)
+        await first_chart.pool_full(self.api, "local")
+        await quiet()
 
     async def hand_over(self) -> None:
         r = await self.api.post("/v1/sessions", json={})
@@ -165,7 +165,7 @@ async def measure(p: Plan, backends: list[str]) -> dict[str, tuple[Sampled, str]
             {
                 "service: warm-pool hand-over (HTTP)": Measure(http.hand_over, http.pool_full),
                 RAW_TRIVIAL + " (beside the hand-over)": Measure(
-                    partial(raw.run, kc, workloads.TRIVIAL)
+                    partial(raw.run, kc, workloads.TRIVIAL), http.pool_full
                 ),
             },
             p.starts * 2,

@@ -74,14 +74,23 @@ async def density(name: str, counts: list[int], preload: str = "") -> dict[int, 
 
     async def made() -> Sandbox:
         sb = await b.create()
-        if preload:
-            await sb.preload(preload)
+        try:
+            if preload:
+                await sb.preload(preload)
+        except BaseException:
+            await sb.close()
+            raise
         return sb
 
     try:
         for count in counts:
             while len(boxes) < count:
-                boxes += await asyncio.gather(*(made() for _ in range(min(4, count - len(boxes)))))
+                batch = min(4, count - len(boxes))
+                got = await asyncio.gather(*(made() for _ in range(batch)), return_exceptions=True)
+                boxes += [sb for sb in got if not isinstance(sb, BaseException)]
+                failed = [e for e in got if isinstance(e, BaseException)]
+                if failed:  # those made are closed below, with the others
+                    raise failed[0]
             await asyncio.sleep(2)
             pids = tree_pids(os.getpid())
             for sb in boxes:

@@ -6,42 +6,51 @@ import asyncio
 import base64
 import subprocess
 import time
+import weakref
 from functools import partial
 from typing import Any
 
-from jupyter_client.manager import start_new_async_kernel
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
 
 from bench import raw_group, workloads
 from bench.interleave import Untimed
 
 
-async def start() -> tuple[Any, Any]:
+async def start(
+    kernel_name: str = "python3", specs: KernelSpecManager | None = None
+) -> tuple[Any, Any]:
+    """A kernel started and ready, in a CPU group weighed as our sandboxes are (raw_group.py)
+    from its first import on; `specs`: where its kernel spec is, if not jupyter's own."""
     # jupyter_client picks free TCP ports, and kernels started together can race for one: one
     # start at a time, and a second try, keep the floor from failing for its own reasons.
     async with _starting:
         for attempt in range(3):
+            km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=specs)
             try:
-                km, kc = await start_new_async_kernel(
-                    kernel_name="python3", stderr=subprocess.DEVNULL
-                )
+                await km.start_kernel(stderr=subprocess.DEVNULL)
             except RuntimeError:
                 if attempt == 2:
                     raise
                 continue
-            place(km)
+            kc = km.client()
+            try:
+                pid = getattr(km.provisioner, "pid", None)  # a local provisioner's process
+                if pid is not None:
+                    raw_group.place(pid)
+                    _placed[km] = pid
+                kc.start_channels()
+                await kc.wait_for_ready(timeout=START_TIMEOUT_S)
+            except BaseException:
+                await stop(km, kc)
+                raise
             return km, kc
     raise AssertionError("unreachable")
 
 
-def place(km: Any) -> None:
-    """The kernel into a CPU group weighed as our sandboxes are (raw_group.py)."""
-    pid = km.provisioner.pid if km.provisioner is not None else None
-    if pid is not None:
-        raw_group.place(pid)
-        km.bench_pid = pid
-
-
 _starting = asyncio.Lock()
+_placed: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # kernel -> its pid
+START_TIMEOUT_S = 120.0
 
 
 async def start_untimed_stop(after: Untimed) -> None:
@@ -53,7 +62,7 @@ async def start_untimed_stop(after: Untimed) -> None:
 async def stop(km: Any, kc: Any) -> None:
     kc.stop_channels()
     await km.shutdown_kernel(now=True)
-    if (pid := getattr(km, "bench_pid", None)) is not None:
+    if (pid := _placed.pop(km, None)) is not None:
         await asyncio.to_thread(raw_group.release, pid)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,38 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def write(report: dict[str, Any]) -> str:
-    """Write the run's report; the last run of the same kind becomes previous.json, which the
-    report is compared with (bench/agreement.py)."""
+    """Write the run's report; the last run of the same kind becomes the previous one, which
+    the report is compared with (bench/agreement.py). A quick run (a smoke test) keeps files of
+    its own, quick.*, never latest.*."""
     RESULTS.mkdir(exist_ok=True)
-    latest, previous = RESULTS / "latest.json", RESULTS / "previous.json"
-    if latest.exists() and json.loads(latest.read_text()).get("kind") == report["kind"]:
-        previous.write_text(latest.read_text())
-    before = json.loads(previous.read_text()) if previous.exists() else None
-    if before is not None and before.get("kind") != report["kind"]:
-        before = None
+    stem, previous = _files(report["kind"])
+    latest = RESULTS / f"{stem}.json"
+    if (last := _of_kind(latest, report["kind"])) is not None:
+        previous.write_text(json.dumps(last, indent=2) + "\n")
     latest.write_text(json.dumps(report, indent=2) + "\n")
+    return _shown(report, stem, _of_kind(previous, report["kind"]))
+
+
+def _files(kind: str) -> tuple[str, Path]:
+    """The stem of a run's files, and where the previous run of its kind is kept."""
+    if kind == "quick":
+        return "quick", RESULTS / "quick-previous.json"
+    return "latest", RESULTS / "previous.json"
+
+
+def _of_kind(path: Path, kind: str) -> dict[str, Any] | None:
+    """The report kept at `path` if it is there, readable, and of `kind`."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("kind") == kind else None
+
+
+def _shown(report: dict[str, Any], stem: str, before: dict[str, Any] | None) -> str:
     markdown = render(report, before)
-    (RESULTS / "latest.md").write_text(markdown)
-    chart(report, RESULTS / "latest.png")
+    (RESULTS / f"{stem}.md").write_text(markdown)
+    chart(report, RESULTS / f"{stem}.png")
     return markdown
 
 
@@ -225,6 +245,13 @@ def languages_section(figures: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
+def _horizontal(version: str) -> dict[str, Any]:
+    """Horizontal boxes, as this matplotlib says it (3.10 renamed `vert` to `orientation`)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    newer = found is None or (int(found[1]), int(found[2])) >= (3, 10)
+    return {"orientation": "horizontal"} if newer else {"vert": False}
+
+
 def chart(report: dict[str, Any], path: Path) -> None:
     """Latency distributions; below them, a fresh session's first chart before the preloaded
     pools (a pool without a preload) and after (a preloaded pool), beside the raw floor."""
@@ -248,7 +275,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
     for ax, (panel_rows, samples, title) in zip(axes, panels, strict=True):
         names = [r["name"] for r in panel_rows]
         data = [[v * 1000 for v in samples[name]] for name in names]
-        ax.boxplot(data, orientation="horizontal", tick_labels=names, showfliers=True)
+        ax.boxplot(data, tick_labels=names, showfliers=True, **_horizontal(matplotlib.__version__))
         ax.set_xscale("log")
         ax.set_xlabel("milliseconds (log scale)")
         ax.set_title(title)
@@ -258,18 +285,12 @@ def chart(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def rerender() -> str:
-    """latest.md and latest.png again from latest.json (after a change to how they are shown),
-    compared with previous.json as the run was; nothing is measured or moved."""
-    report = json.loads((RESULTS / "latest.json").read_text())
-    previous = RESULTS / "previous.json"
-    before = json.loads(previous.read_text()) if previous.exists() else None
-    if before is not None and before.get("kind") != report.get("kind"):
-        before = None
-    markdown = render(report, before)
-    (RESULTS / "latest.md").write_text(markdown)
-    chart(report, RESULTS / "latest.png")
-    return markdown
+def rerender(stem: str = "latest") -> str:
+    """<stem>.md and .png again from <stem>.json (after a change to how they are shown),
+    compared with the previous run as the run was; nothing is measured or moved."""
+    report = json.loads((RESULTS / f"{stem}.json").read_text())
+    _, previous = _files(report["kind"])
+    return _shown(report, stem, _of_kind(previous, report["kind"]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The cluster benchmark's own logic: the hop's ratio, creation's p50/p95, three nodes over one,
 and its report section.
 
-Pure logic only; `make bench` (bench/cluster.py) measures, no test times anything.
+Pure logic only; `make bench-full` (bench/cluster.py) measures, no test times anything.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The machines benchmark's own logic: ratios to the raw kernel start, goals and verdicts, the
 CSV it uploads, and its report section.
 
-Pure logic only; `make bench` (bench/machines.py) measures, no test times anything.
+Pure logic only; `make bench-full` (bench/machines.py) measures, no test times anything.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ async def start(
     # start at a time, and a second try, keep the floor from failing for its own reasons.
     async with _starting:
         for attempt in range(3):
-            km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=specs)
+            where = {} if specs is None else {"kernel_spec_manager": specs}
+            km = AsyncKernelManager(kernel_name=kernel_name, **where)
             try:
                 await km.start_kernel(stderr=subprocess.DEVNULL)
             except RuntimeError:

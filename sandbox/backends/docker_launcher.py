@@ -52,6 +52,7 @@ from sandbox.kernel.programs import (
     language_environment,
 )
 from sandbox.process_identity import ProcessIdentity
+from sandbox.run_to_end import finish_even_if_cancelled
 from sandbox.state_dir import SessionDirs
 
 log = logging.getLogger(__name__)
@@ -135,24 +136,25 @@ class ContainerLauncher:
         which = "" if self.language == PYTHON else f"{self.language}-"
         name = f"code-interpreter-{self.sandbox_id}-{which}{self.generation}"
         options = self._container_options(name, connection_file_in_sandbox)
-        # Shielded: a sandbox closed while its kernel is replaced (a command can kill the kernel
-        # at any time) cancels this launch; the container then still gets made, and is removed.
+        # A sandbox closed while its kernel is replaced (a command can kill the kernel at any
+        # time) cancels this launch; the engine makes and starts the container all the same, so
+        # it is removed before the cancellation goes on: the close then finds nothing of it.
         creating = asyncio.ensure_future(
             asyncio.to_thread(self.client.containers.create, **options)
         )
         try:
-            container = await asyncio.shield(creating)
+            container = await finish_even_if_cancelled(creating)
         except asyncio.CancelledError:
-            creating.add_done_callback(_remove_once_created)
+            await finish_even_if_cancelled(_remove_if_made(creating))
             raise
         except (APIError, DockerException) as exc:
             raise SandboxStartError(f"the engine refused to create the container: {exc}") from exc
         process = KernelContainer(container, asyncio.get_running_loop().create_future())
         self.deaths.watch(container.id, process)
         try:
-            await asyncio.shield(asyncio.to_thread(container.start))
+            await finish_even_if_cancelled(asyncio.to_thread(container.start))
         except BaseException as exc:
-            await asyncio.shield(process.kill())
+            await finish_even_if_cancelled(process.kill())
             if isinstance(exc, APIError | DockerException):
                 raise SandboxStartError(f"the container did not start: {exc}") from exc
             raise
@@ -262,23 +264,11 @@ def gvisor_host_pids(pids: int) -> int:
     return 10 * pids + 256
 
 
-def _remove_once_created(creating: asyncio.Future[Any]) -> None:
-    """Remove a container whose launch was given up while the engine made it."""
+async def _remove_if_made(creating: asyncio.Future[Any]) -> None:
+    """Remove a container whose launch was given up, if the engine made it."""
     if creating.cancelled() or creating.exception() is not None:
         return
-    container = creating.result()
-    removal = asyncio.ensure_future(remove_container(container))
-    _removals.add(removal)
-    removal.add_done_callback(_removal_done)
-
-
-_removals: set[asyncio.Future[bool]] = set()  # kept referenced until they finish
-
-
-def _removal_done(removal: asyncio.Future[bool]) -> None:
-    _removals.discard(removal)
-    if not removal.cancelled() and removal.exception() is not None:
-        log.warning("could not remove an abandoned kernel container: %s", removal.exception())
+    await remove_container(creating.result())
 
 
 def write_user_database(dirs: SessionDirs, uid: int) -> None:

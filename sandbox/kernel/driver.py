@@ -126,9 +126,14 @@ class KernelDriver:
         self._closed = True
         if self._run is not None:
             self._run.wake()
-        await self._stop_kernel()
-        for task in list(self._background):
+        # A task cut short while it replaced the kernel still finishes removing what it had
+        # started (`dispose`, and a launcher's cancelled launch, run to their end): waited for,
+        # so nothing of it outlives the sandbox.
+        background = list(self._background)
+        for task in background:
             task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await self._stop_kernel()
 
     async def rekey(self, code: str, key: str, *, timeout_s: float = 30.0) -> None:
         """Give the running kernel a new signing key (one restored from an image other

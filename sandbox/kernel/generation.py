@@ -27,6 +27,7 @@ from sandbox.kernel.connection import reset_kernel_dir, write_connection_file
 from sandbox.kernel.process import KernelExit, KernelLauncher, KernelProcess
 from sandbox.kernel.programs import INTERRUPT_SOCKET
 from sandbox.languages import KERNEL_TRAITS
+from sandbox.run_to_end import finish_even_if_cancelled
 
 if TYPE_CHECKING:
     from jupyter_client.connect import KernelConnectionInfo
@@ -116,9 +117,10 @@ async def answers(
 
 
 async def dispose(kernel: KernelGeneration) -> None:
-    """Kill the kernel and drop our connection to it."""
+    """Kill the kernel and drop our connection to it. A caller cancelled meanwhile still
+    waits until the kill is done, then is cancelled: nothing of the kernel outlives it."""
     try:
-        await kernel.process.kill()
+        await finish_even_if_cancelled(kernel.process.kill())
     finally:
         kernel.channels.close()
         kernel.exited.cancel()

@@ -15,7 +15,9 @@ T = TypeVar("T")
 
 async def finish_even_if_cancelled(work: Awaitable[T]) -> T:
     """Await `work` to its end. A cancellation that comes meanwhile is raised once it is over
-    (so the caller's clean-up runs after it, never beside it)."""
+    (so the caller's clean-up runs after it, never beside it), chained to the work's own
+    error if it failed. Only a loop shutting down (which cancels every task) cuts it short:
+    what it then leaves, the next start's clean-up of orphans finds."""
     task = asyncio.ensure_future(work)
     cancelled = False
     while not task.done():
@@ -24,5 +26,6 @@ async def finish_even_if_cancelled(work: Awaitable[T]) -> T:
         except asyncio.CancelledError:
             cancelled = True
     if cancelled:
-        raise asyncio.CancelledError
+        failure = None if task.cancelled() else task.exception()  # retrieved, so never lost
+        raise asyncio.CancelledError from failure
     return task.result()

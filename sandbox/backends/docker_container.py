@@ -136,6 +136,11 @@ class DeathWatch:
         with self._lock:
             self._watched[container_id] = (asyncio.get_running_loop(), process)
 
+    def forget(self, container_id: str) -> None:
+        """Stop watching a container that never started (no death comes for it)."""
+        with self._lock:
+            self._watched.pop(container_id, None)
+
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(Exception):

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import docker
-from docker.errors import APIError, DockerException
+from docker.errors import APIError, DockerException, NotFound
 from docker.types import LogConfig, Mount, Ulimit
+from requests.exceptions import RequestException
 
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.languages import PYTHON
@@ -139,29 +140,45 @@ class ContainerLauncher:
         # A sandbox closed while its kernel is replaced (a command can kill the kernel at any
         # time) cancels this launch; the engine makes and starts the container all the same, so
         # it is removed before the cancellation goes on: the close then finds nothing of it.
-        creating = asyncio.ensure_future(
-            asyncio.to_thread(self.client.containers.create, **options)
-        )
         try:
-            container = await finish_even_if_cancelled(creating)
-        except asyncio.CancelledError:
-            await finish_even_if_cancelled(_remove_if_made(creating))
+            container = await finish_even_if_cancelled(
+                asyncio.to_thread(self.client.containers.create, **options)
+            )
+        except BaseException as exc:
+            # Cancelled, or failed where the engine may have made it all the same (a call
+            # that timed out): whatever bears its name goes.
+            await finish_even_if_cancelled(self._remove_named(name))
+            if isinstance(exc, APIError | DockerException | RequestException):
+                raise SandboxStartError(
+                    f"the engine refused to create the container: {exc}"
+                ) from exc
             raise
-        except (APIError, DockerException) as exc:
-            raise SandboxStartError(f"the engine refused to create the container: {exc}") from exc
         process = KernelContainer(container, asyncio.get_running_loop().create_future())
         self.deaths.watch(container.id, process)
         try:
             await finish_even_if_cancelled(asyncio.to_thread(container.start))
         except BaseException as exc:
+            self.deaths.forget(container.id)  # never started: no death will be reported
             await finish_even_if_cancelled(process.kill())
-            if isinstance(exc, APIError | DockerException):
+            if isinstance(exc, APIError | DockerException | RequestException):
                 raise SandboxStartError(f"the container did not start: {exc}") from exc
             raise
         if self.language == PYTHON:  # processes run beside Python's kernel
             self.current_name = name
             self.current_exited = process.exited
         return process
+
+    async def _remove_named(self, name: str) -> None:
+        """Remove this sandbox's container named `name`, if the engine made it; if the engine
+        cannot be asked, the next start's clean-up of orphans removes it."""
+        try:
+            container = await asyncio.to_thread(self.client.containers.get, name)
+        except NotFound:
+            return
+        except (APIError, DockerException, RequestException) as exc:
+            log.warning("could not look for the container %s of a failed launch: %s", name, exc)
+            return
+        await remove_container(container)
 
     def process_environment(self) -> dict[str, str]:
         """What a process adds to the container's environment: the session's variables as they
@@ -262,13 +279,6 @@ def gvisor_host_pids(pids: int) -> int:
     tasks on the ptrace platform: a stub process with its threads, and gVisor's) and gVisor's
     own (~100 threads). Measured, with room to spare."""
     return 10 * pids + 256
-
-
-async def _remove_if_made(creating: asyncio.Future[Any]) -> None:
-    """Remove a container whose launch was given up, if the engine made it."""
-    if creating.cancelled() or creating.exception() is not None:
-        return
-    await remove_container(creating.result())
 
 
 def write_user_database(dirs: SessionDirs, uid: int) -> None:

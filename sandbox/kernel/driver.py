@@ -91,6 +91,9 @@ class KernelDriver:
         self._scope_open = False  # a per-call env/cwd is applied and must be undone
         self._scope_exit = ""  # the code that undoes it
         self._background: set[asyncio.Task[Any]] = set()
+        # Kernels being started or stopped by whoever holds the lock: a close waits for them
+        # (see `_kernel_work`), so nothing they make outlives the sandbox.
+        self._kernel_work_done: set[asyncio.Future[None]] = set()
         # What processes beside the kernel did (see `watch_processes`), as last seen.
         self._process_activity: Callable[[], int | None] = lambda: 0
         self._activity_seen: int | None = 0
@@ -126,14 +129,20 @@ class KernelDriver:
         self._closed = True
         if self._run is not None:
             self._run.wake()
-        # A task cut short while it replaced the kernel still finishes removing what it had
-        # started (`dispose`, and a launcher's cancelled launch, run to their end): waited for,
-        # so nothing of it outlives the sandbox.
-        background = list(self._background)
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        await self._stop_kernel()
+        try:
+            # A task cut short while it replaced the kernel still finishes removing what it had
+            # started (`dispose`, and a launcher's cancelled launch, run to their end); a start
+            # or stop by an execution (a restart after a time limit, a kernel a command killed)
+            # ends soon, seeing the sandbox closed. Both are waited for, so nothing of theirs
+            # outlives the sandbox; as long as there are any (a task cancelled meanwhile may
+            # make another).
+            while self._background or self._kernel_work_done:
+                background = list(self._background)
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, *self._kernel_work_done, return_exceptions=True)
+        finally:  # even if this close is itself cancelled: the kernel must not outlive it
+            await self._stop_kernel()
 
     async def rekey(self, code: str, key: str, *, timeout_s: float = 30.0) -> None:
         """Give the running kernel a new signing key (one restored from an image other
@@ -195,7 +204,24 @@ class KernelDriver:
         self._activity_seen = activity
         return changed
 
+    @contextlib.asynccontextmanager
+    async def _kernel_work(self) -> AsyncIterator[None]:
+        """Inside, a kernel is started or stopped: `close` waits until it is over."""
+        done = asyncio.get_running_loop().create_future()
+        self._kernel_work_done.add(done)
+        try:
+            yield
+        finally:
+            self._kernel_work_done.discard(done)
+            done.set_result(None)
+
     async def _start_kernel(self) -> None:
+        if self._closed:
+            raise SandboxClosed("the sandbox is closed")
+        async with self._kernel_work():
+            await self._start_kernel_now()
+
+    async def _start_kernel_now(self) -> None:
         self._generation += 1
         kernel = await launch_generation(
             self._launcher,
@@ -242,7 +268,8 @@ class KernelDriver:
     async def _stop_kernel(self) -> None:
         kernel, self._kernel = self._kernel, None
         if kernel is not None:
-            await dispose(kernel)
+            async with self._kernel_work():
+                await dispose(kernel)
 
     async def _replace_kernel(self) -> None:
         """Kill the current kernel and start a fresh one (the lock is held)."""
@@ -277,7 +304,8 @@ class KernelDriver:
         try:
             await self._replace_kernel()
         except Exception:
-            log.exception("could not restart the kernel")
+            if not self._closed:
+                log.exception("could not restart the kernel")
             self._kernel = None
 
     # ----------------------------------------------------------------------------------------
@@ -376,6 +404,8 @@ class KernelDriver:
                     # Stopped: its last output is drained under a bound of the reader's own.
                     await kernel.channels.until_finished(run.watch, run.reply, self._late_output)
                 except TimeoutError:
+                    if self._closed:  # the close stops the kernel: nothing to replace
+                        return
                     self._notice = (
                         "An execution whose caller went away did not stop when interrupted, so "
                         "the kernel was restarted: variables and imports from earlier calls are "
@@ -590,7 +620,8 @@ class KernelDriver:
             await self._replace_kernel()
             after = "it was restarted"
         except Exception as exc:  # the next execute tries again
-            log.exception("kernel restart failed")
+            if not self._closed:
+                log.exception("kernel restart failed")
             self._kernel = None
             after = f"restarting it failed ({exc}); the next call tries again"
         await collector.emit_error(

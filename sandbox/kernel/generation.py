@@ -74,7 +74,7 @@ async def launch_generation(
         )
     except BaseException:
         exited.cancel()
-        await process.kill()
+        await finish_even_if_cancelled(process.kill())
         raise
     return KernelGeneration(generation, process, client, channels, exited)
 

@@ -10,12 +10,14 @@ Docker must run here: in CI these fail (not skip) without an engine (`require_ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import docker
 import pytest
+from docker.errors import APIError, NotFound
 
 from code_interpreter_wire.processes import ProcessRequest
 from sandbox import Backend, create_backend
@@ -62,15 +64,16 @@ class GatedContainers:
         return getattr(self._containers, name)
 
     def create(self, **options: Any) -> Any:
-        if self._step == "create":
-            self._gate.reach_from_thread()
         container = self._containers.create(**options)
+        if self._step == "create":  # made, and the launch still waiting for the engine's word
+            self._gate.reach_from_thread()
         if self._step == "start":
             start = container.start
 
             def gated_start(*args: Any, **kwargs: Any) -> Any:
+                started = start(*args, **kwargs)
                 self._gate.reach_from_thread()
-                return start(*args, **kwargs)
+                return started
 
             container.start = gated_start
         return container
@@ -114,10 +117,16 @@ def gate_step(box: DockerSandbox, step: str, gate: Gate) -> None:
         launcher.launch = launched_then_gate  # type: ignore[method-assign,assignment]
 
 
-async def until_cut_short(tasks: list[asyncio.Task[Any]]) -> None:
-    """On once every task was cancelled or is over (the test's own timeout bounds it): the
-    cancellation is a flag on the task, with no event to wait on."""
-    while not all(t.cancelling() or t.done() for t in tasks):  # noqa: ASYNC110
+async def until_closing(box: DockerSandbox, closing: asyncio.Future[None]) -> None:
+    """On once the close has told the driver and cut its background work short, or is over
+    (the test's own timeout bounds it): these are flags, with no event to wait on."""
+    driver = box.driver
+
+    def told() -> bool:
+        background = list(driver._background)
+        return driver._closed and all(t.cancelling() or t.done() for t in background)
+
+    while not (told() or closing.done()):  # noqa: ASYNC110
         await asyncio.sleep(0.01)
 
 
@@ -128,30 +137,48 @@ def containers_of(engine: docker.DockerClient, sandbox_id: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("step", ["remove the dead kernel", "create", "start", "answer"])
+STEPS = ["remove the dead kernel", "create", "start", "answer"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("replaced_by", ["its watcher, between calls", "the running call"])
 async def test_a_close_during_a_kernel_replacement_leaves_no_container(
-    docker_backend: Backend, step: str
+    docker_backend: Backend, step: str, replaced_by: str
 ) -> None:
+    assert isinstance(docker_backend, DockerBackend)
     engine = docker.from_env()
     box = await docker_backend.create(small_spec())
     assert isinstance(box, DockerSandbox)
     gate = Gate()
+    running: asyncio.Future[Any] | None = None
+    closing: asyncio.Future[None] | None = None
     try:
         gate_step(box, step, gate)
+        if replaced_by == "the running call":
+            running = asyncio.ensure_future(box.execute("import time; time.sleep(600)"))
+            while box.driver._run is None or box.driver._run.reply is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
         await box.run_command(ProcessRequest(command="kill -9 -1"))
         await asyncio.wait_for(gate.entered.wait(), 60)
-        replacing = list(box.driver._background)
-        assert replacing, "no replacement of the dead kernel is under way"
         closing = asyncio.ensure_future(box.close())
-        await until_cut_short(replacing)
+        await until_closing(box, closing)
         gate.opened.set()
         await closing
         assert containers_of(engine, box.id) == []
-        assert isinstance(docker_backend, DockerBackend)
         assert box.uid not in docker_backend.uids.in_use  # given back: its containers are gone
+        if running is not None:
+            done = await running
+            assert not done.ok
     finally:
         gate.opened.set()
+        if closing is not None:
+            with contextlib.suppress(Exception):
+                await closing
         await box.close()
+        if running is not None:
+            with contextlib.suppress(Exception):
+                await running
         for name in containers_of(engine, box.id):
-            engine.containers.get(name.lstrip("/")).remove(force=True)
+            with contextlib.suppress(NotFound, APIError):
+                engine.containers.get(name.lstrip("/")).remove(force=True)
         engine.close()

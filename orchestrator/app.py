@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from code_interpreter_wire.errors import SandboxError
+from orchestrator import release
 from orchestrator.auth import Authenticator
 from orchestrator.body_limit import BodySizeLimit
 from orchestrator.config import Settings
@@ -61,7 +62,7 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
 
     app = FastAPI(
         title="code-interpreter-runtime",
-        version="0.1.0",
+        version=release.version(),
         summary="Sandboxed, stateful Python sessions and the code_interpreter tool for agents.",
         lifespan=lifespan,
     )

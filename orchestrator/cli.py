@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 from code_interpreter_wire.errors import BackendUnavailable, SandboxError
 from code_interpreter_wire.languages import LANGUAGES, canonical_language, language_for_suffix
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
+from orchestrator import release
 from orchestrator.governance.audit_cli import audit_app
 from orchestrator.governance.keys_cli import keys_app
 from orchestrator.http_errors import problems
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from code_interpreter_wire.processes import CommandResult, ProcessOutput
     from orchestrator.config import Settings
 
-DISTRIBUTION = "code-interpreter-runtime"
 BACKEND_NAMES = f"{', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"
 EXIT_USAGE = 2  # bad usage, a backend that cannot run, a file that could not be copied
 EXIT_TIMEOUT = 124  # as timeout(1)
@@ -47,7 +46,7 @@ app = typer.Typer(
 
 def _print_version(wanted: bool) -> None:
     if wanted:
-        typer.echo(f"code-interpreter {importlib.metadata.version(DISTRIBUTION)}")
+        typer.echo(f"code-interpreter {release.version()}")
         raise typer.Exit()
 
 

@@ -50,6 +50,7 @@ from code_interpreter_wire.tool_definitions import (
     shell_description,
 )
 from code_interpreter_wire.tool_output import MAX_INLINE_IMAGE_BYTES, format_output
+from orchestrator import release
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.governance.approvals import MAX_REASON_CHARS, Responder, canonical_arguments
@@ -261,6 +262,7 @@ async def build_mcp_server(
     sessions = connections or ConnectionSessions(service)
     server: MCPServer = MCPServer(
         name="code-interpreter",
+        version=release.version(),
         instructions="Run code (Python by default) in a stateful sandbox; move files in and "
         "out of its workspace.",
         log_level="WARNING",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -21,6 +22,7 @@ from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, EmbeddedResource, ImageContent, TextContent
 
+from orchestrator.release import DISTRIBUTION
 from tests.conftest import TEST_ORCHESTRATOR_ID
 from tests.orchestrator.service.conftest import (
     KEY_A,
@@ -121,6 +123,10 @@ async def test_stdio_keeps_one_session_for_the_connection(
         command=sys.executable, args=["-m", "orchestrator", "mcp"], env=stdio_env
     )
     async with Client(command, mode=mode) as client:
+        # The server says which release it is, as the CLI and the HTTP API do.
+        info = client.server_info
+        assert info is not None and info.name == "code-interpreter"
+        assert info.version == importlib.metadata.version(DISTRIBUTION)
         tools = {t.name: t for t in (await client.list_tools()).tools}
         assert set(tools) == {"code_interpreter", "upload_file", "list_files", "download_file"}
         schema = tools["code_interpreter"].input_schema

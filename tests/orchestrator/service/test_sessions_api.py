@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import time
@@ -14,6 +15,7 @@ from code_interpreter_client.code_session import CodeSession
 from code_interpreter_client.http_client import APIError, AsyncClient, Client
 from code_interpreter_wire.rest import ExecutionRecord
 from code_interpreter_wire.results import OutputEvent, StdoutEvent
+from orchestrator.release import DISTRIBUTION
 from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server
 
 
@@ -23,6 +25,7 @@ def test_health_and_openapi(api: httpx.Client) -> None:
     spec = api.get("/openapi.json").json()
     assert "/v1/sessions/{session_id}/execute" in spec["paths"]
     assert "/v1/tools/code_interpreter/invoke" in spec["paths"]
+    assert spec["info"]["version"] == importlib.metadata.version(DISTRIBUTION)
 
 
 def test_auth_is_required_and_checked(server: Server) -> None:

@@ -18,8 +18,10 @@ from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.docker import DockerSandbox
 
 
-def backend(name: str) -> Backend:
-    return create_backend(name, **({"orchestrator_id": "bench"} if name == "docker" else {}))
+def backend(name: str, **config: Any) -> Backend:
+    if name == "docker":
+        config = {"orchestrator_id": "bench", **config}
+    return create_backend(name, **config)
 
 
 async def heavy(name: str, code: str) -> float:
@@ -65,10 +67,13 @@ def sandbox_pids(sb: Sandbox) -> list[int]:
     return []
 
 
-async def density(name: str, counts: list[int], preload: str = "") -> dict[int, float]:
+async def density(
+    name: str, counts: list[int], preload: str = "", **config: Any
+) -> dict[int, float]:
     """Orchestrator plus sandbox memory (PSS) per idle session, in MiB; with `preload`, each
-    session has run it first, as a preloading pool's do."""
-    b = backend(name)
+    session has run it first, as a preloading pool's do; `config`, the backend's (a zygote's
+    processes are this one's children: counted)."""
+    b = backend(name, **config)
     out: dict[int, float] = {}
     boxes: list[Sandbox] = []
 

@@ -180,8 +180,10 @@ def density_section(report: dict[str, Any]) -> list[str]:
         "",
         "Ratios in brackets: to the raw kernel's figure at the same count. `preloaded`: each "
         "session ran the first-chart part's preload (the analyst stack imported and warmed), "
-        "as a preloading pool's sessions have; `vs bare` is its figure over the same "
-        "backend's bare session at the largest count (goal: at most 1.5x).",
+        "as a preloading pool's sessions have; `forked from a zygote`: their kernels forked "
+        "from a zygote that imported the same modules once (the service does so with "
+        "`preload_modules` on the local backend), the zygote counted; `vs bare` is its figure "
+        "over the same backend's bare session at the largest count (goal: at most 1.5x).",
         "",
         "| who | " + " | ".join(f"sessions: {n}, MiB" for n in counts) + " | vs bare | most "
         "sessions the free memory holds |",
@@ -190,8 +192,9 @@ def density_section(report: dict[str, Any]) -> list[str]:
     last = str(counts[-1])
     for who, by_count in report["density"].items():
         cells = _cells(report["density"], who, counts, "{:.1f}")
-        bare = report["density"].get(who.removesuffix(", preloaded"), {}).get(last)
-        vs_bare = f"{by_count[last] / bare:.2f}x" if who.endswith("preloaded") and bare else ""
+        preloaded = ", preloaded" in who  # "local, preloaded" and "..., forked from a zygote"
+        bare = report["density"].get(who.split(", ")[0], {}).get(last)
+        vs_bare = f"{by_count[last] / bare:.2f}x" if preloaded and bare else ""
         out.append(
             f"| {who} | " + " | ".join(cells) + f" | {vs_bare} | {report['capacity'][who]} |"
         )

@@ -141,9 +141,17 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
     preload = preload_code(first_chart.PRELOAD_MODULES.split(","), ANALYST_PRELOAD)
     density: dict[str, dict[str, float]] = {}
     density["raw"] = await part("density: raw", raw_density(counts))
+    modules = first_chart.PRELOAD_MODULES.split(",")
     for name in backends:
-        for label, code in ((name, ""), (f"{name}, preloaded", preload)):
-            got = await part(f"density: {label}", ours.density(name, counts, code))
+        cases: list[tuple[str, str, dict[str, Any]]] = [
+            (name, "", {}),
+            (f"{name}, preloaded", preload, {}),
+        ]
+        if name == "local" and os.geteuid() == 0:  # forking into sandboxes needs root
+            zygote = {"zygote_modules": modules}
+            cases.append((f"{name}, preloaded, forked from a zygote", preload, zygote))
+        for label, code, config in cases:
+            got = await part(f"density: {label}", ours.density(name, counts, code, **config))
             density[label] = {str(k): v for k, v in got.items()}
     capacity = {
         who: int(free / (by_count[str(counts[-1])] * 2**20)) for who, by_count in density.items()

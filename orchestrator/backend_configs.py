@@ -14,7 +14,10 @@ from orchestrator.config import Settings
 
 # name -> (settings, the spec warm sandboxes are made for) -> the backend's configuration.
 _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
-    "local": lambda s, _: {"state_dir": s.state_dir},
+    "local": lambda s, _: {
+        "state_dir": s.state_dir,
+        "zygote_modules": list(s.preload_modules) if s.local_fork_kernels else [],
+    },
     "docker": lambda s, _: {
         "state_dir": s.state_dir,
         "orchestrator_id": s.orchestrator_id,

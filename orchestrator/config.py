@@ -151,6 +151,13 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Modules a pool's sandboxes import before the hand-over (comma-separated).",
     )
+    local_fork_kernels: bool = Field(
+        True,
+        description="With preload_modules, as root: the local backend forks Python's kernels "
+        "from a zygote that imported those modules once, so every kernel starts with them "
+        "loaded and their memory is shared (docs/security.md); off, each kernel starts "
+        "afresh and its pool imports them.",
+    )
     preload_code: str | None = Field(
         None, description="Warm-up a pool's sandboxes run after those imports (sandbox/preload.py)."
     )

@@ -102,6 +102,7 @@ class BwrapKernel:
         oom_clock: OomClock | None = None,
         *,
         init_first: bool = False,
+        output: asyncio.StreamReader | None = None,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
@@ -112,11 +113,15 @@ class BwrapKernel:
         self.group = group
         self.oom_kills = cgroup.oom_kills() if cgroup else 0
         self.oom_clock = oom_clock
-        assert proc.stdout is not None
-        self.output = StdioTail(proc.stdout)
+        stream = output if output is not None else proc.stdout
+        assert stream is not None
+        self.output = StdioTail(stream)
+
+    async def _returncode(self) -> int:
+        return await self.proc.wait()
 
     async def wait(self) -> KernelExit:
-        code = await self.proc.wait()
+        code = await self._returncode()
         died = time.monotonic()
         await self.output.settle()  # its last words, for diagnostics()
         # Without a memory cgroup nothing here can tell a kill for memory from another one.
@@ -383,14 +388,10 @@ def _is_namespace_init(pid: int, parent: int, group: Path | None) -> bool:
     return str(pid) in (group / "cgroup.procs").read_text().split()
 
 
-def confine(
-    limits: ResourceLimits,
-    cgroup: SandboxCgroup | None,
-    host_uid: int | None,
-    pids_group: Path | None = None,
-) -> Callable[[], None]:
-    """What the child does between fork and exec, in this order: join the cgroup (which needs
-    root), set the rlimits, then drop to the sandbox's own host uid."""
+def rlimits(
+    limits: ResourceLimits, cgroup: SandboxCgroup | None, host_uid: int | None
+) -> list[tuple[int, int]]:
+    """The rlimits a sandbox's processes run under (`confine`)."""
     values = [
         (resource.RLIMIT_FSIZE, limits.file_size_mb << 20),
         (resource.RLIMIT_NOFILE, limits.open_files),
@@ -402,6 +403,18 @@ def confine(
         values.append((resource.RLIMIT_DATA, limits.memory_mb << 20))
         if host_uid is not None:  # counted per host uid: meaningful when the uid is ours alone
             values.append((resource.RLIMIT_NPROC, limits.pids))
+    return values
+
+
+def confine(
+    limits: ResourceLimits,
+    cgroup: SandboxCgroup | None,
+    host_uid: int | None,
+    pids_group: Path | None = None,
+) -> Callable[[], None]:
+    """What the child does between fork and exec, in this order: join the cgroup (which needs
+    root), set the rlimits, then drop to the sandbox's own host uid."""
+    values = rlimits(limits, cgroup, host_uid)
 
     def apply() -> None:
         if cgroup is not None:

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
@@ -32,8 +33,10 @@ from code_interpreter_wire.spec import SandboxSpec
 from sandbox import cgroups
 from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.bwrap_kernel import BwrapLauncher, HostPrograms, confine
+from sandbox.backends.forked_kernel import ForkingLauncher, zygote_environment
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.backends.kernel_sandbox import KernelSandbox
+from sandbox.backends.kernel_zygote import KernelZygote
 from sandbox.backends.local_command_server import LocalProcessSettings
 from sandbox.backends.local_probe import PythonProbe, absolute_python, probe_python
 from sandbox.backends.local_processes import NSENTER_HINT, LocalSpawner
@@ -99,6 +102,12 @@ class LocalBackendConfig(BaseModel):
         description="As root on cgroup v1, limit each sandbox's memory, processes and CPU in a "
         "cgroup of its own (otherwise: per-process rlimits only).",
     )
+    zygote_modules: list[str] = Field(
+        default_factory=list,
+        description="Modules a kernel zygote imports once (as root, in a sandbox): Python's "
+        "kernels are then forked from it, those modules loaded and their memory shared between "
+        "every kernel (docs/security.md). Empty: each kernel is started afresh.",
+    )
     cpu_weight_per_sandbox: bool = Field(
         default=True,
         description="With cgroups: weigh the sandboxes' parent group as one process per live "
@@ -142,6 +151,18 @@ class LocalBackend(Backend):
             self._nsenter: str | None = resolve(self.config.nsenter)
         except BackendUnavailable:
             self._nsenter = None  # told when a process is asked for; kernels do without
+        self._zygote: KernelZygote | None = None
+        if self.config.zygote_modules and not self.config.unsafe_no_sandbox:
+            if os.geteuid() == 0:
+                home = Path(tempfile.mkdtemp(prefix="cir-zygote-"))  # root's alone (0700)
+                self._zygote = KernelZygote(
+                    self._python,
+                    list(self.config.zygote_modules),
+                    zygote_environment(self._python, home),
+                    home,
+                )
+            else:  # it enters each sandbox as that sandbox's own uid, which needs root
+                log.warning("zygote_modules is ignored: forking kernels into sandboxes needs root")
 
     async def create(self, spec: SandboxSpec | None = None) -> LocalSandbox:
         spec = spec or SandboxSpec()
@@ -152,7 +173,11 @@ class LocalBackend(Backend):
             log.warning("UNSAFE: running a kernel with no sandbox (unsafe_no_sandbox is set)")
         probe = await self._probe()
         programs = HostPrograms(self._python, self._bwrap or "", self._kernel_programs(probe))
-        return await _LocalRecipe(self, spec, programs, probe.roots).make()
+        return await _LocalRecipe(self, spec, programs, probe.roots, self._zygote).make()
+
+    async def close(self) -> None:
+        if self._zygote is not None:
+            await self._zygote.close()
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
         return self._kernel_programs(await self._probe()).languages
@@ -223,8 +248,10 @@ class _LocalRecipe(KernelRecipe["LocalSandbox"]):
         spec: SandboxSpec,
         programs: HostPrograms,
         python_roots: list[str],
+        zygote: KernelZygote | None = None,
     ) -> None:
         super().__init__(spec)
+        self.zygote = zygote
         self.backend = backend
         self.config = backend.config
         self.programs = programs
@@ -270,7 +297,7 @@ class _LocalRecipe(KernelRecipe["LocalSandbox"]):
 
     def launcher(self, language: str) -> BwrapLauncher:
         assert self.dirs is not None
-        launcher = BwrapLauncher(
+        launcher = (BwrapLauncher if self.zygote is None else ForkingLauncher)(
             self.config.unsafe_no_sandbox,
             self.programs,
             self.spec,
@@ -283,6 +310,9 @@ class _LocalRecipe(KernelRecipe["LocalSandbox"]):
             self.egress_channel,
             self.oom_clock,
         )
+        if isinstance(launcher, ForkingLauncher):
+            assert self.zygote is not None
+            launcher.zygote = self.zygote
         if language == PYTHON:
             self.python_launcher = launcher
         return launcher

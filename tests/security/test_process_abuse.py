@@ -14,6 +14,7 @@ import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -31,7 +32,7 @@ _STATUS_FIELDS = (
 _NAMESPACES = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")
 _LIMITS = ("Max file size", "Max data size", "Max processes", "Max open files", "Max core")
 # Prints, as JSON, how the process that runs it is confined: run in the kernel and as a command.
-_DESCRIBE_SELF = f"""
+DESCRIBE_SELF = f"""
 import json, os
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
 limits = [l for l in open("/proc/self/limits").read().splitlines() if l.startswith({_LIMITS!r})]
@@ -84,10 +85,15 @@ def host_secret() -> Iterator[str]:
 async def test_a_command_is_confined_exactly_as_the_kernel(backend: Backend) -> None:
     """Same namespaces, uid, groups, capabilities (none), no_new_privs, seccomp filter, memory
     cgroup and rlimits as the kernel, started in the workspace."""
+    await check_a_command_is_confined_exactly_as_the_kernel(backend)
+
+
+async def check_a_command_is_confined_exactly_as_the_kernel(backend: Backend) -> dict[str, Any]:
+    """The test above, on any backend; what the kernel said of itself."""
     sandbox = await backend.create(small_spec(env={"SESSION_VAR": "s"}))
     try:
-        kernel = await sandbox.execute(_DESCRIBE_SELF)
-        command = await sandbox.run_command(python(_DESCRIBE_SELF, env={"REQUEST_VAR": "r"}))
+        kernel = await sandbox.execute(DESCRIBE_SELF)
+        command = await sandbox.run_command(python(DESCRIBE_SELF, env={"REQUEST_VAR": "r"}))
     finally:
         await sandbox.close()
     assert command.exit_code == 0, command
@@ -104,6 +110,7 @@ async def test_a_command_is_confined_exactly_as_the_kernel(backend: Backend) -> 
         assert kernels.get(name) == value or os.environ.get(name) != value, name
     if sandbox.backend == "local":  # exactly the kernel's, nothing added
         assert env.items() <= kernels.items()
+    return cast(dict[str, Any], inside)
 
 
 async def test_a_command_sees_nothing_of_the_host_environment(

@@ -1,0 +1,192 @@
+"""Local kernels forked from the kernel zygote (kernel_zygote.py), modules already imported.
+
+bwrap makes the sandbox exactly as for any local kernel, but runs a holder in it (a shell that
+says it is up, then sleeps) instead of the kernel; the zygote forks the kernel into it. The
+sandbox, its processes, its limits and how it is killed are those of any local kernel; only
+Python's kernel is forked (the other languages' are started as ever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+from code_interpreter_wire.errors import SandboxStartError
+from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.spec import ResourceLimits
+from sandbox.backends.bwrap_kernel import BwrapKernel, BwrapLauncher, confine, rlimits
+from sandbox.backends.kernel_zygote import ForkRequest, KernelZygote, hear
+from sandbox.cgroup_oom import OomClock
+from sandbox.cgroups import SandboxCgroup
+from sandbox.egress_channel import with_forwarder
+from sandbox.host_commands import memfd_with
+from sandbox.kernel.command import kernel_environment
+from sandbox.kernel.stdio_tail import StdioTail
+
+# The holder: bwrap's command in a sandbox whose kernel is forked into it. It says it runs (so
+# the sandbox is whole: mounts made, root pivoted) on what bwrap passes as its output.
+HOLDER = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
+HOLDER_READY = b"ready\n"
+HOLDER_TIMEOUT_S = 60.0
+
+
+def zygote_environment(python: str, home: Path) -> dict[str, str]:
+    """The zygote's environment while it imports: a kernel's (some modules read theirs at
+    import), one thread for every maths library (a process with threads cannot be forked
+    safely, and these start theirs at import), and `home`, its own, which no sandbox sees
+    (matplotlib keeps its font list there)."""
+    path = f"{Path(python).parent}:/usr/local/bin:/usr/bin:/bin"
+    env = kernel_environment(path=path, home=str(home), limits=ResourceLimits(), extra={})
+    one = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    return env | dict.fromkeys(one, "1")
+
+
+class ForkingLauncher(BwrapLauncher):
+    """A `BwrapLauncher` whose Python kernels the zygote forks."""
+
+    zygote: KernelZygote
+
+    async def launch(self, connection_file_in_sandbox: str) -> BwrapKernel:
+        if self.unsafe or self.language != PYTHON:
+            return await super().launch(connection_file_in_sandbox)
+        command = self.programs.kernels.command(
+            PYTHON, connection_file_in_sandbox, self.kernel_dir_in_sandbox, self.spec.limits
+        )
+        if command[1:3] != ["-m", "ipykernel_launcher"]:
+            raise SandboxStartError(f"not a kernel the zygote can fork: {command[:3]}")
+        pids_group = self.cgroup.kernel_group(self.language) if self.cgroup else None
+        proc = await self._start_holder(pids_group)
+        assert proc.stdout is not None
+        try:  # read before anything else reads bwrap's output
+            ready = await asyncio.wait_for(proc.stdout.readline(), HOLDER_TIMEOUT_S)
+        except TimeoutError:
+            ready = b""
+        # The sandbox as any local kernel's, to kill it the same way if the fork fails.
+        held = BwrapKernel(proc, self.cgroup, group=pids_group, init_first=True)
+        output_read, output_write = os.pipe()
+        try:
+            if ready != HOLDER_READY:
+                await held.output.settle()
+                said = (ready.decode(errors="replace") + held.diagnostics()).strip()
+                raise SandboxStartError(f"the sandbox did not start: {said or 'it ended'}")
+            assert self.host_uid is not None
+            request = ForkRequest(
+                init=_sole_child(proc.pid),
+                uid=self.host_uid,
+                argv=command[3:],
+                env=self.environment(),
+                workdir=self.spec.workdir,
+                cgroup_procs=self._cgroup_procs(pids_group),
+                rlimits=rlimits(self.spec.limits, self.cgroup, self.host_uid),
+            )
+            control = await self.zygote.fork(request, output_write)
+        except BaseException:
+            os.close(output_read)
+            await asyncio.shield(held.kill())
+            raise
+        finally:
+            os.close(output_write)
+        self.kernel = ForkedKernel(
+            proc, control, await _reader(output_read), self.cgroup, pids_group, self.oom_clock
+        )
+        self.kernel.holder_output = held.output  # bwrap's, drained until the sandbox ends
+        return self.kernel
+
+    async def _start_holder(self, pids_group: Path | None) -> asyncio.subprocess.Process:
+        fds: list[int] = []
+        holder = HOLDER
+        if self.egress is not None:
+            holder = with_forwarder(self.programs.kernels.python, holder)
+        try:
+            options = self._bwrap_args(self.environment(), fds)
+            if any("\0" in option for option in options):  # each NUL ends an argument
+                raise SandboxStartError("an environment variable holds a NUL character")
+            fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
+            return await asyncio.create_subprocess_exec(
+                *[self.programs.bwrap, "--args", str(fds[-1]), *holder],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={},
+                cwd="/",
+                preexec_fn=confine(self.spec.limits, self.cgroup, self.host_uid, pids_group),
+                start_new_session=True,
+                pass_fds=fds,
+            )
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _cgroup_procs(self, pids_group: Path | None) -> list[str]:
+        """The cgroup.procs files the kernel joins: the sandbox's, its own pids group in the
+        pids hierarchy (as `SandboxCgroup.join_self`)."""
+        if self.cgroup is None:
+            return []
+        pids = self.cgroup.dirs[1]
+        return [
+            str((pids_group if pids_group is not None and d == pids else d) / "cgroup.procs")
+            for d in self.cgroup.dirs
+        ]
+
+
+def _sole_child(bwrap: int) -> int:
+    """The sandbox's init: bwrap's one child, pid 1 of the sandbox."""
+    with contextlib.suppress(OSError, ValueError):
+        children = Path(f"/proc/{bwrap}/task/{bwrap}/children").read_text().split()
+        if len(children) == 1:
+            return int(children[0])
+    raise SandboxStartError("the sandbox's init could not be found")
+
+
+async def _reader(fd: int) -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 16)
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+    )
+    return reader
+
+
+class ForkedKernel(BwrapKernel):
+    """A kernel the zygote forked into a sandbox bwrap holds open. It is killed as any local
+    kernel is (the sandbox's init first, then bwrap: every process in it goes); its end is
+    told by its keeper, with its exact status, or is bwrap's, if the sandbox went first."""
+
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        control: socket.socket,
+        output: asyncio.StreamReader,
+        cgroup: SandboxCgroup | None,
+        group: Path | None,
+        oom_clock: OomClock | None,
+    ) -> None:
+        super().__init__(proc, cgroup, group, oom_clock, init_first=True, output=output)
+        self.control = control
+        self.holder_output: StdioTail | None = None
+
+    async def _returncode(self) -> int:
+        told = asyncio.ensure_future(hear(self.control, None))
+        ended = asyncio.ensure_future(self.proc.wait())
+        try:
+            await asyncio.wait({told, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            told.cancel()
+            ended.cancel()
+        if told.done() and not told.cancelled() and told.exception() is None:
+            status = told.result().get("status")
+            if isinstance(status, int):
+                return os.waitstatus_to_exitcode(status)
+        return await self.proc.wait()
+
+    async def kill(self) -> None:
+        try:
+            await super().kill()
+        finally:
+            self.control.close()
+            if self.holder_output is not None:
+                self.holder_output.stop()

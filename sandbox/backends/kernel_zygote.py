@@ -37,9 +37,11 @@ _NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 # Imported by every zygote, beside the operator's modules: the kernel's own stack, which each
 # kernel would otherwise import for itself (~270 modules).
 KERNEL_MODULES = ("ipykernel.kernelapp", "ipykernel.ipkernel", "ipykernel.zmqshell", "IPython")
-# With matplotlib: what a kernel's first chart imports (its inline backend, the chart extractor
-# of display_forms.py, PIL for the image).
-CHART_MODULES = ("matplotlib_inline.backend_inline", "e2b_charts", "PIL.Image")
+# With matplotlib: what a kernel's first chart imports (the renderer its inline backend draws
+# with, the chart extractor of display_forms.py, PIL for the image). Not the inline backend
+# itself: imported, it hooks into the IPython shell there is, and the zygote has none; a
+# kernel that found it imported would show no chart.
+CHART_MODULES = ("matplotlib.backends.backend_agg", "e2b_charts", "PIL.Image")
 
 
 def zygote_imports(modules: list[str]) -> list[str]:

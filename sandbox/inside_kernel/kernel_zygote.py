@@ -158,6 +158,9 @@ def _kernel(
         sys.path[0] = ""  # as `python -m`: the working directory, not the zygote's
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+        # Imported with no IPython shell there, the inline backend never hooked into one (it
+        # does so on import): imported again by the kernel, it hooks into the kernel's.
+        sys.modules.pop("matplotlib_inline.backend_inline", None)
         numpy = sys.modules.get("numpy")
         if numpy is not None:  # the zygote's stream must not be every kernel's
             numpy.random.seed()

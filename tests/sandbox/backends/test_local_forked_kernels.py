@@ -17,13 +17,15 @@ import pytest
 from code_interpreter_wire.processes import ProcessRequest
 from sandbox import Backend, create_backend
 from sandbox.backends.local import LocalBackend
+from sandbox.preload import ANALYST_PRELOAD, preload_code
 from tests.conftest import host_processes_with, require_backend, small_spec
 from tests.security.test_process_abuse import (
     DESCRIBE_SELF,
     check_a_command_is_confined_exactly_as_the_kernel,
 )
 
-MODULES = ["numpy", "pandas", "matplotlib.pyplot"]
+# The inline backend too: imported in the zygote, where there is no shell to hook into.
+MODULES = ["numpy", "pandas", "matplotlib.pyplot", "matplotlib_inline.backend_inline"]
 # What differs between two kernels' random streams, if any stream was shared.
 DRAWS = (
     "import random, os, numpy, json; print(json.dumps([random.random(), "
@@ -49,6 +51,7 @@ async def test_a_forked_kernel_has_its_modules_and_a_fresh_namespace(forked: Bac
         )
         assert first.text == "([True, True], 2)", first
         assert first.execution_count == 1
+        await sandbox.preload(preload_code(MODULES, ANALYST_PRELOAD))  # as a pool's sandbox
         chart = await sandbox.execute(
             "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
         )

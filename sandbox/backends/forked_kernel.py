@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -19,13 +21,15 @@ from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.bwrap_kernel import BwrapKernel, BwrapLauncher, confine, rlimits
-from sandbox.backends.kernel_zygote import ForkRequest, KernelZygote, hear
+from sandbox.backends.kernel_zygote import ForkRequest, KernelZygote, ZygoteFailed, hear
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import with_forwarder
 from sandbox.host_commands import memfd_with
 from sandbox.kernel.command import kernel_environment
 from sandbox.kernel.stdio_tail import StdioTail
+
+log = logging.getLogger(__name__)
 
 # The holder: bwrap's command in a sandbox whose kernel is forked into it. It says it runs (so
 # the sandbox is whole: mounts made, root pivoted) on what bwrap passes as its output.
@@ -51,8 +55,25 @@ class ForkingLauncher(BwrapLauncher):
     zygote: KernelZygote
 
     async def launch(self, connection_file_in_sandbox: str) -> BwrapKernel:
-        if self.unsafe or self.language != PYTHON:
+        if not self._forks():
             return await super().launch(connection_file_in_sandbox)
+        try:
+            return await self._fork(connection_file_in_sandbox)
+        except ZygoteFailed as exc:  # a kernel started afresh: slower, never worse
+            log.warning("a kernel is started afresh: %s", exc)
+            return await super().launch(connection_file_in_sandbox)
+
+    def _forks(self) -> bool:
+        """Whether this kernel is forked: Python's, in a sandbox with a cgroup (without one,
+        its memory rlimit would count the zygote's heap, which the kernel inherits), and no
+        variable of the session's that Python reads only as it starts (PYTHONPATH is applied
+        by the kernel itself)."""
+        startup = [n for n in self.spec.env if n.startswith("PYTHON") and n != "PYTHONPATH"]
+        return (
+            not self.unsafe and self.language == PYTHON and self.cgroup is not None and not startup
+        )
+
+    async def _fork(self, connection_file_in_sandbox: str) -> BwrapKernel:
         command = self.programs.kernels.command(
             PYTHON, connection_file_in_sandbox, self.kernel_dir_in_sandbox, self.spec.limits
         )
@@ -102,7 +123,8 @@ class ForkingLauncher(BwrapLauncher):
         if self.egress is not None:
             holder = with_forwarder(self.programs.kernels.python, holder)
         try:
-            options = self._bwrap_args(self.environment(), fds)
+            # The holder needs nothing of the kernel's environment (the kernel gets it whole).
+            options = self._bwrap_args({"PATH": "/usr/bin:/bin"}, fds)
             if any("\0" in option for option in options):  # each NUL ends an argument
                 raise SandboxStartError("an environment variable holds a NUL character")
             fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
@@ -181,6 +203,9 @@ class ForkedKernel(BwrapKernel):
             status = told.result().get("status")
             if isinstance(status, int):
                 return os.waitstatus_to_exitcode(status)
+            # The keeper is gone without a word: its kernel died with it (its parent-death
+            # signal), however it ended.
+            return -signal.SIGKILL
         return await self.proc.wait()
 
     async def kill(self) -> None:

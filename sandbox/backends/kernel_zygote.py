@@ -88,25 +88,32 @@ class KernelZygote:
             fds.append(memfd_with("seccomp", seccomp.bpf_program()))
             fds.append(os.dup(output))
             fds.append(keeper_end.detach())
-            message = {
-                "uid": request.uid,
-                "argv": request.argv,
-                "env": request.env,
-                "workdir": request.workdir,
-                "cgroup_procs": request.cgroup_procs,
-                "rlimits": request.rlimits,
-            }
+            # In memory, read by the keeper only: the zygote never holds a session's variables,
+            # and no environment is too large for a message.
+            fds.append(memfd_with("kernel", json.dumps(_message(request)).encode()))
             async with self._lock:
                 connection = await self._started()
-                socket.send_fds(connection, [json.dumps(message).encode()], fds)
+                try:
+                    socket.send_fds(connection, [b"fork"], fds)
+                except OSError as exc:  # it died since: the next fork starts another
+                    await self._stop()
+                    raise ZygoteFailed(f"the kernel zygote is gone: {exc}") from None
         except BaseException:
+            keeper_end.close()  # if not yet handed over
             control.close()
             raise
         finally:
             for fd in fds:
                 os.close(fd)
         try:
-            said = await hear(control, FORK_TIMEOUT_S)
+            try:
+                said = await hear(control, FORK_TIMEOUT_S)
+            except ZygoteFailed:
+                said = {}
+            if not said:  # no keeper: the zygote could not fork, or is stuck
+                async with self._lock:
+                    await self._stop()
+                raise ZygoteFailed("the kernel zygote did not fork; it is started again")
             if "keeper" in said:
                 said = await hear(control, FORK_TIMEOUT_S)
             if "kernel" not in said:
@@ -135,6 +142,9 @@ class KernelZygote:
                 pass_fds=[zygote_end.fileno()],
                 start_new_session=True,
             )
+        except BaseException:
+            connection.close()
+            raise
         finally:
             zygote_end.close()
         connection.setblocking(False)
@@ -171,6 +181,17 @@ class KernelZygote:
         await asyncio.to_thread(shutil.rmtree, self.home, True)
 
 
+def _message(request: ForkRequest) -> dict[str, Any]:
+    return {
+        "uid": request.uid,
+        "argv": request.argv,
+        "env": request.env,
+        "workdir": request.workdir,
+        "cgroup_procs": request.cgroup_procs,
+        "rlimits": request.rlimits,
+    }
+
+
 async def hear(channel: socket.socket, timeout_s: float | None) -> dict[str, Any]:
     """One message on a non-blocking SOCK_SEQPACKET socket; {} once its peer is gone."""
     channel.setblocking(False)
@@ -181,8 +202,11 @@ async def hear(channel: socket.socket, timeout_s: float | None) -> dict[str, Any
         raise ZygoteFailed("the kernel zygote did not answer in time") from None
     if not data:
         return {}
-    said = json.loads(data)
-    return said if isinstance(said, dict) else {}
+    try:
+        said = json.loads(data)
+    except ValueError:
+        return {"error": "an unreadable answer"}
+    return said if isinstance(said, dict) else {"error": "an unreadable answer"}
 
 
 def _namespaces(init: int) -> list[int]:

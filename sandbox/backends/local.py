@@ -104,9 +104,10 @@ class LocalBackendConfig(BaseModel):
     )
     zygote_modules: list[str] = Field(
         default_factory=list,
-        description="Modules a kernel zygote imports once (as root, in a sandbox): Python's "
-        "kernels are then forked from it, those modules loaded and their memory shared between "
-        "every kernel (docs/security.md). Empty: each kernel is started afresh.",
+        description="Modules a kernel zygote imports once (on the host, as root: the service "
+        "must run as root): Python's kernels are then forked from it into their sandboxes, "
+        "those modules loaded and their memory shared between every kernel (docs/security.md). "
+        "Empty: each kernel is started afresh.",
     )
     cpu_weight_per_sandbox: bool = Field(
         default=True,

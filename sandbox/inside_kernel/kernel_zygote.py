@@ -4,18 +4,23 @@ Importing pandas and matplotlib costs a kernel ~0.4 s and ~65 MB of memory of it
 zygote imports them once, on the host; each kernel is forked from it, so the pages of those
 modules stay shared (copy on write) between every kernel on the host, and a kernel starts with
 them loaded. Nothing of a session is ever in the zygote: it imports modules and forks, no more,
-and never runs a session's code; a kernel's secrets (its signing key, its connection file) come
-after the fork; its random streams are reseeded there (`random` reseeds itself at a fork;
-numpy's global generator is reseeded here). The hash seed is the zygote's, the same in every
-kernel forked from it (it keys no secret of ours).
+never runs a session's code and never reads a kernel's request (its keeper does); a kernel's
+secrets (its signing key, its connection file) come after the fork; its random streams are
+reseeded there (`random` reseeds itself at a fork; numpy's global generator is reseeded here).
+What a fork cannot renew is the same in every kernel forked from one zygote, and documented
+(docs/security.md): the hash seed, and the layout of memory (where libraries, heap and stack
+are: address randomisation is per exec).
 
-It runs as root, beside the service, with the kernels' interpreter and environment, and is
-told what to do over one SOCK_SEQPACKET socket that only the service holds. Each request is a
-JSON message with descriptors: the sandbox's namespaces (opened from its init, a sandbox bwrap
-started with a holder instead of a kernel), its root directory, the seccomp filter, the kernel's
-output pipe and a control socket. For each, the zygote forks a *keeper*, which:
+It runs as root, beside the service, with the kernels' interpreter and environment: the
+modules' import-time code runs as root, as the service's own does. It is told what to do over
+one SOCK_SEQPACKET socket that only the service holds. Each request is a message with
+descriptors: the sandbox's namespaces (opened from its init, a sandbox bwrap started with a
+holder instead of a kernel), its root directory, the seccomp filter, the kernel's output pipe,
+a control socket and a memfd of the kernel's JSON (its command line, environment, ids, limits).
+For each, the zygote forks a *keeper*, which:
 
-- says its pid on the control socket;
+- says its pid on the control socket, reads the JSON, and makes itself the last process the
+  kernel's cgroup would kill for memory;
 - joins the sandbox's cgroups, sets the rlimits, drops to the sandbox's host uid (as bwrap's
   caller does), enters the sandbox's outer user namespace, then its mount, PID, IPC, UTS,
   network and cgroup namespaces, and takes its root;
@@ -24,15 +29,18 @@ output pipe and a control socket. For each, the zygote forks a *keeper*, which:
 
 The kernel enters the kernel's own (inner) user namespace, drops every capability, sets
 no_new_privs and loads the seccomp filter (as the command server does: `_confine`), takes a
-session of its own, its output pipe as stdout and stderr, the kernel's environment and working
-directory, closes every other descriptor, and runs ipykernel's app with the kernel's own
-command line: the start-up files run as in any kernel.
+session of its own, its output pipe as stdout and stderr, closes every other descriptor, takes
+back what an interpreter starts with (the signals Python ignores or handles, dumpable), the
+kernel's environment, working directory and PYTHONPATH and its maths libraries' threads, and
+runs ipykernel's app with the kernel's own command line: the start-up files run as in any
+kernel.
 
     python kernel_zygote.py FD   (FD: the socket; the modules come in the first message)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -50,9 +58,9 @@ if TYPE_CHECKING or __package__:  # imported on the host: by its service end, by
 else:  # run as a script: its directory is first on sys.path
     import command_server  # the confinement every process in a sandbox takes
 
-MESSAGE_LIMIT = 1 << 20
-NS_GET_USERNS = 0xB701
+MESSAGE_LIMIT = 1 << 16  # the service's own messages; a kernel's request comes in a memfd
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 # setns flags of the namespaces entered after the outer user namespace, in this order.
 NAMESPACES = (
     ("mnt", 0x00020000),
@@ -71,6 +79,7 @@ DESCRIPTORS = (
     "seccomp",
     "output",
     "control",
+    "request",
 )
 
 
@@ -78,11 +87,17 @@ def _say(channel: socket.socket, message: dict[str, Any]) -> None:
     channel.send(json.dumps(message).encode())
 
 
-def _keeper(libc: ctypes.CDLL, request: dict[str, Any], fds: dict[str, int]) -> None:
+def _keeper(libc: ctypes.CDLL, fds: dict[str, int]) -> None:
     """In the forked keeper: never returns."""
     control = socket.socket(fileno=fds.pop("control"))
     try:
         _say(control, {"keeper": os.getpid()})
+        request = json.loads(command_server._read_all(fds.pop("request")))
+        # Never the one the memory-pressure killer picks in the sandbox's cgroup, where the
+        # host lets root say so (CAP_SYS_RESOURCE); killed all the same, its kernel dies with
+        # it (its parent-death signal) and the service hears the end of its control socket.
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adjust:
+            adjust.write("-1000")
         for procs in request["cgroup_procs"]:
             with open(procs, "w") as group:
                 group.write("0")
@@ -92,12 +107,9 @@ def _keeper(libc: ctypes.CDLL, request: dict[str, Any], fds: dict[str, int]) -> 
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)  # every capability in the host's namespace goes
-        command_server._check(
-            libc.setns(fds.pop("outer_userns"), command_server.CLONE_NEWUSER),
-            "entering the sandbox's user namespace",
-        )
+        _enter(libc, fds.pop("outer_userns"), command_server.CLONE_NEWUSER, "user")
         for name, flag in NAMESPACES:
-            command_server._check(libc.setns(fds.pop(name), flag), f"entering its {name} namespace")
+            _enter(libc, fds.pop(name), flag, name)
         root = fds.pop("root")
         os.fchdir(root)
         os.chroot(".")
@@ -116,11 +128,18 @@ def _keeper(libc: ctypes.CDLL, request: dict[str, Any], fds: dict[str, int]) -> 
         _say(control, {"status": status})
         os._exit(0)
     except BaseException as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        reason = str(exc) or repr(exc)  # an OSError's names the file it could not use
         try:
-            _say(control, {"error": reason or repr(exc)})
+            _say(control, {"error": reason})
         finally:
             os._exit(1)
+
+
+def _enter(libc: ctypes.CDLL, fd: int, flag: int, name: str) -> None:
+    try:
+        command_server._check(libc.setns(fd, flag), f"entering the sandbox's {name} namespace")
+    finally:
+        os.close(fd)
 
 
 def _drop_capabilities(libc: ctypes.CDLL) -> None:
@@ -151,13 +170,25 @@ def _kernel(
         os.dup2(null, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        for signum in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD, signal.SIGINT):
-            signal.signal(signum, signal.SIG_DFL)
+        os.closerange(3, 0x7FFFFFFF)  # whatever the open-files limit is now
+        # Python's own, as in any interpreter that starts: errors, not deaths, for a broken pipe
+        # and a file over its size limit; KeyboardInterrupt for an interrupt.
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # Dumpable, as a process that execs as its own user is (forked from root, it is not):
+        # its /proc files readable by itself.
+        command_server._check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
         os.chdir(str(request["workdir"]))
-        sys.path[0] = ""  # as `python -m`: the working directory, not the zygote's
+        env = {str(k): str(v) for k, v in request["env"].items()}
+        # As `python -m` makes it: the working directory first, then PYTHONPATH's entries
+        # (read by an interpreter only as it starts: the session's, not the zygote's).
+        extra = [entry for entry in env.get("PYTHONPATH", "").split(":") if entry]
+        sys.path[:1] = ["", *extra]
         os.environ.clear()
-        os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+        os.environ.update(env)
+        _threads(env)
         # Imported with no IPython shell there, the inline backend never hooked into one (it
         # does so on import): imported again by the kernel, it hooks into the kernel's.
         sys.modules.pop("matplotlib_inline.backend_inline", None)
@@ -174,6 +205,18 @@ def _kernel(
     except BaseException as exc:  # a kernel must never return into the keeper
         os.write(2, f"the kernel did not start: {exc!r}\n".encode())
     os._exit(1)
+
+
+def _threads(env: dict[str, str]) -> None:
+    """The maths libraries' threads as the kernel's environment says (they read it as they
+    load, in the zygote, which had one each)."""
+    try:
+        wanted = int(env.get("OPENBLAS_NUM_THREADS", "1"))
+        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+    except (ValueError, ImportError):
+        return
+    if wanted > 1:
+        threadpool_limits(limits=wanted)
 
 
 def _serve(libc: ctypes.CDLL, connection: socket.socket) -> None:
@@ -194,10 +237,10 @@ def _serve(libc: ctypes.CDLL, connection: socket.socket) -> None:
         try:
             pid = os.fork()
         except OSError:
-            pid = -1
+            pid = -1  # the control socket closes below: the service hears of no keeper
         if pid == 0:
             connection.close()
-            _keeper(libc, json.loads(data), named)
+            _keeper(libc, named)
         for fd in fds:
             os.close(fd)
 

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Backend, create_backend
 from sandbox.backends.local import LocalBackend
 from sandbox.preload import ANALYST_PRELOAD, preload_code
-from tests.conftest import host_processes_with, require_backend, small_spec
+from tests.conftest import require_backend, small_spec
 from tests.security.test_process_abuse import (
     DESCRIBE_SELF,
     check_a_command_is_confined_exactly_as_the_kernel,
@@ -26,6 +29,32 @@ from tests.security.test_process_abuse import (
 
 # The inline backend too: imported in the zygote, where there is no shell to hook into.
 MODULES = ["numpy", "pandas", "matplotlib.pyplot", "matplotlib_inline.backend_inline"]
+# What an interpreter starts with, which a forked kernel must take back: Python's signal
+# dispositions, dumpable, sys.path from PYTHONPATH, its maths libraries' threads; and what a
+# broken pipe does (an error, never the kernel's death).
+STARTED_AS = """
+import ctypes, json, signal, subprocess, sys
+import numpy  # its BLAS loaded in either kernel, to count its threads
+from threadpoolctl import threadpool_info
+status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
+proc = subprocess.Popen(["true"], stdin=subprocess.PIPE)
+proc.wait()
+try:
+    proc.stdin.write(b"x" * 65536)
+    proc.stdin.flush()
+    pipe = "no error"
+except BrokenPipeError:
+    pipe = "BrokenPipeError"
+print(json.dumps({
+    "SigIgn": status["SigIgn"].strip(),
+    "SigBlk": status["SigBlk"].strip(),
+    "handlers": [str(signal.getsignal(s)) for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT)],
+    "dumpable": ctypes.CDLL(None).prctl(3, 0, 0, 0, 0),
+    "path": [p for p in sys.path if p.startswith("/workspace")],
+    "threads": sorted({i["num_threads"] for i in threadpool_info()}),
+    "pipe": pipe,
+}))
+"""
 # What differs between two kernels' random streams, if any stream was shared.
 DRAWS = (
     "import random, os, numpy, json; print(json.dumps([random.random(), "
@@ -87,6 +116,29 @@ async def test_a_forked_kernel_is_confined_exactly_as_one_started_afresh(
     assert all(inside["namespaces"][n] != host[n] for n in host)
 
 
+async def test_a_forked_kernel_starts_as_an_interpreter_does(forked: Backend) -> None:
+    """What `python` sets as it starts (not inherited from the zygote, which was started
+    otherwise): the same in a forked kernel as in one started afresh."""
+    spec = small_spec(
+        env={"PYTHONPATH": "/workspace/lib:/workspace/more"},
+        limits={"memory_mb": 1024, "cpus": 2.0},
+    )
+    afresh = create_backend("local")
+    said = {}
+    try:
+        for name, backend in (("forked", forked), ("afresh", afresh)):
+            sandbox = await backend.create(spec)
+            try:
+                said[name] = json.loads((await sandbox.execute(STARTED_AS)).stdout)
+            finally:
+                await sandbox.close()
+    finally:
+        await afresh.close()
+    assert said["forked"] == said["afresh"]
+    assert said["forked"]["pipe"] == "BrokenPipeError"
+    assert said["forked"]["path"] == ["/workspace/lib", "/workspace/more"]
+
+
 async def test_sibling_kernels_share_no_state_file_or_random_stream(forked: Backend) -> None:
     one, two = await asyncio.gather(forked.create(small_spec()), forked.create(small_spec()))
     try:
@@ -127,5 +179,59 @@ async def test_a_dead_zygote_is_started_again_and_closing_leaves_nothing(
         assert (await second.execute("import sys; 'pandas' in sys.modules")).text == "True"
     finally:
         await asyncio.gather(first.close(), second.close())
-    for box in (first, second):
-        assert host_processes_with(box.id) == []
+    # Keepers are the zygote's children (the first's, orphaned with its zygote, is gone too).
+    assert zygote._proc is not None
+    new_zygote = zygote._proc.pid
+    left = Path(f"/proc/{new_zygote}/task/{new_zygote}/children").read_text().split()
+    assert left == []
+    assert all(not _in_a_cgroup_of(box.id) for box in (first, second))
+
+
+def _in_a_cgroup_of(sandbox_id: str) -> bool:
+    """Whether any process is left in the sandbox's cgroups (or they are still there)."""
+    groups = Path("/sys/fs/cgroup/memory/code-interpreter") / sandbox_id
+    return groups.exists() and any(
+        procs.read_text().strip() for procs in groups.rglob("cgroup.procs")
+    )
+
+
+async def test_a_keeper_killed_ends_its_kernel_and_a_new_one_is_forked(forked: Backend) -> None:
+    """Its kernel dies with it (the parent-death signal); the end of its control socket says
+    so, rather than a call waiting on a sandbox that lives on."""
+    assert isinstance(forked, LocalBackend)
+    sandbox = await forked.create(small_spec())
+    try:
+        await sandbox.execute("x = 1")
+        zygote = forked._zygote
+        assert zygote is not None and zygote._proc is not None
+        pid = zygote._proc.pid
+        [keeper] = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        os.kill(int(keeper), signal.SIGKILL)
+        after = await asyncio.wait_for(sandbox.execute("'x' in globals()"), 60)
+        if after.status is ExecutionStatus.KERNEL_DIED:  # found dead by this call: told so
+            assert after.error is not None and after.error.name == "KernelDied", after
+            after = await asyncio.wait_for(sandbox.execute("'x' in globals()"), 60)
+        else:  # found dead before it: the loss is told with its result
+            assert after.state_lost, after
+        assert after.text == "False", after
+        again = await sandbox.execute("import sys; 'pandas' in sys.modules")
+        assert again.text == "True", again  # forked again
+    finally:
+        await sandbox.close()
+
+
+async def test_an_environment_larger_than_a_message_reaches_a_forked_kernel(
+    forked: Backend,
+) -> None:
+    # Over a socket message's most in all (the kernel's request goes in a memfd); each under
+    # the most one variable may hold through an exec (bwrap's own).
+    big = {f"BIG_{i}": "x" * 100_000 for i in range(3)}
+    sandbox = await forked.create(small_spec(env=big))
+    try:
+        got = await sandbox.execute(
+            "import os, sys; sum(len(os.environ[f'BIG_{i}']) for i in range(3)), "
+            "'pandas' in sys.modules"
+        )
+        assert got.text == "(300000, True)", got
+    finally:
+        await sandbox.close()

@@ -24,6 +24,7 @@ from sandbox.egress_channel import EgressChannel
 from sandbox.host_channel import HostChannel
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.process import KernelLauncher
+from sandbox.run_to_end import finish_even_if_cancelled
 from sandbox.socket_peer import SocketPeer
 from sandbox.state_dir import SessionDirs
 
@@ -54,18 +55,26 @@ class KernelRecipe(ABC, Generic[S]):
         dirs: SessionDirs | None = None
         driver: KernelDriver | None = None
         try:
-            dirs = await self.make_dirs()
+            # Made whole even when this make is cancelled meanwhile (a pool closing cancels its
+            # starts), so that what was made is known, and removed below.
+            making = asyncio.ensure_future(self.make_dirs())
+            try:
+                dirs = await finish_even_if_cancelled(making)
+            except asyncio.CancelledError:
+                if not making.cancelled() and making.exception() is None:
+                    dirs = making.result()
+                raise
             await self.prepare(dirs)
             self.make_channels(dirs)
             driver = self.driver(PYTHON)
             await driver.start()
             sandbox = self.sandbox(dirs, driver)
-        except BaseException:
+        except BaseException:  # undone whole, even if cancelled again meanwhile
             if driver is not None:
-                await driver.close()
+                await finish_even_if_cancelled(driver.close())
             if dirs is not None:
-                await asyncio.to_thread(dirs.remove)
-            await self.undo()
+                await finish_even_if_cancelled(asyncio.to_thread(dirs.remove))
+            await finish_even_if_cancelled(self.undo())
             raise
         sandbox.host_channel = self.host_channel
         sandbox.egress_channel = self.egress_channel

@@ -245,6 +245,30 @@ def _serve(libc: ctypes.CDLL, connection: socket.socket) -> None:
             os.close(fd)
 
 
+def _warm_up() -> None:
+    """Fill, once for every kernel, the caches a first chart fills in each (fonts found and
+    loaded, glyphs, the PNG encoder; pandas' own lazy imports): drawn with matplotlib's
+    renderer alone, never through pyplot, whose backend is the kernel's (inline) to choose."""
+    if "pandas" in sys.modules:
+        pandas = sys.modules["pandas"]
+        frame = pandas.DataFrame({"x": [0, 1, 2], "y": [0, 1, 4]})
+        frame.groupby("x")["y"].sum()
+    if "matplotlib.pyplot" not in sys.modules:
+        return
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure()
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot([0, 1, 2], [0, 1, 4], label="warm-up")
+    axes.set_title("warm-up")
+    axes.legend()
+    figure.savefig(io.BytesIO(), format="png")
+
+
 def main() -> None:
     connection = socket.socket(fileno=int(sys.argv[1]))
     hello = json.loads(connection.recv(MESSAGE_LIMIT))
@@ -255,6 +279,8 @@ def main() -> None:
             importlib.import_module(name)
         except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(Exception):  # only ever warmer, never a reason not to fork
+        _warm_up()
     gc.enable()
     gc.freeze()  # what the imports made is never touched by a kernel's collections
     threads = len(os.listdir("/proc/self/task"))

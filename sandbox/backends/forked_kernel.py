@@ -28,6 +28,7 @@ from sandbox.egress_channel import with_forwarder
 from sandbox.host_commands import memfd_with
 from sandbox.kernel.command import kernel_environment
 from sandbox.kernel.stdio_tail import StdioTail
+from sandbox.run_to_end import finish_even_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,12 @@ log = logging.getLogger(__name__)
 HOLDER = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
 HOLDER_READY = b"ready\n"
 HOLDER_TIMEOUT_S = 60.0
+# Variables read only as a program starts (Python's own, the loader's and libc's, the locale)
+# or as a module the zygote imported loads (matplotlib's, the maths libraries' threads): a
+# session that sets one gets a kernel started afresh, which reads them.
+STARTUP_ONLY = (
+    "PYTHON", "LD_", "GLIBC_", "MALLOC_", "LANG", "LC_", "MPL", "OMP_", "MKL_", "OPENBLAS_",
+)  # fmt: skip
 
 
 def zygote_environment(python: str, home: Path) -> dict[str, str]:
@@ -66,9 +73,9 @@ class ForkingLauncher(BwrapLauncher):
     def _forks(self) -> bool:
         """Whether this kernel is forked: Python's, in a sandbox with a cgroup (without one,
         its memory rlimit would count the zygote's heap, which the kernel inherits), and no
-        variable of the session's that Python reads only as it starts (PYTHONPATH is applied
-        by the kernel itself)."""
-        startup = [n for n in self.spec.env if n.startswith("PYTHON") and n != "PYTHONPATH"]
+        variable of the session's read only as a program starts or a module loads, which the
+        zygote did long before (PYTHONPATH is applied by the kernel itself)."""
+        startup = [n for n in self.spec.env if n.startswith(STARTUP_ONLY) and n != "PYTHONPATH"]
         return (
             not self.unsafe and self.language == PYTHON and self.cgroup is not None and not startup
         )
@@ -82,14 +89,16 @@ class ForkingLauncher(BwrapLauncher):
         pids_group = self.cgroup.kernel_group(self.language) if self.cgroup else None
         proc = await self._start_holder(pids_group)
         assert proc.stdout is not None
-        try:  # read before anything else reads bwrap's output
-            ready = await asyncio.wait_for(proc.stdout.readline(), HOLDER_TIMEOUT_S)
-        except TimeoutError:
-            ready = b""
-        # The sandbox as any local kernel's, to kill it the same way if the fork fails.
-        held = BwrapKernel(proc, self.cgroup, group=pids_group, init_first=True)
-        output_read, output_write = os.pipe()
-        try:
+        held: BwrapKernel | None = None
+        control: socket.socket | None = None
+        output_read = output_write = -1
+        try:  # whatever happens from here on (a cancellation too), nothing of it is left
+            try:  # read before anything else reads bwrap's output
+                ready = await asyncio.wait_for(proc.stdout.readline(), HOLDER_TIMEOUT_S)
+            except TimeoutError:
+                ready = b""
+            # The sandbox as any local kernel's, to kill it the same way if the fork fails.
+            held = BwrapKernel(proc, self.cgroup, group=pids_group, init_first=True)
             if ready != HOLDER_READY:
                 await held.output.settle()
                 said = (ready.decode(errors="replace") + held.diagnostics()).strip()
@@ -104,16 +113,23 @@ class ForkingLauncher(BwrapLauncher):
                 cgroup_procs=self._cgroup_procs(pids_group),
                 rlimits=rlimits(self.spec.limits, self.cgroup, self.host_uid),
             )
+            output_read, output_write = os.pipe()
             control = await self.zygote.fork(request, output_write)
-        except BaseException:
-            os.close(output_read)
-            await asyncio.shield(held.kill())
-            raise
-        finally:
             os.close(output_write)
-        self.kernel = ForkedKernel(
-            proc, control, await _reader(output_read), self.cgroup, pids_group, self.oom_clock
-        )
+            output_write = -1
+            output = await _reader(output_read)
+            output_read = -1  # the reader's now
+        except BaseException:
+            for fd in (output_read, output_write):
+                if fd >= 0:
+                    os.close(fd)
+            if control is not None:
+                control.close()
+            if held is None:
+                held = BwrapKernel(proc, self.cgroup, group=pids_group, init_first=True)
+            await finish_even_if_cancelled(held.kill())
+            raise
+        self.kernel = ForkedKernel(proc, control, output, self.cgroup, pids_group, self.oom_clock)
         self.kernel.holder_output = held.output  # bwrap's, drained until the sandbox ends
         return self.kernel
 

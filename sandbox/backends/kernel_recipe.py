@@ -12,6 +12,7 @@ A backend says only what differs, as the hooks of its `KernelRecipe`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from sandbox.kernel.process import KernelLauncher
 from sandbox.run_to_end import finish_even_if_cancelled
 from sandbox.socket_peer import SocketPeer
 from sandbox.state_dir import SessionDirs
+
+log = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=KernelSandbox)
 
@@ -70,15 +73,26 @@ class KernelRecipe(ABC, Generic[S]):
             await driver.start()
             sandbox = self.sandbox(dirs, driver)
         except BaseException:  # undone whole, even if cancelled again meanwhile
-            if driver is not None:
-                await finish_even_if_cancelled(driver.close())
-            if dirs is not None:
-                await finish_even_if_cancelled(asyncio.to_thread(dirs.remove))
-            await finish_even_if_cancelled(self.undo())
+            try:
+                await finish_even_if_cancelled(self._undo_all(driver, dirs))
+            except Exception:  # what made it fail is what the caller is told
+                log.exception("undoing a sandbox that did not start failed")
             raise
         sandbox.host_channel = self.host_channel
         sandbox.egress_channel = self.egress_channel
         return sandbox
+
+    async def _undo_all(self, driver: KernelDriver | None, dirs: SessionDirs | None) -> None:
+        """Each step, whatever the one before it raised."""
+        try:
+            if driver is not None:
+                await driver.close()
+        finally:
+            try:
+                if dirs is not None:
+                    await asyncio.to_thread(dirs.remove)
+            finally:
+                await self.undo()
 
     def make_channels(self, dirs: SessionDirs) -> None:
         """The host-tool and egress channels' directories, where the spec asks for them (once:

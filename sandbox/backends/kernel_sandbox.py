@@ -47,11 +47,14 @@ PRELOAD_TIMEOUT_S = 300.0
 # Run after a preload: what its warm-up freed goes back to the system (glibc keeps freed heap
 # for reuse otherwise; ~1 MiB a preloaded kernel, measured), so idle sessions hold less.
 _GIVE_BACK = """\
-import ctypes, gc
-gc.collect()
-libc = ctypes.CDLL(None)
-if hasattr(libc, "malloc_trim"):
-    libc.malloc_trim(0)
+try:
+    import ctypes, gc
+    gc.collect()
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "malloc_trim"):  # glibc's (musl has none)
+        libc.malloc_trim(0)
+except Exception:
+    pass
 """
 
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,22 +32,30 @@ log = logging.getLogger(__name__)
 ZYGOTE_FILE = Path(kernel_zygote.__file__)
 START_TIMEOUT_S = 120.0  # its imports: pandas and matplotlib take seconds on a busy host
 FORK_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 60.0  # a zygote that failed to start is not tried again sooner
 _NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 
 
 # Imported by every zygote, beside the operator's modules: the kernel's own stack, which each
 # kernel would otherwise import for itself (~270 modules).
 KERNEL_MODULES = ("ipykernel.kernelapp", "ipykernel.ipkernel", "ipykernel.zmqshell", "IPython")
-# With matplotlib: what a kernel's first chart imports (the renderer its inline backend draws
-# with, the chart extractor of display_forms.py, PIL for the image). Not the inline backend
-# itself: imported, it hooks into the IPython shell there is, and the zygote has none; a
-# kernel that found it imported would show no chart.
-CHART_MODULES = ("matplotlib.backends.backend_agg", "e2b_charts", "PIL.Image")
+# With matplotlib: what a kernel's first chart imports (its inline backend, which the
+# kernel's start-up file hooks into the kernel's shell; the chart extractor of
+# display_forms.py; PIL for the image).
+CHART_MODULES = ("matplotlib_inline.backend_inline", "e2b_charts", "PIL.Image")
+
+
+# With pandas and matplotlib: pandas' plotting, which its first `.plot()` imports (~7 MiB a
+# kernel, measured).
+PANDAS_CHART_MODULES = ("pandas.plotting._matplotlib",)
 
 
 def zygote_imports(modules: list[str]) -> list[str]:
     """What a zygote for `modules` imports, in order: the kernel's stack, then theirs."""
-    charts = CHART_MODULES if any(m.split(".")[0] == "matplotlib" for m in modules) else ()
+    tops = {m.split(".")[0] for m in modules}
+    charts: tuple[str, ...] = CHART_MODULES if "matplotlib" in tops else ()
+    if {"matplotlib", "pandas"} <= tops:
+        charts += PANDAS_CHART_MODULES
     return list(dict.fromkeys([*KERNEL_MODULES, *modules, *charts]))
 
 
@@ -77,6 +86,8 @@ class KernelZygote:
         self._connection: socket.socket | None = None
         self._lock = asyncio.Lock()
         self.failed_imports: dict[str, str] = {}
+        self._failed_at: float | None = None  # when it last failed to start
+        self._failure = ""
 
     async def fork(self, request: ForkRequest, output: int) -> socket.socket:
         """Fork a kernel as `request` says, its output written to `output` (a pipe's end);
@@ -93,8 +104,11 @@ class KernelZygote:
             fds.append(memfd_with("kernel", json.dumps(_message(request)).encode()))
             async with self._lock:
                 connection = await self._started()
+                zygote = self._proc
                 try:
                     socket.send_fds(connection, [b"fork"], fds)
+                except BlockingIOError:  # alive, its queue full: this kernel starts afresh
+                    raise ZygoteFailed("the kernel zygote is busy") from None
                 except OSError as exc:  # it died since: the next fork starts another
                     await self._stop()
                     raise ZygoteFailed(f"the kernel zygote is gone: {exc}") from None
@@ -112,7 +126,8 @@ class KernelZygote:
                 said = {}
             if not said:  # no keeper: the zygote could not fork, or is stuck
                 async with self._lock:
-                    await self._stop()
+                    if self._proc is zygote:  # not one started since by another fork
+                        await self._stop()
                 raise ZygoteFailed("the kernel zygote did not fork; it is started again")
             if "keeper" in said:
                 said = await hear(control, FORK_TIMEOUT_S)
@@ -124,10 +139,20 @@ class KernelZygote:
         return control
 
     async def _started(self) -> socket.socket:
-        """The connection to a running zygote, started now if there is none (the lock held)."""
+        """The connection to a running zygote, started now if there is none (the lock held).
+        One that failed to start is not tried again for a while: kernels start afresh."""
         if self._proc is not None and self._proc.returncode is None and self._connection:
             return self._connection
         await self._stop()
+        if self._failed_at is not None and time.monotonic() - self._failed_at < RETRY_AFTER_S:
+            raise ZygoteFailed(f"the kernel zygote failed to start: {self._failure}")
+        try:
+            return await self._start()
+        except ZygoteFailed as exc:
+            self._failed_at, self._failure = time.monotonic(), str(exc)
+            raise
+
+    async def _start(self) -> socket.socket:
         connection, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = await asyncio.create_subprocess_exec(

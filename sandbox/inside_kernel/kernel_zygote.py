@@ -19,8 +19,7 @@ holder instead of a kernel), its root directory, the seccomp filter, the kernel'
 a control socket and a memfd of the kernel's JSON (its command line, environment, ids, limits).
 For each, the zygote forks a *keeper*, which:
 
-- says its pid on the control socket, reads the JSON, and makes itself the last process the
-  kernel's cgroup would kill for memory;
+- says its pid on the control socket and reads the JSON;
 - joins the sandbox's cgroups, sets the rlimits, drops to the sandbox's host uid (as bwrap's
   caller does), enters the sandbox's outer user namespace, then its mount, PID, IPC, UTS,
   network and cgroup namespaces, and takes its root;
@@ -93,11 +92,6 @@ def _keeper(libc: ctypes.CDLL, fds: dict[str, int]) -> None:
     try:
         _say(control, {"keeper": os.getpid()})
         request = json.loads(command_server._read_all(fds.pop("request")))
-        # Never the one the memory-pressure killer picks in the sandbox's cgroup, where the
-        # host lets root say so (CAP_SYS_RESOURCE); killed all the same, its kernel dies with
-        # it (its parent-death signal) and the service hears the end of its control socket.
-        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as adjust:
-            adjust.write("-1000")
         for procs in request["cgroup_procs"]:
             with open(procs, "w") as group:
                 group.write("0")
@@ -161,6 +155,8 @@ def _kernel(
         command_server._check(
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal"
         )
+        if os.getppid() != 0:  # the keeper (outside this PID namespace: 0) died already
+            os._exit(1)
         command_server._confine(
             libc, {"userns_fd": fds.pop("inner_userns"), "seccomp_fd": fds.pop("seccomp")}
         )
@@ -170,7 +166,9 @@ def _kernel(
         os.dup2(null, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
-        os.closerange(3, 0x7FFFFFFF)  # whatever the open-files limit is now
+        # Up to the highest open now (a bound far above it costs a close() each where the
+        # host has no close_range).
+        os.closerange(3, max(map(int, os.listdir("/proc/self/fd"))) + 1)
         # Python's own, as in any interpreter that starts: errors, not deaths, for a broken pipe
         # and a file over its size limit; KeyboardInterrupt for an interrupt.
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -182,16 +180,14 @@ def _kernel(
         command_server._check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")
         os.chdir(str(request["workdir"]))
         env = {str(k): str(v) for k, v in request["env"].items()}
-        # As `python -m` makes it: the working directory first, then PYTHONPATH's entries
-        # (read by an interpreter only as it starts: the session's, not the zygote's).
-        extra = [entry for entry in env.get("PYTHONPATH", "").split(":") if entry]
-        sys.path[:1] = ["", *extra]
+        # As `python -m ipykernel_launcher` leaves it: PYTHONPATH's entries first (an empty
+        # one is the working directory), as an interpreter makes them as it starts (the
+        # session's, not the zygote's); IPython adds "" before site-packages itself.
+        extra = env.get("PYTHONPATH", "")
+        sys.path[:1] = [os.path.abspath(entry) for entry in extra.split(":")] if extra else []
         os.environ.clear()
         os.environ.update(env)
         _threads(env)
-        # Imported with no IPython shell there, the inline backend never hooked into one (it
-        # does so on import): imported again by the kernel, it hooks into the kernel's.
-        sys.modules.pop("matplotlib_inline.backend_inline", None)
         numpy = sys.modules.get("numpy")
         if numpy is not None:  # the zygote's stream must not be every kernel's
             numpy.random.seed()
@@ -212,11 +208,12 @@ def _threads(env: dict[str, str]) -> None:
     load, in the zygote, which had one each)."""
     try:
         wanted = int(env.get("OPENBLAS_NUM_THREADS", "1"))
-        from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
-    except (ValueError, ImportError):
+        if wanted > 1:
+            from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+
+            threadpool_limits(limits=wanted)
+    except Exception:
         return
-    if wanted > 1:
-        threadpool_limits(limits=wanted)
 
 
 def _serve(libc: ctypes.CDLL, connection: socket.socket) -> None:
@@ -253,7 +250,7 @@ def _warm_up() -> None:
         pandas = sys.modules["pandas"]
         frame = pandas.DataFrame({"x": [0, 1, 2], "y": [0, 1, 4]})
         frame.groupby("x")["y"].sum()
-    if "matplotlib.pyplot" not in sys.modules:
+    if "matplotlib" not in sys.modules:
         return
     import io
 
@@ -263,10 +260,15 @@ def _warm_up() -> None:
     figure = Figure()
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
-    axes.plot([0, 1, 2], [0, 1, 4], label="warm-up")
-    axes.set_title("warm-up")
+    if "pandas" in sys.modules:  # pandas' plotting (pyplot takes its backend, the inline one:
+        # the kernel's start-up file hooks it into the kernel's shell)
+        sys.modules["pandas"].Series([0, 1, 4], name="y").plot(ax=axes, title="warm-up")
+    else:
+        axes.plot([0, 1, 2], [0, 1, 4], label="warm-up")
     axes.legend()
     figure.savefig(io.BytesIO(), format="png")
+    if "e2b_charts" in sys.modules:  # the chart extractor's models, built once for all
+        sys.modules["e2b_charts"].chart_figure_to_dict(figure)
 
 
 def main() -> None:
@@ -282,6 +284,7 @@ def main() -> None:
     with contextlib.suppress(Exception):  # only ever warmer, never a reason not to fork
         _warm_up()
     gc.enable()
+    gc.collect()  # the warm-up's garbage goes before the rest is frozen for good
     gc.freeze()  # what the imports made is never touched by a kernel's collections
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1 or threading.active_count() != 1:

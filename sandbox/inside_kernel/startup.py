@@ -366,6 +366,26 @@ def _move_iopub_pipe(path: str) -> None:
     moved.wait(10)
 
 
+def _inline_backend_hooked() -> None:
+    """matplotlib's inline backend hooks into the IPython shell there is as it is imported
+    (its figures shown at the end of a cell, closed after): one imported before this kernel's
+    shell existed (in the zygote a forked kernel comes from) hooks into this one now, as it
+    would have. Elsewhere it is not imported yet, and hooks in itself on its import."""
+    import sys
+
+    backend_inline = sys.modules.get("matplotlib_inline.backend_inline")
+    if backend_inline is None:
+        return
+    from IPython.core.pylabtools import activate_matplotlib
+    from matplotlib import get_backend
+
+    backend = get_backend()
+    if backend in ("inline", "module://matplotlib_inline.backend_inline"):
+        activate_matplotlib(backend)  # type: ignore[no-untyped-call]
+        backend_inline.configure_inline_support(get_ipython(), backend)  # type: ignore[name-defined]  # noqa: F821
+
+
 if __import__("os").environ.get("CIR_IOPUB_PIPE"):
     _move_iopub_pipe(__import__("os").environ["CIR_IOPUB_PIPE"])
-del _setup, _track_tool_origin, _move_iopub_pipe
+_inline_backend_hooked()
+del _setup, _track_tool_origin, _move_iopub_pipe, _inline_backend_hooked

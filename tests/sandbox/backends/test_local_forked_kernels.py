@@ -51,6 +51,8 @@ print(json.dumps({
     "handlers": [str(signal.getsignal(s)) for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT)],
     "dumpable": ctypes.CDLL(None).prctl(3, 0, 0, 0, 0),
     "path": [p for p in sys.path if p.startswith("/workspace")],
+    "sys_path": sys.path,
+    "oom_score_adj": open("/proc/self/oom_score_adj").read(),
     "threads": sorted({i["num_threads"] for i in threadpool_info()}),
     "pipe": pipe,
 }))
@@ -85,10 +87,13 @@ async def test_a_forked_kernel_has_its_modules_and_a_fresh_namespace(forked: Bac
             "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
         )
         assert [a.extension for a in chart.artifacts] == ["png"], chart
-        where = await sandbox.execute(
-            "import os; os.getcwd(), os.getuid(), __import__('sys').path[0]"
-        )
-        assert where.text == "('/workspace', 1000, '')", where
+        # Without show(): the inline backend shows it at the cell's end, and closes it, as in
+        # any kernel (hooked into this kernel's shell, though imported before it existed).
+        unshown = await sandbox.execute("plt.plot([2, 1])\nNone")
+        assert [a.extension for a in unshown.artifacts] == ["png"], unshown
+        assert (await sandbox.execute("plt.get_fignums()")).text == "[]"
+        where = await sandbox.execute("import os; os.getcwd(), os.getuid()")
+        assert where.text == "('/workspace', 1000)", where
     finally:
         await sandbox.close()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 from code_interpreter_wire.errors import SandboxStartError
 from sandbox import seccomp
+from sandbox.backends.local_command_server import user_namespaces
 from sandbox.host_commands import memfd_with
 from sandbox.inside_kernel import kernel_zygote
 
@@ -33,7 +33,6 @@ ZYGOTE_FILE = Path(kernel_zygote.__file__)
 START_TIMEOUT_S = 120.0  # its imports: pandas and matplotlib take seconds on a busy host
 FORK_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 60.0  # a zygote that failed to start is not tried again sooner
-_NS_GET_USERNS = 0xB701  # ioctl: the user namespace that owns a namespace
 
 
 # Imported by every zygote, beside the operator's modules: the kernel's own stack, which each
@@ -240,12 +239,7 @@ def _namespaces(init: int) -> list[int]:
     --disable-userns), its mount, PID, IPC, UTS, network and cgroup namespaces, and its root."""
     fds: list[int] = []
     try:
-        pid_ns = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fds.append(fcntl.ioctl(pid_ns, _NS_GET_USERNS))
-        finally:
-            os.close(pid_ns)
-        fds.append(os.open(f"/proc/{init}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
+        user_namespaces(init, fds)
         for name, _ in kernel_zygote.NAMESPACES:
             fds.append(os.open(f"/proc/{init}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC))
         fds.append(os.open(f"/proc/{init}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))

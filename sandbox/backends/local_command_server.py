@@ -63,7 +63,7 @@ async def start_local_server(settings: LocalProcessSettings, init: int | None) -
             argv = [settings.python, "-I", "-S", str(COMMAND_SERVER_FILE)]
             spec["workspace"] = str(settings.workspace)
         else:
-            outer_userns, inner_userns = _namespaces(init, fds)
+            outer_userns, inner_userns = user_namespaces(init, fds)
             fds.append(memfd_with("seccomp", seccomp.bpf_program()))
             spec.update(workspace=WORKSPACE_IN_SANDBOX, userns_fd=inner_userns)
             spec["seccomp_fd"] = fds[-1]
@@ -117,9 +117,10 @@ async def start_local_server(settings: LocalProcessSettings, init: int | None) -
     return CommandServer(connection, serves=init, host_pid=host_pid, proc=proc)
 
 
-def _namespaces(init: int, fds: list[int]) -> tuple[int, int]:
+def user_namespaces(init: int, fds: list[int]) -> tuple[int, int]:
     """The sandbox's outer user namespace (it owns the others) and the kernel's own, nested
-    in it (bwrap's --disable-userns): nsenter enters the first, the server the second."""
+    in it (bwrap's --disable-userns), opened into `fds`: nsenter enters the first, the server
+    the second (a forked kernel's keeper and the kernel likewise: kernel_zygote.py)."""
     pid_ns = os.open(f"/proc/{init}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     try:
         fds.append(fcntl.ioctl(pid_ns, _NS_GET_USERNS))

@@ -184,12 +184,42 @@ async def test_a_dead_zygote_is_started_again_and_closing_leaves_nothing(
         assert (await second.execute("import sys; 'pandas' in sys.modules")).text == "True"
     finally:
         await asyncio.gather(first.close(), second.close())
-    # Keepers are the zygote's children (the first's, orphaned with its zygote, is gone too).
+    # Keepers are the zygote's children (the first's, orphaned with its zygote, is gone too):
+    # each ends once its kernel has (the sandbox's end, just now), so this waits for their end.
     assert zygote._proc is not None
-    new_zygote = zygote._proc.pid
-    left = Path(f"/proc/{new_zygote}/task/{new_zygote}/children").read_text().split()
-    assert left == []
+    await asyncio.wait_for(_until_gone(_children(zygote._proc.pid)), 60)
     assert all(not _in_a_cgroup_of(box.id) for box in (first, second))
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def _until_gone(pids: list[int]) -> None:
+    """On once every one of `pids` has ended (its pidfd readable)."""
+    loop = asyncio.get_running_loop()
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def readable(done: asyncio.Future[None] = ended) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        loop.add_reader(pidfd, readable)
+        try:
+            await ended
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+
+def _cgroup_members(sandbox_id: str) -> set[int]:
+    groups = Path("/sys/fs/cgroup/memory/code-interpreter") / sandbox_id
+    return {int(pid) for procs in groups.rglob("cgroup.procs") for pid in procs.read_text().split()}
 
 
 def _in_a_cgroup_of(sandbox_id: str) -> bool:
@@ -210,8 +240,10 @@ async def test_a_keeper_killed_ends_its_kernel_and_a_new_one_is_forked(forked: B
         zygote = forked._zygote
         assert zygote is not None and zygote._proc is not None
         pid = zygote._proc.pid
-        [keeper] = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        os.kill(int(keeper), signal.SIGKILL)
+        # This sandbox's keeper: the zygote's child in this sandbox's cgroup (others may not
+        # have ended yet, their sandboxes closed just before).
+        [keeper] = [c for c in _children(pid) if c in _cgroup_members(sandbox.id)]
+        os.kill(keeper, signal.SIGKILL)
         after = await asyncio.wait_for(sandbox.execute("'x' in globals()"), 60)
         if after.status is ExecutionStatus.KERNEL_DIED:  # found dead by this call: told so
             assert after.error is not None and after.error.name == "KernelDied", after

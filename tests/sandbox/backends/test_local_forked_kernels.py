@@ -21,6 +21,7 @@ from code_interpreter_wire.results import ExecutionStatus
 from sandbox import Backend, create_backend
 from sandbox.backends.local import LocalBackend
 from sandbox.preload import ANALYST_PRELOAD, preload_code
+from sandbox.processes.served import exit_of
 from tests.conftest import require_backend, small_spec
 from tests.security.test_process_abuse import (
     DESCRIBE_SELF,
@@ -197,23 +198,14 @@ def _children(pid: int) -> list[int]:
 
 async def _until_gone(pids: list[int]) -> None:
     """On once every one of `pids` has ended (its pidfd readable)."""
-    loop = asyncio.get_running_loop()
     for pid in pids:
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             continue
-        ended: asyncio.Future[None] = loop.create_future()
-
-        def readable(done: asyncio.Future[None] = ended) -> None:
-            if not done.done():
-                done.set_result(None)
-
-        loop.add_reader(pidfd, readable)
         try:
-            await ended
+            await exit_of(pidfd)
         finally:
-            loop.remove_reader(pidfd)
             os.close(pidfd)
 
 

@@ -240,16 +240,9 @@ class BwrapLauncher:
                 argv = self._kernel_command(connection_file_in_sandbox)
                 cwd = str(self.dirs.workspace)
             else:
-                options = self._bwrap_args(self.environment(), fds)
-                if any("\0" in option for option in options):  # each NUL ends an argument
-                    raise SandboxStartError("an environment variable holds a NUL character")
-                fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
-                argv = [
-                    self.programs.bwrap,
-                    "--args",
-                    str(fds[-1]),
-                    *self._kernel_command(connection_file_in_sandbox),
-                ]
+                argv = self.bwrap_argv(
+                    self.environment(), fds, self._kernel_command(connection_file_in_sandbox)
+                )
                 env = {}  # bwrap's own (the sandbox's pid 1): nothing of the session or host
                 cwd = "/"
             proc = await asyncio.create_subprocess_exec(
@@ -274,6 +267,15 @@ class BwrapLauncher:
             init_first=not self.unsafe,
         )
         return self.kernel
+
+    def bwrap_argv(self, env: dict[str, str], fds: list[int], command: list[str]) -> list[str]:
+        """bwrap running `command` in the sandbox with `env`, its options in a memfd (put in
+        `fds`, which the caller passes and closes)."""
+        options = self._bwrap_args(env, fds)
+        if any("\0" in option for option in options):  # each NUL ends an argument
+            raise SandboxStartError("an environment variable holds a NUL character")
+        fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
+        return [self.programs.bwrap, "--args", str(fds[-1]), *command]
 
     def _kernel_command(self, connection_file: str) -> list[str]:
         command = self.programs.kernels.command(

@@ -25,7 +25,6 @@ from sandbox.backends.kernel_zygote import ForkRequest, KernelZygote, ZygoteFail
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import with_forwarder
-from sandbox.host_commands import memfd_with
 from sandbox.kernel.command import kernel_environment
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.run_to_end import finish_even_if_cancelled
@@ -140,12 +139,9 @@ class ForkingLauncher(BwrapLauncher):
             holder = with_forwarder(self.programs.kernels.python, holder)
         try:
             # The holder needs nothing of the kernel's environment (the kernel gets it whole).
-            options = self._bwrap_args({"PATH": "/usr/bin:/bin"}, fds)
-            if any("\0" in option for option in options):  # each NUL ends an argument
-                raise SandboxStartError("an environment variable holds a NUL character")
-            fds.append(memfd_with("bwrap-args", b"".join(o.encode() + b"\0" for o in options)))
+            argv = self.bwrap_argv({"PATH": "/usr/bin:/bin"}, fds, holder)
             return await asyncio.create_subprocess_exec(
-                *[self.programs.bwrap, "--args", str(fds[-1]), *holder],
+                *argv,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -22,7 +22,12 @@ COUNTER = (
     "def counting():\n    n = 0\n    while True:\n        n += 1\n        yield n\n"
     "c = counting()\nnext(c), next(c)"
 )
-TICKER = "i=0; while true; do i=$((i+1)); echo tick $i; echo $i > /tmp/ticks; sleep 0.1; done"
+# The count is written beside /tmp/ticks and renamed over it, so a reader never finds the file
+# truncated between two ticks (empty), as a plain `echo $i > /tmp/ticks` would leave it a moment.
+TICKER = (
+    "i=0; while true; do i=$((i+1)); echo tick $i;"
+    " echo $i > /tmp/ticks.new; mv /tmp/ticks.new /tmp/ticks; sleep 0.1; done"
+)
 
 
 async def until(condition: Callable[[], object], what: str, limit_s: float = 30.0) -> None:

@@ -39,12 +39,14 @@ from starlette._utils import get_route_path
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from orchestrator.auth import Authenticator, client_address
+from orchestrator.auth import Authenticator, WrongKeysThrottled, client_address
 from orchestrator.body_limit import is_upload
 from orchestrator.caller_mark import caller_proven
 from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.e2b_compatible.front import PREFIX as E2B_PREFIX
 from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes, SandboxGone
+from orchestrator.e2b_compatible.signed_urls import SignedFile, SignedFileRequest, SignedUrlRefused
+from orchestrator.key_throttle import TooManyWrongKeys
 from orchestrator.metrics import METRICS
 from sandbox.json_depth import nests_deeper_than
 
@@ -73,6 +75,11 @@ class Family(Enum):
 
 # The families whose caller's key (or sandbox token) is checked before the app runs.
 _CHECKED = frozenset({Family.BEARER, Family.E2B_CONTROL, Family.E2B_DATA, Family.CONNECT})
+
+
+def _e2b_path(path: str) -> str:
+    """An E2B route's path as the front's router sees it (the front answers under /e2b too)."""
+    return path[len(E2B_PREFIX) :] if path.startswith(E2B_PREFIX + "/") else path
 
 
 class Refused(Exception):
@@ -124,8 +131,7 @@ class RequestGuard:
             return Family.CONSOLE
         if self.sandboxes is None:
             return Family.OTHER
-        if path.startswith(E2B_PREFIX + "/"):
-            path = path[len(E2B_PREFIX) :]
+        path = _e2b_path(path)
         if path.startswith(_CONNECT_SERVICES):
             return Family.CONNECT
         if path.startswith(("/sandboxes", "/v2/sandboxes")):
@@ -197,6 +203,10 @@ class RequestGuard:
         token = request.headers.get("x-access-token") or request.headers.get(
             "e2b-traffic-access-token"
         )
+        if token is None and _e2b_path(get_route_path(request.scope)) == "/files":
+            signed = await self._signed_file(request)
+            if signed is not None:
+                sandbox_id, token = signed.sandbox_id, signed.token
         if not sandbox_id:
             raise Refused(
                 401,
@@ -210,6 +220,36 @@ class RequestGuard:
             raise Refused(502, "SandboxGone", str(exc)) from None
         except REFUSALS as exc:  # there, asleep, and its key may not wake it now: said why
             raise Refused(exc.status, type(exc).__name__, str(exc)) from None
+
+    async def _signed_file(self, request: Request) -> SignedFile | None:
+        """The sandbox a signed file URL opens (kept in the request's state for the route),
+        None when the URL carries no signature. Refused: malformed, expired, or signed by no
+        sandbox's token (counted as a wrong key: 429 once its client guesses too many)."""
+        assert self.sandboxes is not None
+        try:
+            asked = SignedFileRequest.of(request, request.method)
+        except SignedUrlRefused as exc:
+            raise Refused(exc.status, "SignedUrlRefused", str(exc)) from None
+        if asked is None:
+            return None
+        client = client_address(request)
+        throttle = self.authenticate.throttle
+        try:
+            throttle.before_check(client, asked.signature)
+        except TooManyWrongKeys as refused:
+            raise WrongKeysThrottled(refused) from None
+        record = await self.sandboxes.signed_by(asked.signed_with, asked.named_sandbox)
+        if record is None or record.token is None:
+            throttle.failed(client, asked.signature)
+            raise Refused(
+                401,
+                "SignedUrlRefused",
+                "the URL's signature opens no sandbox: it was signed for another path, "
+                "operation or user, or its sandbox is gone; ask for a new URL",
+            )
+        signed = SignedFile(record.sandbox_id, record.token)
+        request.state.signed_file = signed
+        return signed
 
     async def _read_unchecked(self, request: Request, receive: Receive) -> tuple[bytes, bool]:
         """The body of a request no key was checked for: at most UNCHECKED_BODY_MAX bytes of
@@ -288,9 +328,7 @@ class RequestGuard:
 
 
 def _is_client_stream(path: str) -> bool:
-    if path.startswith(E2B_PREFIX + "/"):
-        path = path[len(E2B_PREFIX) :]
-    return path in _CLIENT_STREAMS
+    return _e2b_path(path) in _CLIENT_STREAMS
 
 
 def _api_key(request: Request) -> str:

@@ -3,7 +3,7 @@
 The control plane is called with an API key in `X-API-Key` (one of this service's keys). The data
 plane is called with the sandbox id in `E2b-Sandbox-Id` and the sandbox's access token, which the
 control plane gave its owner, in `X-Access-Token` (or `E2B-Traffic-Access-Token`, which E2B's SDK
-sends instead on its context calls).
+sends instead on its context calls), or `/files` with a URL that token signed (signed_urls.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from fastapi import Depends, HTTPException, Request
 
 from orchestrator.auth import client_address
 from orchestrator.e2b_compatible.sandboxes import E2BRecord, E2BSandboxes
+from orchestrator.e2b_compatible.signed_urls import signed_file_of
 from orchestrator.request_context import ServiceDep
 from orchestrator.sessions import Session
 
@@ -49,14 +50,20 @@ ApiOwnerDep = Annotated[str, Depends(api_owner)]
 class Reached:
     record: E2BRecord
     session: Session
+    signed: bool = False  # opened by a signed file URL: its one path and operation only
 
 
 async def reached(request: Request, sandboxes: E2BDep) -> Reached:
-    """The sandbox a data-plane call names and may open; otherwise it is gone (502)."""
+    """The sandbox a data-plane call names and may open (or a signed file URL opened, as the
+    request gate found); otherwise it is gone (502)."""
+    token = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
+    signed = signed_file_of(request) if token is None else None
+    if signed is not None:
+        record, session = await sandboxes.reachable(signed.sandbox_id, signed.token)
+        return Reached(record, session, signed=True)
     sandbox_id = request.headers.get("e2b-sandbox-id")
     if not sandbox_id:
         raise HTTPException(400, "missing the E2b-Sandbox-Id header")
-    token = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
     record, session = await sandboxes.reachable(sandbox_id, token)
     return Reached(record, session)
 

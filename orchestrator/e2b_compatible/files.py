@@ -1,7 +1,8 @@
 """E2B's file transfers (envd's `/files`): read a file, write files (multipart or octet-stream,
 optionally gzip-compressed). Paths are E2B's: in the workspace (see paths.py) through the files
 API, elsewhere in the sandbox (`/tmp`) through a command there (sandbox_files.py); the
-`username` E2B passes is ignored: everything in a sandbox here runs as its one user.
+`username` E2B passes is ignored: everything in a sandbox here runs as its one user. A signed URL
+(signed_urls.py) reads or writes the one path it was signed for.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ async def write_files(
         parts = [p for p in form.getlist("file") if isinstance(p, UploadFile)]
         if not parts:
             raise E2BError(400, "no multipart part named `file`")
+        if reached.signed and len(parts) > 1:
+            raise E2BError(400, "a signed upload URL writes its one path: send one `file` part")
         for part in parts:
             target = path if path and len(parts) == 1 else part.filename
             if not target:

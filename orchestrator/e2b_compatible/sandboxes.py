@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -394,6 +394,24 @@ class E2BSandboxes:
             await self.forget(record)
             raise SandboxGone(sandbox_id) from None
         return record, session
+
+    async def signed_by(
+        self, signed_with: Callable[[str], bool], sandbox_id: str | None
+    ) -> E2BRecord | None:
+        """The sandbox whose access token made a signed URL's signature (`signed_with` says
+        whether a token did): the one `sandbox_id` names, or any this replica knows (in
+        cluster mode, those made elsewhere once a sweep has adopted them). None: no sandbox."""
+        if sandbox_id is not None:
+            record = self._records.get(sandbox_id)
+            if self._clustered:
+                record = await self._from_store(sandbox_id) or record
+            candidates = [] if record is None else [record]
+        else:
+            candidates = list(self._records.values())
+        for record in candidates:
+            if record.token is not None and signed_with(record.token):
+                return record
+        return None
 
     async def _debug_record(self) -> E2BRecord | None:
         """The sandbox of E2B_DEBUG clients, made on first use; only when auth is disabled."""

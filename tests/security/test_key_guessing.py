@@ -162,3 +162,23 @@ def test_behind_a_trusted_proxy_the_client_it_names_is_counted_not_the_proxy(
             answer = wrong.get("/v1/whoami", headers={"X-Forwarded-For": f"198.51.100.{i}"})
         statuses.append(answer.status_code)
     assert statuses[-3:] == [429] * 3, statuses
+
+
+def test_guessed_signatures_of_file_urls_are_throttled_like_wrong_keys(server: Server) -> None:
+    """A signed-URL signature that opens no sandbox (each costs a hash per sandbox) counts as
+    a wrong key from its address: past the budget, the next are refused unchecked (429)."""
+    with server.client() as api:  # E2B's API takes a bearer key too
+        made = api.post("/sandboxes", json={"templateID": "local"})
+        assert made.status_code == 201, made.text
+        try:
+            with client_from(server, "127.0.0.9", None) as guesser:
+                statuses = [
+                    guesser.get(
+                        "/files",
+                        params={"path": "x.txt", "signature": f"v1_{uuid.uuid4().hex}"},
+                    ).status_code
+                    for _ in range(PER_ADDRESS + 5)
+                ]
+        finally:
+            api.delete(f"/sandboxes/{made.json()['sandboxID']}")
+    assert set(statuses[:PER_ADDRESS]) == {401} and statuses[-1] == 429, statuses

@@ -7,7 +7,9 @@ output kept within caps.
 
 As envd does: the start event comes first; then output chunks, a keepalive after each
 `Keepalive-Ping-Interval` seconds without output; then one end event (exit code -1 when a signal
-ended it). The call's deadline (`Connect-Timeout-Ms`) is the process's time limit; a client that
+ended it). The call's deadline (`Connect-Timeout-Ms`) is the process's time limit: one killed
+at it ends its streams with `deadline_exceeded`, as envd's do (E2B's SDK raises its
+TimeoutException, whichever of the two clocks runs out first); a client that
 disconnects does not kill it (a background command goes on). What a stream may queue for a slow
 reader is capped by the process's listener backlog: past it, chunks are dropped and a note on
 stderr says how many bytes.
@@ -373,6 +375,12 @@ async def _envd_events(
             except StopAsyncIteration:
                 return
             if isinstance(event, ProcessEnd):
+                if event.timed_out:  # as envd's stream past its deadline: the SDK's timeout
+                    raise ConnectError(
+                        Code.DEADLINE_EXCEEDED,
+                        f"the command was {event.error or 'killed after its time limit'} (the "
+                        "call's timeout): give it a longer timeout, or 0 for none",
+                    )
                 yield ProcessEvent(event=Oneof[Literal["end"], Any]("end", end_event(event)))
                 return
             pending = asyncio.ensure_future(anext(iterator))

@@ -303,6 +303,16 @@ def _print_key(key: str, what: str) -> None:
     )
 
 
+E2BShapedOption = Annotated[
+    bool,
+    typer.Option(
+        "--e2b-shaped",
+        help="Shape the key as E2B's (e2b_ and 40 hex digits), for E2B clients that check "
+        "a key's shape before sending it.",
+    ),
+]
+
+
 # --- the commands
 @keys_app.command("add")
 @with_options("flags", policy_flags)
@@ -312,6 +322,7 @@ def add(
         bool, typer.Option("--admin", help="An admin: sees and answers every key's.")
     ] = False,
     policy_file: PolicyFileOption = None,
+    e2b_shaped: E2BShapedOption = False,
     *,
     flags: dict[str, Any],
     state_dir: StateDirOption = None,
@@ -320,7 +331,7 @@ def add(
     """Make a key with a name and a policy; print it (once)."""
     _check_name(name)
     policy = _policy({}, policy_file, flags)
-    key = new_key()
+    key = new_key(e2b_shaped=e2b_shaped)
     record = PrincipalRecord(
         id=new_principal_id(),
         name=name,
@@ -391,6 +402,7 @@ def rotate(
             help="How long the old key keeps working, so clients can move to the new one.",
         ),
     ] = 0.0,
+    e2b_shaped: E2BShapedOption = False,
     state_dir: StateDirOption = None,
     store: StoreOption = None,
 ) -> None:
@@ -401,7 +413,7 @@ def rotate(
         if record.revoked_at is not None:
             raise fail(f"key {name!r} is revoked: add a new one instead")
         now = time.time()
-        key = new_key()
+        key = new_key(e2b_shaped=e2b_shaped)
         old = [
             k.model_copy(update={"expires_at": min(k.expires_at or now + grace_s, now + grace_s)})
             for k in record.keys

@@ -45,7 +45,14 @@ def digest_of(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def new_key() -> str:
+E2B_KEY_PREFIX = "e2b_"  # E2B's shape: `e2b_` and 40 hex digits (160 random bits)
+
+
+def new_key(*, e2b_shaped: bool = False) -> str:
+    """A new key: ours (`cir_`, 256 random bits), or shaped as E2B's for clients that check a
+    key's shape before sending it (E2B's SDKs before 2.x's last releases, tools built on them)."""
+    if e2b_shaped:
+        return E2B_KEY_PREFIX + secrets.token_hex(20)
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 

@@ -17,6 +17,7 @@ from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOpti
 from agents.items import TResponseInputItem, TResponseStreamEvent
 from agents.run_config import SandboxRunConfig
 from agents.sandbox import SandboxAgent
+from agents.sandbox.errors import ExecTimeoutError
 from agents.sandbox.session.sandbox_session import SandboxSession
 from openai.types.responses import (
     ResponseFunctionToolCall,
@@ -120,3 +121,22 @@ async def test_read_write_ls_persist_and_hydrate(session: SandboxSession, templa
     finally:
         await other.shutdown()
         await client.delete(other)
+
+
+async def test_a_command_past_its_timeout_is_the_sdks_exec_timeout(session: SandboxSession) -> None:
+    """Killed at its time limit, a command ends its E2B stream as envd's does past a deadline:
+    the SDK raises ExecTimeoutError (before, whichever clock ran out first decided, and the
+    front's usually did: a command that exited -1 with no output)."""
+    with pytest.raises(ExecTimeoutError):
+        await session.exec("echo started; sleep 30; echo finished > finished.txt", timeout=1)
+    # It was killed, not left running: no `sleep 30` among the sandbox's processes.
+    scan = (
+        "import os\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try: argv = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0')[:2]\n"
+        "    except OSError: continue\n"
+        "    print(argv)"
+    )
+    listed = await session.exec("python3", "-c", scan)
+    assert listed.exit_code == 0 and b"[b'sleep', b'30']" not in listed.stdout, listed
+    assert b"[b'python3', b'-c']" in listed.stdout  # the scan saw itself: it reads /proc

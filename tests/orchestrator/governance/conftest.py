@@ -87,7 +87,7 @@ def add_key_to(server: Server, name: str, *flags: str) -> str:
     made = run_keys(server, "add", name, *flags)
     assert made.exit_code == 0, made.stderr
     key = made.stdout.strip()
-    assert key.startswith("cir_") and "\n" not in key
+    assert key.startswith("e2b_" if "--e2b-shaped" in flags else "cir_") and "\n" not in key
     with server.client(key) as client:
         assert eventually(lambda: client.get("/v1/whoami").status_code == 200)
     return key

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from orchestrator.governance.keys_cli import MAX_KEYS
@@ -220,3 +222,26 @@ def test_keys_held_through_rotations_in_grace_are_capped(keys: Callable[..., Cli
     shown = json.loads(keys("show", name).stdout)
     assert shown["keys"] == MAX_KEYS  # the newest, and the latest old ones in their grace
     assert latest[4:] not in json.dumps(shown)
+
+
+def test_an_e2b_shaped_key_is_made_and_rotated_for_clients_that_check_the_shape(
+    governed_server: Server,
+    keys: Callable[..., CliResult],
+    add_key: Callable[..., str],
+) -> None:
+    """E2B's older SDKs, and tools built on them, refuse a key not shaped `e2b_<40 hex>`
+    before sending it: the CLI makes such keys, which work on every front."""
+    shape = re.compile(r"e2b_[0-9a-f]{40}")
+    name = unique_name("e2b-shaped")
+    key = add_key(name, "--e2b-shaped")
+    assert shape.fullmatch(key), key
+    with httpx.Client(base_url=governed_server.url, headers={"X-API-Key": key}) as e2b:
+        assert e2b.get("/sandboxes").status_code == 200  # E2B's control plane takes it
+    rotated = keys("rotate", name, "--e2b-shaped")
+    assert rotated.exit_code == 0, rotated.stderr
+    new = rotated.stdout.strip()
+    assert shape.fullmatch(new) and new != key
+    assert eventually(lambda: status_of(governed_server, new) == 200)
+    assert eventually(lambda: status_of(governed_server, key) == 401)
+    plain = keys("rotate", name)  # the shape is chosen at each rotation
+    assert plain.exit_code == 0 and plain.stdout.strip().startswith("cir_"), plain.stderr

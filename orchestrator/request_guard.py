@@ -227,7 +227,7 @@ class RequestGuard:
         sandbox's token (counted as a wrong key: 429 once its client guesses too many)."""
         assert self.sandboxes is not None
         try:
-            asked = SignedFileRequest.of(request, request.method)
+            asked = SignedFileRequest.of(request)
         except SignedUrlRefused as exc:
             raise Refused(exc.status, "SignedUrlRefused", str(exc)) from None
         if asked is None:
@@ -238,8 +238,10 @@ class RequestGuard:
             throttle.before_check(client, asked.signature)
         except TooManyWrongKeys as refused:
             raise WrongKeysThrottled(refused) from None
-        record = await self.sandboxes.signed_by(asked.signed_with, asked.named_sandbox)
-        if record is None or record.token is None:
+        record = await self.sandboxes.signed_by(
+            asked.signed_with, asked.named_sandbox, asked.host_sandbox
+        )
+        if record is None or record.token is None:  # (a record found has a token)
             throttle.failed(client, asked.signature)
             raise Refused(
                 401,

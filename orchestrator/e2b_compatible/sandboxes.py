@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 # and sends no credentials): served only by a service whose auth is disabled.
 DEBUG_SANDBOX_ID = "debug_sandbox_id"
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
+# Cluster mode: how often a signed URL no known sandbox signed may make this replica read every
+# replica's sandboxes from the store (one made elsewhere a moment ago is then found).
+ADOPT_ALL_EVERY_S = 2.0
 # E2B's home, every context's working directory unless one is asked for; in our sandboxes it is
 # a link to the workspace, so files there and in the workspace are the same files.
 E2B_HOME = "/home/user"
@@ -198,6 +201,10 @@ def _restored(session_id: str, owner: str, labels: dict[str, str]) -> E2BRecord 
 Found = Session | SessionRecord
 
 
+def _signs(record: E2BRecord, signed_with: Callable[[str], bool]) -> bool:
+    return record.token is not None and signed_with(record.token)
+
+
 class E2BSandboxes:
     """The E2B view of the service's sessions, and the clock of E2B's timeouts."""
 
@@ -210,6 +217,8 @@ class E2BSandboxes:
         self._cursor = 0  # where the sweep's walk over the store goes on from
         self._context_sessions: set[str] = set()
         self._debug_lock = asyncio.Lock()
+        self._adopt_all_lock = asyncio.Lock()
+        self._adopted_all_at = -ADOPT_ALL_EVERY_S
 
     # ----------------------------------------------------------------------------------------
 
@@ -396,22 +405,42 @@ class E2BSandboxes:
         return record, session
 
     async def signed_by(
-        self, signed_with: Callable[[str], bool], sandbox_id: str | None
+        self, signed_with: Callable[[str], bool], named: str | None, hint: str | None
     ) -> E2BRecord | None:
         """The sandbox whose access token made a signed URL's signature (`signed_with` says
-        whether a token did): the one `sandbox_id` names, or any this replica knows (in
-        cluster mode, those made elsewhere once a sweep has adopted them). None: no sandbox."""
-        if sandbox_id is not None:
-            record = self._records.get(sandbox_id)
+        whether a token did): only `named`, if the request names one; else `hint` first, then
+        every one this replica knows, then (cluster mode) every replica's, read again from the
+        store at most every ADOPT_ALL_EVERY_S. None: no sandbox."""
+        if named is not None:
+            record = self._records.get(named)
             if self._clustered:
-                record = await self._from_store(sandbox_id) or record
-            candidates = [] if record is None else [record]
-        else:
-            candidates = list(self._records.values())
-        for record in candidates:
-            if record.token is not None and signed_with(record.token):
-                return record
-        return None
+                record = await self._from_store(named) or record
+            return record if record is not None and _signs(record, signed_with) else None
+        hinted = self._records.get(hint) if hint is not None else None
+        if hinted is not None and _signs(hinted, signed_with):
+            return hinted
+        found = next((r for r in self._records.values() if _signs(r, signed_with)), None)
+        if found is None and self._clustered and await self._adopt_all_shared():
+            found = next((r for r in self._records.values() if _signs(r, signed_with)), None)
+        return found
+
+    async def _adopt_all_shared(self) -> bool:
+        """Cluster mode: every running E2B sandbox in the store adopted here (whichever replica
+        made it), unless that was done less than ADOPT_ALL_EVERY_S ago (a burst of guessed
+        signatures walks the store once). Whether a walk was made now."""
+        async with self._adopt_all_lock:
+            if time.monotonic() - self._adopted_all_at < ADOPT_ALL_EVERY_S:
+                return False
+            cursor = 0
+            while True:
+                cursor, records = await self.service.persistence.scan(cursor)
+                for kept in records:
+                    if kept.state == "running" and CONTEXT_LABEL not in kept.labels:
+                        self._merge(_restored(kept.id, kept.owner, kept.labels))
+                if cursor == 0:
+                    break
+            self._adopted_all_at = time.monotonic()
+            return True
 
     async def _debug_record(self) -> E2BRecord | None:
         """The sandbox of E2B_DEBUG clients, made on first use; only when auth is disabled."""

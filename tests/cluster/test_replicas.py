@@ -624,6 +624,36 @@ def test_replica_e2b_sdk_works_across_replicas(
 
 
 @pytest.mark.cluster
+def test_replica_signed_url_of_a_sandbox_made_elsewhere_opens_there_too(
+    replicas: tuple[Replica, Replica], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signed file URL names no sandbox: a replica finds the one made through another (its
+    sweep adopts it, or, sooner, a walk of the store on a signature no known sandbox made)
+    and reads and writes the link's path there."""
+    import httpx
+    from e2b_code_interpreter import Sandbox
+
+    from tests.e2b_sdk_fixtures import point_sdk_at
+
+    a, b = replicas
+    point_sdk_at(monkeypatch, a.url, KEY_A)
+    sandbox = Sandbox.create(template="ray")
+    try:
+        sandbox.files.write("/home/user/shared.txt", "from A")
+        link = sandbox.download_url("/home/user/shared.txt").replace(a.url, b.url)
+        assert link.startswith(b.url)
+        got = httpx.get(link, timeout=60)
+        assert got.status_code == 200 and got.text == "from A", got.text
+        upload = sandbox.upload_url("/home/user/back.txt").replace(a.url, b.url)
+        sent = httpx.post(upload, files={"file": ("back.txt", b"from B")}, timeout=60)
+        assert sent.status_code == 200, sent.text
+        assert sandbox.files.read("/home/user/back.txt") == "from B"
+    finally:
+        with contextlib.suppress(Exception):
+            Sandbox.kill(sandbox.sandbox_id)
+
+
+@pytest.mark.cluster
 def test_replica_hung_store_stalls_neither_healthz_nor_a_cached_session(
     replicas: tuple[Replica, Replica], redis_url: str
 ) -> None:

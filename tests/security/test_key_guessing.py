@@ -7,6 +7,8 @@ every time."""
 
 from __future__ import annotations
 
+import base64
+import os
 import shutil
 import signal
 import uuid
@@ -164,6 +166,11 @@ def test_behind_a_trusted_proxy_the_client_it_names_is_counted_not_the_proxy(
     assert statuses[-3:] == [429] * 3, statuses
 
 
+def guessed_signature() -> str:
+    """Shaped as E2B's (`v1_` and 43 base64 characters), so that it is looked for."""
+    return "v1_" + base64.b64encode(os.urandom(32)).rstrip(b"=").decode()
+
+
 def test_guessed_signatures_of_file_urls_are_throttled_like_wrong_keys(server: Server) -> None:
     """A signed-URL signature that opens no sandbox (each costs a hash per sandbox) counts as
     a wrong key from its address: past the budget, the next are refused unchecked (429)."""
@@ -175,7 +182,7 @@ def test_guessed_signatures_of_file_urls_are_throttled_like_wrong_keys(server: S
                 statuses = [
                     guesser.get(
                         "/files",
-                        params={"path": "x.txt", "signature": f"v1_{uuid.uuid4().hex}"},
+                        params={"path": "x.txt", "signature": guessed_signature()},
                     ).status_code
                     for _ in range(PER_ADDRESS + 5)
                 ]

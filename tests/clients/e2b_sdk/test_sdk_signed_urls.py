@@ -28,6 +28,13 @@ def test_a_signed_url_uploads_and_downloads_its_path_with_no_header(sbx: Sandbox
 
     got = httpx.get(sbx.download_url("/home/user/shared/report.csv"))
     assert got.status_code == 200 and got.content == b"a,b\n1,2\n", got.text
+    # Under the front's /e2b prefix too, and whatever E2B-looking host a proxy in front gives.
+    via_prefix = httpx.get(sbx.download_url("shared/report.csv").replace("/files?", "/e2b/files?"))
+    assert via_prefix.status_code == 200 and via_prefix.content == b"a,b\n1,2\n", via_prefix.text
+    proxied = httpx.get(
+        sbx.download_url("shared/report.csv"), headers={"Host": "8000-workspace.example.io"}
+    )
+    assert proxied.status_code == 200, proxied.text
     # Outside the workspace too (the sandbox's own /tmp), and as raw bytes.
     sbx.files.write("/tmp/blob.bin", bytes(range(256)))
     assert httpx.get(sbx.download_url("/tmp/blob.bin")).content == bytes(range(256))
@@ -49,6 +56,7 @@ def test_a_signed_url_opens_only_its_path_and_operation(sbx: Sandbox) -> None:
     for refused in (
         httpx.get(_with_query(read, path="secret.txt")),
         httpx.post(read, files={"file": ("open.txt", b"overwritten")}),
+        httpx.get(sbx.upload_url("open.txt")),  # a write link does not read
         httpx.get(_with_query(read, username="root")),
         httpx.get(_with_query(read, signature="v1_" + "A" * 43)),
     ):
@@ -79,8 +87,11 @@ def test_a_signed_url_with_an_expiration_works_until_then(sbx: Sandbox) -> None:
     assert expired.status_code == 401 and "expired" in expired.json()["message"], expired.text
     for malformed in (
         httpx.get(_with_query(lasting, signature_expiration="soon")),
+        httpx.get(_with_query(lasting, signature_expiration="\u00b2")),  # a digit, not ASCII
         # A user with a colon could make `path:op:user` read as another path's: refused.
         httpx.get(_with_query(lasting, username="a:b")),
+        # A path is short enough to hash cheaply for each sandbox tried.
+        httpx.get(_with_query(lasting, path="x" * 5000)),
     ):
         assert malformed.status_code == 400, malformed.text
 

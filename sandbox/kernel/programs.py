@@ -23,6 +23,7 @@ from sandbox.image_labels import (
 )
 from sandbox.inside_kernel import command_server, kernel_supervisor
 from sandbox.kernel.command import kernel_command
+from sandbox.kernel.scopes import java_startup_script
 from sandbox.languages import KERNEL_TRAITS
 
 SUPERVISOR_FILE = Path(kernel_supervisor.__file__)
@@ -113,8 +114,11 @@ class KernelPrograms:
         raise ValueError(f"no kernel for {language!r} here")
 
 
-def language_environment(language: str) -> dict[str, str]:
-    """Variables a language's kernel needs beyond the common ones."""
+def language_environment(language: str, session_env: dict[str, str]) -> dict[str, str]:
+    """Variables a language's kernel needs beyond the common ones (`session_env`: the
+    sandbox's own variables, which Java's kernel makes system properties too)."""
+    if language == "java" and session_env:
+        return {"JJAVA_STARTUP_SCRIPT": java_startup_script(sorted(session_env))}
     if language in ("javascript", "typescript"):
         # Plain text results (no terminal colours), no update check: there is no network.
         return {"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1", "DENO_NO_PROMPT": "1"}

@@ -12,13 +12,16 @@ printable ASCII written as `\\xHH`, so the code itself is printable ASCII only.
 
 Java cannot change its process environment: `System.getenv()` is made to show the new values
 by writing into the map it reads (the kernel starts with `java.base` opened for that), each
-value built from pieces (JShell refuses a string constant over 64 KiB). Nor can a JVM change its
-working directory (`user.dir` is read once, at start): a per-call directory is refused in Java.
+value built from pieces (JShell refuses a string constant over 64 KiB). As in E2B's Java kernel,
+the variables are system properties too (`System.getProperty`), the sandbox's from the start.
+Nor can a JVM change its working directory (`user.dir` is read once, at start): a per-call
+directory is refused in Java.
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -65,6 +68,10 @@ def _java_text(value: str) -> str:
 
 def scope(language: str, env: dict[str, str], cwd: str | None) -> Scope:
     """The code that applies `env` and `cwd` for one call, and the code that undoes it."""
+    if cwd is not None and posixpath.isabs(cwd) and "PWD" not in env:
+        # A shell the code starts (`!pwd`) trusts $PWD while it names the directory it is in:
+        # it says the directory as given (/home/user), not another path to it (/workspace).
+        env = {**env, "PWD": cwd}
     if language == PYTHON:
         enter = f"{_PYTHON_RUNTIME}.enter({dict(env)!r}, {cwd!r})"
         return Scope(enter, f"{_PYTHON_RUNTIME}.exit()")
@@ -91,7 +98,11 @@ def set_env(language: str, env: dict[str, str]) -> str:
     if language in ("javascript", "typescript"):
         return f"for (const [k, v] of Object.entries({json.dumps(env)})) Deno.env.set(k, v);"
     if language == "java":
-        puts = (f"__cirEnv.put({_java_text(k)}, {_java_text(v)});" for k, v in env.items())
+        puts = (
+            f"{{ var k = {_java_text(k)}; var v = {_java_text(v)};"
+            " __cirEnv.put(k, v); System.setProperty(k, v); }"
+            for k, v in env.items()
+        )
         return _JAVA_ENV_MAP + "".join(puts)
     raise ScopeRefused(f"cannot set variables in {language}")
 
@@ -99,14 +110,15 @@ def set_env(language: str, env: dict[str, str]) -> str:
 def change_directory(language: str, path: str) -> str | None:
     """The code that moves a running kernel to `path` for good; None where a kernel cannot
     move (a JVM keeps the directory it started in)."""
+    # $PWD too: a shell the code starts names the directory by it (see `scope`).
     if language == PYTHON:
-        return f"import os as _o; _o.chdir({path!r}); del _o"
+        return f"import os as _o; _o.chdir({path!r}); _o.environ['PWD'] = {path!r}; del _o"
     if language == "bash":
         return f"cd -- {_shell_word(path)}"
     if language == "r":
-        return f"invisible(setwd({_text(path)}))"
+        return f"invisible(setwd({_text(path)})); invisible(Sys.setenv(PWD = {_text(path)}))"
     if language in ("javascript", "typescript"):
-        return f"Deno.chdir({_text(path)});"
+        return f"Deno.chdir({_text(path)}); Deno.env.set('PWD', {_text(path)});"
     return None
 
 
@@ -190,12 +202,35 @@ def _java_scope(env: dict[str, str], cwd: str | None) -> Scope:
             "a per-call working directory is not possible in Java (a JVM keeps the directory "
             "it started in, /workspace): use paths under it, or absolute ones"
         )
-    enter = [_JAVA_ENV_MAP, "java.util.Map<String, String> __cirPrev = new java.util.HashMap<>();"]
+    enter = [
+        _JAVA_ENV_MAP,
+        "java.util.Map<String, String> __cirPrev = new java.util.HashMap<>();",
+        "java.util.Map<String, String> __cirPrevProp = new java.util.HashMap<>();",
+    ]
     for name, value in env.items():
-        key = _java_text(name)
-        enter.append(f"{{ __cirPrev.put({key}, __cirEnv.put({key}, {_java_text(value)})); }}")
+        enter.append(
+            f"{{ var k = {_java_text(name)}; var v = {_java_text(value)};"
+            " __cirPrev.put(k, __cirEnv.put(k, v));"
+            " __cirPrevProp.put(k, System.setProperty(k, v)); }"
+        )
     exit_ = (
         "__cirPrev.forEach((k, v) -> {"
         " if (v == null) __cirEnv.remove(k); else __cirEnv.put(k, v); });"
+        " __cirPrevProp.forEach((k, v) -> {"
+        " if (v == null) System.clearProperty(k); else System.setProperty(k, v); });"
     )
     return Scope("\n".join(enter), exit_)
+
+
+def java_startup_script(names: list[str]) -> str:
+    """JShell code each Java kernel runs as it starts (jjava's JJAVA_STARTUP_SCRIPT): the
+    sandbox's own variables as system properties too, as E2B's Java kernel has them
+    (`System.getProperty("NAME")`); their values come from the environment, not this code."""
+    if not names:
+        return ""
+    listed = ", ".join(_text(name) for name in names)
+    return (
+        f"for (String __cirName : new String[] {{{listed}}}) {{"
+        " String __cirValue = System.getenv(__cirName);"
+        " if (__cirValue != null) System.setProperty(__cirName, __cirValue); }"
+    )

@@ -94,6 +94,26 @@ async def test_a_long_per_call_value_does_not_wreck_the_java_kernel(polyglot: Sa
     assert after.stdout == "42\n", f"the Java kernel no longer answers: {after}"
 
 
+async def test_java_has_the_variables_as_system_properties_too(polyglot: Sandbox) -> None:
+    """As E2B's Java kernel: the sandbox's variables from its start, those set while it runs,
+    and a call's for that call alone (a long one too), each also `System.getProperty`."""
+    both = 'System.getenv("{0}") + "/" + System.getProperty("{0}", "none")'
+    started = await polyglot.execute(both.format("CIR_REVIEW_VAR"), language="java", timeout_s=120)
+    assert "before/before" in (started.text or ""), started
+    await polyglot.set_env({"CIR_LATER": "later"})
+    later = await polyglot.execute(both.format("CIR_LATER"), language="java", timeout_s=60)
+    assert "later/later" in (later.text or ""), later
+    long = "€" * 22_000
+    length = (
+        'System.getProperty("V").length() + " "'
+        ' + System.getProperty("V").equals(System.getenv("V"))'
+    )
+    called = await polyglot.execute(length, language="java", env={"V": long}, timeout_s=60)
+    assert "22000 true" in (called.text or ""), called
+    after = await polyglot.execute(both.format("V"), language="java", timeout_s=60)
+    assert "null/none" in (after.text or ""), after
+
+
 async def test_a_bash_per_call_value_never_runs_as_a_command(polyglot: Sandbox) -> None:
     """^A in a value moves bash's line editor to the start of the line being typed: what
     follows in the value is typed before `if [ -n ...`, and runs as a command."""

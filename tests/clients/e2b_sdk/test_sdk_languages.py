@@ -165,6 +165,8 @@ def test_the_default_context_works_in_e2b_home(polyglot: Sandbox) -> None:
     )
     # E2B's kernels run in the home, and say so.
     assert polyglot.run_code("import os; os.getcwd()").text == HOME
+    # A shell the code starts names it so too (it trusts $PWD, which was /workspace's name).
+    assert "".join(polyglot.run_code("!pwd").logs.stdout).strip() == HOME
     assert out(polyglot.run_code("pwd", language="bash")).strip() == HOME
     assert shown(polyglot.run_code("getwd()", language="r")) == f'[1] "{HOME}"'
 
@@ -183,6 +185,14 @@ def test_sandbox_and_call_envs_reach_every_kernel(polyglot: Sandbox) -> None:
     java_code = 'System.getenv("FROM_SANDBOX") + " " + System.getenv("FROM_CALL")'
     assert polyglot.run_code(java_code, language="java", envs=per_call).text == "sbx call"
     assert polyglot.run_code(java_code, language="java").text == "sbx null"
+    # E2B's Java kernel has them as system properties too: the sandbox's from the start, a
+    # call's for that call, and a call's that overrides the sandbox's only for that call.
+    props = 'System.getProperty("FROM_SANDBOX") + " " + System.getProperty("FROM_CALL", "unset")'
+    assert polyglot.run_code(props, language="java", envs=per_call).text == "sbx call"
+    assert polyglot.run_code(props, language="java").text == "sbx unset"
+    overridden = polyglot.run_code(props, language="java", envs={"FROM_SANDBOX": "mine"})
+    assert overridden.text == "mine unset"
+    assert polyglot.run_code(props, language="java").text == "sbx unset"
     py_code = "import os; os.environ['FROM_SANDBOX'], os.environ.get('FROM_CALL')"
     assert polyglot.run_code(py_code, envs=per_call).text == "('sbx', 'call')"
     assert polyglot.run_code(py_code).text == "('sbx', None)"

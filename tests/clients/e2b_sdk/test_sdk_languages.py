@@ -86,6 +86,9 @@ def test_run_code_reaches_each_languages_kernel_with_its_state(polyglot: Sandbox
     assert polyglot.run_code("const t: number = 4; t * 2", language="ts").text == "8"
     assert polyglot.run_code("int j = 3;", language="java").error is None
     assert polyglot.run_code("j * 2", language="java").text == "6"
+    # As E2B's Java kernel sends it: `println`'s line, then its newline.
+    printed = polyglot.run_code('System.out.println("Hello, World!")', language="java")
+    assert printed.logs.stdout == ["Hello, World!", "\n"]
     failed = polyglot.run_code("stop('bad input')", language="r")
     assert failed.error is not None and "bad input" in failed.error.value
     assert polyglot.run_code("n = 'python'; n").text == "python"  # each kernel its own names

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from e2b_code_interpreter import AsyncSandbox, Sandbox
-from e2b_code_interpreter.charts import ChartType, LineChart
+from e2b_code_interpreter.charts import BoxAndWhiskerChart, ChartType, LineChart
 
 from tests.orchestrator.service.conftest import Server
 
@@ -40,6 +40,33 @@ def check_line_chart(results: list[object]) -> None:
     assert element.label == "squares"
     assert [tuple(p) for p in element.points] == [(1, 1), (2, 4), (3, 9)]
     assert "chart" in figure.formats() and "png" in figure.formats()  # type: ignore[attr-defined]
+
+
+BOXES = """
+import matplotlib.pyplot as plt
+scores = {'Class A': [85, 90, 78, 92, 88], 'Class B': [95, 89, 76, 91, 84, 87],
+          'Class C': [75, 82, 88, 79, 86]}
+fig, ax = plt.subplots()
+ax.set_title('Exam Scores'); ax.set_xlabel('Class'); ax.set_ylabel('Score')
+ax.boxplot(scores.values(), labels=scores.keys(), patch_artist=True)
+plt.show()
+"""
+
+
+def test_a_box_plot_comes_back_as_a_box_and_whisker_chart(sbx: Sandbox) -> None:
+    """As E2B's template (matplotlib 3.10) has it: boxplot's `labels=` (gone from 3.11),
+    which model-written code passes, works, and the boxes come back as E2B's chart."""
+    done = sbx.run_code(BOXES)
+    assert done.error is None, done.error
+    (figure,) = done.results
+    chart = figure.chart
+    assert isinstance(chart, BoxAndWhiskerChart) and chart.type is ChartType.BOX_AND_WHISKER
+    assert (chart.title, chart.x_label, chart.y_label) == ("Exam Scores", "Class", "Score")
+    boxes = chart.elements
+    assert [b.label for b in boxes] == ["Class A", "Class B", "Class C"]
+    assert [b.median for b in boxes] == [88, 88, 82]
+    assert [b.outliers for b in boxes] == [[], [76], []]
+    assert [(b.min, b.max) for b in boxes] == [(78, 92), (84, 95), (75, 88)]
 
 
 def test_a_figure_comes_back_as_a_chart(sbx: Sandbox) -> None:

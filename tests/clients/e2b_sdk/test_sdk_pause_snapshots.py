@@ -250,7 +250,11 @@ async def test_async_pause_and_connect(sdk: Server) -> None:
     assert (await sbx.get_info()).state == SandboxState.PAUSED
     back = await AsyncSandbox.connect(sbx.sandbox_id)
     assert (await back.run_code("a")).text == "async"
-    await back.kill()
+    # The async SDK's older name for the same call.
+    assert await back.beta_pause() is True
+    again = await AsyncSandbox.connect(sbx.sandbox_id)
+    assert (await again.run_code("a")).text == "async"
+    await again.kill()
 
 
 def test_a_paused_sandbox_survives_a_sigkill(

@@ -106,7 +106,7 @@ def _kernel_specs(programs: KernelPrograms) -> Iterator[KernelSpecManager]:
                 "argv": bare_argv(programs, language),
                 "display_name": language,
                 "language": language,
-                "env": language_environment(language, {}),
+                "env": language_environment(language),
             }
             (spec_dir / "kernel.json").write_text(json.dumps(spec))
         yield KernelSpecManager(kernel_dirs=[root])

@@ -37,7 +37,7 @@ from limits.strategies import SlidingWindowCounterRateLimiter
 log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # the budgets are per minute
-PREFIX_CHARS = 8  # "cir_" and 4 characters of a key the CLI made
+PREFIX_CHARS = 8  # "cir_" (or "e2b_") and 4 characters of a key the CLI made
 UNKNOWN_ADDRESS = "unknown"  # a client the server names no address of (a Unix socket's)
 _IPV6_GROUP = 64  # the prefix length an IPv6 client is counted by
 

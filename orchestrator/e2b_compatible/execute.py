@@ -159,7 +159,8 @@ async def execute(
                             yield _encode(line)
                     elif target.language == "java" and isinstance(item, StdoutEvent):
                         for piece in _java_pieces(item.text):
-                            yield _encode(_line(StdoutEvent(text=piece)) or {})
+                            line = {"type": "stdout", "text": piece, "timestamp": time.time_ns()}
+                            yield _encode(line)
                     elif (event := _line(item)) is not None:
                         yield _encode(event)
         except (SandboxError, SessionError) as exc:  # a session ended under the run

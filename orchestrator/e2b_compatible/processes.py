@@ -8,8 +8,9 @@ output kept within caps.
 As envd does: the start event comes first; then output chunks, a keepalive after each
 `Keepalive-Ping-Interval` seconds without output; then one end event (exit code -1 when a signal
 ended it). The call's deadline (`Connect-Timeout-Ms`) is the process's time limit: one killed
-at it ends its streams with `deadline_exceeded`, as envd's do (E2B's SDK raises its
-TimeoutException, whichever of the two clocks runs out first); a client that
+at it ends that call's stream with `deadline_exceeded`, as envd's does (E2B's SDK raises its
+TimeoutException, whichever of the two clocks runs out first; a `connect` to it gets its end
+event, exit -1); a client that
 disconnects does not kill it (a background command goes on). What a stream may queue for a slow
 reader is capped by the process's listener backlog: past it, chunks are dropped and a note on
 stderr says how many bytes.
@@ -109,7 +110,8 @@ class SandboxProcesses(process_connect.Process):
         if request.process is not None:
             self._remember(session.id, info.pid, request.process)
         events = await self.service.runs.process_events(session, info.pid, replay=True)
-        async for event in _envd_events(info.pid, events, _keepalive_s(ctx)):
+        keepalive_s = _keepalive_s(ctx)
+        async for event in _envd_events(info.pid, events, keepalive_s, started_here=True):
             yield StartResponse(event=event)
 
     def connect(
@@ -353,10 +355,12 @@ def _keepalive_s(ctx: RequestContext[Any, Any]) -> float:
 
 
 async def _envd_events(
-    pid: int, events: AsyncIterator[OurEvent], keepalive_s: float
+    pid: int, events: AsyncIterator[OurEvent], keepalive_s: float, *, started_here: bool = False
 ) -> AsyncIterator[ProcessEvent]:
     """envd's event sequence for a process: start, data and keepalives, end. The process's
-    events are subscribed to before the start event goes out, so no output is missed."""
+    events are subscribed to before the start event goes out, so no output is missed.
+    `started_here`: the stream of the call whose deadline was the process's time limit, which
+    ends as envd's does past it (another stream reaching the process gets its end event)."""
     iterator = aiter(events)
     pending: asyncio.Future[OurEvent] = asyncio.ensure_future(anext(iterator))
     try:
@@ -375,7 +379,7 @@ async def _envd_events(
             except StopAsyncIteration:
                 return
             if isinstance(event, ProcessEnd):
-                if event.timed_out:  # as envd's stream past its deadline: the SDK's timeout
+                if event.timed_out and started_here:  # envd's stream past its deadline
                     raise ConnectError(
                         Code.DEADLINE_EXCEEDED,
                         f"the command was {event.error or 'killed after its time limit'} (the "

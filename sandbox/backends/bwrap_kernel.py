@@ -209,7 +209,7 @@ class BwrapLauncher:
             where = self.channel.path if self.unsafe else HOST_TOOLS_DIR_IN_SANDBOX
             variables[HOST_TOOLS_ENV] = str(where)
         home = str(self.dirs.root / "home") if self.unsafe else "/tmp"
-        variables = {**language_environment(self.language, self.spec.env), **variables}
+        variables = {**language_environment(self.language), **variables}
         return kernel_environment(path=path, home=home, limits=self.spec.limits, extra=variables)
 
     def process_environment(self, request_env: dict[str, str]) -> dict[str, str]:

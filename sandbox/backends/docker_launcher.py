@@ -192,10 +192,7 @@ class ContainerLauncher:
 
     def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
         limits = self.spec.limits
-        extra = {
-            **language_environment(self.language, self.spec.env),
-            **self.process_environment(),
-        }
+        extra = {**language_environment(self.language), **self.process_environment()}
         env = kernel_environment(path=self.kernel_path, home="/tmp", limits=limits, extra=extra)
         command = self.kernels.command(
             self.language, connection_file, KERNEL_DIR_IN_SANDBOX, limits

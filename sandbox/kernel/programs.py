@@ -23,7 +23,7 @@ from sandbox.image_labels import (
 )
 from sandbox.inside_kernel import command_server, kernel_supervisor
 from sandbox.kernel.command import kernel_command
-from sandbox.kernel.scopes import java_startup_script
+from sandbox.kernel.scopes import JAVA_STARTUP_SCRIPT
 from sandbox.languages import KERNEL_TRAITS
 
 SUPERVISOR_FILE = Path(kernel_supervisor.__file__)
@@ -114,11 +114,11 @@ class KernelPrograms:
         raise ValueError(f"no kernel for {language!r} here")
 
 
-def language_environment(language: str, session_env: dict[str, str]) -> dict[str, str]:
-    """Variables a language's kernel needs beyond the common ones (`session_env`: the
-    sandbox's own variables, which Java's kernel makes system properties too)."""
-    if language == "java" and session_env:
-        return {"JJAVA_STARTUP_SCRIPT": java_startup_script(sorted(session_env))}
+def language_environment(language: str) -> dict[str, str]:
+    """Variables a language's kernel needs beyond the common ones (the session's own come
+    after them: a session that sets one of these has its own)."""
+    if language == "java":  # its variables as system properties too, as E2B's has them
+        return {"JJAVA_STARTUP_SCRIPT": JAVA_STARTUP_SCRIPT}
     if language in ("javascript", "typescript"):
         # Plain text results (no terminal colours), no update check: there is no network.
         return {"NO_COLOR": "1", "DENO_NO_UPDATE_CHECK": "1", "DENO_NO_PROMPT": "1"}

@@ -68,9 +68,10 @@ def _java_text(value: str) -> str:
 
 def scope(language: str, env: dict[str, str], cwd: str | None) -> Scope:
     """The code that applies `env` and `cwd` for one call, and the code that undoes it."""
-    if cwd is not None and posixpath.isabs(cwd) and "PWD" not in env:
+    if cwd is not None and posixpath.isabs(cwd) and "PWD" not in env and language != "bash":
         # A shell the code starts (`!pwd`) trusts $PWD while it names the directory it is in:
         # it says the directory as given (/home/user), not another path to it (/workspace).
+        # (Bash's own `cd` sets it.)
         env = {**env, "PWD": cwd}
     if language == PYTHON:
         enter = f"{_PYTHON_RUNTIME}.enter({dict(env)!r}, {cwd!r})"
@@ -155,11 +156,11 @@ def _r_scope(env: dict[str, str], cwd: str | None) -> Scope:
     names = ", ".join(_text(k) for k in env)
     # as.character(): with no names, c() is NULL, and Sys.getenv(NULL) is every variable.
     enter = [f".cir_prev <- Sys.getenv(as.character(c({names})), unset = NA, names = TRUE)"]
+    enter.append(".cir_wd <- getwd()")
+    if cwd is not None:  # first: a directory that is not there stops the call before its $PWD
+        enter.append(f"invisible(setwd({_text(cwd)}))")
     if env:
         enter.append(f"invisible(do.call(Sys.setenv, as.list(c({_r_pairs(env)}))))")
-    enter.append(".cir_wd <- getwd()")
-    if cwd is not None:
-        enter.append(f"invisible(setwd({_text(cwd)}))")
     exit_ = (
         "for (.cir_k in names(.cir_prev)) if (is.na(.cir_prev[[.cir_k]])) Sys.unsetenv(.cir_k) "
         "else do.call(Sys.setenv, setNames(list(.cir_prev[[.cir_k]]), .cir_k))\n"
@@ -173,8 +174,8 @@ def _deno_scope(env: dict[str, str], cwd: str | None) -> Scope:
     enter = (
         f"globalThis.__cirScope = {{ env: Object.fromEntries({json.dumps(list(env))}"
         ".map((k) => [k, Deno.env.get(k)])), cwd: Deno.cwd() };\n"
-        f"for (const [k, v] of Object.entries({json.dumps(env)})) Deno.env.set(k, v);\n"
         + (f"Deno.chdir({json.dumps(cwd)});\n" if cwd is not None else "")
+        + f"for (const [k, v] of Object.entries({json.dumps(env)})) Deno.env.set(k, v);\n"
     )
     exit_ = (
         "{ const s = globalThis.__cirScope; delete globalThis.__cirScope;\n"
@@ -222,15 +223,11 @@ def _java_scope(env: dict[str, str], cwd: str | None) -> Scope:
     return Scope("\n".join(enter), exit_)
 
 
-def java_startup_script(names: list[str]) -> str:
-    """JShell code each Java kernel runs as it starts (jjava's JJAVA_STARTUP_SCRIPT): the
-    sandbox's own variables as system properties too, as E2B's Java kernel has them
-    (`System.getProperty("NAME")`); their values come from the environment, not this code."""
-    if not names:
-        return ""
-    listed = ", ".join(_text(name) for name in names)
-    return (
-        f"for (String __cirName : new String[] {{{listed}}}) {{"
-        " String __cirValue = System.getenv(__cirName);"
-        " if (__cirValue != null) System.setProperty(__cirName, __cirValue); }"
-    )
+# JShell code each Java kernel runs as it starts (jjava's JJAVA_STARTUP_SCRIPT): its variables
+# as system properties too, as E2B's Java kernel has the sandbox's (`System.getProperty("NAME")`);
+# none that is one already is changed. Constant, whatever the variables: nothing of theirs is
+# pasted into code, and no list of names can outgrow an environment string.
+JAVA_STARTUP_SCRIPT = (
+    "System.getenv().forEach((k, v) -> { if (!k.isEmpty() && System.getProperty(k) == null)"
+    " System.setProperty(k, v); });"
+)

@@ -108,7 +108,7 @@ class ManagedProcess:
         except Exception as exc:  # the backend lost it: say so, never hang a waiter
             end = ProcessEnd(exit_code=None, error=f"the process was lost: {exc}")
         if self._timed_out:
-            limit = round(self.request.timeout_s or 0.0, 1)  # a deadline's 0.9997 s reads "1 s"
+            limit = round(self.request.timeout_s or 0.0, 2)  # a deadline's 0.9997 s reads "1 s"
             end = end.model_copy(
                 update={"timed_out": True, "error": f"killed after its time limit of {limit:g} s"}
             )

@@ -114,6 +114,28 @@ async def test_java_has_the_variables_as_system_properties_too(polyglot: Sandbox
     assert "null/none" in (after.text or ""), after
 
 
+async def test_a_java_kernel_starts_with_many_long_variables(backend: Backend) -> None:
+    """Its variables become properties by code that names none of them: 600 names of 200
+    characters (120 KB of names, past what one environment string may hold) start it."""
+    names = {f"V{i:03d}_" + "x" * 195: str(i) for i in range(600)}
+    image = {"image": FULL_IMAGE} if backend.name == "docker" else {}
+    sb = await backend.create(small_spec(env=names, **image))
+    try:
+        last = next(reversed(names))
+        got = await sb.execute(f'System.getProperty("{last}")', language="java", timeout_s=120)
+        assert got.status is ExecutionStatus.OK and "599" in (got.text or ""), got
+    finally:
+        await sb.close()
+
+
+async def test_a_bash_call_whose_directory_is_missing_leaves_pwd_alone(polyglot: Sandbox) -> None:
+    before = await polyglot.execute("echo $PWD", language="bash", timeout_s=60)
+    failed = await polyglot.execute("echo in", language="bash", cwd="/nonexistent/dir")
+    assert failed.status is not ExecutionStatus.OK or "in" not in failed.stdout, failed
+    after = await polyglot.execute("echo $PWD", language="bash", timeout_s=60)
+    assert after.stdout == before.stdout, (before, after)
+
+
 async def test_a_bash_per_call_value_never_runs_as_a_command(polyglot: Sandbox) -> None:
     """^A in a value moves bash's line editor to the start of the line being typed: what
     follows in the value is typed before `if [ -n ...`, and runs as a command."""

@@ -195,7 +195,7 @@ class MachineKernelLauncher:
                 home="/tmp",
                 limits=limits,
                 extra={
-                    **language_environment(self.language, self.spec.env),
+                    **language_environment(self.language),
                     **self.environment(),
                     IOPUB_PIPE_ENV: f"{self.kernel_dir_in_sandbox}/iopub-pipe",
                 },

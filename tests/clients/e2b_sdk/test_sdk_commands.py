@@ -70,6 +70,17 @@ def test_the_timeout_kills_the_command(sbx: Sandbox) -> None:
     assert not sbx.files.exists("finished.txt")
 
 
+def test_a_connect_to_a_command_its_timeout_killed_gets_its_end(sbx: Sandbox) -> None:
+    """Only the call whose deadline was the command's time limit ends past it (envd's
+    `deadline_exceeded`); a `connect` to it gets the end, as envd's does: exit -1."""
+    handle = sbx.commands.run("sleep 30", background=True, timeout=1)
+    with pytest.raises(TimeoutException):
+        handle.wait()
+    with pytest.raises(CommandExitException) as ended:
+        sbx.commands.connect(handle.pid).wait()
+    assert ended.value.exit_code == -1
+
+
 def test_background_commands_stdin_list_connect_and_kill(sbx: Sandbox) -> None:
     cat = sbx.commands.run("cat", background=True, stdin=True)
     sbx.commands.send_stdin(cat.pid, "typed\n")

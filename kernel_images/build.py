@@ -32,6 +32,7 @@ from docker.errors import ImageNotFound
 from sandbox.image_labels import (
     FULL_IMAGE,
     FULL_IMAGE_LANGUAGES,
+    IMAGE_ROLE_LABEL,
     KERNEL_IMAGE,
     KERNEL_IMAGE_LANGUAGES,
     LANGUAGES_LABEL,
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 BASE_IMAGE = "code-interpreter-base:bookworm"
 HASH_LABEL = "code-interpreter.build-hash"
-ROLE_LABEL = "code-interpreter.image"
+ROLE_LABEL = IMAGE_ROLE_LABEL
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 # What commands in a sandbox expect beside Python: git (E2B's git API, agents' repos) and ps.
 BASE_PACKAGES = ["python3", "python3-venv", "passwd", "ca-certificates", "git", "procps"]

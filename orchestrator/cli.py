@@ -20,6 +20,7 @@ from orchestrator import release
 from orchestrator.governance.audit_cli import audit_app
 from orchestrator.governance.keys_cli import keys_app
 from orchestrator.http_errors import problems
+from orchestrator.template_cli import template_app
 from orchestrator.terminal import TerminalPrinter
 from sandbox.backends.registry import BACKENDS
 
@@ -414,6 +415,7 @@ image_app = typer.Typer(help="Build and list the Docker kernel images.", no_args
 app.add_typer(image_app, name="image")
 app.add_typer(audit_app, name="audit")
 app.add_typer(keys_app, name="keys")
+app.add_typer(template_app, name="template")
 
 
 @image_app.command("build")

@@ -98,6 +98,11 @@ class Settings(BaseSettings):
         description="Images a session may ask for; by default docker_image and the full image "
         "(every language, code-interpreter-kernel-full:latest).",
     )
+    docker_templates: bool = Field(
+        True,
+        description="Templates (`code-interpreter template build`: images an operator built "
+        "from a Dockerfile on a kernel image) may be asked for by name, beside docker_images.",
+    )
     docker_runtime: str | None = Field(
         None,
         description="The OCI runtime of Docker sessions that ask for none: `runsc` runs every "

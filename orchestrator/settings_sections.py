@@ -77,6 +77,7 @@ class AdmissionSection(Section):
     default_limits: ResourceLimits
     docker_image: str
     docker_images: tuple[str, ...]
+    docker_templates: bool
     docker_runtime: str | None
     docker_runtimes: tuple[str, ...]
     execution_timeout_s: float
@@ -180,6 +181,7 @@ class ViewSection(Section):
     default_backend: str
     docker_image: str
     docker_images: tuple[str, ...]
+    docker_templates: bool
     idle_timeout_s: float
     max_lifetime_s: float
     paused_retention_s: float

@@ -1,15 +1,47 @@
 """The names and labels of the kernel images, and the fixed paths of the kernels in them.
 
 The sandbox layer reads them of an image (its languages, where its kernels are); the image
-builder (kernel_images/, a layer above) builds the images to match. Free of imports.
+builder (kernel_images/, a layer above) builds the images to match. Free of our imports.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 KERNEL_IMAGE = "code-interpreter-kernel:latest"
 FULL_IMAGE = "code-interpreter-kernel-full:latest"
+
+# What each image built here is (the builder's label): kernel, full, template...
+IMAGE_ROLE_LABEL = "code-interpreter.image"
+# Templates: images an operator built FROM one of these with a Dockerfile of their own
+# (`code-interpreter template build`), named by this prefix and the template's name (one of
+# Docker's name components, so that the image's name is one).
+TEMPLATE_IMAGE_PREFIX = "code-interpreter-template-"
+TEMPLATE_LABEL = "code-interpreter.template"  # on a template image: its name
+TEMPLATE_NAME = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")
+_TEMPLATE_IMAGE = re.compile(re.escape(TEMPLATE_IMAGE_PREFIX) + r"(.{1,63}):latest")
+
+
+def template_image(name: str) -> str:
+    """The image a template of this name is."""
+    return f"{TEMPLATE_IMAGE_PREFIX}{name}:latest"
+
+
+def template_name_of(image: str) -> str | None:
+    """The template an image name is (exactly `code-interpreter-template-NAME:latest`), or
+    None: no other tag, digest or registry names one."""
+    found = _TEMPLATE_IMAGE.fullmatch(image)
+    if found is None or not TEMPLATE_NAME.fullmatch(found.group(1)):
+        return None
+    return found.group(1)
+
+
+def is_template_labelled(labels: Mapping[str, str] | None, name: str) -> bool:
+    """Whether an image's labels say it is the template `name`, built by the CLI."""
+    given = labels or {}
+    return given.get(IMAGE_ROLE_LABEL) == "template" and given.get(TEMPLATE_LABEL) == name
+
 
 # Each image lists the canonical names of the languages its kernels run, comma-separated.
 LANGUAGES_LABEL = "code-interpreter.languages"

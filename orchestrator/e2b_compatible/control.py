@@ -64,10 +64,10 @@ SNAPSHOT_PREFIX = "snap-"
 MAX_PAGE = 100  # E2B's largest and default page of a list
 
 
-def _backend_for(service: Service, template: str) -> tuple[str | None, str | None]:
-    """(backend, image) for an E2B template name: a backend's name, an allowed Docker image, or
-    one of E2B's default templates (no backend named: the service picks it, within the key's
-    policy)."""
+async def _backend_for(service: Service, template: str) -> tuple[str | None, str | None]:
+    """(backend, image) for an E2B template name: a backend's name, an allowed Docker image, a
+    template built here (`code-interpreter template build`), or one of E2B's default templates
+    (no backend named: the service picks it, within the key's policy)."""
     enabled = service.views.backend_names()
     if template in enabled:
         return template, None
@@ -77,7 +77,15 @@ def _backend_for(service: Service, template: str) -> tuple[str | None, str | Non
     runs_images = service.views.image_backend()
     if runs_images is not None and template in images:
         return runs_images, template
-    offered = [*DEFAULT_TEMPLATES, *enabled, *(images if runs_images is not None else [])]
+    built = await service.views.templates()
+    if runs_images is not None and template in built:
+        return runs_images, built[template]
+    offered = [
+        *DEFAULT_TEMPLATES,
+        *enabled,
+        *(images if runs_images is not None else []),
+        *built,
+    ]
     raise E2BError(404, f"template {template!r} not found; this server offers: {offered}")
 
 
@@ -202,7 +210,9 @@ async def create(
     timeout = _timeout(service, request.timeout)
     from_snapshot = request.template_id.startswith(SNAPSHOT_PREFIX)
     # A snapshot's own backend and image (the service takes them from it); else the template's.
-    backend, image = (None, None) if from_snapshot else _backend_for(service, request.template_id)
+    backend, image = (
+        (None, None) if from_snapshot else await _backend_for(service, request.template_id)
+    )
     env = {} if isinstance(request.env_vars, Unset) else dict(request.env_vars or {})
     metadata = {} if isinstance(request.metadata, Unset) else dict(request.metadata or {})
     try:

@@ -38,7 +38,7 @@ from orchestrator.sessions import Session, SessionManager
 from orchestrator.settings_sections import AdmissionSection, AuthSection
 from orchestrator.state_store import SessionRecord
 from sandbox.backends.base import Backend
-from sandbox.image_labels import FULL_IMAGE
+from sandbox.image_labels import FULL_IMAGE, template_name_of
 from sandbox.languages import check_available
 
 # The ceiling no request may pass, whatever it asks for: ResourceLimits' own upper bounds.
@@ -265,9 +265,12 @@ class Admission:
             spec.limits = self._limits(request.limits)
         if request.image is not None:
             allowed = self._offered_images()
-            if request.image not in allowed:
+            template = self.settings.docker_templates and template_name_of(request.image)
+            if request.image not in allowed and not template:
+                also = ", or a template's (code-interpreter template list)"
                 raise ImageNotAllowed(
                     f"image {request.image!r} is not allowed here; allowed: {', '.join(allowed)}"
+                    + (also if self.settings.docker_templates else "")
                 )
             spec.image = request.image
         if request.runtime is not None and request.runtime != self._deployment_runtime():

@@ -7,7 +7,7 @@ import logging
 import time
 from datetime import UTC, datetime
 
-from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.errors import BackendUnavailable, SandboxError
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.rest import EgressConnection, NetworkReport, SessionInfo, SnapshotInfo
@@ -15,6 +15,7 @@ from orchestrator.service_parts.channels import Channels
 from orchestrator.sessions import BackendNotEnabled, Session, SessionManager
 from orchestrator.settings_sections import ViewSection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
+from sandbox.image_labels import template_image
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,18 @@ class Views:
     def backend_names(self) -> list[str]:
         """The backends this service runs sandboxes on."""
         return list(self._sessions.backends)
+
+    async def templates(self) -> dict[str, str]:
+        """The templates a session may start from, by name: each its image (none unless
+        `docker_templates`, and a backend here runs images)."""
+        backend = self.image_backend()
+        if backend is None or not self.settings.docker_templates:
+            return {}
+        try:
+            names = await self._sessions.backends[backend].templates()
+        except BackendUnavailable:  # its engine is away: none to offer now
+            return {}
+        return {name: template_image(name) for name in names}
 
     def image_backend(self) -> str | None:
         """The enabled backend that runs the container image a session names, if any."""

@@ -328,6 +328,11 @@ class Backend(ABC):
         description)."""
         return [PYTHON]
 
+    async def templates(self) -> list[str]:
+        """The names of the templates (`code-interpreter template build`) whose images it can
+        run: none where it runs no images."""
+        return []
+
     async def attach(self, handle: str, spec: SandboxSpec) -> Sandbox:
         """The running sandbox `Sandbox.handle` named, made by another service process (a
         cluster's replicas share their sandboxes); `spec` is the one it was made with."""

@@ -43,7 +43,13 @@ from sandbox.backends.docker_launcher import (
 from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.backends.kernel_sandbox import KernelSandbox
-from sandbox.image_labels import KERNEL_IMAGE
+from sandbox.image_labels import (
+    KERNEL_IMAGE,
+    TEMPLATE_LABEL,
+    is_template_labelled,
+    template_image,
+    template_name_of,
+)
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs
@@ -245,17 +251,41 @@ class DockerBackend(Backend):
         image = (spec.image if spec else None) or self.config.image
         return (await self._image_programs(client, image)).languages
 
+    async def templates(self) -> list[str]:
+        client, _ = await self._connect()
+        try:
+            images = await asyncio.to_thread(
+                client.images.list, filters={"label": TEMPLATE_LABEL, "dangling": False}
+            )
+        except DockerException as exc:
+            raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
+        # An image built FROM a template inherits its label: only the one its name tags counts.
+        labels = {str((image.labels or {}).get(TEMPLATE_LABEL, "")) for image in images}
+        tags = {tag for image in images for tag in image.tags}
+        return sorted(name for name in labels if name and template_image(name) in tags)
+
     async def _image_programs(self, client: docker.DockerClient, image: str) -> KernelPrograms:
         """The kernels of `image`, from its languages label."""
         try:
             found = await asyncio.to_thread(client.images.get, image)
         except ImageNotFound:
+            if template_name_of(image) is not None:
+                raise BackendUnavailable(
+                    f"there is no template image {image!r} on this engine: build it with "
+                    "`code-interpreter template build -f Dockerfile --name NAME`"
+                ) from None
             raise BackendUnavailable(
                 f"the kernel image {image!r} is not on this engine: build it with `make image` "
                 "or `code-interpreter image build`"
             ) from None
         except DockerException as exc:  # the engine went away, or failed: a typed refusal
             raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
+        name = template_name_of(image)
+        if name is not None and not is_template_labelled(found.labels, name):
+            raise BackendUnavailable(
+                f"the image {image!r} is not a template this service built: build templates "
+                "with `code-interpreter template build`"
+            )
         return image_programs(found.labels, self.config.python, STARTUP_FILE_IN_SANDBOX)
 
     async def cleanup_orphans(self) -> int:

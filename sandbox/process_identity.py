@@ -22,12 +22,17 @@ class OwnerState(StrEnum):
 
 
 def process_start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot, or None when there is no such pid."""
+    """The process's start time in clock ticks since boot, or None when no process of that pid
+    runs: none is there, or it has ended and waits to be reaped (a zombie holds nothing, and is
+    no owner of what it left)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 def _boot_id() -> str:

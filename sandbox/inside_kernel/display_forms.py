@@ -1,6 +1,6 @@
 """Runs inside every Python kernel before the start-up file (ipykernel's `exec_files`, from the
 same directory), on every backend: the display forms E2B's kernel adds, and patches applied to
-libraries when code first imports them (Pillow, plotly, matplotlib's fonts).
+libraries when code first imports them (Pillow, plotly, matplotlib's fonts and boxplot).
 
 Standard library only, beside what the kernel itself runs on (IPython); the data libraries it
 adapts (pandas, matplotlib, e2b-charts, Pillow, plotly) are used only if the code imports them.
@@ -240,7 +240,34 @@ def _install_e2b_display_forms() -> None:
         get_font.cache_info = original.cache_info  # type: ignore[attr-defined]
         font_manager._get_font = get_font  # type: ignore[attr-defined]
 
+    def boxplot_taking_labels(original: Callable[..., Any]) -> Callable[..., Any]:
+        """`boxplot` that takes `labels=` (matplotlib 3.9 renamed it `tick_labels`, 3.11 removed
+        it) as E2B's template (3.10) does: model-written code and E2B's chart examples pass it."""
+        import inspect
+
+        taken = inspect.signature(original).parameters
+        if "labels" in taken or "tick_labels" not in taken:
+            return original  # a matplotlib that takes `labels` itself
+
+        @functools.wraps(original)
+        def boxplot(*args: Any, labels: Any = None, **kwargs: Any) -> Any:
+            if labels is not None:
+                if kwargs.get("tick_labels") is not None:
+                    raise TypeError("boxplot() takes labels or tick_labels, not both")
+                kwargs["tick_labels"] = labels
+            return original(*args, **kwargs)
+
+        return boxplot
+
+    def patch_axes(axes: types.ModuleType) -> None:
+        axes.Axes.boxplot = boxplot_taking_labels(axes.Axes.boxplot)
+
+    def patch_pyplot(pyplot: types.ModuleType) -> None:
+        pyplot.boxplot = boxplot_taking_labels(pyplot.boxplot)
+
     patches: dict[str, Callable[[types.ModuleType], None]] = {
+        "matplotlib.axes": patch_axes,
+        "matplotlib.pyplot": patch_pyplot,
         "matplotlib.font_manager": patch_matplotlib_fonts,
         "PIL.Image": patch_pillow,
         "plotly.io._renderers": patch_plotly,

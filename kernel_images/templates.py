@@ -29,6 +29,7 @@ from kernel_images.build import ROLE_LABEL
 from sandbox.backends.registry import BACKENDS
 from sandbox.image_labels import (
     KERNEL_VENV_IN_IMAGE,
+    LANGUAGES_LABEL,
     TEMPLATE_IMAGE_PREFIX,
     TEMPLATE_LABEL,
     TEMPLATE_NAME,
@@ -69,7 +70,7 @@ def check_name(name: str) -> None:
             f"a template's name is up to {MAX_NAME} lower-case letters and digits, joined by "
             f"'-', '_', '__' or '.': {name!r} is not one"
         )
-    if name in RESERVED:
+    if name in RESERVED or name.startswith("snap-"):  # snap-...: a snapshot's id to E2B's SDK
         raise TemplateRefused(f"{name!r} already names a template or backend here: pick another")
 
 
@@ -191,7 +192,12 @@ def build_template(
             rm=True,
             forcerm=True,
             network_mode="host",
-            labels={ROLE_LABEL: "template", TEMPLATE_LABEL: name},
+            # Its base's languages, whatever a LABEL line of the Dockerfile says.
+            labels={
+                ROLE_LABEL: "template",
+                TEMPLATE_LABEL: name,
+                LANGUAGES_LABEL: (base.labels or {}).get(LANGUAGES_LABEL, "python"),
+            },
         )
     except BuildError as exc:
         lines = [str(part.get("stream", "")).rstrip() for part in exc.build_log]
@@ -199,11 +205,11 @@ def build_template(
         raise TemplateRefused(f"the template's build failed: {exc.msg}\n{tail}") from None
     try:
         _check_built(client, built, base)
-    except TemplateRefused as refused:
+        built.tag(template_image(name).removesuffix(":latest"), tag="latest")
+    except (TemplateRefused, DockerException) as refused:
         with contextlib.suppress(DockerException):
             client.images.remove(built.id, force=True)
         raise TemplateRefused(f"{refused}; the template was not kept") from None
-    built.tag(template_image(name).removesuffix(":latest"), tag="latest")
     return _template(client.images.get(template_image(name)))
 
 

@@ -46,13 +46,12 @@ from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.image_labels import (
     KERNEL_IMAGE,
     TEMPLATE_LABEL,
-    is_template_labelled,
     template_image,
     template_name_of,
 )
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
-from sandbox.kernel.programs import KernelPrograms, image_programs
+from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
 from sandbox.process_identity import OwnerState, ProcessIdentity
 from sandbox.processes.spawned import Spawner
 from sandbox.state_dir import SessionDirs, default_state_dir
@@ -260,9 +259,8 @@ class DockerBackend(Backend):
         except DockerException as exc:
             raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
         # An image built FROM a template inherits its label: only the one its name tags counts.
-        labels = {str((image.labels or {}).get(TEMPLATE_LABEL, "")) for image in images}
-        tags = {tag for image in images for tag in image.tags}
-        return sorted(name for name in labels if name and template_image(name) in tags)
+        labelled = ((str((image.labels or {}).get(TEMPLATE_LABEL, "")), image) for image in images)
+        return sorted({name for name, image in labelled if template_image(name) in image.tags})
 
     async def _image_programs(self, client: docker.DockerClient, image: str) -> KernelPrograms:
         """The kernels of `image`, from its languages label."""
@@ -280,12 +278,7 @@ class DockerBackend(Backend):
             ) from None
         except DockerException as exc:  # the engine went away, or failed: a typed refusal
             raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
-        name = template_name_of(image)
-        if name is not None and not is_template_labelled(found.labels, name):
-            raise BackendUnavailable(
-                f"the image {image!r} is not a template this service built: build templates "
-                "with `code-interpreter template build`"
-            )
+        refuse_unbuilt_template(image, found.labels)
         return image_programs(found.labels, self.config.python, STARTUP_FILE_IN_SANDBOX)
 
     async def cleanup_orphans(self) -> int:

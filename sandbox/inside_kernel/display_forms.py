@@ -263,7 +263,7 @@ def _install_e2b_display_forms() -> None:
         axes.Axes.boxplot = boxplot_taking_labels(axes.Axes.boxplot)
 
     def patch_pyplot(pyplot: types.ModuleType) -> None:
-        pyplot.boxplot = boxplot_taking_labels(pyplot.boxplot)
+        setattr(pyplot, "boxplot", boxplot_taking_labels(pyplot.boxplot))  # noqa: B010
 
     patches: dict[str, Callable[[types.ModuleType], None]] = {
         "matplotlib.axes": patch_axes,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from code_interpreter_wire.errors import BackendUnavailable
 from code_interpreter_wire.languages import LANGUAGES, PYTHON
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.image_labels import (
@@ -19,7 +21,9 @@ from sandbox.image_labels import (
     JAVA_IN_IMAGE,
     JJAVA_JAR_IN_IMAGE,
     R_IN_IMAGE,
+    is_template_labelled,
     languages_of,
+    template_name_of,
 )
 from sandbox.inside_kernel import command_server, kernel_supervisor
 from sandbox.kernel.command import kernel_command
@@ -112,6 +116,17 @@ class KernelPrograms:
                 placeholder,
             ]
         raise ValueError(f"no kernel for {language!r} here")
+
+
+def refuse_unbuilt_template(image: str, labels: Mapping[str, str] | None) -> None:
+    """BackendUnavailable for an image named as a template that the CLI did not build as that
+    template (its labels say so): every backend that runs images asks before running one."""
+    name = template_name_of(image)
+    if name is not None and not is_template_labelled(labels, name):
+        raise BackendUnavailable(
+            f"the image {image!r} is not a template this service built: build templates with "
+            "`code-interpreter template build`"
+        )
 
 
 def language_environment(language: str) -> dict[str, str]:

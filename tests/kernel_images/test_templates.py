@@ -91,6 +91,7 @@ def test_a_template_not_built_on_a_kernel_image_is_refused_before_building(
         ("x-", "name"),
         ("a" * 64, "name"),
         ("local", "pick"),
+        ("snap-1", "pick"),
     ):
         with pytest.raises(TemplateRefused, match=said):
             build_template(name, plain, tmp_path, engine)

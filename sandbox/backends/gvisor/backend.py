@@ -67,7 +67,7 @@ from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.image_labels import KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
-from sandbox.kernel.programs import KernelPrograms, image_programs
+from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
 from sandbox.preload import ANALYST_PRELOAD
 from sandbox.state_dir import SessionDirs, default_state_dir
 from sandbox.uids import HostUidPool
@@ -184,6 +184,7 @@ class GvisorBackend(Backend):
             def find() -> tuple[KernelPrograms, Path]:
                 with contextlib.closing(docker.from_env()) as client:
                     labels = client.images.get(image).labels
+                    refuse_unbuilt_template(image, labels)
                     rootfs = unpack_rootfs(client, image, self.rootfs_store)
                 return image_programs(labels, self.config.python, STARTUP_FILE_IN_SANDBOX), rootfs
 

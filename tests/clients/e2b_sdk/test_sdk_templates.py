@@ -52,7 +52,7 @@ def test_the_e2b_sdk_starts_a_sandbox_from_a_template_by_name(
     assert listed.returncode == 0 and built_template in listed.stdout, listed
     sandbox = Sandbox.create(built_template)
     try:
-        assert sandbox.run_code("open('/opt/marker.txt').read()").text == "made-by-the-template\n"
+        assert sandbox.run_code("open('/opt/marker.txt').read()").text == "made-by-the-template\\n"
         assert sandbox.commands.run("cat /opt/marker.txt").stdout == "made-by-the-template\n"
     finally:
         sandbox.kill()

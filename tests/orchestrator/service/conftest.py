@@ -50,7 +50,8 @@ class Server:
                 stderr=subprocess.STDOUT,
                 preexec_fn=None if self.open_files is None else self._limit_open_files,
             )
-        deadline = time.monotonic() + 60
+        # Generous: a loaded machine's first gVisor server unpacks its image's root first.
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited: {self.log.read_text()[-3000:]}")

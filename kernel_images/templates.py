@@ -30,10 +30,10 @@ from sandbox.backends.registry import BACKENDS
 from sandbox.image_labels import (
     KERNEL_VENV_IN_IMAGE,
     LANGUAGES_LABEL,
-    TEMPLATE_IMAGE_PREFIX,
     TEMPLATE_LABEL,
     TEMPLATE_NAME,
     languages_of,
+    named_template,
     template_image,
 )
 
@@ -117,7 +117,7 @@ def final_base(dockerfile: str) -> str:
 def _base_image(client: docker.DockerClient, base: str) -> Image:
     try:
         image = client.images.get(base)
-    except (ImageNotFound, DockerException):
+    except DockerException:  # not on the engine (ImageNotFound), or no engine
         image = None
     if image is None or (image.labels or {}).get(ROLE_LABEL) not in BASES:
         raise TemplateRefused(
@@ -230,14 +230,8 @@ def list_templates(client: docker.DockerClient | None = None) -> list[Template]:
     inherits its label, and is not it)."""
     client = client or docker.from_env()
     found = client.images.list(filters={"label": TEMPLATE_LABEL, "dangling": False})
-    named = {
-        tag: image
-        for image in found
-        for tag in image.tags
-        if tag.startswith(TEMPLATE_IMAGE_PREFIX)
-        and tag == template_image((image.labels or {}).get(TEMPLATE_LABEL, ""))
-    }
-    return sorted((_template(image) for image in named.values()), key=lambda t: t.name)
+    named = [image for image in found if named_template(image.labels, image.tags)]
+    return sorted((_template(image) for image in named), key=lambda t: t.name)
 
 
 def remove_template(name: str, client: docker.DockerClient | None = None) -> None:

@@ -37,6 +37,13 @@ def template_name_of(image: str) -> str | None:
     return found.group(1)
 
 
+def named_template(labels: Mapping[str, str] | None, tags: list[str]) -> str | None:
+    """The template an image is, when its name tags it (an image built FROM a template
+    inherits its label without being it), else None."""
+    name = (labels or {}).get(TEMPLATE_LABEL, "")
+    return name if name and template_image(name) in tags else None
+
+
 def is_template_labelled(labels: Mapping[str, str] | None, name: str) -> bool:
     """Whether an image's labels say it is the template `name`, built by the CLI."""
     given = labels or {}

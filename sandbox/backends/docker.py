@@ -43,12 +43,7 @@ from sandbox.backends.docker_launcher import (
 from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.backends.kernel_sandbox import KernelSandbox
-from sandbox.image_labels import (
-    KERNEL_IMAGE,
-    TEMPLATE_LABEL,
-    template_image,
-    template_name_of,
-)
+from sandbox.image_labels import KERNEL_IMAGE, TEMPLATE_LABEL, named_template, template_name_of
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
@@ -258,9 +253,7 @@ class DockerBackend(Backend):
             )
         except DockerException as exc:
             raise BackendUnavailable(f"the Docker engine did not answer: {exc}") from None
-        # An image built FROM a template inherits its label: only the one its name tags counts.
-        labelled = ((str((image.labels or {}).get(TEMPLATE_LABEL, "")), image) for image in images)
-        return sorted({name for name, image in labelled if template_image(name) in image.tags})
+        return sorted({n for image in images if (n := named_template(image.labels, image.tags))})
 
     async def _image_programs(self, client: docker.DockerClient, image: str) -> KernelPrograms:
         """The kernels of `image`, from its languages label."""

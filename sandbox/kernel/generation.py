@@ -79,41 +79,64 @@ async def launch_generation(
     return KernelGeneration(generation, process, client, channels, exited)
 
 
+_MOST_ASKED_AT_ONCE = 16  # kernel_info requests left waiting for their replies
+
+
 async def answers(
     kernel: KernelGeneration, startup_timeout_s: float, closed: Callable[[], bool]
 ) -> bool:
     """Ask for kernel_info until the shell answers and iopub is seen to be connected: True;
     False once the kernel is found dead instead. `closed()`: its sandbox was closed meanwhile
-    (SandboxClosed; the caller disposes of the kernel)."""
+    (SandboxClosed; the caller disposes of the kernel).
+
+    A reply to any request still counts, and the wait between requests grows: a kernel slow
+    to answer each (a JVM starting on a loaded host) is never asked faster than it answers,
+    which would leave every reply one the wait had already given up on."""
     deadline = time.monotonic() + startup_timeout_s
-    while True:
-        if closed():
-            raise SandboxClosed("the sandbox was closed while its kernel started")
-        if kernel.exited.done():
-            return False
-        if time.monotonic() > deadline:
-            channels = kernel.channels
-            raise SandboxStartError(
-                f"the kernel did not answer within {startup_timeout_s:.0f} s of starting "
-                f"({channels.shell_received} shell messages read; output channel "
-                f"{'live' if channels.iopub_seen.is_set() else 'silent'})"
-            )
-        msg_id = kernel.client.kernel_info()
-        kernel.channels.sent_on_shell()
-        reply = kernel.channels.reply_to(msg_id)
-        try:
+    asked: dict[str, asyncio.Future[dict[str, Any]]] = {}
+    pause = 0.5
+    try:
+        while True:
+            if closed():
+                raise SandboxClosed("the sandbox was closed while its kernel started")
+            if kernel.exited.done():
+                return False
+            if time.monotonic() > deadline:
+                channels = kernel.channels
+                raise SandboxStartError(
+                    f"the kernel did not answer within {startup_timeout_s:.0f} s of starting "
+                    f"({channels.shell_received} shell messages read; output channel "
+                    f"{'live' if channels.iopub_seen.is_set() else 'silent'})"
+                )
+            msg_id = kernel.client.kernel_info()
+            kernel.channels.sent_on_shell()
+            asked[msg_id] = kernel.channels.reply_to(msg_id)
+            if len(asked) > _MOST_ASKED_AT_ONCE:
+                oldest = next(iter(asked))
+                kernel.channels.forget_reply(oldest)
+                del asked[oldest]
             # A death ends the wait at once, not after it.
-            either: set[asyncio.Future[Any]] = {reply, kernel.exited}
-            await asyncio.wait(either, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-            if not reply.done():
-                raise TimeoutError
+            either: set[asyncio.Future[Any]] = {*asked.values(), kernel.exited}
+            await asyncio.wait(either, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+            if not any(_answered(reply) for reply in asked.values()):
+                pause = min(pause * 1.5, 3.0)
+                continue
             # Each request is answered with busy/idle on iopub: seeing any message proves
             # that our subscription is live, so no output of the first execution is lost.
-            await asyncio.wait_for(kernel.channels.iopub_seen.wait(), 0.2)
+            try:
+                await asyncio.wait_for(kernel.channels.iopub_seen.wait(), 0.2)
+            except TimeoutError:
+                for done in [key for key, reply in asked.items() if _answered(reply)]:
+                    del asked[done]
+                continue  # ask again: its busy/idle may reach a subscription live by now
             return True
-        except TimeoutError:
+    finally:
+        for msg_id in asked:
             kernel.channels.forget_reply(msg_id)
-            continue
+
+
+def _answered(reply: asyncio.Future[dict[str, Any]]) -> bool:
+    return reply.done() and not reply.cancelled()
 
 
 async def dispose(kernel: KernelGeneration) -> None:

@@ -234,8 +234,12 @@ async def test_a_keeper_killed_ends_its_kernel_and_a_new_one_is_forked(forked: B
         pid = zygote._proc.pid
         # This sandbox's keeper: the zygote's child in this sandbox's cgroup (others may not
         # have ended yet, their sandboxes closed just before).
-        [keeper] = [c for c in _children(pid) if c in _cgroup_members(sandbox.id)]
+        members = _cgroup_members(sandbox.id)
+        [keeper] = [c for c in _children(pid) if c in members]
         os.kill(keeper, signal.SIGKILL)
+        # The kernel's parent-death signal is delivered on its own time: the call below must
+        # find it dead, not still answering.
+        await asyncio.wait_for(_until_gone(sorted(members)), 60)
         after = await asyncio.wait_for(sandbox.execute("'x' in globals()"), 60)
         if after.status is ExecutionStatus.KERNEL_DIED:  # found dead by this call: told so
             assert after.error is not None and after.error.name == "KernelDied", after

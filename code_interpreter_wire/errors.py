@@ -94,3 +94,8 @@ class SandboxLost(SandboxError):
 class CapacityReached(SandboxError):
     """Every place that could hold a new sandbox is full (the message says how full, and what
     to do: try again later, or add capacity)."""
+
+
+class PortUnreachable(SandboxError):
+    """Nothing answers on the port asked for inside the sandbox (no server listens there yet,
+    or it is not a TCP port): start the server, or ask for the port it listens on."""

@@ -19,6 +19,7 @@ from pydantic import (
 from code_interpreter_wire.approval_outcome import ApprovalOutcome
 from code_interpreter_wire.languages import LANGUAGES, MAX_LANGUAGE_NAME, PYTHON
 from code_interpreter_wire.network_policy import NO_NETWORK, NetworkPolicy
+from code_interpreter_wire.ports import PortsInfo, PortsRequest
 from code_interpreter_wire.results import Execution
 from code_interpreter_wire.spec import ResourceLimits
 from code_interpreter_wire.tool_definitions import ToolFormat
@@ -106,6 +107,12 @@ class CreateSessionRequest(BaseModel):
         description="Start from this snapshot of yours: its variables and files (and, unless "
         "given here, its backend and limits).",
     )
+    ports: PortsRequest | None = Field(
+        None,
+        description="Reach the servers its code starts (inbound ports): through the service at "
+        "/v1/sessions/{id}/ports/{port}/ (HTTP and WebSocket), with its owner's key or its "
+        "port token, or by anyone with `public`. None (the default): no inbound traffic.",
+    )
 
 
 class SessionInfo(BaseModel):
@@ -148,6 +155,9 @@ class SessionInfo(BaseModel):
     paused_at: datetime | None = None
     deleted_in_s: float | None = Field(
         None, description="A paused session is deleted for good this long from now."
+    )
+    ports: PortsInfo | None = Field(
+        None, description="How its inbound ports are reached; null: it asked for none."
     )
 
 

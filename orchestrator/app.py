@@ -25,6 +25,8 @@ from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
 from orchestrator.mcp_front.http import McpHttpFront
 from orchestrator.metrics import METRICS
+from orchestrator.ports_front.host_form import PortHosts
+from orchestrator.ports_front.routes import router as port_routes
 from orchestrator.request_context import ClientGone
 from orchestrator.request_guard import RequestGuard
 from orchestrator.routes import approvals as approval_routes
@@ -71,6 +73,7 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     app.state.fronts = fronts
     routers = (sessions, snapshots, files, processes, tools, languages, ops, whoami, audit_log)
     app.include_router(approval_routes.router)
+    app.include_router(port_routes)  # docs/ports.md: servers in sessions, by path or by host
     for router in (module.router for module in routers):
         app.include_router(router)
     app.router.routes.append(mcp.route())
@@ -91,6 +94,8 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
         BodySizeLimit, limit=settings.max_request_bytes, upload_limit=settings.max_upload_bytes
     )
     app.add_middleware(NoSniff)
+    # Outermost of all: a `<port>-<id>.<domain>` host is the path form to everything after it.
+    app.add_middleware(PortHosts, domain=settings.ports_domain)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, exc: SessionError) -> JSONResponse:

@@ -308,6 +308,50 @@ class Settings(BaseSettings):
         "answered 503 and closed at once.",
     )
 
+    # --- inbound ports (docs/ports.md): servers a session's code starts, reached through us
+    ports_enabled: bool = Field(
+        True,
+        description="Sessions may ask for inbound ports (CreateSessionRequest.ports, E2B's "
+        "get_host); false refuses them (403).",
+    )
+    ports_public: bool = Field(
+        True,
+        description="A session may make its ports public (no key or token needed); false "
+        "refuses that (403) and an E2B sandbox's default is its token instead.",
+    )
+    ports_domain: str | None = Field(
+        None,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9.-]+(:[0-9]{1,5})?$",
+        description="The domain whose `<port>-<session id>.<domain>` hosts reach sessions' "
+        "ports (a wildcard DNS name for the service, E2B's scheme), with its :port if not the "
+        "default; unset: such a host is routed whatever its domain, and E2B's SDK is told the "
+        "host its own request named.",
+    )
+    ports_max_connections_per_session: int = Field(
+        32,
+        ge=1,
+        le=4096,
+        description="Connections to a session's ports open at once (each is a relay process "
+        "in its sandbox); one more is refused (503).",
+    )
+    ports_max_connections_total: int = Field(
+        512, ge=1, description="Connections to every session's ports open at once (503 past)."
+    )
+    ports_max_bytes_per_connection: int = Field(
+        1 << 30,
+        ge=1 << 16,
+        description="Bytes one connection to a port may carry, both ways together; it is "
+        "closed past them.",
+    )
+    ports_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86_400,
+        description="How long an HTTP exchange with a port may wait for the server's next "
+        "bytes; a WebSocket's messages are not timed.",
+    )
+
     # --- files and outputs
     max_upload_bytes: int = Field(100 << 20, ge=1)
     max_request_bytes: int = Field(

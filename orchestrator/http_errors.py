@@ -16,6 +16,7 @@ from code_interpreter_wire.errors import (
     FileTooLarge,
     InvalidPath,
     LanguageUnavailable,
+    PortUnreachable,
     ProcessesUnsupported,
     ProcessLimitReached,
     ProcessNotFound,
@@ -49,6 +50,7 @@ STATUS_OF_ERROR: list[tuple[type[Exception], int]] = [
     (BackendRateLimited, 429),
     (CapacityReached, 429),  # every node of the cluster is full: the message says how full
     (BackendTimeout, 504),
+    (PortUnreachable, 502),  # a gateway's answer: the server behind it did not answer
     (BackendUnavailable, 503),
     (SandboxStartError, 503),
     (StateNotSaved, 409),

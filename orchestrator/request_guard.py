@@ -54,6 +54,7 @@ _MEASURE_IN_A_THREAD = 256 * 1024  # bytes; smaller bodies are measured on the e
 # A body no key has been checked for: the console's forms and anything public need less.
 UNCHECKED_BODY_MAX = 64 * 1024
 _STDIN = re.compile(r"/v1/sessions/[^/]+/processes/[^/]+/stdin")
+_PORTS = re.compile(r"/v1/sessions/[^/]+/ports/[^/]+(/|$)")
 _PUBLIC = frozenset({"/healthz", "/health", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _CONNECT_SERVICES = ("/filesystem.Filesystem/", "/process.Process/")
 _E2B_DATA = ("/execute", "/contexts", "/files")
@@ -70,6 +71,10 @@ class Family(Enum):
     E2B_DATA = "e2b-data"
     CONNECT = "connect"
     CONSOLE = "console"  # the web console: its pages check their login cookie
+    # A session's ports (orchestrator/ports_front/): the caller is a key, a port token or
+    # anyone (public ports), settled by the route before it reads the body, which is the
+    # app's own and goes on as it comes (capped by the body size limit alone).
+    PORTS = "ports"
     OTHER = "other"  # answered 404 by the app; its body is still measured
 
 
@@ -125,6 +130,8 @@ class RequestGuard:
             return Family.PUBLIC
         if path == "/metrics":
             return Family.PUBLIC if self.metrics_public else Family.BEARER
+        if _PORTS.match(path):
+            return Family.PORTS
         if path == "/v1" or path.startswith("/v1/") or path in ("/mcp", "/mcp/"):
             return Family.BEARER
         if path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
@@ -148,6 +155,9 @@ class RequestGuard:
             return
         path = get_route_path(scope)
         family = self.family(path)
+        if family is Family.PORTS:
+            await self.app(scope, receive, send)
+            return
         request = Request(scope)
         try:
             await self._check_caller(family, request)

@@ -20,6 +20,7 @@ from orchestrator.service_parts.deadlines import Deadlines
 from orchestrator.service_parts.lifecycle import Lifecycle
 from orchestrator.service_parts.pausing import Pauses
 from orchestrator.service_parts.persistence import Persistence
+from orchestrator.service_parts.ports import Ports
 from orchestrator.service_parts.runs import Runs
 from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.service_parts.sweeps import Sweeps
@@ -44,9 +45,10 @@ class Service:
     ended), `runs` (code, commands, processes), `files` (the workspace's files, kept outputs),
     `persistence` (snapshots), `views` (answers' shapes, languages, status), `admission`
     (checks a front makes before it has a session, who a key is, approvals' answers), `channels`
-    (host tools' descriptions), `trail` (the audit log's reader) and `sweeps.deadlines` (the one
-    sweeper a front's own deadlines run on: E2B's sandbox timeouts). Not the settings: fronts
-    are handed what they need when they are built (front_config.py)."""
+    (host tools' descriptions), `ports` (connections to servers in sessions), `trail` (the
+    audit log's reader) and `sweeps.deadlines` (the one sweeper a front's own deadlines run on:
+    E2B's sandbox timeouts). Not the settings: fronts are handed what they need when they are
+    built (front_config.py)."""
 
     def __init__(
         self,
@@ -106,6 +108,12 @@ class Service:
         self.sweeps = Sweeps(
             cut.expiry, sessions, self.admission, self.persistence, self.trail, pauses, locks
         )
+        self.ports = Ports(
+            cut.ports,
+            sessions,
+            self.trail,
+            wake=lambda session_id, owner: self.lifecycle.get(session_id, owner),
+        )
         self.lifecycle = Lifecycle(
             cut.expiry,
             sessions,
@@ -119,6 +127,7 @@ class Service:
             pauses=pauses,
             locks=locks,
             outputs=outputs,
+            ports=self.ports,
         )
         self.deadlines = Deadlines(self.lifecycle, self.sweeps)
         self._instance_lock: InstanceLock | None = None  # held from start to close

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
 from code_interpreter_wire.errors import SandboxLost
+from code_interpreter_wire.ports import PortAccess
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from orchestrator.metrics import METRICS
 from orchestrator.session_error import SessionError as SessionError
@@ -78,6 +79,7 @@ class Session:
     notice: str | None = None  # said with its next execution (what a resume brought back)
     state_lost: bool = False  # ... and whether that resume lost its variables
     labels: dict[str, str] = field(default_factory=dict)  # a front's own (E2B's metadata)
+    ports: PortAccess | None = None  # its inbound ports (service_parts/ports.py), if asked for
     # What a call that finds its sandbox lost raises instead (set by the manager holding it).
     when_lost: Callable[[SandboxLost], Awaitable[Exception]] | None = field(
         default=None, repr=False

@@ -167,6 +167,19 @@ class EgressSection(Section):
     service_endpoints: tuple[ServiceEndpoint, ...]
 
 
+class PortsSection(Section):
+    """Inbound ports (docs/ports.md): whether sessions may have them, public or not, where
+    their hosts are, and the caps on their connections."""
+
+    ports_enabled: bool
+    ports_public: bool
+    ports_domain: str | None
+    ports_max_connections_per_session: int
+    ports_max_connections_total: int
+    ports_max_bytes_per_connection: int
+    ports_timeout_s: float
+
+
 class ChannelSection(Section):
     """Host tools sessions may call, and how long a call waits for its approval."""
 
@@ -190,6 +203,7 @@ class ViewSection(Section):
     egress_max_bytes_per_session: int
     public_url: str | None
     tool_output_max_chars: int
+    ports_domain: str | None
 
 
 class Sections(BaseModel):
@@ -206,6 +220,7 @@ class Sections(BaseModel):
     expiry: ExpirySection
     storage: StorageSection
     egress: EgressSection
+    ports: PortsSection
     channels: ChannelSection
     views: ViewSection
 
@@ -222,6 +237,7 @@ class Sections(BaseModel):
             expiry=ExpirySection.of(settings),
             storage=StorageSection.of(settings),
             egress=EgressSection.of(settings, service_endpoints=service_endpoints),
+            ports=PortsSection.of(settings),
             channels=ChannelSection.of(settings),
             views=ViewSection.of(settings),
         )

@@ -408,6 +408,7 @@ def _session_of(record: SessionRecord, sandbox: Sandbox) -> Session:
         idle_timeout_s=record.idle_timeout_s,
         on_idle="end",
         labels=dict(record.labels),
+        ports=record.ports,
     )
     # Its age counts from its creation, wherever that was.
     session.started_monotonic = time.monotonic() - max(0.0, time.time() - record.created_at)

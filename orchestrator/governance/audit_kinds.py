@@ -21,6 +21,9 @@ FILE_DOWNLOAD = "file.download"  # path, bytes
 FILE_REMOVE = "file.remove"  # path
 FILE_MKDIR = "file.mkdir"  # path
 EGRESS_CONNECTION = "egress.connection"  # host, port, verdict, reason, bytes up and down
+# port, caller (owner, token, public), client address, bytes in and out, why it ended; or status
+# "refused" with the reason (no such port open, a cap reached)
+PORT_CONNECTION = "port.connection"
 KEY_ADDED = "key.added"
 KEY_ROTATED = "key.rotated"
 KEY_REVOKED = "key.revoked"
@@ -45,6 +48,7 @@ ALL_KINDS = (
     FILE_REMOVE,
     FILE_MKDIR,
     EGRESS_CONNECTION,
+    PORT_CONNECTION,
     KEY_ADDED,
     KEY_ROTATED,
     KEY_REVOKED,

@@ -221,3 +221,34 @@ class AuditTrail:
                 "bytes_down": entry.bytes_down,
             },
         )
+
+    def port_connection(
+        self,
+        session: Session,
+        *,
+        port: int,
+        caller: str,
+        client: str | None,
+        status: str,
+        duration_s: float,
+        bytes_in: int,
+        bytes_out: int,
+        reason: str,
+    ) -> None:
+        """One connection to a session's port as it ended (or its refusal): `bytes_in` went
+        into the sandbox, `bytes_out` came out of it."""
+        self.log.record(
+            audited.PORT_CONNECTION,
+            owner=session.owner,
+            session_id=session.id,
+            status=status,
+            duration_s=duration_s,
+            details={
+                "port": port,
+                "caller": caller,
+                "client": client,
+                "bytes_in": bytes_in,
+                "bytes_out": bytes_out,
+                "reason": reason,
+            },
+        )

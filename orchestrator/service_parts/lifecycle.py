@@ -17,6 +17,7 @@ from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.channels import Channels
 from orchestrator.service_parts.pausing import Pauses
 from orchestrator.service_parts.persistence import Persistence, record_of
+from orchestrator.service_parts.ports import Ports
 from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.service_parts.views import Views
 from orchestrator.service_parts.workspace import Workspace
@@ -63,6 +64,7 @@ class Lifecycle:
         pauses: Pauses,
         locks: StateLocks,
         outputs: OutputStore,
+        ports: Ports,
     ) -> None:
         self.settings = settings
         self._sessions = sessions
@@ -76,6 +78,7 @@ class Lifecycle:
         self._pauses = pauses
         self._locks = locks
         self._outputs = outputs
+        self._ports = ports
 
     # --- made
     async def create(
@@ -126,10 +129,12 @@ class Lifecycle:
                 f"snapshot {snapshot.id} is a whole {snapshot.backend} sandbox: start it on the "
                 f"{snapshot.backend} backend (leave `backend` out of the request)"
             )
+        ports = self._ports.access_for(name, request.ports)  # refused before a sandbox is made
         async with self._admission.session_slot(owner):
             session = await self._sessions.create(
                 owner, backend=name, spec=spec, env=request.env, fork=machine
             )
+        session.ports = ports
         self._trail.created(session, list(tools), snapshot.id if snapshot is not None else None)
         session.idle_timeout_s = idle_timeout_s
         try:
@@ -334,3 +339,4 @@ class Lifecycle:
         # Off the loop: it may wait for a save writing a large execution, then delete files.
         await asyncio.to_thread(self._outputs.drop, session_id)
         await self._channels.close_for(session_id)
+        await self._ports.ended(session_id)

@@ -122,6 +122,7 @@ class Pauses:
         session.created_at, session.executions = record.created_at, record.executions
         session.idle_timeout_s, session.on_idle = record.idle_timeout_s, record.on_idle
         session.labels = dict(record.labels)
+        session.ports = record.ports
         try:
             await self._channels.open_egress(session)
             tools: dict[str, HostTool] = {}

@@ -42,6 +42,7 @@ def record_of(session: Session, tools: list[str]) -> SessionRecord:
         sandbox_handle=session.sandbox.handle,
         executions=session.executions,
         labels=session.labels,
+        ports=session.ports,
     )
 
 

@@ -12,6 +12,7 @@ from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.rest import EgressConnection, NetworkReport, SessionInfo, SnapshotInfo
 from orchestrator.service_parts.channels import Channels
+from orchestrator.service_parts.ports import ports_info
 from orchestrator.sessions import BackendNotEnabled, Session, SessionManager
 from orchestrator.settings_sections import ViewSection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
@@ -73,6 +74,7 @@ class Views:
             network=session.sandbox.spec.network,
             languages=session_languages(session),
             started_languages=started_languages(session),
+            ports=ports_info(session.id, session.ports, s.ports_domain),
         )
 
     def paused_info(self, record: SessionRecord) -> SessionInfo:
@@ -95,6 +97,7 @@ class Views:
             state="paused",
             paused_at=datetime.fromtimestamp(record.state_since, UTC),
             deleted_in_s=max(0.0, record.state_since + retention - time.time()),
+            ports=ports_info(record.id, record.ports, self.settings.ports_domain),
         )
 
     def running_info(self, record: SessionRecord) -> SessionInfo:

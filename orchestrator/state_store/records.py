@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from code_interpreter_wire.ports import PortAccess
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.saved_report import SavedState
 
@@ -39,6 +40,7 @@ class SessionRecord(BaseModel):
     notice: str | None = None  # said with the next execution after a resume
     state_lost: bool = False  # ... and whether its variables were lost
     labels: dict[str, str] = Field(default_factory=dict)  # a front's own (E2B's metadata...)
+    ports: PortAccess | None = None  # its inbound ports, if it asked for them
 
 
 class SnapshotRecord(BaseModel):

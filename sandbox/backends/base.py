@@ -283,6 +283,9 @@ class BackendCapabilities:
     # Its sandboxes keep directories on this host, under `<state dir>/<its name>/`
     # (sandbox/state_dir.py): what a process that died left there is for the next to sweep.
     host_dirs: bool
+    # Servers its code starts can be reached from outside (inbound ports): each connection a
+    # relay process of the sandbox, started by its spawner (sandbox/port_relay.py).
+    ports: bool = False
 
     @property
     def pause(self) -> bool:

@@ -130,6 +130,7 @@ class DockerBackend(Backend):
         warm_pool=True,
         labels_sandboxes=True,  # containers in an engine other services may use
         host_dirs=True,  # the workspace and kernel directories its containers bind
+        ports=True,
     )
 
     @classmethod

@@ -75,6 +75,7 @@ class E2BBackend(Backend):
         warm_pool=False,  # an idle E2B sandbox is billed, and E2B kills it at its timeout
         labels_sandboxes=True,  # metadata on sandboxes in a cloud account others may share
         host_dirs=False,  # its files are in the microVM
+        ports=False,  # E2B serves its sandboxes' ports itself
     )
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:

@@ -132,6 +132,7 @@ class LocalBackend(Backend):
         warm_pool=True,
         labels_sandboxes=False,  # its sandboxes are its state dir's: nobody else's are there
         host_dirs=True,
+        ports=True,
     )
 
     @classmethod

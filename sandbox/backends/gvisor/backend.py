@@ -131,6 +131,7 @@ class GvisorBackend(Backend):
         warm_pool=True,
         labels_sandboxes=False,
         host_dirs=True,
+        ports=True,
     )
 
     @classmethod

@@ -126,6 +126,7 @@ class RayBackend(Backend):
         warm_pool=False,
         labels_sandboxes=True,  # actors in a cluster other services may share
         host_dirs=False,  # its nodes keep them, under their own state dirs
+        ports=False,  # its sandboxes' processes live on other nodes' actors
     )
 
     @classmethod

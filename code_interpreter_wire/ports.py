@@ -5,7 +5,12 @@ another matter (what its code may reach), unchanged by this."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+# A Host header value: printable, no spaces or line breaks; `${PORT}` stands for the port.
+HostMask = Annotated[str, StringConstraints(pattern=r"^[!-~]{1,253}$")]
 
 # Where a port token is presented (or the owner's API key, as for any call). E2B's header is
 # taken too: E2B's SDK users send their sandbox's traffic token in it.
@@ -24,6 +29,12 @@ class PortsRequest(BaseModel):
         "token (E2B's default). Otherwise a request needs the session's owner key or its port "
         "token (header X-Port-Token). The operator may forbid public ports (403).",
     )
+    host_header: HostMask | None = Field(
+        None,
+        description="The Host header its servers are sent (E2B's mask_request_host), "
+        "`${PORT}` replaced by the port: e.g. `localhost:${PORT}` for a server that only "
+        "answers its own name. Unset: the Host the client sent.",
+    )
 
 
 class PortAccess(BaseModel):
@@ -35,6 +46,13 @@ class PortAccess(BaseModel):
         description="The session's port token: send it as X-Port-Token (or E2B's "
         "E2B-Traffic-Access-Token) to reach its ports without the owner's key."
     )
+    host_header: HostMask | None = None
+
+    def host_for(self, port: int, asked: str) -> str:
+        """The Host its server on `port` is sent, for a request that named `asked`."""
+        if self.host_header is None:
+            return asked
+        return self.host_header.replace("${PORT}", str(port))
 
 
 class PortsInfo(BaseModel):

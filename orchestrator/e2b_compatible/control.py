@@ -32,9 +32,10 @@ from e2b.api.client.models import (
 )
 from e2b.api.client.models import Sandbox as SandboxModel
 from e2b.api.client.types import Unset
-from fastapi import APIRouter, Body, Query, Response
+from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import ValidationError
 
+from code_interpreter_wire.ports import PortAccess, PortsRequest
 from code_interpreter_wire.rest import CreateSessionRequest, SessionInfo
 from orchestrator.e2b_compatible.deps import ApiOwnerDep, E2BDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
@@ -138,7 +139,9 @@ def _end_at(record: E2BRecord, info: SessionInfo) -> datetime:
     return datetime.now(UTC) + timedelta(seconds=max(0.0, left))
 
 
-def _created(record: E2BRecord) -> dict[str, Any]:
+def _created(record: E2BRecord, ports: PortAccess | None, domain: str) -> dict[str, Any]:
+    """What a create or connect answers: the sandbox's tokens, and the domain its
+    `get_host(port)` hosts are under (`<port>-<id>.<domain>`, routed to its ports)."""
     model = SandboxModel(
         template_id=record.template,
         sandbox_id=record.sandbox_id,
@@ -146,10 +149,39 @@ def _created(record: E2BRecord) -> dict[str, Any]:
         envd_version=ENVD_VERSION,
         alias=record.template,
         envd_access_token=record.token or "",
-        traffic_access_token=record.token,
-        domain=None,
+        traffic_access_token=ports.token if ports is not None else None,
+        domain=domain,
     )
     return model.to_dict()
+
+
+def _ports_domain(service: Service, request: Request) -> str:
+    """The operator's domain for ports; else the host the SDK itself called (`localhost:8000`
+    gives `8000-<id>.localhost:8000`, which browsers take to loopback)."""
+    return service.ports.settings.ports_domain or request.headers.get("host") or "localhost"
+
+
+async def _ports_of(service: Service, record: E2BRecord) -> PortAccess | None:
+    found = await service.lifecycle.state(record.session_id, record.owner)
+    return found.ports if found is not None else None
+
+
+def _ports_asked(service: Service, network: Any) -> PortsRequest:
+    """E2B's sandboxes serve their ports (public unless `allow_public_traffic` is false, or
+    the operator's default says otherwise); `mask_request_host` is the Host servers get."""
+    public = getattr(network, "allow_public_traffic", None)
+    if isinstance(public, Unset) or public is None:
+        public = service.ports.public_by_default
+    elif public and not service.ports.public_by_default:
+        raise E2BError(
+            403,
+            "public sandbox traffic is off on this server (ports_public): create the sandbox "
+            "with network allow_public_traffic false and send its traffic access token",
+        )
+    mask = getattr(network, "mask_request_host", None)
+    return PortsRequest(
+        public=bool(public), host_header=None if isinstance(mask, Unset) or not mask else mask
+    )
 
 
 def _described(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
@@ -172,7 +204,7 @@ def _described(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
     }
 
 
-def _detail(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
+def _detail(record: E2BRecord, info: SessionInfo, domain: str) -> dict[str, Any]:
     lifecycle = SandboxLifecycle(
         auto_resume=record.auto_resume,
         on_timeout=SandboxOnTimeout.PAUSE if record.auto_pause else SandboxOnTimeout.KILL,
@@ -180,7 +212,7 @@ def _detail(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
     model = SandboxDetail(
         **_described(record, info),
         allow_internet_access=info.network.enabled,
-        domain=None,
+        domain=domain,
         lifecycle=lifecycle,
     )
     if info.state == "paused":  # what a pause here keeps: memory (variables) and files
@@ -199,7 +231,7 @@ async def _info(service: Service, record: E2BRecord) -> SessionInfo:
 @router.post("/v2/sandboxes", status_code=201, summary="E2B: create a sandbox (a session)")
 @router.post("/sandboxes", status_code=201, include_in_schema=False)
 async def create(
-    body: JSONBody, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
+    body: JSONBody, http: Request, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
 ) -> dict[str, Any]:
     try:
         request = NewSandboxV2.from_dict(body)
@@ -226,10 +258,11 @@ async def create(
             env=env,
             network=network,
             snapshot_id=request.template_id if from_snapshot else None,
+            ports=_ports_asked(service, request.network),
         )
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
-    session = await service.lifecycle.create(owner, spec, workdir=E2B_HOME)
+    session = await service.lifecycle.create(owner, spec, workdir=E2B_HOME, ports_if_offered=True)
     record = sandboxes.add(
         session,
         template=request.template_id,
@@ -239,7 +272,7 @@ async def create(
     )
     record.set_timeout(timeout)
     await sandboxes.keep(record, session)
-    return _created(record)
+    return _created(record, session.ports, _ports_domain(service, http))
 
 
 @router.get("/v2/sandboxes", summary="E2B: list the caller's sandboxes")
@@ -316,10 +349,10 @@ async def all_metrics(owner: ApiOwnerDep) -> None:
 
 @router.get("/sandboxes/{sandbox_id}", summary="E2B: get a sandbox")
 async def get(
-    sandbox_id: str, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
+    sandbox_id: str, http: Request, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
 ) -> dict[str, Any]:
     record, _ = await sandboxes.found(sandbox_id, owner)
-    return _detail(record, await _info(service, record))
+    return _detail(record, await _info(service, record), _ports_domain(service, http))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, summary="E2B: kill a sandbox")
@@ -350,6 +383,7 @@ async def set_timeout(
 async def connect(
     sandbox_id: str,
     body: JSONBody,
+    http: Request,
     response: Response,
     service: ServiceDep,
     sandboxes: E2BDep,
@@ -373,7 +407,7 @@ async def connect(
             )
         await sandboxes.resume(record, _timeout(service, request.timeout))
         response.status_code = 201
-        return _created(record)
+        return _created(record, await _ports_of(service, record), _ports_domain(service, http))
     if not isinstance(request.timeout, Unset):
         # Like E2B: a running sandbox's timeout is only ever extended by connecting.
         wanted = time.time() + _timeout(service, request.timeout)
@@ -382,7 +416,7 @@ async def connect(
             await sandboxes.keep(record, found)
     await service.lifecycle.keepalive(found)
     response.status_code = 200
-    return _created(record)
+    return _created(record, found.ports, _ports_domain(service, http))
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204, summary="E2B: pause a sandbox")

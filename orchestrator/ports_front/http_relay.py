@@ -110,22 +110,24 @@ async def relay_http(
     *,
     port: int,
     target: str,
+    host: str,
     forwarded_prefix: str | None,
     timeout_s: float,
 ) -> Response:
-    """Carry `request` to `port` (the path and query `target`), answer with the server's
-    answer. Raises the opener's refusals (PortUnreachable...) before anything is answered."""
+    """Carry `request` to `port` (the path and query `target`, the Host `host`), answer with
+    the server's answer. Raises the opener's refusals (PortUnreachable...) before anything is
+    answered."""
     headers = [
         h for h in onward_headers(request) if h[0].lower() not in (b"content-length", b"host")
     ]
-    host = request.headers.get("host", f"localhost:{port}")
     headers.insert(0, (b"host", host.encode("latin-1")))
+    asked_host = request.headers.get("host", host)
     headers += _framing(request)
     client = request.client.host if request.client is not None else ""
     headers += [
         (b"x-forwarded-for", client.encode("latin-1")),
         (b"x-forwarded-proto", request.url.scheme.encode("latin-1")),
-        (b"x-forwarded-host", host.encode("latin-1")),
+        (b"x-forwarded-host", asked_host.encode("latin-1")),
     ]
     if forwarded_prefix is not None:
         headers.append((b"x-forwarded-prefix", forwarded_prefix.encode("latin-1")))

@@ -87,6 +87,7 @@ async def port_request(request: Request, session_id: str, port: int, path: str =
             opener,
             port=port,
             target=target,
+            host=_host_for(session, port, request),
             forwarded_prefix=None if host_form else prefix,
             timeout_s=service.ports.settings.ports_timeout_s,
         )
@@ -115,7 +116,8 @@ async def port_websocket(websocket: WebSocket, session_id: str, port: int, path:
     try:
         target = _target(websocket.scope, PATH.format(session_id=session_id, port=port))
         try:
-            protocol, subprotocol = await open_upstream(websocket, connection, target)
+            host = _host_for(session, port, websocket)
+            protocol, subprotocol = await open_upstream(websocket, connection, target, host)
         except (HandshakeRefused, TimeoutError, ConnectionResetError) as exc:
             await _deny(websocket, PortUnreachable(f"the WebSocket on port {port}: {exc}"))
             return
@@ -123,6 +125,11 @@ async def port_websocket(websocket: WebSocket, session_id: str, port: int, path:
         await relay_messages(websocket, protocol, connection)
     finally:
         await connection.close()
+
+
+def _host_for(session: Session, port: int, request: Request | WebSocket) -> str:
+    asked = request.headers.get("host", f"localhost:{port}")
+    return session.ports.host_for(port, asked) if session.ports is not None else asked
 
 
 async def _deny(websocket: WebSocket, exc: Exception) -> None:

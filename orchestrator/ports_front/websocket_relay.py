@@ -48,7 +48,7 @@ async def _flush(protocol: ClientProtocol, connection: PortConnection) -> None:
 
 
 async def open_upstream(
-    websocket: WebSocket, connection: PortConnection, target: str
+    websocket: WebSocket, connection: PortConnection, target: str, host: str
 ) -> tuple[ClientProtocol, str | None]:
     """Do the server's handshake for the client's; the protocol and the subprotocol agreed.
     HandshakeRefused if the server answers anything but a switch to WebSocket."""
@@ -58,7 +58,6 @@ async def open_upstream(
         for p in value.split(",")
         if p.strip()
     ]
-    host = websocket.headers.get("host", "localhost")
     protocol = ClientProtocol(
         parse_uri(f"ws://{host}{target}"), subprotocols=asked or None, max_size=MAX_MESSAGE_BYTES
     )

@@ -90,6 +90,7 @@ class Lifecycle:
         spec: SandboxSpec | None = None,
         workdir: str | None = None,
         tools_within_policy: bool = False,
+        ports_if_offered: bool = False,
     ) -> Session:
         """A new session for `owner`: the only way one is made. `idle_timeout_s`: an expiry of
         its own (sooner than the service's), for sessions a client may forget. `spec`: a whole
@@ -97,7 +98,9 @@ class Lifecycle:
         request is held to. `workdir`: where its kernels run (`SandboxSpec.workdir`; the E2B
         front's are in E2B's home), set after the sandbox is had, so a pooled one fits too.
         `tools_within_policy`: the host tools its key's policy does not allow are left out,
-        not refused (a model tool's own session, whose tools nobody asked for)."""
+        not refused (a model tool's own session, whose tools nobody asked for).
+        `ports_if_offered`: the ports asked for are left out where the operator or the backend
+        gives none, not refused (E2B's sandboxes, which always have them where they can)."""
         if tools_within_policy:
             allowed = self._admission.allowed_tools(owner, request.tools)
             request = request.model_copy(update={"tools": allowed})
@@ -107,7 +110,7 @@ class Lifecycle:
             if snapshot is not None:
                 request = _from_snapshot(request, snapshot)
             return await self._create(
-                owner, request, tools, snapshot, idle_timeout_s, spec, workdir
+                owner, request, tools, snapshot, idle_timeout_s, spec, workdir, ports_if_offered
             )
 
     async def _create(
@@ -119,6 +122,7 @@ class Lifecycle:
         idle_timeout_s: float | None,
         spec: SandboxSpec | None,
         workdir: str | None,
+        ports_if_offered: bool,
     ) -> Session:
         name, spec = await self._admission.admit(
             owner, request, spec, tools=bool(tools), from_snapshot=snapshot is not None
@@ -129,7 +133,8 @@ class Lifecycle:
                 f"snapshot {snapshot.id} is a whole {snapshot.backend} sandbox: start it on the "
                 f"{snapshot.backend} backend (leave `backend` out of the request)"
             )
-        ports = self._ports.access_for(name, request.ports)  # refused before a sandbox is made
+        # Refused before a sandbox is made.
+        ports = self._ports.access_for(name, request.ports, if_offered=ports_if_offered)
         async with self._admission.session_slot(owner):
             session = await self._sessions.create(
                 owner, backend=name, spec=spec, env=request.env, fork=machine

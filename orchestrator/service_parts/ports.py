@@ -155,17 +155,25 @@ class Ports:
         self._count = 0
 
     # --- at a session's creation
-    def access_for(self, backend: str, asked: PortsRequest | None) -> PortAccess | None:
+    def access_for(
+        self, backend: str, asked: PortsRequest | None, *, if_offered: bool = False
+    ) -> PortAccess | None:
         """The ports a new session on `backend` gets for what it asked (None: none), refused
-        (PortsNotAllowed, saying why) where the operator or the backend gives none."""
+        (PortsNotAllowed, saying why) where the operator or the backend gives none; with
+        `if_offered` (a front whose sessions have ports unless they cannot: E2B's), None there
+        instead. Public ports the operator forbids are refused either way."""
         if asked is None:
             return None
         if not self.settings.ports_enabled:
+            if if_offered:
+                return None
             raise PortsNotAllowed(
                 "inbound ports are off on this service (ports_enabled); create the session "
                 "without `ports`, or ask the operator to turn them on"
             )
         if not self._sessions.backends[backend].capabilities.ports:
+            if if_offered:
+                return None
             raise PortsNotAllowed(
                 f"the {backend} backend cannot serve its sandboxes' ports; use the local, "
                 "docker or gvisor backend"
@@ -175,7 +183,14 @@ class Ports:
                 "public ports are off on this service (ports_public): ask for ports without "
                 "`public`, and reach them with the session's port token or your key"
             )
-        return PortAccess(public=asked.public, token=secrets.token_urlsafe(24))
+        return PortAccess(
+            public=asked.public, token=secrets.token_urlsafe(24), host_header=asked.host_header
+        )
+
+    @property
+    def public_by_default(self) -> bool:
+        """Whether a front whose sessions are public unless they say (E2B's) makes them so."""
+        return self.settings.ports_public
 
     # --- connections
     async def session_for(self, session_id: str, caller: PortCaller) -> Session | None:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from agents import Model, ModelResponse, RunConfig, Runner, Usage
 from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
@@ -27,6 +28,7 @@ from openai.types.responses import (
 )
 
 from tests.e2b_sdk_fixtures import e2b_env, e2b_server, template
+from tests.orchestrator.service.conftest import Server
 
 __all__ = ["e2b_env", "e2b_server", "template"]  # the fixtures, used here by name
 
@@ -148,3 +150,43 @@ async def test_a_command_past_its_timeout_is_the_sdks_exec_timeout(session: Sand
         await asyncio.sleep(0.5)
     else:
         raise AssertionError("the command outlived its time limit")
+
+
+async def test_the_clients_defaults_run_exec_read_write_and_expose_a_port(
+    e2b_env: Server, template: str
+) -> None:
+    """Nothing but the template and a port to expose: internet access, pause on timeout and
+    auto-resume as the client asks by default; the exposed port serves through the service."""
+    client = E2BSandboxClient()
+    made = await client.create(
+        options=E2BSandboxClientOptions(
+            sandbox_type="e2b", template=template, exposed_ports=(8000,)
+        )
+    )
+    await made.start()
+    try:
+        await made.write(Path("site/index.html"), io.BytesIO(b"<p>from the agent</p>"))
+        assert (await made.read(Path("site/index.html"))).read() == b"<p>from the agent</p>"
+        done = await made.exec("cat", "site/index.html")
+        assert done.exit_code == 0 and done.stdout == b"<p>from the agent</p>"
+        ran = await made.exec(
+            "python3",
+            "-c",
+            "import subprocess, sys\n"
+            "subprocess.Popen([sys.executable, '-m', 'http.server', '8000', '-d', 'site'],"
+            " start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)",
+        )
+        assert ran.exit_code == 0, ran
+        endpoint = await made.resolve_exposed_port(8000)
+        assert endpoint.host.startswith("8000-") and not endpoint.tls
+        host = f"{endpoint.host}:{endpoint.port}"
+        async with httpx.AsyncClient(base_url=e2b_env.url, timeout=60) as web:
+            for _ in range(300):  # until the server started in the background answers
+                page = await web.get("/", headers={"Host": host})
+                if page.status_code == 200:
+                    break
+                await asyncio.sleep(0.2)
+        assert page.status_code == 200 and page.text == "<p>from the agent</p>"
+    finally:
+        await made.shutdown()
+        await client.delete(made)

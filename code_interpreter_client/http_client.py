@@ -66,6 +66,7 @@ class AsyncClient:
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s)
+        self._api_key = api_key
 
     async def __aenter__(self) -> Self:
         return self
@@ -152,6 +153,28 @@ class AsyncClient:
             "GET", f"/v1/sessions/{_segment(session_id)}/network", params={"limit": limit}
         )
         return NetworkReport.model_validate(data)
+
+    # --- inbound ports: servers the session's code started (a session created with `ports`)
+    def port_url(self, session_id: str, port: int, path: str = "/") -> str:
+        """The URL of `path` on the server the session's code runs on `port`. Reaching it
+        takes your key as X-API-Key or the session's port token (`ports.token` of its info) as
+        X-Port-Token, unless the session's ports are public (docs/ports.md)."""
+        base = str(self.http.base_url).rstrip("/")
+        return f"{base}/v1/sessions/{_segment(session_id)}/ports/{int(port)}/{path.lstrip('/')}"
+
+    async def port_request(
+        self, session_id: str, port: int, method: str, path: str = "/", **kwargs: Any
+    ) -> httpx.Response:
+        """A request to that server with this client's key (sent as X-API-Key: on these routes
+        an Authorization header is the server's own, and goes on to it); `kwargs`: httpx's."""
+        headers = {**kwargs.pop("headers", {}), "Authorization": ""}
+        if self._api_key:
+            headers["X-API-Key"] = self._api_key
+        request = self.http.build_request(
+            method, self.port_url(session_id, port, path), headers=headers, **kwargs
+        )
+        del request.headers["Authorization"]  # this client's own: never sent to a server
+        return await self.http.send(request)
 
     async def languages(self) -> LanguagesResponse:
         """The languages this deployment's new sessions have, on each backend."""
@@ -404,6 +427,14 @@ class Client:
 
     def network(self, session_id: str, limit: int = 100) -> NetworkReport:
         return run_sync(self.api.network(session_id, limit))
+
+    def port_url(self, session_id: str, port: int, path: str = "/") -> str:
+        return self.api.port_url(session_id, port, path)
+
+    def port_request(
+        self, session_id: str, port: int, method: str, path: str = "/", **kwargs: Any
+    ) -> httpx.Response:
+        return run_sync(self.api.port_request(session_id, port, method, path, **kwargs))
 
     def execute(self, session_id: str, code: str, **options: Any) -> ExecutionRecord:
         return run_sync(self.api.execute(session_id, code, **options))

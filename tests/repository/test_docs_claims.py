@@ -56,6 +56,7 @@ def declared(capabilities: BackendCapabilities) -> list[str]:
         capabilities.images,
         capabilities.runtimes,
         capabilities.warm_pool,
+        capabilities.ports,
     )
     return [", ".join(capabilities.network_modes), *("yes" if f else "no" for f in flags)]
 

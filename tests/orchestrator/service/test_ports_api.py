@@ -17,6 +17,7 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
+from code_interpreter_client.http_client import Client
 from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server, service_backends
 
 # In the kernel: an HTTP server on 8000 serving the workspace, whose /echo answers with what
@@ -255,3 +256,15 @@ def test_a_public_session_is_reached_by_anyone_and_every_connection_is_logged(
 def test_ports_are_asked_for_as_the_operator_allows(api: httpx.Client) -> None:
     unknown = api.post("/v1/sessions", json={"ports": {"public": True, "nope": 1}})
     assert unknown.status_code == 422
+
+
+def test_the_python_client_reaches_a_port(server: Server, serving: tuple[str, str]) -> None:
+    sid, token = serving
+    with Client(server.url, KEY_A) as client:
+        assert client.port_url(sid, 8000, "/x") == f"{server.url}/v1/sessions/{sid}/ports/8000/x"
+        info = client.get_session(sid)
+        assert info.ports is not None and info.ports.token == token and not info.ports.public
+        echoed = client.port_request(sid, 8000, "GET", "/echo")
+        assert echoed.status_code == 200, echoed.text
+        seen = {name.lower() for name in echoed.json()["headers"]}
+        assert "authorization" not in seen and "x-api-key" not in seen

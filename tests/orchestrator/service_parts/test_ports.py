@@ -1,0 +1,158 @@
+"""The service's ports part with real sessions (local backend): the caps on connections and on
+bytes hold and say which was reached; an ended session's connections are closed; who may open
+one; what each connection leaves in the audit log."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from code_interpreter_wire.ports import PortsRequest
+from code_interpreter_wire.rest import CreateSessionRequest
+from orchestrator.config import Settings
+from orchestrator.governance.stores.audit_store import AuditQuery
+from orchestrator.service import Service
+from orchestrator.service_parts.ports import (
+    NoSuchPortRoute,
+    PortAccessDenied,
+    PortCaller,
+    PortsBusy,
+    PortsNotAllowed,
+    PortsNotOpen,
+)
+from orchestrator.sessions import Session
+from tests.conftest import require_backend
+from tests.sandbox.test_port_relay import ECHO_SERVER
+
+OWNER = "ports-key-" + uuid.uuid4().hex
+OTHER = "ports-other-" + uuid.uuid4().hex
+MOST_BYTES = 1 << 16
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[Service]:
+    require_backend("local")
+    root = Path(tempfile.mkdtemp(prefix="cir-ports-", dir="/tmp"))
+    root.chmod(0o711)
+    settings = Settings(
+        backends=["local"],
+        default_backend="local",
+        state_dir=root / "state",
+        orchestrator_id=f"ports-{uuid.uuid4().hex[:8]}",
+        api_keys=[OWNER, OTHER],
+        ports_max_connections_per_session=2,
+        ports_max_bytes_per_connection=MOST_BYTES,
+        ports_public=False,
+    )
+    running = Service(settings)
+    await running.start()
+    try:
+        yield running
+    finally:
+        await running.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def owner_of(service: Service, key: str) -> str:
+    return service.admission.principals.authenticate(key).id  # type: ignore[union-attr]
+
+
+async def serving(service: Service) -> Session:
+    owner = owner_of(service, OWNER)
+    session = await service.lifecycle.create(owner, CreateSessionRequest(ports=PortsRequest()))
+    assert (await session.sandbox.execute(ECHO_SERVER.format(port=8765))).ok
+    return session
+
+
+async def test_the_connection_cap_holds_and_a_closed_one_frees_room(service: Service) -> None:
+    session = await serving(service)
+    caller = PortCaller(owner=session.owner, token=None, client="127.0.0.1")
+    first = await service.ports.connect(session, 8765, caller)
+    second = await service.ports.connect(session, 8765, caller)
+    with pytest.raises(PortsBusy, match="ports_max_connections_per_session"):
+        await service.ports.connect(session, 8765, caller)
+    await first.close()
+    third = await service.ports.connect(session, 8765, caller)
+    assert service.ports.open_count(session.id) == 2
+    # The session's end closes what is still open.
+    await service.lifecycle.end(session.id, session.owner)
+    assert second.closed and third.closed
+    assert service.ports.open_count(session.id) == 0
+
+
+async def test_a_connection_past_its_bytes_is_closed_and_logged(service: Service) -> None:
+    session = await serving(service)
+    caller = PortCaller(
+        owner=None, token=session.ports.token if session.ports else None, client=None
+    )
+    connection = await service.ports.connect(session, 8765, caller)
+    await connection.write(b"x" * (MOST_BYTES // 2))
+    got = 0
+    while got < MOST_BYTES // 2:
+        chunk = await connection.read(1 << 16)
+        assert chunk, "the echo ended early"
+        got += len(chunk)
+    with pytest.raises(ConnectionResetError, match="ports_max_bytes_per_connection"):
+        await connection.write(b"y" * 10)
+    assert connection.closed
+    assert await connection.read(10) == b""
+    query = AuditQuery(session_id=session.id, kinds=["port.connection"])
+    viewer = service.trail.viewer(session.owner)
+    for _ in range(300):  # until the log's writer has written it
+        events = (await service.trail.query(viewer, query)).events
+        if events:
+            break
+        await asyncio.sleep(0.1)
+    [event] = events
+    assert event.status == "closed" and event.details["caller"] == "token"
+    assert event.details["bytes_in"] == MOST_BYTES // 2
+    assert "over the cap" in event.details["reason"]
+
+
+async def test_who_may_open_and_what_is_refused(service: Service) -> None:
+    session = await serving(service)
+    other = owner_of(service, OTHER)
+    nobody = PortCaller(owner=None, token=None, client=None)
+    with pytest.raises(PortAccessDenied, match="X-Port-Token"):
+        service.ports.check(session, nobody)
+    with pytest.raises(PortAccessDenied, match="not this session's port token"):
+        service.ports.check(session, PortCaller(owner=other, token="wrong", client=None))
+    assert await service.ports.session_for("nosuch", PortCaller(other, None, None)) is None
+    with pytest.raises(NoSuchPortRoute):
+        service.ports.check(None, nobody)
+    plain = await service.lifecycle.create(session.owner, CreateSessionRequest())
+    with pytest.raises(PortsNotOpen, match="created without ports"):
+        service.ports.check(plain, PortCaller(owner=session.owner, token=None, client=None))
+    with pytest.raises(NoSuchPortRoute):  # another key's session without ports: unknown
+        service.ports.check(plain, PortCaller(owner=other, token=None, client=None))
+    with pytest.raises(PortsNotAllowed, match="ports_public"):
+        await service.lifecycle.create(
+            session.owner, CreateSessionRequest(ports=PortsRequest(public=True))
+        )
+    # A session asking for ports on a backend that cannot is refused before a sandbox is made.
+    assert service.ports.access_for("local", None) is None
+    await asyncio.gather(
+        service.lifecycle.end(session.id, session.owner),
+        service.lifecycle.end(plain.id, plain.owner),
+    )
+
+
+async def test_a_paused_session_keeps_its_ports_and_its_owner_wakes_it(service: Service) -> None:
+    session = await serving(service)
+    assert session.ports is not None
+    token = session.ports.token
+    paused = await service.lifecycle.pause(session.id, session.owner)
+    assert paused.state == "paused" and paused.ports is not None and paused.ports.token == token
+    # A token does not wake it (nothing of a paused session listens): unknown until its owner
+    # asks; the owner's key wakes it, with the same ports.
+    assert await service.ports.session_for(session.id, PortCaller(None, token, None)) is None
+    woken = await service.ports.session_for(session.id, PortCaller(session.owner, None, None))
+    assert woken is not None and woken.ports is not None and woken.ports.token == token
+    assert service.ports.check(woken, PortCaller(None, token, None)) == "token"
+    await service.lifecycle.end(session.id, session.owner)

@@ -99,3 +99,8 @@ class CapacityReached(SandboxError):
 class PortUnreachable(SandboxError):
     """Nothing answers on the port asked for inside the sandbox (no server listens there yet,
     or it is not a TCP port): start the server, or ask for the port it listens on."""
+
+
+class RootUnavailable(SandboxError, ValueError):
+    """A process asked to run as root in a sandbox that has none (its backend keeps every
+    process unprivileged): run it as the sandbox's user, or in a gvisor session."""

@@ -28,6 +28,12 @@ class ProcessRequest(BaseModel):
     timeout_s: float | None = Field(None, gt=0, description="Killed, with its children, after.")
     terminal: TerminalSize | None = Field(None, description="Run it in a terminal (a PTY).")
     tag: str | None = Field(None, max_length=256, description="A name to find it by.")
+    user: Literal["root"] | None = Field(
+        None,
+        description="`root`: as the sandbox's root, where its backend gives it one (gvisor: "
+        "installs with apt, npm -g, pip); refused elsewhere, saying so. Unset: the sandbox's "
+        "own unprivileged user.",
+    )
 
     @model_validator(mode="after")
     def _one_command(self) -> ProcessRequest:

@@ -25,6 +25,7 @@ from code_interpreter_wire.errors import (
     ProcessLimitReached,
     ProcessNotFound,
     ProcessStateError,
+    RootUnavailable,
     SandboxClosed,
     SandboxError,
 )
@@ -76,6 +77,8 @@ def connect_errors() -> Iterator[None]:
         raise ConnectError(Code.RESOURCE_EXHAUSTED, str(exc)) from None
     except ProcessesUnsupported as exc:
         raise ConnectError(Code.UNIMPLEMENTED, str(exc)) from None
+    except RootUnavailable as exc:  # E2B's answer for a user the sandbox will not run as
+        raise ConnectError(Code.PERMISSION_DENIED, str(exc)) from None
     except ProcessStateError as exc:  # envd: "stdin not enabled or closed"
         raise ConnectError(Code.FAILED_PRECONDITION, str(exc)) from None
     except SandboxClosed as exc:

@@ -15,8 +15,9 @@ disconnects does not kill it (a background command goes on). What a stream may q
 reader is capped by the process's listener backlog: past it, chunks are dropped and a note on
 stderr says how many bytes.
 
-E2B's `user`: sandboxes here have one unprivileged user, so no user, `user` (E2B's default) and
-the sandbox's own name run as it, and `root` is refused with the reason.
+E2B's `user`: no user, `user` (E2B's default) and the sandbox's own name run as the sandbox's
+unprivileged user; `root` runs as root where the sandbox has one (a gVisor machine), and is
+refused with the reason and the way out elsewhere.
 """
 
 from __future__ import annotations
@@ -103,9 +104,11 @@ class SandboxProcesses(process_connect.Process):
     async def _start(
         self, request: StartRequest, ctx: RequestContext[StartRequest, StartResponse]
     ) -> AsyncIterator[StartResponse]:
-        check_user(ctx.request_headers.get("authorization"))
+        user = check_user(ctx.request_headers.get("authorization"))
         session = await self._session(ctx)
         wanted = _process_request(request, ctx.timeout_ms)
+        if user == "root":  # where the sandbox has none, the service refuses it, saying why
+            wanted = wanted.model_copy(update={"user": "root"})
         info = await call(_within_deadline(self.service.runs.start_process(session, wanted), ctx))
         if request.process is not None:
             self._remember(session.id, info.pid, request.process)
@@ -265,29 +268,28 @@ class SandboxProcesses(process_connect.Process):
         self._config_sizes.pop(key, None)
 
 
-def check_user(authorization: str | None) -> None:
-    """Refuse a user other than the sandbox's: E2B sends it as `Basic base64("<user>:")`."""
+def check_user(authorization: str | None) -> str | None:
+    """The user a process asks for ("root", or None for the sandbox's own): E2B sends it as
+    `Basic base64("<user>:")`. A user the sandbox does not have is refused."""
     if not authorization:
-        return
+        return None
     scheme, _, encoded = authorization.partition(" ")
     if scheme.lower() != "basic":
-        return  # not E2B's user header; nothing here reads other credentials from it
+        return None  # not E2B's user header; nothing here reads other credentials from it
     try:
         user = base64.b64decode(encoded.strip(), validate=True).decode().partition(":")[0]
     except (binascii.Error, UnicodeDecodeError):
         raise ConnectError(Code.UNAUTHENTICATED, "the Authorization header is not valid") from None
     if user == "root":
-        raise ConnectError(
-            Code.PERMISSION_DENIED,
-            "sandboxes here have no root: every process runs as the sandbox's own unprivileged "
-            "user; run it without `user` (or with user='user')",
-        )
+        return "root"
     if user and user not in SANDBOX_USERS:
         raise ConnectError(
             Code.UNAUTHENTICATED,
-            f"invalid username {user!r}: processes here run only as the sandbox's own user; "
-            "run it without `user` (or with user='user')",
+            f"invalid username {user!r}: processes here run as the sandbox's own user or, "
+            "where the sandbox has one (gvisor), as root; run it without `user`, with "
+            "user='user' or user='root'",
         )
+    return None
 
 
 async def _within_deadline(starting: Awaitable[T], ctx: RequestContext[Any, Any]) -> T:

@@ -15,7 +15,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
-from code_interpreter_wire.errors import ProcessesUnsupported, RuntimeUnavailable, SandboxError
+from code_interpreter_wire.errors import (
+    ProcessesUnsupported,
+    RootUnavailable,
+    RuntimeUnavailable,
+    SandboxError,
+)
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.network_policy import NetworkMode
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
@@ -205,13 +210,28 @@ class Sandbox(ABC):
             )
         return self._processes
 
+    # Whether a process may run as root here (`ProcessRequest.user`): only where the sandbox's
+    # wall does not depend on its processes being unprivileged (a gVisor machine).
+    has_root: ClassVar[bool] = False
+
+    def _refuse_root(self, request: ProcessRequest) -> None:
+        if request.user == "root" and not self.has_root:
+            raise RootUnavailable(
+                f"the {self.backend} backend's sandboxes have no root: every process runs as "
+                "the sandbox's unprivileged user (its wall depends on it). Run it as the "
+                "sandbox's user (`pip install` works so, into the workspace), or in a session "
+                "on the gvisor backend, whose machines have root (user root, sudo)"
+            )
+
     async def start_process(self, request: ProcessRequest) -> ProcessHandle:
         """Start a process in the sandbox; it runs until it ends, is killed, or the sandbox
         closes (or its kernel is replaced: processes live in the kernel's sandbox)."""
+        self._refuse_root(request)
         return await self._process_table().start(request)
 
     async def run_command(self, request: ProcessRequest) -> CommandResult:
         """Start a process and wait for its end; cancelling kills it."""
+        self._refuse_root(request)
         return await self._process_table().run(request)
 
     def process(self, pid: int) -> ManagedProcess:
@@ -286,6 +306,9 @@ class BackendCapabilities:
     # Servers its code starts can be reached from outside (inbound ports): each connection a
     # relay process of the sandbox, started by its spawner (sandbox/port_relay.py).
     ports: bool = False
+    # Its sandboxes have a root (`ProcessRequest.user`, sudo), its wall being another's: its
+    # sandboxes say so too (`Sandbox.has_root`).
+    root: bool = False
 
     @property
     def pause(self) -> bool:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:  # on the host (its tests, the template digest): in the package
     from sandbox.inside_kernel import machine_children as children
+    from sandbox.inside_kernel import machine_root as root
     from sandbox.inside_kernel import machine_wire as wire
 else:
     # In the machine it runs as a script, with -I: Python leaves the script's own directory off
@@ -34,6 +35,7 @@ else:
     # is named like a standard module.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import machine_children as children
+    import machine_root as root
     import machine_wire as wire
 
 _READ = 1 << 16
@@ -68,6 +70,13 @@ class Agent:
         threading.Thread(target=self._pump_stdin, name="stdin", daemon=True).start()
         self.sel.register(self.host_r.fileno(), selectors.EVENT_READ, "host")
         self.sel.register(self.sig_r, selectors.EVENT_READ, "signals")
+        # sudo's way to root (machine_root.py): gVisor keeps setuid from ever working.
+        self.root = root.RootRequests(unwatch=lambda fd: self._unwatch(fd))
+        self.sel.register(self.root.listen().fileno(), selectors.EVENT_READ, "root")
+
+    def _unwatch(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(fd)
 
     def _pump_stdin(self) -> None:
         while True:
@@ -305,6 +314,8 @@ class Agent:
                 return
             if pid == 0:
                 return
+            if self.root.reaped(pid, status):
+                continue
             child = self.children.get(pid)
             if child is None:
                 continue  # an orphan handed to us, PID 1
@@ -489,6 +500,12 @@ class Agent:
                     self.reap()
                 elif what == "listener":
                     self.accept(key.fd)
+                elif what == "root":
+                    conn = self.root.accept()
+                    if conn is not None:
+                        self.sel.register(conn.fileno(), selectors.EVENT_READ, "asker")
+                elif what == "asker":
+                    self.root.readable(key.fd)
                 elif isinstance(what, wire.Stream):
                     if events & selectors.EVENT_WRITE:
                         self.write_stream(what)

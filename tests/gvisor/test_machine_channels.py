@@ -15,7 +15,7 @@ from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
 from tests.conftest import require_backend, small_spec
 from tests.network.conftest import FETCH, Net, served_net
-from tests.network.upstream import HELLO
+from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
 from tests.orchestrator.host_tools.tools_for_tests import TOOLS
 
 
@@ -103,5 +103,31 @@ def test_a_network_policy_is_served_through_the_agent_and_pauses_the_kernel_way(
             assert api.post(f"/v1/sessions/{sid}/resume").status_code == 200
             assert _run(api, sid, "print(x + 1)").strip() == "42"
             assert json.loads(_run(api, sid, FETCH + fetch)) == [200, HELLO.decode()]
+        finally:
+            api.delete(f"/v1/sessions/{sid}")
+
+
+def test_pip_installs_from_an_allowed_index_in_a_machine(gvisor_net: Net) -> None:
+    """An agent's `pip install` as a command: the package index the policy allows (here a test
+    index on loopback) is reached through the proxy, the package lands in the workspace, and
+    the kernel imports it."""
+    net = gvisor_net
+    policy = {"allow": [f"allowed.test:{net.up.port}"]}
+    with net.server.client() as api:
+        created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        try:
+            installed = api.post(
+                f"/v1/sessions/{sid}/commands",
+                json={
+                    "command": f"pip install --index-url {net.allowed}/simple "
+                    f"--trusted-host allowed.test {PACKAGE}",
+                    "timeout_s": 300,
+                },
+            ).json()
+            assert installed["exit_code"] == 0, installed
+            got = _run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)")
+            assert got.strip() == PACKAGE_VALUE
         finally:
             api.delete(f"/v1/sessions/{sid}")

@@ -144,3 +144,17 @@ def test_the_sdks_snapshot_of_a_gvisor_machine_forks_it_whole(sdk: Server) -> No
             Sandbox.kill(sid)
         if snapshot_id is not None:
             Sandbox.delete_snapshot(snapshot_id)
+
+
+def test_e2b_root_and_sudo_work_on_a_machine(sdk: Server) -> None:
+    """E2B's `user="root"` and `sudo`, as its users install: root's writes land in the
+    machine's own root filesystem; the sandbox's user cannot write there itself."""
+    sbx = Sandbox.create(template="gvisor")
+    try:
+        assert sbx.commands.run("id -u", user="root").stdout == "0\n"
+        sbx.commands.run("mkdir -p /opt/tool && echo v1 > /opt/tool/version", user="root")
+        assert sbx.commands.run("cat /opt/tool/version").stdout == "v1\n"
+        assert sbx.commands.run("sudo -n id -u").stdout.strip().splitlines()[-1] == "0"
+        assert sbx.commands.run("test -w /opt/tool || echo no").stdout == "no\n"
+    finally:
+        sbx.kill()

@@ -24,6 +24,7 @@ E2B_TESTS = [
     *sorted((ROOT / "tests/clients/e2b_sdk").glob("*.py")),
     *sorted((ROOT / "tests/orchestrator/e2b_compatible").glob("*.py")),
     *sorted((ROOT / "tests/clients").glob("test_*e2b*.py")),
+    *sorted((ROOT / "tests/gvisor").glob("test_*e2b*.py")),
 ]
 
 
@@ -57,6 +58,7 @@ def declared(capabilities: BackendCapabilities) -> list[str]:
         capabilities.runtimes,
         capabilities.warm_pool,
         capabilities.ports,
+        capabilities.root,
     )
     return [", ".join(capabilities.network_modes), *("yes" if f else "no" for f in flags)]
 

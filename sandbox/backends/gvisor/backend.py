@@ -132,6 +132,7 @@ class GvisorBackend(Backend):
         labels_sandboxes=False,
         host_dirs=True,
         ports=True,
+        root=True,
     )
 
     @classmethod

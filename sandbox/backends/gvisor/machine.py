@@ -7,8 +7,16 @@ first process is our agent (machine_agent.py), given pipes as its stdio: a resto
 ones and it goes on, so the host loses nothing but the streams it dropped before.
 
 The root filesystem is the image's, exported once per image id and shared read-only by every
-machine of it; what a machine writes goes to its tmpfs mounts (/tmp, /run: saved with it) or to
-its workspace (a bind of the session's host directory).
+machine of it; each machine sees it through an overlay in its own memory (`--overlay2=root:
+memory`: counted in its memory limit, saved with it, gone with it), so its root may install
+packages (`apt-get`, `npm -g`) without a byte reaching the shared export. Its other writes go to
+its tmpfs mounts (/tmp, /run: saved with it) or to its workspace (a bind of the session's host
+directory).
+
+Root inside (processes asked as `root`, `sudo`): gVisor is the wall, not the processes' lack of
+rights. Root holds Docker's default capabilities, inside gVisor's own kernel only; no host
+device, network or socket is reachable (below), and its files in the workspace stay under the
+session's directory, which no other host user can enter (mode 0700).
 """
 
 from __future__ import annotations
@@ -35,7 +43,13 @@ from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
-from sandbox.inside_kernel import machine_agent, machine_children, machine_wire
+from sandbox.inside_kernel import (
+    machine_agent,
+    machine_children,
+    machine_root,
+    machine_sudo,
+    machine_wire,
+)
 from sandbox.kernel.command import KERNEL_START_FILES
 from sandbox.kernel.programs import SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX
 
@@ -45,20 +59,45 @@ AGENT_IN_SANDBOX = "/opt/code-interpreter/machine_agent.py"
 # The agent and the modules it imports from its own directory, bound read-only beside it.
 AGENT_FILES = tuple(
     (Path(host), str(PurePosixPath(AGENT_IN_SANDBOX).with_name(Path(host).name)))
-    for host in (machine_agent.__file__, machine_wire.__file__, machine_children.__file__)
+    for host in (
+        machine_agent.__file__,
+        machine_wire.__file__,
+        machine_children.__file__,
+        machine_root.__file__,
+    )
 )
-# The agent's rights inside gVisor: to start children as the sandbox's uid and to signal them.
-_AGENT_CAPABILITIES = [
-    "CAP_SETUID",
-    "CAP_SETGID",
-    "CAP_KILL",
+# sudo in a machine: asks the agent (machine_root.py), bound over the image's own `sudo`.
+SUDO_FILE = Path(machine_sudo.__file__)
+SUDO_IN_SANDBOX = "/usr/local/bin/sudo"
+# The rights of root inside gVisor (the agent's, and a process asked as root or through sudo):
+# Docker's default set, so packages install as on any container (dpkg sets owners and modes,
+# apt drops to its own user). A process of the sandbox's user has none of them.
+_ROOT_CAPABILITIES = [
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
     "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
 ]
 # --network=none: only a loopback in gVisor's own netstack. --host-uds=none: no host socket can
 # be reached or bound from inside (either would also make the machine impossible to save).
-RUNSC_FLAGS = ("--platform=ptrace", "--network=none", "--host-uds=none")
+# --overlay2=root:memory: the shared root filesystem under a writable layer in the machine's
+# own memory.
+RUNSC_FLAGS = (
+    "--platform=ptrace",
+    "--network=none",
+    "--host-uds=none",
+    "--overlay2=root:memory",
+)
 RUNSC_TIMEOUT_S = 120.0
 CGROUP_PARENT = "/code-interpreter-gvisor"
 _REASON_CHARS = 2000
@@ -392,10 +431,10 @@ def oci_config(
     cgroup: str | None,
     read_only: dict[str, Path] | None = None,
 ) -> dict[str, Any]:
-    """The machine's OCI config: its agent as root with few rights, read-only root, tmpfs
-    /tmp and /run (saved with the machine), the workspace bound twice, our programs bound
-    read-only, `read_only`'s host directories at their paths inside (the channels' files),
-    and the sandbox's limits."""
+    """The machine's OCI config: its agent as root (with root's rights inside gVisor), the
+    root filesystem under the machine's own overlay, tmpfs /tmp and /run (saved with the
+    machine), the workspace bound twice, our programs bound read-only, `read_only`'s host
+    directories at their paths inside (the channels' files), and the sandbox's limits."""
     memory = limits.memory_mb << 20
 
     def bind(source: Path, target: str, *, ro: bool) -> dict[str, Any]:
@@ -424,13 +463,12 @@ def oci_config(
             "args": ["/opt/kernel/bin/python", "-I", "-S", AGENT_IN_SANDBOX],
             "env": ["PATH=/usr/bin:/bin"],
             "cwd": "/",
-            "capabilities": {
-                k: _AGENT_CAPABILITIES for k in ("bounding", "effective", "permitted")
-            },
-            "noNewPrivileges": True,
+            "capabilities": {k: _ROOT_CAPABILITIES for k in ("bounding", "effective", "permitted")},
+            # sudo's setuid bit works (inside gVisor: see the module's docstring).
+            "noNewPrivileges": False,
             "rlimits": rlimits,
         },
-        "root": {"path": str(rootfs), "readonly": True},
+        "root": {"path": str(rootfs), "readonly": False},
         "hostname": "sandbox",
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -459,6 +497,7 @@ def oci_config(
             # This service's own start-up files, so a kernel does what this host expects of it.
             *(bind(host, inside, ro=True) for host, inside in KERNEL_START_FILES),
             bind(FORWARDER_FILE, FORWARDER_IN_SANDBOX, ro=True),
+            bind(SUDO_FILE, SUDO_IN_SANDBOX, ro=True),
             bind(dirs_etc / "passwd", "/etc/passwd", ro=True),
             bind(dirs_etc / "group", "/etc/group", ro=True),
             bind(workspace, WORKSPACE_IN_SANDBOX, ro=False),

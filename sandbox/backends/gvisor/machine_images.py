@@ -21,7 +21,7 @@ from typing import Any
 
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import SandboxSpec
-from sandbox.backends.gvisor.machine import AGENT_FILES, ImageUnusable
+from sandbox.backends.gvisor.machine import AGENT_FILES, SUDO_FILE, ImageUnusable
 from sandbox.egress_channel import FORWARDER_FILE
 from sandbox.host_channel import KERNEL_MODULE
 from sandbox.kernel.command import KERNEL_START_FILES
@@ -79,6 +79,7 @@ def inside_code_digest() -> str:
         *(host for host, _ in KERNEL_START_FILES),
         SUPERVISOR_FILE,
         FORWARDER_FILE,
+        SUDO_FILE,
         KERNEL_MODULE,
     ):
         digest.update(path.read_bytes())

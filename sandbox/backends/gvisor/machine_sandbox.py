@@ -58,6 +58,7 @@ class MachineHome(Protocol):
 
 class GvisorSandbox(KernelSandbox):
     backend = "gvisor"
+    has_root = True  # its root is gVisor's, with a root filesystem of its own in memory
 
     def __init__(
         self,

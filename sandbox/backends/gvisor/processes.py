@@ -22,6 +22,7 @@ from sandbox.backends.gvisor.agent_channel import (
     ChannelStream,
     ChildEnd,
 )
+from sandbox.inside_kernel.machine_root import root_path
 from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
 
 PROCESS_TAG = "process"
@@ -106,6 +107,10 @@ class MachineSpawner(Spawner):
         channel = await self._channel()
         size = request.terminal
         env = {**self._environment(), **request.env}
+        # Root is the machine's (gVisor is the wall): for installs, as E2B's user="root".
+        uid = 0 if request.user == "root" else self._uid
+        if uid == 0:
+            env.update(HOME="/root", USER="root", PATH=root_path(env.get("PATH")))
         if size is not None:
             env.setdefault("TERM", "xterm-256color")
         try:
@@ -114,8 +119,8 @@ class MachineSpawner(Spawner):
                 env=env,
                 # A relative directory is the workspace's, as a command's `cd` would take it.
                 cwd=posixpath.join(WORKSPACE_IN_SANDBOX, request.cwd or ""),
-                uid=self._uid,
-                gid=self._uid,
+                uid=uid,
+                gid=uid,
                 tag=PROCESS_TAG,
                 marker=secrets.token_hex(12),
                 separate_stderr=True,

@@ -63,6 +63,19 @@ def tagged(api: httpx.Client, session_id: str, tag: str) -> dict[str, Any]:
 
 
 # --- commands
+def test_root_is_refused_where_the_sandbox_has_none(api: httpx.Client, session_id: str) -> None:
+    """Local and Docker sandboxes keep every process unprivileged: 403 naming the way out."""
+    for route in ("commands", "processes"):
+        refused = api.post(
+            f"/v1/sessions/{session_id}/{route}", json={"command": "id -u", "user": "root"}
+        )
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "RootUnavailable" and "gvisor backend" in error["message"]
+    unknown = api.post(f"/v1/sessions/{session_id}/commands", json={"argv": ["id"], "user": "bob"})
+    assert unknown.status_code == 422
+
+
 def test_a_command_returns_its_whole_result(api: httpx.Client, session_id: str) -> None:
     r = api.post(
         f"/v1/sessions/{session_id}/commands",

@@ -1,0 +1,203 @@
+"""Root for the sandbox's user in a gVisor machine: what `sudo` asks the agent for.
+
+gVisor sets no_new_privs on every task it runs, so a setuid `sudo` can never gain rights in a
+machine. Root there is gVisor's, not the host's (docs/gvisor.md), so the agent, which runs as
+the machine's root, starts a command as root for any process of the machine that asks on its
+socket (`SOCKET`, as `sudo` with NOPASSWD would): the asker passes its stdin, stdout and stderr
+over the socket (SCM_RIGHTS) with one line of JSON (argv, cwd, environment); the command runs
+on those very files, in a session of its own; the asker may send `signal N` lines (its Ctrl-C);
+the agent answers `exit N` or `signal N` once it ends. An asker that goes away takes its
+command's process group with it.
+
+Every input is capped: the request's size, the descriptors taken (the three, no more), the
+commands running at once. Standard library only, like the agent that imports it.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SOCKET = "/run/cir/root.sock"
+MAX_REQUEST = 256 * 1024  # bytes of JSON: argv and environment
+MAX_RUNNING = 32  # commands run as root at once
+_FDS = 3
+
+
+@dataclass
+class Asker:
+    """One connection: its request as it arrives, then its command."""
+
+    conn: socket.socket
+    buffer: bytearray = field(default_factory=bytearray)
+    fds: list[int] = field(default_factory=list)
+    pid: int | None = None
+    lines: bytearray = field(default_factory=bytearray)  # signal lines, after the request
+
+
+class RootRequests:
+    """The agent's side: the listening socket, the askers, their commands."""
+
+    def __init__(self, unwatch: Callable[[int], None]) -> None:
+        """`unwatch`: stop watching a connection's fd (called before it is closed)."""
+        self._unwatch = unwatch
+        self.listener: socket.socket | None = None
+        self.askers: dict[int, Asker] = {}  # by connection fd
+        self.by_pid: dict[int, Asker] = {}
+
+    def listen(self) -> socket.socket:
+        os.makedirs(os.path.dirname(SOCKET), mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SOCKET)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(SOCKET)
+        os.chmod(SOCKET, 0o666)  # any process of the machine, as NOPASSWD sudo
+        sock.listen(16)
+        sock.setblocking(False)
+        self.listener = sock
+        return sock
+
+    def accept(self) -> socket.socket | None:
+        assert self.listener is not None
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return None
+        if len(self.askers) >= MAX_RUNNING:
+            _say(conn, f"refused: {MAX_RUNNING} commands run as root already\n")
+            conn.close()
+            return None
+        conn.setblocking(False)
+        self.askers[conn.fileno()] = Asker(conn)
+        return conn
+
+    def readable(self, fd: int) -> bool:
+        """Read what an asker sent; False once it is done with (unwatched and closed)."""
+        asker = self.askers[fd]
+        try:
+            data, fds = _receive(asker.conn)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data, fds = b"", []
+        for extra in fds[max(0, _FDS - len(asker.fds)) :]:
+            os.close(extra)
+        asker.fds += fds[: max(0, _FDS - len(asker.fds))]
+        if not data:  # gone: its command (if any) goes too
+            self._drop(asker, kill=True)
+            return False
+        if asker.pid is not None:
+            return self._signals(asker, data)
+        asker.buffer += data
+        if b"\n" not in asker.buffer:
+            if len(asker.buffer) > MAX_REQUEST:
+                return self._refuse(asker, "the request is too large")
+            return True
+        line, _, rest = bytes(asker.buffer).partition(b"\n")
+        asker.buffer.clear()
+        try:
+            self._start(asker, json.loads(line))
+        except Exception as exc:  # said to the asker; the agent goes on
+            return self._refuse(asker, f"{type(exc).__name__}: {exc}")
+        return self._signals(asker, rest) if rest else True
+
+    def _start(self, asker: Asker, request: dict[str, Any]) -> None:
+        if len(asker.fds) != _FDS:
+            raise ValueError("send stdin, stdout and stderr with the request")
+        argv = [str(a) for a in request["argv"]]
+        if not argv:
+            raise ValueError("no command")
+        env = {str(k): str(v) for k, v in dict(request.get("env") or {}).items()}
+        env.update(HOME="/root", USER="root", LOGNAME="root", PATH=root_path(env.get("PATH")))
+        process = subprocess.Popen(
+            argv,
+            stdin=asker.fds[0],
+            stdout=asker.fds[1],
+            stderr=asker.fds[2],
+            cwd=str(request.get("cwd") or "/"),
+            env=env,
+            start_new_session=True,
+        )
+        for fd in asker.fds:
+            os.close(fd)
+        asker.fds.clear()
+        asker.pid = process.pid
+        self.by_pid[process.pid] = asker
+        process.returncode = 0  # reaped by the agent's loop, not by Popen
+
+    def _signals(self, asker: Asker, data: bytes) -> bool:
+        asker.lines += data[: 4096 - len(asker.lines)]
+        while b"\n" in asker.lines:
+            line, _, rest = bytes(asker.lines).partition(b"\n")
+            asker.lines = bytearray(rest)
+            word, _, number = line.decode(errors="replace").partition(" ")
+            if word == "signal" and number.isdigit() and asker.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.killpg(asker.pid, int(number))
+        if len(asker.lines) >= 4096:
+            asker.lines.clear()
+        return True
+
+    def reaped(self, pid: int, status: int) -> bool:
+        """A child ended: whether it was an asker's (told how, and forgotten)."""
+        asker = self.by_pid.pop(pid, None)
+        if asker is None:
+            return False
+        if os.WIFSIGNALED(status):
+            _say(asker.conn, f"signal {os.WTERMSIG(status)}\n")
+        else:
+            _say(asker.conn, f"exit {os.WEXITSTATUS(status)}\n")
+        self._drop(asker, kill=False)
+        return True
+
+    def _refuse(self, asker: Asker, why: str) -> bool:
+        _say(asker.conn, f"refused: {why}\n")
+        self._drop(asker, kill=False)
+        return False
+
+    def _drop(self, asker: Asker, *, kill: bool) -> None:
+        if kill and asker.pid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(asker.pid, signal.SIGKILL)
+        for fd in asker.fds:
+            os.close(fd)
+        asker.fds.clear()
+        if asker.pid is not None:
+            self.by_pid.pop(asker.pid, None)
+        fd = asker.conn.fileno()
+        if self.askers.pop(fd, None) is not None:
+            self._unwatch(fd)
+        asker.conn.close()
+
+
+def root_path(path: str | None) -> str:
+    """A PATH for root: the caller's, with the system's sbin directories (dpkg wants them)."""
+    parts = [p for p in (path or "/usr/local/bin:/usr/bin:/bin").split(":") if p]
+    return ":".join([*parts, *(d for d in _SBIN if d not in parts)])
+
+
+_SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
+    fds = array.array("i")
+    data, ancillary, _, _ = conn.recvmsg(65536, socket.CMSG_SPACE(_FDS * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+def _say(conn: socket.socket, text: str) -> None:
+    with contextlib.suppress(OSError):
+        conn.setblocking(True)
+        conn.settimeout(1.0)
+        conn.sendall(text.encode())

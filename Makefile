@@ -5,15 +5,24 @@ PYTHON ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || command -
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# E2B's v1 SDK and its MCP server, which pins it (tests/clients/e2b_sdk/test_sdk_v1.py): a venv
+# of their own, since ours has the v2 SDK.
+E2B_V1 := .venv-e2b-v1
+E2B_V1_STAMP := $(E2B_V1)/.installed
 
 .PHONY: install test test-cluster test-gvisor unit lint format demo image engine serve bench bench-full clean
 
-install: $(STAMP)
+install: $(STAMP) $(E2B_V1_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[server,kernel,languages,dev]'
+	touch $@
+
+$(E2B_V1_STAMP):
+	$(PYTHON) -m venv $(E2B_V1)
+	$(E2B_V1)/bin/pip install -q 'e2b-code-interpreter>=1.5,<2' 'e2b-mcp-server>=0.1.1'
 	touch $@
 
 # Two test workers a core, at most four: a test mostly waits (a kernel starting, a sandbox's

@@ -58,6 +58,7 @@ _PORTS = re.compile(r"/v1/sessions/[^/]+/ports/[^/]+(/|$)")
 _PUBLIC = frozenset({"/healthz", "/health", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _CONNECT_SERVICES = ("/filesystem.Filesystem/", "/process.Process/")
 _E2B_DATA = ("/execute", "/contexts", "/files")
+_CODE_INTERPRETER = ("/execute", "/contexts")
 # Connect calls whose request is a stream of messages handled as they come.
 _CLIENT_STREAMS = ("/process.Process/StreamInput",)
 _ENVELOPE_HEADER = 5
@@ -223,8 +224,11 @@ class RequestGuard:
                 "Unauthorized",
                 "missing the E2b-Sandbox-Id header (and the sandbox's X-Access-Token)",
             )
+        # The code interpreter's own routes are a port of the sandbox, open to its public
+        # traffic as on E2B (E2B's v1 SDK sends them no token); envd's and files are not.
+        port_traffic = _e2b_path(get_route_path(request.scope)).startswith(_CODE_INTERPRETER)
         try:
-            await self.sandboxes.reachable(sandbox_id, token)
+            await self.sandboxes.reachable(sandbox_id, token, port_traffic=port_traffic)
         except SandboxGone as exc:
             # E2B's answer for a sandbox that is gone; its SDK recognises "was not found".
             raise Refused(502, "SandboxGone", str(exc)) from None

@@ -21,7 +21,7 @@ from pydantic import BaseModel, StringConstraints
 
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.rest import CreateSessionRequest, KernelText
-from orchestrator.e2b_compatible.deps import E2BDep, ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.deps import E2BDep, PortReachedDep, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.execute import context_target
 from orchestrator.e2b_compatible.sandboxes import DEFAULT_CONTEXT, E2B_HOME, SandboxGone
@@ -47,7 +47,7 @@ class ContextInfo(BaseModel):
 
 @router.post("/contexts", summary="E2B: create a code context (a kernel in a new session)")
 async def create_context(
-    reached: ReachedDep,
+    reached: PortReachedDep,
     service: ServiceDep,
     sandboxes: E2BDep,
     body: Annotated[CreateContext, Body()] = CreateContext(),  # noqa: B008 - a constant default
@@ -79,7 +79,7 @@ async def create_context(
 
 
 @router.get("/contexts", summary="E2B: list the code contexts")
-async def list_contexts(reached: ReachedDep, service: ServiceDep) -> list[ContextInfo]:
+async def list_contexts(reached: PortReachedDep, service: ServiceDep) -> list[ContextInfo]:
     record = reached.record
     contexts = [
         ContextInfo(id=record.default_context_id(language), language=language, cwd=E2B_HOME)
@@ -93,7 +93,9 @@ async def list_contexts(reached: ReachedDep, service: ServiceDep) -> list[Contex
 
 
 @router.post("/contexts/{context_id}/restart", summary="E2B: restart a context's kernel")
-async def restart_context(context_id: str, reached: ReachedDep, service: ServiceDep) -> Response:
+async def restart_context(
+    context_id: str, reached: PortReachedDep, service: ServiceDep
+) -> Response:
     target = await context_target(service, reached, context_id)
     # A kernel not started yet is fresh already: starting one only to restart it is waste.
     if target.language in service.views.started_languages(target.session):
@@ -103,7 +105,7 @@ async def restart_context(context_id: str, reached: ReachedDep, service: Service
 
 @router.delete("/contexts/{context_id}", summary="E2B: remove a context")
 async def remove_context(
-    context_id: str, reached: ReachedDep, service: ServiceDep, sandboxes: E2BDep
+    context_id: str, reached: PortReachedDep, service: ServiceDep, sandboxes: E2BDep
 ) -> Response:
     record = reached.record
     default = record.default_context_language(

@@ -156,9 +156,14 @@ def _created(record: E2BRecord, ports: PortAccess | None, domain: str) -> dict[s
 
 
 def _ports_domain(service: Service, request: Request) -> str:
-    """The operator's domain for ports; else the host the SDK itself called (`localhost:8000`
-    gives `8000-<id>.localhost:8000`, which browsers take to loopback)."""
-    return service.ports.settings.ports_domain or request.headers.get("host") or "localhost"
+    """The domain of the sandbox's hosts (`<port>-<id>.<domain>`: its ports, and envd's for an
+    SDK told no sandbox URL): the operator's `ports_domain`; else the one the SDK called the
+    API under (E2B's API is `api.<domain>`), or the host it called (`localhost:8000` gives
+    `8000-<id>.localhost:8000`, which browsers take to loopback)."""
+    if service.ports.settings.ports_domain:
+        return service.ports.settings.ports_domain
+    host = request.headers.get("host") or "localhost"
+    return host.removeprefix("api.") if host.startswith("api.") else host
 
 
 async def _ports_of(service: Service, record: E2BRecord) -> PortAccess | None:

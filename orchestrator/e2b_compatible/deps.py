@@ -53,9 +53,7 @@ class Reached:
     signed: bool = False  # opened by a signed file URL: its one path and operation only
 
 
-async def reached(request: Request, sandboxes: E2BDep) -> Reached:
-    """The sandbox a data-plane call names and may open (or a signed file URL opened, as the
-    request gate found); otherwise it is gone (502)."""
+async def _reached(request: Request, sandboxes: E2BSandboxes, *, port_traffic: bool) -> Reached:
     token = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
     signed = signed_file_of(request) if token is None else None
     if signed is not None:
@@ -64,8 +62,21 @@ async def reached(request: Request, sandboxes: E2BDep) -> Reached:
     sandbox_id = request.headers.get("e2b-sandbox-id")
     if not sandbox_id:
         raise HTTPException(400, "missing the E2b-Sandbox-Id header")
-    record, session = await sandboxes.reachable(sandbox_id, token)
+    record, session = await sandboxes.reachable(sandbox_id, token, port_traffic=port_traffic)
     return Reached(record, session)
 
 
+async def reached(request: Request, sandboxes: E2BDep) -> Reached:
+    """The sandbox a data-plane call names and may open (or a signed file URL opened, as the
+    request gate found); otherwise it is gone (502)."""
+    return await _reached(request, sandboxes, port_traffic=False)
+
+
+async def reached_on_its_port(request: Request, sandboxes: E2BDep) -> Reached:
+    """As `reached`, for the code interpreter's own routes (run code, contexts): E2B serves
+    them as a port of the sandbox, open to its public traffic (sandboxes.reachable)."""
+    return await _reached(request, sandboxes, port_traffic=True)
+
+
 ReachedDep = Annotated[Reached, Depends(reached)]
+PortReachedDep = Annotated[Reached, Depends(reached_on_its_port)]

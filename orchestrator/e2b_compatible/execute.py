@@ -37,7 +37,7 @@ from code_interpreter_wire.results import (
     StderrEvent,
     StdoutEvent,
 )
-from orchestrator.e2b_compatible.deps import E2BDep, Reached, ReachedDep, ServiceDep
+from orchestrator.e2b_compatible.deps import E2BDep, PortReachedDep, Reached, ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
 from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes
 from orchestrator.service import Service
@@ -114,7 +114,7 @@ async def health(request: Request, sandboxes: E2BDep) -> dict[str, str]:
         token = request.headers.get("x-access-token") or request.headers.get(
             "e2b-traffic-access-token"
         )
-        await sandboxes.reachable(sandbox_id, token)
+        await sandboxes.reachable(sandbox_id, token, port_traffic=True)
     return {"status": "ok"}
 
 
@@ -125,7 +125,7 @@ async def health(request: Request, sandboxes: E2BDep) -> dict[str, str]:
     responses={200: {"content": {"application/x-ndjson": {}}}},
 )
 async def execute(
-    body: ExecuteBody, reached: ReachedDep, service: ServiceDep, sandboxes: E2BDep
+    body: ExecuteBody, reached: PortReachedDep, service: ServiceDep, sandboxes: E2BDep
 ) -> StreamingResponse:
     if body.context_id and body.language:
         raise E2BError(400, "Only one of context_id or language can be provided")  # E2B's words

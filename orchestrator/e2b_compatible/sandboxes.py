@@ -367,10 +367,15 @@ class E2BSandboxes:
             raise SandboxPaused(sandbox_id)
         return record, found
 
-    async def reachable(self, sandbox_id: str, token: str | None) -> tuple[E2BRecord, Session]:
+    async def reachable(
+        self, sandbox_id: str, token: str | None, *, port_traffic: bool = False
+    ) -> tuple[E2BRecord, Session]:
         """For the data plane: the sandbox this token opens, or SandboxGone. A paused one is
         gone, as on E2B, unless its traffic resumes it (auto-resume, or a pause that was the
-        service's own)."""
+        service's own). `port_traffic`: a call to the code interpreter's port (49999: run code,
+        contexts), which E2B serves as any port of the sandbox: without the access token while
+        its traffic is public (E2B's default; E2B's v1 SDK sends none), else with its traffic
+        token (docs/ports.md)."""
         record = self._records.get(sandbox_id)
         if self._clustered:  # made, or changed, through another replica
             record = await self._from_store(sandbox_id) or record
@@ -378,9 +383,10 @@ class E2BSandboxes:
             record = await self._debug_record()
         if record is None:
             raise SandboxGone(sandbox_id)
-        if record.token is not None and not hmac.compare_digest(
+        opened = record.token is None or hmac.compare_digest(
             (token or "").encode(), record.token.encode()
-        ):
+        )
+        if not opened and not (port_traffic and await self._open_to(record, token)):
             raise SandboxGone(sandbox_id)  # like a missing one: ids are not confirmed
         if record.pausing and record.paused_on_purpose and not record.auto_resume:
             # Being paused: gone already, rather than woken the moment the pause is done.
@@ -403,6 +409,15 @@ class E2BSandboxes:
             await self.forget(record)
             raise SandboxGone(sandbox_id) from None
         return record, session
+
+    async def _open_to(self, record: E2BRecord, token: str | None) -> bool:
+        """Whether the sandbox's ports take traffic without its access token: public ones, or
+        with the traffic token they were given."""
+        found = await self.service.lifecycle.state(record.session_id, record.owner)
+        ports = found.ports if found is not None else None
+        if ports is None:
+            return False
+        return ports.public or hmac.compare_digest((token or "").encode(), ports.token.encode())
 
     async def signed_by(
         self, signed_with: Callable[[str], bool], named: str | None, hint: str | None

@@ -169,6 +169,11 @@ async def test_the_clients_defaults_run_exec_read_write_and_expose_a_port(
         assert (await made.read(Path("site/index.html"))).read() == b"<p>from the agent</p>"
         done = await made.exec("cat", "site/index.html")
         assert done.exit_code == 0 and done.stdout == b"<p>from the agent</p>"
+        model = ShellModel({"cmd": "wc -c < site/index.html"})
+        agent = SandboxAgent(name="worker", instructions="Use the shell.", model=model)
+        run = RunConfig(tracing_disabled=True, sandbox=SandboxRunConfig(session=made))
+        assert (await Runner.run(agent, "measure it", run_config=run)).final_output == "done"
+        assert "21" in json.dumps([str(item) for item in model.inputs[-1]])
         ran = await made.exec(
             "python3",
             "-c",

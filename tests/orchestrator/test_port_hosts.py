@@ -24,3 +24,18 @@ def test_hosts_of_ports() -> None:
     assert routed("localhost:8080", None) is None
     assert routed("api.localhost", None) is None
     assert routed("x8000-s.localhost", None) is None
+
+
+def named(host: str, domain: str | None, *, header: bool = False) -> str | None:
+    hosts = PortHosts(lambda *_: None, domain=domain)  # type: ignore[arg-type]
+    headers = [(b"host", host.encode())] + ([(b"e2b-sandbox-id", b"given")] if header else [])
+    return hosts.e2b_sandbox({"type": "http", "headers": headers})
+
+
+def test_e2b_data_plane_hosts_name_their_sandbox() -> None:
+    """E2B's v1 SDK names its sandbox by host alone: said as the header its front reads."""
+    assert named("49983-s-abc.e2b.test:8443", None) == "s-abc"
+    assert named("49999-s-abc.e2b.test:8443", "e2b.test:8443") == "s-abc"
+    assert named("49983-s-abc.elsewhere", "e2b.test:8443") is None
+    assert named("49983-s-abc.e2b.test", None, header=True) is None  # the header wins
+    assert named("8000-s-abc.e2b.test", None) is None  # a sandbox's own port: the path form

@@ -113,6 +113,7 @@ class Service:
             sessions,
             self.trail,
             wake=lambda session_id, owner: self.lifecycle.get(session_id, owner),
+            state=lambda session_id, owner: self.lifecycle.state(session_id, owner),
         )
         self.lifecycle = Lifecycle(
             cut.expiry,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,10 @@ from code_interpreter_wire.processes import ProcessRequest, Stream
 from sandbox.inside_kernel import port_relay
 from sandbox.processes.spawned import SpawnedProcess, Spawner
 
+log = logging.getLogger(__name__)
+
 RELAY_SOURCE = Path(port_relay.__file__).read_text()
+CLOSE_WAIT_S = 10.0
 _READY = port_relay.READY
 _MOST_STDERR = 4096  # bytes of the relay's own words kept, for the reason it failed
 
@@ -64,10 +68,17 @@ class PortStream:
             await self._process.close_stdin()
 
     async def close(self) -> None:
-        """End the relay and wait for it: no process of it outlives the connection."""
+        """End the relay and wait for it (at most CLOSE_WAIT_S: a sandbox that stopped its
+        own command server holds nothing of the host's longer)."""
         if self._closed:
             return
         self._closed = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._end()), CLOSE_WAIT_S)
+        except TimeoutError:
+            log.warning("a port relay did not end within %s s; left to its sandbox", CLOSE_WAIT_S)
+
+    async def _end(self) -> None:
         with contextlib.suppress(SandboxError, OSError):
             await self._process.close_stdin()
         with contextlib.suppress(SandboxError, OSError, ProcessLookupError):
@@ -87,12 +98,25 @@ async def open_port(
     when nothing answers there or the relay cannot start; `timeout_s` covers both."""
     if not 1 <= port <= 65535:
         raise PortUnreachable(f"port {port} is not a TCP port (1 to 65535)")
-    request = ProcessRequest(argv=[python, "-c", RELAY_SOURCE, str(port)], stdin=True)
-    process = await asyncio.wait_for(spawner.spawn(request), timeout_s)
+    # -I -S: nothing of the workspace, PYTHONPATH or site-packages shadows what it imports.
+    request = ProcessRequest(
+        argv=[python, "-I", "-S", "-c", RELAY_SOURCE, str(port)], stdin=True, cwd="/"
+    )
+    try:
+        process = await asyncio.wait_for(spawner.spawn(request), timeout_s)
+    except TimeoutError:
+        raise PortUnreachable(
+            f"the sandbox's relay did not start within {timeout_s:.0f} s"
+        ) from None
     output = process.output()
     stream = PortStream(process, output)
     try:
         said = await asyncio.wait_for(_first_words(output), timeout_s)
+    except TimeoutError:
+        await stream.close()
+        raise PortUnreachable(
+            f"port {port} did not answer the relay within {timeout_s:.0f} s"
+        ) from None
     except BaseException:
         await stream.close()
         raise

@@ -149,6 +149,8 @@ def _created(record: E2BRecord, ports: PortAccess | None, domain: str) -> dict[s
         envd_version=ENVD_VERSION,
         alias=record.template,
         envd_access_token=record.token or "",
+        # Its ports' token: what E2B's SDK sends to the code interpreter's contexts, and to any
+        # port of a sandbox whose traffic is not public.
         traffic_access_token=ports.token if ports is not None else None,
         domain=domain,
     )
@@ -274,6 +276,9 @@ async def create(
         metadata=metadata,
         auto_pause=auto_pause,
         auto_resume=auto_resume,
+        # E2B's v1 SDK creates `secure: false` sandboxes and its code interpreter sends them
+        # no token: their code port takes their public traffic, as on E2B (docs/e2b.md).
+        open_code_port=isinstance(body, dict) and body.get("secure") is False,
     )
     record.set_timeout(timeout)
     await sandboxes.keep(record, session)

@@ -113,6 +113,9 @@ class E2BRecord:
     # its next traffic undoes, as if it had never been paused).
     paused_on_purpose: bool = False
     seen_paused: bool = False  # the sweep saw it paused: if it runs again, its timeout restarts
+    # Created with E2B's `secure: false` (its v1 SDK's default): its code interpreter's routes
+    # take its ports' traffic (public, or with the traffic token) without the access token.
+    open_code_port: bool = False
     pausing: bool = False  # a pause is under way: the sweep leaves it alone
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -151,6 +154,7 @@ class _SavedRecord(BaseModel):
     auto_resume: bool
     paused_on_purpose: bool
     contexts: list[_SavedContext]
+    open_code_port: bool = False
 
 
 def _saved(record: E2BRecord) -> str:
@@ -164,6 +168,7 @@ def _saved(record: E2BRecord) -> str:
         auto_pause=record.auto_pause,
         auto_resume=record.auto_resume,
         paused_on_purpose=record.paused_on_purpose,
+        open_code_port=record.open_code_port,
         contexts=[
             _SavedContext(id=c.id, cwd=c.cwd, language=c.language) for c in record.contexts.values()
         ],
@@ -194,6 +199,7 @@ def _restored(session_id: str, owner: str, labels: dict[str, str]) -> E2BRecord 
         auto_pause=kept.auto_pause,
         auto_resume=kept.auto_resume,
         paused_on_purpose=kept.paused_on_purpose,
+        open_code_port=kept.open_code_port,
     )
 
 
@@ -230,6 +236,7 @@ class E2BSandboxes:
         metadata: dict[str, str],
         auto_pause: bool = False,
         auto_resume: bool = False,
+        open_code_port: bool = False,
     ) -> E2BRecord:
         record = E2BRecord(
             sandbox_id=session.id,
@@ -241,6 +248,7 @@ class E2BSandboxes:
             started_at=datetime.fromtimestamp(session.created_at, UTC),
             auto_pause=auto_pause,
             auto_resume=auto_resume,
+            open_code_port=open_code_port,
         )
         self._records[session.id] = record
         return record
@@ -373,9 +381,7 @@ class E2BSandboxes:
         """For the data plane: the sandbox this token opens, or SandboxGone. A paused one is
         gone, as on E2B, unless its traffic resumes it (auto-resume, or a pause that was the
         service's own). `port_traffic`: a call to the code interpreter's port (49999: run code,
-        contexts), which E2B serves as any port of the sandbox: without the access token while
-        its traffic is public (E2B's default; E2B's v1 SDK sends none), else with its traffic
-        token (docs/ports.md)."""
+        contexts), which E2B serves as a port of the sandbox (`_open_to`)."""
         record = self._records.get(sandbox_id)
         if self._clustered:  # made, or changed, through another replica
             record = await self._from_store(sandbox_id) or record
@@ -411,13 +417,16 @@ class E2BSandboxes:
         return record, session
 
     async def _open_to(self, record: E2BRecord, token: str | None) -> bool:
-        """Whether the sandbox's ports take traffic without its access token: public ones, or
-        with the traffic token they were given."""
+        """Whether the code interpreter's port takes this call without the access token: with
+        the sandbox's traffic token (E2B's SDK sends only that to its contexts' routes), or
+        with none where the sandbox was made `secure: false` and its traffic is public."""
         found = await self.service.lifecycle.state(record.session_id, record.owner)
         ports = found.ports if found is not None else None
         if ports is None:
             return False
-        return ports.public or hmac.compare_digest((token or "").encode(), ports.token.encode())
+        if hmac.compare_digest((token or "").encode(), ports.token.encode()):
+            return True
+        return record.open_code_port and ports.public
 
     async def signed_by(
         self, signed_with: Callable[[str], bool], named: str | None, hint: str | None

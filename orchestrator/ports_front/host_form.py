@@ -15,7 +15,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from orchestrator.ports_front.routes import HOST_FORM, ORIGINAL_PATH, PATH
 
-_PORT_HOST = re.compile(r"^([0-9]{1,5})-([A-Za-z0-9_-]{1,128})\.(.+)$")
+# A session's id is `s-` and hex (orchestrator/sessions.py): a host of another shape (a proxy's
+# own `8000-workspace.example.io`) is no session's.
+_PORT_HOST = re.compile(r"^([0-9]{1,5})-(s-[a-z0-9]{1,120})\.(.+)$")
 E2B_OWN_PORTS = frozenset({49983, 49999})
 
 

@@ -20,6 +20,17 @@ from orchestrator.ports_front.caller import HOP_BY_HOP, onward_headers
 from orchestrator.service_parts.ports import PortConnection
 
 Opener = Callable[[int], Awaitable[PortConnection]]
+# Said by the service's own HTTP server: the server's would make two of each.
+_SERVERS_OWN = frozenset({"date", "server"})
+# The path form serves the sandbox's pages on the service's own origin: they run in a sandbox
+# of the browser's (an opaque origin: no script of theirs reads the service's pages or sends
+# its cookies), and set no cookie there. An app that needs its own origin, cookies or logins
+# is reached by host (docs/ports.md).
+_PATH_FORM_DROPPED = frozenset({"set-cookie", "set-cookie2", "content-security-policy"})
+_PATH_FORM_POLICY = (
+    "content-security-policy",
+    "sandbox allow-scripts allow-forms allow-popups allow-modals allow-downloads",
+)
 _CONNECT_TIMEOUT_S = 30.0
 
 
@@ -117,8 +128,11 @@ async def relay_http(
     """Carry `request` to `port` (the path and query `target`, the Host `host`), answer with
     the server's answer. Raises the opener's refusals (PortUnreachable...) before anything is
     answered."""
+    path_form = forwarded_prefix is not None
     headers = [
-        h for h in onward_headers(request) if h[0].lower() not in (b"content-length", b"host")
+        h
+        for h in onward_headers(request, path_form=path_form)
+        if h[0].lower() not in (b"content-length", b"host")
     ]
     headers.insert(0, (b"host", host.encode("latin-1")))
     asked_host = request.headers.get("host", host)
@@ -155,11 +169,14 @@ async def relay_http(
         if key.lower() == b"connection"
         for name in value.decode("latin-1").split(",")
     }
+    dropped = HOP_BY_HOP | named | _SERVERS_OWN | (_PATH_FORM_DROPPED if path_form else set())
     kept = [
         (name.decode("latin-1"), value.decode("latin-1"))
         for name, value in answer.headers
-        if name.decode("latin-1").lower() not in HOP_BY_HOP | named
+        if name.decode("latin-1").lower() not in dropped
     ]
+    if path_form:
+        kept.append(_PATH_FORM_POLICY)
 
     async def body() -> AsyncIterator[bytes]:
         try:

@@ -10,9 +10,10 @@ from typing import Any, cast
 
 import httpcore
 from fastapi import APIRouter, HTTPException, Request, WebSocket
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from code_interpreter_wire.errors import PortUnreachable
+from code_interpreter_wire.errors import PortUnreachable, SandboxError
 from orchestrator.auth import Authenticator
 from orchestrator.caller_mark import caller_proven
 from orchestrator.http_errors import status_of
@@ -30,17 +31,19 @@ from orchestrator.sessions import Session, SessionError
 PATH = "/v1/sessions/{session_id}/ports/{port}"
 HOST_FORM = "port_host_form"  # scope key set by host_form.py: the path was not prefixed
 ORIGINAL_PATH = "port_original_path"  # ... and the raw path the client asked for
+_PREFIX_SEGMENTS = 6  # "", "v1", "sessions", its id, "ports", its port
 _METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 router = APIRouter(tags=["ports"])
 
 
-def _target(scope: Mapping[str, Any], prefix: str) -> str:
-    """The path (as the client spelt it, escapes kept) and query the server is asked for."""
+def _target(scope: Mapping[str, Any]) -> str:
+    """The path (as the client spelt it, escapes kept) and query the server is asked for: on
+    the path form, what follows `/v1/sessions/{id}/ports/{port}`, by segments."""
     raw = scope.get(ORIGINAL_PATH) or scope.get("raw_path") or str(scope["path"]).encode()
     path = raw.decode("latin-1") if isinstance(raw, bytes) else str(raw)
     if not scope.get(HOST_FORM):
-        path = path[len(prefix) :]
+        path = "/" + "/".join(path.split("/")[_PREFIX_SEGMENTS:])
     query = scope.get("query_string") or b""
     assert isinstance(query, bytes)
     return (path or "/") + ("?" + query.decode("latin-1") if query else "")
@@ -54,7 +57,7 @@ async def _granted(
     service: Service, authenticate: Authenticator, request: Request | WebSocket, session_id: str
 ) -> tuple[Session, PortCaller]:
     """The session and caller, once the service has let the caller in (else its refusal)."""
-    caller = port_caller(request, authenticate)
+    caller = port_caller(request, authenticate, path_form=not request.scope.get(HOST_FORM))
     session = await service.ports.session_for(session_id, caller)
     service.ports.check(session, caller)
     caller_proven(request.scope)
@@ -76,7 +79,7 @@ async def port_request(request: Request, session_id: str, port: int, path: str =
     if not host_form and request.scope["path"] == prefix:  # relative links need the slash
         query = request.scope.get("query_string", b"").decode("latin-1")
         return RedirectResponse(prefix + "/" + ("?" + query if query else ""), 307)
-    target = _target(request.scope, prefix)
+    target = _target(request.scope)
 
     async def opener(asked: int) -> PortConnection:
         return await service.ports.connect(session, asked, caller)
@@ -91,6 +94,8 @@ async def port_request(request: Request, session_id: str, port: int, path: str =
             forwarded_prefix=None if host_form else prefix,
             timeout_s=service.ports.settings.ports_timeout_s,
         )
+    except ClientDisconnect:
+        return _error(499, "ClientClosedRequest", "the client left before its request was sent")
     except httpcore.TimeoutException as exc:
         return _error(504, "PortTimeout", f"the server on port {port} did not answer: {exc}")
     except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
@@ -110,21 +115,33 @@ async def port_websocket(websocket: WebSocket, session_id: str, port: int, path:
     try:
         session, caller = await _granted(service, authenticate, websocket, session_id)
         connection = await service.ports.connect(session, port, caller)
-    except (SessionError, PortUnreachable, HTTPException) as exc:
+    except (SessionError, SandboxError, HTTPException) as exc:
         await _deny(websocket, exc)
         return
     try:
-        target = _target(websocket.scope, PATH.format(session_id=session_id, port=port))
+        target = _target(websocket.scope)
         try:
             host = _host_for(session, port, websocket)
-            protocol, subprotocol = await open_upstream(websocket, connection, target, host)
-        except (HandshakeRefused, TimeoutError, ConnectionResetError) as exc:
+            path_form = not websocket.scope.get(HOST_FORM)
+            protocol, subprotocol, early = await open_upstream(
+                websocket, connection, target, host, path_form=path_form
+            )
+        except (HandshakeRefused, TimeoutError, ConnectionResetError, SandboxError) as exc:
             await _deny(websocket, PortUnreachable(f"the WebSocket on port {port}: {exc}"))
             return
+        except ValueError as exc:  # a Host no WebSocket URI can be made of
+            await _deny(websocket, InvalidHost(f"the request's Host does not read: {exc}"))
+            return
         await websocket.accept(subprotocol=subprotocol)
-        await relay_messages(websocket, protocol, connection)
+        await relay_messages(websocket, protocol, connection, early)
     finally:
         await connection.close()
+
+
+class InvalidHost(SessionError):
+    """A request whose Host header cannot name a server (a WebSocket's URI is made of it)."""
+
+    status = 400
 
 
 def _host_for(session: Session, port: int, request: Request | WebSocket) -> str:

@@ -19,7 +19,9 @@ from websockets.uri import parse_uri
 from orchestrator.ports_front.caller import HOP_BY_HOP, onward_headers
 from orchestrator.service_parts.ports import PortConnection
 
-MAX_MESSAGE_BYTES = 16 << 20
+# A message's most, both ways: the service's own WebSocket server takes no more from a client
+# (http_server.py's ws_max_size); a larger one closes the socket with 1009.
+MAX_MESSAGE_BYTES = 1 << 20
 _CHUNK = 64 * 1024
 _HANDSHAKE_TIMEOUT_S = 30.0
 # Set by either protocol itself, never copied from the client's request.
@@ -48,9 +50,10 @@ async def _flush(protocol: ClientProtocol, connection: PortConnection) -> None:
 
 
 async def open_upstream(
-    websocket: WebSocket, connection: PortConnection, target: str, host: str
-) -> tuple[ClientProtocol, str | None]:
-    """Do the server's handshake for the client's; the protocol and the subprotocol agreed.
+    websocket: WebSocket, connection: PortConnection, target: str, host: str, *, path_form: bool
+) -> tuple[ClientProtocol, str | None, list[Frame]]:
+    """Do the server's handshake for the client's: the protocol, the subprotocol agreed, and
+    the frames that came with the handshake's answer (a server that greets on open).
     HandshakeRefused if the server answers anything but a switch to WebSocket."""
     asked = [
         Subprotocol(p.strip())
@@ -62,7 +65,7 @@ async def open_upstream(
         parse_uri(f"ws://{host}{target}"), subprotocols=asked or None, max_size=MAX_MESSAGE_BYTES
     )
     request = protocol.connect()
-    for name, value in onward_headers(websocket):
+    for name, value in onward_headers(websocket, path_form=path_form):
         text = name.decode("latin-1").lower()
         if text not in _OWN_HEADERS and text not in HOP_BY_HOP:
             request.headers[name.decode("latin-1")] = value.decode("latin-1")
@@ -75,11 +78,13 @@ async def open_upstream(
                 protocol.receive_data(data)
             else:
                 protocol.receive_eof()
-            for event in protocol.events_received():
+            events = protocol.events_received()
+            for number, event in enumerate(events):
                 if isinstance(event, HandshakeResponse):
                     if protocol.handshake_exc is not None:
                         raise HandshakeRefused(_said(event, protocol.handshake_exc))
-                    return protocol, event.headers.get("Sec-WebSocket-Protocol")
+                    early = [e for e in events[number + 1 :] if isinstance(e, Frame)]
+                    return protocol, event.headers.get("Sec-WebSocket-Protocol"), early
             if not data:
                 raise HandshakeRefused("the server closed the connection before answering")
 
@@ -89,11 +94,15 @@ def _said(response: HandshakeResponse, error: Exception) -> str:
 
 
 async def relay_messages(
-    websocket: WebSocket, protocol: ClientProtocol, connection: PortConnection
+    websocket: WebSocket,
+    protocol: ClientProtocol,
+    connection: PortConnection,
+    early: list[Frame],
 ) -> None:
-    """Pass messages both ways until one side closes; the other is then closed alike."""
+    """Pass messages both ways until one side closes; the other is then closed alike.
+    `early`: the server's frames that came with its handshake, passed on first."""
     upstream = asyncio.ensure_future(_client_to_server(websocket, protocol, connection))
-    downstream = asyncio.ensure_future(_server_to_client(websocket, protocol, connection))
+    downstream = asyncio.ensure_future(_server_to_client(websocket, protocol, connection, early))
     try:
         await asyncio.wait({upstream, downstream}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -133,19 +142,22 @@ def _sendable_code(code: object) -> int:
 
 
 async def _server_to_client(
-    websocket: WebSocket, protocol: ClientProtocol, connection: PortConnection
+    websocket: WebSocket, protocol: ClientProtocol, connection: PortConnection, early: list[Frame]
 ) -> None:
     parts: list[bytes] = []
     kind: Opcode | None = None
+    pending: list[Frame] = list(early)
+    data = b"-"  # the early frames are handled before anything is read
     while True:
-        data = await connection.read(_CHUNK)
-        if data:
-            protocol.receive_data(data)
-        else:
-            protocol.receive_eof()
-        for frame in protocol.events_received():
-            if not isinstance(frame, Frame):
-                continue
+        if not pending:
+            data = await connection.read(_CHUNK)
+            if data:
+                protocol.receive_data(data)
+            else:
+                protocol.receive_eof()
+            pending = [e for e in protocol.events_received() if isinstance(e, Frame)]
+        frames, pending = pending, []
+        for frame in frames:
             if frame.opcode in (Opcode.TEXT, Opcode.BINARY):
                 kind, parts = frame.opcode, [bytes(frame.data)]
             elif frame.opcode is Opcode.CONT:
@@ -162,7 +174,12 @@ async def _server_to_client(
                 whole = b"".join(parts)
                 parts, kind_now, kind = [], kind, None
                 if kind_now is Opcode.TEXT:
-                    await websocket.send_text(whole.decode("utf-8", "replace"))
+                    try:
+                        text = whole.decode("utf-8")
+                    except UnicodeDecodeError:
+                        await websocket.close(1007, "the server sent text that is not UTF-8")
+                        return
+                    await websocket.send_text(text)
                 else:
                     await websocket.send_bytes(whole)
         await _flush(protocol, connection)

@@ -23,6 +23,7 @@ from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.session_error import SessionError
 from orchestrator.sessions import Session, SessionManager
 from orchestrator.settings_sections import PortsSection
+from orchestrator.state_store import SessionRecord
 from sandbox.port_relay import PortStream, open_port
 
 
@@ -125,14 +126,14 @@ class PortConnection:
         await self._stream.write_eof()
 
     async def close(self, why: str = "closed") -> None:
+        """Its slot is free and the log has it at once; then the relay is ended (within a
+        bound: a sandbox holding its relay cannot hold the slot)."""
         if self.closed:
             return
         self.closed = True
         self.ended_why = why
-        try:
-            await self._stream.close()
-        finally:
-            self._ports.closed(self)
+        self._ports.closed(self)
+        await self._stream.close()
 
 
 class Ports:
@@ -145,13 +146,17 @@ class Ports:
         trail: AuditTrail,
         *,
         wake: Callable[[str, str], Awaitable[Session]],
+        state: Callable[[str, str], Awaitable[Session | SessionRecord | None]],
     ) -> None:
-        """`wake`: the owner's session by id, resumed if it was paused (Lifecycle.get)."""
+        """`wake`: the owner's session by id, resumed if it was paused (Lifecycle.get);
+        `state`: the same, not woken (Lifecycle.state)."""
         self.settings = settings
         self._sessions = sessions
         self._trail = trail
         self._wake = wake
+        self._state = state
         self._open: dict[str, set[PortConnection]] = {}  # by session id
+        self._held: dict[str, int] = {}  # slots held (open or opening), by session id
         self._count = 0
 
     # --- at a session's creation
@@ -200,7 +205,17 @@ class Ports:
         if live is not None or caller.owner is None:
             return live
         try:
+            found = await self._state(session_id, caller.owner)
+            if found is None:
+                return None
+            if found.ports is None:  # not woken for what it will refuse
+                raise PortsNotOpen(
+                    f"session {session_id} was created without ports: nothing in it is served "
+                    "from outside; create a session with `ports` (an object, {} for the default)"
+                )
             return await self._wake(session_id, caller.owner)
+        except PortsNotOpen:
+            raise
         except SessionError:  # not found, not the caller's, expired: told as unknown
             return None
 
@@ -251,9 +266,9 @@ class Ports:
             raise
         try:
             async with session.reach():
-                stream = await open_port(session.sandbox.spawner(), port)
+                stream = await open_port(session.sandbox.shared_spawner(), port)
         except BaseException as exc:
-            self._release_slot()
+            self._release_slot(session.id)
             if isinstance(exc, SandboxError | PortUnreachable):
                 self._refused(session, port, kind, caller, started, str(exc))
             raise
@@ -270,8 +285,10 @@ class Ports:
         return connection
 
     def _hold_slot(self, session: Session) -> None:
+        """A slot for a connection about to be opened: counted at once (before the relay
+        starts), so requests at the same moment cannot pass the caps together."""
         s = self.settings
-        held = len(self._open.get(session.id, ()))
+        held = self._held.get(session.id, 0)
         if held >= s.ports_max_connections_per_session:
             raise PortsBusy(
                 f"session {session.id} has {held} connections to its ports open, its cap "
@@ -283,9 +300,15 @@ class Ports:
                 "(ports_max_connections_total) shared by every session; retry later"
             )
         self._count += 1
+        self._held[session.id] = held + 1
 
-    def _release_slot(self) -> None:
+    def _release_slot(self, session_id: str) -> None:
         self._count -= 1
+        left = self._held.get(session_id, 0) - 1
+        if left > 0:
+            self._held[session_id] = left
+        else:
+            self._held.pop(session_id, None)
 
     def closed(self, connection: PortConnection) -> None:
         """Told by a connection as it closes: its slot is free, the log has it."""
@@ -294,7 +317,7 @@ class Ports:
             held.discard(connection)
             if not held:
                 del self._open[connection.session.id]
-        self._release_slot()
+        self._release_slot(connection.session.id)
         self._trail.port_connection(
             connection.session,
             port=connection.port,

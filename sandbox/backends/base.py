@@ -203,6 +203,12 @@ class Sandbox(ABC):
         """How this backend starts a process inside the sandbox."""
         raise ProcessesUnsupported(f"the {self.backend} backend cannot run processes")
 
+    def shared_spawner(self) -> Spawner:
+        """The spawner its processes share (its process table's, made once, closed with the
+        sandbox), for what starts processes of its own beside them (the port relay): a new
+        `spawner()` per start would leave a command server behind each time."""
+        return self._process_table().spawner
+
     def _process_table(self) -> ProcessTable:
         if self._processes is None:
             self._processes = ProcessTable(

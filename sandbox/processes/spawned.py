@@ -74,8 +74,9 @@ async def merged(readers: Mapping[Stream, ByteSource]) -> AsyncIterator[tuple[St
                 await queue.put((name, chunk))
         except OSError:  # a terminal's master reads EIO once the process side is closed
             pass
-        finally:
-            await queue.put(None)
+        # Its end, told only when it ended by itself: cancelled, nobody reads the queue any
+        # more, and waiting for room there would never end.
+        await queue.put(None)
 
     tasks = [asyncio.ensure_future(pump(name, reader)) for name, reader in readers.items()]
     try:

@@ -24,6 +24,11 @@ class ProcessTable:
         self._started = 0  # every start ever asked for
         self._closed = False
 
+    @property
+    def spawner(self) -> Spawner:
+        """The one spawner of the sandbox's processes (closed with the table)."""
+        return self._spawner
+
     async def start(self, request: ProcessRequest) -> ManagedProcess:
         if self._closed:
             raise ProcessNotFound("the sandbox is closed")

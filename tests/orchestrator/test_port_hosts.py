@@ -24,6 +24,7 @@ def test_hosts_of_ports() -> None:
     assert routed("localhost:8080", None) is None
     assert routed("api.localhost", None) is None
     assert routed("x8000-s.localhost", None) is None
+    assert routed("8000-workspace.example.io", None) is None  # no session's id
 
 
 def named(host: str, domain: str | None, *, header: bool = False) -> str | None:

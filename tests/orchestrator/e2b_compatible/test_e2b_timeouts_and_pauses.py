@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from fastapi import Response
+from fastapi import Request, Response
 
 from code_interpreter_wire.rest import CreateSessionRequest
 from orchestrator.e2b_compatible import control
@@ -102,6 +102,12 @@ async def test_data_plane_traffic_during_a_pause_does_not_undo_it(service: Servi
     await sandboxes.kill(record)
 
 
+# The request a route reads its host from (E2B's domain for the sandbox's hosts).
+_HTTP = Request(
+    {"type": "http", "method": "POST", "path": "/", "headers": [(b"host", b"localhost")]}
+)
+
+
 async def test_a_connect_during_a_pause_says_so_rather_than_running(service: Service) -> None:
     """E2B's connect answers 200 only for a running sandbox. One that arrives while a pause is
     under way must not say "running" (the sandbox is paused a moment later, and the client's
@@ -115,11 +121,11 @@ async def test_a_connect_during_a_pause_says_so_rather_than_running(service: Ser
     assert record.pausing
     try:
         with pytest.raises(E2BError) as refused:
-            await control.connect(session.id, {}, Response(), service, sandboxes, OWNER)
+            await control.connect(session.id, {}, _HTTP, Response(), service, sandboxes, OWNER)
         assert refused.value.status == 409, refused.value
     finally:
         await pausing
     back = Response()
-    await control.connect(session.id, {}, back, service, sandboxes, OWNER)  # now it resumes
+    await control.connect(session.id, {}, _HTTP, back, service, sandboxes, OWNER)  # now it resumes
     assert back.status_code == 201
     await sandboxes.kill(record)

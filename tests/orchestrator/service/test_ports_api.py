@@ -35,6 +35,7 @@ class Handler(http.server.SimpleHTTPRequestHandler):
                              "body_sum": sum(body) % 1000003}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
+        self.send_header("set-cookie", "app=1; Path=/")
         self.send_header("content-length", str(len(answer)))
         self.end_headers()
         self.wfile.write(answer)
@@ -55,10 +56,17 @@ class Echo(tornado.websocket.WebSocketHandler):
     def on_message(self, message):
         self.write_message(message, binary=isinstance(message, bytes))
 
+class Greeter(tornado.websocket.WebSocketHandler):
+    def open(self):
+        self.write_message("hello first")
+    def on_message(self, message):
+        self.write_message(message)
+
 ready = threading.Event()
 def _ws():
     async def main():
-        tornado.web.Application([(r"/ws", Echo)]).listen(8001, address="127.0.0.1")
+        tornado.web.Application([(r"/ws", Echo), (r"/greet", Greeter)]).listen(
+            8001, address="127.0.0.1")
         ready.set()
         await asyncio.Event().wait()
     asyncio.run(main())
@@ -136,15 +144,40 @@ def test_the_services_credentials_never_reach_the_server(
                 "X-Custom": "kept",
             },
         )
+        # The host form is the app's own origin: its Authorization goes on; ours never.
+        port = server.url.rsplit(":", 1)[1]
+        by_host = web.get(
+            "/echo",
+            headers={
+                "Host": f"8000-{sid}.localhost:{port}",
+                "X-Port-Token": token,
+                "Authorization": "Bearer the-apps-own",
+                "X-Forwarded-For": "1.2.3.4",
+            },
+        )
+        # A path the client spells oddly is still cut by segments.
+        odd = web.get(f"/v1/sessions/{sid}/ports/08000/echo", headers={"X-API-Key": KEY_A})
     assert echoed.status_code == 200, echoed.text
     seen = {k.lower(): v for k, v in echoed.json()["headers"].items()}
     assert echoed.json()["path"] == "/echo/a%2Fb?x=1&y=%20"  # as the client spelt it
     assert "x-api-key" not in seen and "x-port-token" not in seen
     assert "e2b-traffic-access-token" not in seen
-    assert seen["authorization"] == "Bearer the-apps-own"  # the app's own logins go on
+    assert "authorization" not in seen  # on the path form, our API's header: never passed on
     assert seen["x-custom"] == "kept"
     assert seen["x-forwarded-prefix"] == f"/v1/sessions/{sid}/ports/8000"
     assert KEY_A not in json.dumps(echoed.json()) and token not in json.dumps(echoed.json())
+    # The path form serves pages on the service's origin: sandboxed there, and no cookies.
+    assert "set-cookie" not in echoed.headers
+    assert echoed.headers["content-security-policy"].startswith("sandbox")
+    assert len(echoed.headers.get_list("server")) == 1
+    host_seen = {k.lower(): v for k, v in by_host.json()["headers"].items()}
+    assert host_seen["authorization"] == "Bearer the-apps-own"  # the app's own logins
+    # Said once, as the service sees the client (here the test, on loopback, is a proxy the
+    # service trusts, forwarded_allow_ips): not the claim passed on beside the service's own.
+    assert host_seen["x-forwarded-for"] == "1.2.3.4"
+    assert by_host.headers["set-cookie"] == "app=1; Path=/"
+    assert "content-security-policy" not in by_host.headers
+    assert odd.status_code == 200 and odd.json()["path"] == "/echo", odd.text
 
 
 def test_bodies_stream_both_ways(server: Server, serving: tuple[str, str]) -> None:
@@ -182,6 +215,12 @@ def test_a_websocket_is_carried_both_ways(server: Server, serving: tuple[str, st
     ) as ws:
         ws.send(b"bytes")
         assert ws.recv(timeout=30) == b"bytes"
+    # A server that speaks first: its greeting is the first message, never lost.
+    for _ in range(5):
+        with connect(
+            ws_url.replace("/ws", "/greet"), additional_headers={"X-Port-Token": token}
+        ) as ws:
+            assert ws.recv(timeout=30) == "hello first"
     with pytest.raises(InvalidStatus) as refused, connect(ws_url):
         pass
     assert refused.value.response.status_code == 401
@@ -197,10 +236,11 @@ def test_refusals_say_why(server: Server, api: httpx.Client, serving: tuple[str,
         assert wrong.status_code == 401 and "not this session's port token" in wrong.text
         other_key = web.get(f"/v1/sessions/{sid}/ports/8000/", headers={"X-API-Key": KEY_B})
         assert other_key.status_code == 401
-        bearer_only = web.get(
+        # On the path form (our API's URL space) the key may come as our API takes it.
+        bearer = web.get(
             f"/v1/sessions/{sid}/ports/8000/", headers={"Authorization": f"Bearer {KEY_A}"}
         )
-        assert bearer_only.status_code == 401  # our key goes in X-API-Key on these routes
+        assert bearer.status_code == 200, bearer.text
         bad_key = web.get(f"/v1/sessions/{sid}/ports/8000/", headers={"X-API-Key": "wrong"})
         assert bad_key.status_code == 401
         nothing = web.get(f"/v1/sessions/{sid}/ports/8799/", headers={"X-API-Key": KEY_A})

@@ -27,7 +27,7 @@ from orchestrator.service_parts.ports import (
     PortsNotOpen,
 )
 from orchestrator.sessions import Session
-from tests.conftest import require_backend
+from tests.conftest import host_processes_with, require_backend
 from tests.sandbox.test_port_relay import ECHO_SERVER
 
 OWNER = "ports-key-" + uuid.uuid4().hex
@@ -155,4 +155,42 @@ async def test_a_paused_session_keeps_its_ports_and_its_owner_wakes_it(service: 
     woken = await service.ports.session_for(session.id, PortCaller(session.owner, None, None))
     assert woken is not None and woken.ports is not None and woken.ports.token == token
     assert service.ports.check(woken, PortCaller(None, token, None)) == "token"
+    await service.lifecycle.end(session.id, session.owner)
+
+
+def _command_servers_of(session: Session) -> list[int]:
+    """This session's command servers (of the processes in its sandbox's cgroups): other
+    tests' sandboxes come and go meanwhile."""
+    mine = []
+    for pid in host_processes_with("command_server.py"):
+        try:
+            groups = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            continue
+        if session.sandbox.id in groups:
+            mine.append(pid)
+    return mine
+
+
+async def test_connections_at_once_keep_to_the_cap_and_share_one_command_server(
+    service: Service,
+) -> None:
+    """Six connections asked at the same moment against a cap of two: two open. And many
+    connections, one after another, start no command server each (they share the sandbox's)."""
+    session = await serving(service)
+    caller = PortCaller(owner=session.owner, token=None, client=None)
+    results = await asyncio.gather(
+        *(service.ports.connect(session, 8765, caller) for _ in range(6)), return_exceptions=True
+    )
+    opened = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(opened) == 2 and all(isinstance(r, PortsBusy) for r in refused), results
+    for connection in opened:
+        await connection.close()
+    servers = len(_command_servers_of(session))
+    assert servers >= 1
+    for _ in range(10):
+        connection = await service.ports.connect(session, 8765, caller)
+        await connection.close()
+    assert len(_command_servers_of(session)) == servers
     await service.lifecycle.end(session.id, session.owner)

@@ -344,6 +344,13 @@ class Settings(BaseSettings):
         description="Bytes one connection to a port may carry, both ways together; it is "
         "closed past them.",
     )
+    ports_audited_per_minute: int = Field(
+        120,
+        ge=1,
+        description="Connections to one session's ports by callers other than its owner (a "
+        "public port's anyone) written to the audit log a minute; past that they are counted, "
+        "and the count is written with the next one (or at the session's end).",
+    )
     ports_timeout_s: float = Field(
         300.0,
         gt=0,

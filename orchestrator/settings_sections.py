@@ -177,6 +177,7 @@ class PortsSection(Section):
     ports_max_connections_per_session: int
     ports_max_connections_total: int
     ports_max_bytes_per_connection: int
+    ports_audited_per_minute: int
     ports_timeout_s: float
 
 

@@ -234,21 +234,26 @@ class AuditTrail:
         bytes_in: int,
         bytes_out: int,
         reason: str,
+        unaudited_before: int = 0,
     ) -> None:
         """One connection to a session's port as it ended (or its refusal): `bytes_in` went
-        into the sandbox, `bytes_out` came out of it."""
+        into the sandbox, `bytes_out` came out of it; `unaudited_before`: connections since the
+        last event that the rate of others' connections left out (service_parts/ports.py)."""
+        details: dict[str, object] = {
+            "port": port,
+            "caller": caller,
+            "client": client,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "reason": reason,
+        }
+        if unaudited_before:
+            details["unaudited_before"] = unaudited_before
         self.log.record(
             audited.PORT_CONNECTION,
             owner=session.owner,
             session_id=session.id,
             status=status,
             duration_s=duration_s,
-            details={
-                "port": port,
-                "caller": caller,
-                "client": client,
-                "bytes_in": bytes_in,
-                "bytes_out": bytes_out,
-                "reason": reason,
-            },
+            details=details,
         )

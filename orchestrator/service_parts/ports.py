@@ -16,6 +16,11 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from limits import RateLimitItemPerMinute
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 
 from code_interpreter_wire.errors import PortUnreachable, SandboxError
 from code_interpreter_wire.ports import PortAccess, PortsInfo, PortsRequest
@@ -158,6 +163,10 @@ class Ports:
         self._open: dict[str, set[PortConnection]] = {}  # by session id
         self._held: dict[str, int] = {}  # slots held (open or opening), by session id
         self._count = 0
+        self._audit_rate = RateLimitItemPerMinute(settings.ports_audited_per_minute)
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        # Connections the rate left out of the log, with their session, by session id.
+        self._unaudited: dict[str, tuple[Session, int]] = {}
 
     # --- at a session's creation
     def access_for(
@@ -318,7 +327,7 @@ class Ports:
             if not held:
                 del self._open[connection.session.id]
         self._release_slot(connection.session.id)
-        self._trail.port_connection(
+        self._audit(
             connection.session,
             port=connection.port,
             caller=connection.caller,
@@ -339,7 +348,7 @@ class Ports:
         started: float,
         reason: str,
     ) -> None:
-        self._trail.port_connection(
+        self._audit(
             session,
             port=port,
             caller=kind,
@@ -351,11 +360,39 @@ class Ports:
             reason=reason,
         )
 
+    def _audit(self, session: Session, *, caller: str, **event: Any) -> None:
+        """The audit event of a connection: every one of its owner's; others' (a public
+        port's anyone, a token's holder) at most `ports_audited_per_minute` a session, the
+        rest counted into the next event, so no one can flood the log through a port."""
+        if caller != "owner" and not self._limiter.hit(self._audit_rate, session.id):
+            _, count = self._unaudited.get(session.id, (session, 0))
+            self._unaudited[session.id] = (session, count + 1)
+            return
+        _, left_out = self._unaudited.pop(session.id, (session, 0))
+        self._trail.port_connection(session, caller=caller, unaudited_before=left_out, **event)
+
     def open_count(self, session_id: str) -> int:
         return len(self._open.get(session_id, ()))
 
     async def ended(self, session_id: str) -> None:
-        """Its session ended: every connection to it is closed (its relays are gone too)."""
-        for connection in list(self._open.get(session_id, ())):
+        """Its session ended: every connection to it is closed (its relays are gone too), and
+        the connections the rate left out of the log are counted there."""
+        connections = list(self._open.get(session_id, ()))
+        for connection in connections:
             with contextlib.suppress(Exception):
                 await connection.close("its session ended")
+        session, left_out = self._unaudited.pop(session_id, (None, 0))
+        self._limiter.clear(self._audit_rate, session_id)
+        if session is not None and left_out:
+            self._trail.port_connection(
+                session,
+                port=0,
+                caller="public",
+                client=None,
+                status="unaudited",
+                duration_s=0.0,
+                bytes_in=0,
+                bytes_out=0,
+                reason=f"{left_out} connections past the rate of ports_audited_per_minute",
+                unaudited_before=left_out,
+            )

@@ -49,6 +49,7 @@ async def service() -> AsyncIterator[Service]:
         ports_max_connections_per_session=2,
         ports_max_bytes_per_connection=MOST_BYTES,
         ports_public=False,
+        ports_audited_per_minute=3,
     )
     running = Service(settings)
     await running.start()
@@ -193,4 +194,73 @@ async def test_connections_at_once_keep_to_the_cap_and_share_one_command_server(
         connection = await service.ports.connect(session, 8765, caller)
         await connection.close()
     assert len(_command_servers_of(session)) == servers
+    await service.lifecycle.end(session.id, session.owner)
+
+
+async def _port_events(service: Service, session: Session, at_least: int) -> list[object]:
+    query = AuditQuery(session_id=session.id, kinds=["port.connection"])
+    viewer = service.trail.viewer(session.owner)
+    for _ in range(300):  # until the log's writer has written them
+        events = (await service.trail.query(viewer, query)).events
+        if len(events) >= at_least:
+            return list(events)
+        await asyncio.sleep(0.1)
+    return list(events)
+
+
+async def test_others_connections_cannot_flood_the_audit_log(service: Service) -> None:
+    """A token's holder (or a public port's anyone) opening connection after connection: at
+    most `ports_audited_per_minute` events a session (3 here), the rest counted into the next
+    event (the owner's are all written), or into one at the session's end."""
+    first, second = await serving(service), await serving(service)
+    for session in (first, second):
+        assert session.ports is not None
+        stranger = PortCaller(owner=None, token=session.ports.token, client="192.0.2.1")
+        for _ in range(10):
+            await (await service.ports.connect(session, 8765, stranger)).close()
+    owner = PortCaller(owner=first.owner, token=None, client=None)
+    await (await service.ports.connect(first, 8765, owner)).close()
+    for session in (first, second):
+        await service.lifecycle.end(session.id, session.owner)
+    told = await _port_events(service, first, 4)
+    assert sorted(e.details["caller"] for e in told) == ["owner"] + ["token"] * 3  # type: ignore[attr-defined]
+    [owners] = [e for e in told if e.details["caller"] == "owner"]  # type: ignore[attr-defined]
+    assert owners.details["unaudited_before"] == 7  # type: ignore[attr-defined]
+    at_end = await _port_events(service, second, 4)
+    statuses = sorted(e.status for e in at_end)  # type: ignore[attr-defined]
+    assert statuses == ["closed"] * 3 + ["unaudited"], statuses
+    [left] = [e for e in at_end if e.status == "unaudited"]  # type: ignore[attr-defined]
+    assert left.details["unaudited_before"] == 7  # type: ignore[attr-defined]
+
+
+STOP_COMMAND_SERVERS = """
+import os, signal
+stopped = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if b"command_server" in open(f"/proc/{pid}/cmdline", "rb").read():
+            os.kill(int(pid), signal.SIGSTOP)
+            stopped.append(int(pid))
+    except OSError:
+        pass
+len(stopped)
+"""
+
+
+async def test_a_sandbox_that_stops_its_relays_holds_no_slot(service: Service) -> None:
+    """The sandbox stops its own command server (SIGSTOP) under an open connection: closing it
+    frees its slot and writes its event at once, and the close itself ends in bounded time."""
+    session = await serving(service)
+    caller = PortCaller(owner=session.owner, token=None, client=None)
+    connection = await service.ports.connect(session, 8765, caller)
+    stopped = await session.sandbox.execute(STOP_COMMAND_SERVERS)
+    assert stopped.ok and int(stopped.text or "0") >= 1, stopped
+    try:
+        closing = asyncio.ensure_future(connection.close())
+        await asyncio.sleep(0)  # its first step: the slot is given back before any wait
+        assert service.ports.open_count(session.id) == 0
+        # Ends though the sandbox never lets its relay go (PortStream.CLOSE_WAIT_S).
+        await asyncio.wait_for(closing, 60)
+    finally:
+        await session.sandbox.execute("for pid in stopped: os.kill(pid, signal.SIGCONT)")
     await service.lifecycle.end(session.id, session.owner)

@@ -402,6 +402,13 @@ class Settings(BaseSettings):
     e2b_compat: bool = Field(
         True, description="Serve E2B's API, so the unmodified E2B SDK runs on these sandboxes."
     )
+    e2b_honor_insecure: bool = Field(
+        False,
+        description="Honour E2B's `secure: false` (its v1 SDK's default): such a sandbox's code "
+        "interpreter (run code, contexts) takes its public traffic without the access token, as "
+        "E2B's did; E2B's v1 code interpreter sends none. Off: every sandbox wants its token, "
+        "and the v1 SDK's run_code is refused.",
+    )
 
     # --- the shell tool beside code_interpreter (tool invoke and MCP)
     shell_tool: bool = Field(

@@ -21,3 +21,4 @@ class FrontConfig(Section):
     metrics_public: bool
     console_secret: SecretStr | None  # signs console logins; None: one kept under state_dir
     state_dir: Path
+    e2b_honor_insecure: bool  # E2B's `secure: false` opens its code port to public traffic

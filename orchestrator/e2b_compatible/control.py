@@ -11,6 +11,7 @@ read and written with the SDK's own models, so the wire format is E2B's by const
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -149,8 +150,8 @@ def _created(record: E2BRecord, ports: PortAccess | None, domain: str) -> dict[s
         envd_version=ENVD_VERSION,
         alias=record.template,
         envd_access_token=record.token or "",
-        # Its ports' token: what E2B's SDK sends to the code interpreter's contexts, and to any
-        # port of a sandbox whose traffic is not public.
+        # Its ports' token, which is its access token (one secret, as on E2B): what E2B's SDK
+        # sends to the code interpreter's contexts, and to a port whose traffic is not public.
         traffic_access_token=ports.token if ports is not None else None,
         domain=domain,
     )
@@ -165,7 +166,7 @@ def _ports_domain(service: Service, request: Request) -> str:
     if service.ports.settings.ports_domain:
         return service.ports.settings.ports_domain
     host = request.headers.get("host") or "localhost"
-    return host.removeprefix("api.") if host.startswith("api.") else host
+    return host[4:] if host.lower().startswith("api.") else host
 
 
 async def _ports_of(service: Service, record: E2BRecord) -> PortAccess | None:
@@ -269,7 +270,10 @@ async def create(
         )
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
-    session = await service.lifecycle.create(owner, spec, workdir=E2B_HOME, ports_if_offered=True)
+    token = secrets.token_urlsafe(32)  # its access token, and its ports' (its traffic token)
+    session = await service.lifecycle.create(
+        owner, spec, workdir=E2B_HOME, ports_if_offered=True, ports_token=token
+    )
     record = sandboxes.add(
         session,
         template=request.template_id,
@@ -277,8 +281,14 @@ async def create(
         auto_pause=auto_pause,
         auto_resume=auto_resume,
         # E2B's v1 SDK creates `secure: false` sandboxes and its code interpreter sends them
-        # no token: their code port takes their public traffic, as on E2B (docs/e2b.md).
-        open_code_port=isinstance(body, dict) and body.get("secure") is False,
+        # no token: where the operator honours that, their code port takes their public
+        # traffic, as E2B's did (docs/e2b.md).
+        open_code_port=(
+            http.app.state.fronts.e2b_honor_insecure
+            and isinstance(body, dict)
+            and body.get("secure") is False
+        ),
+        token=token,
     )
     record.set_timeout(timeout)
     await sandboxes.keep(record, session)

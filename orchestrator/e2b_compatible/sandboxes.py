@@ -237,12 +237,15 @@ class E2BSandboxes:
         auto_pause: bool = False,
         auto_resume: bool = False,
         open_code_port: bool = False,
+        token: str | None = None,
     ) -> E2BRecord:
+        """`token`: its access token (made here if not given; the create gives the one its
+        session's ports were given, so one secret opens the sandbox as on E2B)."""
         record = E2BRecord(
             sandbox_id=session.id,
             session_id=session.id,
             owner=session.owner,
-            token=secrets.token_urlsafe(32),
+            token=token or secrets.token_urlsafe(32),
             template=template,
             metadata=metadata,
             started_at=datetime.fromtimestamp(session.created_at, UTC),
@@ -381,7 +384,8 @@ class E2BSandboxes:
         """For the data plane: the sandbox this token opens, or SandboxGone. A paused one is
         gone, as on E2B, unless its traffic resumes it (auto-resume, or a pause that was the
         service's own). `port_traffic`: a call to the code interpreter's port (49999: run code,
-        contexts), which E2B serves as a port of the sandbox (`_open_to`)."""
+        contexts), which may be open without the token (`_open_to`). E2B's SDK sends its
+        traffic token to the contexts' routes: a sandbox's traffic token is its access token."""
         record = self._records.get(sandbox_id)
         if self._clustered:  # made, or changed, through another replica
             record = await self._from_store(sandbox_id) or record
@@ -392,14 +396,16 @@ class E2BSandboxes:
         opened = record.token is None or hmac.compare_digest(
             (token or "").encode(), record.token.encode()
         )
-        if not opened and not (port_traffic and await self._open_to(record, token)):
+        tokenless = not opened and port_traffic and await self._open_to(record)
+        if not opened and not tokenless:
             raise SandboxGone(sandbox_id)  # like a missing one: ids are not confirmed
         if record.pausing and record.paused_on_purpose and not record.auto_resume:
             # Being paused: gone already, rather than woken the moment the pause is done.
             raise SandboxGone(sandbox_id)
         found = await self.service.lifecycle.state(record.session_id, record.owner)
         if isinstance(found, SessionRecord):
-            if record.paused_on_purpose and not record.auto_resume:
+            # A call without the token never wakes it: only its holder's traffic does.
+            if tokenless or (record.paused_on_purpose and not record.auto_resume):
                 raise SandboxGone(sandbox_id)
             try:
                 return record, await self.resume(record, None)
@@ -416,17 +422,15 @@ class E2BSandboxes:
             raise SandboxGone(sandbox_id) from None
         return record, session
 
-    async def _open_to(self, record: E2BRecord, token: str | None) -> bool:
-        """Whether the code interpreter's port takes this call without the access token: with
-        the sandbox's traffic token (E2B's SDK sends only that to its contexts' routes), or
-        with none where the sandbox was made `secure: false` and its traffic is public."""
+    async def _open_to(self, record: E2BRecord) -> bool:
+        """Whether the code interpreter's port takes a call without the access token: only for
+        a sandbox made `secure: false` where the operator honours that (E2B's v1 SDK, whose
+        code interpreter sends no token), while its ports are public."""
+        if not record.open_code_port:
+            return False
         found = await self.service.lifecycle.state(record.session_id, record.owner)
         ports = found.ports if found is not None else None
-        if ports is None:
-            return False
-        if hmac.compare_digest((token or "").encode(), ports.token.encode()):
-            return True
-        return record.open_code_port and ports.public
+        return ports is not None and ports.public
 
     async def signed_by(
         self, signed_with: Callable[[str], bool], named: str | None, hint: str | None

@@ -91,6 +91,7 @@ class Lifecycle:
         workdir: str | None = None,
         tools_within_policy: bool = False,
         ports_if_offered: bool = False,
+        ports_token: str | None = None,
     ) -> Session:
         """A new session for `owner`: the only way one is made. `idle_timeout_s`: an expiry of
         its own (sooner than the service's), for sessions a client may forget. `spec`: a whole
@@ -100,7 +101,9 @@ class Lifecycle:
         `tools_within_policy`: the host tools its key's policy does not allow are left out,
         not refused (a model tool's own session, whose tools nobody asked for).
         `ports_if_offered`: the ports asked for are left out where the operator or the backend
-        gives none, not refused (E2B's sandboxes, which always have them where they can)."""
+        gives none, not refused (E2B's sandboxes, which always have them where they can).
+        `ports_token`: the token its ports take (a front's own secret for the sandbox, E2B's
+        access token); else one is made."""
         if tools_within_policy:
             allowed = self._admission.allowed_tools(owner, request.tools)
             request = request.model_copy(update={"tools": allowed})
@@ -110,7 +113,14 @@ class Lifecycle:
             if snapshot is not None:
                 request = _from_snapshot(request, snapshot)
             return await self._create(
-                owner, request, tools, snapshot, idle_timeout_s, spec, workdir, ports_if_offered
+                owner,
+                request,
+                tools,
+                snapshot,
+                idle_timeout_s,
+                spec,
+                workdir,
+                (ports_if_offered, ports_token),
             )
 
     async def _create(
@@ -122,7 +132,7 @@ class Lifecycle:
         idle_timeout_s: float | None,
         spec: SandboxSpec | None,
         workdir: str | None,
-        ports_if_offered: bool,
+        ports_asked: tuple[bool, str | None],
     ) -> Session:
         name, spec = await self._admission.admit(
             owner, request, spec, tools=bool(tools), from_snapshot=snapshot is not None
@@ -134,7 +144,8 @@ class Lifecycle:
                 f"{snapshot.backend} backend (leave `backend` out of the request)"
             )
         # Refused before a sandbox is made.
-        ports = self._ports.access_for(name, request.ports, if_offered=ports_if_offered)
+        if_offered, token = ports_asked
+        ports = self._ports.access_for(name, request.ports, if_offered=if_offered, token=token)
         async with self._admission.session_slot(owner):
             session = await self._sessions.create(
                 owner, backend=name, spec=spec, env=request.env, fork=machine

@@ -170,7 +170,12 @@ class Ports:
 
     # --- at a session's creation
     def access_for(
-        self, backend: str, asked: PortsRequest | None, *, if_offered: bool = False
+        self,
+        backend: str,
+        asked: PortsRequest | None,
+        *,
+        if_offered: bool = False,
+        token: str | None = None,
     ) -> PortAccess | None:
         """The ports a new session on `backend` gets for what it asked (None: none), refused
         (PortsNotAllowed, saying why) where the operator or the backend gives none; with
@@ -198,7 +203,9 @@ class Ports:
                 "`public`, and reach them with the session's port token or your key"
             )
         return PortAccess(
-            public=asked.public, token=secrets.token_urlsafe(24), host_header=asked.host_header
+            public=asked.public,
+            token=token or secrets.token_urlsafe(24),
+            host_header=asked.host_header,
         )
 
     @property

@@ -317,8 +317,8 @@ class Agent:
             if self.root.reaped(pid, status):
                 continue
             child = self.children.get(pid)
-            if child is None:
-                continue  # an orphan handed to us, PID 1
+            if child is None or child.exit is not None:
+                continue  # an orphan handed to us (PID 1), or a pid used again since
             if os.WIFSIGNALED(status):
                 child.exit = {"signal": os.WTERMSIG(status)}
             else:
@@ -485,6 +485,19 @@ class Agent:
         open_fds.add(stream.fd)
         self.control({"event": "accepted", "stream": sid, "channel": channel})
 
+    def serve_root(self, what: str, fd: int) -> None:
+        """sudo's askers (machine_root.py): whatever one of them sends, the agent carries on;
+        only that asker is dropped."""
+        try:
+            if what == "root":
+                conn = self.root.accept()
+                if conn is not None:
+                    self.sel.register(conn.fileno(), selectors.EVENT_READ, "asker")
+            else:
+                self.root.readable(fd)
+        except Exception:
+            self.root.drop_fd(fd)
+
     # --- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
         while True:
@@ -500,12 +513,8 @@ class Agent:
                     self.reap()
                 elif what == "listener":
                     self.accept(key.fd)
-                elif what == "root":
-                    conn = self.root.accept()
-                    if conn is not None:
-                        self.sel.register(conn.fileno(), selectors.EVENT_READ, "asker")
-                elif what == "asker":
-                    self.root.readable(key.fd)
+                elif what in ("root", "asker"):
+                    self.serve_root(what, key.fd)
                 elif isinstance(what, wire.Stream):
                     if events & selectors.EVENT_WRITE:
                         self.write_stream(what)

@@ -125,8 +125,9 @@ def start_child(request: dict[str, Any], uid: int, gid: int, *, with_err: bool) 
 def signal_child(child: Child, signum: int) -> None:
     """To its process group, and to every process carrying its marker: what left its group
     (double forks, daemons) still has the marker in its environment."""
-    with contextlib.suppress(OSError):
-        os.killpg(child.pid, signum)
+    if child.exit is None:  # ended, its pid may be another's now: only its marker says
+        with contextlib.suppress(OSError):
+            os.killpg(child.pid, signum)
     if not child.marker:
         return
     wanted = f"{MARKER_VARIABLE}={child.marker}".encode()

@@ -19,6 +19,7 @@ import array
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SOCKET = "/run/cir/root.sock"
+_SIGNAL_LINE = re.compile(rb"signal ([0-9]{1,2})")
 MAX_REQUEST = 256 * 1024  # bytes of JSON: argv and environment
 MAX_RUNNING = 32  # commands run as root at once
 _FDS = 3
@@ -138,10 +140,11 @@ class RootRequests:
         while b"\n" in asker.lines:
             line, _, rest = bytes(asker.lines).partition(b"\n")
             asker.lines = bytearray(rest)
-            word, _, number = line.decode(errors="replace").partition(" ")
-            if word == "signal" and number.isdigit() and asker.pid is not None:
-                with contextlib.suppress(OSError):
-                    os.killpg(asker.pid, int(number))
+            found = _SIGNAL_LINE.fullmatch(line)
+            number = int(found[1]) if found else 0
+            if 0 < number < signal.NSIG and asker.pid is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    os.killpg(asker.pid, number)
         if len(asker.lines) >= 4096:
             asker.lines.clear()
         return True
@@ -157,6 +160,12 @@ class RootRequests:
             _say(asker.conn, f"exit {os.WEXITSTATUS(status)}\n")
         self._drop(asker, kill=False)
         return True
+
+    def drop_fd(self, fd: int) -> None:
+        """Drop the asker of this connection (its command killed), if it is one."""
+        asker = self.askers.get(fd)
+        if asker is not None:
+            self._drop(asker, kill=True)
 
     def _refuse(self, asker: Asker, why: str) -> bool:
         _say(asker.conn, f"refused: {why}\n")

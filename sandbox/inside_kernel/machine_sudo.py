@@ -3,17 +3,20 @@
 (machine_root.py), since gVisor keeps a setuid program from gaining rights. Bound over the
 image's `sudo` (/usr/local/bin/sudo) in machines only.
 
-Takes what agents write: `sudo [-n] [-E] [-H] [-S] [-k] [-u root] [--] COMMAND [ARGS...]`,
-`sudo -i`/`-s` (a root shell) and `sudo sh -c '...'`. The command runs on this process's own
-stdin, stdout and stderr; Ctrl-C and other signals sent here are passed on to it; its exit status
-is this one's. The environment goes with it (as `sudo -E`, so the egress proxy's variables do),
-with root's HOME, USER and LOGNAME.
+Takes what agents write: `sudo [-n] [-E] [-H] [-S] [-k] [-u root] [--] [NAME=VALUE...] COMMAND
+[ARGS...]` (flags joined or apart), `sudo -i`/`-s` (a root shell), `sudo sh -c '...'`, `sudo -v`
+and `-l`. The command runs on this process's own stdin, stdout and stderr, in a session of its
+own (no controlling terminal); Ctrl-C and other signals sent here are passed on to it; its exit
+status is this one's. The environment goes with it (as `sudo -E`, so the egress proxy's
+variables do), with root's HOME, USER and LOGNAME.
 """
 
 import array
 import contextlib
+import errno
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -23,8 +26,32 @@ _FLAGS = {"-n", "-E", "-H", "-S", "-k", "-b", "--non-interactive", "--preserve-e
 _SHELL = ["/bin/bash", "-l"]
 
 
-def _command(argv: list[str]) -> list[str]:
-    args = list(argv)
+def _flags(args: list[str]) -> list[str]:
+    """Leading options one at a time: `-nE` as `-n -E`, `-uroot` and `--user=root` as
+    `-u root`."""
+    out: list[str] = []
+    while args and args[0].startswith("-") and args[0] != "-":
+        flag = args.pop(0)
+        if flag == "--":
+            out.append(flag)
+            break
+        if flag.startswith("--"):
+            name, equals, value = flag.partition("=")
+            out += [name, value] if equals and name == "--user" else [flag]
+            continue
+        letters = flag[1:]
+        while letters:
+            letter, letters = letters[0], letters[1:]
+            out.append("-" + letter)
+            if letter == "u":
+                out.append(letters or (args.pop(0) if args else ""))
+                letters = ""
+    return out + args
+
+
+def _command(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command to run and the variables set before it (`sudo NAME=VALUE cmd`)."""
+    args = _flags(list(argv))
     while args and args[0].startswith("-"):
         flag = args.pop(0)
         if flag == "--":
@@ -34,7 +61,13 @@ def _command(argv: list[str]) -> list[str]:
             if user not in ("root", "0", "#0"):
                 sys.exit(f"sudo: only root is offered here, not {user!r}")
         elif flag in ("-i", "-s", "--login", "--shell"):
-            return _SHELL + (["-c", " ".join(args)] if args else [])
+            return _SHELL + (["-c", shlex.join(args)] if args else []), {}
+        elif flag in ("-v", "--validate", "-k", "-K", "--reset-timestamp", "--remove-timestamp"):
+            if not args:
+                sys.exit(0)  # nothing to validate or forget: root is given without a password
+        elif flag in ("-l", "--list"):
+            print("User may run the following commands as root: ALL (NOPASSWD)")
+            sys.exit(0)
         elif flag.startswith("--preserve-env=") or flag in _FLAGS:
             continue
         elif flag in ("-h", "--help", "-V", "--version"):
@@ -42,26 +75,39 @@ def _command(argv: list[str]) -> list[str]:
             sys.exit(0)
         else:
             sys.exit(f"sudo: option {flag} is not offered here; run `sudo COMMAND ...`")
+    assigned: dict[str, str] = {}
+    while args and "=" in args[0] and not args[0].startswith("="):
+        name, _, value = args.pop(0).partition("=")
+        if not name.replace("_", "a").isalnum():
+            args.insert(0, f"{name}={value}")
+            break
+        assigned[name] = value
     if not args:
-        sys.exit("usage: sudo [-n] [-E] [-u root] COMMAND [ARGS...]")
-    return args
+        sys.exit("usage: sudo [-n] [-E] [-u root] [NAME=VALUE...] COMMAND [ARGS...]")
+    return args, assigned
 
 
 def main() -> int:
-    argv = _command(sys.argv[1:])
+    argv, assigned = _command(sys.argv[1:])
+    env = {**os.environ, **assigned}
     if os.geteuid() == 0:  # root already: no need to ask
-        os.execvp(argv[0], argv)
+        os.execvpe(argv[0], argv, env)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(SOCKET)
     except OSError as exc:
         sys.exit(f"sudo: the machine's root cannot be reached ({exc})")
-    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+    request = {"argv": argv, "cwd": os.getcwd(), "env": env}
     payload = json.dumps(request).encode() + b"\n"
     fds = array.array("i", [0, 1, 2])
-    conn.sendmsg([payload[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
-    if len(payload) > 65536:
-        conn.sendall(payload[65536:])
+    try:
+        sent = conn.sendmsg(
+            [payload[:65536]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())]
+        )
+        conn.sendall(payload[sent:])
+    except OSError as exc:  # refused before it was all read: its answer says why
+        if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+            sys.exit(f"sudo: the machine's root cannot be asked ({exc})")
 
     def forward(number: int, _frame: object) -> None:
         with contextlib.suppress(OSError):

@@ -78,18 +78,38 @@ async def test_root_installs_into_the_machines_own_root(gvisor: GvisorBackend) -
             await sb.close()
 
 
-# A client of the agent's root socket that breaks its rules: no descriptors, then too much.
+# A client of the agent's root socket that breaks its rules: no descriptors, too much, and
+# signal lines no signal is (which must not end the agent: it is the machine's first process).
 RUDE_CLIENTS = """
-import socket
-def ask(payload):
+import socket, time
+def ask(payload, fds=()):
     s = socket.socket(socket.AF_UNIX)
     s.connect("/run/cir/root.sock")
-    s.sendall(payload)
+    if fds:
+        socket.send_fds(s, [payload], list(fds))
+    else:
+        s.sendall(payload)
+    return s
+def answer(s):
     said = s.recv(4096).decode()
     s.close()
-    return said
-print(ask(b'{"argv": ["id"]}\\n').strip())
-print(ask(b"x" * 300_000).strip())
+    return said.strip()
+print(answer(ask(b'{"argv": ["id"]}\\n')))
+print(answer(ask(b"x" * 300_000)))
+s = ask(b'{"argv": ["sleep", "1"]}\\n', fds=(0, 1, 2))
+s.sendall(b"signal 99999999999\\nsignal \\xc2\\xb2\\nsignal -9\\nsignal x\\n")
+print(answer(s))
+"""
+# Ctrl-C to sudo itself (not to its command's group, which the service's signal reaches too):
+# sudo must pass it on, and the command's trap answer it.
+FORWARDED = """
+sudo sh -c 'trap "echo got-int; exit 7" INT; echo ready; while :; do sleep 0.1; done' > /tmp/out &
+pid=$!
+for i in $(seq 200); do grep -q ready /tmp/out && break; sleep 0.1; done
+kill -INT $pid
+wait $pid
+echo "rc=$?"
+cat /tmp/out
 """
 
 
@@ -119,7 +139,18 @@ async def test_sudo_passes_signals_on_and_its_askers_cannot_break_the_agent(
         assert rude.stdout.splitlines() == [
             "refused: ValueError: send stdin, stdout and stderr with the request",
             "refused: the request is too large",
+            "exit 0",
         ]
+        # Outside the service's own process marker, so only sudo's forwarding can deliver it.
+        forwarded = await sb.run_command(
+            ProcessRequest(argv=["env", "-u", "CODE_INTERPRETER_PROCESS", "sh", "-c", FORWARDED])
+        )
+        assert forwarded.stdout.split() == ["rc=7", "ready", "got-int"], forwarded
+        # sudo as agents write it: a variable before the command, flags joined.
+        assert await run(sb, "sudo -nE GREETING=hi sh -c 'echo $GREETING $(id -u)'") == (
+            0,
+            "hi 0\n",
+        )
         assert await run(sb, "sudo -n id -u") == (0, "0\n")  # the agent serves on
     finally:
         await sb.close()

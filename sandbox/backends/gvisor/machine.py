@@ -14,9 +14,10 @@ its tmpfs mounts (/tmp, /run: saved with it) or to its workspace (a bind of the 
 directory).
 
 Root inside (processes asked as `root`, `sudo`): gVisor is the wall, not the processes' lack of
-rights. Root holds Docker's default capabilities, inside gVisor's own kernel only; no host
-device, network or socket is reachable (below), and its files in the workspace stay under the
-session's directory, which no other host user can enter (mode 0700).
+rights. Root holds the few capabilities installing takes, inside gVisor's own kernel only; no
+host device, network or socket is reachable (below), its files in the workspace stay under the
+session's directory, which no other host user can enter (mode 0700), and the host counts the
+machine's tasks whatever uids they take (a pids cgroup).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from code_interpreter_wire.errors import (
 )
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
+from sandbox.backends.docker_launcher import gvisor_host_pids
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
 from sandbox.inside_kernel import (
@@ -70,23 +72,17 @@ AGENT_FILES = tuple(
 SUDO_FILE = Path(machine_sudo.__file__)
 SUDO_IN_SANDBOX = "/usr/local/bin/sudo"
 # The rights of root inside gVisor (the agent's, and a process asked as root or through sudo):
-# Docker's default set, so packages install as on any container (dpkg sets owners and modes,
-# apt drops to its own user). A process of the sandbox's user has none of them.
+# what installing packages takes (dpkg sets owners and modes, apt drops to its own user), no
+# more: each right more is more of gVisor's kernel to get wrong. A process of the sandbox's
+# user has none of them.
 _ROOT_CAPABILITIES = [
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
     "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
+    "CAP_FSETID",
     "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
+    "CAP_SETGID",
     "CAP_KILL",
-    "CAP_AUDIT_WRITE",
 ]
 # --network=none: only a loopback in gVisor's own netstack. --host-uds=none: no host socket can
 # be reached or bound from inside (either would also make the machine impossible to save).
@@ -509,6 +505,9 @@ def oci_config(
             "resources": {
                 "memory": {"limit": memory, "swap": memory},
                 "cpu": {"quota": int(limits.cpus * 100_000), "period": 100_000},
+                # RLIMIT_NPROC counts per uid, and root may take any uid: the host's own count
+                # of the machine's tasks holds whatever uids its processes take.
+                "pids": {"limit": gvisor_host_pids(limits.pids)},
             },
         },
     }
@@ -532,7 +531,10 @@ def unpack_rootfs(client: Any, image: str, store: Path) -> Path:
         raise SandboxStartError(
             f"the kernel image {image!r} is not on the Docker engine (`make image`): {exc}"
         ) from None
-    store.mkdir(mode=0o755, parents=True, exist_ok=True)
+    # 0700: the export keeps the image's setuid programs (sudo, su, mount): no other host user
+    # may reach them (runsc, as root, needs no more).
+    store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store.chmod(0o700)
     done = store / image_id / "rootfs"
     if done.is_dir():
         return done

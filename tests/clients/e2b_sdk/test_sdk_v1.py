@@ -2,12 +2,14 @@
 whose API is `api.<domain>` and whose sandboxes are `<port>-<id>.<domain>`, over HTTPS. Here the
 domain is `e2b.test`, resolved to loopback inside the SDK's process alone, behind a TLS front
 with a test CA (what an operator's wildcard DNS record and TLS proxy are); the SDK sends no
-E2b-Sandbox-Id, so the service reads the sandbox from the host. They run from the venv
-`make install` makes for them (.venv-e2b-v1), unmodified."""
+E2b-Sandbox-Id, so the service reads the sandbox from the host, and its code interpreter sends
+no token, so the server honours E2B's `secure: false` (e2b_honor_insecure). They run from the
+venv `make install` makes for them (.venv-e2b-v1), unmodified."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -26,8 +28,8 @@ from cryptography.x509.oid import NameOID
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
-from tests.e2b_sdk_fixtures import e2b_server
-from tests.orchestrator.service.conftest import KEY_A, Server
+from tests.e2b_sdk_fixtures import e2b_server, stop_cleanly
+from tests.orchestrator.service.conftest import KEY_A, Server, make_server
 
 __all__ = ["e2b_server"]  # the fixture, used here by name
 
@@ -157,43 +159,74 @@ class TlsFront:
         self.thread.join(30)
 
 
-@pytest.fixture(scope="module")
-def v1_env(e2b_server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """The environment E2B's v1 SDK runs with: E2B_DOMAIN, the key, the CA it trusts."""
+@contextlib.contextmanager
+def domain_for(server: Server, where: Path) -> Iterator[dict[str, str]]:
+    """The environment E2B's v1 SDK runs with against `server` behind a TLS front for the
+    domain: E2B_DOMAIN, the key, the CA it trusts, the resolver of its process."""
     assert V1_PYTHON.exists(), "make install makes .venv-e2b-v1 (E2B's v1 SDK)"
-    where = tmp_path_factory.mktemp("e2b-v1")
     ca, cert, key = _certificates(where)
     (where / "sitecustomize.py").write_text(RESOLVER)
-    front = TlsFront(int(e2b_server.url.rsplit(":", 1)[1]), cert, key)
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(where),
-        "E2B_DOMAIN": f"{DOMAIN}:{front.port}",
-        "E2B_API_KEY": KEY_A,
-        "SSL_CERT_FILE": str(ca),
-        "PYTHONPATH": str(where),
-    }
+    front = TlsFront(int(server.url.rsplit(":", 1)[1]), cert, key)
     try:
-        yield env
+        yield {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(where),
+            "E2B_DOMAIN": f"{DOMAIN}:{front.port}",
+            "E2B_API_KEY": KEY_A,
+            "SSL_CERT_FILE": str(ca),
+            "PYTHONPATH": str(where),
+        }
     finally:
         front.stop()
 
 
-def test_the_v1_sdk_runs_code_commands_and_files_by_domain(v1_env: dict) -> None:
-    done = subprocess.run(
-        [str(V1_PYTHON), "-c", V1_SCRIPT],
-        env=v1_env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+@pytest.fixture(scope="module")
+def v1_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A server that honours E2B's `secure: false`, as the v1 SDK needs."""
+    server = make_server(e2b_honor_insecure="true")
+    server.start()
+    try:
+        with domain_for(server, tmp_path_factory.mktemp("e2b-v1")) as env:
+            yield env
+    finally:
+        stop_cleanly(server)
+
+
+def run_v1(env: dict[str, str], script: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(V1_PYTHON), "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
+
+
+def test_the_v1_sdk_runs_code_commands_and_files_by_domain(v1_env: dict[str, str]) -> None:
+    done = run_v1(v1_env, V1_SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert said["text"] == "42" and said["stdout"] == "hi\n" and said["file"] == "from v1"
     assert said["host"] == f"8000-{said['id']}.{v1_env['E2B_DOMAIN']}"
 
 
-async def test_e2b_mcp_server_runs_code(v1_env: dict) -> None:
+def test_where_insecure_sandboxes_are_not_honoured_v1_code_is_refused(
+    e2b_server: Server, tmp_path: Path
+) -> None:
+    """The service's default: every sandbox wants its token, so the v1 code interpreter (which
+    sends none) is refused, as for a sandbox that is gone; envd's calls, with the token, work."""
+    script = (
+        "from e2b_code_interpreter import Sandbox\n"
+        "sbx = Sandbox()\n"
+        "try:\n"
+        "    print(sbx.commands.run('echo hi').stdout.strip())\n"
+        "    sbx.run_code('1')\n"
+        "finally:\n"
+        "    sbx.kill()\n"
+    )
+    with domain_for(e2b_server, tmp_path) as env:
+        done = run_v1(env, script)
+    assert done.returncode != 0 and done.stdout.strip() == "hi", done.stdout
+    assert "was not found" in done.stderr, done.stderr[-2000:]
+
+
+async def test_e2b_mcp_server_runs_code(v1_env: dict[str, str]) -> None:
     """E2B's own MCP server (its `run_code` tool), driven by an MCP client over stdio."""
     server = StdioServerParameters(
         command=str(V1_PYTHON),

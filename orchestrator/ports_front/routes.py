@@ -64,12 +64,6 @@ async def _granted(
     return cast("Session", session), caller
 
 
-@router.api_route(PATH, methods=_METHODS, include_in_schema=False)
-@router.api_route(
-    PATH + "/{path:path}",
-    methods=_METHODS,
-    summary="A request to a server the session's code started (its inbound ports)",
-)
 async def port_request(request: Request, session_id: str, port: int, path: str = "") -> Response:
     service: Service = request.app.state.service
     authenticate: Authenticator = request.app.state.authenticate
@@ -105,6 +99,18 @@ async def port_request(request: Request, session_id: str, port: int, path: str =
             f"the server on port {port} ended the connection without a valid HTTP answer "
             f"({type(exc).__name__}: {exc})",
         )
+
+
+# One route per method: a route of several methods gives each the same OpenAPI operation id.
+for _method in _METHODS:
+    router.add_api_route(
+        PATH + "/{path:path}",
+        port_request,
+        methods=[_method],
+        summary="A request to a server the session's code started (its inbound ports)",
+        operation_id=f"port_request_{_method.lower()}",
+    )
+    router.add_api_route(PATH, port_request, methods=[_method], include_in_schema=False)
 
 
 @router.websocket(PATH)

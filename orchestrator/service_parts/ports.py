@@ -43,6 +43,13 @@ class PortsNotOpen(SessionError):
 
     status = 403
 
+    @classmethod
+    def of(cls, session_id: str) -> PortsNotOpen:
+        return cls(
+            f"session {session_id} was created without ports: nothing in it is served from "
+            "outside; create a session with `ports` (an object, {} for the default)"
+        )
+
 
 class PortAccessDenied(SessionError):
     """A request to a session's port without its owner's key or its port token."""
@@ -225,10 +232,7 @@ class Ports:
             if found is None:
                 return None
             if found.ports is None:  # not woken for what it will refuse
-                raise PortsNotOpen(
-                    f"session {session_id} was created without ports: nothing in it is served "
-                    "from outside; create a session with `ports` (an object, {} for the default)"
-                )
+                raise PortsNotOpen.of(session_id)
             return await self._wake(session_id, caller.owner)
         except PortsNotOpen:
             raise
@@ -247,10 +251,7 @@ class Ports:
             )
         access = session.ports
         if access is None:
-            raise PortsNotOpen(
-                f"session {session.id} was created without ports: nothing in it is served "
-                "from outside; create a session with `ports` (an object, {} for the default)"
-            )
+            raise PortsNotOpen.of(session.id)
         if is_owner:
             return "owner"
         if caller.token is not None and hmac.compare_digest(

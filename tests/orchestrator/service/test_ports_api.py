@@ -121,6 +121,9 @@ def test_a_server_in_the_session_is_reached_by_key_token_and_host(
         assert moved.status_code == 307 and moved.headers["location"] == path + "/"
         got = web.get(path + "/listed-here.txt", headers={"X-Port-Token": token})
         assert got.status_code == 200 and got.content == b"hello"
+        head = web.head(path + "/listed-here.txt", headers={"X-Port-Token": token})
+        assert head.status_code == 200 and head.content == b""
+        assert head.headers["content-length"] == "5"
         e2b_header = web.get(path + "/listed-here.txt", headers={"E2B-Traffic-Access-Token": token})
         assert e2b_header.status_code == 200
         # The host form: E2B's `<port>-<id>.<domain>`, whatever the domain here.

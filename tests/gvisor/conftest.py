@@ -15,6 +15,7 @@ import docker
 import pytest
 
 from sandbox import Backend, create_backend
+from sandbox.backends.gvisor.backend import GvisorBackend
 from tests.conftest import TEST_ORCHESTRATOR_ID, require_backend
 from tests.orchestrator.service.conftest import Server, make_server
 
@@ -44,6 +45,18 @@ async def docker_backend() -> AsyncIterator[Backend]:
 def container_runtime(name: str) -> str:
     """The runtime the engine says a container runs under."""
     return str(docker.from_env().containers.get(name).attrs["HostConfig"]["Runtime"])
+
+
+@pytest.fixture(scope="module")
+async def gvisor(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GvisorBackend]:
+    """A gvisor backend of the module's own, without templates (each machine starts cold); a
+    module that wants templates defines its own."""
+    require_backend("gvisor")
+    state = tmp_path_factory.mktemp("gv-machines", numbered=True)
+    backend = create_backend("gvisor", state_dir=state, templates=False)
+    assert isinstance(backend, GvisorBackend)
+    yield backend
+    await backend.close()
 
 
 @contextlib.contextmanager

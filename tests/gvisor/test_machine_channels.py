@@ -5,28 +5,17 @@ network policy's egress proxy reached through the forwarder inside."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
-from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
 from tests.conftest import require_backend, small_spec
 from tests.network.conftest import FETCH, Net, served_net
 from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
 from tests.orchestrator.host_tools.tools_for_tests import TOOLS
-
-
-@pytest.fixture(scope="module")
-async def gvisor(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GvisorBackend]:
-    require_backend("gvisor")
-    state = tmp_path_factory.mktemp("gv-channels", numbered=True)
-    backend = create_backend("gvisor", state_dir=state, templates=False)
-    assert isinstance(backend, GvisorBackend)
-    yield backend
-    await backend.close()
 
 
 async def _tools(sb: GvisorSandbox) -> ToolChannel:

@@ -6,26 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
 
 import pytest
 
 from code_interpreter_wire.errors import PortUnreachable
-from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend
 from sandbox.port_relay import open_port
-from tests.conftest import require_backend, small_spec
+from tests.conftest import small_spec
 from tests.sandbox.test_port_relay import ECHO_SERVER, read_all
-
-
-@pytest.fixture(scope="module")
-async def gvisor(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GvisorBackend]:
-    require_backend("gvisor")
-    state = tmp_path_factory.mktemp("gv-ports", numbered=True)
-    backend = create_backend("gvisor", state_dir=state, templates=False)
-    assert isinstance(backend, GvisorBackend)
-    yield backend
-    await backend.close()
 
 
 async def test_a_port_in_a_machine_is_relayed_both_ways(gvisor: GvisorBackend) -> None:

@@ -6,14 +6,10 @@ keeps it, and neither another machine of the image nor the shared export sees a 
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
-
-import pytest
 
 from code_interpreter_wire.processes import ProcessRequest
-from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend
-from tests.conftest import require_backend, small_spec
+from tests.conftest import small_spec
 
 # A Debian package made in the sandbox, as an agent's `apt-get install` would fetch one.
 BUILD_DEB = (
@@ -22,16 +18,6 @@ BUILD_DEB = (
     "Description: demo\\n' > pkg/DEBIAN/control; "
     "echo installed > pkg/usr/local/share/cirdemo/hello; dpkg-deb --build pkg cirdemo.deb"
 )
-
-
-@pytest.fixture(scope="module")
-async def gvisor(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[GvisorBackend]:
-    require_backend("gvisor")
-    state = tmp_path_factory.mktemp("gv-root", numbered=True)
-    backend = create_backend("gvisor", state_dir=state, templates=False)
-    assert isinstance(backend, GvisorBackend)
-    yield backend
-    await backend.close()
 
 
 async def run(sandbox: object, command: str, *, root: bool = False) -> tuple[int | None, str]:

@@ -14,6 +14,7 @@ from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
 from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
 from tests.conftest import require_backend, small_spec
 from tests.network.conftest import FETCH, Net, served_net
+from tests.network.debian_repo import DEB_INSTALLS, DEB_PACKAGE, DEB_SAYS
 from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
 from tests.orchestrator.host_tools.tools_for_tests import TOOLS
 
@@ -118,5 +119,32 @@ def test_pip_installs_from_an_allowed_index_in_a_machine(gvisor_net: Net) -> Non
             assert installed["exit_code"] == 0, installed
             got = _run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)")
             assert got.strip() == PACKAGE_VALUE
+        finally:
+            api.delete(f"/v1/sessions/{sid}")
+
+
+def test_sudo_apt_get_installs_from_an_allowed_repository_in_a_machine(gvisor_net: Net) -> None:
+    """`sudo apt-get install` as agents write it: apt reaches the repository the policy allows
+    (a flat one on the loopback internet) through the egress proxy, and dpkg installs."""
+    net = gvisor_net
+    policy = {"allow": [f"allowed.test:{net.up.port}"]}
+    source = f"deb [trusted=yes] {net.allowed}/apt ./"
+    command = (
+        f"echo '{source}' | sudo tee /etc/apt/sources.list.d/tests.list > /dev/null && "
+        "sudo apt-get -q -o Dir::Etc::sourcelist=sources.list.d/tests.list "
+        "-o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0 update && "
+        f"sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q {DEB_PACKAGE} && "
+        f"cat {DEB_INSTALLS}"
+    )
+    with net.server.client() as api:
+        created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        try:
+            done = api.post(
+                f"/v1/sessions/{sid}/commands", json={"command": command, "timeout_s": 300}
+            ).json()
+            assert done["exit_code"] == 0, done
+            assert done["stdout"].endswith(DEB_SAYS.decode()), done
         finally:
             api.delete(f"/v1/sessions/{sid}")

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tests.network.debian_repo import build_deb, flat_repository
+
 PACKAGE = "cirdemo"
 PACKAGE_VALUE = "installed through the egress proxy"
 WHEEL = f"{PACKAGE}-1.0-py3-none-any.whl"
@@ -55,6 +57,7 @@ class Upstream:
 @contextmanager
 def upstream() -> Iterator[Upstream]:
     wheel = build_wheel()
+    apt = flat_repository(build_deb())  # `deb [trusted=yes] http://HOST/apt ./`
     seen: list[tuple[str, str, str]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -94,6 +97,8 @@ def upstream() -> Iterator[Upstream]:
                 self._send(link.encode(), "text/html")
             elif self.path == f"/packages/{WHEEL}":
                 self._send(wheel, "application/octet-stream")
+            elif self.path.startswith("/apt/") and self.path[5:].removeprefix("./") in apt:
+                self._send(apt[self.path[5:].removeprefix("./")], "application/octet-stream")
             else:
                 self.send_error(404)
 

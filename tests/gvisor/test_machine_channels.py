@@ -4,6 +4,7 @@ network policy's egress proxy reached through the forwarder inside."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 
@@ -60,6 +61,19 @@ def gvisor_net() -> Iterator[Net]:
         yield served
 
 
+@contextlib.contextmanager
+def _allowed_session(net: Net, api: httpx.Client) -> Iterator[str]:
+    """A gvisor session whose policy allows the loopback internet's `allowed.test`, ended after."""
+    policy = {"allow": [f"allowed.test:{net.up.port}"]}
+    created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
+    assert created.status_code == 201, created.text
+    sid = str(created.json()["id"])
+    try:
+        yield sid
+    finally:
+        api.delete(f"/v1/sessions/{sid}")
+
+
 def _run(api: httpx.Client, sid: str, code: str) -> str:
     reply = api.post(f"/v1/sessions/{sid}/execute", json={"code": code, "timeout_s": 120})
     assert reply.status_code == 200 and reply.json()["error"] is None, reply.text
@@ -70,31 +84,24 @@ def test_a_network_policy_is_served_through_the_agent_and_pauses_the_kernel_way(
     gvisor_net: Net,
 ) -> None:
     net = gvisor_net
-    policy = {"allow": [f"allowed.test:{net.up.port}"]}
-    with net.server.client() as api:
-        created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
-        assert created.status_code == 201, created.text
-        sid = created.json()["id"]
-        try:
-            _run(api, sid, FETCH + "x = 41")
-            fetch = f"print(json.dumps(fetch('{net.allowed}/hello')))"
-            assert json.loads(_run(api, sid, fetch)) == [200, HELLO.decode()]
-            curl = api.post(
-                f"/v1/sessions/{sid}/commands",
-                json={"argv": ["curl", "-sS", f"{net.allowed}/hello"]},
-            ).json()
-            assert (curl["exit_code"], curl["stdout"]) == (0, HELLO.decode()), curl
-            outside = json.loads(_run(api, sid, "print(json.dumps(fetch('http://other.test/')))"))
-            assert outside[0] == 403, outside
-            # The forwarder's TCP port cannot be saved by this gVisor: the kernel's state is.
-            assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
-            paused_dir = net.server.state_dir / "gvisor-paused"
-            assert not paused_dir.exists() or not any(paused_dir.iterdir())
-            assert api.post(f"/v1/sessions/{sid}/resume").status_code == 200
-            assert _run(api, sid, "print(x + 1)").strip() == "42"
-            assert json.loads(_run(api, sid, FETCH + fetch)) == [200, HELLO.decode()]
-        finally:
-            api.delete(f"/v1/sessions/{sid}")
+    with net.server.client() as api, _allowed_session(net, api) as sid:
+        _run(api, sid, FETCH + "x = 41")
+        fetch = f"print(json.dumps(fetch('{net.allowed}/hello')))"
+        assert json.loads(_run(api, sid, fetch)) == [200, HELLO.decode()]
+        curl = api.post(
+            f"/v1/sessions/{sid}/commands",
+            json={"argv": ["curl", "-sS", f"{net.allowed}/hello"]},
+        ).json()
+        assert (curl["exit_code"], curl["stdout"]) == (0, HELLO.decode()), curl
+        outside = json.loads(_run(api, sid, "print(json.dumps(fetch('http://other.test/')))"))
+        assert outside[0] == 403, outside
+        # The forwarder's TCP port cannot be saved by this gVisor: the kernel's state is.
+        assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
+        paused_dir = net.server.state_dir / "gvisor-paused"
+        assert not paused_dir.exists() or not any(paused_dir.iterdir())
+        assert api.post(f"/v1/sessions/{sid}/resume").status_code == 200
+        assert _run(api, sid, "print(x + 1)").strip() == "42"
+        assert json.loads(_run(api, sid, FETCH + fetch)) == [200, HELLO.decode()]
 
 
 def test_pip_installs_from_an_allowed_index_in_a_machine(gvisor_net: Net) -> None:
@@ -102,32 +109,24 @@ def test_pip_installs_from_an_allowed_index_in_a_machine(gvisor_net: Net) -> Non
     index on loopback) is reached through the proxy, the package lands in the workspace, and
     the kernel imports it."""
     net = gvisor_net
-    policy = {"allow": [f"allowed.test:{net.up.port}"]}
-    with net.server.client() as api:
-        created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
-        assert created.status_code == 201, created.text
-        sid = created.json()["id"]
-        try:
-            installed = api.post(
-                f"/v1/sessions/{sid}/commands",
-                json={
-                    "command": f"pip install --index-url {net.allowed}/simple "
-                    f"--trusted-host allowed.test {PACKAGE}",
-                    "timeout_s": 300,
-                },
-            ).json()
-            assert installed["exit_code"] == 0, installed
-            got = _run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)")
-            assert got.strip() == PACKAGE_VALUE
-        finally:
-            api.delete(f"/v1/sessions/{sid}")
+    with net.server.client() as api, _allowed_session(net, api) as sid:
+        installed = api.post(
+            f"/v1/sessions/{sid}/commands",
+            json={
+                "command": f"pip install --index-url {net.allowed}/simple "
+                f"--trusted-host allowed.test {PACKAGE}",
+                "timeout_s": 300,
+            },
+        ).json()
+        assert installed["exit_code"] == 0, installed
+        got = _run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)")
+        assert got.strip() == PACKAGE_VALUE
 
 
 def test_sudo_apt_get_installs_from_an_allowed_repository_in_a_machine(gvisor_net: Net) -> None:
     """`sudo apt-get install` as agents write it: apt reaches the repository the policy allows
     (a flat one on the loopback internet) through the egress proxy, and dpkg installs."""
     net = gvisor_net
-    policy = {"allow": [f"allowed.test:{net.up.port}"]}
     source = f"deb [trusted=yes] {net.allowed}/apt ./"
     command = (
         f"echo '{source}' | sudo tee /etc/apt/sources.list.d/tests.list > /dev/null && "
@@ -136,15 +135,9 @@ def test_sudo_apt_get_installs_from_an_allowed_repository_in_a_machine(gvisor_ne
         f"sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q {DEB_PACKAGE} && "
         f"cat {DEB_INSTALLS}"
     )
-    with net.server.client() as api:
-        created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
-        assert created.status_code == 201, created.text
-        sid = created.json()["id"]
-        try:
-            done = api.post(
-                f"/v1/sessions/{sid}/commands", json={"command": command, "timeout_s": 300}
-            ).json()
-            assert done["exit_code"] == 0, done
-            assert done["stdout"].endswith(DEB_SAYS.decode()), done
-        finally:
-            api.delete(f"/v1/sessions/{sid}")
+    with net.server.client() as api, _allowed_session(net, api) as sid:
+        done = api.post(
+            f"/v1/sessions/{sid}/commands", json={"command": command, "timeout_s": 300}
+        ).json()
+        assert done["exit_code"] == 0, done
+        assert done["stdout"].endswith(DEB_SAYS.decode()), done

@@ -6,9 +6,10 @@ from __future__ import annotations
 import shutil
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from orchestrator.config import Settings
 from orchestrator.service import Service
@@ -16,9 +17,11 @@ from tests.conftest import require_backend
 
 
 @asynccontextmanager
-async def local_service(owner: str, prefix: str) -> AsyncIterator[Service]:
-    """A started service whose one key is `owner`; its state dir (under /tmp, named `prefix`...)
-    is removed after."""
+async def local_service(
+    owner: str, prefix: str, *, more_keys: Sequence[str] = (), **settings: Any
+) -> AsyncIterator[Service]:
+    """A started service whose keys are `owner` (and `more_keys`), with `settings` beside;
+    its state dir (under /tmp, named `prefix`...) is removed after."""
     require_backend("local")
     root = Path(tempfile.mkdtemp(prefix=f"cir-{prefix}-", dir="/tmp"))
     root.chmod(0o711)  # sandboxes run as another uid: they must reach their state dir
@@ -27,7 +30,8 @@ async def local_service(owner: str, prefix: str) -> AsyncIterator[Service]:
         default_backend="local",
         state_dir=root / "state",
         orchestrator_id=f"{prefix}-{uuid.uuid4().hex[:8]}",
-        api_keys=[owner],
+        api_keys=[owner, *more_keys],
+        **settings,
     )
     running = Service(settings)
     await running.start()

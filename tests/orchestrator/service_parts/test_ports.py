@@ -5,8 +5,6 @@ one; what each connection leaves in the audit log."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,7 +13,6 @@ import pytest
 
 from code_interpreter_wire.ports import PortsRequest
 from code_interpreter_wire.rest import CreateSessionRequest
-from orchestrator.config import Settings
 from orchestrator.governance.stores.audit_store import AuditQuery
 from orchestrator.service import Service
 from orchestrator.service_parts.ports import (
@@ -27,7 +24,8 @@ from orchestrator.service_parts.ports import (
     PortsNotOpen,
 )
 from orchestrator.sessions import Session
-from tests.conftest import host_processes_with, require_backend
+from tests.conftest import host_processes_with
+from tests.orchestrator.local_service import local_service
 from tests.sandbox.test_port_relay import ECHO_SERVER
 
 OWNER = "ports-key-" + uuid.uuid4().hex
@@ -37,27 +35,16 @@ MOST_BYTES = 1 << 16
 
 @pytest.fixture
 async def service() -> AsyncIterator[Service]:
-    require_backend("local")
-    root = Path(tempfile.mkdtemp(prefix="cir-ports-", dir="/tmp"))
-    root.chmod(0o711)
-    settings = Settings(
-        backends=["local"],
-        default_backend="local",
-        state_dir=root / "state",
-        orchestrator_id=f"ports-{uuid.uuid4().hex[:8]}",
-        api_keys=[OWNER, OTHER],
+    async with local_service(
+        OWNER,
+        "ports",
+        more_keys=[OTHER],
         ports_max_connections_per_session=2,
         ports_max_bytes_per_connection=MOST_BYTES,
         ports_public=False,
         ports_audited_per_minute=3,
-    )
-    running = Service(settings)
-    await running.start()
-    try:
+    ) as running:
         yield running
-    finally:
-        await running.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def owner_of(service: Service, key: str) -> str:

@@ -196,14 +196,16 @@ class OutputStore:
                 gone += self._evict(session_id, next(iter(kept.executions)))
             while self._bytes > self.max_bytes_total:
                 gone += self._evict(*next(iter(self._order)))
+            # The evicted go before the new is written: the disk never holds more than the
+            # quotas, not even for the length of a write.
+            for path in gone:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             d.mkdir(exist_ok=True)
             _write(d / f"{execution_id}.json", data)
             for name, blob in new.items():
                 _write(d / name, blob)
-            for path in gone:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
 
     def _evict(self, session_id: str, execution_id: str) -> list[str]:
         """Forget the execution (and images no other one shows); return the files to delete."""

@@ -70,6 +70,25 @@ async def test_the_service_quota_evicts_the_oldest_of_anyone(store: OutputStore)
     assert store.execution("s2", newest).stdout
 
 
+async def test_the_disk_never_holds_more_than_the_quota_even_mid_write(
+    store: OutputStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader of the disk between a save's first file and its last (a test, an operator's
+    `du`) sees the quota kept: what a save evicts is gone before what it keeps is written."""
+    seen: list[int] = []
+    write = outputs._write
+
+    def measured(path: Path, data: bytes) -> None:
+        seen.append(disk(store.root) + len(data))
+        write(path, data)
+
+    monkeypatch.setattr(outputs, "_write", measured)
+    for session in ("s1", "s2", "s1", "s2", "s3"):
+        for _ in range(4):
+            await saved(store, session, text(12_000))
+    assert len(seen) == 20 and max(seen) <= 80_000
+
+
 async def test_an_image_stays_while_a_kept_execution_shows_it(store: OutputStore) -> None:
     old = await saved(store, "s1", image(1))
     artifact_id = store.execution("s1", old).artifacts[0].id

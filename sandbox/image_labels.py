@@ -11,6 +11,9 @@ from collections.abc import Mapping
 
 KERNEL_IMAGE = "code-interpreter-kernel:latest"
 FULL_IMAGE = "code-interpreter-kernel-full:latest"
+# The kernels' PATH in these images (their Dockerfile's ENV says the same): the kernel's Python
+# first; last, the workspace's own commands (`npm i -g`, `pip install --user` put them there).
+IMAGE_PATH = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin:/home/user/.local/bin"
 
 # What each image built here is (the builder's label): kernel, full, template...
 IMAGE_ROLE_LABEL = "code-interpreter.image"

@@ -32,6 +32,7 @@ from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
     FORWARDER_FILE,
     FORWARDER_IN_SANDBOX,
+    USER_BIN_IN_SANDBOX,
     EgressChannel,
     proxy_environment,
     with_forwarder,
@@ -199,9 +200,8 @@ class BwrapLauncher:
         """The kernel's environment (the session's variables included) with `extra` on top; the
         host tools variable comes last, so no caller's variables can move it."""
         python = self.programs.python
-        path = ":".join(
-            dict.fromkeys([str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"])
-        )
+        first = [str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"]
+        path = ":".join(dict.fromkeys([*first, USER_BIN_IN_SANDBOX]))
         variables = {**self.spec.env, **(extra or {})}
         if self.egress is not None:  # first: the session's own variables may change them
             variables = {**proxy_environment(), **variables}

@@ -43,7 +43,13 @@ from sandbox.backends.docker_launcher import (
 from sandbox.backends.docker_processes import DockerSpawner
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.backends.kernel_sandbox import KernelSandbox
-from sandbox.image_labels import KERNEL_IMAGE, TEMPLATE_LABEL, named_template, template_name_of
+from sandbox.image_labels import (
+    IMAGE_PATH,
+    KERNEL_IMAGE,
+    TEMPLATE_LABEL,
+    named_template,
+    template_name_of,
+)
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
@@ -92,7 +98,7 @@ class DockerBackendConfig(BaseModel):
         None, description="Engine URL; None uses DOCKER_HOST or the default socket."
     )
     python: str = "/opt/kernel/bin/python"
-    kernel_path: str = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin"
+    kernel_path: str = IMAGE_PATH
     host_uid_base: int = Field(
         1_600_000,
         description="Sandbox i runs as host uid host_uid_base + i (never a real user); apart "

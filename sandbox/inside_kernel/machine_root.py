@@ -117,8 +117,7 @@ class RootRequests:
         argv = [str(a) for a in request["argv"]]
         if not argv:
             raise ValueError("no command")
-        env = {str(k): str(v) for k, v in dict(request.get("env") or {}).items()}
-        env.update(HOME="/root", USER="root", LOGNAME="root", PATH=root_path(env.get("PATH")))
+        env = root_environment({str(k): str(v) for k, v in dict(request.get("env") or {}).items()})
         process = subprocess.Popen(
             argv,
             stdin=asker.fds[0],
@@ -187,13 +186,19 @@ class RootRequests:
         asker.conn.close()
 
 
-def root_path(path: str | None) -> str:
-    """A PATH for root: the caller's, with the system's sbin directories (dpkg wants them)."""
-    parts = [p for p in (path or "/usr/local/bin:/usr/bin:/bin").split(":") if p]
-    return ":".join([*parts, *(d for d in _SBIN if d not in parts)])
+def root_environment(env: dict[str, str]) -> dict[str, str]:
+    """The caller's environment for a command as root: root's home and name, a PATH with the
+    system's sbin directories (dpkg wants them), and without the variables that send the
+    user's installs to the workspace: root's `pip install` and `npm i -g` go to the image's
+    own places (a root-owned file in the workspace would refuse the user's next install)."""
+    parts = [p for p in env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":") if p]
+    kept = {k: v for k, v in env.items() if k not in _USER_INSTALLS}
+    path = ":".join([*parts, *(d for d in _SBIN if d not in parts)])
+    return {**kept, "HOME": "/root", "USER": "root", "LOGNAME": "root", "PATH": path}
 
 
 _SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+_USER_INSTALLS = ("PIP_TARGET", "NPM_CONFIG_PREFIX")  # sandbox/egress_channel.py sets them
 
 
 def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:

@@ -33,6 +33,7 @@ from sandbox.image_labels import (
     DENO_IN_IMAGE,
     FULL_IMAGE,
     FULL_IMAGE_LANGUAGES,
+    IMAGE_PATH,
     JAVA_IN_IMAGE,
     JJAVA_JAR_IN_IMAGE,
     KERNEL_IMAGE,
@@ -45,7 +46,6 @@ from sandbox.kernel.command import kernel_environment
 from tests.conftest import require_backend
 
 SANDBOX_UID = 231_000  # not in the image's /etc/passwd, as a sandbox's uid is not
-KERNEL_PATH = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin"
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def run_as_sandbox(engine: docker.DockerClient, image: str, command: list[str]) 
     test fails with its stderr."""
     require_image(engine, image)
     limits = ResourceLimits()
-    env = kernel_environment(path=KERNEL_PATH, home="/tmp", limits=limits, extra={})
+    env = kernel_environment(path=IMAGE_PATH, home="/tmp", limits=limits, extra={})
     memory = f"{limits.memory_mb}m"
     try:
         output: bytes = engine.containers.run(
@@ -183,6 +183,22 @@ def test_plotly_renders_a_png_offline(engine: docker.DockerClient) -> None:
 def test_bash_kernel_is_in_the_default_image(engine: docker.DockerClient) -> None:
     out = python(engine, KERNEL_IMAGE, "import bash_kernel.kernel; print('bash kernel ok')")
     assert "bash kernel ok" in out
+
+
+@pytest.mark.parametrize("image", [KERNEL_IMAGE, FULL_IMAGE])
+def test_each_image_has_node_and_npm_and_the_kernels_path(
+    engine: docker.DockerClient, image: str
+) -> None:
+    """Agents run `npm install` and `npm i -g` as readily as pip: Node.js and npm are in both
+    images; the PATH the backends give kernels is the images' own (the workspace's commands
+    last)."""
+    require_image(engine, image)
+    env = dict(e.split("=", 1) for e in engine.images.get(image).attrs["Config"]["Env"])
+    assert env["PATH"] == IMAGE_PATH
+    out = run_as_sandbox(engine, image, ["sh", "-c", "node --version && npm --version"])
+    node, npm = out.split()
+    assert node.startswith("v") and int(node[1:].split(".")[0]) >= 18, out
+    assert int(npm.split(".")[0]) >= 9, out
 
 
 def test_full_image_runs_deno_at_its_fixed_path(engine: docker.DockerClient) -> None:

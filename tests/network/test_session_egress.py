@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.network.conftest import FETCH, MAX_BYTES, Net
+from tests.network.npm_registry import NPM_PACKAGE, NPM_SAYS
 from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
 from tests.orchestrator.service.conftest import make_server, service_backends
 
@@ -78,6 +79,49 @@ def test_pip_installs_from_an_allowed_index_and_the_kernel_imports_it(
     # In the workspace: a restarted kernel still has it.
     assert api.post(f"/v1/sessions/{sid}/restart").status_code == 200
     assert run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)").strip() == PACKAGE_VALUE
+
+
+def test_npm_installs_from_an_allowed_registry_without_root(net: Net) -> None:
+    """`npm i -g` as agents write it works as the sandbox's unprivileged user: its prefix is the
+    workspace's (`~/.local`), its command on PATH, kept across a kernel restart; a plain
+    `npm install` too. The image's npm; the registry one the policy allows, through the proxy."""
+    if "docker" not in service_backends():
+        pytest.skip("npm is the kernel image's: the docker backend is not selected")
+    registry = f"{net.allowed}/npm/"
+    with net.server.client() as api:
+        policy = {"allow": [f"allowed.test:{net.up.port}"]}
+        created = api.post("/v1/sessions", json={"backend": "docker", "network": policy})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+        try:
+
+            def command(line: str) -> dict[str, object]:
+                done = api.post(
+                    f"/v1/sessions/{sid}/commands", json={"command": line, "timeout_s": 120}
+                )
+                assert done.status_code == 200, done.text
+                result: dict[str, object] = done.json()
+                return result
+
+            installed = command(f"npm i -g --registry {registry} {NPM_PACKAGE} && {NPM_PACKAGE}")
+            assert installed["exit_code"] == 0, installed
+            assert str(installed["stdout"]).endswith(NPM_SAYS + "\n"), installed
+            where = command(f"command -v {NPM_PACKAGE}")
+            assert where["stdout"] == f"/home/user/.local/bin/{NPM_PACKAGE}\n", where
+            assert api.post(f"/v1/sessions/{sid}/restart").status_code == 200
+            again = run(
+                api, sid, f"import subprocess; print(subprocess.getoutput('{NPM_PACKAGE}'))"
+            )
+            assert again.strip() == NPM_SAYS
+            local = command(
+                f"mkdir -p app && cd app && npm install --registry {registry} {NPM_PACKAGE} && "
+                f"node -p \"require.resolve('{NPM_PACKAGE}')\""
+            )
+            assert local["exit_code"] == 0, local
+            assert f"app/node_modules/{NPM_PACKAGE}/cli.js" in str(local["stdout"]), local
+        finally:
+            api.delete(f"/v1/sessions/{sid}")
+    assert ("GET", f"/npm/{NPM_PACKAGE}", f"allowed.test:{net.up.port}") in net.up.requests
 
 
 def test_a_host_outside_the_policy_gets_a_403_that_says_why(

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tests.network.debian_repo import build_deb, flat_repository
+from tests.network.npm_registry import build_tarball, registry
 
 PACKAGE = "cirdemo"
 PACKAGE_VALUE = "installed through the egress proxy"
@@ -58,6 +59,7 @@ class Upstream:
 def upstream() -> Iterator[Upstream]:
     wheel = build_wheel()
     apt = flat_repository(build_deb())  # `deb [trusted=yes] http://HOST/apt ./`
+    tarball = build_tarball()  # `npm --registry http://HOST/npm/`
     seen: list[tuple[str, str, str]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -99,6 +101,14 @@ def upstream() -> Iterator[Upstream]:
                 self._send(wheel, "application/octet-stream")
             elif self.path.startswith("/apt/") and self.path[5:].removeprefix("./") in apt:
                 self._send(apt[self.path[5:].removeprefix("./")], "application/octet-stream")
+            elif self.path.startswith("/npm/"):
+                npm = registry(f"http://{self.headers.get('Host', '')}/npm", tarball)
+                found = npm.get(self.path[5:].replace("%2f", "/").replace("%2F", "/"))
+                if found is None:
+                    self.send_error(404)
+                else:
+                    tgz = self.path.endswith(".tgz")
+                    self._send(found, "application/octet-stream" if tgz else "application/json")
             else:
                 self.send_error(404)
 

@@ -64,7 +64,7 @@ from sandbox.backends.gvisor.machine_images import (
 from sandbox.backends.gvisor.machine_sandbox import IMAGE_DIR, WORKSPACE_DIR, GvisorSandbox
 from sandbox.backends.gvisor.workspace_copy import copy_workspace
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
-from sandbox.image_labels import KERNEL_IMAGE
+from sandbox.image_labels import IMAGE_PATH, KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
@@ -98,7 +98,7 @@ class GvisorBackendConfig(BaseModel):
     state_dir: Path = Field(default_factory=default_state_dir)
     orchestrator_id: str = "default"
     python: str = "/opt/kernel/bin/python"
-    kernel_path: str = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin"
+    kernel_path: str = IMAGE_PATH
     host_uid_base: int = Field(
         1_700_000, description="Sandbox i runs as host uid host_uid_base + i (never a real user)."
     )

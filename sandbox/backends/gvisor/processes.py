@@ -22,7 +22,7 @@ from sandbox.backends.gvisor.agent_channel import (
     ChannelStream,
     ChildEnd,
 )
-from sandbox.inside_kernel.machine_root import root_path
+from sandbox.inside_kernel.machine_root import root_environment
 from sandbox.processes.spawned import SpawnedProcess, Spawner, merged
 
 PROCESS_TAG = "process"
@@ -110,7 +110,7 @@ class MachineSpawner(Spawner):
         # Root is the machine's (gVisor is the wall): for installs, as E2B's user="root".
         uid = 0 if request.user == "root" else self._uid
         if uid == 0:
-            env.update(HOME="/root", USER="root", PATH=root_path(env.get("PATH")))
+            env = root_environment(env)
         if size is not None:
             env.setdefault("TERM", "xterm-256color")
         try:

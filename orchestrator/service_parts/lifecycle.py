@@ -345,7 +345,8 @@ class Lifecycle:
 
     async def ended(self, session_id: str) -> None:
         """Told by the session manager as each session ends: what is kept for it goes."""
-        self._approvals.abandon_session(session_id)  # what waits for a human in it goes now
+        # What waits for a human in it goes now, on every replica.
+        await self._approvals.session_ended(session_id)
         self._trail.input.forget_session(session_id)
         ended = self._sessions.why_ended(session_id)
         if ended is not None:  # None: another replica ended it, and recorded it

@@ -6,6 +6,7 @@ keeps and what waits, marks an abandoned wait, and a hung webhook delays no deci
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import threading
@@ -20,9 +21,11 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.governance.approval_errors import ApprovalsFull
 from orchestrator.governance.approvals import (
+    ABANDONED,
     MAX_ARGUMENTS_CHARS,
     MAX_CODE_CHARS,
     MAX_SUBJECT_CHARS,
+    SESSION_ENDED,
     Approvals,
 )
 from orchestrator.governance.policy import FULL_ACCESS, Principal
@@ -140,6 +143,44 @@ async def test_an_answer_through_another_handle_reaches_the_waiter(tmp_path: Pat
     finally:
         await waiting_side.close()
         await answering_side.close()
+
+
+async def test_a_session_ended_through_another_handle_ends_its_waits_here(
+    store_pair: tuple[StoreHandle, StoreHandle], tmp_path: Path
+) -> None:
+    """A session ended on another replica (cluster mode: any replica ends any session) ends the
+    waits this one holds for it, within a poll, not at their time limit; another session's wait
+    goes on."""
+    waiting_side, ending_side = store_pair
+    s = settings(tmp_path, approval_timeout_s=60)
+    waiter = Approvals(
+        ApprovalSection.of(s), lambda: waiting_side.approvals, principal_of=lambda _: ALICE
+    )
+    ender = Approvals(
+        ApprovalSection.of(s), lambda: ending_side.approvals, principal_of=lambda _: ALICE
+    )
+
+    def request(session_id: str) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(
+            waiter.request("tool_call", session_id=session_id, owner="p_alice", subject="add")
+        )
+
+    ended, other = request("s-ended"), request("s-other")
+    try:
+        await wait_for_pending(ending_side.approvals, 2)
+        await ender.session_ended("s-ended")
+        outcome = await asyncio.wait_for(ended, 10)
+        assert (outcome.decision, outcome.decided_by) == ("denied", ABANDONED)
+        assert outcome.reason == SESSION_ENDED and outcome.waited_s < 10
+        assert not other.done()
+        [still] = await ending_side.approvals.approvals(state="pending")
+        assert still.session_id == "s-other"
+    finally:
+        other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await other
+        await waiter.close()
+        await ender.close()
 
 
 async def test_what_waits_and_what_is_kept_are_capped(tmp_path: Path) -> None:

@@ -201,6 +201,8 @@ class OutputStore:
             for path in gone:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+            if execution_id not in kept.executions:
+                return  # evicted itself: with an image older ones showed, over the quota
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             d.mkdir(exist_ok=True)
             _write(d / f"{execution_id}.json", data)

@@ -89,6 +89,20 @@ async def test_the_disk_never_holds_more_than_the_quota_even_mid_write(
     assert len(seen) == 20 and max(seen) <= 80_000
 
 
+async def test_a_save_over_the_quota_with_an_image_kept_already_is_not_written(
+    store: OutputStore,
+) -> None:
+    """An image is stored once: a new execution showing one an older one showed counts only its
+    JSON at first, but if that JSON and the image together are over the quota, the evictions
+    reach the new execution itself, and nothing of it is written."""
+    await saved(store, "s1", image(1))
+    big = Execution(stdout="x" * 30_000, results=image(1).results)
+    over = await saved(store, "s1", big)
+    with pytest.raises(OutputEvicted):
+        store.open_execution("s1", over)
+    assert store.bytes_kept == disk(store.root) == 0
+
+
 async def test_an_image_stays_while_a_kept_execution_shows_it(store: OutputStore) -> None:
     old = await saved(store, "s1", image(1))
     artifact_id = store.execution("s1", old).artifacts[0].id

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sandbox.channel_dir import check_socket_path, make_channel_dir
 from sandbox.inside_kernel import egress_forwarder
+from sandbox.install_places import PIP_TARGET_IN_SANDBOX, install_environment
 from sandbox.socket_peer import SocketPeer
 
 EGRESS_DIR_IN_SANDBOX = "/run/egress"
@@ -26,13 +27,6 @@ PROXY_PORT = 3128
 PROXY_URL = f"http://127.0.0.1:{PROXY_PORT}"
 FORWARDER_FILE = Path(egress_forwarder.__file__)
 FORWARDER_IN_SANDBOX = "/opt/code-interpreter/egress_forwarder.py"
-# Where installs go in a sandbox with a network: in the workspace (so they survive a kernel
-# restart and count against its size), on every Python's path (and PATH) from the start. The
-# images' root is read-only and their user unprivileged: `pip install` and `npm i -g` need no
-# root so (a machine's root, under sudo, installs into the image's own places instead).
-USER_PREFIX_IN_SANDBOX = "/home/user/.local"
-USER_BIN_IN_SANDBOX = f"{USER_PREFIX_IN_SANDBOX}/bin"
-PIP_TARGET_IN_SANDBOX = f"{USER_PREFIX_IN_SANDBOX}/lib/python3/site-packages"
 
 
 @dataclass(frozen=True)
@@ -57,8 +51,8 @@ class EgressChannel:
 
 def proxy_environment() -> dict[str, str]:
     """What points the sandbox's programs at its proxy: the usual variables in both cases (curl
-    reads only the lower-case `http_proxy`; npm reads them too), pip's target and npm's global
-    prefix, Java's properties."""
+    reads only the lower-case `http_proxy`; pip and npm read them too), Java's properties; and
+    where installs go (sandbox/install_places.py)."""
     local = "localhost,127.0.0.1,::1"
     java = (
         f"-Dhttp.proxyHost=127.0.0.1 -Dhttp.proxyPort={PROXY_PORT} "
@@ -72,19 +66,8 @@ def proxy_environment() -> dict[str, str]:
         "https_proxy": PROXY_URL,
         "NO_PROXY": local,
         "no_proxy": local,
-        # The kernels' Pythons are virtual environments on a read-only root: packages go to the
-        # workspace, which PYTHONPATH puts ahead of the image's own.
-        "PIP_TARGET": PIP_TARGET_IN_SANDBOX,
-        "PYTHONPATH": PIP_TARGET_IN_SANDBOX,
-        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-        "PIP_NO_CACHE_DIR": "1",
-        # `npm i -g` into the workspace (its commands in USER_BIN_IN_SANDBOX, on PATH); no calls
-        # besides the install's own (update checks, audits, funding notices).
-        "NPM_CONFIG_PREFIX": USER_PREFIX_IN_SANDBOX,
-        "NPM_CONFIG_UPDATE_NOTIFIER": "false",
-        "NPM_CONFIG_AUDIT": "false",
-        "NPM_CONFIG_FUND": "false",
         "JAVA_TOOL_OPTIONS": java,
+        **install_environment(),
     }
 
 

@@ -32,13 +32,13 @@ from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
     FORWARDER_FILE,
     FORWARDER_IN_SANDBOX,
-    USER_BIN_IN_SANDBOX,
     EgressChannel,
     proxy_environment,
     with_forwarder,
 )
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.host_commands import memfd_with
+from sandbox.install_places import USER_BIN_IN_SANDBOX
 from sandbox.kernel.command import KERNEL_START_FILES, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.process import KernelExit
@@ -200,8 +200,11 @@ class BwrapLauncher:
         """The kernel's environment (the session's variables included) with `extra` on top; the
         host tools variable comes last, so no caller's variables can move it."""
         python = self.programs.python
+        # Last, the workspace's commands (`npm i -g`); not for a kernel with no sandbox, where
+        # that path is the host's own.
+        user_bin = [] if self.unsafe else [USER_BIN_IN_SANDBOX]
         first = [str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"]
-        path = ":".join(dict.fromkeys([*first, USER_BIN_IN_SANDBOX]))
+        path = ":".join(dict.fromkeys([*first, *user_bin]))
         variables = {**self.spec.env, **(extra or {})}
         if self.egress is not None:  # first: the session's own variables may change them
             variables = {**proxy_environment(), **variables}

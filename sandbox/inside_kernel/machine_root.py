@@ -23,7 +23,7 @@ import re
 import signal
 import socket
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +117,8 @@ class RootRequests:
         argv = [str(a) for a in request["argv"]]
         if not argv:
             raise ValueError("no command")
-        env = root_environment({str(k): str(v) for k, v in dict(request.get("env") or {}).items()})
+        env = {str(k): str(v) for k, v in dict(request.get("env") or {}).items()}
+        env = root_environment(env, explicit={str(n) for n in request.get("assigned") or ()})
         process = subprocess.Popen(
             argv,
             stdin=asker.fds[0],
@@ -186,19 +187,31 @@ class RootRequests:
         asker.conn.close()
 
 
-def root_environment(env: dict[str, str]) -> dict[str, str]:
+def root_environment(env: dict[str, str], explicit: Collection[str] = ()) -> dict[str, str]:
     """The caller's environment for a command as root: root's home and name, a PATH with the
-    system's sbin directories (dpkg wants them), and without the variables that send the
-    user's installs to the workspace: root's `pip install` and `npm i -g` go to the image's
-    own places (a root-owned file in the workspace would refuse the user's next install)."""
-    parts = [p for p in env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":") if p]
-    kept = {k: v for k, v in env.items() if k not in _USER_INSTALLS}
-    path = ":".join([*parts, *(d for d in _SBIN if d not in parts)])
-    return {**kept, "HOME": "/root", "USER": "root", "LOGNAME": "root", "PATH": path}
+    system's sbin directories (dpkg wants them), and nothing of the user's installs in the
+    workspace: root's `pip install` and `npm i -g` go to the image's own places (a root-owned
+    file in the workspace would refuse the user's next install), and root runs no command and
+    imports no module the user installed there. `explicit`: variables the caller set for this
+    command alone (`sudo NAME=VALUE ...`), kept as given."""
+    kept = {k: v for k, v in env.items() if k not in USER_INSTALLS or k in explicit}
+    for name in ("PATH", "PYTHONPATH"):
+        if name in kept and name not in explicit:
+            kept[name] = ":".join(
+                p for p in kept[name].split(":") if p and not p.startswith(USER_PREFIX)
+            )
+    if not kept.get("PYTHONPATH"):
+        kept.pop("PYTHONPATH", None)
+    if "PATH" not in explicit:
+        parts = [p for p in (kept.get("PATH") or "/usr/local/bin:/usr/bin:/bin").split(":") if p]
+        kept["PATH"] = ":".join([*parts, *(d for d in _SBIN if d not in parts)])
+    return {**kept, "HOME": "/root", "USER": "root", "LOGNAME": "root"}
 
 
 _SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
-_USER_INSTALLS = ("PIP_TARGET", "NPM_CONFIG_PREFIX")  # sandbox/egress_channel.py sets them
+# sandbox/install_places.py's, named again here (this runs inside, standard library only).
+USER_PREFIX = "/home/user/.local"
+USER_INSTALLS = ("PIP_TARGET", "NPM_CONFIG_PREFIX")  # the variables pointing installs there
 
 
 def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:

@@ -8,7 +8,9 @@ Takes what agents write: `sudo [-n] [-E] [-H] [-S] [-k] [-u root] [--] [NAME=VAL
 and `-l`. The command runs on this process's own stdin, stdout and stderr, in a session of its
 own (no controlling terminal); Ctrl-C and other signals sent here are passed on to it; its exit
 status is this one's. The environment goes with it (as `sudo -E`, so the egress proxy's
-variables do), with root's HOME, USER and LOGNAME.
+variables do), with root's HOME, USER and LOGNAME, less what points the user's installs at the
+workspace (machine_root.root_environment: root installs into the image); a `NAME=VALUE` given
+here is kept as given.
 """
 
 import array
@@ -97,7 +99,7 @@ def main() -> int:
         conn.connect(SOCKET)
     except OSError as exc:
         sys.exit(f"sudo: the machine's root cannot be reached ({exc})")
-    request = {"argv": argv, "cwd": os.getcwd(), "env": env}
+    request = {"argv": argv, "cwd": os.getcwd(), "env": env, "assigned": sorted(assigned)}
     payload = json.dumps(request).encode() + b"\n"
     fds = array.array("i", [0, 1, 2])
     try:

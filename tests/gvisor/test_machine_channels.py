@@ -13,7 +13,11 @@ import pytest
 
 from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
 from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
-from sandbox.egress_channel import PIP_TARGET_IN_SANDBOX, USER_PREFIX_IN_SANDBOX
+from sandbox.install_places import (
+    PIP_TARGET_IN_SANDBOX,
+    USER_BIN_IN_SANDBOX,
+    USER_PREFIX_IN_SANDBOX,
+)
 from tests.conftest import require_backend, small_spec
 from tests.network.conftest import FETCH, Net, served_net
 from tests.network.debian_repo import DEB_INSTALLS, DEB_PACKAGE, DEB_SAYS
@@ -145,26 +149,37 @@ def test_sudo_apt_get_installs_from_an_allowed_repository_in_a_machine(gvisor_ne
         assert done["stdout"].endswith(DEB_SAYS.decode()), done
 
 
-def test_sudo_npm_i_g_installs_into_the_machines_own_root(gvisor_net: Net) -> None:
-    """`sudo npm i -g` as agents write it: npm, as root, reaches the registry the policy allows
-    through the egress proxy and installs into the image's own prefix (/usr/local)."""
+def test_npm_i_g_installs_into_the_workspace_and_sudo_into_the_machines_root(
+    gvisor_net: Net,
+) -> None:
+    """`npm i -g` and `sudo npm i -g` as agents write them, from the registry the policy allows
+    through the egress proxy: the user's into the workspace, root's into the image's own prefix
+    (/usr/local); root, however asked for, keeps nothing of the user's installs (a root-owned
+    file there would refuse the user's next install; root runs nothing the user installed)."""
     net = gvisor_net
-    registry = f"{net.allowed}/npm/"
-    command = (
-        f"sudo npm i -g --registry {registry} {NPM_PACKAGE} && "
-        f"command -v {NPM_PACKAGE} && {NPM_PACKAGE}"
-    )
+    install = f"npm i -g --registry {net.allowed}/npm/ {NPM_PACKAGE}"
+    found = f"command -v {NPM_PACKAGE} && {NPM_PACKAGE}"
+    places = 'echo "$NPM_CONFIG_PREFIX:$PIP_TARGET:$PYTHONPATH:$PATH"'
     with net.server.client() as api, _allowed_session(net, api) as sid:
-        done = api.post(
-            f"/v1/sessions/{sid}/commands", json={"command": command, "timeout_s": 300}
-        ).json()
-        assert done["exit_code"] == 0, done
-        assert done["stdout"].endswith(f"/usr/local/bin/{NPM_PACKAGE}\n{NPM_SAYS}\n"), done
-        # Root's installs never go to the workspace's places (a root-owned file there would
-        # refuse the user's next install), however root is asked for.
-        places = "echo $NPM_CONFIG_PREFIX:$PIP_TARGET"
-        user = api.post(f"/v1/sessions/{sid}/commands", json={"command": places}).json()
-        assert user["stdout"] == f"{USER_PREFIX_IN_SANDBOX}:{PIP_TARGET_IN_SANDBOX}\n", user
-        for asked in ({"command": f"sudo sh -c '{places}'"}, {"command": places, "user": "root"}):
-            as_root = api.post(f"/v1/sessions/{sid}/commands", json=asked).json()
-            assert as_root["stdout"] == ":\n", (asked, as_root)
+
+        def command(line: str, **more: str) -> str:
+            body = {"command": line, "timeout_s": 300, **more}
+            done = api.post(f"/v1/sessions/{sid}/commands", json=body).json()
+            assert done["exit_code"] == 0, done
+            return str(done["stdout"])
+
+        says = f"{NPM_SAYS}\n"
+        assert command(f"{install} && {found}").endswith(
+            f"{USER_BIN_IN_SANDBOX}/{NPM_PACKAGE}\n{says}"
+        )
+        assert command(f"sudo {install} && {found}").endswith(
+            f"/usr/local/bin/{NPM_PACKAGE}\n{says}"
+        )
+        user = command(places)
+        assert user.startswith(
+            f"{USER_PREFIX_IN_SANDBOX}:{PIP_TARGET_IN_SANDBOX}:{PIP_TARGET_IN_SANDBOX}:"
+        )
+        assert user.rstrip().endswith(USER_BIN_IN_SANDBOX), user
+        for as_root in (command(f"sudo sh -c '{places}'"), command(places, user="root")):
+            assert as_root.startswith(":::") and USER_PREFIX_IN_SANDBOX not in as_root, as_root
+            assert ":/usr/sbin:" in f"{as_root.rstrip()}:", as_root

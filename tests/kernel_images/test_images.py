@@ -42,6 +42,7 @@ from sandbox.image_labels import (
     R_IN_IMAGE,
     languages_of,
 )
+from sandbox.install_places import USER_BIN_IN_SANDBOX
 from sandbox.kernel.command import kernel_environment
 from tests.conftest import require_backend
 
@@ -186,19 +187,30 @@ def test_bash_kernel_is_in_the_default_image(engine: docker.DockerClient) -> Non
 
 
 @pytest.mark.parametrize("image", [KERNEL_IMAGE, FULL_IMAGE])
-def test_each_image_has_node_and_npm_and_the_kernels_path(
-    engine: docker.DockerClient, image: str
-) -> None:
-    """Agents run `npm install` and `npm i -g` as readily as pip: Node.js and npm are in both
-    images; the PATH the backends give kernels is the images' own (the workspace's commands
-    last)."""
-    require_image(engine, image)
-    env = dict(e.split("=", 1) for e in engine.images.get(image).attrs["Config"]["Env"])
-    assert env["PATH"] == IMAGE_PATH
+def test_each_image_has_node_and_npm(engine: docker.DockerClient, image: str) -> None:
+    """Agents run `npm install` and `npm i -g` as readily as pip."""
     out = run_as_sandbox(engine, image, ["sh", "-c", "node --version && npm --version"])
     node, npm = out.split()
     assert node.startswith("v") and int(node[1:].split(".")[0]) >= 18, out
     assert int(npm.split(".")[0]) >= 9, out
+
+
+@pytest.mark.parametrize("image", [KERNEL_IMAGE, FULL_IMAGE])
+def test_the_backends_kernel_path_is_each_images_own(
+    engine: docker.DockerClient, image: str
+) -> None:
+    """The PATH the backends give kernels (IMAGE_PATH) is the image's, and a login shell (as
+    agent frameworks run commands) rebuilds it the same way: the kernel's Python first, the
+    workspace's commands last, and those not for root."""
+    require_image(engine, image)
+    env = dict(e.split("=", 1) for e in engine.images.get(image).attrs["Config"]["Env"])
+    assert env["PATH"] == IMAGE_PATH
+    login = run_as_sandbox(engine, image, ["bash", "-lc", "echo $PATH"]).strip().split(":")
+    assert login[0] == "/opt/kernel/bin" and login[-1] == USER_BIN_IN_SANDBOX, login
+    as_root = engine.containers.run(
+        image, ["bash", "-lc", "echo $PATH"], remove=True, user="0", network_mode="none"
+    )
+    assert USER_BIN_IN_SANDBOX not in as_root.decode(), as_root
 
 
 def test_full_image_runs_deno_at_its_fixed_path(engine: docker.DockerClient) -> None:

@@ -36,7 +36,7 @@ def build_tarball() -> bytes:
     return out.getvalue()
 
 
-def registry(base_url: str, tarball: bytes) -> dict[str, bytes]:
+def registry_documents(base_url: str, tarball: bytes) -> dict[str, bytes]:
     """The registry's answers by path under its root (`npm --registry <base_url>/`): the
     package's document (its versions, where each tarball is and its digests) and the tarball."""
     integrity = "sha512-" + base64.b64encode(hashlib.sha512(tarball).digest()).decode()

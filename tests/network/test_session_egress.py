@@ -83,11 +83,11 @@ def test_pip_installs_from_an_allowed_index_and_the_kernel_imports_it(
 
 def test_npm_installs_from_an_allowed_registry_without_root(net: Net) -> None:
     """`npm i -g` as agents write it works as the sandbox's unprivileged user: its prefix is the
-    workspace's (`~/.local`), its command on PATH, kept across a kernel restart; a plain
+    workspace's (/home/user/.local), its command on PATH, kept across a kernel restart; a plain
     `npm install` too. The image's npm; the registry one the policy allows, through the proxy."""
     if "docker" not in service_backends():
         pytest.skip("npm is the kernel image's: the docker backend is not selected")
-    registry = f"{net.allowed}/npm/"
+    registry_url = f"{net.allowed}/npm/"
     with net.server.client() as api:
         policy = {"allow": [f"allowed.test:{net.up.port}"]}
         created = api.post("/v1/sessions", json={"backend": "docker", "network": policy})
@@ -103,7 +103,8 @@ def test_npm_installs_from_an_allowed_registry_without_root(net: Net) -> None:
                 result: dict[str, object] = done.json()
                 return result
 
-            installed = command(f"npm i -g --registry {registry} {NPM_PACKAGE} && {NPM_PACKAGE}")
+            install = f"npm i -g --registry {registry_url} {NPM_PACKAGE}"
+            installed = command(f"{install} && {NPM_PACKAGE}")
             assert installed["exit_code"] == 0, installed
             assert str(installed["stdout"]).endswith(NPM_SAYS + "\n"), installed
             where = command(f"command -v {NPM_PACKAGE}")
@@ -114,7 +115,7 @@ def test_npm_installs_from_an_allowed_registry_without_root(net: Net) -> None:
             )
             assert again.strip() == NPM_SAYS
             local = command(
-                f"mkdir -p app && cd app && npm install --registry {registry} {NPM_PACKAGE} && "
+                f"mkdir -p app && cd app && npm install --registry {registry_url} {NPM_PACKAGE} && "
                 f"node -p \"require.resolve('{NPM_PACKAGE}')\""
             )
             assert local["exit_code"] == 0, local

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tests.network.debian_repo import build_deb, flat_repository
-from tests.network.npm_registry import build_tarball, registry
+from tests.network.npm_registry import build_tarball, registry_documents
 
 PACKAGE = "cirdemo"
 PACKAGE_VALUE = "installed through the egress proxy"
@@ -102,7 +102,7 @@ def upstream() -> Iterator[Upstream]:
             elif self.path.startswith("/apt/") and self.path[5:].removeprefix("./") in apt:
                 self._send(apt[self.path[5:].removeprefix("./")], "application/octet-stream")
             elif self.path.startswith("/npm/"):
-                npm = registry(f"http://{self.headers.get('Host', '')}/npm", tarball)
+                npm = registry_documents(f"http://{self.headers.get('Host', '')}/npm", tarball)
                 found = npm.get(self.path[5:].replace("%2f", "/").replace("%2F", "/"))
                 if found is None:
                     self.send_error(404)

@@ -509,6 +509,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             uid=uid,
             launchers=self.launchers,
             uid_claimed=self.uid_claimed,
+            kernel_path=self.backend.config.kernel_path,
         )
         self.uid_claimed = False  # the sandbox's to give back now
         return sandbox

@@ -20,7 +20,6 @@ from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.gvisor.agent_channel import AgentChannel, ChannelStream, bridge
 from sandbox.egress_channel import (
     EGRESS_DIR_IN_SANDBOX,
-    PIP_TARGET_IN_SANDBOX,
     EgressChannel,
     proxy_environment,
     with_forwarder,
@@ -31,6 +30,7 @@ from sandbox.host_channel import (
     HOST_TOOLS_SOCKET_ENV,
     HostChannel,
 )
+from sandbox.install_places import PIP_TARGET_IN_SANDBOX
 
 log = logging.getLogger(__name__)
 

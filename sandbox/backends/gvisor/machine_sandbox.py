@@ -76,8 +76,10 @@ class GvisorSandbox(KernelSandbox):
         uid: int,
         launchers: dict[str, MachineKernelLauncher],
         uid_claimed: bool,
+        kernel_path: str,
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
+        self._kernel_path = kernel_path
         self._backend = backend
         self._machine = machine
         self._image = image
@@ -92,8 +94,11 @@ class GvisorSandbox(KernelSandbox):
         return channel
 
     def spawner(self) -> MachineSpawner:
+        # The kernels' PATH first: a process started from an argv finds what they find.
         return MachineSpawner(
-            self._machine.running, self._uid, lambda: channel_environment(self.spec)
+            self._machine.running,
+            self._uid,
+            lambda: {"PATH": self._kernel_path, **channel_environment(self.spec)},
         )
 
     async def restart(self, language: str | None = None) -> None:

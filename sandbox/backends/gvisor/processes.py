@@ -110,7 +110,7 @@ class MachineSpawner(Spawner):
         # Root is the machine's (gVisor is the wall): for installs, as E2B's user="root".
         uid = 0 if request.user == "root" else self._uid
         if uid == 0:
-            env = root_environment(env)
+            env = root_environment(env, explicit=request.env.keys())
         if size is not None:
             env.setdefault("TERM", "xterm-256color")
         try:

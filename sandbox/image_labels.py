@@ -12,9 +12,12 @@ from collections.abc import Mapping
 KERNEL_IMAGE = "code-interpreter-kernel:latest"
 FULL_IMAGE = "code-interpreter-kernel-full:latest"
 # The kernels' PATH in these images (their Dockerfile's ENV says the same): the kernel's Python
-# first; last, the workspace's own commands (`npm i -g` puts them there:
-# sandbox/install_places.py's USER_BIN_IN_SANDBOX).
-IMAGE_PATH = "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin:/home/user/.local/bin"
+# first; last, the commands installed in the workspace (`npm i -g`, `pip install`:
+# sandbox/install_places.py's USER_BINS_IN_SANDBOX).
+IMAGE_PATH = (
+    "/opt/kernel/bin:/usr/local/bin:/usr/bin:/bin"
+    ":/home/user/.local/bin:/home/user/.local/lib/python3/site-packages/bin"
+)
 
 # What each image built here is (the builder's label): kernel, full, template...
 IMAGE_ROLE_LABEL = "code-interpreter.image"

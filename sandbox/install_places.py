@@ -2,7 +2,7 @@
 
 The images' root is read-only (Docker) or shared (local), and their user unprivileged, so
 `pip install` and `npm i -g` go to the workspace: they survive a kernel restart, count against
-its size, and are found at once (PYTHONPATH, and PATH ends in USER_BIN_IN_SANDBOX). Root, where a
+its size, and are found at once (PYTHONPATH; PATH ends in USER_BINS_IN_SANDBOX). Root, where a
 machine has one, installs into the image's own places instead: its environment drops these
 (sandbox/inside_kernel/machine_root.py, which names them again: it runs inside, standard library
 only; tests/sandbox/test_install_places.py keeps the two in step).
@@ -13,6 +13,9 @@ from __future__ import annotations
 USER_PREFIX_IN_SANDBOX = "/home/user/.local"
 USER_BIN_IN_SANDBOX = f"{USER_PREFIX_IN_SANDBOX}/bin"
 PIP_TARGET_IN_SANDBOX = f"{USER_PREFIX_IN_SANDBOX}/lib/python3/site-packages"
+# Where the commands installed go, at the end of PATH: npm's, and pip's (`pip install --target`
+# puts a package's console scripts in the target's bin).
+USER_BINS_IN_SANDBOX = (USER_BIN_IN_SANDBOX, f"{PIP_TARGET_IN_SANDBOX}/bin")
 
 
 def install_environment() -> dict[str, str]:

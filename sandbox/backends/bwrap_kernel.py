@@ -38,7 +38,7 @@ from sandbox.egress_channel import (
 )
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HOST_TOOLS_ENV, HostChannel
 from sandbox.host_commands import memfd_with
-from sandbox.install_places import USER_BIN_IN_SANDBOX
+from sandbox.install_places import USER_BINS_IN_SANDBOX
 from sandbox.kernel.command import KERNEL_START_FILES, kernel_environment
 from sandbox.kernel.connection import KERNEL_DIR_IN_SANDBOX
 from sandbox.kernel.process import KernelExit
@@ -202,7 +202,7 @@ class BwrapLauncher:
         python = self.programs.python
         # Last, the workspace's commands (`npm i -g`); not for a kernel with no sandbox, where
         # that path is the host's own.
-        user_bin = [] if self.unsafe else [USER_BIN_IN_SANDBOX]
+        user_bin = [] if self.unsafe else list(USER_BINS_IN_SANDBOX)
         first = [str(Path(python).parent), "/usr/local/bin", "/usr/bin", "/bin"]
         path = ":".join(dict.fromkeys([*first, *user_bin]))
         variables = {**self.spec.env, **(extra or {})}

@@ -16,6 +16,7 @@ from sandbox.backends.gvisor.backend import GvisorBackend, GvisorSandbox
 from sandbox.install_places import (
     PIP_TARGET_IN_SANDBOX,
     USER_BIN_IN_SANDBOX,
+    USER_BINS_IN_SANDBOX,
     USER_PREFIX_IN_SANDBOX,
 )
 from tests.conftest import require_backend, small_spec
@@ -179,7 +180,7 @@ def test_npm_i_g_installs_into_the_workspace_and_sudo_into_the_machines_root(
         assert user.startswith(
             f"{USER_PREFIX_IN_SANDBOX}:{PIP_TARGET_IN_SANDBOX}:{PIP_TARGET_IN_SANDBOX}:"
         )
-        assert user.rstrip().endswith(USER_BIN_IN_SANDBOX), user
+        assert user.rstrip().endswith(":".join(USER_BINS_IN_SANDBOX)), user
         for as_root in (command(f"sudo sh -c '{places}'"), command(places, user="root")):
             assert as_root.startswith(":::") and USER_PREFIX_IN_SANDBOX not in as_root, as_root
             assert ":/usr/sbin:" in f"{as_root.rstrip()}:", as_root

@@ -42,7 +42,7 @@ from sandbox.image_labels import (
     R_IN_IMAGE,
     languages_of,
 )
-from sandbox.install_places import USER_BIN_IN_SANDBOX
+from sandbox.install_places import USER_BIN_IN_SANDBOX, USER_BINS_IN_SANDBOX
 from sandbox.kernel.command import kernel_environment
 from tests.conftest import require_backend
 
@@ -206,7 +206,7 @@ def test_the_backends_kernel_path_is_each_images_own(
     env = dict(e.split("=", 1) for e in engine.images.get(image).attrs["Config"]["Env"])
     assert env["PATH"] == IMAGE_PATH
     login = run_as_sandbox(engine, image, ["bash", "-lc", "echo $PATH"]).strip().split(":")
-    assert login[0] == "/opt/kernel/bin" and login[-1] == USER_BIN_IN_SANDBOX, login
+    assert login[0] == "/opt/kernel/bin" and tuple(login[-2:]) == USER_BINS_IN_SANDBOX, login
     as_root = engine.containers.run(
         image, ["bash", "-lc", "echo $PATH"], remove=True, user="0", network_mode="none"
     )

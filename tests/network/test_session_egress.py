@@ -14,7 +14,7 @@ import pytest
 
 from tests.network.conftest import FETCH, MAX_BYTES, Net
 from tests.network.npm_registry import NPM_PACKAGE, NPM_SAYS
-from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
+from tests.network.upstream import HELLO, PACKAGE, PACKAGE_COMMAND, PACKAGE_VALUE
 from tests.orchestrator.service.conftest import make_server, service_backends
 
 
@@ -76,6 +76,9 @@ def test_pip_installs_from_an_allowed_index_and_the_kernel_imports_it(
     out = run(api, sid, code)
     assert out.startswith("0 "), out
     assert run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)").strip() == PACKAGE_VALUE
+    # Its console script runs by name (pip's target's bin is on PATH).
+    ran = api.post(f"/v1/sessions/{sid}/commands", json={"command": PACKAGE_COMMAND}).json()
+    assert (ran["exit_code"], ran["stdout"]) == (0, PACKAGE_VALUE + "\n"), ran
     # In the workspace: a restarted kernel still has it.
     assert api.post(f"/v1/sessions/{sid}/restart").status_code == 200
     assert run(api, sid, f"import {PACKAGE}; print({PACKAGE}.VALUE)").strip() == PACKAGE_VALUE

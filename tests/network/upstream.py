@@ -21,6 +21,7 @@ from tests.network.npm_registry import build_tarball, registry_documents
 
 PACKAGE = "cirdemo"
 PACKAGE_VALUE = "installed through the egress proxy"
+PACKAGE_COMMAND = "cirdemo-py"  # its console script, which prints PACKAGE_VALUE
 WHEEL = f"{PACKAGE}-1.0-py3-none-any.whl"
 HELLO = b"hello from the allowed host"
 
@@ -28,12 +29,17 @@ HELLO = b"hello from the allowed host"
 def build_wheel() -> bytes:
     """A minimal, valid pure-Python wheel, made here so no index outside is needed."""
     files = {
-        f"{PACKAGE}/__init__.py": f"VALUE = {PACKAGE_VALUE!r}\n".encode(),
+        f"{PACKAGE}/__init__.py": (
+            f"VALUE = {PACKAGE_VALUE!r}\n\ndef main() -> None:\n    print(VALUE)\n".encode()
+        ),
         f"{PACKAGE}-1.0.dist-info/METADATA": (
             f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 1.0\n".encode()
         ),
         f"{PACKAGE}-1.0.dist-info/WHEEL": (
             b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+        f"{PACKAGE}-1.0.dist-info/entry_points.txt": (
+            f"[console_scripts]\n{PACKAGE_COMMAND} = {PACKAGE}:main\n".encode()
         ),
     }
     record = []

@@ -13,7 +13,7 @@ from sandbox.inside_kernel import machine_root
 from sandbox.inside_kernel.machine_root import root_environment
 from sandbox.install_places import (
     PIP_TARGET_IN_SANDBOX,
-    USER_BIN_IN_SANDBOX,
+    USER_BINS_IN_SANDBOX,
     USER_PREFIX_IN_SANDBOX,
     install_environment,
 )
@@ -26,7 +26,7 @@ def test_machine_root_names_the_same_places() -> None:
     pointing = {k for k, v in install_environment().items() if v == USER_PREFIX_IN_SANDBOX}
     pointing |= {k for k, v in install_environment().items() if v == PIP_TARGET_IN_SANDBOX}
     assert set(machine_root.USER_INSTALLS) == pointing - {"PYTHONPATH"}
-    assert IMAGE_PATH.split(":")[-1] == USER_BIN_IN_SANDBOX
+    assert tuple(IMAGE_PATH.split(":")[-2:]) == USER_BINS_IN_SANDBOX
 
 
 def test_root_keeps_nothing_of_the_users_installs() -> None:

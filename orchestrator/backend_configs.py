@@ -29,6 +29,7 @@ _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
         "state_dir": s.state_dir,
         "orchestrator_id": s.orchestrator_id,
         "image": s.docker_image,
+        "root": s.gvisor_root,
     },
     "e2b": lambda s, _: s.e2b_backend_config(),
     # Its warm actors (per node) are made by the backend itself, for the default spec.

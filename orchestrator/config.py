@@ -108,6 +108,12 @@ class Settings(BaseSettings):
         description="The OCI runtime of Docker sessions that ask for none: `runsc` runs every "
         "one under gVisor (docs/gvisor.md); unset, the engine's default (runc).",
     )
+    gvisor_root: bool = Field(
+        True,
+        description="Processes of a gvisor-backend session may run as its machine's root (sudo, "
+        "`user: root`; gVisor is the wall, docs/gvisor.md). False: refused there too, saying "
+        "so.",
+    )
     docker_runtimes: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_DOCKER_RUNTIMES),
         description="Runtimes a Docker session may ask for (`runtime` on create); those the "

@@ -217,17 +217,21 @@ class Sandbox(ABC):
         return self._processes
 
     # Whether a process may run as root here (`ProcessRequest.user`): only where the sandbox's
-    # wall does not depend on its processes being unprivileged (a gVisor machine).
-    has_root: ClassVar[bool] = False
+    # wall does not depend on its processes being unprivileged (a gVisor machine), and the
+    # operator has not turned it off.
+    has_root: bool = False
 
     def _refuse_root(self, request: ProcessRequest) -> None:
         if request.user == "root" and not self.has_root:
-            raise RootUnavailable(
-                f"the {self.backend} backend's sandboxes have no root: every process runs as "
-                "the sandbox's unprivileged user (its wall depends on it). Run it as the "
-                "sandbox's user (`pip install` works so, into the workspace), or in a session "
-                "on the gvisor backend, whose machines have root (user root, sudo)"
-            )
+            raise RootUnavailable(self._no_root_reason())
+
+    def _no_root_reason(self) -> str:
+        return (
+            f"the {self.backend} backend's sandboxes have no root: every process runs as "
+            "the sandbox's unprivileged user (its wall depends on it). Run it as the "
+            "sandbox's user (`pip install` and `npm i -g` work so, into the workspace), or in a "
+            "session on the gvisor backend, whose machines have root (user root, sudo)"
+        )
 
     async def start_process(self, request: ProcessRequest) -> ProcessHandle:
         """Start a process in the sandbox; it runs until it ends, is killed, or the sandbox

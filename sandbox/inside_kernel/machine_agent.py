@@ -351,6 +351,11 @@ class Agent:
     # --- requests -----------------------------------------------------------------------------
     def op_hello(self, request: dict[str, Any]) -> dict[str, Any]:
         self.attached = True
+        # Root as the host's setting says now (a restored machine listened as its maker said).
+        if request.get("root") is False and self.root.listener is not None:
+            self.root.stop_listening()
+        elif request.get("root") is True and self.root.listener is None:
+            self.sel.register(self.root.listen().fileno(), selectors.EVENT_READ, "root")
         listed = [
             {"pid": c.pid, "tag": c.tag, "tty": c.tty, "exit": c.exit}
             for c in self.children.values()

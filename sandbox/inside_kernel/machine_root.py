@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SOCKET = "/run/cir/root.sock"
+# Present while the operator has root turned off (the host says so at each hello): sudo reads it
+# to say why there is no socket.
+TURNED_OFF = "/run/cir/root-off"
 _SIGNAL_LINE = re.compile(rb"signal ([0-9]{1,2})")
 MAX_REQUEST = 256 * 1024  # bytes of JSON: argv and environment
 MAX_RUNNING = 32  # commands run as root at once
@@ -65,10 +68,25 @@ class RootRequests:
         sock.listen(16)
         sock.setblocking(False)
         self.listener = sock
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(TURNED_OFF)
         return sock
 
+    def stop_listening(self) -> None:
+        """Root turned off: no new asker is taken (commands running as root go on to their end;
+        a machine restored with root off had none running)."""
+        if self.listener is not None:
+            self._unwatch(self.listener.fileno())
+            self.listener.close()
+            self.listener = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SOCKET)
+        with open(TURNED_OFF, "w"):
+            pass
+
     def accept(self) -> socket.socket | None:
-        assert self.listener is not None
+        if self.listener is None:
+            return None
         try:
             conn, _ = self.listener.accept()
         except OSError:

@@ -24,6 +24,7 @@ import socket
 import sys
 
 SOCKET = "/run/cir/root.sock"
+TURNED_OFF = "/run/cir/root-off"  # machine_root.py's
 _FLAGS = {"-n", "-E", "-H", "-S", "-k", "-b", "--non-interactive", "--preserve-env"}
 _SHELL = ["/bin/bash", "-l"]
 
@@ -98,6 +99,12 @@ def main() -> int:
     try:
         conn.connect(SOCKET)
     except OSError as exc:
+        if os.path.exists(TURNED_OFF):
+            sys.exit(
+                "sudo: root is turned off in this service's machines (the operator's "
+                "CODE_INTERPRETER_GVISOR_ROOT=false): run it as the sandbox's user (pip install "
+                "and npm i -g work so, into the workspace), or ask the operator"
+            )
         sys.exit(f"sudo: the machine's root cannot be reached ({exc})")
     request = {"argv": argv, "cwd": os.getcwd(), "env": env, "assigned": sorted(assigned)}
     payload = json.dumps(request).encode() + b"\n"

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
+from code_interpreter_wire.errors import RootUnavailable
 from code_interpreter_wire.processes import ProcessRequest
+from sandbox import create_backend
 from sandbox.backends.gvisor.backend import GvisorBackend
 from tests.conftest import small_spec
 
@@ -140,3 +144,26 @@ async def test_sudo_passes_signals_on_and_its_askers_cannot_break_the_agent(
         assert await run(sb, "sudo -n id -u") == (0, "0\n")  # the agent serves on
     finally:
         await sb.close()
+
+
+async def test_root_turned_off_by_the_operator_is_refused_saying_so(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """`root=False` (CODE_INTERPRETER_GVISOR_ROOT=false): `user: root` is refused, typed, and
+    the machine's sudo says why; the agent is told at its hello, as a restored one is."""
+    state = tmp_path_factory.mktemp("gv-no-root", numbered=True)
+    backend = create_backend("gvisor", state_dir=state, templates=False, root=False)
+    sb = await backend.create(small_spec())
+    try:
+        with pytest.raises(RootUnavailable, match="CODE_INTERPRETER_GVISOR_ROOT=false"):
+            await run(sb, "id -u", root=True)
+        code, said = await run(sb, "sudo -n id -u")
+        assert code == 1 and "root is turned off" in said and "ask the operator" in said, said
+        # Nothing listens where sudo asks: no process of the machine reaches root another way.
+        code, said = await run(sb, "test -e /run/cir/root.sock; echo $?")
+        assert (code, said) == (0, "1\n")
+        code, said = await run(sb, "id -u")
+        assert code == 0 and said.strip().isdigit() and said.strip() != "0", said
+    finally:
+        await sb.close()
+        await backend.close()

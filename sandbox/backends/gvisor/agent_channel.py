@@ -165,6 +165,9 @@ class AgentChannel:
         self._reader = reader
         self._writer = writer
         self._on_accept = on_accept
+        # Whether the agent serves sudo's askers: said at each hello, so that a machine restored
+        # from a template or a pause (whose agent listened) follows the operator's setting now.
+        self.root_allowed = True
         self.streams: dict[int, ChannelStream] = {}
         self._replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -247,7 +250,7 @@ class AgentChannel:
         return not self.closed.done()
 
     async def hello(self) -> list[Child]:
-        answer = await self.request("hello")
+        answer = await self.request("hello", root=self.root_allowed)
         if answer.get("version") != VERSION:
             raise AgentError(f"the sandbox's agent speaks version {answer.get('version')!r}")
         children = []

@@ -115,6 +115,11 @@ class GvisorBackendConfig(BaseModel):
         "the modules it imports are loaded in every sandbox restored from it.",
     )
     max_templates: int = Field(4, ge=1, description="Templates kept at once (one per spec).")
+    root: bool = Field(
+        True,
+        description="Processes may run as the machine's root (sudo, `user: root`): gVisor is "
+        "the wall, not their lack of rights. False: refused, as on the other backends.",
+    )
 
 
 class GvisorBackend(Backend):
@@ -446,7 +451,13 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
         )
         config["process"]["cwd"] = "/"
         write_bundle(bundle, config)
-        self.machine = Machine(program, self.backend.runsc_root, self.sandbox_id, bundle)
+        self.machine = Machine(
+            program,
+            self.backend.runsc_root,
+            self.sandbox_id,
+            bundle,
+            root_allowed=self.backend.config.root,
+        )
         image = None
         if self.restoring is not None:
             saved, manifest = self.restoring
@@ -510,6 +521,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             launchers=self.launchers,
             uid_claimed=self.uid_claimed,
             kernel_path=self.backend.config.kernel_path,
+            root=self.backend.config.root,
         )
         self.uid_claimed = False  # the sandbox's to give back now
         return sandbox

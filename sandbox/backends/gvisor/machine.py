@@ -148,8 +148,17 @@ async def host_runsc_version() -> str:
 class Machine:
     """One runsc container and the channel to its agent."""
 
-    def __init__(self, program: str, root: Path, container_id: str, bundle: Path) -> None:
+    def __init__(
+        self,
+        program: str,
+        root: Path,
+        container_id: str,
+        bundle: Path,
+        *,
+        root_allowed: bool = True,
+    ) -> None:
         self.program = program
+        self.root_allowed = root_allowed  # told to its agent at every hello, restores too
         self.root = root
         self.id = container_id
         self.bundle = bundle
@@ -230,6 +239,7 @@ class Machine:
         self._on_accept = on_accept
         from_agent_r, to_agent_w = await self._launch(image)
         self.channel = await AgentChannel.over_pipes(from_agent_r, to_agent_w, on_accept)
+        self.channel.root_allowed = self.root_allowed
         return self.channel
 
     async def _launch(self, image: Path | None) -> tuple[int, int]:

@@ -58,7 +58,6 @@ class MachineHome(Protocol):
 
 class GvisorSandbox(KernelSandbox):
     backend = "gvisor"
-    has_root = True  # its root is gVisor's, with a root filesystem of its own in memory
 
     def __init__(
         self,
@@ -77,9 +76,13 @@ class GvisorSandbox(KernelSandbox):
         launchers: dict[str, MachineKernelLauncher],
         uid_claimed: bool,
         kernel_path: str,
+        root: bool,
     ) -> None:
         super().__init__(sandbox_id, spec, driver, dirs, workspace, languages, make_driver)
         self._kernel_path = kernel_path
+        # Its root is gVisor's, with a root filesystem of its own in memory: offered unless
+        # the operator turned it off (GvisorBackendConfig.root).
+        self.has_root = root
         self._backend = backend
         self._machine = machine
         self._image = image
@@ -99,6 +102,13 @@ class GvisorSandbox(KernelSandbox):
             self._machine.running,
             self._uid,
             lambda: {"PATH": self._kernel_path, **channel_environment(self.spec)},
+        )
+
+    def _no_root_reason(self) -> str:
+        return (
+            "root is turned off in this service's gVisor machines (the operator's "
+            "CODE_INTERPRETER_GVISOR_ROOT=false): every process runs as the sandbox's user. Run "
+            "it so (`pip install` and `npm i -g` work, into the workspace), or ask the operator"
         )
 
     async def restart(self, language: str | None = None) -> None:

@@ -159,6 +159,8 @@ class AuditTrail:
         file_transfer: bool = False,
     ) -> None:
         details: dict[str, object] = {"command": self.command_line(request)}
+        if request.user is not None:  # run as the machine's root (a gVisor session)
+            details["user"] = request.user
         if file_transfer:  # a front's file operation, shown as one (not as the key's command)
             details["file_transfer"] = True
         if result is not None:
@@ -193,6 +195,7 @@ class AuditTrail:
                 "terminal": request.terminal is not None,
                 "tag": request.tag,
             }
+            | ({"user": request.user} if request.user is not None else {})
             | ({"file_transfer": True} if file_transfer else {}),
         )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from e2b import SandboxQuery, SandboxState
@@ -156,5 +157,21 @@ def test_e2b_root_and_sudo_work_on_a_machine(sdk: Server) -> None:
         assert sbx.commands.run("cat /opt/tool/version").stdout == "v1\n"
         assert sbx.commands.run("sudo -n id -u").stdout.strip().splitlines()[-1] == "0"
         assert sbx.commands.run("test -w /opt/tool || echo no").stdout == "no\n"
+
+        def started() -> list[dict[str, Any]]:
+            with sdk.client() as api:
+                query = {"session_id": sbx.sandbox_id, "kind": "process.started", "limit": 100}
+                events: list[dict[str, Any]] = api.get("/v1/audit", params=query).json()["events"]
+            return events
+
+        # The audit log says which commands ran as root (its writes are batched: looked again).
+        wait_for(lambda: len(started()) >= 4, "the commands' audit events")
+        ids = sorted(
+            (e["details"].get("user") or "", e["details"]["command"])
+            for e in started()
+            if "id -u" in e["details"]["command"]
+        )
+        assert [user for user, _ in ids] == ["", "root"], ids
+        assert "sudo" in ids[0][1] and "sudo" not in ids[1][1], ids
     finally:
         sbx.kill()

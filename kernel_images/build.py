@@ -43,6 +43,8 @@ from sandbox.kernel.command import KERNEL_START_FILES
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
+# Preloaded in the kernel images: `stat` and `ls -l` under gVisor (the file says why).
+STATX_SHIM = HERE / "statx_flags.c"
 BASE_IMAGE = "code-interpreter-base:bookworm"
 HASH_LABEL = "code-interpreter.build-hash"
 ROLE_LABEL = IMAGE_ROLE_LABEL
@@ -218,6 +220,7 @@ def kernel_digest(client: docker.DockerClient, *, base_image: str = BASE_IMAGE) 
         (HERE / "Dockerfile").read_bytes(),
         _requirements_file(*KERNEL_IMAGE_EXTRAS),
         *(host.read_bytes() for host, _ in KERNEL_START_FILES),
+        STATX_SHIM.read_bytes(),
         client.images.get(base_image).id,
     )
 
@@ -252,7 +255,10 @@ def build_kernel(
             ROLE_LABEL: "kernel",
             LANGUAGES_LABEL: languages_label(KERNEL_IMAGE_LANGUAGES),
         },
-        files={host.name: host for host, _ in KERNEL_START_FILES},
+        files={
+            **{host.name: host for host, _ in KERNEL_START_FILES},
+            STATX_SHIM.name: STATX_SHIM,
+        },
     )
     return Built(tag, image_id, cached=False)
 

@@ -1,8 +1,9 @@
 """E2B's file transfers (envd's `/files`): read a file, write files (multipart or octet-stream,
 optionally gzip-compressed). Paths are E2B's: in the workspace (see paths.py) through the files
-API, elsewhere in the sandbox (`/tmp`) through a command there (sandbox_files.py); the
-`username` E2B passes is ignored: everything in a sandbox here runs as its one user. A signed URL
-(signed_urls.py) reads or writes the one path it was signed for.
+API, elsewhere in the sandbox (`/tmp`) through a command there (sandbox_files.py), as root
+when E2B's `username` is `root` (where the sandbox has one: a gVisor machine; elsewhere refused,
+saying so) and as the sandbox's one user otherwise. A signed URL (signed_urls.py) reads or writes
+the one path it was signed for.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ async def read_file(
 ) -> Response:
     if not in_workspace(path):
         limit = service.admission.download_limit()
-        data = await sandbox_files.read(service, reached.session, in_sandbox(path), limit)
+        user = _user(username)
+        data = await sandbox_files.read(service, reached.session, in_sandbox(path), limit, user)
         return Response(data, media_type="application/octet-stream")
     relative = to_workspace(path)
     if not relative:
@@ -81,14 +83,23 @@ async def write_files(
             raise E2BError(400, "an octet-stream upload needs ?path=")
         data = await _read_body(request, limit)
         written.append((path, data))
-    return [await _write(service, reached.session, target, data) for target, data in written]
+    user = _user(username)
+    return [await _write(service, reached.session, target, data, user) for target, data in written]
 
 
-async def _write(service: Service, session: Session, path: str, data: bytes) -> dict[str, Any]:
+def _user(username: str | None) -> sandbox_files.User:
+    """Who transfers a file outside the workspace: root if E2B asks for it, else the sandbox's
+    user (E2B's default names, `user` among them, are that user here)."""
+    return "root" if username == "root" else None
+
+
+async def _write(
+    service: Service, session: Session, path: str, data: bytes, user: sandbox_files.User
+) -> dict[str, Any]:
     if not in_workspace(path):
         service.admission.check_upload_size(len(data))
         absolute = in_sandbox(path)
-        await sandbox_files.write(service, session, absolute, data)
+        await sandbox_files.write(service, session, absolute, data, user)
         return {"name": posixpath.basename(absolute), "type": "file", "path": absolute}
     relative = to_workspace(path)
     if not relative:

@@ -3,7 +3,8 @@
 Served by the SDK's own generated Connect application, so the protocol (Connect, JSON or binary)
 is exactly what the SDK speaks. Paths in the workspace (`/workspace`, E2B's home `/home/user`,
 relative ones) go through the files API; other paths of the sandbox (`/tmp`) through small
-commands run inside it (sandbox_files.py). `Move` is a command (the sandbox interface has no
+commands run inside it (sandbox_files.py), as root when the call's user is (E2B's
+`user="root"`, where the sandbox has one). `Move` is a command (the sandbox interface has no
 rename); the watchers compare listings of the workspace (watchers.py).
 """
 
@@ -28,6 +29,7 @@ from code_interpreter_wire.results import FileInfo
 from orchestrator.e2b_compatible import sandbox_files
 from orchestrator.e2b_compatible.connect_calls import call, connect_errors, session_for
 from orchestrator.e2b_compatible.paths import in_sandbox, in_workspace, to_sandbox, to_workspace
+from orchestrator.e2b_compatible.processes import check_user
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes
 from orchestrator.e2b_compatible.watchers import POLL_S, Watchers, changes, listing
 from orchestrator.sessions import Session
@@ -58,7 +60,7 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         /,
     ) -> filesystem_pb.StatResponse:
         session = await self._session(ctx)
-        return filesystem_pb.StatResponse(entry=await self._stat(session, request.path))
+        return filesystem_pb.StatResponse(entry=await self._stat(session, request.path, _user(ctx)))
 
     async def list_dir(
         self,
@@ -70,7 +72,9 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         depth = max(1, request.depth)
         if not in_workspace(request.path):
             path = in_sandbox(request.path)
-            found = await call(sandbox_files.list_dir(self.service, session, path, depth))
+            found = await call(
+                sandbox_files.list_dir(self.service, session, path, depth, _user(ctx))
+            )
             return filesystem_pb.ListDirResponse(entries=[_sandbox_entry(e) for e in found])
         relative = _relative(request.path)
         if relative:
@@ -88,7 +92,8 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
     ) -> filesystem_pb.RemoveResponse:
         session = await self._session(ctx)
         if not in_workspace(request.path):
-            await call(sandbox_files.remove(self.service, session, in_sandbox(request.path)))
+            path = in_sandbox(request.path)
+            await call(sandbox_files.remove(self.service, session, path, _user(ctx)))
             return filesystem_pb.RemoveResponse()
         relative = _relative(request.path)
         if not relative:
@@ -103,8 +108,9 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
         /,
     ) -> filesystem_pb.MakeDirResponse:
         session = await self._session(ctx)
+        user = _user(ctx)
         try:
-            await self._stat(session, request.path)
+            await self._stat(session, request.path, user)
         except ConnectError as exc:
             if exc.code != Code.NOT_FOUND:
                 raise
@@ -114,8 +120,8 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
             await call(self.service.files.make_directory(session, _relative(request.path)))
         else:
             path = in_sandbox(request.path)
-            await call(sandbox_files.make_dir(self.service, session, path))
-        return filesystem_pb.MakeDirResponse(entry=await self._stat(session, request.path))
+            await call(sandbox_files.make_dir(self.service, session, path, user))
+        return filesystem_pb.MakeDirResponse(entry=await self._stat(session, request.path, user))
 
     async def move(
         self,
@@ -125,23 +131,28 @@ class WorkspaceFilesystem(filesystem_connect.Filesystem):
     ) -> filesystem_pb.MoveResponse:
         """A rename by `mv` in the sandbox (its parents made, as envd does)."""
         session = await self._session(ctx)
+        user = _user(ctx)
         for path in (request.source, request.destination):
             if in_workspace(path) and not _relative(path):
                 raise ConnectError(Code.INVALID_ARGUMENT, "the workspace itself cannot be moved")
         source, destination = in_sandbox(request.source), in_sandbox(request.destination)
         try:
-            await call(sandbox_files.move(self.service, session, source, destination))
+            await call(sandbox_files.move(self.service, session, source, destination, user))
         except ConnectError as exc:
             if exc.code == Code.NOT_FOUND:
                 raise ConnectError(
                     Code.NOT_FOUND, f"source file not found: {exc.message}"
                 ) from None
             raise
-        return filesystem_pb.MoveResponse(entry=await self._stat(session, request.destination))
+        return filesystem_pb.MoveResponse(
+            entry=await self._stat(session, request.destination, user)
+        )
 
-    async def _stat(self, session: Session, path: str) -> filesystem_pb.EntryInfo:
+    async def _stat(
+        self, session: Session, path: str, user: sandbox_files.User = None
+    ) -> filesystem_pb.EntryInfo:
         if not in_workspace(path):
-            found = await call(sandbox_files.stat(self.service, session, in_sandbox(path)))
+            found = await call(sandbox_files.stat(self.service, session, in_sandbox(path), user))
             return _sandbox_entry(found)
         relative = _relative(path)
         if not relative:
@@ -295,3 +306,9 @@ class StripPrefix:
         if scope["type"] == "http" and scope["path"].startswith(self.prefix + "/"):
             scope = {**scope, "path": scope["path"][len(self.prefix) :], "root_path": ""}
         await self.app(scope, receive, send)
+
+
+def _user(ctx: RequestContext[Any, Any]) -> sandbox_files.User:
+    """The call's user (E2B's `user=`, in its Basic authorization): root, or the sandbox's own;
+    a user the sandbox does not have is refused (processes.check_user)."""
+    return "root" if check_user(ctx.request_headers.get("authorization")) == "root" else None

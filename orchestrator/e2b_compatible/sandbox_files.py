@@ -3,8 +3,9 @@
 E2B's file calls take any path of the sandbox; clients write to /tmp and then run a command on
 what they wrote (the Agents SDK's workspace hydration, deepagents' large edits). The files API
 reaches only the workspace, so these paths are read and written by small commands run in the
-sandbox through `Service`: with the sandbox's user, its view of the filesystem, its limits;
-exactly what a command there would see. A rename (E2B's Move) is such a command too, wherever its
+sandbox through `Service`: with the sandbox's user (or its root, where it has one and E2B's
+`user="root"` asks for it), its view of the filesystem, its limits; exactly what a command there
+would see. A rename (E2B's Move) is such a command too, wherever its
 paths are, since the sandbox interface has no rename. Every byte read is capped.
 
 They are file operations, not the key's commands: the service is told so (`file_transfer`, a
@@ -19,6 +20,7 @@ import signal
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 
 from code_interpreter_wire.errors import FileAccessError, FileMissing, FileTooLarge, SandboxError
 from code_interpreter_wire.processes import CommandResult, ProcessEnd, ProcessOutput, ProcessRequest
@@ -41,9 +43,16 @@ class SandboxEntry:
     modified_at: datetime
 
 
-def _request(argv: list[str], *, stdin: bool = False) -> ProcessRequest:
+User = Literal["root"] | None  # who runs the transfer: the sandbox's user (None), or root
+
+
+def _request(argv: list[str], user: User, *, stdin: bool = False) -> ProcessRequest:
     return ProcessRequest(
-        argv=argv, stdin=stdin, timeout_s=TIME_LIMIT_S, tag=INTERNAL_TAG + uuid.uuid4().hex
+        argv=argv,
+        stdin=stdin,
+        timeout_s=TIME_LIMIT_S,
+        tag=INTERNAL_TAG + uuid.uuid4().hex,
+        user=user,
     )
 
 
@@ -55,14 +64,16 @@ def _failed(result: CommandResult, what: str, path: str) -> SandboxError:
     return FileAccessError(f"could not {what} {path} in the sandbox: {reason}")
 
 
-async def _run(service: Service, session: Session, argv: list[str]) -> CommandResult:
-    return await service.runs.run_command(session, _request(argv), file_transfer=True)
+async def _run(service: Service, session: Session, argv: list[str], user: User) -> CommandResult:
+    return await service.runs.run_command(session, _request(argv, user), file_transfer=True)
 
 
-async def read(service: Service, session: Session, path: str, max_bytes: int) -> bytes:
+async def read(
+    service: Service, session: Session, path: str, max_bytes: int, user: User = None
+) -> bytes:
     """The bytes of a file, read by `cat` in the sandbox; FileTooLarge past `max_bytes`."""
     info = await service.runs.start_process(
-        session, _request(["cat", "--", path]), file_transfer=True
+        session, _request(["cat", "--", path], user), file_transfer=True
     )
     data = bytearray()
     end: ProcessEnd | None = None
@@ -99,11 +110,15 @@ async def read(service: Service, session: Session, path: str, max_bytes: int) ->
     return bytes(data)
 
 
-async def write(service: Service, session: Session, path: str, data: bytes) -> None:
+async def write(
+    service: Service, session: Session, path: str, data: bytes, user: User = None
+) -> None:
     """Write a file (its parents made), fed to `cat` on its stdin in the sandbox."""
     script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
     info = await service.runs.start_process(
-        session, _request(["/bin/sh", "-c", script, "sh", path], stdin=True), file_transfer=True
+        session,
+        _request(["/bin/sh", "-c", script, "sh", path], user, stdin=True),
+        file_transfer=True,
     )
     try:
         for start in range(0, len(data), WRITE_CHUNK):
@@ -117,8 +132,8 @@ async def write(service: Service, session: Session, path: str, data: bytes) -> N
         raise _failed(result, "write", path)
 
 
-async def stat(service: Service, session: Session, path: str) -> SandboxEntry:
-    result = await _run(service, session, ["stat", "-c", "%F|%s|%Y", "--", path])
+async def stat(service: Service, session: Session, path: str, user: User = None) -> SandboxEntry:
+    result = await _run(service, session, ["stat", "-c", "%F|%s|%Y", "--", path], user)
     if result.exit_code != 0:
         raise _failed(result, "stat", path)
     kind, size, mtime = result.stdout.strip().split("|")
@@ -131,13 +146,15 @@ async def stat(service: Service, session: Session, path: str) -> SandboxEntry:
     )
 
 
-async def list_dir(service: Service, session: Session, path: str, depth: int) -> list[SandboxEntry]:
+async def list_dir(
+    service: Service, session: Session, path: str, depth: int, user: User = None
+) -> list[SandboxEntry]:
     """The entries under a directory, to `depth` levels (at most MAX_LISTED)."""
-    entry = await stat(service, session, path)
+    entry = await stat(service, session, path, user)
     if entry.type != "directory":
         raise FileAccessError(f"{path} is not a directory")
     argv = ["find", path, "-mindepth", "1", "-maxdepth", str(depth), "-printf", "%y|%s|%T@|%p\\0"]
-    result = await _run(service, session, argv)
+    result = await _run(service, session, argv, user)
     if result.exit_code != 0 and not result.stdout:
         raise _failed(result, "list", path)
     if result.stdout_dropped:
@@ -160,22 +177,24 @@ async def list_dir(service: Service, session: Session, path: str, depth: int) ->
     return found
 
 
-async def remove(service: Service, session: Session, path: str) -> None:
-    await stat(service, session, path)  # missing: NOT_FOUND, as envd says
-    result = await _run(service, session, ["rm", "-rf", "--", path])
+async def remove(service: Service, session: Session, path: str, user: User = None) -> None:
+    await stat(service, session, path, user)  # missing: NOT_FOUND, as envd says
+    result = await _run(service, session, ["rm", "-rf", "--", path], user)
     if result.exit_code != 0:
         raise _failed(result, "remove", path)
 
 
-async def make_dir(service: Service, session: Session, path: str) -> None:
-    result = await _run(service, session, ["mkdir", "-p", "--", path])
+async def make_dir(service: Service, session: Session, path: str, user: User = None) -> None:
+    result = await _run(service, session, ["mkdir", "-p", "--", path], user)
     if result.exit_code != 0:
         raise _failed(result, "make the directory", path)
 
 
-async def move(service: Service, session: Session, source: str, destination: str) -> None:
+async def move(
+    service: Service, session: Session, source: str, destination: str, user: User = None
+) -> None:
     """Rename `source` to `destination` (absolute sandbox paths), making its parents."""
-    await stat(service, session, source)  # missing: NOT_FOUND "source file not found"
+    await stat(service, session, source, user)  # missing: NOT_FOUND "source file not found"
     parent = posixpath.dirname(destination)
     result = await _run(
         service,
@@ -189,6 +208,7 @@ async def move(service: Service, session: Session, source: str, destination: str
             source,
             destination,
         ],
+        user,
     )
     if result.exit_code != 0:
         raise _failed(result, "move", source)

@@ -157,6 +157,16 @@ def test_e2b_root_and_sudo_work_on_a_machine(sdk: Server) -> None:
         assert sbx.commands.run("cat /opt/tool/version").stdout == "v1\n"
         assert sbx.commands.run("sudo -n id -u").stdout.strip().splitlines()[-1] == "0"
         assert sbx.commands.run("test -w /opt/tool || echo no").stdout == "no\n"
+        # E2B's file calls as root, outside the workspace: written, read, listed as root's.
+        sbx.files.write("/opt/tool/config", "by root", user="root")
+        sbx.files.make_dir("/opt/tool/more", user="root")
+        assert sbx.files.read("/opt/tool/config", user="root") == "by root"
+        listed = {e.name for e in sbx.files.list("/opt/tool", user="root")}
+        assert {"config", "more", "version"} <= listed, listed
+        owners = sbx.commands.run("stat -c %U /opt/tool/config /opt/tool/more").stdout
+        assert owners == "root\nroot\n", owners
+        with pytest.raises(Exception, match="(?i)permission denied"):
+            sbx.files.write("/opt/tool/mine", "not root's")
 
         def started() -> list[dict[str, Any]]:
             with sdk.client() as api:

@@ -81,6 +81,18 @@ async def test_commands_share_the_kernels_files_and_interpreter(sandbox: Sandbox
     assert login.exit_code == 0, login
 
 
+async def test_ls_l_and_stat_work_and_say_what_is_missing(sandbox: Sandbox) -> None:
+    """The first things agents run. Under gVisor (`make test-gvisor` runs this on runsc, and the
+    gvisor backend's machines run the same images) coreutils' statx flag was refused with
+    EINVAL until the images dropped it (kernel_images/statx_flags.c)."""
+    await sandbox.execute("open('seen.txt', 'w').write('x')")
+    listed = await sandbox.run_command(shell("ls -la && stat -c '%F %s' seen.txt"))
+    assert listed.exit_code == 0, listed
+    assert " seen.txt\n" in listed.stdout and listed.stdout.endswith("regular file 1\n"), listed
+    missing = await sandbox.run_command(shell("stat missing.txt"))
+    assert missing.exit_code == 1 and "No such file or directory" in missing.stderr, missing
+
+
 async def test_a_background_process_is_listed_streamed_signalled_and_reconnected(
     sandbox: Sandbox,
 ) -> None:

@@ -38,6 +38,20 @@ def test_paths_outside_the_workspace_are_the_sandboxs_own(sbx: Sandbox) -> None:
         sbx.files.list("/workspace/no/such/dir")  # never a silently empty listing
 
 
+def test_file_calls_as_root_are_refused_where_the_sandbox_has_none(sbx: Sandbox) -> None:
+    """E2B's `user="root"` on a file call outside the workspace: a local or Docker sandbox has
+    no root (a gVisor machine does: tests/gvisor/test_machine_e2b.py); refused, saying so."""
+    for call in (
+        lambda: sbx.files.write("/tmp/by-root.txt", "x", user="root"),
+        lambda: sbx.files.read("/tmp/by-root.txt", user="root"),
+        lambda: sbx.files.make_dir("/tmp/by-root", user="root"),
+    ):
+        with pytest.raises(Exception, match="no root") as refused:
+            call()
+        assert "gvisor" in str(refused.value), refused.value
+    assert not sbx.files.exists("/tmp/by-root.txt") and not sbx.files.exists("/tmp/by-root")
+
+
 def test_rename_makes_parents_and_a_missing_source_is_not_found(sbx: Sandbox) -> None:
     sbx.files.write("old.txt", "o")
     moved = sbx.files.rename("old.txt", "/home/user/a/b/new.txt")

@@ -1,17 +1,16 @@
 """How the service is served over HTTP: uvicorn, with each connection watched by a
 ConnectionGuard (orchestrator/connection_guard.py) for a request's head and body deadlines, a
 client that stops taking its answers, and the per-address and total connection caps, none of
-which uvicorn has, and a cap on a request's head, which uvicorn's httptools protocol lacks.
+which uvicorn has.
 
 Why uvicorn and a guard of our own rather than another server: no ASGI server caps connections
 per client address, so that part is ours whatever serves; hypercorn's `read_timeout` restarts
 on every read (a byte every few seconds holds a connection for ever) and granian's header
 timeout has no body rate; both would change how streaming answers, WebSockets and lifespan
-behave. The guard hooks into uvicorn's httptools protocol (llhttp's parser: a round trip
-shorter than with the pure-Python h11) at the points it already has (a connection made and
-lost, data received, a request's head and body parsed, writing paused and resumed, an answer
-complete, an upgrade), so parsing, streaming and WebSockets stay uvicorn's own;
-tests/orchestrator/test_uvicorn_hooks.py checks that those points are still there."""
+behave. The guard hooks into uvicorn's h11 protocol at the points it already has (a connection
+made and lost, data received, writing paused and resumed, an answer complete, an upgrade), so
+parsing, streaming and WebSockets stay uvicorn's own; tests/orchestrator/test_uvicorn_hooks.py
+checks that those points are still there."""
 
 from __future__ import annotations
 
@@ -26,9 +25,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, ClassVar, cast
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 
 from orchestrator.caller_mark import CallerMark, attach
 from orchestrator.config import Settings
@@ -37,21 +37,7 @@ from orchestrator.descriptors import raise_descriptor_limit
 
 log = logging.getLogger(__name__)
 
-_REASONS = {
-    408: "Request Timeout",
-    429: "Too Many Requests",
-    431: "Request Header Fields Too Large",
-    503: "Service Unavailable",
-}
-# A request's head (its line and headers) at most: what uvicorn's h11 protocol allowed (16 KiB)
-# and more, for large cookies; past it, 431 and the connection closed, before more is kept.
-MAX_HEAD_BYTES = 64 << 10
-_HEAD_TOO_LARGE = Refusal(
-    431,
-    "RequestHeadTooLarge",
-    f"the request's line and headers exceed {MAX_HEAD_BYTES} bytes: send less in them "
-    "(a large value belongs in the body)",
-)
+_REASONS = {408: "Request Timeout", 429: "Too Many Requests", 503: "Service Unavailable"}
 _STARTUP_FAILURE = 3  # uvicorn's own exit status when it cannot start
 
 
@@ -164,23 +150,17 @@ def answer_at_once(transport: asyncio.BaseTransport) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, telling the guard what each connection waits for and
-    whether its request's caller has proven a key (a CallerMark in each request's scope), and
-    refusing a request head past MAX_HEAD_BYTES."""
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, telling the guard what each connection waits for and whether
+    its request's caller has proven a key (a CallerMark in each request's scope)."""
 
     guard: ClassVar[ConnectionGuard]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.received = 0
-        self.head_bytes = 0  # of the request whose head is being read
-        self.reading_head = False  # part of a request's head came, not the whole
-        self.reading_body = False  # a request's head is whole, its body not yet
         self._admitted = False
         self._upgraded = False
-        self._head_too_large = False
-        self._head_began = False  # in the read being parsed
         self._mark: CallerMark | None = None
         self._marked_cycle: RequestResponseCycle | None = None
 
@@ -209,39 +189,11 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._admitted or self._head_too_large:
+        if not self._admitted:
             return  # refused or dropped: nothing more is read
         self.received += len(data)
-        self._head_began = False
         super().data_received(data)
-        if self.reading_head and not self._head_began:
-            # Every byte of this read is the head's (it began in an earlier one): the parser
-            # keeps a head's parts until it is whole, so its size is capped here. A head that
-            # began in this read is counted from the next: at most one read more is kept.
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES:
-                self._head_too_large = True
-                self.transport.write(_answer(_HEAD_TOO_LARGE))
-                self._close()
-                return
-        if self._admitted:  # an upgrade or a bad request may have ended this protocol's part
-            self._tell_guard()
-
-    # --- the parser's callbacks: where a request's head and body are
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.head_bytes = 0
-        self.reading_head = self._head_began = True
-
-    def on_headers_complete(self) -> None:
-        self.reading_head = False
-        super().on_headers_complete()
-        # Its cycle is this request's (not one made for an earlier request): not an upgrade.
-        self.reading_body = self.cycle is not None and self.cycle.scope is self.scope
-
-    def on_message_complete(self) -> None:
-        self.reading_body = False
-        super().on_message_complete()
+        self._tell_guard()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -258,15 +210,14 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._admitted:
             self.guard.write_resumed(self)
 
-    def handle_websocket_upgrade(self) -> None:
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._upgraded = True
-        self.reading_body = False
         # No new request cycle comes for an upgrade: what an earlier request of this
         # connection proved does not carry over to the WebSocket, which proves its own.
         self.guard.caller(self, proven=False)
         self.guard.detached(self)
         self._mark = mark = self._new_mark()
-        super().handle_websocket_upgrade()
+        super().handle_websocket_upgrade(event)
         # The WebSocket's protocol has its own scope, made when its handshake is read (now or
         # later): the app it calls puts this connection's mark in it first. Its task has not
         # run yet, so it calls this one.
@@ -288,10 +239,10 @@ class GuardedProtocol(HttpToolsProtocol):
             self._mark = self._new_mark()
             attach(cast(dict[str, Any], cycle.scope), self._mark)
             self.guard.caller(self, proven=False)
-        if self.reading_body:
-            self.guard.reading_body(self)
-        elif cycle is None or cycle.response_complete:
+        if cycle is None or cycle.response_complete:
             self.guard.waiting(self)
+        elif self.conn.their_state is h11.SEND_BODY:
+            self.guard.reading_body(self)
         else:
             self.guard.busy(self)
 
@@ -343,7 +294,7 @@ class GuardedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             return not cycle.response_started
-        return self.reading_head
+        return self.conn.our_state is h11.IDLE and bool(self.conn.trailing_data[0])
 
     def _close(self) -> None:
         """Close, flushing a short answer; a client that does not read it is cut off rather
@@ -359,10 +310,10 @@ async def _marked(app: Callable[..., Any], mark: CallerMark, scope: Any, *args: 
     await app(scope, *args)
 
 
-def guarded_protocol(connection_guard: ConnectionGuard) -> type[GuardedProtocol]:
+def guarded_protocol(connection_guard: ConnectionGuard) -> type[GuardedH11Protocol]:
     """The protocol class uvicorn instantiates for each connection, bound to one guard."""
 
-    class Bound(GuardedProtocol):
+    class Bound(GuardedH11Protocol):
         guard = connection_guard
 
     return Bound

@@ -150,6 +150,7 @@ class Approvals:
         self._responders: dict[str, list[Responder]] = {}  # session id -> latest last
         # What runs in each session and may call tools: its waits are abandoned when it ends.
         self.origins = CallOrigins(origins_of, on_end=self._origin_ended)
+        self._shared_origins = origins_of  # not None: a cluster's store, replicas beside this
 
     async def close(self) -> None:
         await self.origins.close()
@@ -190,32 +191,35 @@ class Approvals:
             why = EXECUTION_ENDED.replace("execution", word_for(entry.kind), 1)
         self._abandon(entry.waiting, why)
 
-    def _abandon_session_here(self, session_id: str) -> None:
+    def abandon_session(self, session_id: str) -> None:
         """The session ended: every wait of its here ends now (as denials no answer can
         change), so its callers go at once and nothing runs in a sandbox that is gone; and
         nothing of it calls a tool any more."""
         self._abandon(self._waiting_in.get(session_id, set()), SESSION_ENDED)
         self.origins.forget_session(session_id)
 
-    async def session_ended(self, session_id: str) -> None:
-        """The session ended (here, or on another replica that said so): its waits here end
-        now, and so do those other replicas hold (cluster mode): each pending request of it in
-        the store is decided as abandoned, which their waits read within POLL_S instead of
-        waiting out their time. A store that fails leaves those to their own time limit."""
-        self._abandon_session_here(session_id)
-        try:
-            pending = await self._store_of().approvals(
-                state="pending", session_id=session_id, limit=self._max_total
-            )
-            for record in pending:
+    async def abandon_session_elsewhere(self, session_id: str) -> None:
+        """The session ended (cluster mode): the waits other replicas hold for it end too. Each
+        pending request of it in the shared store is decided as abandoned, which their waits
+        read within POLL_S instead of waiting out their time. On one machine every wait is
+        here (abandon_session): nothing to do. A request that fails to be decided (the store
+        down) ends at its own time limit."""
+        if self._shared_origins() is None:
+            return
+        pending = await self._store_of().approvals(
+            state="pending", session_id=session_id, limit=self._max_total
+        )
+        for record in pending:
+            try:
                 await self._decide(record, "expired", ABANDONED, SESSION_ENDED)
-        except Exception:
-            log.warning(
-                "the approval requests of ended session %s could not be ended in the store; "
-                "they end at their time limit",
-                session_id,
-                exc_info=True,
-            )
+            except Exception:
+                log.warning(
+                    "approval request %s of ended session %s could not be ended in the store; "
+                    "it ends at its time limit",
+                    record.id,
+                    session_id,
+                    exc_info=True,
+                )
 
     def _abandon(self, request_ids: set[str], why: str) -> None:
         for request_id in list(request_ids):

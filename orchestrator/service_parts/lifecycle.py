@@ -4,6 +4,7 @@ ended, for every front door; the only way each of these is done."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.rest import CreateSessionRequest, LimitsRequest, ResumeInfo, SessionInfo
@@ -24,6 +25,8 @@ from orchestrator.service_parts.workspace import Workspace
 from orchestrator.sessions import Session, SessionBusy, SessionError, SessionManager
 from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
+
+log = logging.getLogger(__name__)
 
 
 def _from_snapshot(request: CreateSessionRequest, snapshot: SnapshotRecord) -> CreateSessionRequest:
@@ -345,8 +348,7 @@ class Lifecycle:
 
     async def ended(self, session_id: str) -> None:
         """Told by the session manager as each session ends: what is kept for it goes."""
-        # What waits for a human in it goes now, on every replica.
-        await self._approvals.session_ended(session_id)
+        self._approvals.abandon_session(session_id)  # what waits for a human in it goes now
         self._trail.input.forget_session(session_id)
         ended = self._sessions.why_ended(session_id)
         if ended is not None:  # None: another replica ended it, and recorded it
@@ -357,3 +359,13 @@ class Lifecycle:
         await asyncio.to_thread(self._outputs.drop, session_id)
         await self._channels.close_for(session_id)
         await self._ports.ended(session_id)
+        # Last (a store that fails delays none of the above): the waits of other replicas.
+        try:
+            await self._approvals.abandon_session_elsewhere(session_id)
+        except Exception:
+            log.warning(
+                "the approval requests of ended session %s could not be ended on other "
+                "replicas; they end at their time limit",
+                session_id,
+                exc_info=True,
+            )

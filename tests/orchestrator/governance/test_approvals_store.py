@@ -11,6 +11,7 @@ import json
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,7 +41,7 @@ from orchestrator.host_tools import (
 )
 from orchestrator.settings_sections import ApprovalSection
 from tests.orchestrator.governance.approval_tools import add, send_money
-from tests.orchestrator.governance.store_handles import StoreHandle, local_store
+from tests.orchestrator.governance.store_handles import StoreHandle, local_store, shared_store
 
 MCP_SERVER = str(Path(__file__).parents[1] / "host_tools" / "example_mcp_tool_server.py")
 ALICE = Principal(id="p_alice", name="alice", admin=True, policy=FULL_ACCESS)
@@ -145,20 +146,26 @@ async def test_an_answer_through_another_handle_reaches_the_waiter(tmp_path: Pat
         await answering_side.close()
 
 
-async def test_a_session_ended_through_another_handle_ends_its_waits_here(
-    store_pair: tuple[StoreHandle, StoreHandle], tmp_path: Path
+async def test_a_session_ended_on_another_replica_ends_its_waits_here(
+    redis_url: str, tmp_path: Path
 ) -> None:
-    """A session ended on another replica (cluster mode: any replica ends any session) ends the
+    """Cluster mode (any replica ends any session): a session ended on another replica ends the
     waits this one holds for it, within a poll, not at their time limit; another session's wait
-    goes on."""
-    waiting_side, ending_side = store_pair
+    goes on. Two replicas' handles on one real Redis."""
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    waiting_side = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
+    ending_side = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     s = settings(tmp_path, approval_timeout_s=60)
-    waiter = Approvals(
-        ApprovalSection.of(s), lambda: waiting_side.approvals, principal_of=lambda _: ALICE
-    )
-    ender = Approvals(
-        ApprovalSection.of(s), lambda: ending_side.approvals, principal_of=lambda _: ALICE
-    )
+
+    def replica(store: StoreHandle) -> Approvals:
+        return Approvals(
+            ApprovalSection.of(s),
+            lambda: store.approvals,
+            principal_of=lambda _: ALICE,
+            origins_of=lambda: store.origins,
+        )
+
+    waiter, ender = replica(waiting_side), replica(ending_side)
 
     def request(session_id: str) -> asyncio.Future[Any]:
         return asyncio.ensure_future(
@@ -168,7 +175,8 @@ async def test_a_session_ended_through_another_handle_ends_its_waits_here(
     ended, other = request("s-ended"), request("s-other")
     try:
         await wait_for_pending(ending_side.approvals, 2)
-        await ender.session_ended("s-ended")
+        ender.abandon_session("s-ended")  # nothing of it waits there: the store's are ended
+        await ender.abandon_session_elsewhere("s-ended")
         outcome = await asyncio.wait_for(ended, 10)
         assert (outcome.decision, outcome.decided_by) == ("denied", ABANDONED)
         assert outcome.reason == SESSION_ENDED and outcome.waited_s < 10
@@ -179,8 +187,10 @@ async def test_a_session_ended_through_another_handle_ends_its_waits_here(
         other.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await other
-        await waiter.close()
-        await ender.close()
+        for approvals in (waiter, ender):
+            await approvals.close()
+        for store in (waiting_side, ending_side):
+            await store.close()
 
 
 async def test_what_waits_and_what_is_kept_are_capped(tmp_path: Path) -> None:

@@ -165,7 +165,7 @@ def test_e2b_root_and_sudo_work_on_a_machine(sdk: Server) -> None:
         assert {"config", "more", "version"} <= listed, listed
         owners = sbx.commands.run("stat -c %U /opt/tool/config /opt/tool/more").stdout
         assert owners == "root\nroot\n", owners
-        with pytest.raises(Exception, match="(?i)permission denied"):
+        with pytest.raises(Exception, match=r"(?i)permission denied"):
             sbx.files.write("/opt/tool/mine", "not root's")
 
         def started() -> list[dict[str, Any]]:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+from orchestrator.config import Settings
+from orchestrator.governance.approvals import Approvals
+from orchestrator.governance.policy import Principal
 from orchestrator.service_parts.stores import OpenedStores, open_local, open_shared
+from orchestrator.settings_sections import ApprovalSection
 from orchestrator.state_store import SqliteStore
 from orchestrator.state_store.redis_connection import RedisConnection
 
@@ -46,3 +50,14 @@ def local_store(state_dir: Path) -> StoreHandle:
 def shared_store(url: str, *, prefix: str = "cir", snapshots_dir: Path) -> StoreHandle:
     connection = RedisConnection(url, prefix=prefix)
     return StoreHandle(open_shared(connection, snapshots_dir=snapshots_dir), connection)
+
+
+def replica_approvals(store: StoreHandle, settings: Settings, principal: Principal) -> Approvals:
+    """`Approvals` as a replica of a cluster holds it: on the shared store's requests and its
+    calls' origins; every key is `principal`."""
+    return Approvals(
+        ApprovalSection.of(settings),
+        lambda: store.approvals,
+        principal_of=lambda _: principal,
+        origins_of=lambda: store.origins,
+    )

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from code_interpreter_wire.approval_outcome import ABANDONED
 from orchestrator.config import Settings
 from orchestrator.governance.approval_errors import ApprovalsFull
 from orchestrator.governance.approvals import (
-    ABANDONED,
     MAX_ARGUMENTS_CHARS,
     MAX_CODE_CHARS,
     MAX_SUBJECT_CHARS,
@@ -41,7 +41,12 @@ from orchestrator.host_tools import (
 )
 from orchestrator.settings_sections import ApprovalSection
 from tests.orchestrator.governance.approval_tools import add, send_money
-from tests.orchestrator.governance.store_handles import StoreHandle, local_store, shared_store
+from tests.orchestrator.governance.store_handles import (
+    StoreHandle,
+    local_store,
+    replica_approvals,
+    shared_store,
+)
 
 MCP_SERVER = str(Path(__file__).parents[1] / "host_tools" / "example_mcp_tool_server.py")
 ALICE = Principal(id="p_alice", name="alice", admin=True, policy=FULL_ACCESS)
@@ -157,15 +162,8 @@ async def test_a_session_ended_on_another_replica_ends_its_waits_here(
     ending_side = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     s = settings(tmp_path, approval_timeout_s=60)
 
-    def replica(store: StoreHandle) -> Approvals:
-        return Approvals(
-            ApprovalSection.of(s),
-            lambda: store.approvals,
-            principal_of=lambda _: ALICE,
-            origins_of=lambda: store.origins,
-        )
-
-    waiter, ender = replica(waiting_side), replica(ending_side)
+    waiter = replica_approvals(waiting_side, s, ALICE)
+    ender = replica_approvals(ending_side, s, ALICE)
 
     def request(session_id: str) -> asyncio.Future[Any]:
         return asyncio.ensure_future(

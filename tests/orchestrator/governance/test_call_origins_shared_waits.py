@@ -22,9 +22,8 @@ from orchestrator.governance.policy import FULL_ACCESS, Principal
 from orchestrator.governance.stores.approval_store import ApprovalRecord
 from orchestrator.governance.tool_guard import SessionToolGuard
 from orchestrator.host_tools import function_tool
-from orchestrator.settings_sections import ApprovalSection
 from tests.orchestrator.governance.approval_tools import send_money
-from tests.orchestrator.governance.store_handles import StoreHandle, shared_store
+from tests.orchestrator.governance.store_handles import StoreHandle, replica_approvals, shared_store
 
 ALICE = Principal(id="p_alice", name="alice", admin=True, policy=FULL_ACCESS)
 SEND_MONEY = function_tool(send_money, requires_approval=True)
@@ -46,15 +45,7 @@ async def replicas(redis_url: str, tmp_path: Path) -> AsyncIterator[Replicas]:
     other = shared_store(redis_url, prefix=prefix, snapshots_dir=tmp_path / "snaps")
     settings = Settings(api_keys=["k"], state_dir=tmp_path / "state", approval_timeout_s=30)
 
-    def approvals(store: StoreHandle) -> Approvals:
-        return Approvals(
-            ApprovalSection.of(settings),
-            lambda: store.approvals,
-            principal_of=lambda _: ALICE,
-            origins_of=lambda: store.origins,
-        )
-
-    here, there = approvals(one), approvals(other)
+    here, there = replica_approvals(one, settings, ALICE), replica_approvals(other, settings, ALICE)
     guard = SessionToolGuard(
         there, session_id=SESSION, owner=ALICE.id, policy_of=lambda: FULL_ACCESS
     )

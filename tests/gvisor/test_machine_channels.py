@@ -20,7 +20,7 @@ from sandbox.install_places import (
     USER_PREFIX_IN_SANDBOX,
 )
 from tests.conftest import require_backend, small_spec
-from tests.network.conftest import FETCH, Net, served_net
+from tests.network.conftest import FETCH, Net, new_session, served_net
 from tests.network.debian_repo import DEB_INSTALLS, DEB_PACKAGE, DEB_SAYS
 from tests.network.npm_registry import NPM_PACKAGE, NPM_SAYS
 from tests.network.upstream import HELLO, PACKAGE, PACKAGE_VALUE
@@ -68,17 +68,10 @@ def gvisor_net() -> Iterator[Net]:
         yield served
 
 
-@contextlib.contextmanager
-def _allowed_session(net: Net, api: httpx.Client) -> Iterator[str]:
+def _allowed_session(net: Net, api: httpx.Client) -> contextlib.AbstractContextManager[str]:
     """A gvisor session whose policy allows the loopback internet's `allowed.test`, ended after."""
     policy = {"allow": [f"allowed.test:{net.up.port}"]}
-    created = api.post("/v1/sessions", json={"backend": "gvisor", "network": policy})
-    assert created.status_code == 201, created.text
-    sid = str(created.json()["id"])
-    try:
-        yield sid
-    finally:
-        api.delete(f"/v1/sessions/{sid}")
+    return new_session(api, {"backend": "gvisor", "network": policy})
 
 
 def _run(api: httpx.Client, sid: str, code: str) -> str:

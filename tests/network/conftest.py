@@ -7,6 +7,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from tests.network.upstream import Upstream, upstream
@@ -29,6 +30,18 @@ def fetch(url, proxy=True):
     except Exception as e:
         return [0, f"{type(e).__name__}: {e}"]
 """
+
+
+@contextlib.contextmanager
+def new_session(api: httpx.Client, body: dict[str, object]) -> Iterator[str]:
+    """A session made with `body` (201, else the test fails), ended after."""
+    created = api.post("/v1/sessions", json=body)
+    assert created.status_code == 201, created.text
+    sid = str(created.json()["id"])
+    try:
+        yield sid
+    finally:
+        api.delete(f"/v1/sessions/{sid}")
 
 
 @dataclass

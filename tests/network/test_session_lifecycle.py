@@ -4,7 +4,6 @@ interrupts, terminals, and the session's end."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import time
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.network.conftest import FETCH
+from tests.network.conftest import FETCH, new_session
 from tests.network.upstream import HELLO, Upstream, upstream
 from tests.orchestrator.service.conftest import Server, leftovers, make_server, service_backends
 
@@ -59,17 +58,6 @@ def run(api: httpx.Client, sid: str, code: str) -> str:
 def fetched(api: httpx.Client, sid: str, url: str) -> tuple[int, str]:
     status, text = json.loads(run(api, sid, FETCH + f"\nprint(json.dumps(fetch({url!r})))"))
     return int(status), str(text)
-
-
-@contextlib.contextmanager
-def new_session(api: httpx.Client, body: dict[str, object]) -> Iterator[str]:
-    created = api.post("/v1/sessions", json=body)
-    assert created.status_code == 201, created.text
-    sid = str(created.json()["id"])
-    try:
-        yield sid
-    finally:
-        api.delete(f"/v1/sessions/{sid}")
 
 
 def pooled_session(api: httpx.Client, backend: str) -> str:

@@ -375,6 +375,26 @@ def set_size(master: int, size: TerminalSize) -> None:
     fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", size.rows, size.cols, 0, 0))
 
 
+class _TerminalProtocol(asyncio.StreamReaderProtocol):
+    """A terminal master's reader whose EIO (Linux's answer once every holder of the other side
+    has closed it) is the end of the output: as an error, StreamReader would raise it in place
+    of what it still holds, so a command that ended before its output was read lost all of it."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(exc, OSError) and exc.errno == errno.EIO:
+            exc = None
+        super().connection_lost(exc)
+
+
+async def terminal_reader(master: int) -> asyncio.StreamReader:
+    """`master` read through the event loop (which takes it over and closes it at its end)."""
+    reader = asyncio.StreamReader(limit=1 << 16)
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: _TerminalProtocol(reader), os.fdopen(master, "rb", buffering=0)
+    )
+    return reader
+
+
 class ServedProcess(SpawnedProcess):
     """A process its sandbox's command server forked: it leads its own session and process
     group; its pipes (or terminal) are held here, its end comes from the server."""
@@ -453,12 +473,15 @@ class ServedProcess(SpawnedProcess):
     async def _open_terminal(self) -> asyncio.StreamReader:
         assert self._master is not None
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 16)
-        master = os.fdopen(self._master, "rb", buffering=0)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), master)
+        # Its copy first: once read to its end, the reader closes `master`, number and all.
+        writing = os.fdopen(os.dup(self._master), "wb", buffering=0)
+        try:
+            reader = await terminal_reader(self._master)
+        except BaseException:
+            writing.close()
+            raise
         transport, protocol = await loop.connect_write_pipe(
-            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()),
-            os.fdopen(os.dup(self._master), "wb", buffering=0),
+            lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader()), writing
         )
         self._terminal_writer = asyncio.StreamWriter(transport, protocol, None, loop)
         return reader

@@ -22,6 +22,7 @@ address. Memory stays bounded whatever the flood.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -180,6 +181,7 @@ class KeyThrottle:
                 )
 
 
+@functools.lru_cache(maxsize=4096)  # parsed per request otherwise; bounded, as clients are not
 def address_of(client: str | None) -> str:
     """The name a client address is counted by: itself, an IPv6 one's /64."""
     if not client:

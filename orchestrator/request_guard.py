@@ -26,6 +26,7 @@ Refusals come in the shape each family's clients parse: ours (`{"error": {...}}`
 from __future__ import annotations
 
 import email.message
+import functools
 import json
 import re
 from enum import Enum
@@ -380,6 +381,11 @@ def _read_as_json(request: Request) -> bool:
         # Raw bodies with no type: an upload's, a process's input.
         uploaded = is_upload(request.method, path)
         return not (uploaded or (request.method == "POST" and _STDIN.fullmatch(path)))
+    return _names_json(content_type)
+
+
+@functools.lru_cache(maxsize=256)  # a few types come again and again; parsed once each
+def _names_json(content_type: str) -> bool:
     parsed = email.message.Message()
     parsed["content-type"] = content_type
     subtype = parsed.get_content_subtype()

@@ -5,12 +5,15 @@ Per session, on disk: `<dir>/<session>/<execution id>.json` (the whole Execution
 
 A save is written on a thread of its own after its execution's answer has gone (the answer carries
 its id): a reader of that id, or of one of its images, waits for the write first. At most
-`_WRITES_PENDING` are in flight; past that a save waits for its own.
+`WRITES_PENDING` are in flight; past that a save waits for its own.
 
 Kept outputs have two quotas: bytes per session and bytes in all. Saving past either evicts the
 oldest executions (that session's first, then anyone's), with the images only they used. The
 accounting is kept in memory, in save order, so a save costs O(1) plus what it evicts, never a
 walk of the disk. Asking for an evicted execution or image answers `OutputEvicted` (410).
+
+That is this machine's store. In cluster mode the replicas share one (shared_outputs.py, in the
+shared Redis): both are a `KeptOutputs`, which is all the service's parts know of them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 import secrets
 import shutil
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,12 +39,12 @@ from orchestrator.json_responses import encode_large
 from orchestrator.sessions import SessionError
 
 _DROPPED_REMEMBERED = 100_000  # ended sessions whose late saves are refused
-_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
+ITEM_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+IMAGE_TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
 _REMEMBERED_EVICTIONS = 100_000  # ids still answered "evicted" (410) rather than "not found"
-_CHUNK = 1 << 20
-_WRITES_PENDING = 64
-_UNWRITTEN = "it could not be written"
+CHUNK_BYTES = 1 << 20
+WRITES_PENDING = 64
+UNWRITTEN = "it could not be written"
 log = logging.getLogger(__name__)
 
 
@@ -69,22 +73,109 @@ class _SessionOutputs:
     bytes: int = 0
 
 
+class KeptBytes(ABC):
+    """A kept execution's JSON, opened: eviction may remove it meanwhile, never what is read.
+    Read it whole once (`chunks` or `read`), or `close` it unread."""
+
+    size: int
+
+    @abstractmethod
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+
 @dataclass
-class KeptFile:
-    """A kept execution's JSON, opened: eviction may remove its name, never what is read."""
+class KeptFile(KeptBytes):
+    """On this machine's disk."""
 
     file: BinaryIO
     size: int
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
-            while chunk := await asyncio.to_thread(self.file.read, _CHUNK):
+            while chunk := await asyncio.to_thread(self.file.read, CHUNK_BYTES):
                 yield chunk
         finally:
             self.file.close()
 
+    async def close(self) -> None:
+        self.file.close()
 
-class OutputStore:
+
+@dataclass(frozen=True)
+class KeptImage:
+    """An image an execution produced: a file on this machine, or its bytes (from a store)."""
+
+    media_type: str
+    path: Path | None = None
+    data: bytes | None = None
+
+
+class KeptOutputs(ABC):
+    """Where executions' outputs are kept for a session's lifetime, under two quotas."""
+
+    max_bytes_per_session: int
+    max_bytes_total: int
+
+    @abstractmethod
+    def clear(self) -> None:
+        """At the service's start: forget what no live session can ask for any more."""
+
+    @abstractmethod
+    async def save(self, session_id: str, execution: Execution) -> str:
+        """Keep an execution and its images; its id (readable once `settled`)."""
+
+    @abstractmethod
+    async def settled(self, session_id: str, item_id: str) -> None:
+        """Once the save of that execution or image is readable."""
+
+    @abstractmethod
+    async def open_execution(self, session_id: str, execution_id: str) -> KeptBytes:
+        """A kept execution's JSON, as stored (a serialised Execution)."""
+
+    @abstractmethod
+    async def artifact(self, session_id: str, artifact_id: str) -> KeptImage: ...
+
+    @abstractmethod
+    async def drop(self, session_id: str) -> None:
+        """Forget an ended session's outputs; a save of it still under way keeps nothing."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Once every write under way is done (the service is closing)."""
+
+    async def execution(self, session_id: str, execution_id: str) -> Execution:
+        """A kept execution, parsed."""
+        data = await (await self.open_execution(session_id, execution_id)).read()
+        return await asyncio.to_thread(Execution.model_validate_json, data)
+
+    def missing(self, session_id: str, what: str, item_id: str, why: str | None) -> Exception:
+        """The error for an id not kept: evicted or not kept (410, saying what to do, from
+        `why`) or unknown (404, no `why`)."""
+        if why is None:
+            return OutputNotFound(f"no {what} {item_id} in session {session_id}")
+        if why.startswith(UNWRITTEN):
+            return OutputEvicted(
+                f"{what} {item_id} was not kept ({why}): run the code again, or have it write "
+                "what you need to a file in the workspace"
+            )
+        reason = "was evicted" if why == "evicted" else f"was not kept ({why})"
+        return OutputEvicted(
+            f"{what} {item_id} {reason} to respect the quota on kept outputs "
+            f"({self.max_bytes_per_session} bytes per session, {self.max_bytes_total} in all; "
+            "the oldest go first): run the code again, or have it write what you need to a "
+            "file in the workspace"
+        )
+
+
+class OutputStore(KeptOutputs):
+    """On this machine's disk (the service's state directory)."""
+
     def __init__(
         self, root: Path, *, max_bytes_per_session: int = 256 << 20, max_bytes_total: int = 4 << 30
     ) -> None:
@@ -99,7 +190,7 @@ class OutputStore:
         self._dropped: OrderedDict[str, None] = OrderedDict()  # ended sessions: keep nothing more
         # (session, execution or image id) -> its write, until done
         self._writing: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self._slots = asyncio.Semaphore(_WRITES_PENDING)
+        self._slots = asyncio.Semaphore(WRITES_PENDING)
         # One thread: saves are written in the order they were made (the quotas evict the
         # oldest first).
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kept-outputs")
@@ -122,13 +213,12 @@ class OutputStore:
         return self._bytes
 
     def _dir(self, session_id: str) -> Path:
-        if not _ID.match(session_id):
+        if not ITEM_ID.match(session_id):
             raise OutputNotFound(f"no session {session_id}")
         return self.root / session_id
 
     async def save(self, session_id: str, execution: Execution) -> str:
-        """Keep an execution and its images (evicting older ones past a quota); return its id
-        at once, the write under way (`settled` waits for it)."""
+        """Evicting older ones past a quota; the id at once, the write under way."""
         execution_id = f"e-{secrets.token_hex(8)}"
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
@@ -149,13 +239,12 @@ class OutputStore:
                 log.error("an output of session %s was not kept", session_id, exc_info=failed)
                 with self._lock:
                     for session, item in keys:
-                        self._remember(session, item, f"{_UNWRITTEN}: {failed}")
+                        self._remember(session, item, f"{UNWRITTEN}: {failed}")
 
         writing.add_done_callback(written)
         return execution_id
 
     async def close(self) -> None:
-        """Once every write under way is done (the service is closing)."""
         await asyncio.gather(*set(self._writing.values()), return_exceptions=True)
         await asyncio.to_thread(self._writer.shutdown, wait=True)
 
@@ -164,7 +253,6 @@ class OutputStore:
         return len(set(self._writing.values()))
 
     async def settled(self, session_id: str, item_id: str) -> None:
-        """Once the write of an execution (or image) of that id, if one is under way, is done."""
         writing = self._writing.get((session_id, item_id))
         if writing is not None:
             with contextlib.suppress(Exception):
@@ -236,26 +324,13 @@ class OutputStore:
             self._evicted.popitem(last=False)
 
     def _missing(self, session_id: str, what: str, item_id: str) -> Exception:
-        """The error for an id not on disk: evicted (410, saying what to do) or unknown (404)."""
-        why = self._evicted.get((session_id, item_id))
-        if why is None:
-            return OutputNotFound(f"no {what} {item_id} in session {session_id}")
-        if why.startswith(_UNWRITTEN):
-            return OutputEvicted(
-                f"{what} {item_id} was not kept ({why}): run the code again, or have it write "
-                "what you need to a file in the workspace"
-            )
-        reason = "was evicted" if why == "evicted" else f"was not kept ({why})"
-        return OutputEvicted(
-            f"{what} {item_id} {reason} to respect the quota on kept outputs "
-            f"({self.max_bytes_per_session} bytes per session, {self.max_bytes_total} in all; "
-            "the oldest go first): run the code again, or have it write what you need to a "
-            "file in the workspace"
-        )
+        return self.missing(session_id, what, item_id, self._evicted.get((session_id, item_id)))
 
-    def open_execution(self, session_id: str, execution_id: str) -> KeptFile:
-        """The kept JSON of an execution, as stored (it is already a serialised Execution)."""
-        if not _ID.match(execution_id):
+    async def open_execution(self, session_id: str, execution_id: str) -> KeptFile:
+        return await asyncio.to_thread(self._open_execution, session_id, execution_id)
+
+    def _open_execution(self, session_id: str, execution_id: str) -> KeptFile:
+        if not ITEM_ID.match(execution_id):
             raise OutputNotFound(f"no execution {execution_id} in session {session_id}")
         try:
             f = open(self._dir(session_id) / f"{execution_id}.json", "rb")  # noqa: SIM115
@@ -263,23 +338,19 @@ class OutputStore:
             raise self._missing(session_id, "execution", execution_id) from None
         return KeptFile(f, os.fstat(f.fileno()).st_size)
 
-    def execution(self, session_id: str, execution_id: str) -> Execution:
-        """A kept execution, parsed: blocking, so callers on the event loop use a thread."""
-        kept = self.open_execution(session_id, execution_id)
-        with kept.file:
-            return Execution.model_validate_json(kept.file.read())
-
-    def artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
-        if not _ID.match(artifact_id):
+    async def artifact(self, session_id: str, artifact_id: str) -> KeptImage:
+        if not ITEM_ID.match(artifact_id):
             raise OutputNotFound(f"no artifact {artifact_id} in session {session_id}")
-        for ext, mime in _TYPES.items():
+        for ext, mime in IMAGE_TYPES.items():
             path = self._dir(session_id) / f"{artifact_id}.{ext}"
             if path.is_file():
-                return path, mime
+                return KeptImage(mime, path=path)
         raise self._missing(session_id, "image", artifact_id)
 
-    def drop(self, session_id: str) -> None:
-        """Forget an ended session's outputs (blocking: call it from a worker thread)."""
+    async def drop(self, session_id: str) -> None:
+        await asyncio.to_thread(self._drop, session_id)
+
+    def _drop(self, session_id: str) -> None:
         with self._lock:
             self._dropped[session_id] = None
             while len(self._dropped) > _DROPPED_REMEMBERED:

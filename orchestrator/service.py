@@ -11,7 +11,7 @@ from orchestrator.config import Settings
 from orchestrator.governance.approvals import Approvals
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.instance_lock import InstanceLock
-from orchestrator.outputs import OutputStore
+from orchestrator.outputs import KeptOutputs, OutputStore
 from orchestrator.service_endpoints import service_endpoints
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
@@ -62,13 +62,9 @@ class Service:
         making them from the settings (an embedded session's own)."""
         self._settings = settings  # cut into the parts' sections: no part holds it whole
         cut = Sections.of(settings, service_endpoints(settings))
-        outputs = OutputStore(
-            settings.state_dir / "outputs",
-            max_bytes_per_session=settings.outputs_max_bytes_per_session,
-            max_bytes_total=settings.outputs_max_bytes_total,
-        )
-        self._outputs = outputs
         shared = _shared_store(settings)
+        outputs = _kept_outputs(settings, shared)
+        self._outputs = outputs
         self._sessions = _session_manager(settings, cut, shared, given_backends, self)
         sessions = self._sessions
         self.trail = AuditTrail(cut.audit, principal_of=lambda owner: self.admission.who(owner))
@@ -178,6 +174,19 @@ def _shared_store(settings: Settings) -> RedisConnection | None:
         timeout_s=settings.store_timeout_s,
         allow_unauthenticated=settings.store_allow_unauthenticated,
     )
+
+
+def _kept_outputs(settings: Settings, shared: RedisConnection | None) -> KeptOutputs:
+    """On this machine's disk; in cluster mode, in the shared store (any replica reads them)."""
+    quotas = {
+        "max_bytes_per_session": settings.outputs_max_bytes_per_session,
+        "max_bytes_total": settings.outputs_max_bytes_total,
+    }
+    if shared is None:
+        return OutputStore(settings.state_dir / "outputs", **quotas)
+    from orchestrator.shared_outputs import SharedOutputStore  # the [cluster] extra's Redis
+
+    return SharedOutputStore(shared, **quotas)
 
 
 def _session_manager(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import Response
 from markupsafe import Markup
 
 from code_interpreter_wire.rest import SessionInfo
@@ -17,7 +17,7 @@ from orchestrator.console.render import page, poll_block, polled, text
 from orchestrator.console.shown_outputs import ShownOutput, ShownText
 from orchestrator.governance import audit_kinds
 from orchestrator.governance.stores.audit_store import AuditEvent, AuditQuery
-from orchestrator.routes.sessions import ARTIFACT_HEADERS
+from orchestrator.routes.sessions import image_response
 from orchestrator.sessions import SessionError
 
 router = APIRouter()
@@ -176,5 +176,4 @@ async def artifact(
     console = console_of(request)
     if await _live(console, viewer, session_id) is None:
         raise SessionGone(f"no session {session_id}")
-    path, mime = await console.service.files.kept_artifact(session_id, artifact_id)
-    return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)
+    return image_response(await console.service.files.kept_artifact(session_id, artifact_id))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from code_interpreter_wire.results import Execution
-from orchestrator.outputs import KeptFile, OutputEvicted, OutputNotFound
+from orchestrator.outputs import OutputEvicted, OutputNotFound
 
 if TYPE_CHECKING:
     from orchestrator.service import Service
@@ -100,14 +100,14 @@ class ShownOutputs:
         except OutputNotFound:
             return ShownOutput(missing="its output is gone (kept only while its session lives)")
         if kept.size > MAX_PARSED_BYTES:
-            kept.file.close()
+            await kept.close()
             return ShownOutput(
                 missing=f"its output is too large to show here ({kept.size} bytes): "
                 f"GET /v1/sessions/{session_id}/executions/{execution_id} has it whole"
             )
-        return await asyncio.to_thread(_parsed, kept)
+        data = await kept.read()
+        return await asyncio.to_thread(_parsed, data)
 
 
-def _parsed(kept: KeptFile) -> ShownOutput:
-    with kept.file:
-        return shown(Execution.model_validate_json(kept.file.read()))
+def _parsed(data: bytes) -> ShownOutput:
+    return shown(Execution.model_validate_json(data))

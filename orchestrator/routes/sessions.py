@@ -24,7 +24,7 @@ from code_interpreter_wire.rest import (
 )
 from code_interpreter_wire.results import Execution, OutputEvent
 from orchestrator.json_responses import json_response
-from orchestrator.outputs import OutputNotFound
+from orchestrator.outputs import KeptImage, OutputNotFound
 from orchestrator.routes.deps import OwnerDep, ServiceDep, SessionDep, unless_disconnected
 from orchestrator.sessions import SessionError
 from orchestrator.streaming import Dropped, Finished, Keepalive
@@ -243,6 +243,12 @@ async def get_execution_stream(
     summary="An image an execution produced",
     response_class=FileResponse,
 )
-async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> FileResponse:
-    path, mime = await service.files.artifact(session, artifact_id)
-    return FileResponse(path, media_type=mime, headers=ARTIFACT_HEADERS)
+async def get_artifact(artifact_id: str, session: SessionDep, service: ServiceDep) -> Response:
+    return image_response(await service.files.artifact(session, artifact_id))
+
+
+def image_response(kept: KeptImage) -> Response:
+    """A kept image, shown and never run (`ARTIFACT_HEADERS`): its file, or its bytes."""
+    if kept.path is not None:
+        return FileResponse(kept.path, media_type=kept.media_type, headers=ARTIFACT_HEADERS)
+    return Response(kept.data or b"", media_type=kept.media_type, headers=ARTIFACT_HEADERS)

@@ -3,7 +3,6 @@ ended, for every front door; the only way each of these is done."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from code_interpreter_wire.errors import SandboxError
@@ -12,7 +11,7 @@ from code_interpreter_wire.spec import SandboxSpec
 from orchestrator.cluster.shared import SharedSandbox
 from orchestrator.governance.approvals import Approvals
 from orchestrator.host_tools import HostTool
-from orchestrator.outputs import OutputStore
+from orchestrator.outputs import KeptOutputs
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.channels import Channels
@@ -66,7 +65,7 @@ class Lifecycle:
         workspace: Workspace,
         pauses: Pauses,
         locks: StateLocks,
-        outputs: OutputStore,
+        outputs: KeptOutputs,
         ports: Ports,
     ) -> None:
         self.settings = settings
@@ -356,7 +355,7 @@ class Lifecycle:
         if self._records.started:
             await self._records.forget(session_id)
         # Off the loop: it may wait for a save writing a large execution, then delete files.
-        await asyncio.to_thread(self._outputs.drop, session_id)
+        await self._outputs.drop(session_id)
         await self._channels.close_for(session_id)
         await self._ports.ended(session_id)
         # Last (a store that fails delays none of the above): the waits of other replicas.

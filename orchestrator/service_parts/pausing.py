@@ -4,7 +4,6 @@ under the session's state lock (`StateLocks`), which its callers hold."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
@@ -12,7 +11,7 @@ import time
 
 from orchestrator.host_tools import HostTool
 from orchestrator.metrics import METRICS
-from orchestrator.outputs import OutputStore
+from orchestrator.outputs import KeptOutputs
 from orchestrator.saved_states import SavedStateQuotaReached
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
@@ -54,7 +53,7 @@ class Pauses:
         channels: Channels,
         persistence: Persistence,
         trail: AuditTrail,
-        outputs: OutputStore,
+        outputs: KeptOutputs,
     ) -> None:
         self.settings = settings
         self._sessions = sessions
@@ -165,4 +164,4 @@ class Pauses:
         await self._records.forget(record.id)
         self._sessions.remember_ended(record.id, record.owner, why)
         self._trail.ended(record.id, record.owner, why)
-        await asyncio.to_thread(self._outputs.drop, record.id)
+        await self._outputs.drop(record.id)

@@ -13,7 +13,7 @@ from code_interpreter_wire.results import EventSink, OutputEvent
 from orchestrator.governance.approvals import Approvals
 from orchestrator.governance.process_origins import command_origin, start_origin
 from orchestrator.metrics import METRICS
-from orchestrator.outputs import OutputStore
+from orchestrator.outputs import KeptOutputs
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail, command_outcome
 from orchestrator.service_parts.channels import Channels
@@ -30,7 +30,7 @@ class Runs:
         approvals: Approvals,
         channels: Channels,
         trail: AuditTrail,
-        outputs: OutputStore,
+        outputs: KeptOutputs,
         views: Views,
     ) -> None:
         self._admission = admission

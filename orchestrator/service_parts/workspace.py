@@ -3,13 +3,11 @@ outputs the service keeps of its executions (their JSON and their images)."""
 
 from __future__ import annotations
 
-import asyncio
 import posixpath
-from pathlib import Path
 
 from code_interpreter_wire.results import Execution, FileInfo
 from orchestrator.governance import audit_kinds as audited
-from orchestrator.outputs import KeptFile, OutputStore
+from orchestrator.outputs import KeptBytes, KeptImage, KeptOutputs
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.sessions import Session
@@ -24,7 +22,7 @@ class Workspace:
         settings: AdmissionSection,
         admission: Admission,
         trail: AuditTrail,
-        outputs: OutputStore,
+        outputs: KeptOutputs,
     ) -> None:
         self._max_download_bytes = settings.max_download_bytes
         self._admission = admission
@@ -74,26 +72,24 @@ class Workspace:
         self._trail.file(audited.FILE_MKDIR, session, path)
 
     # --- kept outputs
-    async def open_kept_execution(self, session: Session, execution_id: str) -> KeptFile:
-        await self._outputs.settled(session.id, execution_id)
-        return await asyncio.to_thread(self._outputs.open_execution, session.id, execution_id)
+    async def open_kept_execution(self, session: Session, execution_id: str) -> KeptBytes:
+        return await self.kept_output(session.id, execution_id)
 
     async def kept_execution(self, session: Session, execution_id: str) -> Execution:
         await self._outputs.settled(session.id, execution_id)
-        return await asyncio.to_thread(self._outputs.execution, session.id, execution_id)
+        return await self._outputs.execution(session.id, execution_id)
 
-    async def artifact(self, session: Session, artifact_id: str) -> tuple[Path, str]:
-        """The file of an image an execution produced, and its MIME type."""
-        await self._outputs.settled(session.id, artifact_id)
-        return self._outputs.artifact(session.id, artifact_id)
+    async def artifact(self, session: Session, artifact_id: str) -> KeptImage:
+        """An image an execution produced."""
+        return await self.kept_artifact(session.id, artifact_id)
 
-    async def kept_output(self, session_id: str, execution_id: str) -> KeptFile:
+    async def kept_output(self, session_id: str, execution_id: str) -> KeptBytes:
         """A kept execution's JSON by session id, running or paused: for a reader that has
         checked whose session it is (the console), without waking it."""
         await self._outputs.settled(session_id, execution_id)
-        return await asyncio.to_thread(self._outputs.open_execution, session_id, execution_id)
+        return await self._outputs.open_execution(session_id, execution_id)
 
-    async def kept_artifact(self, session_id: str, artifact_id: str) -> tuple[Path, str]:
+    async def kept_artifact(self, session_id: str, artifact_id: str) -> KeptImage:
         """`artifact`, by session id (as `kept_output`)."""
         await self._outputs.settled(session_id, artifact_id)
-        return self._outputs.artifact(session_id, artifact_id)
+        return await self._outputs.artifact(session_id, artifact_id)

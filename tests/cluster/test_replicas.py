@@ -6,6 +6,7 @@ exactly its sessions (410 SessionLost), a replica lost loses nothing."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -327,6 +328,39 @@ def test_replica_b_serves_a_session_made_through_a(replicas: tuple[Replica, Repl
         with replica.client() as api:
             gone = api.get(f"/v1/sessions/{sid}")
         assert gone.status_code == 410 and "was deleted" in gone.json()["error"]["message"]
+
+
+SVG = (
+    "from IPython.display import SVG, display\n"
+    'print("shown")\n'
+    'display(SVG(\'<svg xmlns="http://www.w3.org/2000/svg"><rect width="5" height="5"/></svg>\'))'
+)
+
+
+@pytest.mark.cluster
+def test_replica_kept_outputs_are_fetched_through_the_other_replica(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """An execution's kept JSON and its image, run through A, fetched through B (no sticky
+    routing); they go with the session, whichever replica ends it."""
+    a, b = replicas
+    sid = _create(a)
+    try:
+        ran = _execute(a, sid, SVG)
+        [shown] = ran["results"]
+        artifact_id = hashlib.sha256(shown["svg"].encode()).hexdigest()[:24]  # content-derived
+        with b.client() as api:
+            kept = api.get(f"/v1/sessions/{sid}/executions/{ran['execution_id']}")
+            assert kept.status_code == 200 and kept.json()["stdout"] == "shown\n", kept.text
+            image = api.get(f"/v1/sessions/{sid}/artifacts/{artifact_id}")
+            assert image.status_code == 200 and b"<rect" in image.content, image.text
+            assert image.headers["content-type"].startswith("image/svg+xml")
+            assert image.headers["content-security-policy"].endswith("sandbox")
+    finally:
+        _delete(b, sid)
+    with a.client() as api:
+        gone = api.get(f"/v1/sessions/{sid}/artifacts/{artifact_id}")
+    assert gone.status_code in (404, 410), gone.text
 
 
 @pytest.mark.cluster

@@ -356,7 +356,7 @@ def test_the_network_policies_select_the_pods_they_mean() -> None:
 
 
 def test_the_replicas_service_routes_each_client_to_one_replica() -> None:
-    """MCP connections and kept outputs live on one replica (docs/cluster.md, Limits): the
+    """MCP connections live on one replica (docs/cluster.md, Limits): the
     replicas' Service keeps each client on the replica it first reached."""
     spec = next(d for n, d in documents() if n == "service.yaml:Service")["spec"]
     assert spec["sessionAffinity"] == "ClientIP"

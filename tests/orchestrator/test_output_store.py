@@ -1,17 +1,25 @@
-"""The kept-outputs store's quotas: what is evicted, in which order, and what asking for it says."""
+"""The kept-outputs stores' quotas: what is evicted, in which order, and what asking for it says;
+on this machine's disk and in the shared store of a cluster (a real redis-server), alike."""
 
 from __future__ import annotations
 
 import base64
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from code_interpreter_wire.results import Execution, Result
-from orchestrator import outputs
-from orchestrator.outputs import OutputEvicted, OutputNotFound, OutputStore
+from orchestrator import outputs, shared_outputs
+from orchestrator.outputs import KeptOutputs, OutputEvicted, OutputNotFound, OutputStore
+from orchestrator.shared_outputs import SharedOutputStore
+from orchestrator.state_store.redis_connection import RedisConnection
 
 pytestmark = pytest.mark.unit
+
+PER_SESSION, TOTAL = 50_000, 80_000
 
 
 def text(n: int) -> Execution:
@@ -27,70 +35,98 @@ def disk(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def evicted(store: OutputStore, execution_id: str) -> bool:
+def stored(store: KeptOutputs) -> int:
+    """The bytes the store holds, counted where they are, checked against its own count."""
+    if isinstance(store, OutputStore):
+        held = disk(store.root)
+        assert held == store.bytes_kept
+        return held
+    assert isinstance(store, SharedOutputStore)
+    client = redis.Redis.from_url(store._connection.url)
+    base = store._connection.key("out")
+    held = sum(
+        int(client.strlen(key))
+        for pattern in (f"{base}:s:*:x:*", f"{base}:s:*:a:*")
+        for key in client.scan_iter(pattern)
+    )
+    assert held == int(client.get(f"{base}:bytes") or 0)
+    return held
+
+
+async def evicted(store: KeptOutputs, execution_id: str) -> bool:
     try:
-        store.open_execution("s1", execution_id).file.close()
+        await (await store.open_execution("s1", execution_id)).close()
     except OutputEvicted:
         return True
     return False
 
 
-async def saved(store: OutputStore, session_id: str, execution: Execution) -> str:
+async def saved(store: KeptOutputs, session_id: str, execution: Execution) -> str:
     """Saved and written."""
     execution_id = await store.save(session_id, execution)
     await store.settled(session_id, execution_id)
     return execution_id
 
 
+def shared(url: str, prefix: str) -> SharedOutputStore:
+    """One replica's handle on the shared store under `prefix`."""
+    connection = RedisConnection(url, prefix=prefix)
+    return SharedOutputStore(connection, max_bytes_per_session=PER_SESSION, max_bytes_total=TOTAL)
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> OutputStore:
-    s = OutputStore(tmp_path / "outputs", max_bytes_per_session=50_000, max_bytes_total=80_000)
+def disk_store(tmp_path: Path) -> OutputStore:
+    s = OutputStore(tmp_path / "outputs", max_bytes_per_session=PER_SESSION, max_bytes_total=TOTAL)
     s.clear()
     return s
 
 
-async def test_a_session_evicts_its_own_oldest_first(store: OutputStore) -> None:
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def replicas(redis_url: str, prefix: str) -> AsyncIterator[list[SharedOutputStore]]:
+    """Two replicas' handles on one shared store."""
+    both = [shared(redis_url, prefix), shared(redis_url, prefix)]
+    yield both
+    for store in both:
+        await store._connection.close()
+
+
+@pytest.fixture(params=["disk", "shared"])
+def store(request: pytest.FixtureRequest) -> KeptOutputs:
+    if request.param == "disk":
+        found: OutputStore = request.getfixturevalue("disk_store")
+        return found
+    both: list[SharedOutputStore] = request.getfixturevalue("replicas")
+    return both[0]
+
+
+async def test_a_session_evicts_its_own_oldest_first(store: KeptOutputs) -> None:
     ids = [await saved(store, "s1", text(10_000)) for _ in range(12)]
-    assert store.bytes_kept == disk(store.root) <= 50_000
-    assert store.execution("s1", ids[-1]).stdout == "x" * 10_000
+    assert stored(store) <= 50_000
+    assert (await store.execution("s1", ids[-1])).stdout == "x" * 10_000
     with pytest.raises(OutputEvicted, match="run the code again"):
-        store.execution("s1", ids[0])
+        await store.execution("s1", ids[0])
     with pytest.raises(OutputNotFound):
-        store.execution("s1", "e-never")
+        await store.execution("s1", "e-never")
 
 
-async def test_the_service_quota_evicts_the_oldest_of_anyone(store: OutputStore) -> None:
+async def test_the_service_quota_evicts_the_oldest_of_anyone(store: KeptOutputs) -> None:
     first = await saved(store, "s1", text(20_000))
     await saved(store, "s1", text(20_000))
     for _ in range(3):
         newest = await saved(store, "s2", text(15_000))
-    assert store.bytes_kept == disk(store.root) <= 80_000
+    assert stored(store) <= 80_000
     with pytest.raises(OutputEvicted):
-        store.execution("s1", first)
-    assert store.execution("s2", newest).stdout
-
-
-async def test_the_disk_never_holds_more_than_the_quota_even_mid_write(
-    store: OutputStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A reader of the disk between a save's first file and its last (a test, an operator's
-    `du`) sees the quota kept: what a save evicts is gone before what it keeps is written."""
-    seen: list[int] = []
-    write = outputs._write
-
-    def measured(path: Path, data: bytes) -> None:
-        seen.append(disk(store.root) + len(data))
-        write(path, data)
-
-    monkeypatch.setattr(outputs, "_write", measured)
-    for session in ("s1", "s2", "s1", "s2", "s3"):
-        for _ in range(4):
-            await saved(store, session, text(12_000))
-    assert len(seen) == 20 and max(seen) <= 80_000
+        await store.execution("s1", first)
+    assert (await store.execution("s2", newest)).stdout
 
 
 async def test_a_save_over_the_quota_with_an_image_kept_already_is_not_written(
-    store: OutputStore,
+    store: KeptOutputs,
 ) -> None:
     """An image is stored once: a new execution showing one an older one showed counts only its
     JSON at first, but if that JSON and the image together are over the quota, the evictions
@@ -99,53 +135,152 @@ async def test_a_save_over_the_quota_with_an_image_kept_already_is_not_written(
     big = Execution(stdout="x" * 30_000, results=image(1).results)
     over = await saved(store, "s1", big)
     with pytest.raises(OutputEvicted):
-        store.open_execution("s1", over)
-    assert store.bytes_kept == disk(store.root) == 0
+        await store.open_execution("s1", over)
+    assert stored(store) == 0
 
 
-async def test_an_image_stays_while_a_kept_execution_shows_it(store: OutputStore) -> None:
+async def test_an_image_stays_while_a_kept_execution_shows_it(store: KeptOutputs) -> None:
     old = await saved(store, "s1", image(1))
-    artifact_id = store.execution("s1", old).artifacts[0].id
+    artifact_id = (await store.execution("s1", old)).artifacts[0].id
     second = await saved(store, "s1", image(1))  # the same image again: stored once
-    while not evicted(store, old):
+    while not await evicted(store, old):
         await saved(store, "s1", text(5_000))
-    assert store.artifact("s1", artifact_id)  # the second execution still shows it
-    while not evicted(store, second):
+    kept = await store.artifact("s1", artifact_id)  # the second execution still shows it
+    assert kept.media_type == "image/png"
+    shown = kept.data if kept.path is None else kept.path.read_bytes()
+    assert shown == bytes([1]) * 10_000
+    while not await evicted(store, second):
         await saved(store, "s1", text(5_000))
     with pytest.raises(OutputEvicted):
-        store.artifact("s1", artifact_id)
-    assert store.bytes_kept == disk(store.root)
+        await store.artifact("s1", artifact_id)
+    stored(store)
 
 
-async def test_too_big_to_keep_and_drop(store: OutputStore) -> None:
+async def test_too_big_to_keep_and_drop(store: KeptOutputs) -> None:
     huge = await saved(store, "s1", text(60_000))
     with pytest.raises(OutputEvicted, match="not kept"):
-        store.open_execution("s1", huge)
-    await saved(store, "s1", text(10_000))
-    store.drop("s1")
-    assert store.bytes_kept == 0 and not (store.root / "s1").exists()
+        await store.open_execution("s1", huge)
+    kept = await saved(store, "s1", text(10_000))
+    await store.drop("s1")
+    assert stored(store) == 0
+    with pytest.raises(OutputNotFound):
+        await store.open_execution("s1", kept)
+    late = await saved(store, "s1", text(10_000))  # a run that finished as its session ended
+    assert stored(store) == 0
+    with pytest.raises(OutputNotFound):
+        await store.open_execution("s1", late)
 
 
-async def test_a_save_answers_before_its_write_and_waits_past_the_cap(store: OutputStore) -> None:
+async def test_the_disk_never_holds_more_than_the_quota_even_mid_write(
+    disk_store: OutputStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader of the disk between a save's first file and its last (a test, an operator's
+    `du`) sees the quota kept: what a save evicts is gone before what it keeps is written."""
+    seen: list[int] = []
+    write = outputs._write
+
+    def measured(path: Path, data: bytes) -> None:
+        seen.append(disk(disk_store.root) + len(data))
+        write(path, data)
+
+    monkeypatch.setattr(outputs, "_write", measured)
+    for session in ("s1", "s2", "s1", "s2", "s3"):
+        for _ in range(4):
+            await saved(disk_store, session, text(12_000))
+    assert len(seen) == 20 and max(seen) <= 80_000
+
+
+async def test_a_save_answers_before_its_write_and_waits_past_the_cap(
+    disk_store: OutputStore,
+) -> None:
     """The id comes back at once; what reads it (or its image) right away finds it written; at
-    most `_WRITES_PENDING` writes are ever under way."""
-    saves = [store.save(f"s{i % 3}", image(i % 5)) for i in range(200)]
+    most `WRITES_PENDING` writes are ever under way."""
+    saves = [disk_store.save(f"s{i % 3}", image(i % 5)) for i in range(200)]
     ids = []
     for saving in saves:
         ids.append(await saving)
-        assert store.writes_pending <= outputs._WRITES_PENDING
+        assert disk_store.writes_pending <= outputs.WRITES_PENDING
     session, last = f"s{199 % 3}", ids[-1]
-    await store.settled(session, last)
-    artifact_id = store.execution(session, last).artifacts[0].id
-    await store.settled(session, artifact_id)
-    assert store.artifact(session, artifact_id)
+    await disk_store.settled(session, last)
+    artifact_id = (await disk_store.execution(session, last)).artifacts[0].id
+    await disk_store.settled(session, artifact_id)
+    assert await disk_store.artifact(session, artifact_id)
 
 
-async def test_a_write_that_fails_is_told_as_such(store: OutputStore) -> None:
+async def test_a_write_that_fails_is_told_as_such(disk_store: OutputStore) -> None:
     """The id was given out before the write: if the write fails, a reader is told why."""
-    (store.root / "s-blocked").write_text("a file where the session's directory goes")
-    execution_id = await store.save("s-blocked", text(100))
-    await store.settled("s-blocked", execution_id)
+    (disk_store.root / "s-blocked").write_text("a file where the session's directory goes")
+    execution_id = await disk_store.save("s-blocked", text(100))
+    await disk_store.settled("s-blocked", execution_id)
     with pytest.raises(OutputEvicted, match="could not be written"):
-        store.execution("s-blocked", execution_id)
-    await store.close()
+        await disk_store.execution("s-blocked", execution_id)
+    await disk_store.close()
+
+
+# --- the shared store: what one replica keeps, another reads
+async def test_what_one_replica_kept_another_reads_and_ends(
+    replicas: list[SharedOutputStore],
+) -> None:
+    a, b = replicas
+    execution_id = await a.save("s1", image(7))
+    execution = await b.execution("s1", execution_id)  # no wait: kept before its id was given
+    kept = await b.artifact("s1", execution.artifacts[0].id)
+    assert kept.data == bytes([7]) * 10_000
+    await b.drop("s1")
+    with pytest.raises(OutputNotFound):
+        await a.open_execution("s1", execution_id)
+    assert stored(a) == 0
+
+
+async def test_the_quotas_hold_across_replicas(replicas: list[SharedOutputStore]) -> None:
+    """Each save is checked against what every replica kept: the evictions reach the other's."""
+    a, b = replicas
+    first = await a.save("s1", text(20_000))
+    for i in range(6):
+        await (b if i % 2 else a).save(f"s{2 + i % 2}", text(15_000))
+        assert stored(a) <= TOTAL
+    with pytest.raises(OutputEvicted, match="was evicted"):
+        await b.open_execution("s1", first)
+
+
+async def test_a_large_execution_is_read_whole_while_it_is_evicted(
+    replicas: list[SharedOutputStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `_READ_WHOLE` a reader reads a copy taken when it opened it, in chunks: an eviction
+    meanwhile does not cut it short, and the copy is gone once read."""
+    monkeypatch.setattr(shared_outputs, "_READ_WHOLE", 1_000)
+    monkeypatch.setattr(shared_outputs, "CHUNK_BYTES", 4_096)
+    a, b = replicas
+    big = await a.save("s1", text(30_000))
+    opened = await b.open_execution("s1", big)
+    while True:  # evicted from under the reader
+        await a.save("s1", text(10_000))
+        try:
+            await (await a.open_execution("s1", big)).close()
+        except OutputEvicted:
+            break
+    assert opened.size > 30_000
+    data = b"".join([chunk async for chunk in opened.chunks()])
+    assert len(data) == opened.size and Execution.model_validate_json(data).stdout == "x" * 30_000
+    client = redis.Redis.from_url(a._connection.url)
+    assert not list(client.scan_iter(a._connection.key("out", "reading", "*")))
+
+
+async def test_a_save_the_store_refused_is_told_as_not_kept(redis_url: str, prefix: str) -> None:
+    """The store is down: the run's answer still comes (with its id); reading it says why."""
+    store = shared(redis_url.rsplit(":", 1)[0] + ":1/0", prefix)  # nothing listens on port 1
+    try:
+        execution_id = await store.save("s1", text(100))
+        with pytest.raises(OutputEvicted, match="could not be written"):
+            await store.open_execution("s1", execution_id)
+    finally:
+        await store._connection.close()
+
+
+async def test_a_session_ends_though_the_store_is_down(redis_url: str, prefix: str) -> None:
+    """Dropping its outputs never fails a session's end: they stay until evicted."""
+    store = shared(redis_url.rsplit(":", 1)[0] + ":1/0", prefix)
+    try:
+        await store.drop("s1")
+    finally:
+        await store._connection.close()

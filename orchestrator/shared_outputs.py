@@ -1,0 +1,305 @@
+"""Kept outputs in cluster mode: in the Redis every replica shares, so an execution's JSON and its
+images are fetched through any replica (no sticky routing), and outlive the replica that ran it.
+
+The same quotas and order as on one machine (outputs.py): bytes per session and in all, the oldest
+evicted first (that session's, then anyone's), an image kept once while any kept execution shows
+it, an evicted id answered 410. One Lua script per save checks, evicts and writes atomically,
+whichever replica sends it, so the quotas hold across replicas and nothing is ever half-written;
+the save is done before its id is answered, so any replica reads it at once. The quota on all
+kept outputs is memory of that Redis: size it for `outputs_max_bytes_total` (docs/cluster.md).
+
+Under `<prefix>:out`: `all` (a sorted set of `session/execution`, in save order), `seq`, `bytes`;
+per session under `s:<session>`: `order` (its executions, oldest first), `meta` (an execution's
+JSON size and images), `refs` and `sizes` (each image's users and size), `bytes`, `gone` (why
+an id is not kept, at most `_GONE_REMEMBERED`), `dropped` (the session ended: a late save keeps
+nothing), `x:<execution>` (its JSON) and `a:<image>.<ext>` (an image's bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from code_interpreter_wire.results import Execution
+from orchestrator.json_responses import encode_large
+from orchestrator.outputs import (
+    CHUNK_BYTES,
+    IMAGE_TYPES,
+    ITEM_ID,
+    UNWRITTEN,
+    WRITES_PENDING,
+    KeptBytes,
+    KeptImage,
+    KeptOutputs,
+    OutputNotFound,
+)
+from orchestrator.state_store.redis_connection import RedisConnection, StoreUnavailable, text
+
+log = logging.getLogger(__name__)
+
+_GONE_REMEMBERED = 10_000  # ids per session still answered "evicted" (410), not "not found"
+_DROPPED_S = 3600  # how long an ended session's late saves are refused
+_READ_WHOLE = 4 << 20  # larger JSON is read from a copy, in chunks (eviction may come meanwhile)
+_COPY_S = 600  # a copy being read is gone after this even if its reader vanished
+_UNWRITTEN_REMEMBERED = 10_000
+
+_SAVE = """
+local base, sid, eid, json = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local max_session, max_total = tonumber(ARGV[5]), tonumber(ARGV[6])
+local remembered, images = tonumber(ARGV[7]), tonumber(ARGV[8])
+local function at(session) return base .. ':s:' .. session end
+local function remember(session, id, why)
+  local gone = at(session) .. ':gone'
+  if redis.call('HLEN', gone) >= remembered then redis.call('DEL', gone) end
+  redis.call('HSET', gone, id, why)
+end
+local function evict(session)
+  local s = at(session)
+  local id = redis.call('LPOP', s .. ':order')
+  if not id then return nil end
+  local meta = redis.call('HGET', s .. ':meta', id) or '0'
+  redis.call('HDEL', s .. ':meta', id)
+  redis.call('ZREM', base .. ':all', session .. '/' .. id)
+  redis.call('DEL', s .. ':x:' .. id)
+  remember(session, id, 'evicted')
+  local freed, first = 0, true
+  for part in string.gmatch(meta, '[^|]+') do
+    if first then
+      freed, first = tonumber(part), false
+    elseif redis.call('HINCRBY', s .. ':refs', part, -1) <= 0 then
+      freed = freed + tonumber(redis.call('HGET', s .. ':sizes', part) or '0')
+      redis.call('HDEL', s .. ':refs', part)
+      redis.call('HDEL', s .. ':sizes', part)
+      redis.call('DEL', s .. ':a:' .. part)
+      remember(session, string.match(part, '^[^.]*'), 'evicted')
+    end
+  end
+  redis.call('DECRBY', s .. ':bytes', freed)
+  redis.call('DECRBY', base .. ':bytes', freed)
+  return id
+end
+
+local here = at(sid)
+if redis.call('EXISTS', here .. ':dropped') == 1 then return 'dropped' end
+local names, new, size = {}, {}, #json
+for i = 1, images do
+  local name, blob = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
+  names[#names + 1] = name
+  if redis.call('HEXISTS', here .. ':refs', name) == 0 then
+    new[name] = blob
+    size = size + #blob
+  end
+end
+if size > math.min(max_session, max_total) then
+  remember(sid, eid, 'its ' .. size .. ' bytes are over the quota')
+  return 'over'
+end
+for _, name in ipairs(names) do
+  if redis.call('HINCRBY', here .. ':refs', name, 1) == 1 then
+    redis.call('HSET', here .. ':sizes', name, #new[name])
+  end
+end
+names[0] = tostring(#json)
+redis.call('HSET', here .. ':meta', eid, table.concat(names, '|', 0))
+redis.call('RPUSH', here .. ':order', eid)
+redis.call('ZADD', base .. ':all', redis.call('INCR', base .. ':seq'), sid .. '/' .. eid)
+redis.call('INCRBY', here .. ':bytes', size)
+redis.call('INCRBY', base .. ':bytes', size)
+local itself = false
+while tonumber(redis.call('GET', here .. ':bytes')) > max_session do
+  local id = evict(sid)
+  if not id then break end
+  if id == eid then itself = true end
+end
+while tonumber(redis.call('GET', base .. ':bytes')) > max_total do
+  local oldest = redis.call('ZRANGE', base .. ':all', 0, 0)[1]
+  if not oldest then break end
+  local session = string.match(oldest, '^(.*)/')
+  local id = evict(session)
+  if not id then
+    redis.call('ZREM', base .. ':all', oldest)
+  elseif session == sid and id == eid then
+    itself = true
+  end
+end
+if itself then return 'evicted' end
+redis.call('SET', here .. ':x:' .. eid, json)
+for name, blob in pairs(new) do redis.call('SET', here .. ':a:' .. name, blob) end
+return 'kept'
+"""
+
+_DROP = """
+local base, sid, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local here = base .. ':s:' .. sid
+redis.call('SET', here .. ':dropped', '1', 'EX', ttl)
+for _, id in ipairs(redis.call('LRANGE', here .. ':order', 0, -1)) do
+  redis.call('ZREM', base .. ':all', sid .. '/' .. id)
+  redis.call('DEL', here .. ':x:' .. id)
+end
+for _, name in ipairs(redis.call('HKEYS', here .. ':refs')) do
+  redis.call('DEL', here .. ':a:' .. name)
+end
+redis.call('DECRBY', base .. ':bytes', tonumber(redis.call('GET', here .. ':bytes') or '0'))
+redis.call('DEL', here .. ':order', here .. ':meta', here .. ':refs', here .. ':sizes',
+  here .. ':bytes', here .. ':gone')
+return 1
+"""
+
+
+class SharedOutputStore(KeptOutputs):
+    def __init__(
+        self,
+        connection: RedisConnection,
+        *,
+        max_bytes_per_session: int = 256 << 20,
+        max_bytes_total: int = 4 << 30,
+    ) -> None:
+        self._connection = connection
+        self._redis = connection.client
+        self.max_bytes_per_session = max_bytes_per_session
+        self.max_bytes_total = max_bytes_total
+        self._base = connection.key("out")
+        self._save = self._redis.register_script(_SAVE)
+        self._drop = self._redis.register_script(_DROP)
+        self._slots = asyncio.Semaphore(WRITES_PENDING)  # saves' encodings held at once
+        # Saves the store refused (it was down): told here as not kept, not as unknown.
+        self._unwritten: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def _key(self, session_id: str, *parts: str) -> str:
+        return ":".join((self._base, "s", session_id, *parts))
+
+    def clear(self) -> None:
+        """Nothing: the store outlives each replica, and the sessions whose outputs it holds."""
+
+    async def save(self, session_id: str, execution: Execution) -> str:
+        """Kept (or refused, told to readers) before the id is answered: any replica reads it."""
+        execution_id = f"e-{secrets.token_hex(8)}"
+        if not ITEM_ID.match(session_id):
+            raise OutputNotFound(f"no session {session_id}")
+        async with self._slots:
+            data = await asyncio.to_thread(encode_large, execution.model_dump(mode="json"))
+            images = {f"{a.id}.{a.extension}": a.data for a in execution.artifacts}
+            args: list[Any] = [self._base, session_id, execution_id, data]
+            args += [self.max_bytes_per_session, self.max_bytes_total]
+            args += [_GONE_REMEMBERED, len(images)]
+            for name, blob in images.items():
+                args += [name, blob]
+            try:
+                with self._connection.errors():
+                    await self._save(args=args)
+            except StoreUnavailable as exc:
+                log.error("an output of session %s was not kept: %s", session_id, exc)
+                why = f"{UNWRITTEN}: {exc}"
+                for item in [execution_id] + [a.id for a in execution.artifacts]:
+                    self._unwritten[(session_id, item)] = why
+                while len(self._unwritten) > _UNWRITTEN_REMEMBERED:
+                    self._unwritten.popitem(last=False)
+        return execution_id
+
+    async def settled(self, session_id: str, item_id: str) -> None:
+        """At once: a save is done before its id is given out."""
+
+    def _refused(self, session_id: str, what: str, item_id: str) -> None:
+        """Raise what a reader of a save the store refused is told (asking it is no use)."""
+        why = self._unwritten.get((session_id, item_id))
+        if why is not None:
+            raise self.missing(session_id, what, item_id, why)
+
+    async def _missing(self, session_id: str, what: str, item_id: str) -> Exception:
+        with self._connection.errors():
+            answer = await self._redis.hget(self._key(session_id, "gone"), item_id)
+        why = None if answer is None else text(answer)
+        return self.missing(session_id, what, item_id, why)
+
+    async def open_execution(self, session_id: str, execution_id: str) -> KeptBytes:
+        if not ITEM_ID.match(session_id) or not ITEM_ID.match(execution_id):
+            raise OutputNotFound(f"no execution {execution_id} in session {session_id}")
+        self._refused(session_id, "execution", execution_id)
+        key = self._key(session_id, "x", execution_id)
+        with self._connection.errors():
+            size = int(await self._redis.strlen(key))
+            if 0 < size <= _READ_WHOLE:
+                data = await self._redis.get(key)
+                if data is not None:
+                    return _KeptValue(_raw(data))
+            elif size:
+                copy = self._connection.key("out", "reading", secrets.token_hex(8))
+                if await self._redis.copy(key, copy):
+                    await self._redis.expire(copy, _COPY_S)
+                    return _KeptCopy(self._connection, copy, size)
+        raise await self._missing(session_id, "execution", execution_id)
+
+    async def artifact(self, session_id: str, artifact_id: str) -> KeptImage:
+        if not ITEM_ID.match(session_id) or not ITEM_ID.match(artifact_id):
+            raise OutputNotFound(f"no artifact {artifact_id} in session {session_id}")
+        self._refused(session_id, "image", artifact_id)
+        keys = [self._key(session_id, "a", f"{artifact_id}.{ext}") for ext in IMAGE_TYPES]
+        with self._connection.errors():
+            found = await self._redis.mget(keys)
+        for mime, data in zip(IMAGE_TYPES.values(), found, strict=True):
+            if data is not None:
+                return KeptImage(mime, data=_raw(data))
+        raise await self._missing(session_id, "image", artifact_id)
+
+    async def drop(self, session_id: str) -> None:
+        """Never fails the session's end: if the store is down, what it kept stays until the
+        quota in all evicts it (the oldest first), a bounded leftover."""
+        if not ITEM_ID.match(session_id):
+            return
+        try:
+            with self._connection.errors():
+                await self._drop(args=[self._base, session_id, _DROPPED_S])
+        except StoreUnavailable as exc:
+            log.error("the kept outputs of ended session %s stay for now: %s", session_id, exc)
+
+    async def close(self) -> None:
+        """Nothing: each save is done before its caller goes on."""
+
+
+class _KeptValue(KeptBytes):
+    """Read whole from the store."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield self.data
+
+    async def close(self) -> None:
+        self.data = b""
+
+
+class _KeptCopy(KeptBytes):
+    """A large one, copied as it was when opened (an eviction meanwhile takes the original
+    only), read in chunks, the copy deleted at the end (or by its expiry, if never read)."""
+
+    def __init__(self, connection: RedisConnection, key: str, size: int) -> None:
+        self._connection = connection
+        self._key = key
+        self.size = size
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        redis = self._connection.client
+        try:
+            for start in range(0, self.size, CHUNK_BYTES):
+                with self._connection.errors():
+                    chunk = await redis.getrange(self._key, start, start + CHUNK_BYTES - 1)
+                if not chunk:  # expired under a reader that took too long: cut short
+                    return
+                yield _raw(chunk)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        with self._connection.errors():
+            await self._connection.client.delete(self._key)
+
+
+def _raw(answer: bytes | str) -> bytes:
+    """A value as stored (the connection never decodes; typed as if it might)."""
+    return answer if isinstance(answer, bytes) else answer.encode()

@@ -6,19 +6,27 @@ Every function here is blocking (a GCS round trip): call it through `asyncio.to_
 actor table and the per-node free resources are Ray developer APIs (`ray._private.state`):
 the public state API (`ray.util.state`) needs the dashboard, which a cluster need not run. They
 are imported in one place (`_private_state`), so that a Ray without them fails with a clear
-`BackendUnavailable` instead of an `ImportError` deep in a request. A GCS that does not answer
-is `BackendUnavailable` too: never a raw Ray error.
+`BackendUnavailable` instead of an `ImportError` deep in a request, and a Ray outside the
+versions they were tested with (`TESTED_RAY`) is said in the log once, naming the risk. A GCS
+that does not answer is `BackendUnavailable` too: never a raw Ray error.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import ray
+from packaging.version import InvalidVersion, Version
 
 from code_interpreter_wire.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+# The Ray versions whose private state API the backend was tested against: from, and below.
+TESTED_RAY = (Version("2.55"), Version("2.61"))
 
 _CAUSE_CHARS = 400
 # The actor table's states (gcs.proto ActorTableData.ActorState).
@@ -54,7 +62,30 @@ def _private_state() -> ModuleType:
                 f"this Ray ({ray.__version__}) has no ray._private.state.{name}, which the ray "
                 "backend needs; install the Ray version pyproject.toml pins"
             )
+    untested_ray(ray.__version__)
     return state
+
+
+@functools.cache  # said once per version, not at every read
+def untested_ray(version: str) -> bool:
+    """Whether `version` is outside `TESTED_RAY` (then said in the log): its private state API
+    may answer differently even where its names are still there."""
+    low, high = TESTED_RAY
+    try:
+        tested = low <= Version(version) < high
+    except InvalidVersion:
+        tested = False
+    if not tested:
+        log.warning(
+            "Ray %s is not a version the ray backend was tested with (%s up to, not including, "
+            "%s): it reads actors' and nodes' state through Ray's private API "
+            "(ray._private.state), which may change between versions; if sessions are wrongly "
+            "said lost or placement misbehaves, install a tested Ray on every node and replica",
+            version,
+            low,
+            high,
+        )
+    return not tested
 
 
 def _gcs(what: str, call: Any, *args: Any, **kwargs: Any) -> Any:

@@ -18,6 +18,7 @@ nothing), `x:<execution>` (its JSON) and `a:<image>.<ext>` (an image's bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections import OrderedDict
@@ -43,8 +44,7 @@ log = logging.getLogger(__name__)
 
 _GONE_REMEMBERED = 10_000  # ids per session still answered "evicted" (410), not "not found"
 _DROPPED_S = 3600  # how long an ended session's late saves are refused
-_READ_WHOLE = 4 << 20  # larger JSON is read from a copy, in chunks (eviction may come meanwhile)
-_COPY_S = 600  # a copy being read is gone after this even if its reader vanished
+_READ_WHOLE = 4 << 20  # larger JSON is read in chunks (an eviction meanwhile cuts it short)
 _UNWRITTEN_REMEMBERED = 10_000
 
 _SAVE = """
@@ -85,6 +85,7 @@ end
 
 local here = at(sid)
 if redis.call('EXISTS', here .. ':dropped') == 1 then return 'dropped' end
+if redis.call('HEXISTS', here .. ':meta', eid) == 1 then return 'kept' end
 local names, new, size = {}, {}, #json
 for i = 1, images do
   local name, blob = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
@@ -183,6 +184,18 @@ class SharedOutputStore(KeptOutputs):
         async with self._slots:
             data = await asyncio.to_thread(encode_large, execution.model_dump(mode="json"))
             images = {f"{a.id}.{a.extension}": a.data for a in execution.artifacts}
+            # What can never fit (an image kept already counts nothing, so only each part on
+            # its own is sure to be over): the store's script judges the rest.
+            size = max([len(data), *(len(blob) for blob in images.values())])
+            if size > min(self.max_bytes_per_session, self.max_bytes_total):
+                # Never sent: no use moving it through the store only to be refused there.
+                with contextlib.suppress(StoreUnavailable), self._connection.errors():
+                    await self._redis.hset(
+                        self._key(session_id, "gone"),
+                        execution_id,
+                        f"its {len(data)} bytes and images are over the quota",
+                    )
+                return execution_id
             args: list[Any] = [self._base, session_id, execution_id, data]
             args += [self.max_bytes_per_session, self.max_bytes_total]
             args += [_GONE_REMEMBERED, len(images)]
@@ -203,22 +216,19 @@ class SharedOutputStore(KeptOutputs):
     async def settled(self, session_id: str, item_id: str) -> None:
         """At once: a save is done before its id is given out."""
 
-    def _refused(self, session_id: str, what: str, item_id: str) -> None:
-        """Raise what a reader of a save the store refused is told (asking it is no use)."""
-        why = self._unwritten.get((session_id, item_id))
-        if why is not None:
-            raise self.missing(session_id, what, item_id, why)
-
     async def _missing(self, session_id: str, what: str, item_id: str) -> Exception:
+        """Why the store has no such item; a save it seemed to refuse (a timeout: the outcome is
+        unknown) is told as not kept only when the store has no word of it either."""
         with self._connection.errors():
             answer = await self._redis.hget(self._key(session_id, "gone"), item_id)
         why = None if answer is None else text(answer)
+        if why is None:
+            why = self._unwritten.get((session_id, item_id))
         return self.missing(session_id, what, item_id, why)
 
     async def open_execution(self, session_id: str, execution_id: str) -> KeptBytes:
         if not ITEM_ID.match(session_id) or not ITEM_ID.match(execution_id):
             raise OutputNotFound(f"no execution {execution_id} in session {session_id}")
-        self._refused(session_id, "execution", execution_id)
         key = self._key(session_id, "x", execution_id)
         with self._connection.errors():
             size = int(await self._redis.strlen(key))
@@ -227,16 +237,12 @@ class SharedOutputStore(KeptOutputs):
                 if data is not None:
                     return _KeptValue(_raw(data))
             elif size:
-                copy = self._connection.key("out", "reading", secrets.token_hex(8))
-                if await self._redis.copy(key, copy):
-                    await self._redis.expire(copy, _COPY_S)
-                    return _KeptCopy(self._connection, copy, size)
+                return _KeptChunks(self._connection, key, size)
         raise await self._missing(session_id, "execution", execution_id)
 
     async def artifact(self, session_id: str, artifact_id: str) -> KeptImage:
         if not ITEM_ID.match(session_id) or not ITEM_ID.match(artifact_id):
             raise OutputNotFound(f"no artifact {artifact_id} in session {session_id}")
-        self._refused(session_id, "image", artifact_id)
         keys = [self._key(session_id, "a", f"{artifact_id}.{ext}") for ext in IMAGE_TYPES]
         with self._connection.errors():
             found = await self._redis.mget(keys)
@@ -274,9 +280,9 @@ class _KeptValue(KeptBytes):
         self.data = b""
 
 
-class _KeptCopy(KeptBytes):
-    """A large one, copied as it was when opened (an eviction meanwhile takes the original
-    only), read in chunks, the copy deleted at the end (or by its expiry, if never read)."""
+class _KeptChunks(KeptBytes):
+    """A large one, read in chunks from where it is kept (never copied: copies would be
+    memory outside the quota); an eviction meanwhile cuts the read short."""
 
     def __init__(self, connection: RedisConnection, key: str, size: int) -> None:
         self._connection = connection
@@ -285,19 +291,15 @@ class _KeptCopy(KeptBytes):
 
     async def chunks(self) -> AsyncIterator[bytes]:
         redis = self._connection.client
-        try:
-            for start in range(0, self.size, CHUNK_BYTES):
-                with self._connection.errors():
-                    chunk = await redis.getrange(self._key, start, start + CHUNK_BYTES - 1)
-                if not chunk:  # expired under a reader that took too long: cut short
-                    return
-                yield _raw(chunk)
-        finally:
-            await self.close()
+        for start in range(0, self.size, CHUNK_BYTES):
+            with self._connection.errors():
+                chunk = await redis.getrange(self._key, start, start + CHUNK_BYTES - 1)
+            if not chunk:  # evicted under its reader
+                return
+            yield _raw(chunk)
 
     async def close(self) -> None:
-        with self._connection.errors():
-            await self._connection.client.delete(self._key)
+        """Nothing is held."""
 
 
 def _raw(answer: bytes | str) -> bytes:

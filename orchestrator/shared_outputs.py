@@ -47,17 +47,35 @@ _DROPPED_S = 3600  # how long an ended session's late saves are refused
 _READ_WHOLE = 4 << 20  # larger JSON is read in chunks (an eviction meanwhile cuts it short)
 _UNWRITTEN_REMEMBERED = 10_000
 
-_SAVE = """
-local base, sid, eid, json = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local max_session, max_total = tonumber(ARGV[5]), tonumber(ARGV[6])
-local remembered, images = tonumber(ARGV[7]), tonumber(ARGV[8])
+# Why an id is not kept, at most `remembered` per session: both scripts below remember alike.
+_REMEMBER = """
 local function at(session) return base .. ':s:' .. session end
 local function remember(session, id, why)
   local gone = at(session) .. ':gone'
   if redis.call('HLEN', gone) >= remembered then redis.call('DEL', gone) end
   redis.call('HSET', gone, id, why)
 end
-local function evict(session)
+"""
+
+_REFUSED = (
+    """
+local base, sid, eid, why, remembered = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+"""
+    + _REMEMBER
+    + """
+remember(sid, eid, why)
+return 1
+"""
+)
+
+_SAVE = (
+    """
+local base, sid, eid, json = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local max_session, max_total = tonumber(ARGV[5]), tonumber(ARGV[6])
+local remembered, images = tonumber(ARGV[7]), tonumber(ARGV[8])
+"""
+    + _REMEMBER
+    + """local function evict(session)
   local s = at(session)
   local id = redis.call('LPOP', s .. ':order')
   if not id then return nil end
@@ -132,6 +150,7 @@ redis.call('SET', here .. ':x:' .. eid, json)
 for name, blob in pairs(new) do redis.call('SET', here .. ':a:' .. name, blob) end
 return 'kept'
 """
+)
 
 _DROP = """
 local base, sid, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -166,6 +185,7 @@ class SharedOutputStore(KeptOutputs):
         self._base = connection.key("out")
         self._save = self._redis.register_script(_SAVE)
         self._drop = self._redis.register_script(_DROP)
+        self._refused = self._redis.register_script(_REFUSED)
         self._slots = asyncio.Semaphore(WRITES_PENDING)  # saves' encodings held at once
         # Saves the store refused (it was down): told here as not kept, not as unknown.
         self._unwritten: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -189,11 +209,10 @@ class SharedOutputStore(KeptOutputs):
             size = max([len(data), *(len(blob) for blob in images.values())])
             if size > min(self.max_bytes_per_session, self.max_bytes_total):
                 # Never sent: no use moving it through the store only to be refused there.
+                why = f"its {len(data)} bytes and images are over the quota"
                 with contextlib.suppress(StoreUnavailable), self._connection.errors():
-                    await self._redis.hset(
-                        self._key(session_id, "gone"),
-                        execution_id,
-                        f"its {len(data)} bytes and images are over the quota",
+                    await self._refused(
+                        args=[self._base, session_id, execution_id, why, _GONE_REMEMBERED]
                     )
                 return execution_id
             args: list[Any] = [self._base, session_id, execution_id, data]

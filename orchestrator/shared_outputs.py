@@ -3,16 +3,20 @@ images are fetched through any replica (no sticky routing), and outlive the repl
 
 The same quotas and order as on one machine (outputs.py): bytes per session and in all, the oldest
 evicted first (that session's, then anyone's), an image kept once while any kept execution shows
-it, an evicted id answered 410. One Lua script per save checks, evicts and writes atomically,
-whichever replica sends it, so the quotas hold across replicas and nothing is ever half-written;
-the save is done before its id is answered, so any replica reads it at once. The quota on all
-kept outputs is memory of that Redis: size it for `outputs_max_bytes_total` (docs/cluster.md).
+it, an evicted id answered 410. A save stages its parts first (in pieces, with a time to live),
+then one Lua script checks, evicts and renames them into place atomically, whichever replica
+sends it: the quotas hold across replicas, nothing is ever half-kept, and no script carries a
+payload (the store stays responsive to the other replicas during a large save). The save is done
+before its id is answered, so any replica reads it at once. The quota on all kept outputs is
+memory of that Redis: size it for `outputs_max_bytes_total` (docs/cluster.md).
 
-Under `<prefix>:out`: `all` (a sorted set of `session/execution`, in save order), `seq`, `bytes`;
-per session under `s:<session>`: `order` (its executions, oldest first), `meta` (an execution's
-JSON size and images), `refs` and `sizes` (each image's users and size), `bytes`, `gone` (why
-an id is not kept, at most `_GONE_REMEMBERED`), `dropped` (the session ended: a late save keeps
-nothing), `x:<execution>` (its JSON) and `a:<image>.<ext>` (an image's bytes).
+Under `<prefix>:out`: `all` (a sorted set of `session/execution`, in save order), `seq`, `bytes`,
+`t:<token>:...` (a save's staged parts); per session under `s:<session>`: `order` (its
+executions, oldest first), `meta` (an execution's JSON size and images), `refs` and `sizes` (each
+image's users and size), `bytes`, `gone` and `gone-order` (why an id is not kept: the last
+`_GONE_REMEMBERED`), `dropped` (the session ended: a late save keeps nothing), `x:<execution>`
+(its JSON) and `a:<image>.<ext>` (an image's bytes). The scripts name keys they compute, so the
+store is one Redis (standalone, or a primary with replicas), not a Redis Cluster.
 """
 
 from __future__ import annotations
@@ -43,17 +47,29 @@ from orchestrator.state_store.redis_connection import RedisConnection, StoreUnav
 log = logging.getLogger(__name__)
 
 _GONE_REMEMBERED = 10_000  # ids per session still answered "evicted" (410), not "not found"
+_GONE_KEPT_S = 7 * 24 * 3600  # ...for this long after the last: a never-ended session's go too
 _DROPPED_S = 3600  # how long an ended session's late saves are refused
 _READ_WHOLE = 4 << 20  # larger JSON is read in chunks (an eviction meanwhile cuts it short)
 _UNWRITTEN_REMEMBERED = 10_000
+_UNDROPPED_REMEMBERED = 10_000  # ended sessions whose drop the store refused, tried again later
+_UNDROPPED_RETRIED = 8  # ...at most this many at each later save or drop
+_STAGED_S = 600  # a staged part not taken in by its save by then (its replica died) expires
+_STAGED_CHUNK = 1 << 20  # staged in pieces: each call on the store stays short
 
-# Why an id is not kept, at most `remembered` per session: both scripts below remember alike.
-_REMEMBER = """
+# Why an id is not kept: the last `_GONE_REMEMBERED` per session (the oldest forgotten first),
+# for `_GONE_KEPT_S` after the last. Both scripts below remember alike.
+_REMEMBER = f"""
 local function at(session) return base .. ':s:' .. session end
 local function remember(session, id, why)
-  local gone = at(session) .. ':gone'
-  if redis.call('HLEN', gone) >= remembered then redis.call('DEL', gone) end
-  redis.call('HSET', gone, id, why)
+  local gone, order = at(session) .. ':gone', at(session) .. ':gone-order'
+  if redis.call('HSET', gone, id, why) == 1 then
+    redis.call('RPUSH', order, id)
+    if redis.call('LLEN', order) > remembered then
+      redis.call('HDEL', gone, redis.call('LPOP', order))
+    end
+  end
+  redis.call('EXPIRE', gone, {_GONE_KEPT_S})
+  redis.call('EXPIRE', order, {_GONE_KEPT_S})
 end
 """
 
@@ -68,9 +84,12 @@ return 1
 """
 )
 
+# A save: its parts were staged under `t:<token>` (written in pieces, with a time to live);
+# the script judges the quotas, evicts, and renames what is kept into place, so it never holds
+# the payload and runs in the time of its bookkeeping, whatever the size.
 _SAVE = (
     """
-local base, sid, eid, json = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local base, sid, eid, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_session, max_total = tonumber(ARGV[5]), tonumber(ARGV[6])
 local remembered, images = tonumber(ARGV[7]), tonumber(ARGV[8])
 """
@@ -96,40 +115,48 @@ local remembered, images = tonumber(ARGV[7]), tonumber(ARGV[8])
       remember(session, string.match(part, '^[^.]*'), 'evicted')
     end
   end
-  redis.call('DECRBY', s .. ':bytes', freed)
+  if redis.call('DECRBY', s .. ':bytes', freed) <= 0 then redis.call('DEL', s .. ':bytes') end
   redis.call('DECRBY', base .. ':bytes', freed)
   return id
 end
 
-local here = at(sid)
-if redis.call('EXISTS', here .. ':dropped') == 1 then return 'dropped' end
-if redis.call('HEXISTS', here .. ':meta', eid) == 1 then return 'kept' end
-local names, new, size = {}, {}, #json
+local here, staged = at(sid), base .. ':t:' .. token
+local function unstage()
+  redis.call('DEL', staged .. ':x')
+  for i = 1, images do redis.call('DEL', staged .. ':a:' .. ARGV[8 + i]) end
+end
+if redis.call('EXISTS', here .. ':dropped') == 1 then unstage() return 'dropped' end
+if redis.call('HEXISTS', here .. ':meta', eid) == 1 then unstage() return 'kept' end
+if redis.call('EXISTS', staged .. ':x') == 0 then unstage() return 'lost' end
+local json = redis.call('STRLEN', staged .. ':x')
+local names, new, size = {}, {}, json
 for i = 1, images do
-  local name, blob = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
+  local name = ARGV[8 + i]
   names[#names + 1] = name
   if redis.call('HEXISTS', here .. ':refs', name) == 0 then
-    new[name] = blob
-    size = size + #blob
+    if redis.call('EXISTS', staged .. ':a:' .. name) == 0 then unstage() return 'lost' end
+    new[name] = redis.call('STRLEN', staged .. ':a:' .. name)
+    size = size + new[name]
   end
 end
 if size > math.min(max_session, max_total) then
   remember(sid, eid, 'its ' .. size .. ' bytes are over the quota')
+  unstage()
   return 'over'
 end
 for _, name in ipairs(names) do
   if redis.call('HINCRBY', here .. ':refs', name, 1) == 1 then
-    redis.call('HSET', here .. ':sizes', name, #new[name])
+    redis.call('HSET', here .. ':sizes', name, new[name])
   end
 end
-names[0] = tostring(#json)
+names[0] = tostring(json)
 redis.call('HSET', here .. ':meta', eid, table.concat(names, '|', 0))
 redis.call('RPUSH', here .. ':order', eid)
 redis.call('ZADD', base .. ':all', redis.call('INCR', base .. ':seq'), sid .. '/' .. eid)
 redis.call('INCRBY', here .. ':bytes', size)
 redis.call('INCRBY', base .. ':bytes', size)
 local itself = false
-while tonumber(redis.call('GET', here .. ':bytes')) > max_session do
+while tonumber(redis.call('GET', here .. ':bytes') or '0') > max_session do
   local id = evict(sid)
   if not id then break end
   if id == eid then itself = true end
@@ -145,9 +172,14 @@ while tonumber(redis.call('GET', base .. ':bytes')) > max_total do
     itself = true
   end
 end
-if itself then return 'evicted' end
-redis.call('SET', here .. ':x:' .. eid, json)
-for name, blob in pairs(new) do redis.call('SET', here .. ':a:' .. name, blob) end
+if itself then unstage() return 'evicted' end
+redis.call('RENAME', staged .. ':x', here .. ':x:' .. eid)
+redis.call('PERSIST', here .. ':x:' .. eid)
+for name, _ in pairs(new) do
+  redis.call('RENAME', staged .. ':a:' .. name, here .. ':a:' .. name)
+  redis.call('PERSIST', here .. ':a:' .. name)
+end
+unstage()
 return 'kept'
 """
 )
@@ -165,7 +197,7 @@ for _, name in ipairs(redis.call('HKEYS', here .. ':refs')) do
 end
 redis.call('DECRBY', base .. ':bytes', tonumber(redis.call('GET', here .. ':bytes') or '0'))
 redis.call('DEL', here .. ':order', here .. ':meta', here .. ':refs', here .. ':sizes',
-  here .. ':bytes', here .. ':gone')
+  here .. ':bytes', here .. ':gone', here .. ':gone-order')
 return 1
 """
 
@@ -189,6 +221,7 @@ class SharedOutputStore(KeptOutputs):
         self._slots = asyncio.Semaphore(WRITES_PENDING)  # saves' encodings held at once
         # Saves the store refused (it was down): told here as not kept, not as unknown.
         self._unwritten: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._undropped: OrderedDict[str, None] = OrderedDict()  # oldest first
 
     def _key(self, session_id: str, *parts: str) -> str:
         return ":".join((self._base, "s", session_id, *parts))
@@ -215,22 +248,39 @@ class SharedOutputStore(KeptOutputs):
                         args=[self._base, session_id, execution_id, why, _GONE_REMEMBERED]
                     )
                 return execution_id
-            args: list[Any] = [self._base, session_id, execution_id, data]
-            args += [self.max_bytes_per_session, self.max_bytes_total]
-            args += [_GONE_REMEMBERED, len(images)]
-            for name, blob in images.items():
-                args += [name, blob]
+            token = secrets.token_hex(8)
+            staged = f"{self._base}:t:{token}"
+            args: list[Any] = [self._base, session_id, execution_id, token]
+            args += [self.max_bytes_per_session, self.max_bytes_total, _GONE_REMEMBERED]
+            args += [len(images), *images]
             try:
                 with self._connection.errors():
-                    await self._save(args=args)
+                    await self._stage(f"{staged}:x", data)
+                    for name, blob in images.items():
+                        await self._stage(f"{staged}:a:{name}", blob)
+                    answer = text(await self._save(args=args))
             except StoreUnavailable as exc:
-                log.error("an output of session %s was not kept: %s", session_id, exc)
-                why = f"{UNWRITTEN}: {exc}"
+                answer = f"lost: {exc}"
+            if answer.startswith("lost"):
+                # The store was down, or so slow that what was staged expired before the save.
+                log.error("an output of session %s was not kept: %s", session_id, answer)
+                why = f"{UNWRITTEN}: {answer}"
                 for item in [execution_id] + [a.id for a in execution.artifacts]:
                     self._unwritten[(session_id, item)] = why
                 while len(self._unwritten) > _UNWRITTEN_REMEMBERED:
                     self._unwritten.popitem(last=False)
+            else:
+                await self._drop_again()
         return execution_id
+
+    async def _stage(self, key: str, data: bytes) -> None:
+        """Written in pieces, so no one call is long (the store's timeout holds for each, and
+        other replicas' calls go between them), with a time to live: a replica that dies
+        midway leaves nothing behind for long."""
+        view = memoryview(data)
+        await self._redis.set(key, bytes(view[:_STAGED_CHUNK]), ex=_STAGED_S)
+        for start in range(_STAGED_CHUNK, len(view), _STAGED_CHUNK):
+            await self._redis.append(key, bytes(view[start : start + _STAGED_CHUNK]))
 
     async def settled(self, session_id: str, item_id: str) -> None:
         """At once: a save is done before its id is given out."""
@@ -271,15 +321,32 @@ class SharedOutputStore(KeptOutputs):
         raise await self._missing(session_id, "image", artifact_id)
 
     async def drop(self, session_id: str) -> None:
-        """Never fails the session's end: if the store is down, what it kept stays until the
-        quota in all evicts it (the oldest first), a bounded leftover."""
+        """Never fails the session's end: if the store is down, the drop is tried again at this
+        replica's next save or drop once it answers (what it kept meanwhile counts in the quota
+        in all, so the oldest of it goes first when room is needed)."""
         if not ITEM_ID.match(session_id):
             return
+        if await self._dropped(session_id):
+            await self._drop_again()
+
+    async def _dropped(self, session_id: str) -> bool:
         try:
             with self._connection.errors():
                 await self._drop(args=[self._base, session_id, _DROPPED_S])
         except StoreUnavailable as exc:
             log.error("the kept outputs of ended session %s stay for now: %s", session_id, exc)
+            self._undropped[session_id] = None
+            while len(self._undropped) > _UNDROPPED_REMEMBERED:
+                self._undropped.popitem(last=False)
+            return False
+        return True
+
+    async def _drop_again(self) -> None:
+        """The store answers again: the drops it refused, a few at a time."""
+        for _ in range(min(_UNDROPPED_RETRIED, len(self._undropped))):
+            session_id, _ = self._undropped.popitem(last=False)
+            if not await self._dropped(session_id):
+                return
 
     async def close(self) -> None:
         """Nothing: each save is done before its caller goes on."""

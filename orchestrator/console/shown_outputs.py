@@ -1,6 +1,7 @@
 """An execution's kept output as the console shows it: its first KiB of each stream with a note
 of what was cut, its results' text, its images by id. Read once (kept executions never change)
-and remembered in a small cache, so a page polled every second or two reads no file again."""
+and remembered in a small cache, so a page polled every second or two reads no file again. In a
+cluster the shared store may be down a while: the page says so, and reads it again next time."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from code_interpreter_wire.results import Execution
 from orchestrator.outputs import OutputEvicted, OutputNotFound
+from orchestrator.state_store.redis_connection import StoreUnavailable
 
 if TYPE_CHECKING:
     from orchestrator.service import Service
@@ -84,7 +86,10 @@ class ShownOutputs:
         if found is not None:
             self._cache.move_to_end(key)
             return found
-        found = await self._read(session_id, execution_id)
+        try:
+            found = await self._read(session_id, execution_id)
+        except StoreUnavailable as exc:  # said on the page, read again at its next poll
+            return ShownOutput(missing=f"its output cannot be read just now: {exc}")
         self._cache[key] = found
         while len(self._cache) > CACHED:
             self._cache.popitem(last=False)

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 from code_interpreter_wire.background_loop import run_sync
 from orchestrator.cluster.coordination_store import CoordinationStore
@@ -339,11 +340,12 @@ SVG = (
 
 @pytest.mark.cluster
 def test_replica_kept_outputs_are_fetched_through_the_other_replica(
-    replicas: tuple[Replica, Replica],
+    replicas: tuple[Replica, Replica], redis_url: str
 ) -> None:
     """An execution's kept JSON and its image, run through A, fetched through B (no sticky
     routing); they go with the session, whichever replica ends it."""
     a, b = replicas
+    raw = redis.Redis.from_url(redis_url)
     sid = _create(a)
     try:
         ran = _execute(a, sid, SVG)
@@ -356,8 +358,15 @@ def test_replica_kept_outputs_are_fetched_through_the_other_replica(
             assert image.status_code == 200 and b"<rect" in image.content, image.text
             assert image.headers["content-type"].startswith("image/svg+xml")
             assert image.headers["content-security-policy"].endswith("sandbox")
+        kept_keys = {key.decode() for key in raw.scan_iter(f"cir:out:s:{sid}:*")}
+        assert {f"cir:out:s:{sid}:x:{ran['execution_id']}"} < kept_keys
     finally:
         _delete(b, sid)
+    # Gone from the store (only the mark that refuses a late save stays, for a while), so
+    # from every replica.
+    assert [key.decode() for key in raw.scan_iter(f"cir:out:s:{sid}:*")] == [
+        f"cir:out:s:{sid}:dropped"
+    ]
     with a.client() as api:
         gone = api.get(f"/v1/sessions/{sid}/artifacts/{artifact_id}")
     assert gone.status_code in (404, 410), gone.text
@@ -694,8 +703,6 @@ def test_replica_hung_store_stalls_neither_healthz_nor_a_cached_session(
     """Redis frozen (SIGSTOP: connections accepted, nothing answered): /healthz and a call on a
     session the replica holds answer while a store call is known to be pending; what needs the
     store answers 503 StoreUnavailable. The event loop never waits on Redis."""
-    import redis
-
     a, _ = replicas
     sid = _create(a)
     pending = threading.Event()

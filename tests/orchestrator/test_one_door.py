@@ -35,10 +35,18 @@ FORBIDDEN_ATTRIBUTES = {"sandbox", "sessions", "activity", "touch", "outputs", "
 # What only the service's parts hold and read: a front reaches none of these on the service.
 FORBIDDEN_ON_THE_SERVICE = {"settings", "store", "approvals", "principals", "audit"}
 # What only the service itself holds and uses.
-FORBIDDEN_IMPORTS = {"SessionManager", "OutputStore", "ToolRegistry", "ToolChannel"}
+FORBIDDEN_IMPORTS = {
+    "SessionManager",
+    "OutputStore",
+    "SharedOutputStore",
+    "KeptOutputs",
+    "ToolRegistry",
+    "ToolChannel",
+}
 # Front doors that build the service itself (the app and the stdio MCP server make one; an
-# embedded session makes its own) may import what configures it.
+# embedded session makes its own) may import what configures it, never these.
 MAY_BUILD_THE_SERVICE = {"app.py", "server.py", "embedded_session.py"}
+BUILDERS_MAY_NOT_IMPORT = {"SessionManager", "OutputStore", "SharedOutputStore", "KeptOutputs"}
 
 
 def _is_the_service(node: ast.expr) -> bool:
@@ -89,7 +97,7 @@ def reaches(path: Path, root: Path = ROOT) -> list[str]:
             names = {alias.name for alias in node.names} & FORBIDDEN_IMPORTS
             found += [f"{where}:{node.lineno}: imports {name}" for name in sorted(names)]
         elif isinstance(node, ast.ImportFrom) and path.name in MAY_BUILD_THE_SERVICE:
-            names = {alias.name for alias in node.names} & {"SessionManager", "OutputStore"}
+            names = {alias.name for alias in node.names} & BUILDERS_MAY_NOT_IMPORT
             found += [f"{where}:{node.lineno}: imports {name}" for name in sorted(names)]
     return sorted(found, key=lambda line: int(line.split(":")[1]))
 

@@ -7,6 +7,7 @@ import base64
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -50,6 +51,7 @@ def stored(store: KeptOutputs) -> int:
         for key in client.scan_iter(pattern)
     )
     assert held == int(client.get(f"{base}:bytes") or 0)
+    assert not list(client.scan_iter(f"{base}:t:*")), "a save left staged parts behind"
     return held
 
 
@@ -68,9 +70,9 @@ async def saved(store: KeptOutputs, session_id: str, execution: Execution) -> st
     return execution_id
 
 
-def shared(url: str, prefix: str) -> SharedOutputStore:
+def shared(url: str, prefix: str, timeout_s: float = 1.0) -> SharedOutputStore:
     """One replica's handle on the shared store under `prefix`."""
-    connection = RedisConnection(url, prefix=prefix)
+    connection = RedisConnection(url, prefix=prefix, timeout_s=timeout_s)
     return SharedOutputStore(connection, max_bytes_per_session=PER_SESSION, max_bytes_total=TOTAL)
 
 
@@ -282,3 +284,86 @@ async def test_a_session_ends_though_the_store_is_down(redis_url: str, prefix: s
         await store.drop("s1")
     finally:
         await store._connection.close()
+
+
+async def test_a_save_is_staged_in_pieces_and_taken_in_whole(
+    replicas: list[SharedOutputStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No call carries a whole large part (each piece one short call), yet what is read back is
+    the whole of it, and nothing staged stays behind."""
+    monkeypatch.setattr(shared_outputs, "_STAGED_CHUNK", 1_000)
+    a, b = replicas
+    execution_id = await a.save("s1", image(9, 4_500))
+    execution = await b.execution("s1", execution_id)
+    assert (await b.artifact("s1", execution.artifacts[0].id)).data == bytes([9]) * 4_500
+    assert stored(a) > 4_500
+
+
+async def test_a_save_whose_staged_parts_are_gone_is_told_as_not_written(
+    replicas: list[SharedOutputStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staged parts expire (a store so slow the save came after their time to live): the save
+    keeps nothing half, and its id says it could not be written."""
+    a, _ = replicas
+    script = a._save
+    client = redis.Redis.from_url(a._connection.url)
+
+    async def after_expiry(args: list[Any]) -> object:
+        for key in client.scan_iter(f"{a._connection.key('out')}:t:*"):
+            client.delete(key)
+        return await script(args=args)
+
+    monkeypatch.setattr(a, "_save", after_expiry)
+    execution_id = await a.save("s1", image(3))
+    with pytest.raises(OutputEvicted, match="could not be written"):
+        await a.open_execution("s1", execution_id)
+    assert stored(a) == 0
+
+
+async def test_why_an_id_is_gone_is_remembered_for_the_newest_ids(
+    replicas: list[SharedOutputStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past its cap the oldest reason is forgotten (a 404 then), never all at once."""
+    monkeypatch.setattr(shared_outputs, "_GONE_REMEMBERED", 3)
+    a, b = replicas
+    ids = [await a.save("s1", text(30_000)) for _ in range(6)]
+    for execution_id in ids[:2]:  # their reasons pushed out by newer ones
+        with pytest.raises(OutputNotFound):
+            await b.open_execution("s1", execution_id)
+    for execution_id in ids[2:5]:
+        with pytest.raises(OutputEvicted, match="was evicted"):
+            await b.open_execution("s1", execution_id)
+    await (await b.open_execution("s1", ids[5])).close()
+    client = redis.Redis.from_url(a._connection.url)
+    gone = a._key("s1", "gone")
+    assert client.hlen(gone) == 3 and 0 < client.ttl(gone) <= shared_outputs._GONE_KEPT_S
+
+
+async def test_a_drop_the_store_refused_is_done_once_it_answers(
+    redis_url: str, prefix: str
+) -> None:
+    """A session ends while the store refuses this replica (the test changes its password and
+    drops its connections): its outputs stay, and go at this replica's next call the store
+    answers."""
+    a, b = shared(redis_url, prefix), shared(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    password = str(admin.config_get("requirepass")["requirepass"])
+    try:
+        ended = await a.save("s1", text(100))
+        admin.config_set("requirepass", password + "-changed")
+        try:
+            admin.client_kill_filter(_type="normal", skipme=True)
+            await a.drop("s1")  # refused: the store would not take its connection
+        finally:
+            admin.config_set("requirepass", password)
+        await (await b.open_execution("s1", ended)).close()
+        kept = await a.save("s2", text(100))
+        with pytest.raises(OutputNotFound):
+            await b.open_execution("s1", ended)
+        opened = await b.open_execution("s2", kept)
+        await opened.close()
+        assert stored(a) == opened.size  # only the live session's
+    finally:
+        admin.close()
+        for store in (a, b):
+            await store._connection.close()

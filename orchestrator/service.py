@@ -11,6 +11,7 @@ from orchestrator.config import Settings
 from orchestrator.governance.approvals import Approvals
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.instance_lock import InstanceLock
+from orchestrator.mcp_connections import LocalMcpConnections, McpConnections, SharedMcpConnections
 from orchestrator.outputs import KeptOutputs, OutputStore
 from orchestrator.service_endpoints import service_endpoints
 from orchestrator.service_parts.admission import Admission
@@ -46,9 +47,9 @@ class Service:
     `persistence` (snapshots), `views` (answers' shapes, languages, status), `admission`
     (checks a front makes before it has a session, who a key is, approvals' answers), `channels`
     (host tools' descriptions), `ports` (connections to servers in sessions), `trail` (the
-    audit log's reader) and `sweeps.deadlines` (the one sweeper a front's own deadlines run on:
-    E2B's sandbox timeouts). Not the settings: fronts are handed what they need when they are
-    built (front_config.py)."""
+    audit log's reader), `sweeps.deadlines` (the one sweeper a front's own deadlines run on:
+    E2B's sandbox timeouts) and `mcp_connections` (MCP's streamable-HTTP connections). Not the
+    settings: fronts are handed what they need when they are built (front_config.py)."""
 
     def __init__(
         self,
@@ -65,6 +66,8 @@ class Service:
         shared = _shared_store(settings)
         outputs = _kept_outputs(settings, shared)
         self._outputs = outputs
+        # MCP's streamable-HTTP connections: shared in a cluster, so any replica continues one.
+        self.mcp_connections = _mcp_connections(settings, shared)
         self._sessions = _session_manager(settings, cut, shared, given_backends, self)
         sessions = self._sessions
         self.trail = AuditTrail(cut.audit, principal_of=lambda owner: self.admission.who(owner))
@@ -187,6 +190,12 @@ def _kept_outputs(settings: Settings, shared: RedisConnection | None) -> KeptOut
     from orchestrator.shared_outputs import SharedOutputStore  # the [cluster] extra's Redis
 
     return SharedOutputStore(shared, **quotas)
+
+
+def _mcp_connections(settings: Settings, shared: RedisConnection | None) -> McpConnections:
+    if shared is None:
+        return LocalMcpConnections(settings.mcp_idle_timeout_s)
+    return SharedMcpConnections(shared, settings.mcp_idle_timeout_s)
 
 
 def _session_manager(

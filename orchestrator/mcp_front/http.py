@@ -5,30 +5,51 @@ scope to the tools, so one key never reaches another key's sessions. When a clie
 session (DELETE with its Mcp-Session-Id), the sandbox session behind it ends too. Each connection
 belongs to the key that opened it. Connections, and the sessions MCP makes, that are never ended
 expire after `mcp_idle_timeout_s` idle: one-shot clients seldom say goodbye.
+
+Each connection is told to the service's `mcp_connections` when it opens (with its client's
+`initialize` params), read at each request and forgotten when it ends: in cluster mode they are
+shared, so a request through a replica that does not hold the connection continues it there
+(adoption.py), and one that ended through another replica is refused here too.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import HTTPException, Request
-from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, authorization_context
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+from starlette.responses import JSONResponse
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
 from orchestrator.front_config import FrontConfig
+from orchestrator.mcp_connections import MAX_CLIENT_BYTES, McpConnection
+from orchestrator.mcp_front import adoption
 from orchestrator.mcp_front.server import (
     OWNER_SCOPE_KEY,
     ConnectionSessions,
     build_mcp_server,
 )
 from orchestrator.service import Service
+from orchestrator.sessions import SessionError
+from sandbox.json_depth import nests_deeper_than
 
 MCP_PATH = "/mcp"
+_CLIENT_DEPTH = 32  # an initialize's params nested deeper are not kept (not continued elsewhere)
+log = logging.getLogger(__name__)
+
+
+def _refusal(message: str, status: int) -> ASGIApp:
+    """As the SDK's transport refuses: a JSON-RPC error without an id."""
+    body = {"jsonrpc": "2.0", "id": None, "error": {"code": -32600, "message": message}}
+    return JSONResponse(body, status_code=status)
 
 
 class McpHttpFront:
@@ -40,6 +61,7 @@ class McpHttpFront:
         self._authenticate = authenticate
         self.connections = ConnectionSessions(service)
         self._transport: StreamableHTTPASGIApp | None = None
+        self._manager: StreamableHTTPSessionManager | None = None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -58,10 +80,12 @@ class McpHttpFront:
         manager: StreamableHTTPSessionManager = server.session_manager
         async with manager.run():
             self._transport = StreamableHTTPASGIApp(manager)
+            self._manager = manager
             try:
                 yield
             finally:
                 self._transport = None
+                self._manager = None
 
     def route(self) -> Route:
         return Route(MCP_PATH, endpoint=self, methods=["GET", "POST", "DELETE"])
@@ -74,16 +98,86 @@ class McpHttpFront:
         scope[OWNER_SCOPE_KEY] = owner
         # The transport binds each connection to the principal that opened it: another key's
         # request on it answers 404, exactly like an unknown connection.
-        scope["user"] = AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[]))
-        status = 0
+        user = AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[]))
+        scope["user"] = user
+        connection = request.headers.get("mcp-session-id")
+        version = request.headers.get("mcp-protocol-version")
+        handshake = version is None or version in HANDSHAKE_PROTOCOL_VERSIONS
+        if connection and handshake:
+            refused = await self._continue(connection, owner, user, version)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        opening = connection is None and handshake and request.method == "POST"
+        body: bytearray | None = bytearray() if opening else None
+        status, opened = 0, None
+
+        async def kept(message: Message) -> None:
+            nonlocal body
+            if message["type"] == "http.request" and body is not None:
+                body += message.get("body", b"")
+                if len(body) > MAX_CLIENT_BYTES:
+                    body = None  # an initialize this large is not kept for other replicas
+
+        async def read() -> Message:
+            message = await receive()
+            await kept(message)
+            return message
 
         async def watched(message: Message) -> None:
-            nonlocal status
+            nonlocal status, opened
             if message["type"] == "http.response.start":
                 status = message["status"]
+                for name, value in message.get("headers", []):
+                    if name.lower() == b"mcp-session-id":
+                        opened = value.decode("latin-1")
             await send(message)
 
-        await self._transport(scope, receive, watched)
-        connection = request.headers.get("mcp-session-id")
+        await self._transport(scope, read if opening else receive, watched)
+        if opening and opened and 200 <= status < 300:
+            await self._opened(opened, owner, body)
         if request.method == "DELETE" and connection and 200 <= status < 300:
             await self.connections.end(owner, connection)
+
+    async def _continue(
+        self, connection: str, owner: str, user: AuthenticatedUser, version: str | None
+    ) -> ASGIApp | None:
+        """A request on a connection: refused if it ended (through any replica) or is another
+        key's; continued here if it was opened through another replica. None: go on."""
+        manager = self._manager
+        assert manager is not None
+        requestor = authorization_context(user)
+        try:
+            found = await self._service.mcp_connections.get(connection)
+        except SessionError as exc:  # the shared store failed: what is held here goes on
+            if adoption.held_for(manager, connection, requestor):
+                return None
+            return _refusal(str(exc), exc.status)
+        if found == "ended" or (isinstance(found, McpConnection) and found.owner != owner):
+            if found == "ended" and adoption.holds(manager, connection):
+                await adoption.discard(manager, connection)
+            return _refusal("Session not found", 404)
+        if found is None:  # unknown to the store: the transport answers (404 unless held)
+            if adoption.held_for(manager, connection, requestor):  # it outlived its entry
+                await self._service.mcp_connections.opened(connection, owner, None)
+            return None
+        if adoption.holds(manager, connection) or not adoption.adoptable(manager):
+            return None
+        if not await adoption.adopt(manager, connection, requestor, found.client, version):
+            return _refusal("Too many open sessions", 503)
+        return None
+
+    async def _opened(self, connection: str, owner: str, body: bytearray | None) -> None:
+        """A connection was opened here: told to the store with what its client said."""
+        client = None
+        if body is not None and not nests_deeper_than(bytes(body), _CLIENT_DEPTH):
+            try:
+                message = json.loads(body)
+            except ValueError:
+                message = None
+            params = message.get("params") if isinstance(message, dict) else None
+            client = params if isinstance(params, dict) else None
+        try:
+            await self._service.mcp_connections.opened(connection, owner, client)
+        except SessionError as exc:  # then only this replica continues it
+            log.warning("MCP connection %s is not shared: %s", connection[:64], exc)

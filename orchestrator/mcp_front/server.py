@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import mimetypes
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -55,6 +56,7 @@ from orchestrator.auth import LOCAL_OWNER
 from orchestrator.config import Settings
 from orchestrator.governance.approvals import MAX_REASON_CHARS, Responder, canonical_arguments
 from orchestrator.governance.stores.approval_store import ApprovalRecord
+from orchestrator.mcp_connections import McpConnection
 from orchestrator.model_tool import ModelTool
 from orchestrator.process_state_dirs import remove_own, stdio_state_dir
 from orchestrator.service import Service
@@ -70,7 +72,8 @@ log = logging.getLogger(__name__)
 
 # Where an authenticated HTTP request carries its caller (set by mcp_front/http.py).
 OWNER_SCOPE_KEY = "code_interpreter.owner"
-STDIO_CONNECTION = "stdio"
+# Over stdio the process is the connection: its own id, as stores may be shared by many.
+STDIO_CONNECTION = f"stdio-{secrets.token_hex(12)}"
 _ARGUMENT_HINT = (
     "Each result names its session_id; pass it back as session_id to continue that session "
     "from a client that does not keep a connection."
@@ -101,12 +104,13 @@ def _error(message: str) -> CallToolResult:
 
 @dataclass
 class ConnectionSessions:
-    """Which session of ours each MCP connection uses, per owner."""
+    """Which session of ours each MCP connection uses (kept in the service's
+    `mcp_connections`: in a cluster, shared by every replica)."""
 
     service: Service
-    by_connection: dict[tuple[str, str], str] = field(default_factory=dict)
-    # One start at a time per connection: parallel first calls share one new session.
-    _starting: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # One start at a time per connection here: parallel first calls share one new session
+    # (through two replicas at once, the store's `bind` keeps one of the two).
+    _starting: dict[tuple[str, str], tuple[asyncio.Lock, int]] = field(default_factory=dict)
 
     async def resolve(
         self, owner: str, connection: str | None, session_id: str | None, *, create: bool = True
@@ -116,9 +120,29 @@ class ConnectionSessions:
         that does not exist yet are of no use)."""
         if connection is None or session_id is not None:
             return await self._resolve(owner, connection, session_id, create)
-        lock = self._starting.setdefault((owner, connection), asyncio.Lock())
-        async with lock:
-            return await self._resolve(owner, connection, session_id, create)
+        key = (owner, connection)
+        lock, users = self._starting.get(key, (asyncio.Lock(), 0))
+        self._starting[key] = (lock, users + 1)
+        try:
+            async with lock:
+                return await self._resolve(owner, connection, session_id, create)
+        finally:
+            lock, users = self._starting[key]
+            if users <= 1:
+                del self._starting[key]
+            else:
+                self._starting[key] = (lock, users - 1)
+
+    async def _known(self, owner: str, connection: str | None) -> str | None:
+        if connection is None:
+            return None
+        try:
+            found = await self.service.mcp_connections.get(connection)
+        except SessionError as exc:
+            raise ToolFailure(f"[error] {exc}") from None
+        if isinstance(found, McpConnection) and found.owner == owner:
+            return found.session_id
+        return None
 
     async def _resolve(
         self, owner: str, connection: str | None, session_id: str | None, create: bool
@@ -132,7 +156,7 @@ class ConnectionSessions:
                     f"[error] {exc}. Omit session_id to use this connection's session."
                 ) from None
         note = None
-        known = self.by_connection.get((owner, connection)) if connection else None
+        known = await self._known(owner, connection)
         if known is not None:
             try:
                 return await service.lifecycle.get(known, owner), None
@@ -153,14 +177,25 @@ class ConnectionSessions:
             raise ToolFailure(self._quota_full(owner, exc)) from None
         except (SessionError, SandboxError) as exc:
             raise ToolFailure(f"[error] could not start a sandbox: {exc}") from None
-        if connection is not None:
-            live = {s.id for s in service.lifecycle.running(owner)}
-            for key in [k for k, sid in self.by_connection.items() if k[0] == owner]:
-                if self.by_connection[key] not in live:  # ended or expired meanwhile
-                    del self.by_connection[key]
-                    self._starting.pop(key, None)
-            self.by_connection[(owner, connection)] = session.id
-        return session, note
+        if connection is None:
+            return session, note
+        try:
+            bound = await service.mcp_connections.bind(connection, owner, session.id, known)
+        except SessionError as exc:
+            bound = None
+            why = f"[error] {exc}"
+        else:
+            why = "[error] this MCP connection has ended; open a new one"
+        if bound == session.id:
+            return session, note
+        with contextlib.suppress(SessionError):  # not the connection's: not kept
+            await service.lifecycle.end(session.id, owner)
+        if bound is None:
+            raise ToolFailure(why)
+        try:  # another call (through this replica or another) made the connection's first
+            return await service.lifecycle.get(bound, owner), note
+        except SessionError as exc:
+            raise ToolFailure(f"[error] {exc}") from None
 
     def _quota_full(self, owner: str, exc: SessionLimitReached) -> str:
         """The way out of a full quota, in MCP's terms, naming the sessions that hold it."""
@@ -180,12 +215,16 @@ class ConnectionSessions:
         )
 
     async def end(self, owner: str, connection: str) -> None:
-        """The connection ended: so does its session."""
-        self._starting.pop((owner, connection), None)
-        session_id = self.by_connection.pop((owner, connection), None)
-        if session_id is not None:
+        """The connection ended (through this replica): so does its session, and the
+        connection on every replica."""
+        try:
+            found = await self.service.mcp_connections.forget(connection)
+        except SessionError as exc:
+            log.warning("MCP connection %s ended, its session not: %s", connection[:64], exc)
+            return
+        if found is not None and found.owner == owner and found.session_id is not None:
             with contextlib.suppress(SessionError):  # already expired or deleted
-                await self.service.lifecycle.end(session_id, owner)
+                await self.service.lifecycle.end(found.session_id, owner)
 
 
 class ApprovalForm(BaseModel):

@@ -1,0 +1,210 @@
+"""MCP connections over streamable HTTP (the `Mcp-Session-Id` of protocol versions with a
+handshake): whose each is, what its client said when it opened it (its `initialize` params), and
+which session of ours it uses.
+
+On one machine they are kept in this process. In cluster mode they are kept in the Redis every
+replica shares (`SharedMcpConnections`), so a connection opened through one replica is continued
+through any other (mcp_front/adoption.py): no sticky routing. An ended connection leaves a mark
+there, so a replica still holding it refuses it too. An entry lives `idle_timeout_s` after the
+last request on it, like the connection and the session it made.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from orchestrator.state_store.redis_connection import RedisConnection
+
+_REMEMBERED = 100_000  # connections one process keeps (the oldest unused go first)
+MAX_CLIENT_BYTES = 64 << 10  # of a client's initialize params kept (more: kept without them)
+
+
+@dataclass
+class McpConnection:
+    owner: str
+    client: dict[str, Any] | None = None  # its `initialize` params, as the client sent them
+    session_id: str | None = None  # the session of ours it uses, once a call made one
+
+
+Found = McpConnection | Literal["ended"] | None  # None: unknown (never opened, or expired)
+
+
+class McpConnections(ABC):
+    idle_timeout_s: float
+
+    @abstractmethod
+    async def opened(self, connection: str, owner: str, client: dict[str, Any] | None) -> None:
+        """A connection was opened (or is held here but was forgotten by the store)."""
+
+    @abstractmethod
+    async def get(self, connection: str) -> Found:
+        """The connection, kept alive for another `idle_timeout_s`."""
+
+    @abstractmethod
+    async def bind(
+        self, connection: str, owner: str, session_id: str, replacing: str | None
+    ) -> str | None:
+        """Make `session_id` the connection's session if its session is still `replacing`
+        (None: it has none): the session it uses now, which is another when a call (here or
+        through another replica) bound one first; None if the connection ended meanwhile."""
+
+    @abstractmethod
+    async def forget(self, connection: str) -> McpConnection | None:
+        """The connection ended: what it was (None if unknown); it is `ended` from now on."""
+
+
+def _client_json(client: dict[str, Any] | None) -> str:
+    text = json.dumps(client) if client is not None else ""
+    return text if len(text) <= MAX_CLIENT_BYTES else ""
+
+
+class LocalMcpConnections(McpConnections):
+    """In this process: its connections live and end here (the transport's own table)."""
+
+    def __init__(self, idle_timeout_s: float) -> None:
+        self.idle_timeout_s = idle_timeout_s
+        self._known: OrderedDict[str, tuple[McpConnection, float]] = OrderedDict()  # LRU first
+
+    def _expire(self) -> None:
+        oldest = time.monotonic() - self.idle_timeout_s
+        while self._known and next(iter(self._known.values()))[1] < oldest:
+            self._known.popitem(last=False)
+        while len(self._known) > _REMEMBERED:
+            self._known.popitem(last=False)
+
+    def _touch(self, connection: str, found: McpConnection) -> None:
+        self._known[connection] = (found, time.monotonic())
+        self._known.move_to_end(connection)
+        self._expire()
+
+    async def opened(self, connection: str, owner: str, client: dict[str, Any] | None) -> None:
+        kept = json.loads(text) if (text := _client_json(client)) else None
+        self._touch(connection, McpConnection(owner, kept))
+
+    async def get(self, connection: str) -> Found:
+        self._expire()
+        entry = self._known.get(connection)
+        if entry is None:
+            return None
+        self._touch(connection, entry[0])
+        return entry[0]
+
+    async def bind(
+        self, connection: str, owner: str, session_id: str, replacing: str | None
+    ) -> str | None:
+        entry = self._known.get(connection)
+        found = entry[0] if entry is not None else McpConnection(owner)  # stdio's: never opened
+        if found.session_id == replacing:
+            found.session_id = session_id
+        self._touch(connection, found)
+        return found.session_id
+
+    async def forget(self, connection: str) -> McpConnection | None:
+        entry = self._known.pop(connection, None)
+        return entry[0] if entry is not None else None
+
+
+# KEYS: the connection's hash, its ended mark. ARGV: owner, session, replacing ('' for none),
+# time to live. A connection never opened through HTTP (stdio's) is made here.
+_BIND = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return false end
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('HSET', KEYS[1], 'owner', ARGV[1]) end
+local now = redis.call('HGET', KEYS[1], 'session') or ''
+if now == ARGV[3] then
+  redis.call('HSET', KEYS[1], 'session', ARGV[2])
+  now = ARGV[2]
+end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return now
+"""
+
+# KEYS: the connection's hash, its ended mark. ARGV: the mark's time to live.
+_FORGET = """
+local found = redis.call('HGETALL', KEYS[1])
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
+return found
+"""
+
+
+class SharedMcpConnections(McpConnections):
+    """In the shared Redis, under `<prefix>:mcp:<connection>` (a hash: owner, client, session)
+    and `<prefix>:mcp-ended:<connection>`, each with a time to live."""
+
+    def __init__(self, connection: RedisConnection, idle_timeout_s: float) -> None:
+        self.idle_timeout_s = idle_timeout_s
+        self._connection = connection
+        self._redis = connection.client
+        self._bind = self._redis.register_script(_BIND)
+        self._forget = self._redis.register_script(_FORGET)
+
+    def _keys(self, connection: str) -> list[str]:
+        return [
+            self._connection.key("mcp", connection),
+            self._connection.key("mcp-ended", connection),
+        ]
+
+    @property
+    def _ttl(self) -> int:
+        return max(1, round(self.idle_timeout_s))
+
+    async def opened(self, connection: str, owner: str, client: dict[str, Any] | None) -> None:
+        key, _ = self._keys(connection)
+        with self._connection.errors():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hset(key, mapping={"owner": owner, "client": _client_json(client)})
+                pipe.expire(key, self._ttl)
+                await pipe.execute()
+
+    async def get(self, connection: str) -> Found:
+        key, ended = self._keys(connection)
+        with self._connection.errors():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hgetall(key)
+                pipe.exists(ended)
+                pipe.expire(key, self._ttl)
+                fields, is_ended, _ = await pipe.execute()
+        if is_ended:
+            return "ended"
+        return _record(fields)
+
+    async def bind(
+        self, connection: str, owner: str, session_id: str, replacing: str | None
+    ) -> str | None:
+        with self._connection.errors():
+            now = await self._bind(
+                keys=self._keys(connection), args=[owner, session_id, replacing or "", self._ttl]
+            )
+        if now is None:
+            return None
+        bound = now.decode() if isinstance(now, bytes) else str(now)
+        return bound or None
+
+    async def forget(self, connection: str) -> McpConnection | None:
+        with self._connection.errors():
+            found = await self._forget(keys=self._keys(connection), args=[self._ttl * 2])
+        pairs = iter(found or [])
+        return _record(dict(zip(pairs, pairs, strict=True)))
+
+
+def _record(fields: dict[Any, Any]) -> McpConnection | None:
+    values = {
+        (k.decode() if isinstance(k, bytes) else str(k)): (
+            v.decode() if isinstance(v, bytes) else str(v)
+        )
+        for k, v in fields.items()
+    }
+    if "owner" not in values:
+        return None
+    client = values.get("client") or ""
+    return McpConnection(
+        owner=values["owner"],
+        client=json.loads(client) if client else None,
+        session_id=values.get("session") or None,
+    )

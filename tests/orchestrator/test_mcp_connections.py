@@ -1,0 +1,90 @@
+"""MCP connections' store, on one machine and shared (a real redis-server): a connection's
+session is bound once however many calls race for it, an ended one stays ended for every
+replica, and what a client sent is kept only within its cap."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from orchestrator.mcp_connections import (
+    MAX_CLIENT_BYTES,
+    LocalMcpConnections,
+    McpConnection,
+    McpConnections,
+    SharedMcpConnections,
+)
+from orchestrator.state_store.redis_connection import RedisConnection
+
+pytestmark = pytest.mark.unit
+CLIENT = {"protocolVersion": "2025-06-18", "capabilities": {"elicitation": {}}}
+
+
+@pytest.fixture
+async def replicas(redis_url: str) -> AsyncIterator[list[McpConnections]]:
+    """Two replicas' handles on one shared store."""
+    prefix = f"c{uuid.uuid4().hex[:8]}"
+    connections = [RedisConnection(redis_url, prefix=prefix) for _ in range(2)]
+    yield [SharedMcpConnections(c, idle_timeout_s=60) for c in connections]
+    for connection in connections:
+        await connection.close()
+
+
+@pytest.fixture(params=["local", "shared"])
+def both(request: pytest.FixtureRequest) -> list[McpConnections]:
+    """The two stores; the local one's `replicas` are one process's handle twice."""
+    if request.param == "local":
+        local = LocalMcpConnections(idle_timeout_s=60)
+        return [local, local]
+    found: list[McpConnections] = request.getfixturevalue("replicas")
+    return found
+
+
+async def test_a_connections_session_is_bound_once(both: list[McpConnections]) -> None:
+    a, b = both
+    await a.opened("c1", "owner", CLIENT)
+    assert await a.bind("c1", "owner", "s-first", None) == "s-first"
+    assert await b.bind("c1", "owner", "s-second", None) == "s-first"  # lost the race
+    # Its session expired: the next call's new one replaces exactly that one.
+    assert await b.bind("c1", "owner", "s-new", "s-first") == "s-new"
+    assert await a.bind("c1", "owner", "s-other", "s-first") == "s-new"
+    found = await b.get("c1")
+    assert found == McpConnection("owner", CLIENT, "s-new")
+
+
+async def test_an_ended_connection_is_ended_for_every_replica(
+    replicas: list[McpConnections],
+) -> None:
+    a, b = replicas
+    await a.opened("c1", "owner", CLIENT)
+    await a.bind("c1", "owner", "s1", None)
+    assert await b.forget("c1") == McpConnection("owner", CLIENT, "s1")
+    assert await a.get("c1") == "ended"
+    assert await a.bind("c1", "owner", "s2", None) is None  # a call racing the end keeps none
+    assert await a.forget("c1") is None
+
+
+async def test_a_connection_never_opened_over_http_is_made_by_its_first_bind(
+    both: list[McpConnections],
+) -> None:
+    """stdio's: one connection per process, never `opened`."""
+    a, _ = both
+    assert await a.get("stdio-x") is None
+    assert await a.bind("stdio-x", "local", "s1", None) == "s1"
+    assert await a.get("stdio-x") == McpConnection("local", None, "s1")
+
+
+async def test_a_client_too_large_to_keep_is_kept_without_it(both: list[McpConnections]) -> None:
+    a, b = both
+    await a.opened("c1", "owner", {"padding": "x" * MAX_CLIENT_BYTES})
+    assert await b.get("c1") == McpConnection("owner", None, None)
+
+
+async def test_one_process_forgets_connections_idle_past_their_timeout() -> None:
+    local = LocalMcpConnections(idle_timeout_s=0.05)
+    await local.opened("c1", "owner", None)
+    await asyncio.sleep(0.1)  # past the idle timeout
+    assert await local.get("c1") is None

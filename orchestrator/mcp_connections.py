@@ -5,8 +5,10 @@ which session of ours it uses.
 On one machine they are kept in this process. In cluster mode they are kept in the Redis every
 replica shares (`SharedMcpConnections`), so a connection opened through one replica is continued
 through any other (mcp_front/adoption.py): no sticky routing. An ended connection leaves a mark
-there, so a replica still holding it refuses it too. An entry lives `idle_timeout_s` after the
-last request on it, like the connection and the session it made.
+there, so a replica still holding it refuses it too. An entry lives `keep_s` after the start and
+the end of the last request on it: the connection's idle timeout plus the longest a call may
+run, so a long call never outlives its connection's entry (the connection and the session it
+made expire on their own, counted from the end of their last request).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ Found = McpConnection | Literal["ended"] | None  # None: unknown (never opened, 
 
 
 class McpConnections(ABC):
-    idle_timeout_s: float
+    keep_s: float
 
     @abstractmethod
     async def opened(self, connection: str, owner: str, client: dict[str, Any] | None) -> None:
@@ -44,7 +46,11 @@ class McpConnections(ABC):
 
     @abstractmethod
     async def get(self, connection: str) -> Found:
-        """The connection, kept alive for another `idle_timeout_s`."""
+        """The connection, kept for another `keep_s`."""
+
+    @abstractmethod
+    async def touch(self, connection: str) -> None:
+        """A request on it ended: kept for another `keep_s` from now."""
 
     @abstractmethod
     async def bind(
@@ -52,7 +58,8 @@ class McpConnections(ABC):
     ) -> str | None:
         """Make `session_id` the connection's session if its session is still `replacing`
         (None: it has none): the session it uses now, which is another when a call (here or
-        through another replica) bound one first; None if the connection ended meanwhile."""
+        through another replica) bound one first; None if the connection ended meanwhile or is
+        another owner's."""
 
     @abstractmethod
     async def forget(self, connection: str) -> McpConnection | None:
@@ -65,14 +72,15 @@ def _client_json(client: dict[str, Any] | None) -> str:
 
 
 class LocalMcpConnections(McpConnections):
-    """In this process: its connections live and end here (the transport's own table)."""
+    """In this process: its connections live and end here (the transport's own table). What a
+    client sent is not kept: nothing else continues its connections."""
 
-    def __init__(self, idle_timeout_s: float) -> None:
-        self.idle_timeout_s = idle_timeout_s
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
         self._known: OrderedDict[str, tuple[McpConnection, float]] = OrderedDict()  # LRU first
 
     def _expire(self) -> None:
-        oldest = time.monotonic() - self.idle_timeout_s
+        oldest = time.monotonic() - self.keep_s
         while self._known and next(iter(self._known.values()))[1] < oldest:
             self._known.popitem(last=False)
         while len(self._known) > _REMEMBERED:
@@ -84,8 +92,7 @@ class LocalMcpConnections(McpConnections):
         self._expire()
 
     async def opened(self, connection: str, owner: str, client: dict[str, Any] | None) -> None:
-        kept = json.loads(text) if (text := _client_json(client)) else None
-        self._touch(connection, McpConnection(owner, kept))
+        self._touch(connection, McpConnection(owner))
 
     async def get(self, connection: str) -> Found:
         self._expire()
@@ -95,11 +102,18 @@ class LocalMcpConnections(McpConnections):
         self._touch(connection, entry[0])
         return entry[0]
 
+    async def touch(self, connection: str) -> None:
+        entry = self._known.get(connection)
+        if entry is not None:
+            self._touch(connection, entry[0])
+
     async def bind(
         self, connection: str, owner: str, session_id: str, replacing: str | None
     ) -> str | None:
         entry = self._known.get(connection)
         found = entry[0] if entry is not None else McpConnection(owner)  # stdio's: never opened
+        if found.owner != owner:
+            return None
         if found.session_id == replacing:
             found.session_id = session_id
         self._touch(connection, found)
@@ -111,10 +125,12 @@ class LocalMcpConnections(McpConnections):
 
 
 # KEYS: the connection's hash, its ended mark. ARGV: owner, session, replacing ('' for none),
-# time to live. A connection never opened through HTTP (stdio's) is made here.
+# time to live. A connection never opened through HTTP (stdio's) is made here; another owner's
+# is left alone.
 _BIND = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return false end
 if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('HSET', KEYS[1], 'owner', ARGV[1]) end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return false end
 local now = redis.call('HGET', KEYS[1], 'session') or ''
 if now == ARGV[3] then
   redis.call('HSET', KEYS[1], 'session', ARGV[2])
@@ -137,8 +153,8 @@ class SharedMcpConnections(McpConnections):
     """In the shared Redis, under `<prefix>:mcp:<connection>` (a hash: owner, client, session)
     and `<prefix>:mcp-ended:<connection>`, each with a time to live."""
 
-    def __init__(self, connection: RedisConnection, idle_timeout_s: float) -> None:
-        self.idle_timeout_s = idle_timeout_s
+    def __init__(self, connection: RedisConnection, keep_s: float) -> None:
+        self.keep_s = keep_s
         self._connection = connection
         self._redis = connection.client
         self._bind = self._redis.register_script(_BIND)
@@ -152,7 +168,7 @@ class SharedMcpConnections(McpConnections):
 
     @property
     def _ttl(self) -> int:
-        return max(1, round(self.idle_timeout_s))
+        return max(1, round(self.keep_s))
 
     async def opened(self, connection: str, owner: str, client: dict[str, Any] | None) -> None:
         key, _ = self._keys(connection)
@@ -173,6 +189,11 @@ class SharedMcpConnections(McpConnections):
         if is_ended:
             return "ended"
         return _record(fields)
+
+    async def touch(self, connection: str) -> None:
+        key, _ = self._keys(connection)
+        with self._connection.errors():
+            await self._redis.expire(key, self._ttl)
 
     async def bind(
         self, connection: str, owner: str, session_id: str, replacing: str | None

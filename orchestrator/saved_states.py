@@ -17,8 +17,10 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from code_interpreter_wire.results import FileInfo
+from orchestrator.cluster.leases import lease
 from orchestrator.sessions import Session, SessionError
 from orchestrator.settings_sections import StorageSection
 from orchestrator.state_store import SessionRecord, SnapshotRecord, StateStore
@@ -36,6 +38,9 @@ from sandbox.saved_state import (
 )
 from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Workspace
+
+if TYPE_CHECKING:
+    from orchestrator.state_store.redis_connection import RedisConnection
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +63,35 @@ class SnapshotInUse(SessionError):
     status = 409
 
 
+# A fork pins its snapshot unless a delete has begun (KEYS: pins, deleting); a delete begins
+# unless a fork pinned it (KEYS: pins, deleting; ARGV: how long the mark lasts): atomically, so
+# a snapshot is never deleted from under a fork through another replica.
+_PIN = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], 3600)
+return 1
+"""
+_UNPIN = """
+if redis.call('DECR', KEYS[1]) <= 0 then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+_BEGIN_DELETE = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return 0 end
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
+return 1
+"""
+
+
 class SavedStates:
-    def __init__(self, settings: StorageSection, store: StateStore) -> None:
+    def __init__(
+        self, settings: StorageSection, store: StateStore, shared: RedisConnection | None = None
+    ) -> None:
+        """`shared`: the Redis every replica shares (cluster mode): saves against a key's
+        quota and the snapshots forks start from are then held there, for every replica."""
         self.settings = settings
         self.store = store
+        self._shared = shared
         self._owner_locks: dict[str, asyncio.Lock] = {}  # one save at a time per key: quotas hold
         self._pinned: Counter[str] = Counter()  # snapshots sessions are being started from
 
@@ -101,7 +131,7 @@ class SavedStates:
         """Save a running session's state. `SavedStateTooLarge` / `SavedStateQuotaReached` say
         why it could not be kept; nothing is left of a failed save."""
         lock = self._owner_locks.setdefault(session.owner, asyncio.Lock())
-        async with lock:
+        async with lock, self._owner_lease(session.owner):
             room = await self._room(session.owner, kind)
             snapshot_id = f"snap-{secrets.token_hex(12)}"
             where = self.store.files_of(snapshot_id)
@@ -126,6 +156,15 @@ class SavedStates:
             )
             await self.store.put_snapshot(record)
             return record
+
+    @contextlib.asynccontextmanager
+    async def _owner_lease(self, owner: str) -> AsyncIterator[None]:
+        """In cluster mode, one save per key across replicas (its quota holds)."""
+        if self._shared is None:
+            yield
+            return
+        async with lease(self._shared, f"saves:{owner}", "saving a state for this API key"):
+            yield
 
     @staticmethod
     async def _save(session: Session, kind: SnapshotKind, where: Path, room: int) -> SavedState:
@@ -164,21 +203,53 @@ class SavedStates:
             yield None
             return
         record = await self.get(owner, snapshot_id)
+        await self._pin_shared(record.id)
         self._pinned[record.id] += 1
         try:
-            yield record
+            yield await self.get(owner, snapshot_id)  # pinned: it is still there
         finally:
             self._pinned[record.id] -= 1
             if self._pinned[record.id] <= 0:
                 del self._pinned[record.id]
+            await self._unpin_shared(record.id)
 
     async def delete(self, owner: str, snapshot_id: str) -> None:
         await self.get(owner, snapshot_id)
+        in_use = SnapshotInUse(
+            f"a session is being started from snapshot {snapshot_id}; delete it once it has"
+        )
         if self._pinned[snapshot_id] > 0:
-            raise SnapshotInUse(
-                f"a session is being started from snapshot {snapshot_id}; delete it once it has"
-            )
+            raise in_use
+        if self._shared is not None:
+            with self._shared.errors():
+                begun = await self._shared.client.eval(
+                    _BEGIN_DELETE, 2, *self._pin_keys(snapshot_id), 600
+                )
+            if not begun:
+                raise in_use
         await self.store.delete_snapshot(snapshot_id)
+
+    def _pin_keys(self, snapshot_id: str) -> tuple[str, str]:
+        assert self._shared is not None
+        return self._shared.key("pins", snapshot_id), self._shared.key("deleting", snapshot_id)
+
+    async def _pin_shared(self, snapshot_id: str) -> None:
+        """Across replicas (cluster mode): a delete begun elsewhere wins, as if it was gone."""
+        if self._shared is None:
+            return
+        with self._shared.errors():
+            pinned = await self._shared.client.eval(_PIN, 2, *self._pin_keys(snapshot_id))
+        if not pinned:
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} (it is being deleted)")
+
+    async def _unpin_shared(self, snapshot_id: str) -> None:
+        if self._shared is None:
+            return
+        try:
+            with self._shared.errors():
+                await self._shared.client.eval(_UNPIN, 1, self._pin_keys(snapshot_id)[0])
+        except SessionError as exc:  # the pin lapses by itself within the hour
+            log.warning("snapshot %s stays pinned for now: %s", snapshot_id, exc)
 
     async def restore(self, session: Session, record: SnapshotRecord) -> RestoredState:
         return await restore_state(session.sandbox, self.store.files_of(record.id))

@@ -94,7 +94,7 @@ class Service:
         self.runs = Runs(
             self.admission, self._approvals, self.channels, self.trail, outputs, self.views
         )
-        locks = StateLocks()
+        locks = StateLocks(shared)
         pauses = Pauses(
             cut.expiry,
             sessions,
@@ -193,9 +193,11 @@ def _kept_outputs(settings: Settings, shared: RedisConnection | None) -> KeptOut
 
 
 def _mcp_connections(settings: Settings, shared: RedisConnection | None) -> McpConnections:
+    """Kept while a connection may live: idle, or running its longest call."""
+    keep_s = settings.mcp_idle_timeout_s + settings.max_execution_timeout_s
     if shared is None:
-        return LocalMcpConnections(settings.mcp_idle_timeout_s)
-    return SharedMcpConnections(shared, settings.mcp_idle_timeout_s)
+        return LocalMcpConnections(keep_s)
+    return SharedMcpConnections(shared, keep_s)
 
 
 def _session_manager(
@@ -215,6 +217,7 @@ def _session_manager(
             cut.cluster,
             shared,
             on_attach=lambda session, record: service.channels.attached(session, record),
+            on_idle=lambda record, why: service.sweeps.idle_shared(record, why),
         )
     return SessionManager(
         cut.sessions,

@@ -295,6 +295,20 @@ class SessionManager:
         found = self.backends.get(backend)
         return found is not None and found.capabilities.shared_across_nodes
 
+    def saves_states(self, backend: str) -> bool:
+        """Whether sessions of `backend` can be saved (snapshots, a pause from a saved state):
+        its sandboxes can, and, where every replica serves them, the saved states are kept
+        where every replica finds them (`saved_states_dir`)."""
+        found = self.backends.get(backend)
+        if found is None or not found.capabilities.snapshot:
+            return False
+        return not self.shared(backend) or self.settings.saved_states_dir is not None
+
+    def pauses(self, backend: str) -> bool:
+        """Whether sessions of `backend` can be paused (by its engine, or from a saved state)."""
+        found = self.backends.get(backend)
+        return found is not None and (found.capabilities.suspend or self.saves_states(backend))
+
     async def held_by(self, owner: str) -> int:
         """How many sessions the owner holds (in cluster mode: on every replica)."""
         return await self._coordinator.held_by(owner)
@@ -370,7 +384,7 @@ class SessionManager:
             sandbox=sandbox,
             from_pool=from_pool,
         )
-        if not self.backends[name].capabilities.pause:  # nothing of it is kept across a pause
+        if not self.pauses(name):  # nothing of it is kept across a pause
             session.on_idle = "end"
         self.hold(session)
         METRICS.sessions_created.labels(name, "pool" if from_pool else "cold").inc()

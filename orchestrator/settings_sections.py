@@ -128,6 +128,7 @@ class SessionTableSection(Section):
     max_lifetime_s: float
     idle_action: Literal["pause", "end"]
     reap_interval_s: float
+    saved_states_dir: Path | None  # set: saved states are where every replica finds them
 
 
 class ClusterSection(Section):
@@ -135,6 +136,7 @@ class ClusterSection(Section):
     tombstones and the reaper's batch."""
 
     state_dir: Path
+    saved_states_dir: Path | None
     cluster_tombstone_ttl_s: float
     cluster_reap_batch: int
     max_lifetime_s: float
@@ -147,10 +149,16 @@ class StorageSection(Section):
     """Where states are kept and how much of them: the state dir and the saved-state quotas."""
 
     state_dir: Path
+    saved_states_dir: Path | None
     max_saved_state_bytes: int
     max_snapshots_per_key: int
     max_saved_bytes_per_key: int
     cluster_reap_batch: int
+
+    @property
+    def saved_states(self) -> Path:
+        """Where saved states are kept."""
+        return self.saved_states_dir or self.state_dir / "snapshots"
 
 
 class EgressSection(Section):

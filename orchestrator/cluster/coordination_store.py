@@ -210,6 +210,20 @@ class CoordinationStore:
         found = load(Tombstone, raw, key)
         return (found.owner, found.why) if found is not None else None
 
+    async def ended_with(
+        self, session_id: str, key: str
+    ) -> tuple[tuple[str, str] | None, bytes | None]:
+        """`ended`, and the raw value of another key of the same store, in one round trip (a
+        call on a cached session checks both)."""
+        tombstone = self._key("ended", session_id)
+        with self._errors():
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.get(tombstone)
+            pipe.get(key)
+            raw, other = cast(list[bytes | None], await pipe.execute())
+        found = load(Tombstone, raw, tombstone)
+        return ((found.owner, found.why) if found is not None else None), other
+
     async def ended_among(self, session_ids: list[str]) -> dict[str, tuple[str, str]]:
         """Which of these sessions ended: id -> (owner, why). Corrupt tombstones are skipped."""
         ended: dict[str, tuple[str, str]] = {}

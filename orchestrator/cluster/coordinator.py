@@ -32,6 +32,7 @@ from orchestrator.cluster.shared import SharedSandbox
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import (
     Session,
+    SessionBusy,
     SessionError,
     SessionExpired,
     SessionLimitReached,
@@ -54,6 +55,8 @@ _ORPHAN_SWEEP_S = 60.0  # how often a replica looks for session actors no record
 _PROBE_TIMEOUT_S = 10.0  # the longest the reaper waits for one sandbox to say its activity
 
 OnAttach = Callable[[Session, SessionRecord], Awaitable[None]]
+# A shared session found due: True when the service dealt with it (paused it), else it ends.
+OnIdle = Callable[[SessionRecord, str], Awaitable[bool]]
 
 
 def gone(session_id: str, why: str) -> SessionError:
@@ -71,14 +74,17 @@ class ClusterCoordinator:
         settings: ClusterSection,
         connection: RedisConnection,
         on_attach: OnAttach | None = None,
+        on_idle: OnIdle | None = None,
     ) -> None:
         """`connection`: the Redis every replica shares (closed by the service's persistence).
-        `on_attach`: told each session attached from the store (to serve its host tools)."""
+        `on_attach`: told each session attached from the store (to serve its host tools).
+        `on_idle`: asked first about each shared session found due (auto-pause)."""
         from orchestrator.state_store.redis_store import RedisStore  # the [cluster] extra's
 
         self.settings = settings
         # The session records every replica keeps ...
-        self.store = RedisStore(connection, snapshots_dir=settings.state_dir / "snapshots")
+        saved_states = settings.saved_states_dir or settings.state_dir / "snapshots"
+        self.store = RedisStore(connection, snapshots_dir=saved_states)
         # ... and the caps, claims and tombstones they agree on, in the same Redis.
         self.coordination = CoordinationStore(
             connection,
@@ -86,6 +92,7 @@ class ClusterCoordinator:
             max_lifetime_s=settings.max_lifetime_s,
         )
         self._on_attach = on_attach
+        self._on_idle = on_idle
         self._table: SessionManager | None = None
         self._attaching: weakref.WeakValueDictionary[str, asyncio.Lock] = (
             weakref.WeakValueDictionary()
@@ -139,8 +146,12 @@ class ClusterCoordinator:
     # --- finding, in the cache or the store
     async def find(self, session_id: str, owner: str) -> Session | None:
         table = self.table
+        record: SessionRecord | None = None
         try:
-            ended = await self.coordination.ended(session_id)
+            ended, raw = await self.coordination.ended_with(
+                session_id, self.store.session_key(session_id)
+            )
+            record = self.store.session_record(raw, session_id)
         except StoreUnavailable as exc:
             if table.live(session_id) is None:
                 raise
@@ -153,6 +164,10 @@ class ClusterCoordinator:
                 raise gone(session_id, ended[1])
             raise SessionNotFound(f"no session {session_id}")
         session = table.live(session_id)
+        if session is not None and record is not None and _moved(session, record):
+            # Paused, or resumed on another node, through another replica: this copy is stale.
+            self._drop(session_id)
+            session = None
         if session is None and session_id.startswith("s-"):
             session = await self._attach(session_id, owner)
         if session is None or not self._shared(session):
@@ -261,7 +276,23 @@ class ClusterCoordinator:
             await self.table.told_ended(session_id)
 
     async def lost(self, session_id: str, owner: str, exc: SandboxLost) -> Exception:
-        """Its sandbox is gone: the session ends (claimed), and says so from now on."""
+        """Its sandbox is gone: the session ends (claimed), and says so from now on; unless
+        its record says another replica paused it, or resumed it in a new sandbox, meanwhile
+        (its old sandbox was closed on purpose): then only this replica's copy goes, and the
+        call is told to come again."""
+        held = self.table.live(session_id)
+        try:
+            record = await self.store.get_session(session_id)
+        except StoreUnavailable:
+            record = None  # then as any loss (whose end needs the store too)
+        if record is not None and (
+            record.state == "paused" or (held is not None and _moved(held, record))
+        ):
+            self._drop(session_id)
+            return SessionBusy(
+                f"session {session_id} was paused or moved through another replica during "
+                "this call; call again"
+            )
         won, why = await self._finish(session_id, owner, f"{LOST}{exc}")
         if won:
             METRICS.sessions_lost.inc()
@@ -353,14 +384,18 @@ class ClusterCoordinator:
     async def _reap_one(self, record: SessionRecord) -> int:
         """End one running shared session if due or lost; 1 if this replica ended it."""
         why = self._lifetime_over(record.created_at)
+        idle = False
         if why is None:
             try:
                 why = await asyncio.wait_for(self._idle_expiry(record), _PROBE_TIMEOUT_S)
             except SandboxLost as exc:  # its actor is gone (seen by this reaper or not)
                 await self.lost(record.id, record.owner, exc)
                 return 0
+            idle = True
         if why is None:
             return 0
+        if idle and self._on_idle is not None and await self._on_idle(record, why):
+            return 0  # paused (or used again meanwhile): not ended
         won, _ = await self._finish(record.id, record.owner, why)
         if won:  # counted once across replicas
             METRICS.sessions_expired.inc()
@@ -396,6 +431,14 @@ class ClusterCoordinator:
                 METRICS.node_alive.labels(node.node_id).set(1 if node.alive else 0)
 
 
+def _moved(session: Session, record: SessionRecord) -> bool:
+    """Whether a cached shared session is no longer the one its record names: paused, or
+    running in another sandbox (resumed elsewhere)."""
+    if record.state != "running":
+        return True
+    return record.sandbox_handle is not None and record.sandbox_handle != session.sandbox.handle
+
+
 def _session_of(record: SessionRecord, sandbox: Sandbox) -> Session:
     """The session a record describes, as another replica made it."""
     session = Session(
@@ -406,7 +449,7 @@ def _session_of(record: SessionRecord, sandbox: Sandbox) -> Session:
         created_at=record.created_at,
         executions=record.executions,
         idle_timeout_s=record.idle_timeout_s,
-        on_idle="end",
+        on_idle=record.on_idle,
         labels=dict(record.labels),
         ports=record.ports,
     )

@@ -34,3 +34,23 @@ class RelayedTools(Protocol):
     async def answer_tool_call(self, key: str, body: bytes) -> None:
         """The answer frame of the call taken under `key`."""
         ...
+
+
+@runtime_checkable
+class FencedSaves(Protocol):
+    """A sandbox any replica may change while one of them saves it for a pause: the save is
+    kept only if no other replica changed it meanwhile, and then no call is taken until it
+    stops (counted by the sandbox itself, atomically)."""
+
+    async def fence_mark(self) -> tuple[int, int]:
+        """Where a save starts."""
+        ...
+
+    async def fence(self, mark: tuple[int, int], why: str) -> bool:
+        """Refuse every call from now on (`why` tells them) if nothing but this replica's own
+        calls changed it since `mark`; False (and nothing refused) if another replica's did."""
+        ...
+
+    async def unfence(self) -> None:
+        """Take calls again (a pause that fenced it failed after all)."""
+        ...

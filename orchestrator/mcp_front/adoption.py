@@ -44,7 +44,14 @@ def adoptable(manager: StreamableHTTPSessionManager) -> bool:
     if not version.startswith(TESTED_MCP):
         _say_once(f"the mcp SDK {version} is not one tested ({', '.join(TESTED_MCP)}x)")
         return False
-    needed = ("_server_instances", "_session_owners", "_task_group", "_lifespan_state", "app")
+    needed = (
+        "_server_instances",
+        "_session_owners",
+        "_session_creation_lock",
+        "_task_group",
+        "_lifespan_state",
+        "app",
+    )
     missing = [name for name in needed if not hasattr(manager, name)]
     if missing or manager.stateless:
         _say_once(f"its session manager lacks {', '.join(missing) or 'state'}")
@@ -82,6 +89,15 @@ async def discard(manager: StreamableHTTPSessionManager, connection: str) -> Non
             await transport.terminate()
 
 
+def _version(header: str | None, params: InitializeRequestParams | None) -> str:
+    """The protocol version the connection speaks: its request's, else the one its client
+    asked for where the SDK would have agreed to it, else the SDK's latest (as it answers)."""
+    for asked in (header, params.protocol_version if params else None):
+        if asked in HANDSHAKE_PROTOCOL_VERSIONS:
+            return asked
+    return LATEST_HANDSHAKE_VERSION
+
+
 def client_params(client: dict[str, Any] | None) -> InitializeRequestParams | None:
     """The client's `initialize` params as the store kept them (None if unusable)."""
     if client is None:
@@ -106,8 +122,7 @@ async def adopt(
     if manager.max_sessions is not None and len(manager._server_instances) >= manager.max_sessions:
         return False
     params = client_params(client)
-    version = protocol_version if protocol_version in HANDSHAKE_PROTOCOL_VERSIONS else None
-    version = version or (params.protocol_version if params else None) or LATEST_HANDSHAKE_VERSION
+    version = _version(protocol_version, params)
     transport = StreamableHTTPServerTransport(
         mcp_session_id=connection,
         is_json_response_enabled=manager.json_response,
@@ -130,6 +145,11 @@ async def adopt(
                     client_params=params,
                 )
                 ready.initialized.set()
+                if transport.idle_scope is not None and manager.session_idle_timeout is not None:
+                    # Idle from now, as one opened here is from its opening request: one whose
+                    # first request never reaches it (refused before) still expires.
+                    deadline = anyio.current_time() + manager.session_idle_timeout
+                    transport.idle_scope.deadline = deadline
                 task_status.started()
                 idle_scope = transport.idle_scope or anyio.CancelScope()
                 with idle_scope:
@@ -154,12 +174,18 @@ async def adopt(
         with anyio.CancelScope(shield=True):
             await transport.terminate()
         raise
-    if holds(manager, connection):  # a parallel request adopted it first: that one serves
+    async with manager._session_creation_lock:  # the SDK's own, around its table
+        taken = holds(manager, connection)  # a parallel request adopted it first
+        full = manager.max_sessions is not None and (
+            len(manager._server_instances) >= manager.max_sessions
+        )
+        if not taken and not full:
+            if requestor is not None:
+                manager._session_owners[connection] = requestor
+            manager._server_instances[connection] = transport
+    if taken or full:
         with anyio.CancelScope(shield=True):
             await transport.terminate()
-        return True
-    if requestor is not None:
-        manager._session_owners[connection] = requestor
-    manager._server_instances[connection] = transport
+        return taken
     log.info("MCP connection %s, opened through another replica, continues here", connection[:64])
     return True

@@ -110,7 +110,7 @@ class McpHttpFront:
                 return
         opening = connection is None and handshake and request.method == "POST"
         body: bytearray | None = bytearray() if opening else None
-        status, opened = 0, None
+        status = 0
 
         async def kept(message: Message) -> None:
             nonlocal body
@@ -125,19 +125,21 @@ class McpHttpFront:
             return message
 
         async def watched(message: Message) -> None:
-            nonlocal status, opened
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                for name, value in message.get("headers", []):
-                    if name.lower() == b"mcp-session-id":
-                        opened = value.decode("latin-1")
+                opened = _header(message, b"mcp-session-id")
+                if opening and opened and 200 <= status < 300:
+                    # Known to every replica before the client learns its id (the request
+                    # was read whole to answer it).
+                    await self._opened(opened, owner, body)
             await send(message)
 
         await self._transport(scope, read if opening else receive, watched)
-        if opening and opened and 200 <= status < 300:
-            await self._opened(opened, owner, body)
         if request.method == "DELETE" and connection and 200 <= status < 300:
             await self.connections.end(owner, connection)
+        elif connection and handshake:
+            await self._touch(connection)
 
     async def _continue(
         self, connection: str, owner: str, user: AuthenticatedUser, version: str | None
@@ -159,13 +161,20 @@ class McpHttpFront:
             return _refusal("Session not found", 404)
         if found is None:  # unknown to the store: the transport answers (404 unless held)
             if adoption.held_for(manager, connection, requestor):  # it outlived its entry
-                await self._service.mcp_connections.opened(connection, owner, None)
+                await self._opened(connection, owner, None)
             return None
         if adoption.holds(manager, connection) or not adoption.adoptable(manager):
             return None
         if not await adoption.adopt(manager, connection, requestor, found.client, version):
             return _refusal("Too many open sessions", 503)
         return None
+
+    async def _touch(self, connection: str) -> None:
+        """A request on it ended: its entry is kept from now (a long call never outlives it)."""
+        try:
+            await self._service.mcp_connections.touch(connection)
+        except SessionError as exc:
+            log.warning("MCP connection %s was not kept alive: %s", connection[:64], exc)
 
     async def _opened(self, connection: str, owner: str, body: bytearray | None) -> None:
         """A connection was opened here: told to the store with what its client said."""
@@ -181,3 +190,10 @@ class McpHttpFront:
             await self._service.mcp_connections.opened(connection, owner, client)
         except SessionError as exc:  # then only this replica continues it
             log.warning("MCP connection %s is not shared: %s", connection[:64], exc)
+
+
+def _header(message: Message, name: bytes) -> str | None:
+    for key, value in message.get("headers", []):
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None

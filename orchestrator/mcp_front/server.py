@@ -39,6 +39,7 @@ from mcp_types import (
     ImageContent,
     TextContent,
 )
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
 
 from code_interpreter_wire.errors import FileTooLarge, SandboxError, UnknownLanguage
@@ -288,6 +289,9 @@ def _caller(ctx: Context) -> tuple[str, str | None]:
     owner = scope.get(OWNER_SCOPE_KEY)
     if not isinstance(owner, str):  # the HTTP front always sets it; never guess an owner
         raise ToolFailure("[error] unauthenticated request")
+    version = request.headers.get("mcp-protocol-version")
+    if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
+        return owner, None  # connectionless: no transport checked an id it may carry
     connection = request.headers.get("mcp-session-id")  # checked by the transport
     return owner, connection or None
 

@@ -208,8 +208,8 @@ class Admission:
             )
             policy_checks.check_request(who, name, request)
         backend = self._sessions.backends.get(name)
-        if from_snapshot and backend is not None and not backend.capabilities.snapshot:
-            raise PauseUnsupported(name)
+        if from_snapshot and backend is not None and not self._sessions.saves_states(name):
+            raise PauseUnsupported(name, shared=self._sessions.shared(name))
         if tools and backend is not None and not backend.capabilities.host_tools:
             raise ToolsNotAvailable(f"the {name} backend cannot give sandboxed code host tools")
         if request.runtime is not None and backend is not None:
@@ -251,13 +251,13 @@ class Admission:
 
     def check_pause(self, session: Session) -> None:
         """PauseUnsupported where the session's backend keeps nothing across a pause."""
-        if not self._sessions.backends[session.backend].capabilities.pause:
-            raise PauseUnsupported(session.backend)
+        if not self._sessions.pauses(session.backend):
+            raise PauseUnsupported(session.backend, shared=self._sessions.shared(session.backend))
 
     def check_snapshot(self, session: Session) -> None:
         """PauseUnsupported where the session's backend cannot save its state."""
-        if not self._sessions.backends[session.backend].capabilities.snapshot:
-            raise PauseUnsupported(session.backend)
+        if not self._sessions.saves_states(session.backend):
+            raise PauseUnsupported(session.backend, shared=self._sessions.shared(session.backend))
 
     def spec_for(self, request: CreateSessionRequest) -> SandboxSpec:
         spec = self._sessions.default_spec()

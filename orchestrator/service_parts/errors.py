@@ -32,7 +32,17 @@ class PauseUnsupported(SessionError):
 
     status = 409
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, *, shared: bool = False) -> None:
+        if shared:  # it could, were its saved states where every replica finds them
+            super().__init__(
+                f"sessions of the {backend} backend are served by every replica, and this "
+                "service keeps no saved states where every replica finds them: no pause, "
+                "resume or snapshot of its sessions (a session idle too long ends instead). "
+                "The operator sets CODE_INTERPRETER_SAVED_STATES_DIR to a directory every "
+                "replica mounts (docs/cluster.md); until then, save what you need with a "
+                "download"
+            )
+            return
         super().__init__(
             f"the {backend} backend does not keep sessions across pauses yet: no pause, resume "
             "or snapshot of its sessions; a session that is idle too long ends instead. Save "

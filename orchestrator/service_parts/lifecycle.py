@@ -21,7 +21,13 @@ from orchestrator.service_parts.ports import Ports
 from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.service_parts.views import Views
 from orchestrator.service_parts.workspace import Workspace
-from orchestrator.sessions import Session, SessionBusy, SessionError, SessionManager
+from orchestrator.sessions import (
+    Session,
+    SessionBusy,
+    SessionError,
+    SessionManager,
+    SessionNotFound,
+)
 from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
 
@@ -199,7 +205,12 @@ class Lifecycle:
         exactly like a missing one)."""
         live = self._sessions.live(session_id)
         if live is not None and session_id not in self._locks:
-            return await self._sessions.get(session_id, owner)
+            try:
+                return await self._sessions.get(session_id, owner)
+            except SessionNotFound:
+                if self._sessions.live(session_id) is not None:
+                    raise
+                # Its copy here was dropped: paused (or moved) through another replica.
         async with self._locks.of(session_id):
             if self._sessions.live(session_id) is None:
                 record = await self._records.paused(session_id, owner)

@@ -9,6 +9,7 @@ import logging
 import re
 import time
 
+from orchestrator.cluster.shared import FencedSaves
 from orchestrator.host_tools import HostTool
 from orchestrator.metrics import METRICS
 from orchestrator.outputs import KeptOutputs
@@ -25,6 +26,8 @@ from orchestrator.state_store import SessionRecord, SnapshotRecord
 log = logging.getLogger(__name__)
 
 _RESUMED = "resumed"
+# What a call through another replica is told while a pause takes the session.
+_FENCED = "the session is being paused (through another replica); call again in a moment"
 # What each restore says first; the latest one's is the one that holds.
 _RESTORED_COUNTS = re.compile(r"\d+ variable\(s\) and \d+ file\(s\) restored\.?")
 
@@ -72,12 +75,52 @@ class Pauses:
             )
         executions = session.executions
         saved: SnapshotRecord | None = None
+        # A sandbox other replicas may change: what they did meanwhile is counted by it.
+        fenced = session.sandbox if isinstance(session.sandbox, FencedSaves) else None
+        mark = None
+        if fenced is not None:
+            async with session.reach():
+                mark = await fenced.fence_mark()
         suspended = await session.sandbox.suspend()  # the engine's own pause, where it has one
         if suspended is None:
             saved = await self._records.saved.save(session, "paused")
             if session.busy or session.executions != executions:  # used while it was saved
                 await self._records.drop_saved_state(saved.id)
                 raise SessionBusy("the session ran code while it was being paused; pause it again")
+            if fenced is not None and mark is not None:
+                async with session.reach():
+                    taken = await fenced.fence(mark, _FENCED)
+                if not taken:
+                    await self._records.drop_saved_state(saved.id)
+                    raise SessionBusy(
+                        "the session was used through another replica while it was being "
+                        "paused; pause it again"
+                    )
+        try:
+            record = await self._paused_record(session, saved, suspended)
+        except BaseException:
+            if fenced is not None:  # it runs on: its calls are taken again
+                with contextlib.suppress(Exception):
+                    await fenced.unfence()
+            if saved is not None:
+                with contextlib.suppress(Exception):
+                    await self._records.drop_saved_state(saved.id)
+            raise
+        await self._channels.close_for(session.id)
+        await self._sessions.release(session.id)
+        METRICS.sessions_paused.inc()
+        self._trail.paused(session, saved.bytes if saved else None, bool(suspended))
+        log.info(
+            "session %s paused (%s)",
+            session.id,
+            f"{saved.bytes} bytes saved" if saved else f"suspended by its backend as {suspended}",
+        )
+        return record
+
+    async def _paused_record(
+        self, session: Session, saved: SnapshotRecord | None, suspended: str | None
+    ) -> SessionRecord:
+        """The session's record, written paused (the state a failed earlier pause left goes)."""
         earlier = await self._records.get(session.id)  # a paused state left by a failed pause
         if (
             earlier is not None
@@ -92,17 +135,10 @@ class Pauses:
             suspended,
             None,
         )
+        if suspended is None:  # its sandbox stops: no replica attaches to it any more
+            record.sandbox_handle = None
         record.notice = session.notice
         await self._records.put(record)
-        await self._channels.close_for(session.id)
-        await self._sessions.release(session.id)
-        METRICS.sessions_paused.inc()
-        self._trail.paused(session, saved.bytes if saved else None, bool(suspended))
-        log.info(
-            "session %s paused (%s)",
-            session.id,
-            f"{saved.bytes} bytes saved" if saved else f"suspended by its backend as {suspended}",
-        )
         return record
 
     async def resume(self, record: SessionRecord) -> Session:

@@ -66,16 +66,16 @@ class Persistence:
 
     async def start(self) -> None:
         if self._shared is not None:
-            stores = open_shared(self._shared, snapshots_dir=self.settings.state_dir / "snapshots")
+            stores = open_shared(self._shared, snapshots_dir=self.settings.saved_states)
         else:
-            stores = open_local(self.settings.state_dir)
+            stores = open_local(self.settings.state_dir, self.settings.saved_states)
         try:
             await stores.records.ping()  # an unreachable store stops the start, saying which
         except BaseException:
             await stores.close()
             raise
         self._stores = stores
-        self._saved = SavedStates(self.settings, stores.records)
+        self._saved = SavedStates(self.settings, stores.records, self._shared)
         await self._saved.remove_unrecorded()
 
     async def close(self) -> None:

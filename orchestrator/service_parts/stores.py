@@ -31,14 +31,15 @@ class OpenedStores:
         await self._close()
 
 
-def open_local(state_dir: Path) -> OpenedStores:
-    """The state dir's SQLite file (made if missing)."""
+def open_local(state_dir: Path, saved_states: Path | None = None) -> OpenedStores:
+    """The state dir's SQLite file (made if missing); saved states' files in `saved_states`
+    (by default beside it)."""
     db = SqliteDatabase(state_dir)
 
     async def close() -> None:
         db.close()
 
-    return OpenedStores(SqliteStore(db), sqlite_stores(db), close)
+    return OpenedStores(SqliteStore(db, saved_states), sqlite_stores(db), close)
 
 
 def open_shared(

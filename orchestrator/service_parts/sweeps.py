@@ -11,13 +11,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from orchestrator.cluster.shared import SharedSandbox
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.pausing import Pauses
 from orchestrator.service_parts.persistence import Persistence
 from orchestrator.service_parts.state_locks import StateLocks
-from orchestrator.sessions import Session, SessionManager
+from orchestrator.sessions import Session, SessionError, SessionManager
 from orchestrator.settings_sections import ExpirySection
+from orchestrator.state_store import SessionRecord
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +66,44 @@ class Sweeps:
                 log.warning("session %s could not be paused (%s): ending it", session.id, exc)
                 await self._sessions.end(session.id, f"{why}; it could not be paused ({exc})")
 
+    async def idle_shared(self, record: SessionRecord, why: str) -> bool:
+        """A shared session any replica's reaper found due (cluster mode): paused, where
+        auto-pause is on and it can be, under its lease (one replica pauses it; the others find
+        it paused). True when that is done with (paused, or used again meanwhile); False:
+        the reaper ends it."""
+        if record.on_idle != "pause" or self.settings.idle_action != "pause":
+            return False
+        async with self._locks.of(record.id):
+            try:
+                session = await self._sessions.get(record.id, record.owner)
+            except SessionError:  # paused or ended by another replica meanwhile
+                return True
+            shared = session.sandbox
+            if session.busy or not isinstance(shared, SharedSandbox):
+                return True
+            try:
+                idle_s, in_flight = await shared.activity()
+                timeout = session.idle_timeout_s or self.settings.idle_timeout_s
+                if in_flight or idle_s <= timeout:  # used while the lease was awaited
+                    return True
+                await self._pauses.pause(session)
+            except Exception as exc:
+                log.warning("session %s could not be paused (%s): ending it", record.id, exc)
+                return False
+            return True
+
     async def pause_all(self) -> None:
         """On shutdown: pause what auto-pause would, all at once, so a restart finds it whole;
         what cannot be paused in time ends with the rest."""
         s = self.settings
         if not self._records.started or not s.pause_on_shutdown or s.idle_action != "pause":
             return
-        due = [x for x in self._sessions.all() if x.on_idle == "pause"]
+        # Not those every replica serves: they live on in the cluster, served by the others.
+        due = [
+            x
+            for x in self._sessions.all()
+            if x.on_idle == "pause" and not self._sessions.shared(x.backend)
+        ]
 
         async def pause(session: Session) -> None:
             async with self._locks.of(session.id):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 Record = TypeVar("Record", bound=BaseModel)
 
 _PAGE = PAGE
+_UNRECORDED_AFTER_S = 3600.0  # a saved state's directory unrecorded this long was left by a crash
 __all__ = ["CorruptRecord", "RedisStore", "StoreUnavailable"]
 
 
@@ -159,10 +161,18 @@ class RedisStore(StateStore):
             return bool(await self._update(keys=[key], args=[record.model_dump_json()]))
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
-        key = self._key("session", session_id)
+        key = self.session_key(session_id)
         with self._errors():
             raw = cast(bytes | None, await self._redis.get(key))
         return self._load(SessionRecord, raw, key)
+
+    def session_key(self, session_id: str) -> str:
+        """Where a session's record is (read with other keys in one round trip)."""
+        return self._key("session", session_id)
+
+    def session_record(self, raw: bytes | None, session_id: str) -> SessionRecord | None:
+        """A record read raw from `session_key`, validated."""
+        return self._load(SessionRecord, raw, self.session_key(session_id))
 
     async def delete_session(self, session_id: str) -> None:
         key = self._key("session", session_id)
@@ -298,8 +308,12 @@ class RedisStore(StateStore):
 
     async def orphan_files(self) -> list[Path]:
         """Saved states' directories no record names (a crash between writing and recording).
-        Each directory is asked about by name, never against a listing that may be cut short."""
-        dirs = await asyncio.to_thread(lambda: list(self._files.iterdir()))
+        Each directory is asked about by name, never against a listing that may be cut short.
+        The directory may be every replica's: one written to within `_UNRECORDED_AFTER_S` may
+        be another replica's save under way, so it is left for a later start."""
+        dirs = await asyncio.to_thread(
+            _settled_dirs, self._files, time.time() - _UNRECORDED_AFTER_S
+        )
         orphans: list[Path] = []
         for start in range(0, len(dirs), _PAGE):
             page = dirs[start : start + _PAGE]
@@ -309,3 +323,19 @@ class RedisStore(StateStore):
                     pipe.exists(self._key("snapshot", d.name))
                 orphans += [d for d, n in zip(page, await pipe.execute(), strict=True) if not n]
         return orphans
+
+
+def _settled_dirs(root: Path, before: float) -> list[Path]:
+    """The entries of `root` neither they nor their direct entries changed since `before`."""
+    settled = []
+    for entry in root.iterdir():
+        try:
+            newest = max(
+                [entry.lstat().st_mtime]
+                + ([c.lstat().st_mtime for c in entry.iterdir()] if entry.is_dir() else [])
+            )
+        except OSError:  # removed meanwhile
+            continue
+        if newest < before:
+            settled.append(entry)
+    return settled

@@ -35,11 +35,12 @@ CREATE INDEX IF NOT EXISTS snapshots_by_session ON snapshots (session_id);
 
 
 class SqliteStore(StateStore):
-    def __init__(self, db: SqliteDatabase) -> None:
-        """`db`: the state dir's file; saved states' files go in `snapshots/` beside it."""
+    def __init__(self, db: SqliteDatabase, files: Path | None = None) -> None:
+        """`db`: the state dir's file; saved states' files go in `files` (by default
+        `snapshots/` beside it)."""
         self.database = db
-        self._files = db.path.parent / "snapshots"
-        self._files.mkdir(mode=0o700, exist_ok=True)
+        self._files = files or db.path.parent / "snapshots"
+        self._files.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._files.chmod(0o700)
         self._db = db.connection
         self._lock = db.lock

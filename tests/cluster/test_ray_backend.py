@@ -223,6 +223,33 @@ async def test_attach_from_another_backend(
         await other.close()
 
 
+async def test_a_save_is_fenced_against_other_replicas_changes(
+    backend: RayBackend, ray_cluster: RayTestCluster
+) -> None:
+    """Two replicas' proxies on one session actor: one saving it for a pause may stop it only
+    if the other changed nothing meanwhile (its own calls count as its own); once fenced,
+    the other's calls are refused saying why, until an unfence."""
+    other = RayBackend(_config(ray_cluster))
+    try:
+        async with sessions(backend, 1) as (pausing,):
+            elsewhere = await other.attach(pausing.handle, pausing.spec)
+            mark = await pausing.fence_mark()
+            await pausing.execute("saved = 1")  # the pausing replica's own save
+            await elsewhere.upload("late.txt", b"changed meanwhile")
+            assert not await pausing.fence(mark, "being paused")
+            assert (await elsewhere.execute("saved")).text == "1"  # nothing was refused
+            mark = await pausing.fence_mark()
+            await pausing.execute("saved = 2")
+            await elsewhere.list_files("")  # reading changes nothing
+            assert await pausing.fence(mark, "being paused; call again")
+            with pytest.raises(SandboxError, match="being paused; call again"):
+                await elsewhere.execute("saved")
+            await pausing.unfence()
+            assert (await elsewhere.execute("saved")).text == "2"
+    finally:
+        await other.close()
+
+
 async def test_network_is_refused(backend: RayBackend) -> None:
     spec = SandboxSpec(network=NetworkPolicy(mode="any"))
     with pytest.raises(SandboxError, match="no network"):

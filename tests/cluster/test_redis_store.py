@@ -4,6 +4,8 @@ tombstones hold across two store objects (as two replicas), and bad values are t
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -355,7 +357,8 @@ async def test_redis_store_snapshots(stores: tuple[RedisStore, RedisStore], tmp_
     files = b.files_of("snap-1")
     files.mkdir()
     (files / "state").write_text("x")
-    (tmp_path / "snaps" / "stray").mkdir()
+    _left_long_ago(tmp_path / "snaps" / "stray")
+    (tmp_path / "snaps" / "under-way").mkdir()  # another replica's save, not recorded yet
     assert [r.id for r in await b.snapshots(owner="k1")] == ["snap-2", "snap-1"]
     assert [r.id for r in await b.snapshots(owner="k2", kind="snapshot")] == ["snap-3"]
     assert await b.snapshots(session_id="s-other") == []
@@ -376,7 +379,7 @@ async def test_redis_store_orphan_files_never_on_a_cut_listing(
     for i in range(5):
         await store.put_snapshot(_snapshot(f"snap-{i}"))
         store.files_of(f"snap-{i}").mkdir()
-    (tmp_path / "stray").mkdir()
+    _left_long_ago(tmp_path / "stray")
     assert [p.name for p in await store.orphan_files()] == ["stray"]
     await store.connection.close()
 
@@ -405,3 +408,12 @@ def test_redis_store_url_password_is_never_shown() -> None:
         Settings(api_keys=["k"], store_url="http://:hunter2@127.0.0.1:1/0")
     assert "store_url must be redis://" in str(caught.value)
     assert "hunter2" not in str(caught.value)
+
+
+def _left_long_ago(directory: Path) -> None:
+    """A saved state's directory a crash left: written to two hours ago, never since."""
+    directory.mkdir()
+    (directory / "namespace").write_text("x")
+    then = time.time() - 7200
+    for path in (directory / "namespace", directory):
+        os.utime(path, (then, then))

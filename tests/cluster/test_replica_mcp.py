@@ -5,8 +5,11 @@ test_replicas.py (its fixtures)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from typing import Any
 
+import httpx
 import httpx2
 import pytest
 from mcp import Client
@@ -21,6 +24,7 @@ from tests.cluster.test_replicas import (  # noqa: F401  (fixtures)
     replicas,
     store,
 )
+from tests.orchestrator.service.test_mcp_sessions import _message, _open
 
 
 class _Balancer(httpx2.AsyncBaseTransport):
@@ -64,8 +68,56 @@ def test_replica_mcp_connection_continues_through_the_other_replica(
 ) -> None:
     a, b = replicas
     session_id = run_sync(_through_both(a, b))
-    assert "opened through another replica, continues here" in b.log.read_text()
+    served = b.log.read_text()  # B served the call and the close, which A's client made
+    assert '"POST /mcp HTTP/1.1" 200' in served and '"DELETE /mcp HTTP/1.1" 200' in served
     for replica in (a, b):
         with replica.client() as api:
             gone = api.get(f"/v1/sessions/{session_id}")
         assert gone.status_code == 410 and "was deleted" in gone.text, gone.text
+
+
+async def _first_calls_through_both(a: Replica, b: Replica) -> set[str]:
+    """A connection opened through A whose first two calls go at once, one through each."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        headers = await _open(_At(http, a.url), KEY_A)  # type: ignore[arg-type]
+        params = {"name": "code_interpreter", "arguments": {"code": "import os; os.getpid()"}}
+        answers = await asyncio.gather(
+            *(
+                http.post(
+                    f"{replica.url}/mcp",
+                    json=_message("tools/call", params, id=10 + n),
+                    headers=headers,
+                )
+                for n, replica in enumerate((a, b))
+            )
+        )
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        pids = {re.findall(r"\[result\]\\n(\d+)", r.text)[0] for r in answers}
+        sessions = set(re.findall(r"s-[0-9a-f]{24}", "".join(r.text for r in answers)))
+        assert (await http.delete(f"{b.url}/mcp", headers=headers)).status_code == 200
+    assert len(pids) == 1, pids  # one kernel answered both
+    return sessions
+
+
+class _At:
+    """The client's `post` at one replica's address."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
+        self._http, self._url = http, url
+
+    async def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return await self._http.post(f"{self._url}{path}", **kwargs)
+
+
+@pytest.mark.cluster
+def test_replica_mcp_first_calls_through_both_replicas_share_one_session(
+    replicas: tuple[Replica, Replica],  # noqa: F811
+) -> None:
+    """Each replica starts a session for the connection's first call; the store keeps the one
+    bound first, and the other replica ends its own and uses that one (nothing is left: the
+    replicas fixture checks the store holds no session and no place at its end)."""
+    a, b = replicas
+    [session_id] = run_sync(_first_calls_through_both(a, b))
+    for replica in (a, b):
+        with replica.client() as api:
+            assert api.get(f"/v1/sessions/{session_id}").status_code == 410

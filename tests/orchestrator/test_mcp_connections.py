@@ -28,7 +28,7 @@ async def replicas(redis_url: str) -> AsyncIterator[list[McpConnections]]:
     """Two replicas' handles on one shared store."""
     prefix = f"c{uuid.uuid4().hex[:8]}"
     connections = [RedisConnection(redis_url, prefix=prefix) for _ in range(2)]
-    yield [SharedMcpConnections(c, idle_timeout_s=60) for c in connections]
+    yield [SharedMcpConnections(c, keep_s=60) for c in connections]
     for connection in connections:
         await connection.close()
 
@@ -37,7 +37,7 @@ async def replicas(redis_url: str) -> AsyncIterator[list[McpConnections]]:
 def both(request: pytest.FixtureRequest) -> list[McpConnections]:
     """The two stores; the local one's `replicas` are one process's handle twice."""
     if request.param == "local":
-        local = LocalMcpConnections(idle_timeout_s=60)
+        local = LocalMcpConnections(keep_s=60)
         return [local, local]
     found: list[McpConnections] = request.getfixturevalue("replicas")
     return found
@@ -52,7 +52,20 @@ async def test_a_connections_session_is_bound_once(both: list[McpConnections]) -
     assert await b.bind("c1", "owner", "s-new", "s-first") == "s-new"
     assert await a.bind("c1", "owner", "s-other", "s-first") == "s-new"
     found = await b.get("c1")
-    assert found == McpConnection("owner", CLIENT, "s-new")
+    assert isinstance(found, McpConnection)
+    assert (found.owner, found.session_id) == ("owner", "s-new")
+
+
+async def test_another_owner_cannot_bind_a_connection(both: list[McpConnections]) -> None:
+    """A request of another key naming the connection (a header no transport checked) binds
+    nothing, and changes nothing of the owner's."""
+    a, b = both
+    await a.opened("c1", "owner", CLIENT)
+    assert await a.bind("c1", "owner", "s-mine", None) == "s-mine"
+    assert await b.bind("c1", "stranger", "s-theirs", None) is None
+    assert await b.bind("c1", "stranger", "s-theirs", "s-mine") is None
+    found = await a.get("c1")
+    assert isinstance(found, McpConnection) and found.session_id == "s-mine"
 
 
 async def test_an_ended_connection_is_ended_for_every_replica(
@@ -77,14 +90,26 @@ async def test_a_connection_never_opened_over_http_is_made_by_its_first_bind(
     assert await a.get("stdio-x") == McpConnection("local", None, "s1")
 
 
-async def test_a_client_too_large_to_keep_is_kept_without_it(both: list[McpConnections]) -> None:
-    a, b = both
-    await a.opened("c1", "owner", {"padding": "x" * MAX_CLIENT_BYTES})
-    assert await b.get("c1") == McpConnection("owner", None, None)
+async def test_what_a_client_said_is_kept_within_its_cap(
+    replicas: list[McpConnections],
+) -> None:
+    """For another replica to continue its connection; one too large is kept without it."""
+    a, b = replicas
+    await a.opened("c1", "owner", CLIENT)
+    assert await b.get("c1") == McpConnection("owner", CLIENT, None)
+    await a.opened("c2", "owner", {"padding": "x" * MAX_CLIENT_BYTES})
+    assert await b.get("c2") == McpConnection("owner", None, None)
+
+
+async def test_one_process_keeps_nothing_a_client_said() -> None:
+    """On one machine nothing else continues a connection: its client's words are not kept."""
+    local = LocalMcpConnections(keep_s=60)
+    await local.opened("c1", "owner", CLIENT)
+    assert await local.get("c1") == McpConnection("owner", None, None)
 
 
 async def test_one_process_forgets_connections_idle_past_their_timeout() -> None:
-    local = LocalMcpConnections(idle_timeout_s=0.05)
+    local = LocalMcpConnections(keep_s=0.05)
     await local.opened("c1", "owner", None)
     await asyncio.sleep(0.1)  # past the idle timeout
     assert await local.get("c1") is None

@@ -117,7 +117,9 @@ class RayBackend(Backend):
         host_tools=True,  # relayed from the sandbox's node (node_tool_relay.py)
         processes=True,
         suspend=False,
-        snapshot=False,  # a saved state would be one replica's, of a sandbox every one shares
+        # Saved through the actor like any sandbox's; the service keeps them where every
+        # replica finds them (its `saved_states_dir`), else it refuses.
+        snapshot=True,
         shared_across_nodes=True,
         images=False,
         runtimes=False,

@@ -42,16 +42,16 @@ class NodeProcesses:
     if TYPE_CHECKING:  # given by the actor this is mixed into
         sandbox: Sandbox
 
-        def activity(self) -> AbstractAsyncContextManager[object]: ...
+        def activity(self, change: bool = False) -> AbstractAsyncContextManager[object]: ...
 
     async def start_process(self, request: ProcessRequest) -> ProcessInfo:
         """Start a process that runs on after this call; what it is."""
-        async with self.activity():
+        async with self.activity(change=True):
             return (await self.sandbox.start_process(request)).info()
 
     async def run_command(self, request: ProcessRequest) -> CommandResult:
         """Run a command to its end; the caller's ref cancelled (`ray.cancel`) kills it."""
-        async with self.activity():
+        async with self.activity(change=True):
             return await self.sandbox.run_command(request)
 
     async def process_info(self, pid: int) -> ProcessInfo:

@@ -60,6 +60,7 @@ class RaySandbox(Sandbox):
         self._lost: str | None = None
         self._running = 0
         self._closed = False
+        self._changes_sent = 0  # calls that may change its state this proxy made (`fence`)
 
     @property
     def handle(self) -> str:
@@ -157,6 +158,7 @@ class RaySandbox(Sandbox):
         """The actor's outputs as they happen, the last `done`; leaving early cancels the
         actor's generator, which interrupts the code there."""
         self.check_not_lost()
+        self._changes_sent += 1
         generator = self._actor.execute.remote(code, timeout_s, env, cwd, language)
         self._running += 1
         finished = False
@@ -181,10 +183,12 @@ class RaySandbox(Sandbox):
         await self._raise_lost(RuntimeError("the execution's stream ended without its result"))
 
     async def set_env(self, env: dict[str, str]) -> None:
+        self._changes_sent += 1
         await self._call(self._actor.set_env.remote(env))
         self.spec.env.update(env)
 
     async def set_workdir(self, path: str) -> None:
+        self._changes_sent += 1
         await self._call(self._actor.set_workdir.remote(path))
         await super().set_workdir(path)
 
@@ -192,11 +196,13 @@ class RaySandbox(Sandbox):
         return await self._call(self._actor.interrupt.remote())
 
     async def restart(self, language: str | None = None) -> None:
+        self._changes_sent += 1
         await self._call(self._actor.restart.remote(language))
 
     # --- files ------------------------------------------------------------------------------
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
+        self._changes_sent += 1
         return await self._call(self._actor.upload.remote(path, data))
 
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
@@ -233,6 +239,7 @@ class RaySandbox(Sandbox):
             with source.open("rb") as reader:
                 while chunk := await asyncio.to_thread(reader.read, FILE_CHUNK_BYTES):
                     await self._call(self._actor.import_write.remote(token, chunk))
+            self._changes_sent += 1
             return await self._call(self._actor.import_commit.remote(token, path))
         except BaseException:
             if self._lost is None:
@@ -244,6 +251,7 @@ class RaySandbox(Sandbox):
         return await self._call(self._actor.list_files.remote(path, recursive))
 
     async def remove_file(self, path: str) -> None:
+        self._changes_sent += 1
         await self._call(self._actor.remove_file.remote(path))
 
     # --- processes (sandbox/backends/ray_cluster/remote_process.py) -----------------------
@@ -251,11 +259,13 @@ class RaySandbox(Sandbox):
     async def start_process(self, request: ProcessRequest) -> ProcessHandle:
         from sandbox.backends.ray_cluster.remote_process import remote_start_process
 
+        self._changes_sent += 1
         return await self._guard(remote_start_process(self._actor, request, self))
 
     async def run_command(self, request: ProcessRequest) -> CommandResult:
         from sandbox.backends.ray_cluster.remote_process import remote_run_command
 
+        self._changes_sent += 1
         return await self._guard(remote_run_command(self._actor, request, self))
 
     async def get_process(self, pid: int) -> ProcessHandle:
@@ -298,6 +308,21 @@ class RaySandbox(Sandbox):
     async def touch(self) -> None:
         """Keep it alive: its idle time, counted by the actor for every replica, starts again."""
         await self._call(self._actor.touch.remote())
+
+    async def fence_mark(self) -> tuple[int, int]:
+        """Where a save starts: (the calls that may change its state the actor has taken from
+        every replica, those this proxy sent)."""
+        return await self._call(self._actor.changes.remote()), self._changes_sent
+
+    async def fence(self, mark: tuple[int, int], why: str) -> bool:
+        """After a save begun at `mark`: refuse every call from now on (`why` tells other
+        replicas' callers) if no other replica changed its state since; False if one did."""
+        taken, sent = mark
+        expected = taken + (self._changes_sent - sent)
+        return await self._call(self._actor.fence.remote(expected, why))
+
+    async def unfence(self) -> None:
+        await self._call(self._actor.unfence.remote())
 
     async def set_tool_manifest(self, manifest: bytes) -> None:
         await self._call(self._actor.set_tool_manifest.remote(manifest))

@@ -85,6 +85,8 @@ class SessionActor(NodeProcesses, NodeToolRelay):
         self._in_flight = 0
         self._last_activity = time.monotonic()
         self._closed = False
+        self._changes = 0  # calls that may change the sandbox's state, from every replica
+        self._fenced: str | None = None  # why calls are refused: a pause is taking it
         # token -> (staging file, bytes so far, when it was last written to)
         self._imports: dict[str, tuple[Path, int, float]] = {}
         self._exports = 0
@@ -178,10 +180,15 @@ class SessionActor(NodeProcesses, NodeToolRelay):
     # --- activity, shared by every replica ---------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def activity(self) -> AsyncIterator[None]:
-        """Count a call in flight and stamp the last activity; refuse calls once closed."""
+    async def activity(self, change: bool = False) -> AsyncIterator[None]:
+        """Count a call in flight and stamp the last activity; refuse calls once closed, or
+        fenced. `change`: the call may change the state a pause saves (counted for `fence`)."""
         if self._closed:
             raise SandboxClosed("the sandbox was closed")
+        if self._fenced is not None:
+            raise SandboxClosed(self._fenced)
+        if change:
+            self._changes += 1
         self._in_flight += 1
         self._last_activity = time.monotonic()
         try:
@@ -196,6 +203,23 @@ class SessionActor(NodeProcesses, NodeToolRelay):
         if self._closed:
             raise SandboxClosed("the sandbox was closed")
         self._last_activity = time.monotonic()
+
+    async def changes(self) -> int:
+        """How many calls that may change its state it has taken, from every replica."""
+        return self._changes
+
+    async def fence(self, expected_changes: int, why: str) -> bool:
+        """Refuse every call from now on (`why` tells them), if it has taken exactly
+        `expected_changes` such calls: a replica that saved its state makes sure no other
+        replica changed it meanwhile before it stops the sandbox. False: one did."""
+        if self._closed or self._changes != expected_changes:
+            return False
+        self._fenced = why
+        return True
+
+    async def unfence(self) -> None:
+        """A pause that fenced it failed after all: calls are taken again."""
+        self._fenced = None
 
     async def idle_state(self) -> tuple[float, int]:
         """(seconds since the last call ended, calls in flight); 0 idle while one runs."""
@@ -215,7 +239,7 @@ class SessionActor(NodeProcesses, NodeToolRelay):
     ) -> AsyncIterator[OutputEvent]:
         """The execution's outputs as they happen, the last a DoneEvent. A reader that leaves
         cancels this generator, which interrupts the code (`Sandbox.stream`)."""
-        async with self.activity():
+        async with self.activity(change=True):
             events: AsyncGenerator[OutputEvent, None] = self.sandbox.stream(  # type: ignore[assignment]
                 code, timeout_s=timeout_s, env=env, cwd=cwd, language=language
             )
@@ -226,11 +250,11 @@ class SessionActor(NodeProcesses, NodeToolRelay):
                 await events.aclose()
 
     async def set_env(self, env: dict[str, str]) -> None:
-        async with self.activity():
+        async with self.activity(change=True):
             await self.sandbox.set_env(env)
 
     async def set_workdir(self, path: str) -> None:
-        async with self.activity():
+        async with self.activity(change=True):
             await self.sandbox.set_workdir(path)
 
     async def interrupt(self) -> bool:
@@ -238,14 +262,14 @@ class SessionActor(NodeProcesses, NodeToolRelay):
             return await self.sandbox.interrupt()
 
     async def restart(self, language: str | None) -> None:
-        async with self.activity():
+        async with self.activity(change=True):
             await self.sandbox.restart(language)
 
     async def is_busy(self) -> bool:
         return self.sandbox.is_busy
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
-        async with self.activity():
+        async with self.activity(change=True):
             return await self.sandbox.upload(path, data)
 
     async def download(self, path: str, max_bytes: int) -> bytes:
@@ -257,7 +281,7 @@ class SessionActor(NodeProcesses, NodeToolRelay):
             return await self.sandbox.list_files(path, recursive=recursive)
 
     async def remove_file(self, path: str) -> None:
-        async with self.activity():
+        async with self.activity(change=True):
             await self.sandbox.remove_file(path)
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=CHUNKS_UNREAD)
@@ -333,7 +357,7 @@ class SessionActor(NodeProcesses, NodeToolRelay):
 
     async def import_commit(self, token: str, path: str) -> FileInfo:
         """Move the staged file into the workspace at `path`."""
-        async with self.activity():
+        async with self.activity(change=True):
             staged, _, _ = self._import(token)
             try:
                 return await self.sandbox.import_file(path, staged)

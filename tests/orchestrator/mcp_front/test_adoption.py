@@ -72,11 +72,11 @@ async def test_a_connection_opened_through_one_replica_goes_on_through_the_other
             assert gone.status_code == 404, gone.text
 
 
-async def test_parallel_first_calls_through_two_replicas_share_one_session(
+async def test_parallel_first_calls_on_an_adopted_connection_share_one_session(
     replicas: tuple[Server, Server],
 ) -> None:
-    """Each replica starts a session for the connection's first call; the store keeps one,
-    and the other replica ends its own and uses that one."""
+    """Two first calls at once on a connection the replica adopts by them: one transport, one
+    session. (Through two replicas at once: tests/cluster/test_replica_mcp.py.)"""
     a, b = replicas
     async with httpx.AsyncClient(timeout=120) as http:
         headers = await _open_at(http, a)

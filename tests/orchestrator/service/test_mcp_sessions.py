@@ -76,6 +76,55 @@ async def test_another_key_cannot_end_or_use_a_connection(mcp_server: Server) ->
         assert sessions(mcp_server) == []
 
 
+async def test_a_call_longer_than_the_idle_timeout_keeps_its_connections_session(
+    mcp_server: Server,
+) -> None:
+    """A call running past the connection's idle timeout (it is busy, not idle): the next call
+    on the connection finds the same session, not a new one."""
+    end_all(mcp_server, KEY_A)
+    async with httpx.AsyncClient(base_url=mcp_server.url, timeout=120) as http:
+        mine = await _open(http, KEY_A)
+        await _call(http, mine, "kept = 41")
+        await _call(http, mine, f"import time; time.sleep({IDLE_S + 2})")
+        assert "[result]\\n42" in (await _call(http, mine, "kept + 1")).text
+        assert len(sessions(mcp_server)) == 1
+        assert (await http.delete("/mcp", headers=mine)).status_code == 200
+
+
+async def test_a_connectionless_request_naming_anothers_connection_touches_nothing(
+    mcp_server: Server,
+) -> None:
+    """The 2026-07-28 protocol has no connections: an `Mcp-Session-Id` it carries is checked
+    by no transport, so it is not taken as one (another key's request naming A's connection
+    gets a session of its own, and A's connection keeps its session)."""
+    end_all(mcp_server, KEY_A)
+    end_all(mcp_server, KEY_B)
+    async with httpx.AsyncClient(base_url=mcp_server.url, timeout=120) as http:
+        mine = await _open(http, KEY_A)
+        await _call(http, mine, "kept = 41")
+        meta = {
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientInfo": {"name": "other", "version": "1"},
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }
+        params = {"name": "code_interpreter", "arguments": {"code": "1 + 1"}, "_meta": meta}
+        headers = {
+            "Authorization": f"Bearer {KEY_B}",
+            "Accept": "application/json, text/event-stream",
+            "Content-Type": "application/json",
+            "Mcp-Protocol-Version": "2026-07-28",
+            "Mcp-Session-Id": mine["Mcp-Session-Id"],
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "code_interpreter",
+        }
+        other = await http.post("/mcp", json=_message("tools/call", params, id=5), headers=headers)
+        assert other.status_code == 200 and "2" in other.text, other.text
+        assert "[result]\\n42" in (await _call(http, mine, "kept + 1")).text
+        assert "notice" not in (await _call(http, mine, "kept")).text
+        assert (await http.delete("/mcp", headers=mine)).status_code == 200
+    end_all(mcp_server, KEY_B)
+
+
 def _message(method: str, params: dict[str, Any], id: int | None = 1) -> dict[str, Any]:
     message: dict[str, Any] = {"jsonrpc": "2.0", "method": method, "params": params}
     return {**message, "id": id} if id is not None else message

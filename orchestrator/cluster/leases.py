@@ -1,0 +1,61 @@
+"""Leases in the Redis every replica shares (cluster mode): one replica at a time changes a
+session's state, or saves for one key against its quota. redis-py's lock, renewed while held,
+so a replica that dies holding one frees it within `LEASE_S`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from orchestrator.session_error import SessionError
+
+if TYPE_CHECKING:
+    from orchestrator.state_store.redis_connection import RedisConnection
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 30.0  # a lease not renewed for this long (its replica died) is free again
+WAIT_S = 660.0  # the longest a call waits for another replica's change (a save takes <= 600 s)
+
+
+class LeaseBusy(SessionError):
+    """Another replica held the lease the whole time this call could wait."""
+
+    status = 409
+
+
+@contextlib.asynccontextmanager
+async def lease(
+    shared: RedisConnection, name: str, what: str, wait_s: float = WAIT_S
+) -> AsyncIterator[None]:
+    """Hold the lease `name` (renewed every third of `LEASE_S`); LeaseBusy saying `what` waits
+    past `wait_s`, StoreUnavailable if the store fails."""
+    held = shared.client.lock(
+        shared.key("lease", name), timeout=LEASE_S, blocking_timeout=wait_s, thread_local=False
+    )
+    with shared.errors():
+        taken = await held.acquire()
+    if not taken:
+        raise LeaseBusy(f"another replica has been {what} for {wait_s:g} s; try again later")
+
+    async def renew() -> None:
+        while True:
+            await asyncio.sleep(LEASE_S / 3)
+            try:
+                await held.reacquire()
+            except Exception as exc:  # the store is down or the lease was lost: said once
+                log.warning("the lease %s was not renewed: %s", name, exc)
+                return
+
+    renewing = asyncio.ensure_future(renew())
+    try:
+        yield
+    finally:
+        renewing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewing
+        with contextlib.suppress(Exception):  # expired already: nothing to give back
+            await held.release()

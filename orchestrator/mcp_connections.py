@@ -49,7 +49,7 @@ class McpConnections(ABC):
         """The connection, kept for another `keep_s`."""
 
     @abstractmethod
-    async def touch(self, connection: str) -> None:
+    async def request_ended(self, connection: str) -> None:
         """A request on it ended: kept for another `keep_s` from now."""
 
     @abstractmethod
@@ -102,7 +102,7 @@ class LocalMcpConnections(McpConnections):
         self._touch(connection, entry[0])
         return entry[0]
 
-    async def touch(self, connection: str) -> None:
+    async def request_ended(self, connection: str) -> None:
         entry = self._known.get(connection)
         if entry is not None:
             self._touch(connection, entry[0])
@@ -190,7 +190,7 @@ class SharedMcpConnections(McpConnections):
             return "ended"
         return _record(fields)
 
-    async def touch(self, connection: str) -> None:
+    async def request_ended(self, connection: str) -> None:
         key, _ = self._keys(connection)
         with self._connection.errors():
             await self._redis.expire(key, self._ttl)

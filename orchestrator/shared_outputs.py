@@ -91,7 +91,7 @@ _SAVE = (
     """
 local base, sid, eid, token = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local max_session, max_total = tonumber(ARGV[5]), tonumber(ARGV[6])
-local remembered, images = tonumber(ARGV[7]), tonumber(ARGV[8])
+local remembered, images, json = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 """
     + _REMEMBER
     + """local function evict(session)
@@ -123,20 +123,24 @@ end
 local here, staged = at(sid), base .. ':t:' .. token
 local function unstage()
   redis.call('DEL', staged .. ':x')
-  for i = 1, images do redis.call('DEL', staged .. ':a:' .. ARGV[8 + i]) end
+  for i = 1, images do redis.call('DEL', staged .. ':a:' .. ARGV[8 + 2 * i]) end
 end
 if redis.call('EXISTS', here .. ':dropped') == 1 then unstage() return 'dropped' end
 if redis.call('HEXISTS', here .. ':meta', eid) == 1 then unstage() return 'kept' end
-if redis.call('EXISTS', staged .. ':x') == 0 then unstage() return 'lost' end
-local json = redis.call('STRLEN', staged .. ':x')
+-- Each part whole, or the save is lost (one that expired while staged, even partly).
+if redis.call('STRLEN', staged .. ':x') ~= json then unstage() return 'lost' end
 local names, new, size = {}, {}, json
 for i = 1, images do
-  local name = ARGV[8 + i]
+  local name, bytes = ARGV[8 + 2 * i], tonumber(ARGV[9 + 2 * i])
   names[#names + 1] = name
   if redis.call('HEXISTS', here .. ':refs', name) == 0 then
-    if redis.call('EXISTS', staged .. ':a:' .. name) == 0 then unstage() return 'lost' end
-    new[name] = redis.call('STRLEN', staged .. ':a:' .. name)
-    size = size + new[name]
+    local part = staged .. ':a:' .. name
+    if redis.call('EXISTS', part) == 0 or redis.call('STRLEN', part) ~= bytes then
+      unstage()
+      return 'lost'
+    end
+    new[name] = bytes
+    size = size + bytes
   end
 end
 if size > math.min(max_session, max_total) then
@@ -250,16 +254,23 @@ class SharedOutputStore(KeptOutputs):
                 return execution_id
             token = secrets.token_hex(8)
             staged = f"{self._base}:t:{token}"
+            parts = {f"{staged}:x": data} | {f"{staged}:a:{n}": b for n, b in images.items()}
             args: list[Any] = [self._base, session_id, execution_id, token]
             args += [self.max_bytes_per_session, self.max_bytes_total, _GONE_REMEMBERED]
-            args += [len(images), *images]
+            args += [len(images), len(data)]
+            for name, blob in images.items():
+                args += [name, len(blob)]
             try:
                 with self._connection.errors():
-                    await self._stage(f"{staged}:x", data)
-                    for name, blob in images.items():
-                        await self._stage(f"{staged}:a:{name}", blob)
+                    for key, blob in parts.items():
+                        await self._stage(key, blob)
                     answer = text(await self._save(args=args))
-            except StoreUnavailable as exc:
+            except BaseException as exc:
+                # Staged parts go now, not at their time to live (best effort: else then).
+                with contextlib.suppress(Exception):
+                    await self._redis.delete(*parts)
+                if not isinstance(exc, StoreUnavailable):
+                    raise
                 answer = f"lost: {exc}"
             if answer.startswith("lost"):
                 # The store was down, or so slow that what was staged expired before the save.
@@ -269,8 +280,8 @@ class SharedOutputStore(KeptOutputs):
                     self._unwritten[(session_id, item)] = why
                 while len(self._unwritten) > _UNWRITTEN_REMEMBERED:
                     self._unwritten.popitem(last=False)
-            else:
-                await self._drop_again()
+                return execution_id
+        await self._drop_again()
         return execution_id
 
     async def _stage(self, key: str, data: bytes) -> None:
@@ -280,7 +291,12 @@ class SharedOutputStore(KeptOutputs):
         view = memoryview(data)
         await self._redis.set(key, bytes(view[:_STAGED_CHUNK]), ex=_STAGED_S)
         for start in range(_STAGED_CHUNK, len(view), _STAGED_CHUNK):
-            await self._redis.append(key, bytes(view[start : start + _STAGED_CHUNK]))
+            # With its time to live again: a piece after an expiry never stays for ever (the
+            # script then finds the part short, and the save lost).
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.append(key, bytes(view[start : start + _STAGED_CHUNK]))
+                pipe.expire(key, _STAGED_S)
+                await pipe.execute()
 
     async def settled(self, session_id: str, item_id: str) -> None:
         """At once: a save is done before its id is given out."""
@@ -342,10 +358,18 @@ class SharedOutputStore(KeptOutputs):
         return True
 
     async def _drop_again(self) -> None:
-        """The store answers again: the drops it refused, a few at a time."""
-        for _ in range(min(_UNDROPPED_RETRIED, len(self._undropped))):
+        """The store answers again: the drops it refused, a few at a time (saves and drops
+        call this at once: each takes its own from the list)."""
+        for _ in range(_UNDROPPED_RETRIED):
+            if not self._undropped:
+                return
             session_id, _ = self._undropped.popitem(last=False)
-            if not await self._dropped(session_id):
+            try:
+                dropped = await self._dropped(session_id)
+            except BaseException:  # cancelled: tried again later
+                self._undropped[session_id] = None
+                raise
+            if not dropped:
                 return
 
     async def close(self) -> None:

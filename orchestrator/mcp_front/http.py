@@ -139,7 +139,7 @@ class McpHttpFront:
         if request.method == "DELETE" and connection and 200 <= status < 300:
             await self.connections.end(owner, connection)
         elif connection and handshake:
-            await self._touch(connection)
+            await self._request_ended(connection)
 
     async def _continue(
         self, connection: str, owner: str, user: AuthenticatedUser, version: str | None
@@ -169,10 +169,10 @@ class McpHttpFront:
             return _refusal("Too many open sessions", 503)
         return None
 
-    async def _touch(self, connection: str) -> None:
+    async def _request_ended(self, connection: str) -> None:
         """A request on it ended: its entry is kept from now (a long call never outlives it)."""
         try:
-            await self._service.mcp_connections.touch(connection)
+            await self._service.mcp_connections.request_ended(connection)
         except SessionError as exc:
             log.warning("MCP connection %s was not kept alive: %s", connection[:64], exc)
 

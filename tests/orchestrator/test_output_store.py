@@ -3,6 +3,7 @@ on this machine's disk and in the shared store of a cluster (a real redis-server
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 from collections.abc import AsyncIterator
@@ -293,7 +294,10 @@ async def test_a_save_is_staged_in_pieces_and_taken_in_whole(
     the whole of it, and nothing staged stays behind."""
     monkeypatch.setattr(shared_outputs, "_STAGED_CHUNK", 1_000)
     a, b = replicas
+    client = redis.Redis.from_url(a._connection.url)
+    appended = _calls(client, "append")
     execution_id = await a.save("s1", image(9, 4_500))
+    assert _calls(client, "append") - appended >= 4  # its image alone: 5 pieces, 4 appended
     execution = await b.execution("s1", execution_id)
     assert (await b.artifact("s1", execution.artifacts[0].id)).data == bytes([9]) * 4_500
     assert stored(a) > 4_500
@@ -318,6 +322,60 @@ async def test_a_save_whose_staged_parts_are_gone_is_told_as_not_written(
     with pytest.raises(OutputEvicted, match="could not be written"):
         await a.open_execution("s1", execution_id)
     assert stored(a) == 0
+
+
+async def test_a_part_staged_short_is_never_kept_short(
+    replicas: list[SharedOutputStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged part that lost pieces (it expired midway, and later pieces made it again):
+    the save is lost, never kept truncated."""
+    a, _ = replicas
+    stage = a._stage
+    client = redis.Redis.from_url(a._connection.url)
+
+    async def cut_short(key: str, data: bytes) -> None:
+        await stage(key, data)
+        client.set(key, data[len(data) // 2 :])  # only its later pieces are left
+
+    monkeypatch.setattr(a, "_stage", cut_short)
+    execution_id = await a.save("s1", text(5_000))
+    with pytest.raises(OutputEvicted, match="could not be written"):
+        await a.open_execution("s1", execution_id)
+    assert stored(a) == 0
+
+
+async def test_saves_at_once_after_an_outage_each_retry_their_share_of_drops(
+    redis_url: str, prefix: str
+) -> None:
+    """Drops refused while the store was down, retried by many saves at once: none fails (a
+    save is never failed by another's retry), and every drop is done."""
+    a = shared(redis_url, prefix)
+    admin = redis.Redis.from_url(redis_url)
+    password = str(admin.config_get("requirepass")["requirepass"])
+    try:
+        ended = [await a.save(f"e{i}", text(100)) for i in range(5)]
+        admin.config_set("requirepass", password + "-changed")
+        try:
+            admin.client_kill_filter(_type="normal", skipme=True)
+            for i in range(5):
+                await a.drop(f"e{i}")  # each refused
+        finally:
+            admin.config_set("requirepass", password)
+        await asyncio.gather(*(a.save(f"live{i}", text(100)) for i in range(4)))
+        await asyncio.gather(*(a.save(f"more{i}", text(100)) for i in range(4)))
+        for i, execution_id in enumerate(ended):
+            with pytest.raises(OutputNotFound):
+                await a.open_execution(f"e{i}", execution_id)
+        assert not a._undropped
+    finally:
+        admin.close()
+        await a._connection.close()
+
+
+def _calls(client: redis.Redis, command: str) -> int:
+    """How many times the server ran `command` so far."""
+    stats = client.info("commandstats").get(f"cmdstat_{command}")
+    return int(stats["calls"]) if stats else 0
 
 
 async def test_why_an_id_is_gone_is_remembered_for_the_newest_ids(

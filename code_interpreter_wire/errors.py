@@ -23,6 +23,11 @@ class SandboxClosed(SandboxError):
     """The sandbox was closed; create a new one."""
 
 
+class SandboxPausing(SandboxError):
+    """The session is being paused (through another replica of a cluster): call again in a
+    moment, and it answers (resumed)."""
+
+
 class InvalidPath(SandboxError, ValueError):
     """A workspace path is absolute, climbs out with '..', holds a NUL byte or is unsafe."""
 

@@ -155,10 +155,11 @@ class Settings(BaseSettings):
     )
     saved_states_dir: Path | None = Field(
         None,
-        description="Where saved states (snapshots, paused sessions) are kept; by default "
-        "`<state_dir>/snapshots`. In cluster mode, a directory every replica mounts (a shared "
-        "volume, NFS): with it, sessions any replica serves (the ray backend's) pause, resume "
-        "on any node, snapshot and fork; without it they cannot (docs/cluster.md).",
+        description="A directory for saved states (snapshots, paused sessions), kept in its "
+        "subdirectory `code-interpreter-saved-states/`; by default `<state_dir>/snapshots`. In "
+        "cluster mode, one every replica mounts (a shared volume, NFS): with it, sessions any "
+        "replica serves (the ray backend's) pause, resume on any node, snapshot and fork; "
+        "without it they cannot (docs/cluster.md).",
     )
     max_sessions_per_key: int = Field(20, ge=1)
     max_sessions_total: int = Field(200, ge=1)

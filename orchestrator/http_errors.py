@@ -26,6 +26,7 @@ from code_interpreter_wire.errors import (
     SandboxClosed,
     SandboxError,
     SandboxLost,
+    SandboxPausing,
     SandboxStartError,
     ScopeRefused,
     StateNotSaved,
@@ -43,6 +44,7 @@ STATUS_OF_ERROR: list[tuple[type[Exception], int]] = [
     (FileMissing, 404),
     (FileAccessError, 403),
     (FileTooLarge, 413),
+    (SandboxPausing, 409),  # a pause through another replica: call again
     (SandboxClosed, 410),
     (SandboxLost, 410),  # a sandbox on a machine that died (cluster mode): SessionLost besides
     (ProcessNotFound, 404),

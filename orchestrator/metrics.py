@@ -28,6 +28,11 @@ class Metrics:
             ["backend", "source"],
             registry=r,
         )
+        self.reaper_rounds = Counter(
+            "cir_reaper_rounds",
+            "Rounds of the reaper (expiries, the cluster's walk, sweeps) this process ran.",
+            registry=r,
+        )
         self.sessions_expired = Counter(
             "cir_sessions_expired", "Sessions ended by expiry.", registry=r
         )

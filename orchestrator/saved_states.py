@@ -227,7 +227,13 @@ class SavedStates:
                 )
             if not begun:
                 raise in_use
-        await self.store.delete_snapshot(snapshot_id)
+        try:
+            await self.store.delete_snapshot(snapshot_id)
+        except BaseException:
+            if self._shared is not None:  # not deleted after all: forks may pin it again
+                with contextlib.suppress(Exception):
+                    await self._shared.client.delete(self._pin_keys(snapshot_id)[1])
+            raise
 
     def _pin_keys(self, snapshot_id: str) -> tuple[str, str]:
         assert self._shared is not None

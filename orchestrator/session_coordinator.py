@@ -46,7 +46,9 @@ class LocalCoordinator:
     async def end_elsewhere(self, session_id: str, why: str) -> None:
         return None  # nothing but this table's
 
-    async def lost(self, session_id: str, owner: str, exc: SandboxLost) -> Exception:
+    async def lost(
+        self, session_id: str, owner: str, exc: SandboxLost, *, handle: str | None = None
+    ) -> Exception:
         return exc  # no backend of one machine loses a sandbox: said as it is
 
     async def held_by(self, owner: str) -> int:

@@ -80,6 +80,7 @@ class Session:
     state_lost: bool = False  # ... and whether that resume lost its variables
     labels: dict[str, str] = field(default_factory=dict)  # a front's own (E2B's metadata)
     ports: PortAccess | None = None  # its inbound ports (service_parts/ports.py), if asked for
+    changing: int = 0  # pauses or resumes of it under way here: its record may lag behind
     # What a call that finds its sandbox lost raises instead (set by the manager holding it).
     when_lost: Callable[[SandboxLost], Awaitable[Exception]] | None = field(
         default=None, repr=False
@@ -174,8 +175,11 @@ class SessionCoordinator(Protocol):
     async def end_elsewhere(self, session_id: str, why: str) -> None:
         """End a session not held here, or one every replica serves."""
 
-    async def lost(self, session_id: str, owner: str, exc: SandboxLost) -> Exception:
-        """A session's sandbox is gone: what the call that found it raises."""
+    async def lost(
+        self, session_id: str, owner: str, exc: SandboxLost, *, handle: str | None = None
+    ) -> Exception:
+        """A session's sandbox (`handle`, where known) is gone: what the call that found it
+        raises."""
 
     async def held_by(self, owner: str) -> int:
         """How many sessions the owner holds, wherever they run."""
@@ -395,7 +399,9 @@ class SessionManager:
         owner = session.owner
 
         async def lost(exc: SandboxLost) -> Exception:
-            return await self._coordinator.lost(session.id, owner, exc)
+            return await self._coordinator.lost(
+                session.id, owner, exc, handle=session.sandbox.handle
+            )
 
         session.when_lost = lost
         self._sessions[session.id] = session
@@ -478,16 +484,21 @@ class SessionManager:
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
 
+    async def forgotten(self, session_id: str, owner: str, why: str) -> None:
+        """A paused session was deleted (it had no sandbox): it answers "expired" (with why)
+        from now on, here and, in cluster mode, through every replica."""
+        self.remember_ended(session_id, owner, why)
+        await self._coordinator.ended_here(session_id, owner, why)
+
     def why_ended(self, session_id: str) -> tuple[str, str] | None:
         """(owner, why) of a session that ended here lately (told to the audit log)."""
         return self._ended.get(session_id)
 
-    async def release(self, session_id: str) -> None:
+    async def release(self, session: Session) -> None:
         """Stop a session's sandbox but not the session (it is paused: its state is saved).
-        It is found running until its sandbox is gone, then not at all."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            return
+        It is found running until its sandbox is gone, then not at all. The sandbox given is
+        closed even if this table let go of it meanwhile (a cluster's stale copy)."""
+        session_id = session.id
         try:
             await session.sandbox.close()
         except Exception:
@@ -558,6 +569,7 @@ class SessionManager:
                     await self._on_sweep()
             except Exception:
                 log.exception("reaping sessions failed")
+            METRICS.reaper_rounds.inc()  # done, or failed and said: the reaper is alive
 
     @property
     def count(self) -> int:

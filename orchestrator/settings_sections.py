@@ -37,6 +37,14 @@ class Section(BaseModel):
         return cls.model_validate({**taken, **derived})
 
 
+def saved_states_path(saved_states_dir: Path | None, state_dir: Path) -> Path:
+    """Where saved states are kept (the service's own directory: unrecorded entries there are
+    swept as a crash's leftovers)."""
+    if saved_states_dir is None:
+        return state_dir / "snapshots"
+    return saved_states_dir / "code-interpreter-saved-states"
+
+
 class AuthSection(Section):
     """Who may call: the keys the settings name."""
 
@@ -157,8 +165,9 @@ class StorageSection(Section):
 
     @property
     def saved_states(self) -> Path:
-        """Where saved states are kept."""
-        return self.saved_states_dir or self.state_dir / "snapshots"
+        """Where saved states are kept: a directory of the service's own (under the operator's
+        `saved_states_dir`, which may hold other things: nothing else there is touched)."""
+        return saved_states_path(self.saved_states_dir, self.state_dir)
 
 
 class EgressSection(Section):

@@ -40,9 +40,9 @@ from orchestrator.sessions import (
     SessionManager,
     SessionNotFound,
 )
-from orchestrator.settings_sections import ClusterSection
+from orchestrator.settings_sections import ClusterSection, saved_states_path
 from orchestrator.state_store.records import SessionRecord
-from orchestrator.state_store.redis_connection import StoreUnavailable
+from orchestrator.state_store.redis_connection import CorruptRecord, StoreUnavailable
 from sandbox.backends.base import Sandbox
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class ClusterCoordinator:
 
         self.settings = settings
         # The session records every replica keeps ...
-        saved_states = settings.saved_states_dir or settings.state_dir / "snapshots"
+        saved_states = saved_states_path(settings.saved_states_dir, settings.state_dir)
         self.store = RedisStore(connection, snapshots_dir=saved_states)
         # ... and the caps, claims and tombstones they agree on, in the same Redis.
         self.coordination = CoordinationStore(
@@ -151,7 +151,8 @@ class ClusterCoordinator:
             ended, raw = await self.coordination.ended_with(
                 session_id, self.store.session_key(session_id)
             )
-            record = self.store.session_record(raw, session_id)
+            with contextlib.suppress(CorruptRecord):  # then as if unread: said where it is used
+                record = self.store.session_record(raw, session_id)
         except StoreUnavailable as exc:
             if table.live(session_id) is None:
                 raise
@@ -164,7 +165,7 @@ class ClusterCoordinator:
                 raise gone(session_id, ended[1])
             raise SessionNotFound(f"no session {session_id}")
         session = table.live(session_id)
-        if session is not None and record is not None and _moved(session, record):
+        if session is not None and record is not None and self.stale(session, record):
             # Paused, or resumed on another node, through another replica: this copy is stale.
             self._drop(session_id)
             session = None
@@ -200,6 +201,8 @@ class ClusterCoordinator:
             ):
                 return None
             sandbox = self._probes.pop(session_id, None)
+            if sandbox is not None and sandbox.handle != record.sandbox_handle:
+                sandbox = None  # an earlier actor's (paused and resumed meanwhile)
             try:
                 if sandbox is None:
                     sandbox = await self.table.backends[record.backend].attach(
@@ -244,10 +247,11 @@ class ClusterCoordinator:
             won, why = await self.coordination.end(session_id, owner, why)
         except StoreUnavailable as exc:
             won, failed = False, exc
-        sandbox = self._cached_sandbox(session_id)
-        if sandbox is None:
-            with contextlib.suppress(SandboxError, SessionError):
-                sandbox = await self._probe(session_id)
+        sandbox = None  # the one its record names (a stale copy here is an earlier one's)
+        with contextlib.suppress(SandboxError, SessionError):
+            sandbox = await self._probe(session_id)
+        if sandbox is None and failed is not None:  # the store is down: what is held here
+            sandbox = self._cached_sandbox(session_id)
         if sandbox is not None:
             try:
                 await sandbox.close()
@@ -275,20 +279,25 @@ class ClusterCoordinator:
         if held:
             await self.table.told_ended(session_id)
 
-    async def lost(self, session_id: str, owner: str, exc: SandboxLost) -> Exception:
-        """Its sandbox is gone: the session ends (claimed), and says so from now on; unless
-        its record says another replica paused it, or resumed it in a new sandbox, meanwhile
-        (its old sandbox was closed on purpose): then only this replica's copy goes, and the
-        call is told to come again."""
-        held = self.table.live(session_id)
+    async def lost(
+        self, session_id: str, owner: str, exc: SandboxLost, *, handle: str | None = None
+    ) -> Exception:
+        """Its sandbox (`handle`: the one that failed, where known) is gone: the session ends
+        (claimed), and says so from now on; unless its record says a replica paused it, or
+        resumed it in another sandbox, meanwhile (the old one was closed on purpose): then only
+        this replica's copies of the old one go, and the call is told to come again."""
+        if handle is None:
+            held = self._cached_sandbox(session_id)
+            handle = held.handle if held is not None else None
         try:
             record = await self.store.get_session(session_id)
-        except StoreUnavailable:
+        except (StoreUnavailable, CorruptRecord):
             record = None  # then as any loss (whose end needs the store too)
         if record is not None and (
-            record.state == "paused" or (held is not None and _moved(held, record))
+            record.state != "running"
+            or (handle is not None and record.sandbox_handle not in (None, handle))
         ):
-            self._drop(session_id)
+            self._drop_if(session_id, handle)
             return SessionBusy(
                 f"session {session_id} was paused or moved through another replica during "
                 "this call; call again"
@@ -303,17 +312,36 @@ class ClusterCoordinator:
         self.table.drop(session_id)
         self._probes.pop(session_id, None)
 
+    def _drop_if(self, session_id: str, handle: str | None) -> None:
+        """Forget the copies here of a session's sandbox `handle` (all, if None); a copy of
+        another (its new one) stays."""
+        held = self.table.live(session_id)
+        if held is not None and held.changing == 0 and handle in (None, held.sandbox.handle):
+            self.table.drop(session_id)
+        probe = self._probes.get(session_id)
+        if probe is not None and handle in (None, probe.handle):
+            del self._probes[session_id]
+
+    def stale(self, session: Session, record: SessionRecord) -> bool:
+        """Whether this replica's copy of a shared session no longer is the one its record
+        names (paused, or running in another sandbox through another replica); never while a
+        pause or resume of it is under way here (its record is written last)."""
+        return self._shared(session) and session.changing == 0 and _moved(session, record)
+
     def _cached_sandbox(self, session_id: str) -> Sandbox | None:
         session = self.table.live(session_id)
         return session.sandbox if session is not None else self._probes.get(session_id)
 
-    async def _probe(self, session_id: str) -> Sandbox | None:
-        """The sandbox of a shared session this replica does not serve (for its reaper), or
-        None when it has no record. SandboxLost when its actor is gone."""
+    async def _probe(self, session_id: str, record: SessionRecord | None = None) -> Sandbox | None:
+        """The sandbox of a shared session its record names (`record`, or read), the copy held
+        here if it is that one (for its reaper, its end), or None when it has no record.
+        SandboxLost when its actor is gone."""
+        if record is None:
+            record = await self.store.get_session(session_id)
         found = self._cached_sandbox(session_id)
-        if found is not None:
+        if found is not None and (record is None or found.handle == record.sandbox_handle):
             return found
-        record = await self.store.get_session(session_id)
+        self._drop_if(session_id, found.handle if found is not None else None)
         backends = self.table.backends
         if record is None or record.sandbox_handle is None or record.backend not in backends:
             return None
@@ -402,7 +430,7 @@ class ClusterCoordinator:
         return 1 if won else 0
 
     async def _idle_expiry(self, record: SessionRecord) -> str | None:
-        sandbox = await self._probe(record.id)
+        sandbox = await self._probe(record.id, record)
         if not isinstance(sandbox, SharedSandbox):
             return None
         idle_s, in_flight = await sandbox.activity()

@@ -42,13 +42,16 @@ async def lease(
         raise LeaseBusy(f"another replica has been {what} for {wait_s:g} s; try again later")
 
     async def renew() -> None:
+        said = False
         while True:
             await asyncio.sleep(LEASE_S / 3)
             try:
                 await held.reacquire()
-            except Exception as exc:  # the store is down or the lease was lost: said once
-                log.warning("the lease %s was not renewed: %s", name, exc)
-                return
+                said = False
+            except Exception as exc:  # tried again: a blip of the store costs nothing
+                if not said:
+                    log.warning("the lease %s was not renewed (trying again): %s", name, exc)
+                    said = True
 
     renewing = asyncio.ensure_future(renew())
     try:

@@ -212,11 +212,24 @@ class Lifecycle:
                     raise
                 # Its copy here was dropped: paused (or moved) through another replica.
         async with self._locks.of(session_id):
-            if self._sessions.live(session_id) is None:
-                record = await self._records.paused(session_id, owner)
-                if record is not None:
-                    return await self._pauses.resume(record)
+            record = await self._paused(session_id, owner)
+            if record is not None:
+                return await self._pauses.resume(record)
             return await self._sessions.get(session_id, owner)
+
+    async def _paused(self, session_id: str, owner: str) -> SessionRecord | None:
+        """The owner's session if it is paused (under its state lock): not live here, or live
+        here only as a stale copy (a shared session paused through another replica: the copy
+        is let go)."""
+        live = self._sessions.live(session_id)
+        if live is not None and not self._sessions.shared(live.backend):
+            return None  # a session of this machine: what is live here is the truth
+        record = await self._records.paused(session_id, owner)
+        if record is not None and live is not None:
+            if live.changing:
+                return None
+            self._sessions.drop(session_id)
+        return record
 
     async def state(self, session_id: str, owner: str) -> Session | SessionRecord | None:
         """The owner's session as it is now, without waking it: live, paused, or None. In
@@ -325,8 +338,8 @@ class Lifecycle:
         the next call (or `resume`) wakes it. Pausing a paused session changes nothing.
         SessionBusy while it runs code."""
         async with self._locks.of(session_id):
-            record = await self._records.paused(session_id, owner)
-            if record is not None and self._sessions.live(session_id) is None:
+            record = await self._paused(session_id, owner)
+            if record is not None:
                 return self._views.paused_info(record)
             session = await self._sessions.get(session_id, owner)
             self._admission.check_pause(session)
@@ -339,8 +352,8 @@ class Lifecycle:
     async def resume(self, session_id: str, owner: str) -> ResumeInfo:
         """Wake a paused session now (a running one is left as it is)."""
         async with self._locks.of(session_id):
-            record = await self._records.paused(session_id, owner)
-            if record is None or self._sessions.live(session_id) is not None:
+            record = await self._paused(session_id, owner)
+            if record is None:
                 session = await self._sessions.get(session_id, owner)
                 return ResumeInfo(session=self._views.info(session))
             session = await self._pauses.resume(record)
@@ -350,8 +363,8 @@ class Lifecycle:
         """End a session and its sandbox, running or paused; its kept outputs and paused state
         go with it."""
         async with self._locks.of(session_id):
-            record = await self._records.paused(session_id, owner)
-            if record is None or self._sessions.live(session_id) is not None:
+            record = await self._paused(session_id, owner)
+            if record is None:
                 await self._sessions.delete(session_id, owner)
                 return
             await self._pauses.delete(record, "was deleted")

@@ -73,6 +73,13 @@ class Pauses:
             raise SavedStateQuotaReached(
                 f"this API key keeps its maximum of {limit} paused sessions; delete one first"
             )
+        session.changing += 1  # its record lags behind until this is done
+        try:
+            return await self._pause(session)
+        finally:
+            session.changing -= 1
+
+    async def _pause(self, session: Session) -> SessionRecord:
         executions = session.executions
         saved: SnapshotRecord | None = None
         # A sandbox other replicas may change: what they did meanwhile is counted by it.
@@ -84,19 +91,18 @@ class Pauses:
         suspended = await session.sandbox.suspend()  # the engine's own pause, where it has one
         if suspended is None:
             saved = await self._records.saved.save(session, "paused")
-            if session.busy or session.executions != executions:  # used while it was saved
-                await self._records.drop_saved_state(saved.id)
+        try:
+            if saved is not None and (session.busy or session.executions != executions):
                 raise SessionBusy("the session ran code while it was being paused; pause it again")
-            if fenced is not None and mark is not None:
+            if saved is not None and fenced is not None and mark is not None:
                 async with session.reach():
                     taken = await fenced.fence(mark, _FENCED)
                 if not taken:
-                    await self._records.drop_saved_state(saved.id)
+                    fenced = None  # nothing to take back
                     raise SessionBusy(
                         "the session was used through another replica while it was being "
                         "paused; pause it again"
                     )
-        try:
             record = await self._paused_record(session, saved, suspended)
         except BaseException:
             if fenced is not None:  # it runs on: its calls are taken again
@@ -107,7 +113,7 @@ class Pauses:
                     await self._records.drop_saved_state(saved.id)
             raise
         await self._channels.close_for(session.id)
-        await self._sessions.release(session.id)
+        await self._sessions.release(session)
         METRICS.sessions_paused.inc()
         self._trail.paused(session, saved.bytes if saved else None, bool(suspended))
         log.info(
@@ -154,6 +160,19 @@ class Pauses:
                 session_id=record.id,
                 wake=record.suspended,
             )
+            session.changing += 1  # its record says paused until this is done
+        try:
+            return await self._resumed(record, session, saved, notices)
+        finally:
+            session.changing -= 1
+
+    async def _resumed(
+        self,
+        record: SessionRecord,
+        session: Session,
+        saved: SnapshotRecord | None,
+        notices: list[str],
+    ) -> Session:
         session.created_at, session.executions = record.created_at, record.executions
         session.idle_timeout_s, session.on_idle = record.idle_timeout_s, record.on_idle
         session.labels = dict(record.labels)
@@ -172,12 +191,15 @@ class Pauses:
                 notices.append(restored.notice)
             elif record.suspended is not None:
                 notices.append("its whole sandbox was paused and resumed by its backend")
+            session.notice = pending_notice(record.notice, notices)
+            session.state_lost = record.state_lost
+            await self._records.put(record_of(session, self._channels.session_tools(session)))
         except BaseException as exc:
             await self._channels.close_for(session.id)
             if record.suspended is not None:  # paused again as it was, not killed
                 with contextlib.suppress(Exception):
                     record.suspended = await session.sandbox.suspend() or record.suspended
-            await self._sessions.release(session.id)
+            await self._sessions.release(session)
             if isinstance(exc, Exception):
                 log.exception("session %s could not be resumed", record.id)
                 raise ResumeFailed(
@@ -185,9 +207,6 @@ class Pauses:
                     "nothing lost: try again"
                 ) from None
             raise
-        session.notice = pending_notice(record.notice, notices)
-        session.state_lost = record.state_lost
-        await self._records.put(record_of(session, self._channels.session_tools(session)))
         if saved is not None:
             await self._records.drop_saved_state(saved.id)
         METRICS.sessions_resumed.inc()
@@ -198,6 +217,6 @@ class Pauses:
     async def delete(self, record: SessionRecord, why: str) -> None:
         """A paused session ends for good: its record, saved state and kept outputs go."""
         await self._records.forget(record.id)
-        self._sessions.remember_ended(record.id, record.owner, why)
+        await self._sessions.forgotten(record.id, record.owner, why)
         self._trail.ended(record.id, record.owner, why)
         await self._outputs.drop(record.id)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
-from orchestrator.cluster.leases import lease
+from orchestrator.cluster.leases import WAIT_S, lease
 
 if TYPE_CHECKING:
     from orchestrator.state_store.redis_connection import RedisConnection
@@ -29,20 +29,24 @@ class StateLocks:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._shared = shared
 
-    def of(self, session_id: str) -> AbstractAsyncContextManager[None]:
+    def of(self, session_id: str, wait_s: float = WAIT_S) -> AbstractAsyncContextManager[None]:
+        """Held while it changes; `wait_s`: the longest to wait for another replica's change
+        (then LeaseBusy)."""
         lock = self._locks.get(session_id)
         if lock is None:
             lock = self._locks[session_id] = asyncio.Lock()
-        return self._held(session_id, lock)
+        return self._held(session_id, lock, wait_s)
 
     @contextlib.asynccontextmanager
-    async def _held(self, session_id: str, lock: asyncio.Lock) -> AsyncIterator[None]:
+    async def _held(
+        self, session_id: str, lock: asyncio.Lock, wait_s: float
+    ) -> AsyncIterator[None]:
         async with lock:  # this frame keeps the weak entry alive while it waits or holds
             if self._shared is None:
                 yield
                 return
             what = f"changing session {session_id}'s state"
-            async with lease(self._shared, f"state:{session_id}", what):
+            async with lease(self._shared, f"state:{session_id}", what, wait_s):
                 yield
 
     def __contains__(self, session_id: str) -> bool:

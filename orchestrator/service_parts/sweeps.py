@@ -11,13 +11,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from orchestrator.cluster.leases import LeaseBusy
 from orchestrator.cluster.shared import SharedSandbox
 from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.pausing import Pauses
 from orchestrator.service_parts.persistence import Persistence
 from orchestrator.service_parts.state_locks import StateLocks
-from orchestrator.sessions import Session, SessionError, SessionManager
+from orchestrator.sessions import Session, SessionBusy, SessionError, SessionManager
 from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 # The most a deadline (E2B's sandbox timeout) is overrun by: its round runs at least this often.
 DEADLINE_ROUND_MAX_S = 5.0
 DeadlineRound = Callable[[], Awaitable[object]]
+_IDLE_LEASE_WAIT_S = 1.0  # a reaper never waits long for a session another replica changes
 
 
 class Sweeps:
@@ -73,24 +75,36 @@ class Sweeps:
         the reaper ends it."""
         if record.on_idle != "pause" or self.settings.idle_action != "pause":
             return False
-        async with self._locks.of(record.id):
-            try:
-                session = await self._sessions.get(record.id, record.owner)
-            except SessionError:  # paused or ended by another replica meanwhile
-                return True
-            shared = session.sandbox
-            if session.busy or not isinstance(shared, SharedSandbox):
-                return True
-            try:
-                idle_s, in_flight = await shared.activity()
-                timeout = session.idle_timeout_s or self.settings.idle_timeout_s
-                if in_flight or idle_s <= timeout:  # used while the lease was awaited
-                    return True
-                await self._pauses.pause(session)
-            except Exception as exc:
-                log.warning("session %s could not be paused (%s): ending it", record.id, exc)
-                return False
+        if not self._sessions.pauses(record.backend):  # its saved state would be this one's
+            return False
+        if record.id in self._locks:  # a change of it is under way here
             return True
+        try:
+            async with self._locks.of(record.id, wait_s=_IDLE_LEASE_WAIT_S):
+                return await self._pause_idle(record)
+        except LeaseBusy:  # another replica is changing it: its reaper's turn next round
+            return True
+
+    async def _pause_idle(self, record: SessionRecord) -> bool:
+        try:
+            session = await self._sessions.get(record.id, record.owner)
+        except SessionError:  # paused or ended by another replica meanwhile
+            return True
+        shared = session.sandbox
+        if session.busy or not isinstance(shared, SharedSandbox):
+            return True
+        try:
+            idle_s, in_flight = await shared.activity()
+            timeout = session.idle_timeout_s or self.settings.idle_timeout_s
+            if in_flight or idle_s <= timeout:  # used while the lease was awaited
+                return True
+            await self._pauses.pause(session)
+        except SessionBusy:  # used (through another replica) while it was saved: not idle
+            return True
+        except Exception as exc:
+            log.warning("session %s could not be paused (%s): ending it", record.id, exc)
+            return False
+        return True
 
     async def pause_all(self) -> None:
         """On shutdown: pause what auto-pause would, all at once, so a restart finds it whole;

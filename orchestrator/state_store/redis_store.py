@@ -57,6 +57,29 @@ return 1
 """
 
 
+# KEYS: the record, its owner's index, the running set, the handles set. ARGV: its JSON, its id,
+# its state, its sandbox handle ('' for none).
+_PUT = """
+local old = redis.call('GET', KEYS[1])
+if old then
+  local ok, was = pcall(cjson.decode, old)
+  if ok and type(was) == 'table' and type(was.sandbox_handle) == 'string'
+      and was.sandbox_handle ~= ARGV[4] then
+    redis.call('SREM', KEYS[4], was.sandbox_handle)
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[2])
+if ARGV[3] == 'running' then
+  redis.call('SADD', KEYS[3], ARGV[2])
+else
+  redis.call('SREM', KEYS[3], ARGV[2])
+end
+if ARGV[4] ~= '' then redis.call('SADD', KEYS[4], ARGV[4]) end
+return 1
+"""
+
+
 class RedisStore(StateStore):
     shared = True
 
@@ -76,6 +99,7 @@ class RedisStore(StateStore):
         self._files = snapshots_dir
         self._files.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._update = self._redis.register_script(_UPDATE)
+        self._put = self._redis.register_script(_PUT)
 
     async def ping(self) -> None:
         await self.connection.ping()
@@ -140,18 +164,17 @@ class RedisStore(StateStore):
     # --- sessions
     async def put_session(self, record: SessionRecord) -> None:
         """Also kept: the set of running sessions (the reapers' walk) and of the sandbox
-        handles records name (the orphan sweep's)."""
+        handles records name (the orphan sweep's: a handle the record no longer names, once
+        paused or resumed in another sandbox, leaves it)."""
+        keys = [
+            self._key("session", record.id),
+            self._key("owner-sessions", record.owner),
+            self._key("running"),
+            self._key("handles"),
+        ]
+        args = [record.model_dump_json(), record.id, record.state, record.sandbox_handle or ""]
         with self._errors():
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.set(self._key("session", record.id), record.model_dump_json())
-            pipe.sadd(self._key("owner-sessions", record.owner), record.id)
-            if record.state == "running":
-                pipe.sadd(self._key("running"), record.id)
-            else:
-                pipe.srem(self._key("running"), record.id)
-            if record.sandbox_handle is not None:
-                pipe.sadd(self._key("handles"), record.sandbox_handle)
-            await pipe.execute()
+            await self._put(keys=keys, args=args)
 
     async def update_session(self, record: SessionRecord) -> bool:
         """Write the record only if it still exists (never bring back one another replica

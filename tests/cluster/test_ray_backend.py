@@ -21,6 +21,7 @@ from code_interpreter_wire.errors import (
     FileMissing,
     SandboxError,
     SandboxLost,
+    SandboxPausing,
 )
 from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.results import DoneEvent, ExecutionStatus, StdoutEvent
@@ -242,10 +243,19 @@ async def test_a_save_is_fenced_against_other_replicas_changes(
             await pausing.execute("saved = 2")
             await elsewhere.list_files("")  # reading changes nothing
             assert await pausing.fence(mark, "being paused; call again")
-            with pytest.raises(SandboxError, match="being paused; call again"):
+            with pytest.raises(SandboxPausing, match="being paused; call again"):
                 await elsewhere.execute("saved")
             await pausing.unfence()
             assert (await elsewhere.execute("saved")).text == "2"
+            # A change in flight from before the mark (its count is in the mark): still not
+            # fenced, since what it does next would be lost.
+            running = elsewhere.stream("import time\nprint('on', flush=True)\ntime.sleep(600)")
+            assert isinstance(await anext(running), StdoutEvent)
+            mark = await pausing.fence_mark()
+            assert not await pausing.fence(mark, "being paused")
+            await running.aclose()  # type: ignore[attr-defined]
+            await until(lambda: _in_flight(pausing, 0), "the stream's end to reach the actor")
+            assert await pausing.fence(await pausing.fence_mark(), "being paused")
     finally:
         await other.close()
 

@@ -140,6 +140,20 @@ async def test_redis_store_walk_sees_only_running_sessions(
     raw.close()
 
 
+async def test_a_handle_the_record_no_longer_names_leaves_the_named_set(
+    stores: tuple[RedisStore, RedisStore],
+) -> None:
+    """Paused (no sandbox), then resumed in another: the orphan sweep may end the old actor."""
+    a, b = stores
+    await a.put_session(_session("s-1", sandbox_handle="cir-old"))
+    assert await b.handles_named(["cir-old"]) == {"cir-old"}
+    await a.put_session(_session("s-1", state="paused", sandbox_handle=None))
+    assert await b.handles_named(["cir-old"]) == set()
+    await b.put_session(_session("s-1", sandbox_handle="cir-new"))
+    assert await a.handles_named(["cir-old", "cir-new"]) == {"cir-new"}
+    assert [r.id for r in await a.sessions(state="running")] == ["s-1"]
+
+
 async def test_redis_store_handles_named_answers_each_handle(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:

@@ -67,6 +67,77 @@ def test_replica_pause_through_one_resume_through_the_other(
 
 
 @pytest.mark.cluster
+def test_replica_a_stale_copy_is_paused_resumed_and_deleted_through_its_replica(
+    replicas: tuple[Replica, Replica],  # noqa: F811
+    store: SharedView,  # noqa: F811
+) -> None:
+    """B holds a copy of a session A paused (or resumed elsewhere): B's own pause, resume and
+    delete act on the session as the record has it, never answer 404 for B's stale copy."""
+    a, b = replicas
+    sid = _create(a)
+    try:
+        _execute(a, sid, "kept = 'both'")
+        assert _execute(b, sid, "kept")["text"] == "'both'"  # B holds a copy now
+        _pause(a, sid)
+        assert _pause(b, sid)["state"] == "paused"  # B's copy was stale: paused already
+        assert _execute(a, sid, "kept")["text"] == "'both'"  # resumed through A
+        assert _execute(b, sid, "kept")["text"] == "'both'"  # B attaches to the new actor
+        _pause(a, sid)  # B's copy is stale again
+        with b.client() as api:
+            resumed = api.post(f"/v1/sessions/{sid}/resume")
+        assert resumed.status_code == 200, resumed.text
+        assert resumed.json()["session"]["state"] == "running"
+        _pause(b, sid)  # A's copy is stale now
+        with a.client() as api:
+            assert api.delete(f"/v1/sessions/{sid}").status_code == 204
+        assert store.get_session(sid) is None
+        with b.client() as api:  # deleted while paused: ended for every replica, with why
+            gone = api.get(f"/v1/sessions/{sid}")
+        assert gone.status_code == 410 and "was deleted" in gone.text, gone.text
+    finally:
+        _delete(b, sid)
+
+
+@pytest.mark.cluster
+def test_replica_reapers_never_take_a_resumed_session_for_lost(
+    replicas: tuple[Replica, Replica],  # noqa: F811
+) -> None:
+    """Every replica's reaper probes each running session's actor every round: after a pause
+    and a resume through A, B's reaper holds a probe of the old actor, which is gone on
+    purpose; the session lives on (B's probe is let go, not the session)."""
+    a, b = replicas
+    sid = _create(a)
+    try:
+        _execute(a, sid, "kept = 1")
+        _settle_reapers(b)  # B's reaper has probed the session's actor
+        _pause(a, sid)
+        assert _execute(a, sid, "kept")["text"] == "1"  # resumed in a new actor
+        _settle_reapers(b)  # B's reaper rounds meet the old actor gone
+        assert _execute(a, sid, "kept")["text"] == "1"
+        assert _execute(b, sid, "kept")["text"] == "1"
+    finally:
+        _delete(a, sid)
+
+
+def _pause(replica: Replica, sid: str) -> dict[str, object]:
+    with replica.client() as api:
+        paused = api.post(f"/v1/sessions/{sid}/pause")
+    assert paused.status_code == 200, paused.text
+    info: dict[str, object] = paused.json()
+    return info
+
+
+def _settle_reapers(replica: Replica) -> None:
+    """Until the replica's reaper (every 0.5 s here) has run two more whole rounds: what it did
+    to the session meanwhile is what the test looks at next."""
+    start = sum(replica.metric("cir_reaper_rounds_total").values())
+    for _ in _polls(60):
+        if sum(replica.metric("cir_reaper_rounds_total").values()) >= start + 2:
+            return
+    pytest.fail(f"replica {replica.name}'s reaper ran no two rounds in 60 s")
+
+
+@pytest.mark.cluster
 def test_replica_snapshot_forked_onto_both_nodes(
     replicas: tuple[Replica, Replica],  # noqa: F811
     ray_cluster: RayTestCluster,

@@ -33,7 +33,7 @@ from typing import Any
 
 import ray
 
-from code_interpreter_wire.errors import FileTooLarge, SandboxClosed, SandboxError
+from code_interpreter_wire.errors import FileTooLarge, SandboxClosed, SandboxError, SandboxPausing
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.results import FileInfo, OutputEvent
 from code_interpreter_wire.spec import SandboxSpec
@@ -52,6 +52,7 @@ EXECUTE_EVENTS_UNREAD = 64  # outputs of an execution the actor may be ahead of 
 MAX_IMPORTS = 4  # imports under way at once per session
 MAX_EXPORTS = 4  # exports under way at once per session
 IMPORT_IDLE_S = 600.0  # an import not written to for this long is dropped when another opens
+FENCE_S = 120.0  # a pause's fence its replica never followed with a close lapses after this
 _STAGING = "ray-staging"
 
 
@@ -86,7 +87,9 @@ class SessionActor(NodeProcesses, NodeToolRelay):
         self._last_activity = time.monotonic()
         self._closed = False
         self._changes = 0  # calls that may change the sandbox's state, from every replica
+        self._changing = 0  # ... of those, in flight
         self._fenced: str | None = None  # why calls are refused: a pause is taking it
+        self._fence_lapses: asyncio.TimerHandle | None = None
         # token -> (staging file, bytes so far, when it was last written to)
         self._imports: dict[str, tuple[Path, int, float]] = {}
         self._exports = 0
@@ -186,15 +189,18 @@ class SessionActor(NodeProcesses, NodeToolRelay):
         if self._closed:
             raise SandboxClosed("the sandbox was closed")
         if self._fenced is not None:
-            raise SandboxClosed(self._fenced)
+            raise SandboxPausing(self._fenced)
         if change:
             self._changes += 1
+            self._changing += 1
         self._in_flight += 1
         self._last_activity = time.monotonic()
         try:
             yield
         finally:
             self._in_flight -= 1
+            if change:
+                self._changing -= 1
             self._last_activity = time.monotonic()
 
     async def touch(self) -> None:
@@ -210,16 +216,27 @@ class SessionActor(NodeProcesses, NodeToolRelay):
 
     async def fence(self, expected_changes: int, why: str) -> bool:
         """Refuse every call from now on (`why` tells them), if it has taken exactly
-        `expected_changes` such calls: a replica that saved its state makes sure no other
-        replica changed it meanwhile before it stops the sandbox. False: one did."""
-        if self._closed or self._changes != expected_changes:
+        `expected_changes` such calls and none is in flight: a replica that saved its state
+        makes sure no other replica changed it meanwhile before it stops the sandbox. False:
+        one did (or does). A fence its replica never follows with `close` (it died) lapses
+        after `FENCE_S`, and calls are taken again."""
+        if self._closed or self._changes != expected_changes or self._changing:
             return False
         self._fenced = why
+        if self._fence_lapses is not None:
+            self._fence_lapses.cancel()
+        self._fence_lapses = asyncio.get_running_loop().call_later(FENCE_S, self._unfence)
         return True
 
     async def unfence(self) -> None:
         """A pause that fenced it failed after all: calls are taken again."""
+        self._unfence()
+
+    def _unfence(self) -> None:
         self._fenced = None
+        if self._fence_lapses is not None:
+            self._fence_lapses.cancel()
+            self._fence_lapses = None
 
     async def idle_state(self) -> tuple[float, int]:
         """(seconds since the last call ended, calls in flight); 0 idle while one runs."""

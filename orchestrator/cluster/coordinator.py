@@ -209,7 +209,9 @@ class ClusterCoordinator:
                         record.sandbox_handle, record.spec
                     )
             except SandboxLost as exc:
-                raise await self.lost(session_id, owner, exc) from None
+                raise await self.lost(
+                    session_id, owner, exc, handle=record.sandbox_handle
+                ) from None
             session = _session_of(record, sandbox)
             self.table.hold(session)
         if self._on_attach is not None:
@@ -336,9 +338,9 @@ class ClusterCoordinator:
         """The sandbox of a shared session its record names (`record`, or read), the copy held
         here if it is that one (for its reaper, its end), or None when it has no record.
         SandboxLost when its actor is gone."""
-        if record is None:
-            record = await self.store.get_session(session_id)
         found = self._cached_sandbox(session_id)
+        if record is None or (found is not None and found.handle != record.sandbox_handle):
+            record = await self.store.get_session(session_id)  # a reaper's batch may be old
         if found is not None and (record is None or found.handle == record.sandbox_handle):
             return found
         self._drop_if(session_id, found.handle if found is not None else None)
@@ -417,7 +419,7 @@ class ClusterCoordinator:
             try:
                 why = await asyncio.wait_for(self._idle_expiry(record), _PROBE_TIMEOUT_S)
             except SandboxLost as exc:  # its actor is gone (seen by this reaper or not)
-                await self.lost(record.id, record.owner, exc)
+                await self.lost(record.id, record.owner, exc, handle=record.sandbox_handle)
                 return 0
             idle = True
         if why is None:

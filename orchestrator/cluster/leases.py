@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 30.0  # a lease not renewed for this long (its replica died) is free again
 WAIT_S = 660.0  # the longest a call waits for another replica's change (a save takes <= 600 s)
+_RETRY_S = 1.0  # a renewal that failed is tried again this soon
 
 
 class LeaseBusy(SessionError):
@@ -42,16 +43,26 @@ async def lease(
         raise LeaseBusy(f"another replica has been {what} for {wait_s:g} s; try again later")
 
     async def renew() -> None:
-        said = False
+        from redis.exceptions import LockNotOwnedError  # the [cluster] extra's: here only
+
+        wait = LEASE_S / 3
         while True:
-            await asyncio.sleep(LEASE_S / 3)
+            await asyncio.sleep(wait)
             try:
                 await held.reacquire()
-                said = False
-            except Exception as exc:  # tried again: a blip of the store costs nothing
-                if not said:
+                wait = LEASE_S / 3
+            except LockNotOwnedError:  # it lapsed and another replica holds it: said, loudly
+                log.error(
+                    "the lease %s lapsed (the store was unreachable for %g s) and another "
+                    "replica took it: the change under it may race that replica's",
+                    name,
+                    LEASE_S,
+                )
+                return
+            except Exception as exc:  # a blip of the store: tried again soon, said once
+                if wait != _RETRY_S:
                     log.warning("the lease %s was not renewed (trying again): %s", name, exc)
-                    said = True
+                wait = _RETRY_S
 
     renewing = asyncio.ensure_future(renew())
     try:

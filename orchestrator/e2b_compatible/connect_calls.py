@@ -28,6 +28,7 @@ from code_interpreter_wire.errors import (
     RootUnavailable,
     SandboxClosed,
     SandboxError,
+    SandboxPausing,
 )
 from orchestrator.e2b_compatible.sandboxes import E2BSandboxes, SandboxGone
 from orchestrator.http_errors import problems
@@ -81,6 +82,8 @@ def connect_errors() -> Iterator[None]:
         raise ConnectError(Code.PERMISSION_DENIED, str(exc)) from None
     except ProcessStateError as exc:  # envd: "stdin not enabled or closed"
         raise ConnectError(Code.FAILED_PRECONDITION, str(exc)) from None
+    except SandboxPausing as exc:  # paused through another replica: the next call resumes it
+        raise ConnectError(Code.UNAVAILABLE, str(exc)) from None
     except SandboxClosed as exc:
         raise ConnectError(Code.UNAVAILABLE, f"The sandbox was not found: {exc}") from None
     except SessionError as exc:

@@ -235,8 +235,13 @@ class Lifecycle:
         """The owner's session as it is now, without waking it: live, paused, or None. In
         cluster mode a running session another replica made is attached (found in the store)."""
         live = self._sessions.live(session_id)
-        if live is not None and live.owner == owner:
+        if live is not None and live.owner == owner and not self._may_be_stale(live):
             return live
+        if live is not None and live.owner == owner:  # a shared copy: as its record has it
+            record = await self._records.get(session_id)
+            if record is None or not _stale(live, record):
+                return live
+            self._sessions.drop(session_id)
         paused = await self._records.paused(session_id, owner)
         live = self._sessions.live(session_id)  # resumed here while the store answered
         if live is not None and live.owner == owner:
@@ -299,6 +304,13 @@ class Lifecycle:
         may take up to its timeout), then the sessions in memory."""
         records = await self._records.listed(owner)
         live = self._sessions.all() if owner is None else self._sessions.list(owner)
+        recorded = {r.id: r for r in records}
+        # A shared copy here that its record shows paused (or moved) is listed as recorded.
+        live = [
+            x
+            for x in live
+            if not (self._may_be_stale(x) and x.id in recorded and _stale(x, recorded[x.id]))
+        ]
         found = [(x.owner, self._views.info(x)) for x in live]
         held = {x.id for x in live}
         for record in records:
@@ -325,6 +337,11 @@ class Lifecycle:
         if self._sessions.clustered and record.state == "running":  # another replica's
             return record.owner, self._views.running_info(record)
         return None
+
+    def _may_be_stale(self, session: Session) -> bool:
+        """A copy of a session every replica serves, not being changed here: another replica
+        may have paused it (or resumed it elsewhere) since."""
+        return self._sessions.shared(session.backend) and session.changing == 0
 
     def _live_info(self, owner: str | None, session_id: str) -> tuple[str, SessionInfo] | None:
         live = self._sessions.live(session_id)
@@ -392,3 +409,11 @@ class Lifecycle:
                 session_id,
                 exc_info=True,
             )
+
+
+def _stale(session: Session, record: SessionRecord) -> bool:
+    """Whether a shared session's copy is not the one its record names (paused, or in another
+    sandbox)."""
+    if record.state != "running":
+        return True
+    return record.sandbox_handle is not None and record.sandbox_handle != session.sandbox.handle

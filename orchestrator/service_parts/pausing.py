@@ -65,6 +65,7 @@ class Pauses:
         self._records = persistence
         self._trail = trail
         self._outputs = outputs
+        self._left_over: dict[str, str] = {}  # session -> a failed earlier pause's saved state
 
     async def pause(self, session: Session) -> SessionRecord:
         """Save, then stop. If the save fails, it keeps running."""
@@ -105,6 +106,7 @@ class Pauses:
                     )
             record = await self._paused_record(session, saved, suspended)
         except BaseException:
+            self._left_over.pop(session.id, None)  # kept: the earlier record still names it
             if fenced is not None:  # it runs on: its calls are taken again
                 with contextlib.suppress(Exception):
                     await fenced.unfence()
@@ -114,6 +116,9 @@ class Pauses:
             raise
         await self._channels.close_for(session.id)
         await self._sessions.release(session)
+        left_over = self._left_over.pop(session.id, None)
+        if left_over is not None:  # after the stop: a slow delete never outlasts a fence
+            await self._records.drop_saved_state(left_over)
         METRICS.sessions_paused.inc()
         self._trail.paused(session, saved.bytes if saved else None, bool(suspended))
         log.info(
@@ -126,14 +131,15 @@ class Pauses:
     async def _paused_record(
         self, session: Session, saved: SnapshotRecord | None, suspended: str | None
     ) -> SessionRecord:
-        """The session's record, written paused (the state a failed earlier pause left goes)."""
+        """The session's record, written paused (the state a failed earlier pause left goes,
+        once the sandbox is stopped: `_left_over`)."""
         earlier = await self._records.get(session.id)  # a paused state left by a failed pause
         if (
             earlier is not None
             and earlier.saved_state
             and earlier.saved_state != (saved.id if saved else None)
         ):
-            await self._records.drop_saved_state(earlier.saved_state)
+            self._left_over[session.id] = earlier.saved_state
         record = record_of(session, self._channels.session_tools(session))
         record.state, record.state_since = "paused", time.time()
         record.saved_state, record.suspended, record.sandbox_id = (

@@ -76,7 +76,7 @@ class ProcessActor(NodeProcesses, NodeToolRelay):
         self.sandbox: Sandbox = await self.backend.create(small_spec())
 
     @contextlib.asynccontextmanager
-    async def activity(self) -> AsyncIterator[None]:
+    async def activity(self, change: bool = False) -> AsyncIterator[None]:
         yield
 
     async def listeners(self, pid: int) -> int:

@@ -79,6 +79,11 @@ def test_replica_a_stale_copy_is_paused_resumed_and_deleted_through_its_replica(
         _execute(a, sid, "kept = 'both'")
         assert _execute(b, sid, "kept")["text"] == "'both'"  # B holds a copy now
         _pause(a, sid)
+        with b.client() as api:  # looked at through B: as its record has it, not B's copy
+            assert api.get(f"/v1/sessions/{sid}").json()["state"] == "paused"
+            assert [s["state"] for s in api.get("/v1/sessions").json() if s["id"] == sid] == [
+                "paused"
+            ]
         assert _pause(b, sid)["state"] == "paused"  # B's copy was stale: paused already
         assert _execute(a, sid, "kept")["text"] == "'both'"  # resumed through A
         assert _execute(b, sid, "kept")["text"] == "'both'"  # B attaches to the new actor

@@ -514,10 +514,11 @@ def test_replica_idle_expiry_ends_a_session_once(
     sid = _create(a)
     _execute(b, sid, "1")
     expired_before = sum(sum(r.metric("cir_sessions_expired_total").values()) for r in (a, b))
-    # Its own idle expiry, as a front that makes forgettable sessions gives it (MCP's).
+    # Its own idle expiry, as a front that makes forgettable sessions gives it (MCP's), and
+    # ended when due (auto-pause, which these replicas could do: test_replica_pause.py).
     record = store.get_session(sid)
     assert record is not None
-    store.put_session(record.model_copy(update={"idle_timeout_s": 1.0}))
+    store.put_session(record.model_copy(update={"idle_timeout_s": 1.0, "on_idle": "end"}))
     status = None
     for _ in _polls(120):
         with a.client() as api:
@@ -603,7 +604,7 @@ def test_replica_keepalive_through_b_holds_off_the_idle_expiry(
             _execute(a, sid, "1")
             record = store.get_session(sid)
             assert record is not None
-            store.put_session(record.model_copy(update={"idle_timeout_s": 4.0}))
+            store.put_session(record.model_copy(update={"idle_timeout_s": 4.0, "on_idle": "end"}))
         status = None
         for _ in _polls(120):
             with b.client() as api:

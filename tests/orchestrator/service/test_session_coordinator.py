@@ -43,7 +43,9 @@ class Recording(LocalCoordinator):
     async def ended_here(self, session_id: str, owner: str, why: str) -> None:
         self.asked.append(("ended_here", session_id, owner, why))
 
-    async def lost(self, session_id: str, owner: str, exc: SandboxLost) -> Exception:
+    async def lost(
+        self, session_id: str, owner: str, exc: SandboxLost, *, handle: str | None = None
+    ) -> Exception:
         self.asked.append(("lost", session_id, str(exc)))
         return SessionLost(f"session {session_id} was lost: {exc}")
 

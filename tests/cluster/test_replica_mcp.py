@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
 
 import httpx
 import httpx2
@@ -24,6 +23,7 @@ from tests.cluster.test_replicas import (  # noqa: F401  (fixtures)
     replicas,
     store,
 )
+from tests.orchestrator.mcp_front.test_adoption import _Based
 from tests.orchestrator.service.test_mcp_sessions import _message, _open
 
 
@@ -79,7 +79,7 @@ def test_replica_mcp_connection_continues_through_the_other_replica(
 async def _first_calls_through_both(a: Replica, b: Replica) -> set[str]:
     """A connection opened through A whose first two calls go at once, one through each."""
     async with httpx.AsyncClient(timeout=120) as http:
-        headers = await _open(_At(http, a.url), KEY_A)  # type: ignore[arg-type]
+        headers = await _open(_Based(http, a.url), KEY_A)  # type: ignore[arg-type]
         params = {"name": "code_interpreter", "arguments": {"code": "import os; os.getpid()"}}
         answers = await asyncio.gather(
             *(
@@ -97,16 +97,6 @@ async def _first_calls_through_both(a: Replica, b: Replica) -> set[str]:
         assert (await http.delete(f"{b.url}/mcp", headers=headers)).status_code == 200
     assert len(pids) == 1, pids  # one kernel answered both
     return sessions
-
-
-class _At:
-    """The client's `post` at one replica's address."""
-
-    def __init__(self, http: httpx.AsyncClient, url: str) -> None:
-        self._http, self._url = http, url
-
-    async def post(self, path: str, **kwargs: Any) -> httpx.Response:
-        return await self._http.post(f"{self._url}{path}", **kwargs)
 
 
 @pytest.mark.cluster

@@ -328,7 +328,9 @@ class ClusterCoordinator:
         """Whether this replica's copy of a shared session no longer is the one its record
         names (paused, or running in another sandbox through another replica); never while a
         pause or resume of it is under way here (its record is written last)."""
-        return self._shared(session) and session.changing == 0 and _moved(session, record)
+        if not self._shared(session) or session.changing:
+            return False
+        return record.names_another_than(session.sandbox.handle)
 
     def _cached_sandbox(self, session_id: str) -> Sandbox | None:
         session = self.table.live(session_id)
@@ -459,14 +461,6 @@ class ClusterCoordinator:
                 METRICS.node_sessions.labels(node.node_id).set(node.sessions)
                 METRICS.node_capacity.labels(node.node_id).set(node.capacity)
                 METRICS.node_alive.labels(node.node_id).set(1 if node.alive else 0)
-
-
-def _moved(session: Session, record: SessionRecord) -> bool:
-    """Whether a cached shared session is no longer the one its record names: paused, or
-    running in another sandbox (resumed elsewhere)."""
-    if record.state != "running":
-        return True
-    return record.sandbox_handle is not None and record.sandbox_handle != session.sandbox.handle
 
 
 def _session_of(record: SessionRecord, sandbox: Sandbox) -> Session:

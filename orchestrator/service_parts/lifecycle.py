@@ -239,7 +239,7 @@ class Lifecycle:
             return live
         if live is not None and live.owner == owner:  # a shared copy: as its record has it
             record = await self._records.get(session_id)
-            if record is None or not _stale(live, record):
+            if record is None or not record.names_another_than(live.sandbox.handle):
                 return live
             self._sessions.drop(session_id)
         paused = await self._records.paused(session_id, owner)
@@ -306,11 +306,7 @@ class Lifecycle:
         live = self._sessions.all() if owner is None else self._sessions.list(owner)
         recorded = {r.id: r for r in records}
         # A shared copy here that its record shows paused (or moved) is listed as recorded.
-        live = [
-            x
-            for x in live
-            if not (self._may_be_stale(x) and x.id in recorded and _stale(x, recorded[x.id]))
-        ]
+        live = [x for x in live if not self._stale(x, recorded.get(x.id))]
         found = [(x.owner, self._views.info(x)) for x in live]
         held = {x.id for x in live}
         for record in records:
@@ -337,6 +333,12 @@ class Lifecycle:
         if self._sessions.clustered and record.state == "running":  # another replica's
             return record.owner, self._views.running_info(record)
         return None
+
+    def _stale(self, session: Session, record: SessionRecord | None) -> bool:
+        """Whether this copy of a shared session is not the one its record names."""
+        if record is None or not self._may_be_stale(session):
+            return False
+        return record.names_another_than(session.sandbox.handle)
 
     def _may_be_stale(self, session: Session) -> bool:
         """A copy of a session every replica serves, not being changed here: another replica
@@ -409,11 +411,3 @@ class Lifecycle:
                 session_id,
                 exc_info=True,
             )
-
-
-def _stale(session: Session, record: SessionRecord) -> bool:
-    """Whether a shared session's copy is not the one its record names (paused, or in another
-    sandbox)."""
-    if record.state != "running":
-        return True
-    return record.sandbox_handle is not None and record.sandbox_handle != session.sandbox.handle

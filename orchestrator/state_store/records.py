@@ -42,6 +42,14 @@ class SessionRecord(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)  # a front's own (E2B's metadata...)
     ports: PortAccess | None = None  # its inbound ports, if it asked for them
 
+    def names_another_than(self, handle: str | None) -> bool:
+        """Whether a copy of the session running in sandbox `handle` is no longer the one this
+        record names: paused, or running in another sandbox (resumed through another
+        replica)."""
+        if self.state != "running":
+            return True
+        return self.sandbox_handle is not None and self.sandbox_handle != handle
+
 
 class SnapshotRecord(BaseModel):
     """A saved state: its owner, where it came from, how big, and what it holds."""

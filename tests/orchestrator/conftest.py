@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -21,3 +22,23 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     with redis_server(tmp_path_factory.mktemp("redis")) as url:
         yield url
+
+
+@contextmanager
+def store_refusing(redis_url: str) -> Iterator[str]:
+    """While held, the redis-server refuses every client but the test's own: its password is
+    changed and the other connections are dropped (then restored). Yields the real password
+    (an error message must never show it)."""
+    import redis
+
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        password = str(admin.config_get("requirepass")["requirepass"])
+        admin.config_set("requirepass", password + "-changed")
+        try:
+            admin.client_kill_filter(_type="normal", skipme=True)
+            yield password
+        finally:
+            admin.config_set("requirepass", password)
+    finally:
+        admin.close()

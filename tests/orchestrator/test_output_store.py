@@ -18,6 +18,7 @@ from orchestrator import outputs, shared_outputs
 from orchestrator.outputs import KeptOutputs, OutputEvicted, OutputNotFound, OutputStore
 from orchestrator.shared_outputs import SharedOutputStore
 from orchestrator.state_store.redis_connection import RedisConnection, StoreUnavailable
+from tests.orchestrator.conftest import store_refusing
 
 pytestmark = pytest.mark.unit
 
@@ -350,17 +351,11 @@ async def test_saves_at_once_after_an_outage_each_retry_their_share_of_drops(
     """Drops refused while the store was down, retried by many saves at once: none fails (a
     save is never failed by another's retry), and every drop is done."""
     a = shared(redis_url, prefix)
-    admin = redis.Redis.from_url(redis_url)
-    password = str(admin.config_get("requirepass")["requirepass"])
     try:
         ended = [await a.save(f"e{i}", text(100)) for i in range(5)]
-        admin.config_set("requirepass", password + "-changed")
-        try:
-            admin.client_kill_filter(_type="normal", skipme=True)
+        with store_refusing(redis_url):
             for i in range(5):
                 await a.drop(f"e{i}")  # each refused
-        finally:
-            admin.config_set("requirepass", password)
         await asyncio.gather(*(a.save(f"live{i}", text(100)) for i in range(4)))
         await asyncio.gather(*(a.save(f"more{i}", text(100)) for i in range(4)))
         for i, execution_id in enumerate(ended):
@@ -368,7 +363,6 @@ async def test_saves_at_once_after_an_outage_each_retry_their_share_of_drops(
                 await a.open_execution(f"e{i}", execution_id)
         assert not a._undropped
     finally:
-        admin.close()
         await a._connection.close()
 
 
@@ -404,16 +398,10 @@ async def test_a_drop_the_store_refused_is_done_once_it_answers(
     drops its connections): its outputs stay, and go at this replica's next call the store
     answers."""
     a, b = shared(redis_url, prefix), shared(redis_url, prefix)
-    admin = redis.Redis.from_url(redis_url)
-    password = str(admin.config_get("requirepass")["requirepass"])
     try:
         ended = await a.save("s1", text(100))
-        admin.config_set("requirepass", password + "-changed")
-        try:
-            admin.client_kill_filter(_type="normal", skipme=True)
+        with store_refusing(redis_url):
             await a.drop("s1")  # refused: the store would not take its connection
-        finally:
-            admin.config_set("requirepass", password)
         await (await b.open_execution("s1", ended)).close()
         kept = await a.save("s2", text(100))
         with pytest.raises(OutputNotFound):
@@ -422,6 +410,5 @@ async def test_a_drop_the_store_refused_is_done_once_it_answers(
         await opened.close()
         assert stored(a) == opened.size  # only the live session's
     finally:
-        admin.close()
         for store in (a, b):
             await store._connection.close()

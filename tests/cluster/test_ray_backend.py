@@ -391,3 +391,56 @@ def _zombie(pid: int) -> bool:
 def _sandbox_dirs(cluster: RayTestCluster) -> list[Path]:
     base = cluster.state_dir / "local"
     return list(base.iterdir()) if base.is_dir() else []
+
+
+# A driver that joins the cluster from its loop's worker thread, as the service does, with a
+# SIGTERM handler of its own (as uvicorn's); told to stop, it takes longer than Ray's crash
+# handler's alarm (3 s) to finish, as a graceful shutdown may.
+_SLOW_TO_STOP = """
+import asyncio, os, signal, sys
+from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.config import RayBackendConfig
+
+async def main() -> None:
+    told = asyncio.Event()
+    signal.signal(signal.SIGTERM, lambda *_: told.set())
+    backend = RayBackend(RayBackendConfig(address=sys.argv[1], node_ip="127.0.0.1",
+                                          orchestrator_id="sigterm"))
+    await backend.nodes()  # joins the cluster
+    print("joined", flush=True)
+    while not told.is_set():
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(5)
+    await backend.close()
+    print("stopped cleanly", flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.cluster
+def test_a_driver_told_to_stop_shuts_down_at_its_own_pace(ray_cluster: RayTestCluster) -> None:
+    """Ray's crash handler takes SIGTERM for a crash and aborts the process 3 s later; the
+    backend gives the signal back to the process's own handler when it joins."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_TO_STOP, ray_cluster.address],
+        env={**os.environ, **ray_cluster.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert driver.stdout is not None
+        assert driver.stdout.readline().strip() == "joined"
+        driver.send_signal(signal.SIGTERM)
+        out, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 0, err[-3000:]
+    assert out.strip() == "stopped cleanly"

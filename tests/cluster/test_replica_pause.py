@@ -185,7 +185,8 @@ def _another_replica(
         "--backend", "ray", "--ray-address", ray_cluster.address, "--store", store_url,
     ]  # fmt: skip
     environment = {k: v for k, v in changed.items() if v != ""}
-    return Replica("c", argv, environment, port, state_dir / "c.log").start()
+    log = state_dir / "c.log"
+    return Replica("c", argv, environment, port, log, ray_cluster.cluster.root).start()
 
 
 @pytest.mark.cluster

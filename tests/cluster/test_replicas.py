@@ -50,6 +50,7 @@ class Replica:
     env: dict[str, str]
     port: int
     log: Path
+    ray_root: Path | None = None  # where the cluster's nodes keep their logs (the drivers' too)
     process: subprocess.Popen[bytes] | None = None
     clients: list[httpx.Client] = field(default_factory=list)
 
@@ -73,11 +74,24 @@ class Replica:
         raise RuntimeError(f"replica {self.name} did not come up: {self.log.read_text()[-3000:]}")
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the replica and wait for it; told to stop (SIGTERM), it must exit cleanly, or
+        the test fails with what it and its Ray driver logged (gone with the cluster later)."""
         assert self.process is not None
+        pid = self.process.pid
         self.process.send_signal(sig)
         code = self.process.wait(timeout=60)
         self.process = None
+        if sig == signal.SIGTERM:
+            assert code in (0, -signal.SIGTERM), self._exit_report(pid, code)
         return code
+
+    def _exit_report(self, pid: int, code: int) -> str:
+        report = [f"replica {self.name} (pid {pid}) exited {code}; its log ends:"]
+        report.append(self.log.read_text(errors="replace")[-4000:])
+        drivers = self.ray_root.glob(f"**/*core-driver*_{pid}.log") if self.ray_root else ()
+        for driver_log in drivers:
+            report += [f"{driver_log} ends:", driver_log.read_text(errors="replace")[-6000:]]
+        return "\n".join(report)
 
     def client(self, key: str = KEY_A) -> httpx.Client:
         return httpx.Client(
@@ -179,14 +193,15 @@ def replicas(
             sys.executable, "-m", "orchestrator", "serve", "--port", str(port),
             "--backend", "ray", "--ray-address", ray_cluster.address, "--store", redis_url,
         ]  # fmt: skip
-        made.append(Replica(name, argv, env, port, root / f"{name}.log").start())
+        log = root / f"{name}.log"
+        made.append(Replica(name, argv, env, port, log, ray_cluster.cluster.root).start())
     a, b = made
     try:
         yield a, b
     finally:
         for replica in made:
             if replica.process is not None:
-                assert replica.stop() in (0, -signal.SIGTERM)
+                replica.stop()
         shutil.rmtree(root, ignore_errors=True)
     # Every session was ended by a test (a replica's shutdown leaves them to the cluster):
     # nothing is left in the store, and every place under the caps was given back.

@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import secrets
+import signal
 import threading
 from dataclasses import dataclass, replace
 from typing import Any, Self
@@ -155,6 +156,7 @@ class RayBackend(Backend):
         async with self._connect_lock:
             if not self._connected:
                 await asyncio.to_thread(_join, self.config)
+                _give_back_sigterm()
                 self._connected = True
 
     async def close(self) -> None:
@@ -421,6 +423,21 @@ def _join(config: RayBackendConfig) -> None:
                 ) from None
             _joined_by_us = True
         _joined += 1
+
+
+def _give_back_sigterm() -> None:
+    """Ray's core worker, as it starts, installs its crash handler for SIGTERM too: it takes the
+    signal for a crash, prints a stack and arms an alarm that aborts the process (SIGABRT) 3 s
+    later, so a replica told to stop (a rolling update) was aborted in the middle of its
+    graceful shutdown. The process's own handler (uvicorn's, or Python's default) is given the
+    signal back; Ray's handler still reports real crashes (SIGSEGV, SIGABRT...). Only the main
+    thread may set handlers: a loop elsewhere leaves Ray's (set RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1
+    before importing ray instead)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is not None:  # None: a handler not set from Python, left alone
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _leave() -> None:

@@ -2,7 +2,7 @@
 ports, or anything; a deny-list applies on top of either of the last two.
 
 The sandbox itself never gets a network interface but `lo`: a policy other than `none` gives it
-a proxy (orchestrator/egress/), which decides each connection by its host name with
+a proxy (sandbox/egress/), which decides each connection by its host name with
 `NetworkPolicy.decide`. A deployment's ceiling is a policy too: a session's policy must fit
 within it (`NetworkPolicy.beyond`), and every connection must pass both.
 

@@ -27,9 +27,9 @@ from code_interpreter_wire.network_policy import (
     policy_from_text,
 )
 from code_interpreter_wire.spec import ResourceLimits
-from orchestrator.egress.private_hosts import parse_private_hosts
 from orchestrator.host_tools.settings import HostToolsSettings
 from orchestrator.state_store.redis_auth import check_store_url
+from sandbox.egress.private_hosts import parse_private_hosts
 from sandbox.preload import check_module_names
 from sandbox.state_dir import default_state_dir
 

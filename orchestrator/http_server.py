@@ -33,7 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 from orchestrator.caller_mark import CallerMark, attach
 from orchestrator.config import Settings
 from orchestrator.connection_guard import ConnectionGuard, ConnectionLimits, Refusal
-from orchestrator.descriptors import raise_descriptor_limit
+from sandbox.descriptors import raise_descriptor_limit
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import contextlib
 from urllib.parse import urlsplit
 
 from orchestrator.config import Settings
-from orchestrator.egress.settings import ServiceEndpoint
+from sandbox.egress.settings import ServiceEndpoint
 
 
 def service_endpoints(settings: Settings) -> tuple[ServiceEndpoint, ...]:

@@ -1,19 +1,19 @@
 """The egress proxies of the service's sessions: one per session whose policy gives it a
 network, started when the session is made and stopped when it ends. The proxy itself is in
-orchestrator/egress/; this is where it meets the service's settings, metrics and log."""
+sandbox/egress/; this is where it meets the service's settings, metrics and log."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
 
-from orchestrator.descriptors import raise_descriptor_limit
-from orchestrator.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
-from orchestrator.egress.settings import ServiceEndpoint
-from orchestrator.egress.slots import ConnectionSlots
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import EgressSection
+from sandbox.descriptors import raise_descriptor_limit
+from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
+from sandbox.egress.settings import ServiceEndpoint
+from sandbox.egress.slots import ConnectionSlots
 
 log = logging.getLogger(__name__)
 # Each connection is a line of the service's log even when the service logs only warnings

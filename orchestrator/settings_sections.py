@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, SecretStr
 
 from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.spec import ResourceLimits
-from orchestrator.egress.settings import ServiceEndpoint
 from orchestrator.host_tools.settings import HostToolsSettings
+from sandbox.egress.settings import ServiceEndpoint
 
 
 class Section(BaseModel):

@@ -3,7 +3,7 @@ it at /run/egress, where the host's egress proxy listens on a Unix socket, and a
 inside the sandbox that offers that proxy on the sandbox's own loopback (127.0.0.1:3128).
 
 The sandbox keeps no interface but `lo`, so nothing leaves except through the proxy, which
-decides each connection by host name (orchestrator/egress/). This module only lays the way:
+decides each connection by host name (sandbox/egress/). This module only lays the way:
 the directory (with the modes of the host-tool channel, sandbox/host_channel.py: the sandbox
 may connect, never add or remove), the forwarder's command line, and the variables that point
 HTTP clients, pip and Java at the proxy.

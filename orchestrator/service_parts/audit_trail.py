@@ -7,7 +7,6 @@ from collections.abc import AsyncGenerator, Callable
 
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
 from code_interpreter_wire.results import Execution
-from orchestrator.egress import EgressRecord
 from orchestrator.governance import audit_kinds as audited
 from orchestrator.governance.audit import AuditLog, command_line, end_reason
 from orchestrator.governance.errors import PolicyDenied
@@ -16,6 +15,7 @@ from orchestrator.governance.policy import Principal
 from orchestrator.governance.stores.audit_store import AuditEvent, AuditPage, AuditQuery
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import AuditSection
+from sandbox.egress import EgressRecord
 
 
 def command_outcome(result: CommandResult) -> str:

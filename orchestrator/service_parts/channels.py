@@ -8,7 +8,6 @@ import logging
 
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.cluster.tool_relay import ToolRelays
-from orchestrator.egress import EgressLedger
 from orchestrator.governance.approvals import Approvals
 from orchestrator.governance.tool_guard import SessionToolGuard
 from orchestrator.host_tools import ChannelLimits, HostTool, ToolChannel, ToolRegistry, UnknownTools
@@ -20,6 +19,7 @@ from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import ChannelSection, EgressSection
 from orchestrator.state_store import SessionRecord
+from sandbox.egress import EgressLedger
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.config import Settings
-from orchestrator.egress.settings import ServiceEndpoint
+from sandbox.egress.settings import ServiceEndpoint
 from orchestrator.front_config import FrontConfig
 from orchestrator.service_endpoints import service_endpoints
 from orchestrator.settings_sections import Section, Sections

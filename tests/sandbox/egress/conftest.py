@@ -22,8 +22,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from code_interpreter_wire.network_policy import NetworkPolicy
-from orchestrator.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
-from orchestrator.egress.slots import ConnectionSlots
+from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
+from sandbox.egress.slots import ConnectionSlots
 
 ANY = NetworkPolicy(mode="any")
 HELLO = b"hello from upstream\n"

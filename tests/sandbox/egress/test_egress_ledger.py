@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from orchestrator.egress import EgressLedger, EgressRecord, EgressSettings
-from orchestrator.egress.metering import ByteBudget, Meter
-from orchestrator.egress.responses import answer, reason_phrase
+from sandbox.egress import EgressLedger, EgressRecord, EgressSettings
+from sandbox.egress.metering import ByteBudget, Meter
+from sandbox.egress.responses import answer, reason_phrase
 
 pytestmark = pytest.mark.unit
 

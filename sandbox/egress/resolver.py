@@ -11,8 +11,8 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 from code_interpreter_wire.network_policy import IpAddress
-from orchestrator.egress.address_guard import why_not_public
-from orchestrator.egress.settings import EgressSettings
+from sandbox.egress.address_guard import why_not_public
+from sandbox.egress.settings import EgressSettings
 
 # Name lookups block a thread each, and a slow resolver is not stopped by a timeout: on threads
 # of their own, few, so lookups can hold up only other lookups, never the service's shared pool.

@@ -14,9 +14,9 @@ import errno
 import socket
 
 from code_interpreter_wire.network_policy import IpAddress, PolicyError, address_of, normalize_host
-from orchestrator.egress.address_guard import forms_of
-from orchestrator.egress.resolver import Unreachable, lookup
-from orchestrator.egress.settings import EgressSettings, ServiceEndpoint
+from sandbox.egress.address_guard import forms_of
+from sandbox.egress.resolver import Unreachable, lookup
+from sandbox.egress.settings import EgressSettings, ServiceEndpoint
 
 
 async def service_refusal(

@@ -12,15 +12,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
-from pydantic import SecretStr
 
-from orchestrator.config import Settings
-from orchestrator.egress import EgressSettings
-from orchestrator.egress.service_guard import service_refusal
-from orchestrator.egress.settings import ServiceEndpoint
-from orchestrator.service_endpoints import service_endpoints
-from tests.orchestrator.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, raw_exchange
-from tests.orchestrator.egress.test_destinations import connect, get, split
+from sandbox.egress import EgressSettings
+from sandbox.egress.service_guard import service_refusal
+from sandbox.egress.settings import ServiceEndpoint
+from tests.sandbox.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, raw_exchange
+from tests.sandbox.egress.test_destinations import connect, get, split
 
 
 @dataclass
@@ -162,28 +159,3 @@ async def test_this_hosts_own_addresses_are_refused_on_the_services_port() -> No
         why = await service_refusal(address, ipaddress.ip_address(address), 8000, settings)
         assert why is not None and why.startswith(f"{address}:8000 may be the service's own API")
         assert await service_refusal(address, ipaddress.ip_address(address), 8001, settings) is None
-
-
-def test_the_service_hands_its_api_and_store_to_the_proxy() -> None:
-    def with_store(url: str, **more: object) -> Settings:
-        return Settings().model_copy(update={"store_url": SecretStr(url), **more})
-
-    everywhere = with_store("redis://:pw@redis.internal/0", host="0.0.0.0", port=8123)
-    assert service_endpoints(everywhere) == (
-        ServiceEndpoint("the service's own API", "0.0.0.0", 8123),
-        ServiceEndpoint("the cluster store", "redis.internal", 6379),
-    )
-    tls = with_store("rediss://user:pw@[fd00::5]:6390/1")
-    assert service_endpoints(tls)[1:] == (ServiceEndpoint("the cluster store", "fd00::5", 6390),)
-    local = with_store("unix:///run/redis.sock")
-    assert service_endpoints(local) == api_at("127.0.0.1", 8000)
-    # Cluster mode's Ray head, as a GCS address or a Ray Client URL; "auto" names none.
-    for address, host, port in (
-        ("10.0.0.7:6379", "10.0.0.7", 6379),
-        ("ray://head:10001", "head", 10001),
-    ):
-        ray = Settings().model_copy(update={"ray_address": address})
-        assert service_endpoints(ray)[1:] == (
-            ServiceEndpoint("the Ray cluster's head", host, port),
-        )
-    assert service_endpoints(Settings().model_copy(update={"ray_address": "auto"}))[1:] == ()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.egress.slots import ConnectionSlots
-from tests.orchestrator.egress.conftest import (
+from sandbox.egress.slots import ConnectionSlots
+from tests.sandbox.egress.conftest import (
     HELLO,
     StartProxy,
     UpstreamServer,

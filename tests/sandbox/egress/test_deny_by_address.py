@@ -5,8 +5,8 @@ publish): the proxy dials it over a dual-stack socket and reaches the very IPv4 
 from __future__ import annotations
 
 from code_interpreter_wire.network_policy import NetworkPolicy
-from orchestrator.egress.decision import denied_address
-from tests.orchestrator.egress.conftest import HELLO, StartProxy, UpstreamServer, raw_exchange
+from sandbox.egress.decision import denied_address
+from tests.sandbox.egress.conftest import HELLO, StartProxy, UpstreamServer, raw_exchange
 
 DENY_LOOPBACK = NetworkPolicy.model_validate({"mode": "any", "deny": ["127.0.0.0/8:*"]})
 

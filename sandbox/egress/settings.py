@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from code_interpreter_wire.network_policy import normalize_host
-from orchestrator.egress.private_hosts import parse_private_hosts
+from sandbox.egress.private_hosts import parse_private_hosts
 
 
 def _no_overrides() -> Mapping[str, tuple[str, ...]]:

@@ -2,8 +2,8 @@
 connection by the session's network policy, dials only public addresses it resolved itself, and
 logs every connection in the session's ledger."""
 
-from orchestrator.egress.ledger import EgressLedger, EgressRecord, EgressTotals
-from orchestrator.egress.proxy import EgressProxy
-from orchestrator.egress.settings import EgressSettings
+from sandbox.egress.ledger import EgressLedger, EgressRecord, EgressTotals
+from sandbox.egress.proxy import EgressProxy
+from sandbox.egress.settings import EgressSettings
 
 __all__ = ["EgressLedger", "EgressProxy", "EgressRecord", "EgressSettings", "EgressTotals"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.egress.metering import CapReached, Meter
+from sandbox.egress.metering import CapReached, Meter
 
 CHUNK = 64 * 1024
 

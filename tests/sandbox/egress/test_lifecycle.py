@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from code_interpreter_wire.network_policy import NetworkPolicy
-from orchestrator.egress import EgressLedger, EgressProxy, EgressSettings
-from tests.orchestrator.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, overrides
-from tests.orchestrator.egress.test_limits import open_tunnel
+from sandbox.egress import EgressLedger, EgressProxy, EgressSettings
+from tests.sandbox.egress.conftest import HELLO, StartProxy, UpstreamServer, curl, overrides
+from tests.sandbox.egress.test_limits import open_tunnel
 
 
 def allowed(upstream: UpstreamServer) -> dict[str, object]:

@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from code_interpreter_wire.network_policy import NetworkPolicy
-from orchestrator.egress.exchange import Exchange
-from orchestrator.egress.ledger import EgressLedger, EgressRecord
-from orchestrator.egress.metering import ByteBudget
-from orchestrator.egress.pipe import CHUNK
-from orchestrator.egress.responses import answer
-from orchestrator.egress.settings import EgressSettings
-from orchestrator.egress.slots import ConnectionSlots
 from sandbox.channel_dir import MAX_SOCKET_PATH
+from sandbox.egress.exchange import Exchange
+from sandbox.egress.ledger import EgressLedger, EgressRecord
+from sandbox.egress.metering import ByteBudget
+from sandbox.egress.pipe import CHUNK
+from sandbox.egress.responses import answer
+from sandbox.egress.settings import EgressSettings
+from sandbox.egress.slots import ConnectionSlots
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)

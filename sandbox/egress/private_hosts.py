@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from code_interpreter_wire.network_policy import address_of
-from orchestrator.egress.target import BadTarget, split_authority
+from sandbox.egress.target import BadTarget, split_authority
 
 BARE_NAME_PORTS = frozenset({80, 443})
 _SYNTAX = "write host, host:port or [ipv6]:port (e.g. db.internal:5432), one port per entry"

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from orchestrator.egress.address_guard import why_not_public
+from sandbox.egress.address_guard import why_not_public
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.egress.target import (
+from sandbox.egress.target import (
     BadTarget,
     Target,
     host_header_mismatch,

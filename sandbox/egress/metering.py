@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.egress.ledger import EgressLedger
+from sandbox.egress.ledger import EgressLedger
 
 
 class CapReached(Exception):

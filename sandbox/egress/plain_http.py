@@ -9,9 +9,9 @@ import contextlib
 
 import h11
 
-from orchestrator.egress.metering import CapReached, Meter
-from orchestrator.egress.pipe import CHUNK, send
-from orchestrator.egress.target import Target
+from sandbox.egress.metering import CapReached, Meter
+from sandbox.egress.pipe import CHUNK, send
+from sandbox.egress.target import Target
 
 # Headers that concern one hop, never forwarded. The framing headers (Content-Length,
 # Transfer-Encoding) stay: h11 re-frames the body to match them.

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from code_interpreter_wire.network_policy import NetworkPolicy
-from tests.orchestrator.egress.conftest import (
+from tests.sandbox.egress.conftest import (
     HELLO,
     StartProxy,
     UpstreamServer,

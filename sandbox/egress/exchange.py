@@ -17,16 +17,16 @@ from typing import NoReturn, Protocol
 import h11
 
 from code_interpreter_wire.network_policy import IpAddress, NetworkPolicy
-from orchestrator.egress.decision import decide, denied_address
-from orchestrator.egress.ledger import EgressLedger, EgressRecord
-from orchestrator.egress.metering import ByteBudget, CapReached, Meter
-from orchestrator.egress.pipe import CHUNK, pump, send
-from orchestrator.egress.plain_http import Forward
-from orchestrator.egress.resolver import Unreachable, resolve
-from orchestrator.egress.responses import CONNECT_ESTABLISHED, answer, refusal
-from orchestrator.egress.service_guard import service_refusal
-from orchestrator.egress.settings import EgressSettings
-from orchestrator.egress.target import (
+from sandbox.egress.decision import decide, denied_address
+from sandbox.egress.ledger import EgressLedger, EgressRecord
+from sandbox.egress.metering import ByteBudget, CapReached, Meter
+from sandbox.egress.pipe import CHUNK, pump, send
+from sandbox.egress.plain_http import Forward
+from sandbox.egress.resolver import Unreachable, resolve
+from sandbox.egress.responses import CONNECT_ESTABLISHED, answer, refusal
+from sandbox.egress.service_guard import service_refusal
+from sandbox.egress.settings import EgressSettings
+from sandbox.egress.target import (
     BadTarget,
     Target,
     host_header_mismatch,
@@ -240,7 +240,7 @@ class Exchange:
         failures = []
         for address in addresses[:_MAX_ADDRESSES_TRIED]:
             # Here, on the very address about to be dialled: whatever allowed the name, the
-            # service's own listeners stay out of reach (orchestrator/egress/service_guard.py).
+            # service's own listeners stay out of reach (sandbox/egress/service_guard.py).
             refused = await service_refusal(target.host, address, target.port, settings)
             if refused is not None:
                 self.reason = refused

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import requests
 
-from tests.orchestrator.egress.conftest import (
+from tests.sandbox.egress.conftest import (
     HELLO,
     Running,
     StartProxy,

@@ -12,7 +12,7 @@ from code_interpreter_wire.network_policy import (
     address_of,
     is_numeric_name,
 )
-from orchestrator.egress.address_guard import forms_of
+from sandbox.egress.address_guard import forms_of
 
 
 def decide(policy: NetworkPolicy, ceiling: NetworkPolicy, host: str, port: int) -> Decision:

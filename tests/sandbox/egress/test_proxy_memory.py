@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.orchestrator.egress.conftest import StartProxy, UpstreamServer, overrides, raw_exchange
+from tests.sandbox.egress.conftest import StartProxy, UpstreamServer, overrides, raw_exchange
 
 CONNECTIONS = 300
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from code_interpreter_wire.network_policy import NetworkPolicy
-from orchestrator.egress.decision import decide
+from sandbox.egress.decision import decide
 
 pytestmark = pytest.mark.unit
 

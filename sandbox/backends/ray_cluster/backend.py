@@ -341,7 +341,7 @@ class RayBackend(Backend):
         return [PYTHON]
 
     def refuse_network(self, spec: SandboxSpec) -> None:
-        if spec.network.enabled:
+        if spec.network.enabled and not self.config.egress_relayed:
             raise SandboxError(
                 "the ray backend's sandboxes have no network (only Ray's own processes talk "
                 f"across machines); ask for network 'none' (asked: {spec.network.mode!r})"

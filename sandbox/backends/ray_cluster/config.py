@@ -46,6 +46,14 @@ class RayBackendConfig(BaseModel):
         "'Securing the cluster').",
     )
 
+    egress_relayed: bool = Field(
+        False,
+        description="Whether whoever drives this backend opens each networked session's egress "
+        "proxy on its node and takes its records (`RaySandbox.open_egress`, `egress_records`). "
+        "Until it does, a session asking for a network is refused: it would have no way out "
+        "and no record of its attempts.",
+    )
+
     @field_validator("orchestrator_id")
     @classmethod
     def _plain_id(cls, value: str) -> str:

@@ -25,6 +25,7 @@ from ray.exceptions import RayActorError
 
 from code_interpreter_wire.errors import ProcessesUnsupported, SandboxError, SandboxLost
 from code_interpreter_wire.languages import PYTHON
+from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
 from code_interpreter_wire.results import DoneEvent, EventSink, Execution, FileInfo, OutputEvent
 from code_interpreter_wire.spec import SandboxSpec
@@ -36,7 +37,9 @@ from sandbox.backends.ray_cluster.actor_errors import (
     lost_reason,
     sandbox_error_of,
 )
+from sandbox.backends.ray_cluster.node_egress import EgressBatch
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
+from sandbox.egress import EgressSettings, EgressTotals
 from sandbox.processes.handle import ProcessHandle
 
 log = logging.getLogger(__name__)
@@ -333,6 +336,18 @@ class RaySandbox(Sandbox):
 
     async def answer_tool_call(self, key: str, body: bytes) -> None:
         await self._call(self._actor.answer_tool_call.remote(key, body))
+
+    async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
+        """Start the sandbox's egress proxy on its node (node_egress.py) under the service's
+        `ceiling` and `settings`; whether one runs (none: the sandbox has no way out)."""
+        return await self._call(self._actor.open_egress.remote(ceiling, settings))
+
+    async def egress_records(self, max_wait_s: float) -> EgressBatch:
+        """The proxy's records of connections ended since the last poll (a long poll)."""
+        return await self._call(self._actor.next_egress_records.remote(max_wait_s))
+
+    async def egress_totals(self) -> EgressTotals | None:
+        return await self._call(self._actor.egress_totals.remote())
 
     async def close(self) -> None:
         """Close the sandbox and end its actor (its slot goes back to its node): the actor has

@@ -39,6 +39,7 @@ from code_interpreter_wire.results import FileInfo, OutputEvent
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
 from sandbox.backends.ray_cluster.names import node_backend_name, node_state_dir
+from sandbox.backends.ray_cluster.node_egress import NodeEgress
 from sandbox.backends.ray_cluster.node_processes import NodeProcesses
 from sandbox.backends.ray_cluster.node_tool_relay import NodeToolRelay
 from sandbox.backends.registry import backend_type, create_backend
@@ -68,7 +69,7 @@ class SessionFacts:
     languages: tuple[str, ...] = (PYTHON,)
 
 
-class SessionActor(NodeProcesses, NodeToolRelay):
+class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
     """Made with `ray.remote` where it is created (backend.py); one per session."""
 
     sandbox: Sandbox
@@ -169,6 +170,8 @@ class SessionActor(NodeProcesses, NodeToolRelay):
         await asyncio.shield(self._shutting_down)
 
     async def _close_all(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.close_egress()  # first: no connection outlives its sandbox's close
         with contextlib.suppress(Exception):
             await self.close_tool_relay()
         try:

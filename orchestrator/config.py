@@ -666,6 +666,9 @@ class Settings(BaseSettings):
             "node_ip": self.ray_node_ip,
             "pool_size_per_node": self.cluster_pool_size_per_node,
             "allow_unauthenticated": self.ray_allow_unauthenticated,
+            # The service opens each networked session's proxy on its node and audits its
+            # connections (session_egress.py).
+            "egress_relayed": True,
         }
 
     @classmethod

@@ -7,11 +7,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from orchestrator.cluster.egress_relay import EgressRelays
+from orchestrator.cluster.shared import RelayedEgress
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import EgressSection
 from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
+from sandbox.egress.outbox import EgressReport
 from sandbox.egress.settings import ServiceEndpoint
 from sandbox.egress.slots import ConnectionSlots
 
@@ -64,35 +67,22 @@ class SessionEgress:
             raise_descriptor_limit()  # each egress connection holds two
         self._proxies: dict[str, EgressProxy] = {}
         self._ledgers: dict[str, EgressLedger] = {}
+        # Sessions whose proxy runs beside their sandbox elsewhere: their records taken here.
+        self._relays = EgressRelays()
 
     async def open(self, session: Session) -> None:
-        """Start the session's proxy on its sandbox's egress socket, if it has one."""
-        channel = session.sandbox.egress_channel
+        """Start the session's proxy on its sandbox's egress socket, if it has one; for a
+        sandbox whose proxy runs beside it on another machine, start that one (or find it
+        started) and take its records here."""
+        sandbox = session.sandbox
+        channel = sandbox.egress_channel
         if channel is None:
+            if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
+                ceiling = self.settings.network_ceiling
+                if await sandbox.open_egress(ceiling, self._egress):
+                    self._relays.start(session.id, sandbox, lambda e: self._recorded(session, e))
             return
-        backend = session.backend
-
-        def record(entry: EgressRecord) -> None:
-            decision = "allowed" if entry.allowed else "refused"
-            METRICS.egress_connections.labels(backend, decision).inc()
-            METRICS.egress_bytes.labels(backend, "up").inc(entry.bytes_up)
-            METRICS.egress_bytes.labels(backend, "down").inc(entry.bytes_down)
-            log.info(
-                "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s",
-                session.id,
-                entry.method or "-",
-                entry.host or "-",
-                entry.port,
-                decision,
-                entry.address or "-",
-                entry.bytes_up,
-                entry.bytes_down,
-                entry.reason,
-            )
-            if self._on_connection is not None:
-                self._on_connection(session, entry)
-
-        ledger = EgressLedger(session.id, on_record=record)
+        ledger = EgressLedger(session.id, on_record=lambda e: self._recorded(session, e))
         proxy = EgressProxy(
             policy=session.sandbox.spec.network,
             ceiling=self.settings.network_ceiling,
@@ -112,6 +102,28 @@ class SessionEgress:
             raise
         self._proxies[session.id] = proxy
         self._ledgers[session.id] = ledger
+
+    def _recorded(self, session: Session, entry: EgressRecord) -> None:
+        """A connection of the session ended: counted, logged, and handed to `on_connection`."""
+        backend = session.backend
+        decision = "allowed" if entry.allowed else "refused"
+        METRICS.egress_connections.labels(backend, decision).inc()
+        METRICS.egress_bytes.labels(backend, "up").inc(entry.bytes_up)
+        METRICS.egress_bytes.labels(backend, "down").inc(entry.bytes_down)
+        log.info(
+            "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s",
+            session.id,
+            entry.method or "-",
+            entry.host or "-",
+            entry.port,
+            decision,
+            entry.address or "-",
+            entry.bytes_up,
+            entry.bytes_down,
+            entry.reason,
+        )
+        if self._on_connection is not None:
+            self._on_connection(session, entry)
 
     def _hold_key_slots(self, session: Session) -> ConnectionSlots:
         """The cap the session's key shares among its sessions, made with its first."""
@@ -138,10 +150,18 @@ class SessionEgress:
         else:
             self._key_slots[owner] = (slots, users - 1)
 
-    def ledger(self, session_id: str) -> EgressLedger | None:
-        return self._ledgers.get(session_id)
+    async def report(self, session: Session, most: int) -> EgressReport | None:
+        """The session's proxy's totals and latest `most` connections; None without one."""
+        ledger = self._ledgers.get(session.id)
+        if ledger is not None:
+            return EgressReport.of(ledger, most)
+        sandbox = session.sandbox
+        if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
+            return await sandbox.egress_report(most)
+        return None
 
     async def close(self, session_id: str) -> None:
+        await self._relays.stop(session_id)
         proxy = self._proxies.pop(session_id, None)
         self._ledgers.pop(session_id, None)
         if proxy is not None:
@@ -151,3 +171,4 @@ class SessionEgress:
     async def close_all(self) -> None:
         for session_id in list(self._proxies):
             await self.close(session_id)
+        await self._relays.close()

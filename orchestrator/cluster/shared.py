@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from code_interpreter_wire.network_policy import NetworkPolicy
+from sandbox.egress import EgressSettings
+from sandbox.egress.outbox import EgressBatch, EgressReport
+
 
 @runtime_checkable
 class SharedSandbox(Protocol):
@@ -53,4 +57,23 @@ class FencedSaves(Protocol):
 
     async def unfence(self) -> None:
         """Take calls again (a pause that fenced it failed after all)."""
+        ...
+
+
+@runtime_checkable
+class RelayedEgress(Protocol):
+    """A sandbox whose egress proxy runs beside it on its own machine: the service hands it the
+    ceiling and settings, and takes the records of its connections for its log and audit."""
+
+    async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
+        """Start its proxy (again: nothing changes); whether one runs (none: no way out)."""
+        ...
+
+    async def egress_records(self, max_wait_s: float) -> EgressBatch:
+        """Connections ended since any replica last asked, each handed out once; waits up to
+        `max_wait_s` for one."""
+        ...
+
+    async def egress_report(self, most: int) -> EgressReport | None:
+        """Its proxy's totals and latest `most` records; None when it has none."""
         ...

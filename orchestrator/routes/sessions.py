@@ -111,7 +111,7 @@ async def network(
     service: ServiceDep,
     limit: Annotated[int, Query(ge=0, le=1000, description="Most connections listed.")] = 100,
 ) -> NetworkReport:
-    return service.views.network_report(session, limit)
+    return await service.views.network_report(session, limit)
 
 
 @router.post("/{session_id}/interrupt", summary="Stop the running execution")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from code_interpreter_wire.errors import SandboxError
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.cluster.tool_relay import ToolRelays
 from orchestrator.governance.approvals import Approvals
@@ -19,7 +20,7 @@ from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import ChannelSection, EgressSection
 from orchestrator.state_store import SessionRecord
-from sandbox.egress import EgressLedger
+from sandbox.egress.outbox import EgressReport
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,13 @@ class Channels:
         self._channels[session.id] = await ToolChannel.open(channel, tools, limits, guard)
 
     async def attached(self, session: Session, record: SessionRecord) -> None:
-        """A session another replica made, now served here too: its host tools with it."""
+        """A session another replica made, now served here too: its host tools with it, and
+        its egress records taken here too (so they keep coming if its replica goes)."""
+        if session.sandbox.spec.network.enabled:
+            try:
+                await self._egress.open(session)
+            except SandboxError as exc:  # its proxy is started by its own replica anyway
+                log.warning("session %s: egress records not taken here: %s", session.id, exc)
         if record.tools and session.id not in self._channels:
             try:  # the relay starts at once (no call here): it retries what fails itself
                 tools = self._registry.select(record.tools)
@@ -134,9 +141,9 @@ class Channels:
         """Start the session's egress proxy, if its sandbox has a network to proxy."""
         await self._egress.open(session)
 
-    def ledger(self, session_id: str) -> EgressLedger | None:
-        """The session's egress connections and totals, if it has a proxy."""
-        return self._egress.ledger(session_id)
+    async def egress_report(self, session: Session, most: int) -> EgressReport | None:
+        """The session's egress totals and latest `most` connections, if it has a proxy."""
+        return await self._egress.report(session, most)
 
     async def close_for(self, session_id: str) -> None:
         """Close what a session's sandbox reaches the host through: its tool channel and its

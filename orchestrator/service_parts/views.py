@@ -132,18 +132,17 @@ class Views:
             return session.sandbox.spec.network
         return self.settings.network_default
 
-    def network_report(self, session: Session, most: int = 100) -> NetworkReport:
+    async def network_report(self, session: Session, most: int = 100) -> NetworkReport:
         """The session's policy, totals and latest `most` connections through its proxy."""
-        ledger = self._channels.ledger(session.id)
+        found = await self._channels.egress_report(session, most)
         report = NetworkReport(
             policy=session.sandbox.spec.network,
             ceiling=self.settings.network_ceiling,
             max_bytes=self.settings.egress_max_bytes_per_session,
         )
-        if ledger is None:
+        if found is None:
             return report
-        totals = ledger.totals
-        records = list(ledger.records)[-most:] if most > 0 else []
+        totals, records = found.totals, found.records
         return report.model_copy(
             update={
                 "connections_allowed": totals.connections_allowed,

@@ -42,6 +42,7 @@ from sandbox.backends.ray_cluster.local_cluster import (
 )
 from sandbox.backends.ray_cluster.names import NAMESPACE
 from tests.conftest import require_backend
+from tests.network.upstream import Upstream, upstream
 
 __all__ = ["RUN_TOKEN", "RayNode", "RayTestCluster", "actor_processes", "free_port"]
 
@@ -238,3 +239,11 @@ def actor_processes(cluster: RayTestCluster) -> dict[int, Any]:
     """Processes of the cluster now (daemons, workers, sandboxes): pid -> command line."""
     table = host_processes()
     return {pid: table[pid].cmdline for pid in cluster.cluster.own_pids(table)}
+
+
+@pytest.fixture(scope="module")
+def egress_upstream() -> Iterator[Upstream]:
+    """A web server on loopback standing in for the internet (tests/network/upstream.py): the
+    replicas' and the tests' egress settings name it `allowed.test` and `other.test`."""
+    with upstream() as served:
+        yield served

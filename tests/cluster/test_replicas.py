@@ -34,6 +34,8 @@ from orchestrator.state_store.redis_connection import RedisConnection
 from orchestrator.state_store.redis_store import RedisStore
 from tests.cluster.conftest import RayTestCluster
 from tests.cluster.redis_server import free_port, redis_server
+from tests.network.conftest import FETCH
+from tests.network.upstream import HELLO, Upstream
 
 KEY_A, KEY_B, KEY_CAPS = (f"key-{n}-{uuid.uuid4().hex}" for n in ("a", "b", "caps"))
 PER_KEY = 3  # max_sessions_per_key of the replicas
@@ -168,7 +170,7 @@ def store(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="module")
 def replicas(
-    ray_cluster: RayTestCluster, redis_url: str, store: SharedView
+    ray_cluster: RayTestCluster, redis_url: str, store: SharedView, egress_upstream: Upstream
 ) -> Iterator[tuple[Replica, Replica]]:
     root = Path(tempfile.mkdtemp(prefix="cir-rep-", dir="/tmp"))
     root.chmod(0o711)
@@ -187,6 +189,12 @@ def replicas(
             "CODE_INTERPRETER_METRICS_PUBLIC": "true",
             # Every replica's saved states in one directory (a shared volume in production).
             "CODE_INTERPRETER_SAVED_STATES_DIR": str(root / "saved-states"),
+            # Sessions may reach the loopback web server standing in for the internet, by name.
+            "CODE_INTERPRETER_NETWORK_CEILING": "any",
+            "CODE_INTERPRETER_EGRESS_RESOLVE": "allowed.test=127.0.0.1,other.test=127.0.0.1",
+            "CODE_INTERPRETER_EGRESS_PRIVATE_HOSTS": ",".join(
+                f"{name}:{egress_upstream.port}" for name in ("allowed.test", "other.test")
+            ),
         }
         port = free_port()
         argv = [
@@ -381,14 +389,6 @@ def test_replica_kept_outputs_are_fetched_through_the_other_replica(
     with a.client() as api:
         gone = api.get(f"/v1/sessions/{sid}/artifacts/{artifact_id}")
     assert gone.status_code in (404, 410), gone.text
-
-
-@pytest.mark.cluster
-def test_replica_network_other_than_none_is_refused(replicas: tuple[Replica, Replica]) -> None:
-    a, _ = replicas
-    with a.client() as api:
-        r = api.post("/v1/sessions", json={"network": "any"})
-    assert r.status_code == 400, r.text
 
 
 @pytest.mark.cluster
@@ -780,3 +780,58 @@ def test_replica_reaper_ends_a_lost_session_no_replica_holds(
         r = api.post(f"/v1/sessions/{sid}/execute", json={"code": "1"})
     assert r.status_code == 410, r.text
     assert r.json()["error"]["type"] == "SessionLost"
+
+
+@pytest.mark.cluster
+def test_replica_session_reaches_only_its_allow_list_and_each_connection_is_audited_once(
+    replicas: tuple[Replica, Replica], egress_upstream: Upstream
+) -> None:
+    """The proxy runs on the session's node; the records come to the replicas, each once."""
+    a, b = replicas
+    port = egress_upstream.port
+    seen_before = len(egress_upstream.requests)
+    before = sum(_egress_total(r) for r in (a, b))
+    with a.client() as api:
+        created = api.post("/v1/sessions", json={"network": [f"allowed.test:{port}"]})
+        assert created.status_code == 201, created.text
+        sid = created.json()["id"]
+    try:
+        code = FETCH + (
+            f"print(json.dumps([fetch('http://allowed.test:{port}/hello'), "
+            f"fetch('http://other.test:{port}/hello')]))"
+        )
+        ran = _execute(b, sid, code)  # through the other replica: the same proxy
+        allowed, other = json.loads(ran["stdout"])
+        assert allowed == [200, HELLO.decode()]
+        assert other[0] == 403, other
+        assert egress_upstream.requests[seen_before:] == [("GET", "/hello", f"allowed.test:{port}")]
+        with b.client() as api:
+            for _ in _polls(60):
+                report = api.get(f"/v1/sessions/{sid}/network").json()
+                if report["connections_allowed"] + report["connections_refused"] == 2:
+                    break
+            assert (report["connections_allowed"], report["connections_refused"]) == (1, 1)
+            assert {c["host"] for c in report["connections"]} == {"allowed.test", "other.test"}
+            for _ in _polls(60):
+                audited = api.get(
+                    "/v1/audit", params={"session_id": sid, "kind": "egress.connection"}
+                ).json()["events"]
+                if len(audited) >= 2:
+                    break
+        assert sorted((e["details"]["host"], e["status"]) for e in audited) == [
+            ("allowed.test", "allowed"),
+            ("other.test", "refused"),
+        ]
+        # Each record went to one replica: the two replicas' counts add up to two.
+        assert sum(_egress_total(r) for r in (a, b)) - before == 2
+    finally:
+        with a.client() as api:
+            assert api.delete(f"/v1/sessions/{sid}").status_code in (204, 410)
+
+
+def _egress_total(replica: Replica) -> float:
+    return sum(
+        value
+        for labels, value in replica.metric("cir_egress_connections_total").items()
+        if 'backend="ray"' in labels
+    )

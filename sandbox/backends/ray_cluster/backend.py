@@ -113,8 +113,9 @@ class _Unplaced(Exception):
 class RayBackend(Backend):
     name = "ray"
     capabilities = BackendCapabilities(
-        # Sandboxes keep no network: only Ray's own processes talk across machines.
-        network_modes=("none",),
+        # Through a proxy in the session's actor, on its node (node_egress.py), whose records
+        # the driver takes (`egress_relayed`: the service does).
+        network_modes=("none", "allow_list", "any"),
         host_tools=True,  # relayed from the sandbox's node (node_tool_relay.py)
         processes=True,
         suspend=False,
@@ -343,8 +344,9 @@ class RayBackend(Backend):
     def refuse_network(self, spec: SandboxSpec) -> None:
         if spec.network.enabled and not self.config.egress_relayed:
             raise SandboxError(
-                "the ray backend's sandboxes have no network (only Ray's own processes talk "
-                f"across machines); ask for network 'none' (asked: {spec.network.mode!r})"
+                "this ray backend's sandboxes have no network: its driver does not open their "
+                "egress proxies nor take their records (RayBackendConfig.egress_relayed; the "
+                f"service does); ask for network 'none' (asked: {spec.network.mode!r})"
             )
 
     # --- nodes ------------------------------------------------------------------------------

@@ -9,115 +9,27 @@ the sandbox is, with the policy the actor was made with and the ceiling and sett
 replica hands over (`open_egress`), and only the records travel, taken with a long poll
 (`next_egress_records`, as the tool relay's calls are).
 
-Bounded: at most `MAX_UNTAKEN` records wait; past that a new record is dropped and counted, and
-the count goes out with the next batch, so the service can say records were lost. A poll takes
-at most `RECORDS_PER_POLL` records and waits at most `MAX_POLL_S`; each record is given to one
-poller only (at most once, as the audit log's in-memory queue). The per-session caps
-(connections open at once, bytes) hold exactly as on one machine, in the proxy itself.
+The outbox is bounded (sandbox/egress/outbox.py). The per-session caps (connections open at
+once, bytes) hold exactly as on one machine, in the proxy itself.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import logging
-from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.descriptors import raise_descriptor_limit
-from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings, EgressTotals
+from sandbox.egress import EgressLedger, EgressProxy, EgressSettings
+from sandbox.egress.outbox import EgressBatch, EgressOutbox, EgressReport
 
 if TYPE_CHECKING:
     from sandbox.backends.base import Sandbox
 
 log = logging.getLogger(__name__)
 
-MAX_UNTAKEN = 4096  # records of one session waiting for a replica
-RECORDS_PER_POLL = 256  # at most this many in one answer of `next_egress_records`
-MAX_POLL_S = 30.0  # the longest a poll waits: a replica gone leaves no poll waiting long
-MAX_REASON_CHARS = 1024  # a record's reason, as it travels
 DRAIN_S = 2.0  # at close, how long the records left wait for a poller before being logged here
-
-
-@dataclass(frozen=True)
-class EgressBatch:
-    """What one poll takes: records, oldest first, and how many were dropped (the outbox was
-    full) since the last batch that said so."""
-
-    records: tuple[EgressRecord, ...]
-    dropped: int = 0
-
-
-class EgressOutbox:
-    """The records of one session's proxy not taken by a replica yet."""
-
-    def __init__(self, capacity: int = MAX_UNTAKEN) -> None:
-        self.capacity = capacity
-        self._records: deque[EgressRecord] = deque()
-        self._dropped = 0
-        self._added = asyncio.Event()
-        self._taken = asyncio.Event()
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def add(self, record: EgressRecord) -> None:
-        """Keep a record (never blocks: the proxy calls this as a connection ends)."""
-        if len(self._records) >= self.capacity:
-            self._dropped += 1
-            return
-        if len(record.reason) > MAX_REASON_CHARS:
-            record = dataclasses.replace(record, reason=record.reason[:MAX_REASON_CHARS] + "...")
-        self._records.append(record)
-        self._added.set()
-
-    async def take(self, max_wait_s: float) -> EgressBatch:
-        """Records not taken yet (at most RECORDS_PER_POLL), waiting up to `max_wait_s` (at
-        most MAX_POLL_S) for one; an empty batch if none came. Once closed and emptied: a
-        SandboxError, so that pollers stop."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(max_wait_s, 0.0), MAX_POLL_S)
-        while not self._records and not self._dropped:
-            if self.closed:
-                raise SandboxError("the session's egress proxy is closed")
-            self._added.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return EgressBatch(())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._added.wait(), remaining)
-        count = min(len(self._records), RECORDS_PER_POLL)
-        batch = EgressBatch(tuple(self._records.popleft() for _ in range(count)), self._dropped)
-        self._dropped = 0
-        if not self._records:
-            self._taken.set()
-        return batch
-
-    def close(self) -> None:
-        """No more records come; pollers waiting are woken (they take what is left)."""
-        self.closed = True
-        self._added.set()
-
-    async def drained(self, within_s: float) -> bool:
-        """Whether every record was taken within `within_s`."""
-        if not self._records:
-            return True
-        self._taken.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._taken.wait(), within_s)
-        return not self._records
-
-    def leftovers(self) -> tuple[list[EgressRecord], int]:
-        """What no poller took, and the drops not reported; emptied."""
-        left, dropped = list(self._records), self._dropped
-        self._records.clear()
-        self._dropped = 0
-        return left, dropped
 
 
 class NodeEgress:
@@ -163,9 +75,12 @@ class NodeEgress:
             raise SandboxError("this session has no egress proxy")
         return await self._egress_outbox.take(max_wait_s)
 
-    async def egress_totals(self) -> EgressTotals | None:
-        """The proxy's running counts; None when the session has none."""
-        return None if self._egress_ledger is None else self._egress_ledger.totals
+    async def egress_report(self, most: int) -> EgressReport | None:
+        """The proxy's running totals and its latest `most` records (at most the ledger's
+        1,000); None when the session has none."""
+        if self._egress_ledger is None:
+            return None
+        return EgressReport.of(self._egress_ledger, most)
 
     async def close_egress(self) -> None:
         """Stop the proxy (its open connections end and are recorded), give pollers up to

@@ -37,9 +37,9 @@ from sandbox.backends.ray_cluster.actor_errors import (
     lost_reason,
     sandbox_error_of,
 )
-from sandbox.backends.ray_cluster.node_egress import EgressBatch
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
-from sandbox.egress import EgressSettings, EgressTotals
+from sandbox.egress import EgressSettings
+from sandbox.egress.outbox import EgressBatch, EgressReport
 from sandbox.processes.handle import ProcessHandle
 
 log = logging.getLogger(__name__)
@@ -346,8 +346,9 @@ class RaySandbox(Sandbox):
         """The proxy's records of connections ended since the last poll (a long poll)."""
         return await self._call(self._actor.next_egress_records.remote(max_wait_s))
 
-    async def egress_totals(self) -> EgressTotals | None:
-        return await self._call(self._actor.egress_totals.remote())
+    async def egress_report(self, most: int) -> EgressReport | None:
+        """The proxy's totals and latest `most` records; None when the session has none."""
+        return await self._call(self._actor.egress_report.remote(most))
 
     async def close(self) -> None:
         """Close the sandbox and end its actor (its slot goes back to its node): the actor has

@@ -52,7 +52,7 @@ def test_the_ray_backends_sandboxes_are_shared_and_saved_through_their_actor() -
     them: `saved_states_dir`); no engine pause of its own."""
     ray = backend_type("ray").capabilities
     assert ray.shared_across_nodes and ray.snapshot and not ray.suspend
-    assert ray.network_modes == ("none",)
+    assert ray.network_modes == ("none", "allow_list", "any")  # through its node's proxy
     assert not ray.warm_pool  # its nodes keep pools of their own
     assert not ray.host_dirs  # its nodes keep them, under their own state dirs
 

@@ -1,6 +1,7 @@
-"""The service's own limit on open files: each HTTP connection holds one descriptor and each
-egress connection two, and the soft limit is often far below the hard one (1024 under
-systemd), so the service lifts it to the hard one before it serves."""
+"""A process's own limit on open files: each HTTP connection the service holds takes one
+descriptor and each egress connection two, and the soft limit is often far below the hard one
+(1024 under systemd), so whoever serves them (the service, a session actor running a proxy)
+lifts it to the hard one first."""
 
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ _LINGER_S = 2.0  # after an early answer, how long unread request bytes are drai
 _LINGER_BYTES = 1 << 20
 _CHECK_IDLE_EVERY_S = 1.0
 _MAX_ADDRESSES_TRIED = 8  # each may take the connect timeout
+MAX_METHOD_CHARS = 32  # of a request's method, as its record keeps it
 
 
 class SessionProxy(Protocol):
@@ -121,7 +122,8 @@ class Exchange:
             self.writer.transport.abort()
             return
         request, connection = await self._read_head()
-        self.method = request.method.decode("ascii", "replace")
+        # Kept in the session's records: a method is a short word, whatever the request says.
+        self.method = request.method[:MAX_METHOD_CHARS].decode("ascii", "replace")
         target = await self._target(request)
         self.host, self.port = target.host, target.port
         if proxy.budget.exhausted:

@@ -17,12 +17,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from code_interpreter_wire.errors import SandboxClosed
+from sandbox.egress.exchange import MAX_METHOD_CHARS
 from sandbox.egress.ledger import EgressLedger, EgressRecord, EgressTotals
 
 MAX_UNTAKEN = 4096  # records of one session waiting for a replica
 RECORDS_PER_POLL = 256  # at most this many in one answer of `next_egress_records`
 MAX_POLL_S = 30.0  # the longest a poll waits: a replica gone leaves no poll waiting long
 MAX_REASON_CHARS = 1024  # a record's reason, as it travels
+MAX_HOST_CHARS = 255  # its host (a DNS name is at most 253)
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,17 @@ class EgressOutbox:
         if len(self._records) >= self.capacity:
             self._dropped += 1
             return
-        if len(record.reason) > MAX_REASON_CHARS:
-            record = dataclasses.replace(record, reason=record.reason[:MAX_REASON_CHARS] + "...")
+        if (
+            len(record.reason) > MAX_REASON_CHARS
+            or len(record.host) > MAX_HOST_CHARS
+            or len(record.method) > MAX_METHOD_CHARS
+        ):
+            record = dataclasses.replace(
+                record,
+                reason=_cut(record.reason, MAX_REASON_CHARS),
+                host=_cut(record.host, MAX_HOST_CHARS),
+                method=record.method[:MAX_METHOD_CHARS],
+            )
         self._records.append(record)
         self._added.set()
 
@@ -113,3 +124,7 @@ class EgressReport:
     def of(cls, ledger: EgressLedger, most: int) -> EgressReport:
         latest = tuple(ledger.records)[-most:] if most > 0 else ()
         return cls(dataclasses.replace(ledger.totals), latest)
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - 3] + "..."

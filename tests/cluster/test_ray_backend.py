@@ -419,7 +419,9 @@ asyncio.run(main())
 
 
 @pytest.mark.cluster
-def test_a_driver_told_to_stop_shuts_down_at_its_own_pace(ray_cluster: RayTestCluster) -> None:
+def test_a_driver_told_to_stop_shuts_down_at_its_own_pace(
+    ray_cluster: RayTestCluster, tmp_path: Path
+) -> None:
     """Ray's crash handler takes SIGTERM for a crash and aborts the process 3 s later; the
     backend gives the signal back to the process's own handler when it joins."""
     import os
@@ -427,20 +429,25 @@ def test_a_driver_told_to_stop_shuts_down_at_its_own_pace(ray_cluster: RayTestCl
     import subprocess
     import sys
 
-    driver = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_TO_STOP, ray_cluster.address],
-        env={**os.environ, **ray_cluster.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    errors = tmp_path / "stderr"
+    with errors.open("w") as stderr:  # a file, not a pipe: nothing unread can stall the driver
+        driver = subprocess.Popen(
+            [sys.executable, "-c", _SLOW_TO_STOP, ray_cluster.address],
+            env={**os.environ, **ray_cluster.env},
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         assert driver.stdout is not None
-        assert driver.stdout.readline().strip() == "joined"
+        assert driver.stdout.readline().strip() == "joined", errors.read_text()[-3000:]
         driver.send_signal(signal.SIGTERM)
-        out, err = driver.communicate(timeout=60)
+        out, _ = driver.communicate(timeout=60)
     finally:
         if driver.poll() is None:
             driver.kill()
+            driver.wait(timeout=60)
+    err = errors.read_text()
     assert driver.returncode == 0, err[-3000:]
     assert out.strip() == "stopped cleanly"
+    assert "SIGTERM received" not in err  # Ray's crash handler never saw it

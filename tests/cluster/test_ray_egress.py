@@ -25,6 +25,8 @@ from tests.network.upstream import HELLO, Upstream
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 CEILING = NetworkPolicy(mode="any")
+# The service's ceiling takes back one of the hosts the session's policy names.
+NARROWER = NetworkPolicy.model_validate({"mode": "any", "deny": ["other.test:*"]})
 
 
 def _settings(port: int) -> EgressSettings:
@@ -40,7 +42,8 @@ async def networked(
     ray_cluster: RayTestCluster, egress_upstream: Upstream
 ) -> AsyncIterator[RaySandbox]:
     backend = RayBackend(_config(ray_cluster, egress_relayed=True))
-    policy = NetworkPolicy.model_validate([f"allowed.test:{egress_upstream.port}"])
+    port = egress_upstream.port
+    policy = NetworkPolicy.model_validate([f"allowed.test:{port}", f"other.test:{port}"])
     sandbox = await backend.create(small_spec(network=policy))
     try:
         yield sandbox
@@ -63,8 +66,7 @@ async def test_the_nodes_proxy_lets_out_only_the_allow_list_and_records_each_con
     networked: RaySandbox, egress_upstream: Upstream
 ) -> None:
     up = egress_upstream
-    assert await networked.open_egress(CEILING, _settings(up.port))
-    assert await networked.open_egress(CEILING, _settings(up.port))  # again: the same proxy
+    assert await networked.open_egress(NARROWER, _settings(up.port))
     seen_before = len(up.requests)
     base = f"{up.port}/hello"
     code = FETCH + (
@@ -76,7 +78,7 @@ async def test_the_nodes_proxy_lets_out_only_the_allow_list_and_records_each_con
     assert ran.error is None, ran.error
     allowed, other, by_address, direct = json.loads(ran.stdout)
     assert allowed == [200, HELLO.decode()]
-    assert other[0] == 403 and "allow" in other[1], other
+    assert other[0] == 403 and "ceiling" in other[1], other  # decided on the node
     assert by_address[0] == 403, by_address
     assert direct[0] == 0, direct  # no route out but the proxy
     assert up.requests[seen_before:] == [("GET", "/hello", f"allowed.test:{up.port}")]
@@ -89,9 +91,13 @@ async def test_the_nodes_proxy_lets_out_only_the_allow_list_and_records_each_con
     ]
     assert next(r for r in records if r.allowed).bytes_down > len(HELLO)
     assert (await networked.egress_records(0)).records == ()  # each was given out once
+    # Again, from any replica, with another ceiling: the same proxy, its counts and ceiling.
+    assert await networked.open_egress(CEILING, _settings(up.port))
+    again = await networked.execute(FETCH + f"print(fetch('http://other.test:{base}')[0])")
+    assert again.stdout.strip() == "403"
     report = await networked.egress_report(2)
     assert report is not None
-    assert (report.totals.connections_allowed, report.totals.connections_refused) == (1, 2)
+    assert (report.totals.connections_allowed, report.totals.connections_refused) == (1, 3)
     assert len(report.records) == 2  # the latest two of the node's ledger
 
 

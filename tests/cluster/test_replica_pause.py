@@ -212,8 +212,10 @@ def test_replica_idle_sessions_pause_once_and_resume_anywhere(
             pytest.fail(f"session {sid} was not paused when idle: {store.get_session(sid)}")
         assert _execute(a, sid, "kept")["text"] == "'across an idle pause'"
     finally:
-        c.stop()
-        _delete(a, sid)
+        try:
+            _delete(a, sid)
+        finally:
+            c.stop()
 
 
 @pytest.mark.cluster

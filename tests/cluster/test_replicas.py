@@ -207,10 +207,15 @@ def replicas(
     try:
         yield a, b
     finally:
-        for replica in made:
+        failures: list[str] = []
+        for replica in made:  # every one stopped, whatever the others did
             if replica.process is not None:
-                replica.stop()
+                try:
+                    replica.stop()
+                except AssertionError as exc:
+                    failures.append(str(exc))
         shutil.rmtree(root, ignore_errors=True)
+        assert not failures, "\n\n".join(failures)
     # Every session was ended by a test (a replica's shutdown leaves them to the cluster):
     # nothing is left in the store, and every place under the caps was given back.
     assert store.sessions() == []

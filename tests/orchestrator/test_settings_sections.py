@@ -9,10 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from orchestrator.config import Settings
-from sandbox.egress.settings import ServiceEndpoint
 from orchestrator.front_config import FrontConfig
 from orchestrator.service_endpoints import service_endpoints
 from orchestrator.settings_sections import Section, Sections
+from sandbox.egress.settings import ServiceEndpoint
 
 pytestmark = pytest.mark.unit
 

@@ -141,6 +141,7 @@ class RayBackend(Backend):
         self.config = config or RayBackendConfig()
         self._connected = False
         self._connect_lock = asyncio.Lock()
+        self._joining: asyncio.Future[None] | None = None
         self._pools = WarmPools(self.config)
         # Nodes seen offering sessions: node id -> capacity, newest last. A dead node's
         # resources are no longer told, so this is how `nodes()` still lists one (and only
@@ -155,10 +156,19 @@ class RayBackend(Backend):
 
     async def _connect(self) -> None:
         async with self._connect_lock:
-            if not self._connected:
-                await asyncio.to_thread(_join, self.config)
-                _give_back_sigterm()
-                self._connected = True
+            if self._connected:
+                return
+            joining = self._joining
+            if joining is None or (joining.done() and not self._connected):
+                # One join at a time, shielded: a caller that leaves mid-join leaves it to
+                # finish (counted once); the next caller waits for the same one.
+                joining = self._joining = asyncio.ensure_future(self._join())
+        await asyncio.shield(joining)
+
+    async def _join(self) -> None:
+        await asyncio.to_thread(_join, self.config)
+        _give_back_sigterm()
+        self._connected = True
 
     async def close(self) -> None:
         """Let go of the cluster (the session actors and the pools' keepers stay: they belong
@@ -167,6 +177,7 @@ class RayBackend(Backend):
         if self._connected:
             self._connected = False
             await asyncio.to_thread(_leave)
+            _give_back_sigterm()  # Ray's shutdown sets it back to the default: ended at once
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -432,10 +443,15 @@ def _give_back_sigterm() -> None:
     signal for a crash, prints a stack and arms an alarm that aborts the process (SIGABRT) 3 s
     later, so a replica told to stop (a rolling update) was aborted in the middle of its
     graceful shutdown. The process's own handler (uvicorn's, or Python's default) is given the
-    signal back; Ray's handler still reports real crashes (SIGSEGV, SIGABRT...). Only the main
-    thread may set handlers: a loop elsewhere leaves Ray's (set RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1
-    before importing ray instead)."""
+    signal back; Ray's handler still reports real crashes (SIGSEGV, SIGABRT...). Ray's shutdown
+    resets SIGTERM to the default action behind Python's back: given back again then. Only the
+    main thread may set handlers: elsewhere, a warning."""
     if threading.current_thread() is not threading.main_thread():
+        log.warning(
+            "Ray's crash handler keeps SIGTERM (this loop is not on the main thread): told to "
+            "stop, this process aborts 3 s later; set RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1 "
+            "before importing ray to avoid it"
+        )
         return
     handler = signal.getsignal(signal.SIGTERM)
     if handler is not None:  # None: a handler not set from Python, left alone

@@ -15,10 +15,11 @@ once, bytes) hold exactly as on one machine, in the proxy itself.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.errors import SandboxClosed, SandboxError
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressSettings
@@ -39,6 +40,8 @@ class NodeEgress:
     _egress_proxy: EgressProxy | None = None
     _egress_ledger: EgressLedger | None = None
     _egress_outbox: EgressOutbox | None = None
+    _egress_opening: asyncio.Lock | None = None
+    _egress_stopped = False  # for good: the session is closing
 
     if TYPE_CHECKING:  # given by the actor this is mixed into
         sandbox: Sandbox
@@ -46,31 +49,37 @@ class NodeEgress:
 
     async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
         """Start the sandbox's proxy with its own policy, the service's `ceiling` and
-        `settings`, if its sandbox has an egress socket; whether a proxy runs. Again: nothing
-        changes (the first ceiling and settings hold). No socket, no proxy: the sandbox has no
-        way out at all."""
-        if self._egress_proxy is not None:
+        `settings`, if its sandbox has an egress socket; whether a proxy runs. Again, from any
+        replica: nothing changes (the first ceiling and settings hold). No socket, no proxy: the
+        sandbox has no way out at all. Once the session closes: SandboxClosed."""
+        if self._egress_opening is None:
+            self._egress_opening = asyncio.Lock()
+        async with self._egress_opening:  # two replicas at once start one proxy
+            if self._egress_stopped:
+                raise SandboxClosed("the session is closing: its egress proxy is gone")
+            if self._egress_proxy is not None:
+                return True
+            channel = self.sandbox.egress_channel
+            if channel is None:
+                return False
+            raise_descriptor_limit()  # each egress connection holds two
+            outbox = EgressOutbox()
+            ledger = EgressLedger(self.sandbox_id, on_record=outbox.add)
+            proxy = EgressProxy(
+                policy=self.sandbox.spec.network, ceiling=ceiling, settings=settings, ledger=ledger
+            )
+            await proxy.start(
+                channel.socket_path,
+                peer_uid=channel.peer.uid,
+                peer_gid=channel.peer_gid,
+                peer_program=channel.peer.program,
+            )
+            self._egress_proxy, self._egress_ledger, self._egress_outbox = proxy, ledger, outbox
             return True
-        channel = self.sandbox.egress_channel
-        if channel is None:
-            return False
-        raise_descriptor_limit()  # each egress connection holds two
-        outbox = EgressOutbox()
-        ledger = EgressLedger(self.sandbox_id, on_record=outbox.add)
-        proxy = EgressProxy(
-            policy=self.sandbox.spec.network, ceiling=ceiling, settings=settings, ledger=ledger
-        )
-        await proxy.start(
-            channel.socket_path,
-            peer_uid=channel.peer.uid,
-            peer_gid=channel.peer_gid,
-            peer_program=channel.peer.program,
-        )
-        self._egress_proxy, self._egress_ledger, self._egress_outbox = proxy, ledger, outbox
-        return True
 
     async def next_egress_records(self, max_wait_s: float) -> EgressBatch:
-        """Connections ended since the last poll (a long poll, see EgressOutbox.take)."""
+        """Connections ended since the last poll (a long poll, see EgressOutbox.take); still
+        answered while the session closes, so its last records are taken."""
         if self._egress_outbox is None:
             raise SandboxError("this session has no egress proxy")
         return await self._egress_outbox.take(max_wait_s)
@@ -82,29 +91,37 @@ class NodeEgress:
             return None
         return EgressReport.of(self._egress_ledger, most)
 
-    async def close_egress(self) -> None:
-        """Stop the proxy (its open connections end and are recorded), give pollers up to
-        DRAIN_S to take the records left, and log here what none took."""
-        proxy, outbox = self._egress_proxy, self._egress_outbox
-        if proxy is None or outbox is None:
-            return
-        self._egress_proxy = None
+    async def stop_egress(self) -> None:
+        """Stop the proxy for good, first as the session closes: its open connections end and
+        are recorded, and no connection outlives the sandbox."""
+        if self._egress_opening is None:
+            self._egress_opening = asyncio.Lock()
+        async with self._egress_opening:
+            self._egress_stopped = True
+            proxy, self._egress_proxy = self._egress_proxy, None
         try:
-            await proxy.close()
+            if proxy is not None:
+                await proxy.close()
         finally:
-            outbox.close()
-            if not await outbox.drained(DRAIN_S):
-                left, dropped = outbox.leftovers()
-                for r in left:
-                    log.info(
-                        "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s "
-                        "(no service replica took this record)",
-                        self.sandbox_id, r.method or "-", r.host or "-", r.port,
-                        "allowed" if r.allowed else "refused", r.address or "-",
-                        r.bytes_up, r.bytes_down, r.reason,
-                    )  # fmt: skip
-                if dropped:
-                    log.warning(
-                        "egress session=%s: %d records dropped, the outbox full", self.sandbox_id,
-                        dropped,
-                    )  # fmt: skip
+            if self._egress_outbox is not None:
+                self._egress_outbox.close()
+
+    async def drain_egress(self) -> None:
+        """Last as the session closes: give pollers up to DRAIN_S to take the records left,
+        and log here what none took (a warning: a Ray worker's log shows no less)."""
+        outbox = self._egress_outbox
+        if outbox is None or await outbox.drained(DRAIN_S):
+            return
+        left, dropped = outbox.leftovers()
+        for r in left:
+            log.warning(
+                "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s "
+                "(no service replica took this record)",
+                self.sandbox_id, r.method or "-", r.host or "-", r.port,
+                "allowed" if r.allowed else "refused", r.address or "-",
+                r.bytes_up, r.bytes_down, r.reason,
+            )  # fmt: skip
+        if dropped:
+            log.warning(
+                "egress session=%s: %d records dropped, the outbox full", self.sandbox_id, dropped
+            )

@@ -90,8 +90,14 @@ class RaySandbox(Sandbox):
         """Why the session is lost (None while it is not): the reason every later call gets."""
         return self._lost
 
-    async def _call(self, ref: Awaitable[T]) -> T:
-        self.check_not_lost()
+    async def _call(self, ref: Awaitable[T], *, while_closing: bool = False) -> T:
+        """The actor's answer to a call; `while_closing`: asked even once this proxy closed
+        the sandbox (the actor answers until it is gone)."""
+        if while_closing:
+            if self._lost is not None:
+                raise SandboxLost(self._lost)
+        else:
+            self.check_not_lost()
         try:
             return await ref
         except asyncio.CancelledError:
@@ -344,7 +350,9 @@ class RaySandbox(Sandbox):
 
     async def egress_records(self, max_wait_s: float) -> EgressBatch:
         """The proxy's records of connections ended since the last poll (a long poll)."""
-        return await self._call(self._actor.next_egress_records.remote(max_wait_s))
+        # Asked while the session closes too: the records of its last connections come then.
+        ref = self._actor.next_egress_records.remote(max_wait_s)
+        return await self._call(ref, while_closing=True)
 
     async def egress_report(self, most: int) -> EgressReport | None:
         """The proxy's totals and latest `most` records; None when the session has none."""

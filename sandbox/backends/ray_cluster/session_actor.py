@@ -171,7 +171,7 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
 
     async def _close_all(self) -> None:
         with contextlib.suppress(Exception):
-            await self.close_egress()  # first: no connection outlives its sandbox's close
+            await self.stop_egress()  # first: no connection outlives its sandbox's close
         with contextlib.suppress(Exception):
             await self.close_tool_relay()
         try:
@@ -182,6 +182,8 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
                 await asyncio.to_thread(shutil.rmtree, self._staging, True)
             if self._backend is not None:
                 await self._backend.close()
+            with contextlib.suppress(Exception):
+                await self.drain_egress()  # last: replicas take the records left meanwhile
 
     # --- activity, shared by every replica ---------------------------------------------------
 

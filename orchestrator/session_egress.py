@@ -1,6 +1,8 @@
 """The egress proxies of the service's sessions: one per session whose policy gives it a
 network, started when the session is made and stopped when it ends. The proxy itself is in
-sandbox/egress/; this is where it meets the service's settings, metrics and log."""
+sandbox/egress/; this is where it meets the service's settings, metrics and log. A sandbox on
+another machine (a Ray node) runs its proxy there: it is opened with the same ceiling and
+settings, and its records are taken here (orchestrator/cluster/egress_relay.py)."""
 
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ class SessionEgress:
             if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
                 ceiling = self.settings.network_ceiling
                 if await sandbox.open_egress(ceiling, self._egress):
-                    self._relays.start(session.id, sandbox, lambda e: self._recorded(session, e))
+                    await self._relay(session, sandbox)
             return
         ledger = EgressLedger(session.id, on_record=lambda e: self._recorded(session, e))
         proxy = EgressProxy(
@@ -102,6 +104,17 @@ class SessionEgress:
             raise
         self._proxies[session.id] = proxy
         self._ledgers[session.id] = ledger
+
+    async def attach(self, session: Session) -> None:
+        """A session another replica made, now served here too: its proxy's records taken
+        here as well (so they keep coming if that replica goes). Its proxy is that replica's
+        to open: one not open yet is polled until it is."""
+        sandbox = session.sandbox
+        if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
+            await self._relay(session, sandbox)
+
+    async def _relay(self, session: Session, sandbox: RelayedEgress) -> None:
+        await self._relays.start(session.id, sandbox, lambda e: self._recorded(session, e))
 
     def _recorded(self, session: Session, entry: EgressRecord) -> None:
         """A connection of the session ended: counted, logged, and handed to `on_connection`."""

@@ -18,10 +18,10 @@ tools, and the limits its relay applies) is written once, by the replica that ma
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from code_interpreter_wire.errors import SandboxClosed, SandboxError, SandboxLost
+from orchestrator.cluster.session_loops import SessionLoops
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.host_tools import ToolChannel
 
@@ -31,11 +31,8 @@ RETRY_FIRST_S = 0.5  # the pause after a failed poll; doubled after each failure
 RETRY_MAX_S = 30.0  # ...up to this
 
 
-class ToolRelays:
-    """The relay loops this replica runs, by session id."""
-
-    def __init__(self) -> None:
-        self._loops: dict[str, asyncio.Task[None]] = {}
+class ToolRelays(SessionLoops):
+    """The relay loops this replica runs, by session id, each with the sandbox it serves."""
 
     async def start(
         self,
@@ -46,35 +43,11 @@ class ToolRelays:
         write_manifest: bool = True,
     ) -> None:
         """Write the session's tools where its code reads them (`write_manifest`: the replica
-        that makes the session; one that attaches finds it written), then serve its calls."""
+        that makes the session; one that attaches finds it written), then serve its calls
+        (again on the same sandbox: nothing changes, see SessionLoops)."""
         if write_manifest:
             await sandbox.set_tool_manifest(channel.manifest())
-        running = self._loops.get(session_id)
-        if running is None or running.done():
-            task = asyncio.ensure_future(
-                _relay(session_id, sandbox, channel), loop=asyncio.get_running_loop()
-            )
-            self._loops[session_id] = task
-            task.add_done_callback(lambda done: self._forget(session_id, done))
-
-    def _forget(self, session_id: str, task: asyncio.Task[None]) -> None:
-        """A loop that ended by itself (its sandbox lost) is forgotten: a later start runs one."""
-        if self._loops.get(session_id) is task:
-            del self._loops[session_id]
-
-    async def stop(self, session_id: str) -> None:
-        task = self._loops.pop(session_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-    async def close(self) -> None:
-        for session_id in list(self._loops):
-            await self.stop(session_id)
-
-    def __contains__(self, session_id: str) -> bool:
-        return session_id in self._loops
+        await self.run(session_id, sandbox, lambda: _relay(session_id, sandbox, channel))
 
 
 async def _relay(session_id: str, sandbox: RelayedTools, channel: ToolChannel) -> None:

@@ -223,6 +223,8 @@ class AuditTrail:
                 "bytes_up": entry.bytes_up,
                 "bytes_down": entry.bytes_down,
             },
+            # When it ended: a record relayed from a node is taken later (egress_relay.py).
+            at=entry.time + entry.duration_s,
         )
 
     def port_connection(

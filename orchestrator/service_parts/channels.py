@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-from code_interpreter_wire.errors import SandboxError
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.cluster.tool_relay import ToolRelays
 from orchestrator.governance.approvals import Approvals
@@ -124,11 +123,7 @@ class Channels:
     async def attached(self, session: Session, record: SessionRecord) -> None:
         """A session another replica made, now served here too: its host tools with it, and
         its egress records taken here too (so they keep coming if its replica goes)."""
-        if session.sandbox.spec.network.enabled:
-            try:
-                await self._egress.open(session)
-            except SandboxError as exc:  # its proxy is started by its own replica anyway
-                log.warning("session %s: egress records not taken here: %s", session.id, exc)
+        await self._egress.attach(session)
         if record.tools and session.id not in self._channels:
             try:  # the relay starts at once (no call here): it retries what fails itself
                 tools = self._registry.select(record.tools)

@@ -114,8 +114,12 @@ class Pauses:
                 with contextlib.suppress(Exception):
                     await self._records.drop_saved_state(saved.id)
             raise
-        await self._channels.close_for(session.id)
-        await self._sessions.release(session)
+        try:
+            await self._sessions.release(session)
+        finally:
+            # After the sandbox stops, as when a session ends: its proxy's last records (the
+            # connections the stop ended) are still taken, from a node too (egress_relay.py).
+            await self._channels.close_for(session.id)
         left_over = self._left_over.pop(session.id, None)
         if left_over is not None:  # after the stop: a slow delete never outlasts a fence
             await self._records.drop_saved_state(left_over)
@@ -201,11 +205,13 @@ class Pauses:
             session.state_lost = record.state_lost
             await self._records.put(record_of(session, self._channels.session_tools(session)))
         except BaseException as exc:
-            await self._channels.close_for(session.id)
             if record.suspended is not None:  # paused again as it was, not killed
                 with contextlib.suppress(Exception):
                     record.suspended = await session.sandbox.suspend() or record.suspended
-            await self._sessions.release(session)
+            try:
+                await self._sessions.release(session)
+            finally:
+                await self._channels.close_for(session.id)  # after, as on a pause
             if isinstance(exc, Exception):
                 log.exception("session %s could not be resumed", record.id)
                 raise ResumeFailed(

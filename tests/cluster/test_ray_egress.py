@@ -95,6 +95,8 @@ async def test_the_nodes_proxy_lets_out_only_the_allow_list_and_records_each_con
     assert await networked.open_egress(CEILING, _settings(up.port))
     again = await networked.execute(FETCH + f"print(fetch('http://other.test:{base}')[0])")
     assert again.stdout.strip() == "403"
+    (fourth,) = await _records(networked, 1)  # recorded as its connection ended, on the node
+    assert (fourth.host, fourth.allowed) == ("other.test", False)
     report = await networked.egress_report(2)
     assert report is not None
     assert (report.totals.connections_allowed, report.totals.connections_refused) == (1, 3)

@@ -174,6 +174,10 @@ class RayBackend(Backend):
         """Let go of the cluster (the session actors and the pools' keepers stay: they belong
         to it; `drain_pools` ends the keepers)."""
         self._pools.forget()
+        joining = self._joining
+        if joining is not None and not joining.done():  # a join under way finishes first
+            with contextlib.suppress(Exception):
+                await asyncio.shield(joining)
         if self._connected:
             self._connected = False
             await asyncio.to_thread(_leave)
@@ -438,6 +442,9 @@ def _join(config: RayBackendConfig) -> None:
         _joined += 1
 
 
+_sigterm_warned = False
+
+
 def _give_back_sigterm() -> None:
     """Ray's core worker, as it starts, installs its crash handler for SIGTERM too: it takes the
     signal for a crash, prints a stack and arms an alarm that aborts the process (SIGABRT) 3 s
@@ -447,11 +454,14 @@ def _give_back_sigterm() -> None:
     resets SIGTERM to the default action behind Python's back: given back again then. Only the
     main thread may set handlers: elsewhere, a warning."""
     if threading.current_thread() is not threading.main_thread():
-        log.warning(
-            "Ray's crash handler keeps SIGTERM (this loop is not on the main thread): told to "
-            "stop, this process aborts 3 s later; set RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1 "
-            "before importing ray to avoid it"
-        )
+        global _sigterm_warned
+        if not _sigterm_warned:
+            _sigterm_warned = True
+            log.warning(
+                "SIGTERM cannot be given back to this process's own handler from a loop off "
+                "the main thread: Ray's crash handler or its default action keeps it; set "
+                "RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1 before importing ray to keep it yours"
+            )
         return
     handler = signal.getsignal(signal.SIGTERM)
     if handler is not None:  # None: a handler not set from Python, left alone

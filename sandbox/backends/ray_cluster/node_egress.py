@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAIN_S = 2.0  # at close, how long the records left wait for a poller before being logged here
+LOGGED_LEFTOVERS = 20  # of those, at most this many logged one by one
 
 
 class NodeEgress:
@@ -113,7 +114,12 @@ class NodeEgress:
         if outbox is None or await outbox.drained(DRAIN_S):
             return
         left, dropped = outbox.leftovers()
-        for r in left:
+        if len(left) > LOGGED_LEFTOVERS:
+            log.warning(
+                "egress session=%s: %d records no service replica took; the first %d follow",
+                self.sandbox_id, len(left), LOGGED_LEFTOVERS,
+            )  # fmt: skip
+        for r in left[:LOGGED_LEFTOVERS]:
             log.warning(
                 "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s "
                 "(no service replica took this record)",

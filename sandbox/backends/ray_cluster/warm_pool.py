@@ -307,7 +307,7 @@ class WarmPools:
 
     @property
     def enabled(self) -> bool:
-        # A pool of networked sandboxes could never be handed out here (backend.py refuses).
+        # Networked sandboxes are never kept warm: each proxy is opened for its own session.
         return self.config.pool_size_per_node > 0 and not self.config.pool_spec.network.enabled
 
     def fits(self, spec: SandboxSpec) -> bool:

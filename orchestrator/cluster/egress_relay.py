@@ -16,14 +16,12 @@ import logging
 from collections.abc import Callable
 
 from code_interpreter_wire.errors import SandboxClosed, SandboxLost
-from orchestrator.cluster.session_loops import SessionLoops
+from orchestrator.cluster.session_loops import RETRY_FIRST_S, RETRY_MAX_S, SessionLoops
 from orchestrator.cluster.shared import RelayedEgress
 from sandbox.egress import EgressRecord
 
 log = logging.getLogger(__name__)
 POLL_S = 10.0  # each long poll waits at most this long for a record
-RETRY_FIRST_S = 0.5  # the pause after a failed poll; doubled after each failure in a row...
-RETRY_MAX_S = 30.0  # ...up to this
 
 
 class EgressRelays(SessionLoops):

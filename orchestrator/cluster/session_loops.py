@@ -10,6 +10,11 @@ import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+# A relay's poll that failed (its cluster out of reach for now) is tried again after a pause,
+# doubled after each failure in a row, up to RETRY_MAX_S; reset by a poll that answers.
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+
 
 class SessionLoops:
     """The loops this replica runs, by session id, each with the sandbox it serves."""

@@ -134,7 +134,8 @@ class Views:
 
     async def network_report(self, session: Session, most: int = 100) -> NetworkReport:
         """The session's policy, totals and latest `most` connections through its proxy."""
-        found = await self._channels.egress_report(session, most)
+        async with session.reach():  # a node's proxy is asked: a lost one is SessionLost
+            found = await self._channels.egress_report(session, most)
         report = NetworkReport(
             policy=session.sandbox.spec.network,
             ceiling=self.settings.network_ceiling,

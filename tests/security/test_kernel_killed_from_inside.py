@@ -58,8 +58,9 @@ async def test_the_call_after_a_command_killed_everything_runs_on_a_new_kernel(
     await sandbox.upload("kept.txt", b"files stay")
     await sandbox.execute("state = 'lost with the kernel'")
     killed = await sandbox.run_command(ProcessRequest(command="kill -9 -1; echo sent"))
-    # Its echo, unless (Docker) the container, whose kernel it killed, took it down first.
-    assert killed.stdout == "sent\n" or "killed with its container" in str(killed.error), killed
+    # Its echo, unless what relays its output died first: `kill -9 -1` kills the sandbox's
+    # resident command server (local) or the container's kernel (Docker) too, whichever wins.
+    assert killed.stdout == "sent\n" or str(killed.error).startswith("killed with its "), killed
     # At once: the kernel's death has not been seen yet.
     after = await sandbox.execute("'state' in globals(), open('kept.txt').read()")
     assert after.status is ExecutionStatus.OK, (after.status, after.error)

@@ -33,10 +33,15 @@ class SessionLoops:
         running = self._loops.get(session_id)
         if running is not None and not running[0].done() and running[1] is sandbox:
             return
-        await self.stop(session_id)
+        # The new loop is in place before the old one is awaited: two runs at once leave one
+        # loop, never one nobody can stop.
         task = asyncio.ensure_future(loop())
         self._loops[session_id] = (task, sandbox)
         task.add_done_callback(lambda done: self._forget(session_id, done))
+        if running is not None:
+            running[0].cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await running[0]
 
     def _forget(self, session_id: str, task: asyncio.Task[None]) -> None:
         """A loop that ended by itself (its sandbox lost) is forgotten: a later run starts one."""

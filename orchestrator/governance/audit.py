@@ -204,10 +204,8 @@ class AuditLog:
         status: str | None = None,
         duration_s: float | None = None,
         details: dict[str, Any] | None = None,
-        at: float | None = None,
     ) -> None:
-        """Queue an event; never waits, never raises (a failure is logged and dropped). `at`:
-        when it happened, if not now (a record taken from another machine later)."""
+        """Queue an event; never waits, never raises (a failure is logged and dropped)."""
         if not self.enabled:
             return
         try:
@@ -226,7 +224,7 @@ class AuditLog:
                 self._drop()
                 return
             self._queue.append(
-                (at or time.time(), kind, owner, session_id, status, duration_s, kept, size)
+                (time.time(), kind, owner, session_id, status, duration_s, kept, size)
             )
             if len(self._queue) == 1 or len(self._queue) >= self._batch_max:
                 self._poke()

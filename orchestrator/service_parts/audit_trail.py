@@ -222,9 +222,10 @@ class AuditTrail:
                 "reason": entry.reason,
                 "bytes_up": entry.bytes_up,
                 "bytes_down": entry.bytes_down,
+                # When it ended: a record relayed from a node is taken later (egress_relay.py);
+                # the event's own time stays when it was written, as every listing expects.
+                "ended_at": round(entry.time + entry.duration_s, 3),
             },
-            # When it ended: a record relayed from a node is taken later (egress_relay.py).
-            at=entry.time + entry.duration_s,
         )
 
     def port_connection(

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.errors import SandboxClosed, SandboxError
 from sandbox.frames import (
     FRAME_TIMEOUT_S,
     MAX_CONNECTIONS,
@@ -142,7 +142,7 @@ class ToolRelay:
         deadline = loop.time() + min(max(max_wait_s, 0.0), MAX_POLL_S)
         while not self._queue:
             if self.closed:
-                raise SandboxError("the host-tool relay is closed")
+                raise SandboxClosed("the host-tool relay is closed")
             self._queued.clear()
             remaining = deadline - loop.time()
             if remaining <= 0:

@@ -76,13 +76,13 @@ class SessionEgress:
         """Start the session's proxy on its sandbox's egress socket, if it has one; for a
         sandbox whose proxy runs beside it on another machine, start that one (or find it
         started) and take its records here."""
-        sandbox = session.sandbox
-        channel = sandbox.egress_channel
+        channel = session.sandbox.egress_channel
         if channel is None:
-            if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
+            relayed = _relayed(session)
+            if relayed is not None:
                 ceiling = self.settings.network_ceiling
-                if await sandbox.open_egress(ceiling, self._egress):
-                    await self._relay(session, sandbox)
+                if await relayed.open_egress(ceiling, self._egress):
+                    await self._relay(session, relayed)
             return
         ledger = EgressLedger(session.id, on_record=lambda e: self._recorded(session, e))
         proxy = EgressProxy(
@@ -109,9 +109,9 @@ class SessionEgress:
         """A session another replica made, now served here too: its proxy's records taken
         here as well (so they keep coming if that replica goes). Its proxy is that replica's
         to open: one not open yet is polled until it is."""
-        sandbox = session.sandbox
-        if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
-            await self._relay(session, sandbox)
+        relayed = _relayed(session)
+        if relayed is not None:
+            await self._relay(session, relayed)
 
     async def _relay(self, session: Session, sandbox: RelayedEgress) -> None:
         await self._relays.start(session.id, sandbox, lambda e: self._recorded(session, e))
@@ -123,18 +123,7 @@ class SessionEgress:
         METRICS.egress_connections.labels(backend, decision).inc()
         METRICS.egress_bytes.labels(backend, "up").inc(entry.bytes_up)
         METRICS.egress_bytes.labels(backend, "down").inc(entry.bytes_down)
-        log.info(
-            "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s",
-            session.id,
-            entry.method or "-",
-            entry.host or "-",
-            entry.port,
-            decision,
-            entry.address or "-",
-            entry.bytes_up,
-            entry.bytes_down,
-            entry.reason,
-        )
+        log.info("%s", entry.describe(session.id))
         if self._on_connection is not None:
             self._on_connection(session, entry)
 
@@ -168,10 +157,8 @@ class SessionEgress:
         ledger = self._ledgers.get(session.id)
         if ledger is not None:
             return EgressReport.of(ledger, most)
-        sandbox = session.sandbox
-        if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
-            return await sandbox.egress_report(most)
-        return None
+        relayed = _relayed(session)
+        return None if relayed is None else await relayed.egress_report(most)
 
     async def close(self, session_id: str) -> None:
         await self._relays.stop(session_id)
@@ -185,3 +172,12 @@ class SessionEgress:
         for session_id in list(self._proxies):
             await self.close(session_id)
         await self._relays.close()
+
+
+def _relayed(session: Session) -> RelayedEgress | None:
+    """The session's sandbox when its proxy runs beside it on another machine (a Ray node) and
+    it has a network; else None."""
+    sandbox = session.sandbox
+    if isinstance(sandbox, RelayedEgress) and sandbox.spec.network.enabled:
+        return sandbox
+    return None

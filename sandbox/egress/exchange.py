@@ -18,7 +18,7 @@ import h11
 
 from code_interpreter_wire.network_policy import IpAddress, NetworkPolicy
 from sandbox.egress.decision import decide, denied_address
-from sandbox.egress.ledger import EgressLedger, EgressRecord
+from sandbox.egress.ledger import MAX_METHOD_CHARS, EgressLedger, EgressRecord
 from sandbox.egress.metering import ByteBudget, CapReached, Meter
 from sandbox.egress.pipe import CHUNK, pump, send
 from sandbox.egress.plain_http import Forward
@@ -40,7 +40,6 @@ _LINGER_S = 2.0  # after an early answer, how long unread request bytes are drai
 _LINGER_BYTES = 1 << 20
 _CHECK_IDLE_EVERY_S = 1.0
 _MAX_ADDRESSES_TRIED = 8  # each may take the connect timeout
-MAX_METHOD_CHARS = 32  # of a request's method, as its record keeps it
 
 
 class SessionProxy(Protocol):

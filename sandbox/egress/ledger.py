@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+MAX_METHOD_CHARS = 32  # of a request's method, as a record keeps it
+
 
 @dataclass(frozen=True)
 class EgressRecord:
@@ -28,6 +30,15 @@ class EgressRecord:
     bytes_up: int  # sent to the destination
     bytes_down: int  # received from the destination
     duration_s: float
+
+    def describe(self, session_id: str) -> str:
+        """The record as one line of a log (the service's, or a node's when none took it)."""
+        decision = "allowed" if self.allowed else "refused"
+        return (
+            f"egress session={session_id} {self.method or '-'} {self.host or '-'}:{self.port} "
+            f"{decision} address={self.address or '-'} up={self.bytes_up} "
+            f"down={self.bytes_down}: {self.reason}"
+        )
 
 
 @dataclass

@@ -17,8 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from code_interpreter_wire.errors import SandboxClosed
-from sandbox.egress.exchange import MAX_METHOD_CHARS
-from sandbox.egress.ledger import EgressLedger, EgressRecord, EgressTotals
+from sandbox.egress.ledger import MAX_METHOD_CHARS, EgressLedger, EgressRecord, EgressTotals
 
 MAX_UNTAKEN = 4096  # records of one session waiting for a replica
 RECORDS_PER_POLL = 256  # at most this many in one answer of `next_egress_records`

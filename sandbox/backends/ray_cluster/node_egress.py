@@ -53,9 +53,7 @@ class NodeEgress:
         `settings`, if its sandbox has an egress socket; whether a proxy runs. Again, from any
         replica: nothing changes (the first ceiling and settings hold). No socket, no proxy: the
         sandbox has no way out at all. Once the session closes: SandboxClosed."""
-        if self._egress_opening is None:
-            self._egress_opening = asyncio.Lock()
-        async with self._egress_opening:  # two replicas at once start one proxy
+        async with self._egress_lock():  # two replicas at once start one proxy
             if self._egress_stopped:
                 raise SandboxClosed("the session is closing: its egress proxy is gone")
             if self._egress_proxy is not None:
@@ -78,6 +76,12 @@ class NodeEgress:
             self._egress_proxy, self._egress_ledger, self._egress_outbox = proxy, ledger, outbox
             return True
 
+    def _egress_lock(self) -> asyncio.Lock:
+        """Opening and stopping the proxy, one at a time (made in the actor's own loop)."""
+        if self._egress_opening is None:
+            self._egress_opening = asyncio.Lock()
+        return self._egress_opening
+
     async def next_egress_records(self, max_wait_s: float) -> EgressBatch:
         """Connections ended since the last poll (a long poll, see EgressOutbox.take); still
         answered while the session closes, so its last records are taken."""
@@ -95,9 +99,7 @@ class NodeEgress:
     async def stop_egress(self) -> None:
         """Stop the proxy for good, first as the session closes: its open connections end and
         are recorded, and no connection outlives the sandbox."""
-        if self._egress_opening is None:
-            self._egress_opening = asyncio.Lock()
-        async with self._egress_opening:
+        async with self._egress_lock():
             self._egress_stopped = True
             proxy, self._egress_proxy = self._egress_proxy, None
         try:
@@ -120,13 +122,7 @@ class NodeEgress:
                 self.sandbox_id, len(left), LOGGED_LEFTOVERS,
             )  # fmt: skip
         for r in left[:LOGGED_LEFTOVERS]:
-            log.warning(
-                "egress session=%s %s %s:%d %s address=%s up=%d down=%d: %s "
-                "(no service replica took this record)",
-                self.sandbox_id, r.method or "-", r.host or "-", r.port,
-                "allowed" if r.allowed else "refused", r.address or "-",
-                r.bytes_up, r.bytes_down, r.reason,
-            )  # fmt: skip
+            log.warning("%s (no service replica took this record)", r.describe(self.sandbox_id))
         if dropped:
             log.warning(
                 "egress session=%s: %d records dropped, the outbox full", self.sandbox_id, dropped

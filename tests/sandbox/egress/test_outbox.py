@@ -10,7 +10,7 @@ import pytest
 
 from code_interpreter_wire.errors import SandboxClosed
 from sandbox.egress import EgressRecord
-from sandbox.egress.exchange import MAX_METHOD_CHARS
+from sandbox.egress.ledger import MAX_METHOD_CHARS
 from sandbox.egress.outbox import MAX_HOST_CHARS, MAX_REASON_CHARS, RECORDS_PER_POLL, EgressOutbox
 
 pytestmark = pytest.mark.unit

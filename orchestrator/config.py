@@ -669,6 +669,13 @@ class Settings(BaseSettings):
             # The service opens each networked session's proxy on its node and audits its
             # connections (session_egress.py).
             "egress_relayed": True,
+            # Paused whole machines (gVisor nodes) wait beside the saved states, where every
+            # replica finds them; none without a shared saved_states_dir.
+            "machine_images_dir": (
+                self.saved_states_dir / "code-interpreter-paused-machines"
+                if self.saved_states_dir is not None
+                else None
+            ),
         }
 
     @classmethod

@@ -309,9 +309,14 @@ class SessionManager:
         return not self.shared(backend) or self.settings.saved_states_dir is not None
 
     def pauses(self, backend: str) -> bool:
-        """Whether sessions of `backend` can be paused (by its engine, or from a saved state)."""
+        """Whether sessions of `backend` can be paused (by its engine, or from a saved state).
+        Where every replica serves them, only with the shared saved states: what its engine
+        pauses waits there too."""
         found = self.backends.get(backend)
-        return found is not None and (found.capabilities.suspend or self.saves_states(backend))
+        if found is None:
+            return False
+        engine = found.capabilities.suspend and not self.shared(backend)
+        return engine or self.saves_states(backend)
 
     async def held_by(self, owner: str) -> int:
         """How many sessions the owner holds (in cluster mode: on every replica)."""

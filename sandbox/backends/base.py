@@ -386,6 +386,18 @@ class Backend(ABC):
         asked, each with secrets and random streams of its own; `saved` is left as it was."""
         raise SandboxError(f"the {self.name} backend cannot restore a whole-sandbox save")
 
+    async def take_suspended(self, handle: str, into: Path) -> None:
+        """Move the image of a sandbox `Sandbox.suspend` paused out of this backend, into
+        `into` (a new directory on the same filesystem as its state dir), to be carried to
+        another host and woken there (`wake_from`); the backend holds nothing of it after."""
+        raise SandboxError(f"the {self.name} backend keeps no image of a suspended sandbox")
+
+    async def wake_from(self, saved: Path, spec: SandboxSpec) -> Sandbox:
+        """The sandbox whose image `take_suspended` gave (here or on another host), running
+        again as it was: not re-keyed, since it goes on as the same sandbox. `saved` is left
+        as it was."""
+        raise SandboxError(f"the {self.name} backend cannot wake a carried suspended sandbox")
+
     async def suspend_left(self, sandbox_id: str) -> str | None:
         """Pause a sandbox an earlier process of this service left running, where the engine
         can: its handle for `wake`, or None (it is then cleared with the orphans)."""

@@ -342,6 +342,14 @@ class GvisorBackend(Backend):
     async def fork(self, saved: Path, spec: SandboxSpec) -> GvisorSandbox:
         return await self._restore(saved, spec, shared=True)
 
+    async def take_suspended(self, handle: str, into: Path) -> None:
+        paused = self._paused(handle)
+        await asyncio.to_thread(os.rename, paused, into)
+        self._give_back_uid(handle)  # whoever wakes it claims its uid again
+
+    async def wake_from(self, saved: Path, spec: SandboxSpec) -> GvisorSandbox:
+        return await self._restore(saved, spec, shared=False)
+
     async def discard(self, handle: str) -> None:
         self._give_back_uid(self._paused(handle).name)
         await asyncio.to_thread(shutil.rmtree, self._paused(handle), True)

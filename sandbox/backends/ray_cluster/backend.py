@@ -35,6 +35,7 @@ import secrets
 import signal
 import threading
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Self
 
 import ray
@@ -66,15 +67,17 @@ from sandbox.backends.ray_cluster.cluster_state import (
 from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.join_policy import check_join
 from sandbox.backends.ray_cluster.loopback import LOOPBACK, keep_loopback
+from sandbox.backends.ray_cluster.machine_store import MachineStore, machine_store, send_tree
 from sandbox.backends.ray_cluster.names import (
     SESSION_RESOURCE,
     session_actor_name,
     session_prefix,
 )
-from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox, kill_actor
+from sandbox.backends.ray_cluster.ray_sandbox import IMAGE_SLACK_MB, RaySandbox, kill_actor
 from sandbox.backends.ray_cluster.session_actor import SessionFacts
 from sandbox.backends.ray_cluster.session_start import new_session_actor, start_session
 from sandbox.backends.ray_cluster.warm_pool import PoolState, WarmPools
+from sandbox.tree_transfer import TreeEntry
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,24 @@ class _Unplaced(Exception):
     """The actor stayed pending: its node filled meanwhile (or died)."""
 
 
+class _CannotRestore(Exception):
+    """The actor's node does not restore whole machines: the next node may."""
+
+
+@dataclass(frozen=True)
+class _Restore:
+    """A saved machine a session starts from: woken (`"wake"`) or forked (`"fork"`)."""
+
+    saved: Path
+    how: str
+    max_bytes: int
+
+
+def _image_bytes(spec: SandboxSpec) -> int:
+    """The most a saved machine of `spec` may take to carry (as `RaySandbox` caps it)."""
+    return (spec.limits.memory_mb + spec.limits.workspace_size_mb + IMAGE_SLACK_MB) << 20
+
+
 class RayBackend(Backend):
     name = "ray"
     capabilities = BackendCapabilities(
@@ -118,7 +139,10 @@ class RayBackend(Backend):
         network_modes=("none", "allow_list", "any"),
         host_tools=True,  # relayed from the sandbox's node (node_tool_relay.py)
         processes=True,
-        suspend=False,
+        # Whole machines where the node's backend saves them (gVisor), carried to a store
+        # every replica mounts (node_machines.py, machine_store.py); elsewhere None, and
+        # the kernel's state is saved instead.
+        suspend=True,
         # Saved through the actor like any sandbox's; the service keeps them where every
         # replica finds them (its `saved_states_dir`), else it refuses.
         snapshot=True,
@@ -151,6 +175,9 @@ class RayBackend(Backend):
         # view does not count them yet, so concurrent creates here would all aim at the same
         # last slot, and all but one wait out placement_wait_s. Ranking subtracts them.
         self._placing: dict[str, int] = {}
+        # Whether each node's backend restores whole machines, as its actors said.
+        self._whole_saves: dict[str, bool] = {}
+        self._machines = machine_store(self.config.machine_images_dir)
 
     # --- the cluster connection -------------------------------------------------------------
 
@@ -188,6 +215,11 @@ class RayBackend(Backend):
     async def create(self, spec: SandboxSpec | None = None) -> RaySandbox:
         spec = spec or SandboxSpec()
         self.refuse_network(spec)
+        return await self._place(spec, None)
+
+    async def _place(self, spec: SandboxSpec, restore: _Restore | None) -> RaySandbox:
+        """A session actor on the node with the most room, started (or restored from a saved
+        machine: only on nodes whose backend restores machines, those known to first)."""
         await self._connect()
         usage = await self.nodes()
         if not any(node.room > 0 for node in usage):
@@ -195,10 +227,14 @@ class RayBackend(Backend):
             # slot freed a moment ago may still look taken. Look once more before refusing.
             await asyncio.sleep(RECHECK_S)
             usage = await self.nodes()
-        fits = self._pools.fits(spec)
+        fits = restore is None and self._pools.fits(spec)
         candidates = [node for node in usage if node.alive and node.room > 0]
+        if restore is not None:
+            candidates = [n for n in candidates if self._whole_saves.get(n.node_id) is not False]
         random.shuffle(candidates)
         candidates.sort(key=lambda node: -(node.room - self._placing.get(node.node_id, 0)))
+        if restore is not None:  # nodes known to restore machines first
+            candidates.sort(key=lambda node: not self._whole_saves.get(node.node_id, False))
         for node in candidates:
             if fits and node.warm:
                 warm = await self._pools.take(node.node_id, spec)
@@ -209,17 +245,25 @@ class RayBackend(Backend):
             self._placing[node.node_id] = self._placing.get(node.node_id, 0) + 1
             placed = False
             try:
-                sandbox = await self._start_on(node, spec)
+                sandbox = await self._start_on(node, spec, restore)
                 placed = True
                 return sandbox
             except _Unplaced:
                 log.info("node %s filled before a session landed there", node.node_id[:16])
+            except _CannotRestore:
+                log.info("node %s does not restore whole machines", node.node_id[:16])
             finally:  # a slot filled stays counted until the GCS's view has caught up
                 forget = functools.partial(self._placed_no_more, node.node_id)
                 if placed:
                     asyncio.get_running_loop().call_later(GCS_LAG_S, forget)
                 else:
                     forget()
+        if restore is not None and not any(self._whole_saves.values()):
+            raise SandboxError(
+                "no node of the cluster restores whole machines: the session's machine was "
+                "saved on a node whose backend does (CIR_NODE_BACKEND=gvisor); start one such "
+                "node at least, then resume it again (nothing of it is lost)"
+            )
         now = await self.nodes() if candidates else usage
         raise CapacityReached(_full_message(now, tried=len(candidates)))
 
@@ -230,7 +274,9 @@ class RayBackend(Backend):
         else:
             self._placing.pop(node_id, None)
 
-    async def _start_on(self, node: NodeUsage, spec: SandboxSpec) -> RaySandbox:
+    async def _start_on(
+        self, node: NodeUsage, spec: SandboxSpec, restore: _Restore | None
+    ) -> RaySandbox:
         sandbox_id = secrets.token_hex(8)
         name = session_actor_name(self.config.orchestrator_id, sandbox_id)
         if node.free <= 0 and node.warm:  # every free slot there is held warm: one back
@@ -247,11 +293,32 @@ class RayBackend(Backend):
         )
         try:
             await self._placed_or_why(actor, node)
-            facts = await start_session(actor, name)
+            if restore is None:
+                facts = await start_session(actor, name)
+            else:
+                facts = await self._restored(actor, name, node, restore)
         except BaseException:
             await kill_actor(actor)
             raise
-        return RaySandbox(actor, name, spec, facts)
+        self._whole_saves[node.node_id] = facts.whole_saves
+        return RaySandbox(actor, name, spec, facts, self._machines)
+
+    async def _restored(
+        self, actor: Any, name: str, node: NodeUsage, restore: _Restore
+    ) -> SessionFacts:
+        """Carry the saved machine to the placed actor's node and start it from there."""
+        placed: SessionFacts = await actor.describe.remote()
+        self._whole_saves[node.node_id] = placed.whole_saves
+        if not placed.whole_saves:
+            raise _CannotRestore
+        cap = restore.max_bytes
+        token: str = await actor.receive_open.remote(cap)
+
+        async def send(batch: list[TreeEntry]) -> None:
+            await actor.receive_tree.remote(token, batch)
+
+        await send_tree(restore.saved, max_bytes=cap, send=send)
+        return await start_session(actor, name, restore=(token, restore.how))
 
     async def _placed_or_why(self, actor: Any, node: NodeUsage) -> None:
         """The actor placed and made on its node; else why not: `_Unplaced` (the node filled,
@@ -318,10 +385,37 @@ class RayBackend(Backend):
         except Exception as exc:
             error = await sandbox_error_of(exc, handle, None, actor_id_of(actor))
             raise error from None
-        return RaySandbox(actor, handle, spec, facts)
+        return RaySandbox(actor, handle, spec, facts, self._machines)
+
+    async def wake(self, handle: str, spec: SandboxSpec) -> RaySandbox:
+        """A session `RaySandbox.suspend` paused whole, running again as it was, on any node
+        whose backend restores machines; its image leaves the shared store once it runs."""
+        saved = self._machine_store().path(handle)
+        if not await asyncio.to_thread(saved.is_dir):
+            raise SandboxError(f"the paused machine {handle} is not in the shared store")
+        sandbox = await self._place(spec, _Restore(saved, "wake", _image_bytes(spec)))
+        await self._machine_store().discard(handle)
+        return sandbox
+
+    async def fork(self, saved: Path, spec: SandboxSpec) -> RaySandbox:
+        """A new session restored from a snapshot of a whole machine (`save_whole`), re-keyed,
+        on any node whose backend restores machines."""
+        return await self._place(spec, _Restore(saved, "fork", _image_bytes(spec)))
+
+    def _machine_store(self) -> MachineStore:
+        if self._machines is None:
+            raise SandboxError(
+                "this ray backend has no store of paused machines (machine_images_dir; the "
+                "service sets it inside its saved_states_dir)"
+            )
+        return self._machines
 
     async def discard(self, handle: str) -> None:
-        """End a session actor for good: its sandbox is closed, then its process ends."""
+        """End a session actor for good: its sandbox is closed, then its process ends. A
+        paused machine's handle: its image goes from the shared store."""
+        if MachineStore.is_handle(handle):
+            await self._machine_store().discard(handle)
+            return
         await self._connect()
         try:
             actor = await asyncio.to_thread(ray.get_actor, handle, self.config.namespace)

@@ -3,6 +3,8 @@ Free of Ray, so it can be read and checked where Ray is absent."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, Field, field_validator
 
 from code_interpreter_wire.spec import SandboxSpec
@@ -52,6 +54,14 @@ class RayBackendConfig(BaseModel):
         "proxy on its node and takes its records (`RaySandbox.open_egress`, `egress_records`). "
         "Until it does, a session asking for a network is refused: it would have no way out "
         "and no record of its attempts.",
+    )
+
+    machine_images_dir: Path | None = Field(
+        None,
+        description="A directory every replica mounts where paused sessions' whole machines "
+        "wait (machine_store.py): with it, a session on a node whose backend saves whole "
+        "machines (gVisor) pauses whole and resumes on any such node; without it, its "
+        "kernel's state is saved instead. The service sets it inside its saved_states_dir.",
     )
 
     @field_validator("orchestrator_id")

@@ -23,7 +23,7 @@ SESSION_RESOURCE = "cir_sessions"
 # The node's environment chooses the local backend of its sandboxes and where they keep state.
 NODE_BACKEND_ENV = "CIR_NODE_BACKEND"
 NODE_STATE_DIR_ENV = "CIR_NODE_STATE_DIR"
-NODE_BACKENDS = ("local", "docker")
+NODE_BACKENDS = ("local", "docker", "gvisor")
 _SESSION = "cir"
 _POOL = "cir-pool"
 

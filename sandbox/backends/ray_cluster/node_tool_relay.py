@@ -298,6 +298,7 @@ class NodeToolRelay:
     kernel that calls tools is already running code."""
 
     _tool_relay: ToolRelay | None = None
+    _tool_manifest: bytes | None = None
 
     if TYPE_CHECKING:  # given by the actor this is mixed into
         sandbox: Sandbox
@@ -315,6 +316,15 @@ class NodeToolRelay:
         """Write the manifest (`ToolChannel.manifest()` of the service) where the kernel reads
         it, and take the calls' size caps and time limits from it."""
         await self._relay().set_manifest(manifest)
+        self._tool_manifest = manifest
+
+    async def reopen_tool_relay(self) -> None:
+        """The sandbox was replaced by one woken from its image (node_machines.py): listen on
+        its channel socket now, with the manifest the service gave the one before."""
+        await self.close_tool_relay()
+        await self.open_tool_relay()
+        if self._tool_relay is not None and self._tool_manifest is not None:
+            await self._tool_relay.set_manifest(self._tool_manifest)
 
     async def next_tool_calls(self, max_wait_s: float) -> list[tuple[str, bytes]]:
         """Calls to answer, as (relay key, call frame body): a long poll of at most

@@ -37,10 +37,12 @@ from sandbox.backends.ray_cluster.actor_errors import (
     lost_reason,
     sandbox_error_of,
 )
+from sandbox.backends.ray_cluster.machine_store import MachineStore, receive_tree
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
 from sandbox.egress import EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressReport
 from sandbox.processes.handle import ProcessHandle
+from sandbox.saved_report import SavedState
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +51,25 @@ T = TypeVar("T")
 ActorRef = Any
 CLOSE_WAIT_S = 30.0  # the longest a close waits for the actor to close its sandbox; then killed
 KILL_WAIT_S = 10.0  # the longest a close waits for the GCS to take the kill
+# How long a machine paused on its node waits for its replica's next step (a batch of its
+# image taken, the end) before it runs again there: the replica died mid-pause.
+PAUSE_LAPSE_S = 60.0
+IMAGE_SLACK_MB = 512  # what a machine's image may hold beyond its memory and workspace
 
 
 class RaySandbox(Sandbox):
     backend = "ray"
 
-    def __init__(self, actor: ActorRef, name: str, spec: SandboxSpec, facts: SessionFacts) -> None:
+    def __init__(
+        self,
+        actor: ActorRef,
+        name: str,
+        spec: SandboxSpec,
+        facts: SessionFacts,
+        machines: MachineStore | None = None,
+    ) -> None:
         self._actor = actor
+        self._machines = machines  # where a paused whole machine waits (None: no such pause)
         self._name = name
         self.id = facts.sandbox_id
         self.spec = spec
@@ -307,6 +321,60 @@ class RaySandbox(Sandbox):
                 cast(Any, call).close()  # the coroutine never runs
             raise
         return await call
+
+    # --- whole machines (node_machines.py), where the node's backend saves them --------------
+
+    async def suspend(self) -> str | None:
+        """Pause the whole machine: saved and stopped on its node, its image carried to the
+        shared store, its handle returned for `RayBackend.wake` on any node. None where its
+        node cannot (its backend, or what the machine holds) or there is no shared store: the
+        service then saves the kernel's state. If the image cannot be carried, the machine runs
+        on again on its node and the error is raised: nothing is lost."""
+        if self._machines is None or not self.facts.whole_saves:
+            return None
+        token: str | None = await self._call(self._actor.suspend_here.remote(PAUSE_LAPSE_S))
+        if token is None:
+            return None
+        handle = self._machines.handle_of(token)
+        try:
+            await receive_tree(
+                self._actor.send_paused.remote(self._image_cap()),
+                self._machines.path(handle),
+                max_bytes=self._image_cap(),
+                take=self._call,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):  # shielded: a caller that left still wakes it
+                await asyncio.shield(self._call(self._actor.wake_here.remote()))
+            raise
+        with contextlib.suppress(Exception):  # else it ends itself after the lapse
+            await self._call(self._actor.paused_away.remote())
+        return handle
+
+    async def save_whole(self, into: Path, *, max_bytes: int) -> SavedState | None:
+        """A snapshot of the whole machine, saved on its node (which runs on) and carried
+        into `into`; None where its node cannot save it so."""
+        if not self.facts.whole_saves:
+            return None
+        saved: tuple[str, SavedState] | None = await self._call(
+            self._actor.save_whole_here.remote(max_bytes)
+        )
+        if saved is None:
+            return None
+        token, state = saved
+        await receive_tree(
+            self._actor.send_save.remote(token, max_bytes),
+            into,
+            max_bytes=max_bytes,
+            take=self._call,
+        )
+        return state
+
+    def _image_cap(self) -> int:
+        """The most a paused machine's image may take: its memory and its workspace, and room
+        for what gVisor keeps besides."""
+        limits = self.spec.limits
+        return (limits.memory_mb + limits.workspace_size_mb + IMAGE_SLACK_MB) << 20
 
     # --- what the service reads and relays --------------------------------------------------
 

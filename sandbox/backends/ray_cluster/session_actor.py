@@ -40,6 +40,7 @@ from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
 from sandbox.backends.ray_cluster.names import node_backend_name, node_state_dir
 from sandbox.backends.ray_cluster.node_egress import NodeEgress
+from sandbox.backends.ray_cluster.node_machines import NodeMachines
 from sandbox.backends.ray_cluster.node_processes import NodeProcesses
 from sandbox.backends.ray_cluster.node_tool_relay import NodeToolRelay
 from sandbox.backends.registry import backend_type, create_backend
@@ -67,9 +68,10 @@ class SessionFacts:
     pid: int
     node_backend: str | None = None  # None until started
     languages: tuple[str, ...] = (PYTHON,)
+    whole_saves: bool = False  # its node saves and restores whole machines (node_machines.py)
 
 
-class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
+class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress, NodeMachines):
     """Made with `ray.remote` where it is created (backend.py); one per session."""
 
     sandbox: Sandbox
@@ -99,9 +101,13 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
 
     # --- life -------------------------------------------------------------------------------
 
-    async def start(self) -> SessionFacts:
-        """Make the node's backend and the session's sandbox; what a replica needs to know."""
+    async def start(self, restore: tuple[Path, str] | None = None) -> SessionFacts:
+        """Make the node's backend and the session's sandbox; what a replica needs to know.
+        `restore`: a saved machine (node_machines.py) it is woken from (`"wake"`) or forked
+        from (`"fork"`) instead of a new sandbox."""
         if self._backend is not None:
+            if restore is not None:
+                raise SandboxError("this session's sandbox is already started")
             return self.describe()
         # Ray's workers run with SIGINT blocked; a blocked signal stays blocked across exec, so
         # the kernels started from here would never see an interrupt. The loop's thread starts
@@ -116,7 +122,12 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
         await sweep_dead_owners(backend, state_dir)
         self._backend, self._node_backend = backend, name
         try:
-            self.sandbox = await backend.create(self.spec)
+            if restore is None:
+                self.sandbox = await backend.create(self.spec)
+            elif restore[1] == "wake":
+                self.sandbox = await backend.wake_from(restore[0], self.spec)
+            else:
+                self.sandbox = await backend.fork(restore[0], self.spec)
             await self.open_tool_relay()
         except BaseException:
             await self._shut_down()
@@ -133,6 +144,7 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
             pid=os.getpid(),
             node_backend=self._node_backend,
             languages=tuple(started.languages) if started is not None else (PYTHON,),
+            whole_saves=self.whole_saves(),
         )
 
     async def hand_over(self, env: dict[str, str], workdir: str | None) -> SessionFacts | None:
@@ -178,6 +190,8 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress):
             if getattr(self, "sandbox", None) is not None:
                 await self.sandbox.close()
         finally:
+            with contextlib.suppress(Exception):
+                await self.drop_machines()
             if self._staging is not None:
                 await asyncio.to_thread(shutil.rmtree, self._staging, True)
             if self._backend is not None:

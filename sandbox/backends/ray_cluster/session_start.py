@@ -44,10 +44,16 @@ def new_session_actor(
     ).remote(sandbox_id, spec, config.orchestrator_id, claimed=claimed)
 
 
-async def start_session(actor: Any, name: str) -> SessionFacts:
-    """Start the actor's sandbox; its errors as the node raised them."""
+async def start_session(
+    actor: Any, name: str, *, restore: tuple[str, str] | None = None
+) -> SessionFacts:
+    """Start the actor's sandbox (`restore`: from the saved machine it received under that
+    token, woken or forked: node_machines.py); its errors as the node raised them."""
     try:
-        facts: SessionFacts = await actor.start.remote()
+        if restore is None:
+            facts: SessionFacts = await actor.start.remote()
+        else:
+            facts = await actor.start_restored.remote(*restore)
     except RayTaskError as exc:
         if isinstance(exc.cause, Exception):
             raise exc.cause from None

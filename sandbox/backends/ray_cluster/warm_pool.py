@@ -42,6 +42,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.ray_cluster.cluster_state import free_resources_per_node
 from sandbox.backends.ray_cluster.config import RayBackendConfig
+from sandbox.backends.ray_cluster.machine_store import machine_store
 from sandbox.backends.ray_cluster.names import (
     SESSION_RESOURCE,
     pool_keeper_name,
@@ -345,7 +346,8 @@ class WarmPools:
                     raise exc.cause from None
                 raise
             if facts is not None:
-                return RaySandbox(actor, name, spec, facts)
+                machines = machine_store(self.config.machine_images_dir)
+                return RaySandbox(actor, name, spec, facts, machines)
         return None
 
     async def give_back(self, node_id: str) -> bool:

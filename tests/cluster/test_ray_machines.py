@@ -1,0 +1,159 @@
+"""Whole machines of Ray sessions on gVisor nodes (node_machines.py, machine_store.py): a snapshot
+forked onto both nodes, re-keyed; a pause whose image outlives the node that paused it, woken on
+the other with its kernel's variables, its files and its processes; a pause whose image cannot
+be carried runs on, nothing lost.
+
+A cluster of its own (a head and two gVisor worker nodes), so that every session lands on a
+node that saves machines; the test process joins it as the ray backend's driver, and leaves it
+before the shared cluster of the other modules starts (conftest.py orders them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.config import RayBackendConfig
+from sandbox.backends.ray_cluster.local_cluster import LocalCluster, local_cluster
+from sandbox.backends.ray_cluster.loopback import LOOPBACK
+from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
+from tests.cluster.conftest import HEALTH_CHECK_MS, RUN_TOKEN
+from tests.conftest import require_backend
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+GVISOR_NODE = {"CIR_NODE_BACKEND": "gvisor"}
+SETUP = """
+import secrets, subprocess
+held = secrets.token_hex(8)
+sleeper = subprocess.Popen(["sleep", "600"])
+open("kept.txt", "w").write(held)
+print(held)
+"""
+CHECK = """
+import secrets
+print(held, sleeper.poll() is None, open("kept.txt").read() == held, secrets.token_hex(8))
+"""
+
+
+@pytest.fixture(scope="module")
+def gvisor_cluster() -> Iterator[LocalCluster]:
+    require_backend("gvisor")
+    with local_cluster(
+        (0,), token=RUN_TOKEN, health_check_ms=HEALTH_CHECK_MS, prefix="cir-gm-"
+    ) as cluster:
+        for _ in range(2):
+            cluster.start_node(2, env=GVISOR_NODE)
+        yield cluster
+
+
+@pytest.fixture
+async def machines_backend(
+    gvisor_cluster: LocalCluster, tmp_path: Path
+) -> AsyncIterator[RayBackend]:
+    backend = RayBackend(
+        RayBackendConfig(
+            address=gvisor_cluster.address,
+            node_ip=LOOPBACK,
+            orchestrator_id="machines",
+            machine_images_dir=tmp_path / "machines",
+        )
+    )
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+async def printed(sandbox: RaySandbox, code: str) -> str:
+    execution = await sandbox.execute(code, timeout_s=120)
+    assert execution.error is None, execution.error
+    return execution.stdout.strip()
+
+
+async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
+    gvisor_cluster: LocalCluster, machines_backend: RayBackend, tmp_path: Path
+) -> None:
+    backend = machines_backend
+    spec = SandboxSpec()
+    first = await backend.create(spec)
+    try:
+        assert first.facts.whole_saves
+        held = await printed(first, SETUP)
+
+        # A snapshot, carried off its node and forked from the replica's copy into every slot
+        # left (one beside it, two on the other node): each fork runs on as the machine was,
+        # and draws random numbers of its own.
+        saved = await first.save_whole(tmp_path / "snapshot", max_bytes=4 << 30)
+        assert saved is not None and saved.machine
+        forks: list[RaySandbox] = []
+        try:
+            for _ in range(3):
+                forks.append(await backend.fork(tmp_path / "snapshot", spec))
+            assert len({fork.node_id for fork in forks}) == 2, "the forks took one node only"
+            draws = set()
+            for fork in [*forks, first]:
+                value, running, kept, draw = (await printed(fork, CHECK)).split()
+                assert (value, running, kept) == (held, "True", "True")
+                draws.add(draw)
+            assert len(draws) == 4, "a fork drew the same random numbers as another"
+        finally:
+            for fork in forks:
+                await fork.close()
+
+        # A pause: the machine stops, its image goes to the store; nothing of it stays on the
+        # node, which then dies. It wakes on the other node, whole.
+        handle = await first.suspend()
+        assert handle is not None
+        paused_on = first.node_id
+    finally:
+        await first.close()
+    assert [p.name for p in (tmp_path / "machines").iterdir()] == [handle.removeprefix("machine-")]
+    gvisor_cluster.kill_node(paused_on)
+    deadline = time.monotonic() + 60
+    while any(node.node_id == paused_on and node.alive for node in await backend.nodes()):
+        assert time.monotonic() < deadline, "the killed node was never seen dead"
+        await asyncio.sleep(0.5)
+
+    woken = await backend.wake(handle, spec)
+    try:
+        assert woken.node_id != paused_on
+        value, running, kept, _ = (await printed(woken, CHECK)).split()
+        assert (value, running, kept) == (held, "True", "True")
+        assert list((tmp_path / "machines").iterdir()) == [], "a woken image stayed in the store"
+    finally:
+        await woken.close()
+
+
+async def test_a_pause_whose_image_cannot_be_carried_runs_on(
+    gvisor_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The store cannot take the image (here: its directory cannot be made): the pause fails,
+    and the machine runs again on its node as it was."""
+    (tmp_path / "a-file").write_text("")
+    backend = RayBackend(
+        RayBackendConfig(
+            address=gvisor_cluster.address,
+            node_ip=LOOPBACK,
+            orchestrator_id="machines",
+            machine_images_dir=tmp_path / "a-file" / "machines",
+        )
+    )
+    try:
+        sandbox = await backend.create(SandboxSpec())
+        try:
+            held = await printed(sandbox, SETUP)
+            with pytest.raises(OSError):
+                await sandbox.suspend()
+            value, running, kept, _ = (await printed(sandbox, CHECK)).split()
+            assert (value, running, kept) == (held, "True", "True")
+        finally:
+            await sandbox.close()
+    finally:
+        await backend.close()

@@ -109,7 +109,7 @@ class TreeWriter:
     must exist; `dest` must not). `finish()` sets the directories' modes last; `abort()`
     removes what was written. Blocking: call it on a thread."""
 
-    def __init__(self, dest: Path, *, max_bytes: int) -> None:
+    def __init__(self, dest: Path, *, max_bytes: int, set_owners: bool | None = None) -> None:
         self.dest = dest
         self.max_bytes = max_bytes
         self.bytes = 0
@@ -118,7 +118,8 @@ class TreeWriter:
         self._dirs: dict[str, TreeEntry] = {"": TreeEntry("dir")}  # made here, by name
         self._file: tuple[int, TreeEntry] | None = None  # the file being written
         self._owners: dict[str, tuple[int, int]] = {}
-        self._chown = os.geteuid() == 0
+        # Owners set on the files (None: where it may, as root), else kept in OWNERS_FILE.
+        self._chown = os.geteuid() == 0 if set_owners is None else set_owners
 
     def write(self, batch: list[TreeEntry]) -> None:
         for entry in batch:

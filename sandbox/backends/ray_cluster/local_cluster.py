@@ -277,7 +277,15 @@ class LocalCluster:
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while _STARTED not in node.log.read_bytes():
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start failed: {node.log.read_text()[-3000:]}")
+                how = (
+                    f"exited with {process.returncode}"
+                    if process.returncode is not None
+                    else f"not up after {NODE_START_TIMEOUT_S:g} s"
+                )
+                raise RuntimeError(
+                    f"ray start of {name} {how}: {node.log.read_text()[-3000:]}"
+                    f"{_daemon_errors(temp_dir)}"
+                )
             time.sleep(0.2)
         node.node_id = self._node_id_of(node)
         self.remember()
@@ -395,6 +403,18 @@ class LocalCluster:
             for pid in sorted(started | escaped)
             if not is_ray_worker(table[pid].cmdline)
         }
+
+
+def _daemon_errors(temp_dir: Path) -> str:
+    """The last lines of a node's daemons' error logs: why a start failed where `ray start`
+    itself said little."""
+    found = []
+    for log in sorted(temp_dir.glob("session_2*/logs/*.err")):
+        with contextlib.suppress(OSError):
+            tail = log.read_text(errors="replace")[-600:].strip()
+            if tail:
+                found.append(f"\n--- {log.name}: {tail}")
+    return "".join(found)[-3000:]
 
 
 def _terminate(node: LocalNode) -> None:

@@ -11,6 +11,8 @@ before the shared cluster of the other modules starts (conftest.py orders them).
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -24,6 +26,8 @@ from sandbox.backends.ray_cluster.local_cluster import LocalCluster, local_clust
 from sandbox.backends.ray_cluster.loopback import LOOPBACK
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
 from tests.cluster.conftest import HEALTH_CHECK_MS, RUN_TOKEN
+from tests.cluster.redis_server import free_port, redis_server
+from tests.cluster.test_replicas import KEY_A, Replica, _create, _delete, _execute
 from tests.conftest import require_backend
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -51,6 +55,85 @@ def gvisor_cluster() -> Iterator[LocalCluster]:
         for _ in range(2):
             cluster.start_node(2, env=GVISOR_NODE)
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def gvisor_replicas(
+    gvisor_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Replica, Replica, Path]]:
+    """Two replicas of the service over a Redis with a password, sharing a saved-states
+    directory (a shared volume in production), on the gVisor nodes; and that directory."""
+    root = tmp_path_factory.mktemp("gvisor-replicas")
+    root.chmod(0o711)
+    saved_states = root / "saved-states"
+    with redis_server(root / "redis") as url:
+        made: list[Replica] = []
+        try:
+            for name in ("a", "b"):
+                env = {
+                    **os.environ,
+                    **gvisor_cluster.env,
+                    "CODE_INTERPRETER_API_KEYS": KEY_A,
+                    "CODE_INTERPRETER_STATE_DIR": str(root / name),
+                    "CODE_INTERPRETER_ORCHESTRATOR_ID": "machines-replicas",
+                    "CODE_INTERPRETER_RAY_NODE_IP": "127.0.0.1",
+                    "CODE_INTERPRETER_SAVED_STATES_DIR": str(saved_states),
+                }
+                port = free_port()
+                argv = [
+                    sys.executable, "-m", "orchestrator", "serve", "--port", str(port),
+                    "--backend", "ray", "--ray-address", gvisor_cluster.address, "--store", url,
+                ]  # fmt: skip
+                log = root / f"{name}.log"
+                made.append(Replica(name, argv, env, port, log, gvisor_cluster.root).start())
+            yield made[0], made[1], saved_states
+        finally:
+            for replica in made:
+                if replica.process is not None:
+                    replica.stop()
+
+
+def test_replica_pauses_a_machine_whole_and_the_other_resumes_it(
+    gvisor_replicas: tuple[Replica, Replica, Path],
+) -> None:
+    """Through the service: paused through A (the record keeps the machine's handle, its image
+    in the shared directory), resumed by a call through B with its variables, files and
+    running process; a snapshot of it forked through A, whole; deleted while paused, its
+    image goes."""
+    a, b, saved_states = gvisor_replicas
+    paused_machines = saved_states / "code-interpreter-paused-machines"
+    sid = _create(a)
+    try:
+        held = _execute(a, sid, SETUP)["stdout"].strip()
+        with a.client() as api:
+            paused = api.post(f"/v1/sessions/{sid}/pause")
+            assert paused.status_code == 200, paused.text
+        assert len(list(paused_machines.iterdir())) == 1
+        resumed = _execute(b, sid, CHECK)
+        value, running, kept, _ = resumed["stdout"].split()
+        assert (value, running, kept) == (held, "True", "True")
+        assert "whole sandbox" in (resumed["notice"] or ""), resumed["notice"]
+        assert list(paused_machines.iterdir()) == []
+
+        with b.client() as api:
+            taken = api.post(f"/v1/sessions/{sid}/snapshots", json={"name": "whole"})
+            assert taken.status_code == 201, taken.text
+            snapshot_id = taken.json()["id"]
+        fork = _create(a, snapshot_id=snapshot_id)
+        try:
+            value, running, kept, _ = _execute(a, fork, CHECK)["stdout"].split()
+            assert (value, running, kept) == (held, "True", "True")
+        finally:
+            _delete(a, fork)
+        with a.client() as api:
+            assert api.delete(f"/v1/snapshots/{snapshot_id}").status_code == 204
+
+        with a.client() as api:
+            assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
+        assert len(list(paused_machines.iterdir())) == 1
+    finally:
+        _delete(b, sid)
+    assert list(paused_machines.iterdir()) == [], "a deleted session's machine stayed"
 
 
 @pytest.fixture

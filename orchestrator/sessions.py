@@ -119,10 +119,12 @@ class Session:
             self.touch()
 
     @contextlib.asynccontextmanager
-    async def reach(self) -> AsyncIterator[None]:
+    async def reach(self, *, active: bool = True) -> AsyncIterator[None]:
         """A call on its sandbox that does not keep it busy (a signal, a process's info): the
-        session is active now, and a lost sandbox is told as in `activity`."""
-        self.touch()
+        session is active now (`active=False`: a read that is not use, such as a report, leaves
+        its idle clock alone), and a lost sandbox is told as in `activity`."""
+        if active:
+            self.touch()
         try:
             yield
         except SandboxLost as exc:

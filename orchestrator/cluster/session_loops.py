@@ -62,3 +62,8 @@ class SessionLoops:
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._loops
+
+    def serves(self, session_id: str, sandbox: object) -> bool:
+        """Whether a loop runs for the session on this very sandbox (not an earlier one)."""
+        running = self._loops.get(session_id)
+        return running is not None and not running[0].done() and running[1] is sandbox

@@ -112,9 +112,14 @@ class Channels:
         )
         relayed = session.sandbox
         if isinstance(relayed, RelayedTools):  # its channel is on its own machine: relayed
+            if self._relays.serves(session.id, relayed) and session.id in self._channels:
+                return  # served already, on this very sandbox
             relay = ToolChannel.relayed(tools, limits, guard)
             await self._relays.start(session.id, relayed, relay, write_manifest=not attached)
+            earlier = self._channels.get(session.id)
             self._channels[session.id] = relay
+            if earlier is not None and earlier is not relay:
+                earlier.close()  # an earlier sandbox's: its calls in flight are moot
             return
         channel = session.sandbox.host_channel
         assert channel is not None, "a backend that supports host tools made no channel"
@@ -124,7 +129,9 @@ class Channels:
         """A session another replica made, now served here too: its host tools with it, and
         its egress records taken here too (so they keep coming if its replica goes)."""
         await self._egress.attach(session)
-        if record.tools and session.id not in self._channels:
+        # Served already, unless for an earlier sandbox of the session (a stale copy dropped
+        # here, the session resumed elsewhere): then its relay moves to this one.
+        if record.tools and not self._relays.serves(session.id, session.sandbox):
             try:  # the relay starts at once (no call here): it retries what fails itself
                 tools = self._registry.select(record.tools)
                 await self.open_tools(session, tools, attached=True)

@@ -134,7 +134,9 @@ class Views:
 
     async def network_report(self, session: Session, most: int = 100) -> NetworkReport:
         """The session's policy, totals and latest `most` connections through its proxy."""
-        async with session.reach():  # a node's proxy is asked: a lost one is SessionLost
+        # A node's proxy is asked: a lost one is SessionLost. Reading it is not use: a client
+        # watching a session's traffic does not keep it from idling out.
+        async with session.reach(active=False):
             found = await self._channels.egress_report(session, most)
         report = NetworkReport(
             policy=session.sandbox.spec.network,

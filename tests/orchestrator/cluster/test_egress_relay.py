@@ -81,8 +81,11 @@ async def test_another_sandbox_of_the_session_replaces_the_loop() -> None:
     new.outbox.add(_record("b.test"))
     await _until(lambda: seen == ["new"])
     assert old.outbox.leftovers()[0] != []  # nobody polls the old one any more
+    # What a replica asks before serving a session it attached (channels.py): served on the
+    # new sandbox, not on the old one any more (a stale copy dropped must not count).
+    assert relays.serves("s1", new) and not relays.serves("s1", old)
     await relays.stop("s1")
-    assert "s1" not in relays
+    assert "s1" not in relays and not relays.serves("s1", new)
 
 
 async def test_a_failed_poll_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:

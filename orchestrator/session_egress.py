@@ -160,6 +160,10 @@ class SessionEgress:
         relayed = _relayed(session)
         return None if relayed is None else await relayed.egress_report(most)
 
+    def serves_another(self, session_id: str, sandbox: object) -> bool:
+        """Whether the session's records are taken here from a sandbox other than `sandbox`."""
+        return self._relays.serves_another(session_id, sandbox)
+
     async def close(self, session_id: str) -> None:
         await self._relays.stop(session_id)
         proxy = self._proxies.pop(session_id, None)

@@ -67,3 +67,9 @@ class SessionLoops:
         """Whether a loop runs for the session on this very sandbox (not an earlier one)."""
         running = self._loops.get(session_id)
         return running is not None and not running[0].done() and running[1] is sandbox
+
+    def serves_another(self, session_id: str, sandbox: object) -> bool:
+        """Whether a loop runs for the session on a sandbox other than `sandbox` (a newer one:
+        the session resumed elsewhere and attached here since)."""
+        running = self._loops.get(session_id)
+        return running is not None and not running[0].done() and running[1] is not sandbox

@@ -147,11 +147,18 @@ class Channels:
         """The session's egress totals and latest `most` connections, if it has a proxy."""
         return await self._egress.report(session, most)
 
-    async def close_for(self, session_id: str) -> None:
+    async def close_for(self, session_id: str, *, sandbox: object | None = None) -> None:
         """Close what a session's sandbox reaches the host through: its tool channel and its
         egress proxy (when it ends, is paused, or fails to resume); what was typed into its
-        processes is written to the audit log now (they are gone)."""
+        processes is written to the audit log now (they are gone). `sandbox`: only if they
+        serve that one; those of a newer sandbox of the session (resumed through another
+        replica and attached here since the pause began) stay."""
         self._trail.input.flush_session(session_id)
+        if sandbox is not None and (
+            self._relays.serves_another(session_id, sandbox)
+            or self._egress.serves_another(session_id, sandbox)
+        ):
+            return
         await self._relays.stop(session_id)
         channel = self._channels.pop(session_id, None)
         if channel is not None:

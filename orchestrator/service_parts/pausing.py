@@ -119,7 +119,7 @@ class Pauses:
         finally:
             # After the sandbox stops, as when a session ends: its proxy's last records (the
             # connections the stop ended) are still taken, from a node too (egress_relay.py).
-            await self._channels.close_for(session.id)
+            await self._channels.close_for(session.id, sandbox=session.sandbox)
         left_over = self._left_over.pop(session.id, None)
         if left_over is not None:  # after the stop: a slow delete never outlasts a fence
             await self._records.drop_saved_state(left_over)
@@ -211,7 +211,8 @@ class Pauses:
             try:
                 await self._sessions.release(session)
             finally:
-                await self._channels.close_for(session.id)  # after, as on a pause
+                # After, as on a pause.
+                await self._channels.close_for(session.id, sandbox=session.sandbox)
             if isinstance(exc, Exception):
                 log.exception("session %s could not be resumed", record.id)
                 raise ResumeFailed(

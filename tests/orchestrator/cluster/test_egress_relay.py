@@ -84,6 +84,8 @@ async def test_another_sandbox_of_the_session_replaces_the_loop() -> None:
     # What a replica asks before serving a session it attached (channels.py): served on the
     # new sandbox, not on the old one any more (a stale copy dropped must not count).
     assert relays.serves("s1", new) and not relays.serves("s1", old)
+    # ... and what a pause of the old one asks before closing the session's channels here.
+    assert relays.serves_another("s1", old) and not relays.serves_another("s1", new)
     await relays.stop("s1")
     assert "s1" not in relays and not relays.serves("s1", new)
 

@@ -29,11 +29,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import random
 import secrets
-import signal
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
@@ -65,15 +62,19 @@ from sandbox.backends.ray_cluster.cluster_state import (
     short,
 )
 from sandbox.backends.ray_cluster.config import RayBackendConfig
-from sandbox.backends.ray_cluster.join_policy import check_join
-from sandbox.backends.ray_cluster.loopback import LOOPBACK, keep_loopback
-from sandbox.backends.ray_cluster.machine_store import MachineStore, machine_store, send_tree
+from sandbox.backends.ray_cluster.joining import give_back_sigterm, join_cluster, leave_cluster
+from sandbox.backends.ray_cluster.machine_store import (
+    MachineStore,
+    image_cap,
+    machine_store,
+    send_tree,
+)
 from sandbox.backends.ray_cluster.names import (
     SESSION_RESOURCE,
     session_actor_name,
     session_prefix,
 )
-from sandbox.backends.ray_cluster.ray_sandbox import IMAGE_SLACK_MB, RaySandbox, kill_actor
+from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox, kill_actor
 from sandbox.backends.ray_cluster.session_actor import SessionFacts
 from sandbox.backends.ray_cluster.session_start import new_session_actor, start_session
 from sandbox.backends.ray_cluster.warm_pool import PoolState, WarmPools
@@ -124,11 +125,6 @@ class _Restore:
     saved: Path
     how: str
     max_bytes: int
-
-
-def _image_bytes(spec: SandboxSpec) -> int:
-    """The most a saved machine of `spec` may take to carry (as `RaySandbox` caps it)."""
-    return (spec.limits.memory_mb + spec.limits.workspace_size_mb + IMAGE_SLACK_MB) << 20
 
 
 class RayBackend(Backend):
@@ -193,8 +189,8 @@ class RayBackend(Backend):
         await asyncio.shield(joining)
 
     async def _join(self) -> None:
-        await asyncio.to_thread(_join, self.config)
-        _give_back_sigterm()
+        await asyncio.to_thread(join_cluster, self.config)
+        give_back_sigterm()
         self._connected = True
 
     async def close(self) -> None:
@@ -207,8 +203,8 @@ class RayBackend(Backend):
                 await asyncio.shield(joining)
         if self._connected:
             self._connected = False
-            await asyncio.to_thread(_leave)
-            _give_back_sigterm()  # Ray's shutdown sets it back to the default: ended at once
+            await asyncio.to_thread(leave_cluster)
+            give_back_sigterm()  # Ray's shutdown sets it back to the default: ended at once
 
     # --- sessions ---------------------------------------------------------------------------
 
@@ -393,14 +389,14 @@ class RayBackend(Backend):
         saved = self._machine_store().path(handle)
         if not await asyncio.to_thread(saved.is_dir):
             raise SandboxError(f"the paused machine {handle} is not in the shared store")
-        sandbox = await self._place(spec, _Restore(saved, "wake", _image_bytes(spec)))
+        sandbox = await self._place(spec, _Restore(saved, "wake", image_cap(spec)))
         await self._machine_store().discard(handle)
         return sandbox
 
     async def fork(self, saved: Path, spec: SandboxSpec) -> RaySandbox:
         """A new session restored from a snapshot of a whole machine (`save_whole`), re-keyed,
         on any node whose backend restores machines."""
-        return await self._place(spec, _Restore(saved, "fork", _image_bytes(spec)))
+        return await self._place(spec, _Restore(saved, "fork", image_cap(spec)))
 
     def _machine_store(self) -> MachineStore:
         if self._machines is None:
@@ -502,73 +498,6 @@ class RayBackend(Backend):
         await self._connect()
         names = await asyncio.to_thread(self._named_actors)
         return await self._pools.drain(names)
-
-
-# --- the cluster, as one process joins it (shared by every RayBackend of the process) -------
-
-_joined_lock = threading.Lock()
-_joined = 0  # RayBackends of this process using the connection
-_joined_by_us = False  # whether ray.init was ours (else: the process's, left alone)
-
-
-def _join(config: RayBackendConfig) -> None:
-    global _joined, _joined_by_us
-    with _joined_lock:
-        if not ray.is_initialized():
-            address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
-            check_join(address, os.environ, allow_unauthenticated=config.allow_unauthenticated)
-            if config.node_ip == LOOPBACK:
-                keep_loopback()
-            try:
-                ray.init(
-                    address=address,
-                    _node_ip_address=config.node_ip,
-                    namespace=config.namespace,
-                    log_to_driver=False,
-                    configure_logging=False,
-                )
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise BackendUnavailable(
-                    f"no Ray cluster answers at {address!r} ({exc}); start one (`ray start "
-                    "--head`) or give its address (--ray-address / RAY_ADDRESS)"
-                ) from None
-            _joined_by_us = True
-        _joined += 1
-
-
-_sigterm_warned = False
-
-
-def _give_back_sigterm() -> None:
-    """Ray's core worker, as it starts, installs its crash handler for SIGTERM too: it takes the
-    signal for a crash, prints a stack and arms an alarm that aborts the process (SIGABRT) 3 s
-    later, so a replica told to stop (a rolling update) was aborted in the middle of its
-    graceful shutdown. The process's own handler (uvicorn's, or Python's default) is given the
-    signal back; Ray's handler still reports real crashes (SIGSEGV, SIGABRT...). Ray's shutdown
-    resets SIGTERM to the default action behind Python's back: given back again then. Only the
-    main thread may set handlers: elsewhere, a warning."""
-    if threading.current_thread() is not threading.main_thread():
-        global _sigterm_warned
-        if not _sigterm_warned:
-            _sigterm_warned = True
-            log.warning(
-                "SIGTERM cannot be given back to this process's own handler from a loop off "
-                "the main thread: Ray's crash handler or its default action keeps it; set "
-                "RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1 before importing ray to keep it yours"
-            )
-        return
-    handler = signal.getsignal(signal.SIGTERM)
-    if handler is not None:  # None: a handler not set from Python, left alone
-        signal.signal(signal.SIGTERM, handler)
-
-
-def _leave() -> None:
-    global _joined, _joined_by_us
-    with _joined_lock:
-        _joined = max(0, _joined - 1)
-        if _joined == 0 and _joined_by_us:
-            _joined_by_us = False
-            ray.shutdown()
 
 
 def _node_usage(seen: dict[str, int]) -> list[NodeUsage]:

@@ -20,9 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from code_interpreter_wire.errors import SandboxError
+from code_interpreter_wire.spec import SandboxSpec
 from sandbox.tree_transfer import TreeEntry, TreeWriter, read_tree
 
 PAUSED_PREFIX = "machine-"  # a paused machine's handle: this and its token
+IMAGE_SLACK_MB = 512  # what a machine's image may hold beyond its memory and workspace
+
+
+def image_cap(spec: SandboxSpec) -> int:
+    """The most a saved machine of `spec` may take to carry: its memory and its workspace,
+    and room for what gVisor keeps besides."""
+    return (spec.limits.memory_mb + spec.limits.workspace_size_mb + IMAGE_SLACK_MB) << 20
 
 
 class MachineStore:

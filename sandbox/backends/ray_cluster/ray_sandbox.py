@@ -37,7 +37,7 @@ from sandbox.backends.ray_cluster.actor_errors import (
     lost_reason,
     sandbox_error_of,
 )
-from sandbox.backends.ray_cluster.machine_store import MachineStore, receive_tree
+from sandbox.backends.ray_cluster.machine_store import MachineStore, image_cap, receive_tree
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
 from sandbox.egress import EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressReport
@@ -54,7 +54,6 @@ KILL_WAIT_S = 10.0  # the longest a close waits for the GCS to take the kill
 # How long a machine paused on its node waits for its replica's next step (a batch of its
 # image taken, the end) before it runs again there: the replica died mid-pause.
 PAUSE_LAPSE_S = 60.0
-IMAGE_SLACK_MB = 512  # what a machine's image may hold beyond its memory and workspace
 
 
 class RaySandbox(Sandbox):
@@ -338,9 +337,9 @@ class RaySandbox(Sandbox):
         handle = self._machines.handle_of(token)
         try:
             await receive_tree(
-                self._actor.send_paused.remote(self._image_cap()),
+                self._actor.send_paused.remote(image_cap(self.spec)),
                 self._machines.path(handle),
-                max_bytes=self._image_cap(),
+                max_bytes=image_cap(self.spec),
                 take=self._call,
             )
         except BaseException:
@@ -369,12 +368,6 @@ class RaySandbox(Sandbox):
             take=self._call,
         )
         return state
-
-    def _image_cap(self) -> int:
-        """The most a paused machine's image may take: its memory and its workspace, and room
-        for what gVisor keeps besides."""
-        limits = self.spec.limits
-        return (limits.memory_mb + limits.workspace_size_mb + IMAGE_SLACK_MB) << 20
 
     # --- what the service reads and relays --------------------------------------------------
 

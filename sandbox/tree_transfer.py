@@ -23,16 +23,20 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+from code_interpreter_wire.errors import SandboxError
+
 BATCH_BYTES = 4 << 20  # file data in one batch (one Ray object)
 MAX_ENTRIES = 200_000  # files, directories and links in one tree
 MAX_NAME_BYTES = 4096  # a path or a link's target
+MAX_TREE_NAME_BYTES = 32 << 20  # the paths and link targets of one tree, all told
+MAX_OWNERS_FILE_BYTES = 64 << 20
 OWNERS_FILE = ".tree-owners.json"  # owners a writer could not set, for the next reader
 _NO_FOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 EntryKind = Literal["dir", "file", "link", "data"]
 
 
-class TreeRefused(Exception):
+class TreeRefused(SandboxError):
     """The stream is not a tree this end takes: over a cap, or a name it refuses."""
 
 
@@ -55,69 +59,94 @@ def read_tree(
     root: Path, *, max_bytes: int, batch_bytes: int = BATCH_BYTES
 ) -> Iterator[list[TreeEntry]]:
     """The tree under `root` as batches of entries, each of at most about `batch_bytes` of
-    data; `TreeRefused` past `max_bytes` of data or `MAX_ENTRIES` entries. Blocking: run it
-    on a thread (a batch at a time)."""
-    owners = _read_owners(root)
-    batch: list[TreeEntry] = []
-    size = total = entries = 0
-    pending = [(root, PurePosixPath())]
-    while pending:
-        directory, relative = pending.pop()
-        with os.scandir(directory) as found:
-            listed = sorted(found, key=lambda entry: entry.name)
-        for entry in listed:
-            if directory == root and entry.name == OWNERS_FILE:
-                continue
-            name = str(relative / entry.name)
-            st = entry.stat(follow_symlinks=False)
-            uid, gid = owners.get(name, (st.st_uid, st.st_gid))
-            entries += 1
-            if entries > MAX_ENTRIES:
-                raise TreeRefused(f"the tree holds over {MAX_ENTRIES} entries")
-            mode, mtime = stat.S_IMODE(st.st_mode), st.st_mtime_ns
-            if stat.S_ISLNK(st.st_mode):
-                target = os.readlink(entry.path)
-                batch.append(TreeEntry("link", name, 0, uid, gid, mtime, target=target))
-            elif stat.S_ISDIR(st.st_mode):
-                batch.append(TreeEntry("dir", name, mode, uid, gid, mtime))
-                pending.append((Path(entry.path), relative / entry.name))
-            elif stat.S_ISREG(st.st_mode):
-                fd = os.open(entry.path, os.O_RDONLY | _NO_FOLLOW)
-                with os.fdopen(fd, "rb") as reader:
-                    if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
-                        continue  # replaced under us by something else: left out
-                    batch.append(TreeEntry("file", name, mode, uid, gid, mtime))
-                    while piece := reader.read(max(1, batch_bytes - size)):
-                        total += len(piece)
-                        if total > max_bytes:
-                            raise TreeRefused(f"the tree holds over {max_bytes} bytes")
-                        batch.append(TreeEntry("data", data=piece))
-                        size += len(piece)
-                        if size >= batch_bytes:
-                            yield batch
-                            batch, size = [], 0
-            # FIFOs, sockets and devices are left out
-            if len(batch) >= 4096:  # many small entries: a batch stays small too
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
+    data; `TreeRefused` past `max_bytes` of data, `MAX_ENTRIES` entries or
+    `MAX_TREE_NAME_BYTES` of names. The tree must be still (a stopped machine's, a copy):
+    its entries are never followed through a link, its directories are walked by name.
+    Blocking: run it on a thread (a batch at a time)."""
+    reader = _TreeReader(root, max_bytes, batch_bytes)
+    yield from reader.batches()
+
+
+class _TreeReader:
+    def __init__(self, root: Path, max_bytes: int, batch_bytes: int) -> None:
+        self.root, self.max_bytes, self.batch_bytes = root, max_bytes, batch_bytes
+        self.owners = _read_owners(root)
+        self.batch: list[TreeEntry] = []
+        self.size = self.total = self.entries = self.names = 0
+        self.pending = [(root, PurePosixPath())]
+
+    def batches(self) -> Iterator[list[TreeEntry]]:
+        while self.pending:
+            directory, relative = self.pending.pop()
+            with os.scandir(directory) as found:
+                for entry in found:  # counted as listed: a huge directory is refused early
+                    if directory == self.root and entry.name == OWNERS_FILE:
+                        continue
+                    yield from self._entry(entry, relative)
+                    if len(self.batch) >= 4096:  # many small entries: batches stay small too
+                        yield self._taken()
+        if self.batch:
+            yield self._taken()
+
+    def _taken(self) -> list[TreeEntry]:
+        batch, self.batch, self.size = self.batch, [], 0
+        return batch
+
+    def _entry(self, entry: os.DirEntry[str], relative: PurePosixPath) -> Iterator[list[TreeEntry]]:
+        name = str(relative / entry.name)
+        st = entry.stat(follow_symlinks=False)
+        uid, gid, mode = self.owners.get(name, (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+        self.entries += 1
+        self.names += len(os.fsencode(name))
+        if self.entries > MAX_ENTRIES or self.names > MAX_TREE_NAME_BYTES:
+            raise TreeRefused(
+                f"the tree holds over {MAX_ENTRIES} entries or {MAX_TREE_NAME_BYTES} bytes of names"
+            )
+        mtime = st.st_mtime_ns
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(entry.path)
+            self.names += len(os.fsencode(target))
+            self.batch.append(TreeEntry("link", name, 0, uid, gid, mtime, target=target))
+        elif stat.S_ISDIR(st.st_mode):
+            self.batch.append(TreeEntry("dir", name, mode, uid, gid, mtime))
+            self.pending.append((Path(entry.path), relative / entry.name))
+        elif stat.S_ISREG(st.st_mode):
+            fd = os.open(entry.path, os.O_RDONLY | _NO_FOLLOW)
+            with os.fdopen(fd, "rb") as reader:
+                if not stat.S_ISREG(os.fstat(reader.fileno()).st_mode):
+                    return  # replaced under us by something else: left out
+                self.batch.append(TreeEntry("file", name, mode, uid, gid, mtime))
+                while piece := reader.read(max(1, self.batch_bytes - self.size)):
+                    self.total += len(piece)
+                    if self.total > self.max_bytes:
+                        raise TreeRefused(f"the tree holds over {self.max_bytes} bytes")
+                    self.batch.append(TreeEntry("data", data=piece))
+                    self.size += len(piece)
+                    if self.size >= self.batch_bytes:
+                        yield self._taken()
+        # FIFOs, sockets and devices are left out
 
 
 class TreeWriter:
     """Writes a stream of `read_tree` batches into `dest`, a directory it makes (its parent
     must exist; `dest` must not). `finish()` sets the directories' modes last; `abort()`
-    removes what was written. Blocking: call it on a thread."""
+    removes what was written. Blocking: call it on a thread.
+
+    A writer that may not set owners (not root) keeps each entry's owner and mode in
+    `OWNERS_FILE` instead, and leaves its copy readable and removable by itself (files u+rw,
+    directories u+rwx): a mode that shut out its owner must not make the copy unreadable, or
+    impossible to delete."""
 
     def __init__(self, dest: Path, *, max_bytes: int, set_owners: bool | None = None) -> None:
         self.dest = dest
         self.max_bytes = max_bytes
         self.bytes = 0
         self.entries = 0
+        self.names = 0
         os.mkdir(dest, 0o700)
         self._dirs: dict[str, TreeEntry] = {"": TreeEntry("dir")}  # made here, by name
         self._file: tuple[int, TreeEntry] | None = None  # the file being written
-        self._owners: dict[str, tuple[int, int]] = {}
+        self._kept: list[tuple[str, int, int, int]] = []  # (name, uid, gid, mode) not set
         # Owners set on the files (None: where it may, as root), else kept in OWNERS_FILE.
         self._chown = os.geteuid() == 0 if set_owners is None else set_owners
 
@@ -128,8 +157,12 @@ class TreeWriter:
                 continue
             self._end_file()
             self.entries += 1
-            if self.entries > MAX_ENTRIES:
-                raise TreeRefused(f"the tree holds over {MAX_ENTRIES} entries")
+            self.names += len(os.fsencode(entry.path)) + len(os.fsencode(entry.target))
+            if self.entries > MAX_ENTRIES or self.names > MAX_TREE_NAME_BYTES:
+                raise TreeRefused(
+                    f"the tree holds over {MAX_ENTRIES} entries or {MAX_TREE_NAME_BYTES} bytes "
+                    "of names"
+                )
             name = _checked_name(entry.path)
             parent = name.rpartition("/")[0]
             if parent not in self._dirs:  # never through a link, nor a name not made here
@@ -139,10 +172,13 @@ class TreeWriter:
                 os.mkdir(where, 0o700)
                 self._dirs[name] = entry
             elif entry.kind == "link":
-                if len(entry.target.encode()) > MAX_NAME_BYTES or "\0" in entry.target:
+                if len(os.fsencode(entry.target)) > MAX_NAME_BYTES or "\0" in entry.target:
                     raise TreeRefused(f"the link {name!r} has an impossible target")
                 os.symlink(entry.target, where)
-                self._own(where, entry, link=True)
+                if self._chown:
+                    os.lchown(where, entry.uid, entry.gid)
+                else:
+                    self._kept.append((name, entry.uid, entry.gid, 0))
             elif entry.kind == "file":
                 fd = os.open(where, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW, 0o600)
                 self._file = (fd, entry)
@@ -165,21 +201,22 @@ class TreeWriter:
         fd, entry = self._file
         self._file = None
         try:
-            os.fchmod(fd, entry.mode & 0o7777)
-            self._own(fd, entry)
+            os.fchmod(fd, self._mode(entry, 0o600))
+            if self._chown:  # owner first: a chown clears setuid and setgid bits
+                os.fchown(fd, entry.uid, entry.gid)
+                os.fchmod(fd, entry.mode & 0o7777)
             os.utime(fd, ns=(entry.mtime_ns, entry.mtime_ns))
         finally:
             os.close(fd)
 
-    def _own(self, where: int | Path, entry: TreeEntry, *, link: bool = False) -> None:
-        if not self._chown:
-            self._owners[entry.path] = (entry.uid, entry.gid)
-        elif isinstance(where, int):
-            os.fchown(where, entry.uid, entry.gid)
-        elif link:
-            os.lchown(where, entry.uid, entry.gid)
-        else:
-            os.chown(where, entry.uid, entry.gid)
+    def _mode(self, entry: TreeEntry, owner_needs: int) -> int:
+        """The mode to set: the entry's own where owners are set, else its own with what this
+        writer needs of its copy (the true one kept)."""
+        mode = entry.mode & 0o7777
+        if self._chown:
+            return mode
+        self._kept.append((entry.path, entry.uid, entry.gid, mode))
+        return mode | owner_needs
 
     def finish(self) -> None:
         """End the last file; then each directory's owner, mode and time (deepest first: a
@@ -189,12 +226,12 @@ class TreeWriter:
             if not name:
                 continue
             entry, where = self._dirs[name], self.dest / name
-            self._own(where, entry)
-            os.chmod(where, entry.mode & 0o7777, follow_symlinks=False)
+            if self._chown:
+                os.chown(where, entry.uid, entry.gid, follow_symlinks=False)
+            os.chmod(where, self._mode(entry, 0o700), follow_symlinks=False)
             os.utime(where, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
-        if self._owners:
-            owners = [[name, uid, gid] for name, (uid, gid) in sorted(self._owners.items())]
-            (self.dest / OWNERS_FILE).write_text(json.dumps(owners))
+        if self._kept:
+            (self.dest / OWNERS_FILE).write_text(json.dumps(sorted(self._kept)))
 
     def abort(self) -> None:
         if self._file is not None:
@@ -205,7 +242,7 @@ class TreeWriter:
 
 def _checked_name(path: str) -> str:
     """A plain relative name: no '..', no '.', no empty part, not absolute, bounded."""
-    if not path or len(path.encode()) > MAX_NAME_BYTES or "\0" in path or path.startswith("/"):
+    if not path or len(os.fsencode(path)) > MAX_NAME_BYTES or "\0" in path or path.startswith("/"):
         raise TreeRefused(f"the entry name {path[:200]!r} is refused")
     parts = path.split("/")
     if any(part in ("", ".", "..") for part in parts) or path == OWNERS_FILE:
@@ -213,12 +250,14 @@ def _checked_name(path: str) -> str:
     return path
 
 
-def _read_owners(root: Path) -> dict[str, tuple[int, int]]:
-    """The owners a writer without the right to set them kept beside the tree."""
+def _read_owners(root: Path) -> dict[str, tuple[int, int, int]]:
+    """The owners and modes a writer without the right to set them kept beside the tree."""
     found = root / OWNERS_FILE
     if not found.is_file():
         return {}
-    owners: dict[str, tuple[int, int]] = {}
-    for name, uid, gid in json.loads(found.read_text()):
-        owners[str(name)] = (int(uid), int(gid))
+    if found.stat().st_size > MAX_OWNERS_FILE_BYTES:
+        raise TreeRefused(f"{OWNERS_FILE} is over {MAX_OWNERS_FILE_BYTES} bytes")
+    owners: dict[str, tuple[int, int, int]] = {}
+    for name, uid, gid, mode in json.loads(found.read_text(errors="surrogateescape")):
+        owners[str(name)] = (int(uid), int(gid), int(mode))
     return owners

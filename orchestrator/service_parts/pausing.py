@@ -206,8 +206,7 @@ class Pauses:
             await self._records.put(record_of(session, self._channels.session_tools(session)))
         except BaseException as exc:
             if record.suspended is not None:  # paused again as it was, not killed
-                with contextlib.suppress(Exception):
-                    record.suspended = await session.sandbox.suspend() or record.suspended
+                await self._suspend_again(record, session)
             try:
                 await self._sessions.release(session)
             finally:
@@ -222,10 +221,26 @@ class Pauses:
             raise
         if saved is not None:
             await self._records.drop_saved_state(saved.id)
+        if record.suspended is not None:  # recorded running: what the wake kept may go
+            with contextlib.suppress(Exception):
+                await self._sessions.backends[record.backend].woken(record.suspended)
         METRICS.sessions_resumed.inc()
         self._trail.resumed(record.id, record.owner)
         log.info("session %s resumed", record.id)
         return session
+
+    async def _suspend_again(self, record: SessionRecord, session: Session) -> None:
+        """A resume that failed after its sandbox woke: paused again as it was, and the record
+        names the new image (the one it woke from goes, where the engine kept it); if it cannot
+        be paused again, the record keeps naming the image it woke from."""
+        earlier = record.suspended
+        with contextlib.suppress(Exception):
+            again = await session.sandbox.suspend()
+            if again is not None and again != earlier:
+                record.suspended = again
+                await self._records.put(record)
+                if earlier is not None:
+                    await self._sessions.backends[record.backend].discard(earlier)
 
     async def delete(self, record: SessionRecord, why: str) -> None:
         """A paused session ends for good: its record, saved state and kept outputs go."""

@@ -398,6 +398,10 @@ class Backend(ABC):
         as it was."""
         raise SandboxError(f"the {self.name} backend cannot wake a carried suspended sandbox")
 
+    async def woken(self, handle: str) -> None:  # noqa: B027 - most keep nothing after a wake
+        """The session `wake(handle)` woke runs, and its record says so: what the wake kept of
+        its image until then (to wake it again should the resume fail) may go."""
+
     async def suspend_left(self, sandbox_id: str) -> str | None:
         """Pause a sandbox an earlier process of this service left running, where the engine
         can: its handle for `wake`, or None (it is then cleared with the orphans)."""

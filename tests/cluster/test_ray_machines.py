@@ -209,6 +209,10 @@ async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
         assert woken.node_id != paused_on
         value, running, kept, _ = (await printed(woken, CHECK)).split()
         assert (value, running, kept) == (held, "True", "True")
+        # Kept until the service has recorded it running: a resume failing after the wake
+        # can wake it again.
+        assert len(list((tmp_path / "machines").iterdir())) == 1
+        await backend.woken(handle)
         assert list((tmp_path / "machines").iterdir()) == [], "a woken image stayed in the store"
     finally:
         await woken.close()
@@ -217,8 +221,8 @@ async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
 async def test_a_pause_whose_image_cannot_be_carried_runs_on(
     gvisor_cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """The store cannot take the image (here: its directory cannot be made): the pause fails,
-    and the machine runs again on its node as it was."""
+    """The store cannot take the image (here: its directory cannot be made): the machine runs
+    again on its node as it was, and the pause falls back to the kernel's state (None)."""
     (tmp_path / "a-file").write_text("")
     backend = RayBackend(
         RayBackendConfig(
@@ -232,8 +236,7 @@ async def test_a_pause_whose_image_cannot_be_carried_runs_on(
         sandbox = await backend.create(SandboxSpec())
         try:
             held = await printed(sandbox, SETUP)
-            with pytest.raises(OSError):
-                await sandbox.suspend()
+            assert await sandbox.suspend() is None
             value, running, kept, _ = (await printed(sandbox, CHECK)).split()
             assert (value, running, kept) == (held, "True", "True")
         finally:

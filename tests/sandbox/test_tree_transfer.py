@@ -47,24 +47,44 @@ def test_a_tree_arrives_whole_with_its_links_modes_and_times(tmp_path: Path) -> 
     assert (dest / "dir" / "deeper").stat().st_mode & 0o7777 == 0o500
 
 
-def test_owners_the_writer_may_not_set_are_kept_beside_the_tree_for_its_next_reader(
+def test_owners_and_modes_the_writer_may_not_set_are_kept_beside_the_tree_for_its_next_reader(
     tmp_path: Path,
 ) -> None:
+    """A writer that is not root keeps owners and modes beside its copy, which stays its own to
+    read and delete (a file of mode 0, a directory of 0o555), and the next reader sends the
+    true ones."""
+    source = tmp_path / "source"
+    (source / "shut").mkdir(parents=True)
+    (source / "shut" / "file").write_text("x")
+    (source / "shut" / "file").chmod(0o000)
+    (source / "shut").chmod(0o555)
+    if os.geteuid() == 0:
+        os.chown(source / "shut" / "file", 1234, 5678)
+    expected, directory = (source / "shut" / "file").stat(), (source / "shut").stat()
+    carried(source, tmp_path / "store", set_owners=False)
+    store = tmp_path / "store"
+    assert (store / OWNERS_FILE).is_file()
+    assert (store / "shut" / "file").stat().st_mode & 0o600 == 0o600
+    assert (store / "shut").stat().st_mode & 0o700 == 0o700
+    sent = {
+        e.path: (e.uid, e.gid, e.mode)
+        for batch in read_tree(store, max_bytes=1 << 20)
+        for e in batch
+        if e.kind != "data"
+    }  # the sidecar itself is not sent
+    assert sent == {
+        "shut": (directory.st_uid, directory.st_gid, 0o555),
+        "shut/file": (expected.st_uid, expected.st_gid, 0o000),
+    }
+
+
+def test_a_name_that_is_not_utf8_is_carried_as_it_is(tmp_path: Path) -> None:
     source = tmp_path / "source"
     source.mkdir()
-    (source / "file").write_text("x")
-    if os.geteuid() == 0:
-        os.chown(source / "file", 1234, 5678)
-    expected = (source / "file").stat()
-    carried(source, tmp_path / "store", set_owners=False)
-    assert (tmp_path / "store" / OWNERS_FILE).is_file()
-    owners = {
-        e.path: (e.uid, e.gid)
-        for b in read_tree(tmp_path / "store", max_bytes=1 << 20)
-        for e in b
-        if e.kind != "data"
-    }
-    assert owners == {"file": (expected.st_uid, expected.st_gid)}  # the sidecar itself is not sent
+    odd = os.fsdecode(b"caf\xe9.txt")  # Latin-1, as an old archive unpacks it
+    (source / odd).write_text("x")
+    carried(source, tmp_path / "dest")
+    assert os.listdir(os.fsencode(tmp_path / "dest")) == [b"caf\xe9.txt"]
 
 
 @pytest.mark.parametrize(

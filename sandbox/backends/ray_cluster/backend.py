@@ -127,6 +127,17 @@ class _Restore:
     max_bytes: int
 
 
+async def _carried_cap(saved: Path, spec: SandboxSpec) -> int:
+    """The bound on a saved machine carried to a node: its spec's, or what it holds if more
+    (a snapshot made under a larger spec than the fork's; the store is the service's own)."""
+    held = await asyncio.to_thread(_tree_size, saved)
+    return max(image_cap(spec), held + (1 << 20))
+
+
+def _tree_size(root: Path) -> int:
+    return sum(p.lstat().st_size for p in root.rglob("*") if not p.is_symlink())
+
+
 class RayBackend(Backend):
     name = "ray"
     capabilities = BackendCapabilities(
@@ -385,18 +396,22 @@ class RayBackend(Backend):
 
     async def wake(self, handle: str, spec: SandboxSpec) -> RaySandbox:
         """A session `RaySandbox.suspend` paused whole, running again as it was, on any node
-        whose backend restores machines; its image leaves the shared store once it runs."""
+        whose backend restores machines; its image stays in the shared store until the
+        service has recorded the session running (`woken`), so a resume that fails after the
+        wake can be tried again."""
         saved = self._machine_store().path(handle)
         if not await asyncio.to_thread(saved.is_dir):
             raise SandboxError(f"the paused machine {handle} is not in the shared store")
-        sandbox = await self._place(spec, _Restore(saved, "wake", image_cap(spec)))
-        await self._machine_store().discard(handle)
-        return sandbox
+        return await self._place(spec, _Restore(saved, "wake", await _carried_cap(saved, spec)))
+
+    async def woken(self, handle: str) -> None:
+        if MachineStore.is_handle(handle) and self._machines is not None:
+            await self._machines.discard(handle)
 
     async def fork(self, saved: Path, spec: SandboxSpec) -> RaySandbox:
         """A new session restored from a snapshot of a whole machine (`save_whole`), re-keyed,
         on any node whose backend restores machines."""
-        return await self._place(spec, _Restore(saved, "fork", image_cap(spec)))
+        return await self._place(spec, _Restore(saved, "fork", await _carried_cap(saved, spec)))
 
     def _machine_store(self) -> MachineStore:
         if self._machines is None:

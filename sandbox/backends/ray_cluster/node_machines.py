@@ -12,6 +12,7 @@ is woken again here from its image, so a failed pause loses nothing and the sess
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import shutil
@@ -43,6 +44,7 @@ class NodeMachines:
     _paused_here: Path | None = None  # a paused machine's image, until it is safe elsewhere
     _paused_away = False  # the replica has the image: a lapse ends the actor, never wakes it
     _lapse_s = 60.0  # how long a paused image waits for its replica's next step
+    _pausing: asyncio.Lock | None = None  # one step of a whole pause at a time
     # Replaced whole, never changed in place: the defaults are shared by every actor.
     _saves: Mapping[str, Path] = MappingProxyType({})  # token -> a snapshot saved here, unsent
     _received: Mapping[str, tuple[TreeWriter, Path]] = MappingProxyType({})  # token -> incoming
@@ -73,55 +75,91 @@ class NodeMachines:
         """Save the machine whole and stop it, its image kept on this node for the replica to
         carry away (`send_paused`); None where it cannot be saved so (what it holds, or calls
         that may change it still in flight): the replica then saves the kernel's state, and
-        the machine runs on. `lapse_s`: how long the image waits for the replica's next step
-        (each batch carried counts as one)."""
+        the machine runs on. Calls from every replica are refused from the start (before the
+        save, so none changes what is saved). `lapse_s`: how long the image waits for the
+        replica's next step (each batch carried counts as one)."""
         if self._backend is None or self._fenced is not None or self._changing:
             return None
-        handle = await self.sandbox.suspend()
-        if handle is None:
+        if getattr(self, "_closed", False):
             return None
-        self._lapse_s = lapse_s
-        self._fence(PAUSING_WHY, lapse_s)
-        held = await self._staging_dir() / f"paused-{secrets.token_hex(8)}"
-        try:
-            await self._backend.take_suspended(handle, held)
-        except BaseException:
-            self._paused_here = None
-            await self._woken(await self._backend.wake(handle, self.spec))
-            raise
-        self._paused_here = held
-        return held.name
+        self._fenced = PAUSING_WHY  # at once, before any await: no call slips in
+        async with self._pause_lock():
+            try:
+                handle = await self.sandbox.suspend()
+            except BaseException:
+                self._unfence()
+                raise
+            if handle is None:
+                self._unfence()
+                return None
+            self._lapse_s = lapse_s
+            self._fence(PAUSING_WHY, lapse_s)
+            try:
+                held = await self._staging_dir() / f"paused-{secrets.token_hex(8)}"
+                await self._backend.take_suspended(handle, held)
+            except BaseException:
+                await self._woken(await self._backend.wake(handle, self.spec))
+                raise
+            self._paused_here = held
+            return held.name
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=TREE_BATCHES_UNREAD)
     async def send_paused(self, max_bytes: int) -> AsyncIterator[list[TreeEntry]]:
         """The paused machine's image, in batches (a streaming call: see session_actor.py)."""
-        if self._paused_here is None:
+        held = self._paused_here
+        if held is None:
             raise SandboxError("no paused machine is held on this node")
-        async for batch in _tree_batches(self._paused_here, max_bytes):
+        async for batch in _tree_batches(held, max_bytes):
+            if self._paused_here is not held:
+                raise SandboxError("the paused machine was woken again on its node")
             self._fence(PAUSING_WHY, self._lapse_s)  # carried on: the lapse counts again
             yield batch
 
     async def paused_away(self) -> None:
         """The image is safe elsewhere: its copy here goes; the actor waits to be closed (if
-        no replica closes it within the lapse, it ends itself)."""
-        self._paused_away = True
-        held, self._paused_here = self._paused_here, None
-        if held is not None:
-            await asyncio.to_thread(shutil.rmtree, held, True)
+        no replica closes it within the lapse, it ends itself). Refused if the machine was
+        woken here meanwhile (the lapse): the session runs on here, not paused."""
+        async with self._pause_lock():
+            if self._paused_here is None and not self._paused_away:
+                raise SandboxError(
+                    "the machine was woken again on its node before its image was safe: the "
+                    "session runs on there; pause it again"
+                )
+            self._paused_away = True
+            held, self._paused_here = self._paused_here, None
+            if held is not None:
+                await asyncio.to_thread(shutil.rmtree, held, True)
 
     async def wake_here(self) -> None:
-        """The image could not be carried away: the machine runs again here, as it was."""
-        if self._paused_here is None or self._paused_away:
-            return
-        held = self._paused_here
-        await self._woken(await self._backend_or_fail().wake_from(held, self.spec))
-        self._paused_here = None
-        await asyncio.to_thread(shutil.rmtree, held, True)
+        """The image could not be carried away: the machine runs again here, as it was. Once
+        only, however many ask (the replica and the lapse)."""
+        async with self._pause_lock():
+            held = self._paused_here
+            if held is None or self._paused_away:
+                if not self._paused_away:
+                    self._unfence()  # nothing is paused here: calls go on
+                return
+            woken = await self._backend_or_fail().wake_from(held, self.spec)
+            self._paused_here = None  # first: a batch still being sent stops, never fences
+            await self._woken(woken)
+            await asyncio.to_thread(shutil.rmtree, held, True)
+
+    def holds_a_pause(self) -> bool:
+        """Whether a whole pause holds the machine (stopped here, or carried away)."""
+        return self._paused_here is not None or self._paused_away
 
     async def _woken(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox
-        await self.reopen_tool_relay()
         self._unfence()
+        try:
+            await self.reopen_tool_relay()
+        except Exception:
+            log.exception("the woken machine's host-tool channel could not be opened again")
+
+    def _pause_lock(self) -> asyncio.Lock:
+        if self._pausing is None:
+            self._pausing = asyncio.Lock()
+        return self._pausing
 
     def _fence(self, why: str, lapse_s: float) -> None:
         self._fenced = why
@@ -138,7 +176,10 @@ class NodeMachines:
     async def _after_lapse(self) -> None:
         if self._paused_away:
             log.warning("a paused session's actor was never closed by its replica: ending it")
-            await self.close()  # type: ignore[attr-defined]
+            await self._shut_down()  # type: ignore[attr-defined]
+            with contextlib.suppress(Exception):  # its own handle: the slot goes back
+                me = ray.get_runtime_context().current_actor
+                await asyncio.to_thread(ray.kill, me, no_restart=True)
             return
         try:
             log.warning("a pause was never finished by its replica: the machine runs again")
@@ -151,6 +192,9 @@ class NodeMachines:
     async def save_whole_here(self, max_bytes: int) -> tuple[str, SavedState] | None:
         """Save the machine whole on this node and run on; (its token for `send_save`, what
         was saved), or None where it cannot be saved so."""
+        for earlier in self._saves.values():  # never taken (its replica left): gone now
+            await asyncio.to_thread(shutil.rmtree, earlier, True)
+        self._saves = {}
         staged = await self._staging_dir() / f"save-{secrets.token_hex(8)}"
         state = await self.sandbox.save_whole(staged, max_bytes=max_bytes)
         if state is None:

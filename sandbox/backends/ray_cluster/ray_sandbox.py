@@ -42,7 +42,8 @@ from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, Session
 from sandbox.egress import EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressReport
 from sandbox.processes.handle import ProcessHandle
-from sandbox.saved_report import SavedState
+from sandbox.saved_report import SavedState, StateTooLarge
+from sandbox.tree_transfer import TreeRefused
 
 log = logging.getLogger(__name__)
 
@@ -327,27 +328,48 @@ class RaySandbox(Sandbox):
         """Pause the whole machine: saved and stopped on its node, its image carried to the
         shared store, its handle returned for `RayBackend.wake` on any node. None where its
         node cannot (its backend, or what the machine holds) or there is no shared store: the
-        service then saves the kernel's state. If the image cannot be carried, the machine runs
-        on again on its node and the error is raised: nothing is lost."""
+        service then saves the kernel's state. If the image cannot be carried (a tree over its
+        caps, the store full or out of reach), the machine runs on again on its node, as it
+        was, and None too (said in the log); if it cannot even run on, the error."""
         if self._machines is None or not self.facts.whole_saves:
             return None
         token: str | None = await self._call(self._actor.suspend_here.remote(PAUSE_LAPSE_S))
         if token is None:
             return None
         handle = self._machines.handle_of(token)
+        sending = self._actor.send_paused.remote(image_cap(self.spec))
         try:
             await receive_tree(
-                self._actor.send_paused.remote(image_cap(self.spec)),
+                sending,
                 self._machines.path(handle),
                 max_bytes=image_cap(self.spec),
                 take=self._call,
             )
-        except BaseException:
-            with contextlib.suppress(Exception):  # shielded: a caller that left still wakes it
+        except Exception as exc:
+            _cancel(sending)  # before the wake: it would fence the woken machine again
+            await self._call(self._actor.wake_here.remote())
+            log.warning(
+                "session actor %s: its machine could not be carried to the store (%s); it runs "
+                "on, its kernel's state is saved instead",
+                self._name,
+                exc,
+            )
+            return None
+        except BaseException:  # the caller left: woken all the same (shielded), then gone
+            _cancel(sending)
+            with contextlib.suppress(Exception):
                 await asyncio.shield(self._call(self._actor.wake_here.remote()))
             raise
-        with contextlib.suppress(Exception):  # else it ends itself after the lapse
+        try:
             await self._call(self._actor.paused_away.remote())
+        except SandboxLost:
+            pass  # the image is safe in the store: what the actor does now does not matter
+        except SandboxError as exc:  # woken on its node meanwhile (the lapse): it runs on there
+            await self._machines.discard(handle)
+            log.warning("session actor %s: %s", self._name, exc)
+            return None
+        except Exception:  # out of reach for now: it ends itself after the lapse
+            log.warning("session actor %s did not hear its image is safe", self._name)
         return handle
 
     async def save_whole(self, into: Path, *, max_bytes: int) -> SavedState | None:
@@ -361,12 +383,15 @@ class RaySandbox(Sandbox):
         if saved is None:
             return None
         token, state = saved
-        await receive_tree(
-            self._actor.send_save.remote(token, max_bytes),
-            into,
-            max_bytes=max_bytes,
-            take=self._call,
-        )
+        try:
+            await receive_tree(
+                self._actor.send_save.remote(token, max_bytes),
+                into,
+                max_bytes=max_bytes,
+                take=self._call,
+            )
+        except TreeRefused as exc:  # over its caps once carried: as a save over them is
+            raise StateTooLarge(f"the whole machine cannot be carried: {exc}") from None
         return state
 
     # --- what the service reads and relays --------------------------------------------------

@@ -248,8 +248,10 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress, NodeMachines):
         return True
 
     async def unfence(self) -> None:
-        """A pause that fenced it failed after all: calls are taken again."""
-        self._unfence()
+        """A pause that fenced it failed after all: calls are taken again (not while a whole
+        pause holds the machine: that one ends by its own steps, node_machines.py)."""
+        if not self.holds_a_pause():
+            self._unfence()
 
     def _unfence(self) -> None:
         self._fenced = None

@@ -242,6 +242,7 @@ class RayBackend(Backend):
         candidates.sort(key=lambda node: -(node.room - self._placing.get(node.node_id, 0)))
         if restore is not None:  # nodes known to restore machines first
             candidates.sort(key=lambda node: not self._whole_saves.get(node.node_id, False))
+        failed: Exception | None = None  # the last node's failure to restore the machine
         for node in candidates:
             if fits and node.warm:
                 warm = await self._pools.take(node.node_id, spec)
@@ -259,12 +260,21 @@ class RayBackend(Backend):
                 log.info("node %s filled before a session landed there", node.node_id[:16])
             except _CannotRestore:
                 log.info("node %s does not restore whole machines", node.node_id[:16])
+            except SandboxError as exc:
+                if restore is None or isinstance(exc, (SandboxLost, CapacityReached)):
+                    raise
+                # This node could not restore it (another runsc, the image missing there):
+                # the next one may.
+                log.warning("node %s could not restore the machine: %s", node.node_id[:16], exc)
+                failed = exc
             finally:  # a slot filled stays counted until the GCS's view has caught up
                 forget = functools.partial(self._placed_no_more, node.node_id)
                 if placed:
                     asyncio.get_running_loop().call_later(GCS_LAG_S, forget)
                 else:
                     forget()
+        if failed is not None:
+            raise failed
         if restore is not None and not any(self._whole_saves.values()):
             raise SandboxError(
                 "no node of the cluster restores whole machines: the session's machine was "

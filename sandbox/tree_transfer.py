@@ -216,7 +216,7 @@ class TreeWriter:
         if self._chown:
             return mode
         self._kept.append((entry.path, entry.uid, entry.gid, mode))
-        return mode | owner_needs
+        return (mode & 0o777) | owner_needs  # no setuid on a copy its owners did not make
 
     def finish(self) -> None:
         """End the last file; then each directory's owner, mode and time (deepest first: a
@@ -231,7 +231,10 @@ class TreeWriter:
             os.chmod(where, self._mode(entry, 0o700), follow_symlinks=False)
             os.utime(where, ns=(entry.mtime_ns, entry.mtime_ns), follow_symlinks=False)
         if self._kept:
-            (self.dest / OWNERS_FILE).write_text(json.dumps(sorted(self._kept)))
+            kept = json.dumps(sorted(self._kept))
+            if len(kept) > MAX_OWNERS_FILE_BYTES:  # a reader would refuse it: refused now
+                raise TreeRefused(f"the tree's owners take over {MAX_OWNERS_FILE_BYTES} bytes")
+            (self.dest / OWNERS_FILE).write_text(kept)
 
     def abort(self) -> None:
         if self._file is not None:
@@ -259,5 +262,5 @@ def _read_owners(root: Path) -> dict[str, tuple[int, int, int]]:
         raise TreeRefused(f"{OWNERS_FILE} is over {MAX_OWNERS_FILE_BYTES} bytes")
     owners: dict[str, tuple[int, int, int]] = {}
     for name, uid, gid, mode in json.loads(found.read_text(errors="surrogateescape")):
-        owners[str(name)] = (int(uid), int(gid), int(mode))
+        owners[str(name)] = (int(uid), int(gid), int(mode))  # links: mode 0, never read
     return owners

@@ -234,13 +234,20 @@ class Pauses:
         names the new image (the one it woke from goes, where the engine kept it); if it cannot
         be paused again, the record keeps naming the image it woke from."""
         earlier = record.suspended
+        backend = self._sessions.backends[record.backend]
         with contextlib.suppress(Exception):
             again = await session.sandbox.suspend()
-            if again is not None and again != earlier:
-                record.suspended = again
-                await self._records.put(record)
-                if earlier is not None:
-                    await self._sessions.backends[record.backend].discard(earlier)
+            if again is None or again == earlier:
+                return
+            try:
+                await self._records.put(record.model_copy(update={"suspended": again}))
+            except BaseException:
+                with contextlib.suppress(Exception):  # the record still names the earlier
+                    await backend.discard(again)
+                raise
+            record.suspended = again
+            if earlier is not None:
+                await backend.discard(earlier)
 
     async def delete(self, record: SessionRecord, why: str) -> None:
         """A paused session ends for good: its record, saved state and kept outputs go."""

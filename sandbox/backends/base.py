@@ -282,6 +282,11 @@ class Sandbox(ABC):
         await self.close()
 
 
+class SavedSandboxUnusable(SandboxError):
+    """A saved sandbox this host's engine cannot restore (its version, an image it lacks, a
+    truncated save): nothing of the session was changed, and another host may restore it."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BackendCapabilities:
     """What a backend's sandboxes can do, declared by the backend, so the service asks what it

@@ -202,6 +202,9 @@ async def test_a_paused_machine_wakes_in_another_service_process(
     woken = await again.wake(handle, sb.spec)
     try:
         assert (await woken.execute("state['n'] + 1")).text == "42"
+        # Kept until the service has it recorded running: a failed resume wakes it again.
+        assert (gvisor.paused_dir / handle).is_dir()
+        await again.woken(handle)
     finally:
         await woken.close()
     assert not (gvisor.paused_dir / handle).exists()

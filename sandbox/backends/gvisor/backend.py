@@ -7,7 +7,8 @@ agent (machine_agent.py), so that nothing inside holds a host socket and the mac
 saved whole: every kernel with its variables, every process still running, the files.
 
 Saved machines (machine_images.py) live under the state dir, read only from there:
-- a paused one in `gvisor-paused/<handle>/`, restored once by `wake`, removed with its session;
+- a paused one in `gvisor-paused/<handle>/`, restored by `wake`, removed once the service has
+  the session recorded running (`woken`) or with its session;
 - a named snapshot in the service's snapshot store, restored as often as asked by `fork`;
 - a template per image and spec in `gvisor-templates/<key>/`: a machine with the preload's
   modules imported, made in the background after the first sandbox of its spec, from which
@@ -336,8 +337,10 @@ class GvisorBackend(Backend):
             if uid is not None:
                 self.keep_uid(handle, uid)  # still paused: still its
             raise
-        shutil.rmtree(paused, ignore_errors=True)  # running again: the image is spent
-        return sandbox
+        return sandbox  # its image stays until the service has it recorded running (`woken`)
+
+    async def woken(self, handle: str) -> None:
+        await asyncio.to_thread(shutil.rmtree, self._paused(handle), True)
 
     async def fork(self, saved: Path, spec: SandboxSpec) -> GvisorSandbox:
         return await self._restore(saved, spec, shared=True)

@@ -41,7 +41,7 @@ from code_interpreter_wire.errors import (
     SandboxStartError,
 )
 from code_interpreter_wire.spec import ResourceLimits
-from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
+from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, SavedSandboxUnusable
 from sandbox.backends.docker_launcher import gvisor_host_pids
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
@@ -108,7 +108,7 @@ class RestoreFailed(MachineError):
     machine is gone (the next call starts a new one)."""
 
 
-class ImageUnusable(MachineError):
+class ImageUnusable(MachineError, SavedSandboxUnusable):
     """A saved machine image cannot be restored (missing, truncated, corrupt, or from another
     gVisor version): nothing of the session was changed."""
 

@@ -48,7 +48,7 @@ from code_interpreter_wire.errors import (
 )
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import SandboxSpec
-from sandbox.backends.base import Backend, BackendCapabilities
+from sandbox.backends.base import Backend, BackendCapabilities, SavedSandboxUnusable
 from sandbox.backends.ray_cluster.actor_errors import (
     actor_id_of,
     known_fate,
@@ -116,6 +116,11 @@ class _Unplaced(Exception):
 
 class _CannotRestore(Exception):
     """The actor's node does not restore whole machines: the next node may."""
+
+
+class _NodeCannotRestore(Exception):
+    """The actor's node failed to restore this machine, for a reason of its own (its runsc,
+    its images, its worker): the next node may not fail so."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +247,7 @@ class RayBackend(Backend):
         candidates.sort(key=lambda node: -(node.room - self._placing.get(node.node_id, 0)))
         if restore is not None:  # nodes known to restore machines first
             candidates.sort(key=lambda node: not self._whole_saves.get(node.node_id, False))
-        failed: Exception | None = None  # the last node's failure to restore the machine
+        failed: BaseException | None = None  # the last node's failure to restore the machine
         for node in candidates:
             if fits and node.warm:
                 warm = await self._pools.take(node.node_id, spec)
@@ -260,13 +265,11 @@ class RayBackend(Backend):
                 log.info("node %s filled before a session landed there", node.node_id[:16])
             except _CannotRestore:
                 log.info("node %s does not restore whole machines", node.node_id[:16])
-            except SandboxError as exc:
-                if restore is None or isinstance(exc, (SandboxLost, CapacityReached)):
-                    raise
-                # This node could not restore it (another runsc, the image missing there):
-                # the next one may.
+            except _NodeCannotRestore as exc:
+                # This node could not restore it (another runsc, the kernel image missing
+                # there, its worker died): the next one may.
                 log.warning("node %s could not restore the machine: %s", node.node_id[:16], exc)
-                failed = exc
+                failed = exc.__cause__ or exc
             finally:  # a slot filled stays counted until the GCS's view has caught up
                 forget = functools.partial(self._placed_no_more, node.node_id)
                 if placed:
@@ -324,18 +327,24 @@ class RayBackend(Backend):
         self, actor: Any, name: str, node: NodeUsage, restore: _Restore
     ) -> SessionFacts:
         """Carry the saved machine to the placed actor's node and start it from there."""
-        placed: SessionFacts = await actor.describe.remote()
-        self._whole_saves[node.node_id] = placed.whole_saves
-        if not placed.whole_saves:
-            raise _CannotRestore
-        cap = restore.max_bytes
-        token: str = await actor.receive_open.remote(cap)
+        try:
+            placed: SessionFacts = await actor.describe.remote()
+            self._whole_saves[node.node_id] = placed.whole_saves
+            if not placed.whole_saves:
+                raise _CannotRestore
+            cap = restore.max_bytes
+            token: str = await actor.receive_open.remote(cap)
 
-        async def send(batch: list[TreeEntry]) -> None:
-            await actor.receive_tree.remote(token, batch)
+            async def send(batch: list[TreeEntry]) -> None:
+                await actor.receive_tree.remote(token, batch)
 
-        await send_tree(restore.saved, max_bytes=cap, send=send)
-        return await start_session(actor, name, restore=(token, restore.how))
+            await send_tree(restore.saved, max_bytes=cap, send=send)
+            return await start_session(actor, name, restore=(token, restore.how))
+        except (RayActorError, OSError, SandboxStartError, BackendTimeout) as exc:
+            raise _NodeCannotRestore(str(exc)) from exc
+        except SavedSandboxUnusable as exc:  # its engine's refusal (another runsc...) may be
+            # this node's alone; what is the image's own (over its caps) holds everywhere
+            raise _NodeCannotRestore(str(exc)) from exc
 
     async def _placed_or_why(self, actor: Any, node: NodeUsage) -> None:
         """The actor placed and made on its node; else why not: `_Unplaced` (the node filled,

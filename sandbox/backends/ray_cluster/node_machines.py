@@ -37,6 +37,10 @@ PAUSING_WHY = "the session is being paused; resume it once it is"
 TREE_BATCHES_UNREAD = 2  # batches of a tree the actor may be ahead of its reader
 
 
+class MachineWokeAgain(SandboxError):
+    """A pause's image was carried too late: the machine already ran again on its node."""
+
+
 class NodeMachines:
     """Mixin of the session actor: its machine saved whole on this node, carried away, and a
     machine carried here restored."""
@@ -45,6 +49,7 @@ class NodeMachines:
     _paused_away = False  # the replica has the image: a lapse ends the actor, never wakes it
     _lapse_s = 60.0  # how long a paused image waits for its replica's next step
     _pausing: asyncio.Lock | None = None  # one step of a whole pause at a time
+    _suspending = False  # the machine is being saved for a pause
     # Replaced whole, never changed in place: the defaults are shared by every actor.
     _saves: Mapping[str, Path] = MappingProxyType({})  # token -> a snapshot saved here, unsent
     _received: Mapping[str, tuple[TreeWriter, Path]] = MappingProxyType({})  # token -> incoming
@@ -78,30 +83,44 @@ class NodeMachines:
         the machine runs on. Calls from every replica are refused from the start (before the
         save, so none changes what is saved). `lapse_s`: how long the image waits for the
         replica's next step (each batch carried counts as one)."""
-        if self._backend is None or self._fenced is not None or self._changing:
-            return None
-        if getattr(self, "_closed", False):
-            return None
-        self._fenced = PAUSING_WHY  # at once, before any await: no call slips in
-        async with self._pause_lock():
+        async with self._pause_lock():  # taken first: the fence goes up with no await after
+            backend = self._backend
+            if backend is None or self._fenced is not None or self._changing:
+                return None
+            if getattr(self, "_closed", False) or self.holds_a_pause():
+                return None
+            self._fenced = PAUSING_WHY
+            self._suspending = True
             try:
                 handle = await self.sandbox.suspend()
+                if handle is None:
+                    self._unfence()
+                    return None
+                self._lapse_s = lapse_s
+                self._fence(PAUSING_WHY, lapse_s)
+                held = await self._staging_dir() / f"paused-{secrets.token_hex(8)}"
             except BaseException:
                 self._unfence()
                 raise
-            if handle is None:
-                self._unfence()
-                return None
-            self._lapse_s = lapse_s
-            self._fence(PAUSING_WHY, lapse_s)
+            finally:
+                self._suspending = False
             try:
-                held = await self._staging_dir() / f"paused-{secrets.token_hex(8)}"
-                await self._backend.take_suspended(handle, held)
+                await backend.take_suspended(handle, held)
             except BaseException:
-                await self._woken(await self._backend.wake(handle, self.spec))
+                try:
+                    await self._woken(await backend.wake(handle, self.spec))
+                except BaseException:
+                    await self._end_unwoken()
+                    raise
                 raise
             self._paused_here = held
             return held.name
+
+    async def _end_unwoken(self) -> None:
+        """The paused machine cannot run again: the session ends here, so its calls are
+        answered as closed, never by a stopped machine."""
+        log.exception("a paused machine could not be woken again on its node: the session ends")
+        await self._shut_down()  # type: ignore[attr-defined]
 
     @ray.method(num_returns="streaming", _generator_backpressure_num_objects=TREE_BATCHES_UNREAD)
     async def send_paused(self, max_bytes: int) -> AsyncIterator[list[TreeEntry]]:
@@ -114,6 +133,8 @@ class NodeMachines:
                 raise SandboxError("the paused machine was woken again on its node")
             self._fence(PAUSING_WHY, self._lapse_s)  # carried on: the lapse counts again
             yield batch
+        if self._paused_here is held:  # all sent: the replica's writing it out counts afresh
+            self._fence(PAUSING_WHY, self._lapse_s)
 
     async def paused_away(self) -> None:
         """The image is safe elsewhere: its copy here goes; the actor waits to be closed (if
@@ -121,7 +142,7 @@ class NodeMachines:
         woken here meanwhile (the lapse): the session runs on here, not paused."""
         async with self._pause_lock():
             if self._paused_here is None and not self._paused_away:
-                raise SandboxError(
+                raise MachineWokeAgain(
                     "the machine was woken again on its node before its image was safe: the "
                     "session runs on there; pause it again"
                 )
@@ -139,14 +160,19 @@ class NodeMachines:
                 if not self._paused_away:
                     self._unfence()  # nothing is paused here: calls go on
                 return
-            woken = await self._backend_or_fail().wake_from(held, self.spec)
+            try:
+                woken = await self._backend_or_fail().wake_from(held, self.spec)
+            except BaseException:
+                await self._end_unwoken()
+                raise
             self._paused_here = None  # first: a batch still being sent stops, never fences
             await self._woken(woken)
             await asyncio.to_thread(shutil.rmtree, held, True)
 
     def holds_a_pause(self) -> bool:
-        """Whether a whole pause holds the machine (stopped here, or carried away)."""
-        return self._paused_here is not None or self._paused_away
+        """Whether a whole pause holds the machine (being saved, stopped here, or carried
+        away): no other fence or unfence touches it then."""
+        return self._suspending or self._paused_here is not None or self._paused_away
 
     async def _woken(self, sandbox: Sandbox) -> None:
         self.sandbox = sandbox

@@ -38,6 +38,7 @@ from sandbox.backends.ray_cluster.actor_errors import (
     sandbox_error_of,
 )
 from sandbox.backends.ray_cluster.machine_store import MachineStore, image_cap, receive_tree
+from sandbox.backends.ray_cluster.node_machines import MachineWokeAgain
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
 from sandbox.egress import EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressReport
@@ -362,14 +363,13 @@ class RaySandbox(Sandbox):
             raise
         try:
             await self._call(self._actor.paused_away.remote())
-        except SandboxLost:
-            pass  # the image is safe in the store: what the actor does now does not matter
-        except SandboxError as exc:  # woken on its node meanwhile (the lapse): it runs on there
+        except MachineWokeAgain as exc:  # woken on its node meanwhile (the lapse): runs on
             await self._machines.discard(handle)
             log.warning("session actor %s: %s", self._name, exc)
             return None
-        except Exception:  # out of reach for now: it ends itself after the lapse
-            log.warning("session actor %s did not hear its image is safe", self._name)
+        except Exception as exc:  # the image is safe in the store: the pause holds, and the
+            # release that follows ends the actor (its node's copy with it)
+            log.warning("session actor %s did not hear its image is safe: %s", self._name, exc)
         return handle
 
     async def save_whole(self, into: Path, *, max_bytes: int) -> SavedState | None:

@@ -241,6 +241,8 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress, NodeMachines):
         after `FENCE_S`, and calls are taken again."""
         if self._closed or self._changes != expected_changes or self._changing:
             return False
+        if self.holds_a_pause():  # a whole pause has it: its own steps end it
+            return False
         self._fenced = why
         if self._fence_lapses is not None:
             self._fence_lapses.cancel()

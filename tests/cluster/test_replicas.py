@@ -81,7 +81,13 @@ class Replica:
         assert self.process is not None
         pid = self.process.pid
         self.process.send_signal(sig)
-        code = self.process.wait(timeout=60)
+        try:
+            code = self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # killed, and the test fails saying where it hung
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+            pytest.fail(f"did not stop within 60 s of {sig!r}: " + self._exit_report(pid, -9))
         self.process = None
         if sig == signal.SIGTERM:
             assert code in (0, -signal.SIGTERM), self._exit_report(pid, code)

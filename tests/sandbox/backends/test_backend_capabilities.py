@@ -49,9 +49,10 @@ def test_what_each_backend_declares() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 def test_the_ray_backends_sandboxes_are_shared_and_saved_through_their_actor() -> None:
     """Saved states of its sandboxes (the service keeps them only where every replica finds
-    them: `saved_states_dir`); no engine pause of its own."""
+    them: `saved_states_dir`); an engine pause where its node's backend has one (gVisor: the
+    whole machine, carried through that same directory, node_machines.py)."""
     ray = backend_type("ray").capabilities
-    assert ray.shared_across_nodes and ray.snapshot and not ray.suspend
+    assert ray.shared_across_nodes and ray.snapshot and ray.suspend
     assert ray.network_modes == ("none", "allow_list", "any")  # through its node's proxy
     assert not ray.warm_pool  # its nodes keep pools of their own
     assert not ray.host_dirs  # its nodes keep them, under their own state dirs

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 from orchestrator.backend_configs import backend_config
@@ -35,6 +37,10 @@ from sandbox.backends.base import Backend
 
 if TYPE_CHECKING:
     from orchestrator.state_store.redis_connection import RedisConnection
+
+
+log = logging.getLogger(__name__)
+SLOW_SHUTDOWN_STEP_S = 10.0  # a shutdown step running longer is named in the log, again each time
 
 
 class Service:
@@ -149,16 +155,20 @@ class Service:
             raise
 
     async def close(self) -> None:
+        steps: tuple[tuple[str, Callable[[], Awaitable[None]]], ...] = (
+            ("pausing what auto-pause would", self.sweeps.pause_all),
+            ("ending the sessions held here", self._sessions.close),
+            ("closing host tools' channels and relays", self.channels.close),
+            ("closing approvals", self._approvals.close),
+            ("writing the audit log", self.trail.close),  # after the sessions' ends
+            ("closing admission", self.admission.close),
+            ("stopping the host tools", self.channels.close_tools),
+            ("closing the stores", self.persistence.close),
+            ("finishing kept outputs' writes", self._outputs.close),
+        )
         try:
-            await self.sweeps.pause_all()
-            await self._sessions.close()
-            await self.channels.close()
-            await self._approvals.close()
-            await self.trail.close()  # after the sessions' ends, so those are kept too
-            await self.admission.close()
-            await self.channels.close_tools()
-            await self.persistence.close()
-            await self._outputs.close()  # writes still under way, done
+            for what, step in steps:
+                await _named_if_slow(what, step())
         finally:  # last: nothing of this instance is left running
             if self._instance_lock is not None:
                 self._instance_lock.release()
@@ -231,3 +241,19 @@ def _session_manager(
         on_sweep=lambda: service.sweeps.sweep(),
         coordinator=coordinator,
     )
+
+
+async def _named_if_slow(what: str, step: Awaitable[None]) -> None:
+    """Await a shutdown step; one that runs past SLOW_SHUTDOWN_STEP_S is named in the log (and
+    again after as long each time), so a shutdown that hangs says where."""
+    task = asyncio.ensure_future(step)
+    waited = 0.0
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=SLOW_SHUTDOWN_STEP_S)
+            if done:
+                return task.result()
+            waited += SLOW_SHUTDOWN_STEP_S
+            log.warning("shutdown: still %s after %g s", what, waited)
+    finally:
+        task.cancel()  # done already, or its caller left: nothing of it runs on

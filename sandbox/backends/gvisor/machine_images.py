@@ -63,11 +63,6 @@ def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
     return manifest
 
 
-def tree_bytes(root: Path) -> int:
-    """The bytes of the files under `root` (links not followed)."""
-    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
 @functools.cache
 def inside_code_digest() -> str:
     """Our code a machine runs inside (its agent and the modules beside it, start-up files,

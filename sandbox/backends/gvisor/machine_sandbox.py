@@ -28,13 +28,14 @@ from sandbox.backends.gvisor.machine import (
     host_runsc_version,
 )
 from sandbox.backends.gvisor.machine_channels import channel_environment
-from sandbox.backends.gvisor.machine_images import rekey_code, tree_bytes, write_manifest
+from sandbox.backends.gvisor.machine_images import rekey_code, write_manifest
 from sandbox.backends.gvisor.processes import MachineSpawner
 from sandbox.backends.gvisor.workspace_copy import copy_workspace
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.kernel.driver import KernelDriver
 from sandbox.saved_report import REPORT_FILE, SavedState, StateTooLarge
 from sandbox.state_dir import SessionDirs
+from sandbox.tree_transfer import tree_bytes
 from sandbox.workspace_files import Workspace
 
 log = logging.getLogger(__name__)

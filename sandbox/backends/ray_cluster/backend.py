@@ -78,7 +78,7 @@ from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox, kill_actor
 from sandbox.backends.ray_cluster.session_actor import SessionFacts
 from sandbox.backends.ray_cluster.session_start import new_session_actor, start_session
 from sandbox.backends.ray_cluster.warm_pool import PoolState, WarmPools
-from sandbox.tree_transfer import TreeEntry
+from sandbox.tree_transfer import TreeEntry, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -135,12 +135,8 @@ class _Restore:
 async def _carried_cap(saved: Path, spec: SandboxSpec) -> int:
     """The bound on a saved machine carried to a node: its spec's, or what it holds if more
     (a snapshot made under a larger spec than the fork's; the store is the service's own)."""
-    held = await asyncio.to_thread(_tree_size, saved)
+    held = await asyncio.to_thread(tree_bytes, saved)
     return max(image_cap(spec), held + (1 << 20))
-
-
-def _tree_size(root: Path) -> int:
-    return sum(p.lstat().st_size for p in root.rglob("*") if not p.is_symlink())
 
 
 class RayBackend(Backend):

@@ -94,11 +94,17 @@ def _rename_into_place(making: Path, dest: Path) -> None:
     making.rename(dest)
 
 
+async def tree_batches(root: Path, max_bytes: int) -> AsyncIterator[list[TreeEntry]]:
+    """`read_tree` of `root`, each batch read on a thread (a disk may be slow)."""
+    batches = read_tree(root, max_bytes=max_bytes)
+    done: Any = object()
+    while (batch := await asyncio.to_thread(next, batches, done)) is not done:
+        yield batch
+
+
 async def send_tree(
     root: Path, *, max_bytes: int, send: Callable[[list[TreeEntry]], Awaitable[None]]
 ) -> None:
     """Send the tree under `root` a batch at a time (`send` awaits each: one in flight)."""
-    batches = read_tree(root, max_bytes=max_bytes)
-    done: Any = object()
-    while (batch := await asyncio.to_thread(next, batches, done)) is not done:
+    async for batch in tree_batches(root, max_bytes):
         await send(batch)

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
@@ -25,8 +25,9 @@ import ray
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.spec import SandboxSpec
+from sandbox.backends.ray_cluster.machine_store import tree_batches
 from sandbox.saved_report import SavedState
-from sandbox.tree_transfer import TreeEntry, TreeWriter, read_tree
+from sandbox.tree_transfer import TreeEntry, TreeWriter
 
 if TYPE_CHECKING:
     from sandbox.backends.base import Backend, Sandbox
@@ -128,7 +129,7 @@ class NodeMachines:
         held = self._paused_here
         if held is None:
             raise SandboxError("no paused machine is held on this node")
-        async for batch in _tree_batches(held, max_bytes):
+        async for batch in tree_batches(held, max_bytes):
             if self._paused_here is not held:
                 raise SandboxError("the paused machine was woken again on its node")
             self._fence(PAUSING_WHY, self._lapse_s)  # carried on: the lapse counts again
@@ -235,7 +236,7 @@ class NodeMachines:
         if staged is None:
             raise SandboxError("no such saved machine on this node")
         try:
-            async for batch in _tree_batches(staged, max_bytes):
+            async for batch in tree_batches(staged, max_bytes):
                 yield batch
         finally:
             self._saves = {k: v for k, v in self._saves.items() if k != token}
@@ -296,11 +297,3 @@ class NodeMachines:
         if self._backend is None:
             raise SandboxError("the session's sandbox was never started")
         return self._backend
-
-
-async def _tree_batches(root: Path, max_bytes: int) -> AsyncIterator[list[TreeEntry]]:
-    """`read_tree` of `root`, a batch read on a thread at a time."""
-    batches: Iterator[list[TreeEntry]] = read_tree(root, max_bytes=max_bytes)
-    done = object()
-    while (batch := await asyncio.to_thread(next, batches, done)) is not done:
-        yield batch  # type: ignore[misc]

@@ -67,12 +67,23 @@ def sandbox_pids(sb: Sandbox) -> list[int]:
     return []
 
 
+def zygote_pids(b: Any) -> list[int]:
+    """A Docker backend's zygote (a container's process, not this one's child): counted."""
+    zygote = getattr(b, "_zygote", None)
+    container = getattr(zygote, "container", None)
+    if container is None:
+        return []
+    container.reload()
+    pid = int(container.attrs["State"].get("Pid") or 0)
+    return [pid] if pid > 0 else []
+
+
 async def density(
     name: str, counts: list[int], preload: str = "", **config: Any
 ) -> dict[int, float]:
     """Orchestrator plus sandbox memory (PSS) per idle session, in MiB; with `preload`, each
     session has run it first, as a preloading pool's do; `config`, the backend's (a zygote's
-    processes are this one's children: counted)."""
+    processes, this one's children or a container's, are counted)."""
     b = backend(name, **config)
     out: dict[int, float] = {}
     boxes: list[Sandbox] = []
@@ -97,7 +108,7 @@ async def density(
                 if failed:  # those made are closed below, with the others
                     raise failed[0]
             await asyncio.sleep(2)
-            pids = tree_pids(os.getpid())
+            pids = tree_pids(os.getpid()) + zygote_pids(b)
             for sb in boxes:
                 pids += sandbox_pids(sb)
             out[count] = pss_of(sorted(set(pids))) / count / 2**20

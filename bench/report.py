@@ -182,8 +182,9 @@ def density_section(report: dict[str, Any]) -> list[str]:
         "session ran the first-chart part's preload (the analyst stack imported and warmed), "
         "as a preloading pool's sessions have; `forked from a zygote`: their kernels forked "
         "from a zygote that imported the same modules once (the service does so with "
-        "`preload_modules` on the local backend), the zygote counted; `vs bare` is its figure "
-        "over the same backend's bare session at the largest count (goal: at most 1.5x).",
+        "`preload_modules` on the local and docker backends), the zygote counted; `vs bare` is "
+        "its figure over the same backend's bare session at the largest count (goal: at most "
+        "1.5x).",
         "",
         "| who | " + " | ".join(f"sessions: {n}, MiB" for n in counts) + " | vs bare | most "
         "sessions the free memory holds |",

@@ -147,7 +147,7 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
             (name, "", {}),
             (f"{name}, preloaded", preload, {}),
         ]
-        if name == "local" and os.geteuid() == 0:  # forking into sandboxes needs root
+        if name in ("local", "docker") and os.geteuid() == 0:  # forking into them needs root
             zygote = {"zygote_modules": modules}
             cases.append((f"{name}, preloaded, forked from a zygote", preload, zygote))
         for label, code, config in cases:

@@ -23,6 +23,7 @@ _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
         "orchestrator_id": s.orchestrator_id,
         "image": s.docker_image,
         "runtime": s.docker_runtime,
+        "zygote_modules": list(s.preload_modules) if s.docker_fork_kernels else [],
     },
     # Machines run the Docker backend's images (unpacked once from its engine).
     "gvisor": lambda s, _: {

@@ -177,6 +177,13 @@ class Settings(BaseSettings):
         "loaded and their memory is shared (docs/security.md); off, each kernel starts "
         "afresh and its pool imports them.",
     )
+    docker_fork_kernels: bool = Field(
+        True,
+        description="With preload_modules, as root beside the engine (runc): the docker "
+        "backend forks Python's kernels of its image from a zygote that imported those "
+        "modules once, in a container of that image (docs/security.md); off, each kernel "
+        "starts afresh and its pool imports them.",
+    )
     preload_code: str | None = Field(
         None, description="Warm-up a pool's sandboxes run after those imports (sandbox/preload.py)."
     )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +36,14 @@ from sandbox.backends.docker_container import (
     DeathWatch,
     remove_container,
 )
+from sandbox.backends.docker_forked_kernel import ForkingContainerLauncher
 from sandbox.backends.docker_launcher import (
     ContainerLauncher,
     gvisor_host_pids,
     write_user_database,
 )
 from sandbox.backends.docker_processes import DockerSpawner
+from sandbox.backends.docker_zygote import DockerZygote
 from sandbox.backends.kernel_recipe import ChannelPeer, KernelRecipe
 from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.image_labels import (
@@ -113,6 +116,15 @@ class DockerBackendConfig(BaseModel):
         "cgroup with the sandbox's memory, pids and CPU limits, so that the limits bind the "
         "sandbox as a whole and not each kernel alone.",
     )
+    zygote_modules: list[str] = Field(
+        default_factory=list,
+        description="Modules a kernel zygote imports once, in a container of the backend's "
+        "image (`image`, never a template) in the host's PID namespace: Python's kernels are "
+        "then forked from it into their containers, those modules loaded and their memory "
+        "shared between every kernel (docs/security.md). Only under runc with "
+        "`session_cgroup` in effect (this service as root beside the engine). Empty: each "
+        "kernel is started afresh.",
+    )
     cpu_weight_per_sandbox: bool = Field(
         default=True,
         description="With session_cgroup: weigh the sandboxes' parent group as one process per "
@@ -153,6 +165,7 @@ class DockerBackend(Backend):
         self._cgroupfs: bool | None = None  # whether sandboxes get a parent cgroup (found once)
         self._engine_default_runtime: str | None = None  # the engine's own default
         self._engine_runtime_paths: dict[str, str] | None = None  # runtime name -> its program
+        self._zygote: DockerZygote | None = None  # the configured image's, once asked for
 
     async def _connect(self) -> tuple[docker.DockerClient, DeathWatch]:
         async with self._connect_lock:
@@ -185,6 +198,7 @@ class DockerBackend(Backend):
         image = spec.image or self.config.image
         kernels = await self._image_programs(client, image)
         runtime, gvisor = await self._runtime_for(client, spec)
+        parent_cgroup = self.config.session_cgroup and await self._shares_cgroups(client)
         engine = _Engine(
             client,
             deaths,
@@ -192,9 +206,27 @@ class DockerBackend(Backend):
             kernels,
             runtime,
             gvisor,
-            parent_cgroup=self.config.session_cgroup and await self._shares_cgroups(client),
+            parent_cgroup=parent_cgroup,
+            zygote=self._zygote_for(client, image) if parent_cgroup and not gvisor else None,
         )
         return await _DockerRecipe(self, spec, engine).make()
+
+    def _zygote_for(self, client: docker.DockerClient, image: str) -> DockerZygote | None:
+        """The zygote that forks kernels of `image`: only the backend's own image's (a
+        template's code is its builder's, never to run in the zygote's privileges)."""
+        if not self.config.zygote_modules or image != self.config.image:
+            return None
+        if self._zygote is None:
+            self._zygote = DockerZygote(
+                client,
+                image,
+                self.config.python,
+                self.config.kernel_path,
+                list(self.config.zygote_modules),
+                self.config.orchestrator_id,
+                Path(tempfile.mkdtemp(prefix="cir-docker-zygote-")),  # root's alone (0700)
+            )
+        return self._zygote
 
     async def runtimes(self) -> list[str]:
         """The OCI runtimes the engine knows (`runc`, and `runsc` once registered: setup does
@@ -322,6 +354,9 @@ class DockerBackend(Backend):
         return removed + len(dirs)
 
     async def close(self) -> None:
+        if self._zygote is not None:  # its kernels live on, each with its keeper
+            await self._zygote.close()
+            self._zygote = None
         if self._deaths is not None:
             self._deaths.close()
         if self._client is not None:
@@ -341,6 +376,7 @@ class _Engine:
     gvisor: bool
     # Its containers share a parent cgroup holding the sandbox's limits (`session_cgroup`).
     parent_cgroup: bool
+    zygote: DockerZygote | None = None  # forks its Python kernels (`zygote_modules`)
 
 
 class _DockerRecipe(KernelRecipe["DockerSandbox"]):
@@ -402,7 +438,8 @@ class _DockerRecipe(KernelRecipe["DockerSandbox"]):
     def launcher(self, language: str) -> ContainerLauncher:
         assert self.dirs is not None and self.uid is not None
         engine, config = self.engine, self.backend.config
-        launcher = ContainerLauncher(
+        forking = language == PYTHON and engine.zygote is not None
+        launcher = (ForkingContainerLauncher if forking else ContainerLauncher)(
             engine.client,
             engine.deaths,
             self.spec,
@@ -420,6 +457,9 @@ class _DockerRecipe(KernelRecipe["DockerSandbox"]):
             gvisor=engine.gvisor,
             egress=self.egress_channel,
         )
+        if isinstance(launcher, ForkingContainerLauncher):
+            assert engine.zygote is not None
+            launcher.zygote = engine.zygote
         if language == PYTHON:
             self.python_launcher = launcher
         return launcher

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from requests.exceptions import RequestException
 
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.languages import PYTHON
-from code_interpreter_wire.spec import SandboxSpec
+from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from sandbox import seccomp
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.backends.docker_container import (
@@ -133,10 +134,23 @@ class ContainerLauncher:
         return self.uid
 
     async def launch(self, connection_file_in_sandbox: str) -> KernelContainer:
+        name = self._next_name()
+        options = self._container_options(name, connection_file_in_sandbox)
+        return await self._start_container(name, options, KernelContainer)
+
+    def _next_name(self) -> str:
         self.generation += 1
         which = "" if self.language == PYTHON else f"{self.language}-"
-        name = f"code-interpreter-{self.sandbox_id}-{which}{self.generation}"
-        options = self._container_options(name, connection_file_in_sandbox)
+        return f"code-interpreter-{self.sandbox_id}-{which}{self.generation}"
+
+    async def _start_container(
+        self,
+        name: str,
+        options: dict[str, Any],
+        process_type: Callable[[Any, asyncio.Future[KernelExit]], KernelContainer],
+    ) -> KernelContainer:
+        """Create and start the container `options` describe, watched for its death from
+        before it starts; the process `process_type` makes of it."""
         # A sandbox closed while its kernel is replaced (a command can kill the kernel at any
         # time) cancels this launch; the engine makes and starts the container all the same, so
         # it is removed before the cancellation goes on: the close then finds nothing of it.
@@ -153,7 +167,7 @@ class ContainerLauncher:
                     f"the engine refused to create the container: {exc}"
                 ) from exc
             raise
-        process = KernelContainer(container, asyncio.get_running_loop().create_future())
+        process = process_type(container, asyncio.get_running_loop().create_future())
         self.deaths.watch(container.id, process)
         try:
             await finish_even_if_cancelled(asyncio.to_thread(container.start))
@@ -190,13 +204,27 @@ class ContainerLauncher:
             extra[HOST_TOOLS_ENV] = HOST_TOOLS_DIR_IN_SANDBOX
         return extra
 
-    def _container_options(self, name: str, connection_file: str) -> dict[str, Any]:
-        limits = self.spec.limits
-        extra = {**language_environment(self.language), **self.process_environment()}
-        env = kernel_environment(path=self.kernel_path, home="/tmp", limits=limits, extra=extra)
-        command = self.kernels.command(
-            self.language, connection_file, KERNEL_DIR_IN_SANDBOX, limits
+    def kernel_command(self, connection_file: str) -> list[str]:
+        return self.kernels.command(
+            self.language, connection_file, KERNEL_DIR_IN_SANDBOX, self.spec.limits
         )
+
+    def kernel_env(self) -> dict[str, str]:
+        """The kernel's environment: the session's variables with the sandbox's own."""
+        extra = {**language_environment(self.language), **self.process_environment()}
+        return kernel_environment(
+            path=self.kernel_path, home="/tmp", limits=self.spec.limits, extra=extra
+        )
+
+    def _container_options(
+        self, name: str, connection_file: str, command: list[str] | None = None
+    ) -> dict[str, Any]:
+        """The container's options; `command` instead of the kernel's (a holder that a
+        forked kernel joins: docker_forked_kernel.py)."""
+        limits = self.spec.limits
+        env = self.kernel_env()
+        if command is None:
+            command = self.kernel_command(connection_file)
         if self.egress is not None:
             command = with_forwarder(self.kernels.python, command)
         memory = f"{limits.memory_mb}m"
@@ -238,11 +266,7 @@ class ContainerLauncher:
             "memswap_limit": memory,  # the same figure: no swap on top
             "nano_cpus": int(limits.cpus * 1e9),
             "ulimits": [
-                Ulimit(name="nofile", soft=limits.open_files, hard=limits.open_files),
-                Ulimit(
-                    name="fsize", soft=limits.file_size_mb << 20, hard=limits.file_size_mb << 20
-                ),
-                Ulimit(name="core", soft=0, hard=0),
+                Ulimit(name=name, soft=value, hard=value) for name, value in ulimits(limits)
             ],
             "init": True,
             "log_config": LogConfig(
@@ -272,6 +296,15 @@ class ContainerLauncher:
         if self.cgroup_parent:
             options["cgroup_parent"] = self.cgroup_parent
         return options
+
+
+def ulimits(limits: ResourceLimits) -> list[tuple[str, int]]:
+    """Every container's rlimits, by the engine's names (`nofile`, `fsize`, `core`)."""
+    return [
+        ("nofile", limits.open_files),
+        ("fsize", limits.file_size_mb << 20),
+        ("core", 0),
+    ]
 
 
 def gvisor_host_pids(pids: int) -> int:

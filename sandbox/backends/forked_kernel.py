@@ -21,7 +21,13 @@ from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.bwrap_kernel import BwrapKernel, BwrapLauncher, confine, rlimits
-from sandbox.backends.kernel_zygote import ForkRequest, KernelZygote, ZygoteFailed, hear
+from sandbox.backends.kernel_zygote import (
+    SINGLE_THREADED,
+    ForkRequest,
+    KernelZygote,
+    ZygoteFailed,
+    hear,
+)
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
 from sandbox.egress_channel import with_forwarder
@@ -40,7 +46,7 @@ HOLDER_TIMEOUT_S = 60.0
 # or as a module the zygote imported loads (matplotlib's, the maths libraries' threads): a
 # session that sets one gets a kernel started afresh, which reads them.
 STARTUP_ONLY = (
-    "PYTHON", "LD_", "GLIBC_", "MALLOC_", "LANG", "LC_", "MPL", "OMP_", "MKL_", "OPENBLAS_",
+    "PYTHON", "LD_", "GLIBC_", "MALLOC_", "JE_", "LANG", "LC_", "MPL", "OMP_", "MKL_", "OPENBLAS_",
 )  # fmt: skip
 
 
@@ -51,8 +57,7 @@ def zygote_environment(python: str, home: Path) -> dict[str, str]:
     (matplotlib keeps its font list there)."""
     path = f"{Path(python).parent}:/usr/local/bin:/usr/bin:/bin"
     env = kernel_environment(path=path, home=str(home), limits=ResourceLimits(), extra={})
-    one = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-    return env | dict.fromkeys(one, "1")
+    return env | SINGLE_THREADED
 
 
 class ForkingLauncher(BwrapLauncher):
@@ -116,7 +121,7 @@ class ForkingLauncher(BwrapLauncher):
             control = await self.zygote.fork(request, output_write)
             os.close(output_write)
             output_write = -1
-            output = await _reader(output_read)
+            output = await read_pipe(output_read)
             output_read = -1  # the reader's now
         except BaseException:
             for fd in (output_read, output_write):
@@ -176,7 +181,8 @@ def _sole_child(bwrap: int) -> int:
     raise SandboxStartError("the sandbox's init could not be found")
 
 
-async def _reader(fd: int) -> asyncio.StreamReader:
+async def read_pipe(fd: int) -> asyncio.StreamReader:
+    """An asyncio reader of the pipe end `fd`, which it takes."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 16)
     await loop.connect_read_pipe(

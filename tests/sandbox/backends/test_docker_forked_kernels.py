@@ -23,7 +23,7 @@ from sandbox.backends.docker import DockerBackend, DockerSandbox
 from sandbox.backends.docker_forked_kernel import ForkedContainerKernel
 from sandbox.backends.docker_zygote import LABEL_ZYGOTE
 from sandbox.preload import ANALYST_PRELOAD, preload_code
-from tests.conftest import require_backend, small_spec
+from tests.conftest import backend_config, require_backend, small_spec
 from tests.sandbox.backends.test_local_forked_kernels import DRAWS, MODULES, STARTED_AS
 from tests.security.test_process_abuse import (
     DESCRIBE_SELF,
@@ -36,7 +36,7 @@ async def forked() -> AsyncIterator[Backend]:
     require_backend("docker")
     if os.geteuid() != 0:
         pytest.skip("kernels are forked into containers as root only")
-    backend = create_backend("docker", zygote_modules=MODULES)
+    backend = create_backend("docker", zygote_modules=MODULES, **backend_config("docker"))
     yield backend
     await backend.close()
 
@@ -100,7 +100,7 @@ async def test_a_forked_kernel_is_confined_exactly_as_one_the_engine_started(
     a kernel the engine started: same ids, groups, capabilities (none, bounding set too),
     no_new_privs, seccomp, rlimits; its container's namespaces and memory cgroup."""
     inside = await check_a_command_is_confined_exactly_as_the_kernel(forked)
-    afresh = create_backend("docker")
+    afresh = create_backend("docker", **backend_config("docker"))
     try:
         started = await _said(afresh, small_spec(env={"SESSION_VAR": "s"}), DESCRIBE_SELF)
     finally:
@@ -129,7 +129,7 @@ async def test_a_forked_kernel_refuses_what_the_seccomp_profile_refuses(forked: 
         "print(said)"
     )
     forked_said = (await _run(forked, code)).strip()
-    afresh = create_backend("docker")
+    afresh = create_backend("docker", **backend_config("docker"))
     try:
         started_said = (await _run(afresh, code)).strip()
     finally:
@@ -150,7 +150,7 @@ async def test_a_forked_kernel_starts_as_an_interpreter_does(forked: Backend) ->
         env={"PYTHONPATH": "/workspace/lib:/workspace/more"},
         limits={"memory_mb": 1024, "cpus": 2.0},
     )
-    afresh = create_backend("docker")
+    afresh = create_backend("docker", **backend_config("docker"))
     try:
         said = {"forked": await _said(forked, spec, STARTED_AS)}
         said["afresh"] = await _said(afresh, spec, STARTED_AS)
@@ -162,7 +162,12 @@ async def test_a_forked_kernel_starts_as_an_interpreter_does(forked: Backend) ->
 
 
 async def test_sibling_kernels_share_no_state_file_or_random_stream(forked: Backend) -> None:
-    one, two = await asyncio.gather(forked.create(small_spec()), forked.create(small_spec()))
+    one = await forked.create(small_spec())
+    try:
+        two = await forked.create(small_spec())
+    except BaseException:
+        await one.close()
+        raise
     try:
         _kernel_of(one), _kernel_of(two)
         await one.execute("secret = 'one'; open('/tmp/mine', 'w').write('one')")

@@ -82,11 +82,16 @@ class ForkingContainerLauncher(ContainerLauncher):
         options = self._container_options(name, connection_file_in_sandbox, HOLDER)
         kernel = await self._start_container(name, options, ForkedContainerKernel)
         assert isinstance(kernel, ForkedContainerKernel)
-        output_read = output_write = -1
+        output_read = output_write = pidfd = -1
         control: socket.socket | None = None
         try:  # whatever happens from here on (a cancellation too), nothing of it is left
             init = await asyncio.to_thread(_first_process, kernel.container)
+            pidfd = _pidfd(init)
             groups = await asyncio.to_thread(cgroups_of, init)
+            # Its pid is the engine's word, read before the pidfd was opened: the process is
+            # the container's only if it is in the container's own cgroup.
+            if not groups["memory"].name == kernel.container.id:
+                raise ZygoteFailed("the container's first process is gone")
             request = ForkRequest(
                 init=init,
                 uid=self.uid,
@@ -97,6 +102,7 @@ class ForkingContainerLauncher(ContainerLauncher):
                 rlimits=[(RLIMITS[which], value) for which, value in ulimits(self.spec.limits)],
                 user_namespaces=False,
                 groups=await asyncio.to_thread(groups_of, init),
+                init_pidfd=pidfd,
             )
             output_read, output_write = os.pipe()
             control = await self.zygote.fork(request, output_write)
@@ -114,6 +120,9 @@ class ForkingContainerLauncher(ContainerLauncher):
                 control.close()
             await finish_even_if_cancelled(kernel.kill())
             raise
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
         return kernel
 
 
@@ -125,6 +134,13 @@ def _first_process(container: Any) -> int:
     if pid <= 0:
         raise SandboxStartError("the container ended as it started")
     return pid
+
+
+def _pidfd(pid: int) -> int:
+    try:
+        return os.pidfd_open(pid)
+    except OSError as exc:
+        raise ZygoteFailed(f"the container's first process is gone: {exc}") from None
 
 
 def environment_of(container: Any) -> dict[str, str]:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -91,6 +92,9 @@ class ForkRequest:
     # a container has none.
     user_namespaces: bool = True
     groups: tuple[int, ...] = ()  # its supplementary groups (a container's runtime gives some)
+    # A pidfd of `init`, where its pid is not this service's child's and so could be reused:
+    # the sandbox's descriptors count only if it still runs once they are open.
+    init_pidfd: int | None = None
 
 
 class Zygote:
@@ -114,6 +118,8 @@ class Zygote:
         try:
             named += _namespaces(request.init, request.user_namespaces)
             named += _cgroups(request.cgroup_procs)
+            if request.init_pidfd is not None and _ended(request.init_pidfd):
+                raise ZygoteFailed("the sandbox to fork into ended as its kernel was forked")
             named.append(("seccomp", memfd_with("seccomp", seccomp.bpf_program())))
             named.append(("output", os.dup(output)))
             named.append(("control", keeper_end.detach()))
@@ -318,6 +324,13 @@ def _namespaces(init: int, users: bool) -> list[tuple[str, int]]:
             os.close(fd)
         raise ZygoteFailed(f"the sandbox to fork into is gone: {exc}") from None
     return list(zip(names, fds, strict=True))
+
+
+def _ended(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has ended (its pidfd reads as ready)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _cgroups(procs: list[str]) -> list[tuple[str, int]]:

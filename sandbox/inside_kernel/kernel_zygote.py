@@ -116,6 +116,7 @@ def _keeper(libc: ctypes.CDLL, fds: dict[str, int], cgroups: list[int]) -> None:
             _enter_namespaces(libc, fds)
             _empty_bounding_set(libc)
             _become(uid, groups)
+            _drop_capabilities(libc)  # the inheritable set too, which a uid change keeps
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         kernel = os.fork()
         if kernel == 0:

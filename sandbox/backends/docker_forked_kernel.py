@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import resource
 import signal
@@ -25,14 +24,19 @@ from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.languages import PYTHON
 from sandbox.backends.docker_container import KernelContainer
 from sandbox.backends.docker_launcher import ContainerLauncher, ulimits
-from sandbox.backends.forked_kernel import STARTUP_ONLY, read_pipe
-from sandbox.backends.kernel_zygote import ForkRequest, Zygote, ZygoteFailed, hear
+from sandbox.backends.forked_kernel import read_pipe
+from sandbox.backends.kernel_zygote import (
+    ForkRequest,
+    Zygote,
+    ZygoteFailed,
+    forked_or_afresh,
+    hear,
+    read_only_at_startup,
+)
 from sandbox.cgroup_oom import OomClock
 from sandbox.kernel.process import KernelExit
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.run_to_end import finish_even_if_cancelled
-
-log = logging.getLogger(__name__)
 
 # The holder: the container's command while its kernel is forked into it.
 HOLDER = ["/bin/sh", "-c", "exec sleep infinity"]
@@ -55,23 +59,25 @@ class ForkingContainerLauncher(ContainerLauncher):
     async def launch(self, connection_file_in_sandbox: str) -> KernelContainer:
         if not self._forks():
             return await super().launch(connection_file_in_sandbox)
-        try:
+
+        async def afresh() -> KernelContainer:
+            return await super(ForkingContainerLauncher, self).launch(connection_file_in_sandbox)
+
+        async def forked() -> KernelContainer:
             return await self._fork(connection_file_in_sandbox)
-        except ZygoteFailed as exc:  # a kernel started afresh: slower, never worse
-            log.warning("a kernel is started afresh: %s", exc)
-            return await super().launch(connection_file_in_sandbox)
+
+        return await forked_or_afresh(forked, afresh)
 
     def _forks(self) -> bool:
         """Whether this kernel is forked: Python's, under runc (gVisor's namespaces are not
         the host's to enter), in a sandbox whose containers share a parent cgroup made here
         (the engine is on this machine), with no variable of the session's read only as a
         program starts or a module loads (PYTHONPATH is applied by the kernel itself)."""
-        startup = [n for n in self.spec.env if n.startswith(STARTUP_ONLY) and n != "PYTHONPATH"]
         return (
             self.language == PYTHON
             and not self.gvisor
             and self.cgroup_parent is not None
-            and not startup
+            and not read_only_at_startup(self.spec.env)
         )
 
     async def _fork(self, connection_file_in_sandbox: str) -> KernelContainer:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -25,8 +24,9 @@ from sandbox.backends.kernel_zygote import (
     SINGLE_THREADED,
     ForkRequest,
     KernelZygote,
-    ZygoteFailed,
+    forked_or_afresh,
     hear,
+    read_only_at_startup,
 )
 from sandbox.cgroup_oom import OomClock
 from sandbox.cgroups import SandboxCgroup
@@ -35,19 +35,11 @@ from sandbox.kernel.command import kernel_environment
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.run_to_end import finish_even_if_cancelled
 
-log = logging.getLogger(__name__)
-
 # The holder: bwrap's command in a sandbox whose kernel is forked into it. It says it runs (so
 # the sandbox is whole: mounts made, root pivoted) on what bwrap passes as its output.
 HOLDER = ["/bin/sh", "-c", "echo ready; exec sleep infinity"]
 HOLDER_READY = b"ready\n"
 HOLDER_TIMEOUT_S = 60.0
-# Variables read only as a program starts (Python's own, the loader's and libc's, the locale)
-# or as a module the zygote imported loads (matplotlib's, the maths libraries' threads): a
-# session that sets one gets a kernel started afresh, which reads them.
-STARTUP_ONLY = (
-    "PYTHON", "LD_", "GLIBC_", "MALLOC_", "JE_", "LANG", "LC_", "MPL", "OMP_", "MKL_", "OPENBLAS_",
-)  # fmt: skip
 
 
 def zygote_environment(python: str, home: Path) -> dict[str, str]:
@@ -68,20 +60,25 @@ class ForkingLauncher(BwrapLauncher):
     async def launch(self, connection_file_in_sandbox: str) -> BwrapKernel:
         if not self._forks():
             return await super().launch(connection_file_in_sandbox)
-        try:
+
+        async def afresh() -> BwrapKernel:
+            return await super(ForkingLauncher, self).launch(connection_file_in_sandbox)
+
+        async def forked() -> BwrapKernel:
             return await self._fork(connection_file_in_sandbox)
-        except ZygoteFailed as exc:  # a kernel started afresh: slower, never worse
-            log.warning("a kernel is started afresh: %s", exc)
-            return await super().launch(connection_file_in_sandbox)
+
+        return await forked_or_afresh(forked, afresh)
 
     def _forks(self) -> bool:
         """Whether this kernel is forked: Python's, in a sandbox with a cgroup (without one,
         its memory rlimit would count the zygote's heap, which the kernel inherits), and no
         variable of the session's read only as a program starts or a module loads, which the
         zygote did long before (PYTHONPATH is applied by the kernel itself)."""
-        startup = [n for n in self.spec.env if n.startswith(STARTUP_ONLY) and n != "PYTHONPATH"]
         return (
-            not self.unsafe and self.language == PYTHON and self.cgroup is not None and not startup
+            not self.unsafe
+            and self.language == PYTHON
+            and self.cgroup is not None
+            and not read_only_at_startup(self.spec.env)
         )
 
     async def _fork(self, connection_file_in_sandbox: str) -> BwrapKernel:

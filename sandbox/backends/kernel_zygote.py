@@ -20,9 +20,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from code_interpreter_wire.errors import SandboxStartError
 from sandbox import seccomp
@@ -31,11 +32,38 @@ from sandbox.host_commands import memfd_with
 from sandbox.inside_kernel import kernel_zygote
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ZYGOTE_FILE = Path(kernel_zygote.__file__)
 START_TIMEOUT_S = 120.0  # its imports: pandas and matplotlib take seconds on a busy host
 FORK_TIMEOUT_S = 30.0
 RETRY_AFTER_S = 60.0  # a zygote that failed to start is not tried again sooner
+
+
+# Variables read only as a program starts (Python's own, the loader's and libc's, the locale)
+# or as a module the zygote imported loads (matplotlib's, the maths libraries' threads, the
+# allocator pyarrow brings): a session that sets one gets a kernel started afresh, which reads
+# them. PYTHONPATH is not one: a forked kernel applies it itself.
+STARTUP_ONLY = (
+    "PYTHON", "LD_", "GLIBC_", "MALLOC_", "JE_", "LANG", "LC_", "MPL", "OMP_", "MKL_", "OPENBLAS_",
+)  # fmt: skip
+
+
+def read_only_at_startup(env: Mapping[str, str]) -> bool:
+    """Whether a session's variables hold one a forked kernel would not apply (STARTUP_ONLY)."""
+    return any(n.startswith(STARTUP_ONLY) and n != "PYTHONPATH" for n in env)
+
+
+async def forked_or_afresh(
+    fork: Callable[[], Awaitable[T]], afresh: Callable[[], Awaitable[T]]
+) -> T:
+    """A kernel forked by `fork`, or started by `afresh` where the zygote failed: slower,
+    never worse."""
+    try:
+        return await fork()
+    except ZygoteFailed as exc:
+        log.warning("a kernel is started afresh: %s", exc)
+        return await afresh()
 
 
 # What a zygote's imports read so as to start no thread (a process with threads cannot be

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox import Backend, create_backend
 from sandbox.backends.docker import DockerBackend, DockerSandbox
@@ -24,7 +23,12 @@ from sandbox.backends.docker_forked_kernel import ForkedContainerKernel
 from sandbox.backends.docker_zygote import LABEL_ZYGOTE
 from sandbox.preload import ANALYST_PRELOAD, preload_code
 from tests.conftest import backend_config, require_backend, small_spec
-from tests.sandbox.backends.test_local_forked_kernels import DRAWS, MODULES, STARTED_AS
+from tests.sandbox.backends.test_local_forked_kernels import (
+    MODULES,
+    STARTED_AS,
+    check_killed_from_inside_is_forked_again,
+    check_siblings_share_nothing,
+)
 from tests.security.test_process_abuse import (
     DESCRIBE_SELF,
     check_a_command_is_confined_exactly_as_the_kernel,
@@ -162,35 +166,11 @@ async def test_a_forked_kernel_starts_as_an_interpreter_does(forked: Backend) ->
 
 
 async def test_sibling_kernels_share_no_state_file_or_random_stream(forked: Backend) -> None:
-    one = await forked.create(small_spec())
-    try:
-        two = await forked.create(small_spec())
-    except BaseException:
-        await one.close()
-        raise
-    try:
-        _kernel_of(one), _kernel_of(two)
-        await one.execute("secret = 'one'; open('/tmp/mine', 'w').write('one')")
-        seen = await two.execute("import os; ('secret' in globals(), os.path.exists('/tmp/mine'))")
-        assert seen.text == "(False, False)", seen
-        draws = [json.loads((await box.execute(DRAWS)).stdout) for box in (one, two)]
-        for a, b in zip(*draws, strict=True):
-            assert a != b, draws
-    finally:
-        await asyncio.gather(one.close(), two.close())
+    await check_siblings_share_nothing(forked, _kernel_of)
 
 
 async def test_a_kernel_killed_from_inside_is_forked_again(forked: Backend) -> None:
-    sandbox = await forked.create(small_spec())
-    try:
-        await sandbox.execute("x = 1")
-        await sandbox.run_command(ProcessRequest(command="kill -9 -1"))
-        after = await sandbox.execute("import sys; 'pandas' in sys.modules, 'x' in globals()")
-        assert after.text == "(True, False)", after
-        assert after.state_lost
-        _kernel_of(sandbox)
-    finally:
-        await sandbox.close()
+    await check_killed_from_inside_is_forked_again(forked, _kernel_of)
 
 
 async def test_a_kernel_over_its_memory_is_told_so_and_forked_again(forked: Backend) -> None:

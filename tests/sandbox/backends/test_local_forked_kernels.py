@@ -11,14 +11,14 @@ import asyncio
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.results import ExecutionStatus
-from sandbox import Backend, create_backend
+from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends.local import LocalBackend
 from sandbox.preload import ANALYST_PRELOAD, preload_code
 from sandbox.processes.served import exit_of
@@ -146,8 +146,22 @@ async def test_a_forked_kernel_starts_as_an_interpreter_does(forked: Backend) ->
 
 
 async def test_sibling_kernels_share_no_state_file_or_random_stream(forked: Backend) -> None:
-    one, two = await asyncio.gather(forked.create(small_spec()), forked.create(small_spec()))
+    await check_siblings_share_nothing(forked)
+
+
+async def check_siblings_share_nothing(
+    forked: Backend, is_forked: Callable[[Sandbox], object] = lambda _: None
+) -> None:
+    """Two kernels forked from one zygote: nothing of one is seen in the other, and every
+    random stream draws differently; `is_forked` checks a sandbox's kernel was forked."""
+    one = await forked.create(small_spec())
     try:
+        two = await forked.create(small_spec())
+    except BaseException:
+        await one.close()
+        raise
+    try:
+        is_forked(one), is_forked(two)
         await one.execute("secret = 'one'; open('/tmp/mine', 'w').write('one')")
         seen = await two.execute("import os; ('secret' in globals(), os.path.exists('/tmp/mine'))")
         assert seen.text == "(False, False)", seen
@@ -159,6 +173,12 @@ async def test_sibling_kernels_share_no_state_file_or_random_stream(forked: Back
 
 
 async def test_a_kernel_killed_from_inside_is_forked_again(forked: Backend) -> None:
+    await check_killed_from_inside_is_forked_again(forked)
+
+
+async def check_killed_from_inside_is_forked_again(
+    forked: Backend, is_forked: Callable[[Sandbox], object] = lambda _: None
+) -> None:
     sandbox = await forked.create(small_spec())
     try:
         await sandbox.execute("x = 1")
@@ -166,6 +186,7 @@ async def test_a_kernel_killed_from_inside_is_forked_again(forked: Backend) -> N
         after = await sandbox.execute("import sys; 'pandas' in sys.modules, 'x' in globals()")
         assert after.text == "(True, False)", after
         assert after.state_lost
+        is_forked(sandbox)
     finally:
         await sandbox.close()
 

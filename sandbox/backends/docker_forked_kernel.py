@@ -96,7 +96,7 @@ class ForkingContainerLauncher(ContainerLauncher):
             groups = await asyncio.to_thread(cgroups_of, init)
             # Its pid is the engine's word, read before the pidfd was opened: the process is
             # the container's only if it is in the container's own cgroup.
-            if not groups["memory"].name == kernel.container.id:
+            if groups["memory"].name != kernel.container.id:
                 raise ZygoteFailed("the container's first process is gone")
             request = ForkRequest(
                 init=init,
@@ -116,8 +116,7 @@ class ForkingContainerLauncher(ContainerLauncher):
             output_write = -1
             output = await read_pipe(output_read)
             output_read = -1  # the reader's now
-            memory = groups.get("memory")
-            kernel.forked(control, output, OomClock.open(memory) if memory else None)
+            kernel.forked(control, output, OomClock.open(groups["memory"]))
         except BaseException:
             for fd in (output_read, output_write):
                 if fd >= 0:

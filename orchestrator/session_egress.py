@@ -14,6 +14,7 @@ from orchestrator.cluster.shared import RelayedEgress
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import EgressSection
+from sandbox import Sandbox
 from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
 from sandbox.egress.outbox import EgressReport
@@ -160,7 +161,7 @@ class SessionEgress:
         relayed = _relayed(session)
         return None if relayed is None else await relayed.egress_report(most)
 
-    def serves_another(self, session_id: str, sandbox: object) -> bool:
+    def serves_another(self, session_id: str, sandbox: Sandbox) -> bool:
         """Whether the session's records are taken here from a sandbox other than `sandbox`."""
         return self._relays.serves_another(session_id, sandbox)
 

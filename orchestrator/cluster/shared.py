@@ -26,6 +26,11 @@ class SharedSandbox(Protocol):
 class RelayedTools(Protocol):
     """A sandbox whose host-tool channel listens on its own machine and relays the calls."""
 
+    @property
+    def id(self) -> str:
+        """Its own, not its session's: a session resumed elsewhere has a new sandbox."""
+        ...
+
     async def set_tool_manifest(self, manifest: bytes) -> None:
         """Write what its code learns of its tools (`ToolChannel.manifest()`)."""
         ...
@@ -64,6 +69,11 @@ class FencedSaves(Protocol):
 class RelayedEgress(Protocol):
     """A sandbox whose egress proxy runs beside it on its own machine: the service hands it the
     ceiling and settings, and takes the records of its connections for its log and audit."""
+
+    @property
+    def id(self) -> str:
+        """Its own, not its session's (see RelayedTools.id)."""
+        ...
 
     async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
         """Start its proxy (again: nothing changes); whether one runs (none: no way out)."""

@@ -19,6 +19,7 @@ from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import ChannelSection, EgressSection
 from orchestrator.state_store import SessionRecord
+from sandbox import Sandbox
 from sandbox.egress.outbox import EgressReport
 
 log = logging.getLogger(__name__)
@@ -147,20 +148,17 @@ class Channels:
         """The session's egress totals and latest `most` connections, if it has a proxy."""
         return await self._egress.report(session, most)
 
-    async def close_for(self, session_id: str, *, sandbox: object | None = None) -> None:
+    async def close_for(self, session_id: str, *, sandbox: Sandbox | None = None) -> None:
         """Close what a session's sandbox reaches the host through: its tool channel and its
         egress proxy (when it ends, is paused, or fails to resume); what was typed into its
-        processes is written to the audit log now (they are gone). `sandbox`: only if they
-        serve that one; those of a newer sandbox of the session (resumed through another
-        replica and attached here since the pause began) stay."""
+        processes is written to the audit log now (they are gone). `sandbox`: each only if it
+        serves that one; one of a newer sandbox of the session (resumed through another
+        replica and attached here since the pause began) stays, the other still closes."""
         self._trail.input.flush_session(session_id)
-        if sandbox is not None and (
-            self._relays.serves_another(session_id, sandbox)
-            or self._egress.serves_another(session_id, sandbox)
-        ):
-            return
-        await self._relays.stop(session_id)
-        channel = self._channels.pop(session_id, None)
-        if channel is not None:
-            channel.close()
-        await self._egress.close(session_id)
+        if sandbox is None or not self._relays.serves_another(session_id, sandbox):
+            await self._relays.stop(session_id)
+            channel = self._channels.pop(session_id, None)
+            if channel is not None:
+                channel.close()
+        if sandbox is None or not self._egress.serves_another(session_id, sandbox):
+            await self._egress.close(session_id)

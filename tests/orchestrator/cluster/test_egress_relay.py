@@ -6,6 +6,7 @@ ends its loop, a failure is retried."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable
 
 import pytest
@@ -25,8 +26,10 @@ class OutboxSandbox:
     """What a relayed sandbox gives the service, answered from an outbox in this process;
     `failing` polls fail first, as while its node is out of reach."""
 
-    def __init__(self, failing: int = 0) -> None:
-        self.outbox = EgressOutbox()
+    def __init__(self, failing: int = 0, *, of: OutboxSandbox | None = None) -> None:
+        """`of`: another handle on that sandbox (as a second attach of it makes)."""
+        self.id: str = of.id if of is not None else secrets.token_hex(8)
+        self.outbox: EgressOutbox = of.outbox if of is not None else EgressOutbox()
         self.failing = failing
         self.polls = 0
 
@@ -88,6 +91,21 @@ async def test_another_sandbox_of_the_session_replaces_the_loop() -> None:
     assert relays.serves_another("s1", old) and not relays.serves_another("s1", new)
     await relays.stop("s1")
     assert "s1" not in relays and not relays.serves("s1", new)
+
+
+async def test_two_handles_on_one_sandbox_are_one_sandbox() -> None:
+    """A replica may hold two handles on one sandbox (attached twice): the loop of the first
+    serves the second too, and a pause through either is a pause of the sandbox it serves."""
+    first = OutboxSandbox()
+    second = OutboxSandbox(of=first)
+    relays, seen = EgressRelays(), list[str]()
+    await relays.start("s1", first, lambda r: seen.append("first"))
+    await relays.start("s1", second, lambda r: seen.append("second"))  # not a new loop
+    first.outbox.add(_record("a.test"))
+    await _until(lambda: seen == ["first"])
+    assert relays.serves("s1", second) and not relays.serves_another("s1", second)
+    assert second.polls == 0
+    await relays.close()
 
 
 async def test_a_failed_poll_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:

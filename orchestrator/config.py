@@ -236,6 +236,13 @@ class Settings(BaseSettings):
     cluster_tombstone_ttl_s: float = Field(
         86400.0, gt=0, description="How long every replica answers 410 for an ended session."
     )
+    cluster_orphan_after_s: float = Field(
+        600.0,
+        ge=10,
+        description="How long a session actor or a paused machine's image no session record "
+        "names (its replica died before recording it), or a place reserved with no record, "
+        "waits before a replica ends it; longer than any creation or pause takes.",
+    )
 
     # --- host tools sandboxed code may call (docs/programmatic-tool-calling.md)
     host_tools: HostToolsSettings = Field(

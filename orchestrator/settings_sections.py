@@ -147,6 +147,7 @@ class ClusterSection(Section):
     saved_states_dir: Path | None
     cluster_tombstone_ttl_s: float
     cluster_reap_batch: int
+    cluster_orphan_after_s: float
     max_lifetime_s: float
     idle_timeout_s: float
     max_sessions_per_key: int

@@ -50,8 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOST = "lost: "  # how a tombstone of a lost session begins
-_ABANDONED_AFTER_S = 600.0  # a place reserved this long with no record: its replica died
-_ORPHAN_SWEEP_S = 60.0  # how often a replica looks for session actors no record names
+# How often a replica looks for session actors and paused machines no record names: at most
+# this, and often enough to see one twice `cluster_orphan_after_s` apart soon after.
+_ORPHAN_SWEEP_S = 60.0
 _PROBE_TIMEOUT_S = 10.0  # the longest the reaper waits for one sandbox to say its activity
 
 OnAttach = Callable[[Session, SessionRecord], Awaitable[None]]
@@ -100,7 +101,8 @@ class ClusterCoordinator:
         self._cursor = 0  # where the reaper's walk over the store goes on from
         self._probes: dict[str, Sandbox] = {}  # sessions the reaper attached, not served here
         self._unnamed: dict[str, float] = {}  # actors no record names -> when first seen so
-        self._next_orphan_sweep = time.monotonic() + _ORPHAN_SWEEP_S
+        self._orphan_sweep_s = min(_ORPHAN_SWEEP_S, settings.cluster_orphan_after_s / 4)
+        self._next_orphan_sweep = time.monotonic() + self._orphan_sweep_s
 
     def bind(self, table: SessionManager) -> None:
         self._table = table
@@ -369,7 +371,9 @@ class ClusterCoordinator:
         held = [x.id for x in self.table.all() if self._shared(x)] + list(self._probes)
         for session_id in await self.coordination.ended_among(held):  # ended elsewhere
             await self._let_go(session_id)
-        for session_id in await self.coordination.abandoned_slots(_ABANDONED_AFTER_S, 100):
+        for session_id in await self.coordination.abandoned_slots(
+            self.settings.cluster_orphan_after_s, 100
+        ):
             log.warning("gave back the place of session %s, never recorded", session_id)
             await self.coordination.release(session_id)
         await self._count_nodes()
@@ -377,13 +381,16 @@ class ClusterCoordinator:
         return ended
 
     async def _sweep_orphans(self) -> None:
-        """End the session actors no record names for `_ABANDONED_AFTER_S` (a replica died
-        between making one and recording it): the backend lists them, the store knows which are
-        sessions. Seen twice that far apart, so a creation under way is never taken for one."""
+        """End the session actors and paused machines no record names for
+        `cluster_orphan_after_s`
+        (a replica died between making one and recording it, or between storing a machine's
+        image and recording the pause): the backend lists them, the store knows which are
+        sessions'. Seen twice that far apart, so a creation or a pause under way is never taken
+        for one."""
         now = time.monotonic()
         if now < self._next_orphan_sweep:
             return
-        self._next_orphan_sweep = now + _ORPHAN_SWEEP_S
+        self._next_orphan_sweep = now + self._orphan_sweep_s
         for backend in self.table.backends.values():
             list_sandboxes = getattr(backend, "list_sandboxes", None)
             if not backend.capabilities.shared_across_nodes or list_sandboxes is None:
@@ -392,11 +399,21 @@ class ClusterCoordinator:
             # Each live handle asked about (never a listing that may stop at its cap).
             unnamed = set(live) - await self.store.handles_named(live)
             self._unnamed = {h: t for h, t in self._unnamed.items() if h in unnamed}
-            for handle in unnamed:
-                if now - self._unnamed.setdefault(handle, now) >= _ABANDONED_AFTER_S:
-                    log.warning("ended session actor %s: no session names it", handle)
-                    await backend.discard(handle)
-                    del self._unnamed[handle]
+            due = {
+                handle
+                for handle in unnamed
+                if now - self._unnamed.setdefault(handle, now)
+                >= self.settings.cluster_orphan_after_s
+            }
+            if due:  # the records themselves read before anything ends: the set may lag them
+                due -= await self.store.handles_in_records(due)
+            for handle in sorted(due):
+                log.warning(
+                    "ended sandbox %s (a session actor or a paused machine): no session names it",
+                    handle,
+                )
+                await backend.discard(handle)
+                del self._unnamed[handle]
 
     async def _reap_shared(self) -> int:
         """One bounded step of the walk over the store's running shared sessions."""

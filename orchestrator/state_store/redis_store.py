@@ -15,10 +15,11 @@ timeout, never the loop (/healthz, calls on cached sessions).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar, cast
@@ -58,14 +59,18 @@ return 1
 
 
 # KEYS: the record, its owner's index, the running set, the handles set. ARGV: its JSON, its id,
-# its state, its sandbox handle ('' for none).
+# its state, its sandbox handle and its suspended sandbox's handle ('' for none).
 _PUT = """
 local old = redis.call('GET', KEYS[1])
 if old then
   local ok, was = pcall(cjson.decode, old)
-  if ok and type(was) == 'table' and type(was.sandbox_handle) == 'string'
-      and was.sandbox_handle ~= ARGV[4] then
-    redis.call('SREM', KEYS[4], was.sandbox_handle)
+  if ok and type(was) == 'table' then
+    for _, field in ipairs({'sandbox_handle', 'suspended'}) do
+      local handle = was[field]
+      if type(handle) == 'string' and handle ~= ARGV[4] and handle ~= ARGV[5] then
+        redis.call('SREM', KEYS[4], handle)
+      end
+    end
   end
 end
 redis.call('SET', KEYS[1], ARGV[1])
@@ -76,6 +81,7 @@ else
   redis.call('SREM', KEYS[3], ARGV[2])
 end
 if ARGV[4] ~= '' then redis.call('SADD', KEYS[4], ARGV[4]) end
+if ARGV[5] ~= '' then redis.call('SADD', KEYS[4], ARGV[5]) end
 return 1
 """
 
@@ -164,15 +170,21 @@ class RedisStore(StateStore):
     # --- sessions
     async def put_session(self, record: SessionRecord) -> None:
         """Also kept: the set of running sessions (the reapers' walk) and of the sandbox
-        handles records name (the orphan sweep's: a handle the record no longer names, once
-        paused or resumed in another sandbox, leaves it)."""
+        handles records name, a paused whole sandbox's too (the orphan sweep's: a handle the
+        record no longer names, once paused or resumed in another sandbox, leaves it)."""
         keys = [
             self._key("session", record.id),
             self._key("owner-sessions", record.owner),
             self._key("running"),
             self._key("handles"),
         ]
-        args = [record.model_dump_json(), record.id, record.state, record.sandbox_handle or ""]
+        args = [
+            record.model_dump_json(),
+            record.id,
+            record.state,
+            record.sandbox_handle or "",
+            record.suspended or "",
+        ]
         with self._errors():
             await self._put(keys=keys, args=args)
 
@@ -209,8 +221,9 @@ class RedisStore(StateStore):
             pipe.srem(self._key("running"), session_id)
             if record is not None:
                 pipe.srem(self._key("owner-sessions", record.owner), session_id)
-                if record.sandbox_handle is not None:
-                    pipe.srem(self._key("handles"), record.sandbox_handle)
+                for handle in (record.sandbox_handle, record.suspended):
+                    if handle is not None:
+                        pipe.srem(self._key("handles"), handle)
             await pipe.execute()
 
     async def sessions(
@@ -271,6 +284,33 @@ class RedisStore(StateStore):
                 found = cast(list[int], await self._redis.smismember(key, page))
             named |= {h for h, yes in zip(page, found, strict=True) if yes}
         return named
+
+    async def handles_in_records(self, handles: set[str]) -> set[str]:
+        """Which of these handles a session record names, found by reading every record (a
+        walk of the whole store, page by page, never cut short): what the orphan sweep asks
+        before it ends anything, so that a handle missing from the set (a record written
+        before the set kept paused machines', or a write the set missed) is never taken for an
+        orphan. Those found are put back in the set."""
+        named: set[str] = set()
+        with self._errors():
+            async for page in self._pages(self._key("session", "*")):
+                values = cast(list[bytes | None], await self._redis.mget(page))
+                for raw in values:
+                    named |= handles & _handles_of(raw)
+            if named:
+                await self._redis.sadd(self._key("handles"), *named)
+        return named
+
+    async def _pages(self, pattern: str) -> AsyncIterator[list[str]]:
+        """Every key matching `pattern`, a page at a time (SCAN: a key there throughout the
+        walk is seen at least once)."""
+        cursor = 0
+        while True:
+            cursor, keys = await self._redis.scan(cursor=cursor, match=pattern, count=_PAGE)
+            if keys:
+                yield [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+            if not cursor:
+                return
 
     # --- snapshots
     def files_of(self, snapshot_id: str) -> Path:
@@ -362,3 +402,14 @@ def _settled_dirs(root: Path, before: float) -> list[Path]:
         if newest < before:
             settled.append(entry)
     return settled
+
+
+def _handles_of(raw: bytes | None) -> set[str]:
+    """The sandbox handles a raw session record names (none if it is unreadable)."""
+    try:
+        value = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return set()
+    if not isinstance(value, dict):
+        return set()
+    return {h for h in (value.get("sandbox_handle"), value.get("suspended")) if isinstance(h, str)}

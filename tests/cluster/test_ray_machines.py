@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from code_interpreter_wire.spec import SandboxSpec
-from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.backend import PARTIAL_AFTER_S, RayBackend
 from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.local_cluster import LocalCluster, local_cluster
 from sandbox.backends.ray_cluster.loopback import LOOPBACK
@@ -33,6 +33,9 @@ from tests.conftest import require_backend
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 GVISOR_NODE = {"CIR_NODE_BACKEND": "gvisor"}
+ORPHAN = "0dd0c0ffee"  # a paused machine's image nobody recorded (its token)
+# Far longer than a session's creation or pause takes here, short enough to wait for.
+ORPHAN_AFTER_S = 40
 SETUP = """
 import secrets, subprocess
 held = secrets.token_hex(8)
@@ -78,6 +81,7 @@ def gvisor_replicas(
                     "CODE_INTERPRETER_ORCHESTRATOR_ID": "machines-replicas",
                     "CODE_INTERPRETER_RAY_NODE_IP": "127.0.0.1",
                     "CODE_INTERPRETER_SAVED_STATES_DIR": str(saved_states),
+                    "CODE_INTERPRETER_CLUSTER_ORPHAN_AFTER_S": str(ORPHAN_AFTER_S),
                 }
                 port = free_port()
                 argv = [
@@ -102,18 +106,22 @@ def test_replica_pauses_a_machine_whole_and_the_other_resumes_it(
     image goes."""
     a, b, saved_states = gvisor_replicas
     paused_machines = saved_states / "code-interpreter-paused-machines"
+
+    def images() -> list[Path]:
+        return [p for p in paused_machines.iterdir() if p.name != ORPHAN]
+
     sid = _create(a)
     try:
         held = _execute(a, sid, SETUP)["stdout"].strip()
         with a.client() as api:
             paused = api.post(f"/v1/sessions/{sid}/pause")
             assert paused.status_code == 200, paused.text
-        assert len(list(paused_machines.iterdir())) == 1
+        assert len(images()) == 1
         resumed = _execute(b, sid, CHECK)
         value, running, kept, _ = resumed["stdout"].split()
         assert (value, running, kept) == (held, "True", "True")
         assert "whole sandbox" in (resumed["notice"] or ""), resumed["notice"]
-        assert list(paused_machines.iterdir()) == []
+        assert images() == []
 
         with b.client() as api:
             taken = api.post(f"/v1/sessions/{sid}/snapshots", json={"name": "whole"})
@@ -130,7 +138,21 @@ def test_replica_pauses_a_machine_whole_and_the_other_resumes_it(
 
         with a.client() as api:
             assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
-        assert len(list(paused_machines.iterdir())) == 1
+        [image] = images()
+        # Beside it, an image no record names, as a replica killed between storing it and
+        # recording its pause leaves: the replicas' orphan sweep removes it (seen so twice,
+        # ORPHAN_AFTER_S apart); the paused session's, there as long, stays.
+        (paused_machines / ORPHAN).mkdir()
+        deadline = time.monotonic() + 6 * ORPHAN_AFTER_S
+        while (paused_machines / ORPHAN).exists():
+            assert time.monotonic() < deadline, "the sweep left an image nobody recorded"
+            time.sleep(1)
+        assert image.exists()
+        value, running, kept, _ = _execute(b, sid, CHECK)["stdout"].split()
+        assert (value, running, kept) == (held, "True", "True")
+        with a.client() as api:
+            assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
+        assert len(images()) == 1
     finally:
         _delete(b, sid)
     assert list(paused_machines.iterdir()) == [], "a deleted session's machine stayed"
@@ -195,6 +217,8 @@ async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
         handle = await first.suspend()
         assert handle is not None
         paused_on = first.node_id
+        # The orphan sweep sees it (and ends it if no record names it for long enough).
+        assert handle in await backend.list_sandboxes()
     finally:
         await first.close()
     assert [p.name for p in (tmp_path / "machines").iterdir()] == [handle.removeprefix("machine-")]
@@ -214,8 +238,30 @@ async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
         assert len(list((tmp_path / "machines").iterdir())) == 1
         await backend.woken(handle)
         assert list((tmp_path / "machines").iterdir()) == [], "a woken image stayed in the store"
+        assert handle not in await backend.list_sandboxes()
     finally:
         await woken.close()
+
+
+async def test_images_a_crash_left_half_carried_are_removed_at_start(
+    machines_backend: RayBackend, tmp_path: Path
+) -> None:
+    """A replica killed while carrying an image in leaves it half made, named by nobody: the
+    next start removes it once no carrying could still be under way; a whole image (the orphan
+    sweep's to judge, by the records) and a carrying under way stay."""
+    store = tmp_path / "machines"
+    store.mkdir()
+    stale, under_way, whole = store / ".0a1b.5e6f.new", store / ".2c3d.7a8b.new", store / "4e5f"
+    for directory in (stale, under_way, whole):
+        directory.mkdir()
+        (directory / "pages").write_bytes(b"x")
+    long_ago = time.time() - PARTIAL_AFTER_S - 60
+    os.utime(stale, (long_ago, long_ago))
+    assert await machines_backend.cleanup_orphans() == 1
+    assert sorted(p.name for p in store.iterdir()) == [under_way.name, whole.name]
+    assert "machine-4e5f" in await machines_backend.list_sandboxes()
+    await machines_backend.discard("machine-4e5f")
+    assert "machine-4e5f" not in await machines_backend.list_sandboxes()
 
 
 async def test_a_pause_whose_image_cannot_be_carried_runs_on(

@@ -154,6 +154,38 @@ async def test_a_handle_the_record_no_longer_names_leaves_the_named_set(
     assert [r.id for r in await a.sessions(state="running")] == ["s-1"]
 
 
+async def test_a_paused_machine_is_named_by_its_record(
+    stores: tuple[RedisStore, RedisStore], redis_url: str, prefix: str
+) -> None:
+    """A session paused whole names its machine's image (the orphan sweep must not end it)
+    until it resumes or is deleted; and one the set misses (a record written before the set
+    kept paused machines') is found by reading the records, and put back."""
+    a, b = stores
+    await a.put_session(_session("s-1", sandbox_handle="cir-1"))
+    await a.put_session(
+        _session("s-1", state="paused", sandbox_handle="cir-1", suspended="machine-1")
+    )
+    assert await b.handles_named(["cir-1", "machine-1"]) == {"cir-1", "machine-1"}
+    await b.put_session(_session("s-1", sandbox_handle="cir-2"))  # woken in another actor
+    assert await a.handles_named(["cir-1", "machine-1", "cir-2"]) == {"cir-2"}
+    await a.put_session(
+        _session("s-2", state="paused", sandbox_handle="cir-3", suspended="machine-2")
+    )
+    await b.delete_session("s-2")
+    assert await a.handles_named(["cir-3", "machine-2"]) == set()
+
+    await a.put_session(
+        _session("s-3", state="paused", sandbox_handle="cir-4", suspended="machine-3")
+    )
+    raw = redis.Redis.from_url(redis_url)
+    raw.srem(f"{prefix}:handles", "machine-3")  # as a record of an older release left it
+    raw.close()
+    assert await a.handles_named(["machine-3"]) == set()
+    asked = {"machine-3", "machine-1", "cir-2", "cir-none"}
+    assert await b.handles_in_records(asked) == {"machine-3", "cir-2"}
+    assert await a.handles_named(["machine-3"]) == {"machine-3"}
+
+
 async def test_redis_store_handles_named_answers_each_handle(
     redis_url: str, prefix: str, tmp_path: Path
 ) -> None:

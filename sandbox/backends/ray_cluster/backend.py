@@ -31,6 +31,7 @@ import functools
 import logging
 import random
 import secrets
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
@@ -86,6 +87,9 @@ NUDGE_S = 1.0  # an actor unplaced this long asks its node's keeper for a slot h
 RECHECK_S = 0.5  # no node with room: the free slots are read once more after this long
 # A slot this replica just filled may still look free in the GCS's view for about this long.
 GCS_LAG_S = 2.0
+# A half-carried image of a paused machine untouched this long was left by a replica killed while
+# carrying it: no carrying lasts this long (`cleanup_orphans`).
+PARTIAL_AFTER_S = 3600.0
 MAX_DEAD_NODES = 64  # dead nodes `nodes()` still lists (the most recently seen alive)
 
 
@@ -457,13 +461,22 @@ class RayBackend(Backend):
         await kill_actor(actor)
 
     async def list_sandboxes(self) -> list[str]:
-        """The names of this orchestrator's live session actors (warm ones not yet claimed
-        are the pools', not sessions, and are left out)."""
+        """The handles of this orchestrator's sandboxes: its live session actors' names (warm
+        ones not yet claimed are the pools', not sessions, and are left out), and the paused
+        whole machines waiting in the shared store (`discard` takes either)."""
         await self._connect()
         names = await asyncio.to_thread(self._named_actors)
         prefix = session_prefix(self.config.orchestrator_id)
         sessions = {name for name in names if name.startswith(prefix)}
-        return sorted(sessions - await self._pools.held(names))
+        machines = await self._machines.stored() if self._machines is not None else []
+        return sorted(sessions - await self._pools.held(names)) + machines
+
+    async def cleanup_orphans(self) -> int:
+        """Images a replica killed while carrying them into the shared store left half made
+        (whole ones no record names are the orphan sweep's: `list_sandboxes`)."""
+        if self._machines is None:
+            return 0
+        return await self._machines.remove_partials(time.time() - PARTIAL_AFTER_S)
 
     def _named_actors(self) -> list[str]:
         found = ray.util.list_named_actors(all_namespaces=True)

@@ -25,6 +25,7 @@ from sandbox.tree_transfer import TreeEntry, TreeWriter, read_tree
 
 PAUSED_PREFIX = "machine-"  # a paused machine's handle: this and its token
 IMAGE_SLACK_MB = 512  # what a machine's image may hold beyond its memory and workspace
+PARTIAL_SUFFIX = ".new"  # an image being carried in: `.<token>.<random><suffix>`, then renamed
 
 
 def image_cap(spec: SandboxSpec) -> int:
@@ -56,6 +57,47 @@ class MachineStore:
     async def discard(self, handle: str) -> None:
         await asyncio.to_thread(shutil.rmtree, self.path(handle), True)
 
+    async def stored(self) -> list[str]:
+        """The handles of the machines waiting here, whole (one being carried in is not yet):
+        the orphan sweep asks which a record names; an image whose pause died before its
+        record was written is named by none."""
+        return await asyncio.to_thread(self._stored)
+
+    def _stored(self) -> list[str]:
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
+            return []
+        return sorted(
+            self.handle_of(entry.name)
+            for entry in entries
+            if not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink()
+        )
+
+    async def remove_partials(self, untouched_since: float) -> int:
+        """Remove the images a replica killed while carrying them in left half made (see
+        `receive_tree`), untouched since `untouched_since` (a Unix time): no carrying lasts
+        that long. How many."""
+        return await asyncio.to_thread(self._remove_partials, untouched_since)
+
+    def _remove_partials(self, untouched_since: float) -> int:
+        removed = 0
+        try:
+            entries = list(self.root.iterdir())
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            if not (entry.name.startswith(".") and entry.name.endswith(PARTIAL_SUFFIX)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.lstat().st_mtime < untouched_since:
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink()
+                    removed += 1
+        return removed
+
 
 def machine_store(root: Path | None) -> MachineStore | None:
     """The store at `root` (the ray backend's `machine_images_dir`); None: there is none."""
@@ -73,7 +115,7 @@ async def receive_tree(
     into `dest`, made apart and renamed into place once whole: a reader never finds half of
     it. Nothing of it is left if it fails."""
     await asyncio.to_thread(dest.parent.mkdir, mode=0o700, parents=True, exist_ok=True)
-    making = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.new")
+    making = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}{PARTIAL_SUFFIX}")
     writer = await asyncio.to_thread(TreeWriter, making, max_bytes=max_bytes)
     try:
         async for ref in batches:

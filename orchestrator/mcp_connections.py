@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 
 _REMEMBERED = 100_000  # connections one process keeps (the oldest unused go first)
 MAX_CLIENT_BYTES = 64 << 10  # of a client's initialize params kept (more: kept without them)
+# An answer a client sends through another replica than the one that asked (see `pass_on`):
+# at most this large (an approval's answer is a few hundred bytes), at most this many waiting
+# for each asking replica (the oldest go first).
+MAX_ANSWER_BYTES = 64 << 10
+MAX_ANSWERS_WAITING = 16
 
 
 @dataclass
@@ -64,6 +69,25 @@ class McpConnections(ABC):
     @abstractmethod
     async def forget(self, connection: str) -> McpConnection | None:
         """The connection ended: what it was (None if unknown); it is `ended` from now on."""
+
+    # Answers to what a replica asks a connection's client (an approval's elicitation): the
+    # client may send one through another replica (a load balancer without stickiness), whose
+    # MCP transport has nothing waiting for it. While a replica waits (`awaiting`), every answer
+    # sent on that connection through another (`pass_on`) is kept for it, and it takes them
+    # (`passed_on`) to hand to its own transport. On one machine nothing travels.
+    answers_travel = False  # whether answers may come through another replica
+
+    async def awaiting(self, connection: str, replica: str, more: int) -> None:  # noqa: B027
+        """`replica` waits for one more answer on `connection` (`more` 1), or one less (-1)."""
+
+    async def pass_on(self, connection: str, replica: str, answer: bytes) -> int:
+        """An answer the client sent through `replica`: kept for every other replica waiting
+        on that connection; how many."""
+        return 0
+
+    async def passed_on(self, connection: str, replica: str) -> list[bytes]:
+        """The answers kept for `replica` on that connection, each taken once."""
+        return []
 
 
 def _client_json(client: dict[str, Any] | None) -> str:
@@ -148,6 +172,14 @@ redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
 return found
 """
 
+# KEYS: the connection's hash of waiting replicas. ARGV: the replica, +1 or -1, time to live.
+_AWAIT = """
+local n = redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
+if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+return n
+"""
+
 
 class SharedMcpConnections(McpConnections):
     """In the shared Redis, under `<prefix>:mcp:<connection>` (a hash: owner, client, session)
@@ -159,6 +191,7 @@ class SharedMcpConnections(McpConnections):
         self._redis = connection.client
         self._bind = self._redis.register_script(_BIND)
         self._forget = self._redis.register_script(_FORGET)
+        self._await = self._redis.register_script(_AWAIT)
 
     def _keys(self, connection: str) -> list[str]:
         return [
@@ -213,6 +246,48 @@ class SharedMcpConnections(McpConnections):
         pairs = iter(found or [])
         return _record(dict(zip(pairs, pairs, strict=True)))
 
+    # --- answers: `<prefix>:mcp-awaiting:<connection>` (a hash: replica -> its waits) and
+    # `<prefix>:mcp-answers:<connection>:<replica>` (a list), each with a time to live.
+    answers_travel = True
+
+    def _awaiting_key(self, connection: str) -> str:
+        return self._connection.key("mcp-awaiting", connection)
+
+    def _answers_key(self, connection: str, replica: str) -> str:
+        return self._connection.key("mcp-answers", connection, replica)
+
+    async def awaiting(self, connection: str, replica: str, more: int) -> None:
+        with self._connection.errors():
+            await self._await(
+                keys=[self._awaiting_key(connection)], args=[replica, more, self._ttl]
+            )
+
+    async def pass_on(self, connection: str, replica: str, answer: bytes) -> int:
+        if len(answer) > MAX_ANSWER_BYTES:
+            return 0
+        with self._connection.errors():
+            waiting = await self._redis.hkeys(self._awaiting_key(connection))
+            others = [_text(r) for r in waiting if _text(r) != replica]
+            if not others:
+                return 0
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for other in others:
+                    key = self._answers_key(connection, other)
+                    pipe.rpush(key, answer)
+                    pipe.ltrim(key, -MAX_ANSWERS_WAITING, -1)
+                    pipe.expire(key, self._ttl)
+                await pipe.execute()
+        return len(others)
+
+    async def passed_on(self, connection: str, replica: str) -> list[bytes]:
+        with self._connection.errors():
+            taken = await self._redis.lpop(
+                self._answers_key(connection, replica), MAX_ANSWERS_WAITING
+            )
+        if not isinstance(taken, list):
+            return []
+        return [a if isinstance(a, bytes) else a.encode() for a in taken]
+
 
 def _record(fields: dict[Any, Any]) -> McpConnection | None:
     values = {
@@ -229,3 +304,7 @@ def _record(fields: dict[Any, Any]) -> McpConnection | None:
         client=json.loads(client) if client else None,
         session_id=values.get("session") or None,
     )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

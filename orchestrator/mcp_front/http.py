@@ -9,19 +9,27 @@ expire after `mcp_idle_timeout_s` idle: one-shot clients seldom say goodbye.
 Each connection is told to the service's `mcp_connections` when it opens (with its client's
 `initialize` params), read at each request and forgotten when it ends: in cluster mode they are
 shared, so a request through a replica that does not hold the connection continues it there
-(adoption.py), and one that ended through another replica is refused here too.
+(adoption.py), and one that ended through another replica is refused here too. An approval asked
+of a connection's user (elicitation) may be answered through another replica than the one that
+asked: that one keeps the answer in the store, and the asking one hands it to its own transport
+(`answers_elsewhere`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 from fastapi import HTTPException, Request
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser, authorization_context
 from mcp.server.auth.provider import AccessToken
+from mcp.server.mcpserver import Context
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from starlette.responses import JSONResponse
@@ -30,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator.auth import Authenticator
 from orchestrator.front_config import FrontConfig
-from orchestrator.mcp_connections import MAX_CLIENT_BYTES, McpConnection
+from orchestrator.mcp_connections import MAX_ANSWER_BYTES, MAX_CLIENT_BYTES, McpConnection
 from orchestrator.mcp_front import adoption
 from orchestrator.mcp_front.server import (
     OWNER_SCOPE_KEY,
@@ -43,6 +51,10 @@ from sandbox.json_depth import nests_deeper_than
 
 MCP_PATH = "/mcp"
 _CLIENT_DEPTH = 32  # an initialize's params nested deeper are not kept (not continued elsewhere)
+ANSWER_POLL_S = 0.25  # how often a replica waiting for an answer looks for one sent elsewhere
+REPLAY_S = 30.0  # the longest handing one such answer to this replica's transport may take
+# Of the asking request's headers, those a replayed answer carries (the transport checks them).
+_REPLAYED_HEADERS = {b"host", b"origin", b"mcp-protocol-version"}
 log = logging.getLogger(__name__)
 
 
@@ -62,13 +74,17 @@ class McpHttpFront:
         self.connections = ConnectionSessions(service)
         self._transport: StreamableHTTPASGIApp | None = None
         self._manager: StreamableHTTPSessionManager | None = None
+        self._replica = secrets.token_hex(8)  # this process, to answers kept for it elsewhere
+        self._relays: set[asyncio.Future[None]] = set()  # answers taken for questions asked here
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Serve while the service runs; the server is made once the service has started, so
         the tool's description can list the host tools (an MCP server's among them)."""
         fronts = self._fronts
-        server, _ = await build_mcp_server(self._service, connections=self.connections)
+        server, _ = await build_mcp_server(
+            self._service, connections=self.connections, answers_elsewhere=self.answers_elsewhere
+        )
         # Builds the session manager (with DNS-rebinding protection on a loopback host); the
         # Starlette app it returns is not used: this endpoint is mounted in ours instead.
         server.streamable_http_app(
@@ -109,15 +125,22 @@ class McpHttpFront:
                 await refused(scope, receive, send)
                 return
         opening = connection is None and handshake and request.method == "POST"
-        body: bytearray | None = bytearray() if opening else None
+        # What the client posts on a connection may answer what another replica asked it.
+        answering = (
+            bool(connection)
+            and handshake
+            and request.method == "POST"
+            and self._service.mcp_connections.answers_travel
+        )
+        body: bytearray | None = bytearray() if opening or answering else None
         status = 0
 
         async def kept(message: Message) -> None:
             nonlocal body
             if message["type"] == "http.request" and body is not None:
                 body += message.get("body", b"")
-                if len(body) > MAX_CLIENT_BYTES:
-                    body = None  # an initialize this large is not kept for other replicas
+                if len(body) > max(MAX_CLIENT_BYTES, MAX_ANSWER_BYTES):
+                    body = None  # an initialize (or answer) this large is not kept elsewhere
 
         async def read() -> Message:
             message = await receive()
@@ -135,11 +158,140 @@ class McpHttpFront:
                     await self._opened(opened, owner, body)
             await send(message)
 
-        await self._transport(scope, read if opening else receive, watched)
+        await self._transport(scope, read if body is not None else receive, watched)
         if request.method == "DELETE" and connection and 200 <= status < 300:
             await self.connections.end(owner, connection)
         elif connection and handshake:
+            if answering and body is not None and status == HTTPStatus.ACCEPTED:
+                await self._pass_on(connection, bytes(body))
             await self._request_ended(connection)
+
+    # --- answers the client sends through another replica than the one that asked
+    async def _pass_on(self, connection: str, body: bytes) -> None:
+        """A client's answer (a JSON-RPC response) accepted here: kept for the replicas that
+        wait for one on its connection (this one's transport had it already)."""
+        if not _is_answer(body):
+            return
+        try:
+            await self._service.mcp_connections.pass_on(connection, self._replica, body)
+        except SessionError as exc:
+            log.warning(
+                "an answer on MCP connection %s was not passed on: %s", connection[:64], exc
+            )
+
+    @asynccontextmanager
+    async def answers_elsewhere(self, ctx: Context) -> AsyncIterator[None]:
+        """While an approval is asked of the client of the call `ctx` serves: what it answers
+        through another replica is handed to this replica's transport too."""
+        request = ctx.request_context.request
+        connections = self._service.mcp_connections
+        connection = request.headers.get("mcp-session-id") if request is not None else None
+        owner = request.scope.get(OWNER_SCOPE_KEY) if request is not None else None
+        if request is None or not connection or not isinstance(owner, str):
+            yield
+            return
+        if not connections.answers_travel:
+            yield
+            return
+        # The headers the transport checks, as the client sent them on the asking request.
+        headers = [(k, v) for k, v in request.headers.raw if k.lower() in _REPLAYED_HEADERS]
+        try:
+            await connections.awaiting(connection, self._replica, 1)
+        except SessionError as exc:  # then only an answer sent here reaches the question
+            log.warning("MCP connection %s: answers stay where sent: %s", connection[:64], exc)
+            yield
+            return
+        # Told to stop, never cancelled: the answer it hands over is what ends the wait, while
+        # it is still inside the transport's handler (which a cancellation would leave hung).
+        done = asyncio.Event()
+        relay = asyncio.ensure_future(self._hand_over_passed_on(connection, owner, headers, done))
+        self._relays.add(relay)
+        relay.add_done_callback(self._relays.discard)
+        try:
+            yield
+        finally:
+            done.set()
+
+    async def _hand_over_passed_on(
+        self, connection: str, owner: str, headers: list[tuple[bytes, bytes]], done: asyncio.Event
+    ) -> None:
+        """Until `done`: each answer another replica kept for this one, to the transport; then
+        this replica waits no more."""
+        connections = self._service.mcp_connections
+        try:
+            while not done.is_set():
+                try:
+                    answers = await connections.passed_on(connection, self._replica)
+                except SessionError as exc:
+                    log.warning("MCP connection %s: answers not taken: %s", connection[:64], exc)
+                    answers = []
+                for answer in answers:
+                    try:
+                        await asyncio.wait_for(
+                            self._replay(connection, owner, headers, answer), REPLAY_S
+                        )
+                    except Exception:  # one answer's trouble is its own: the next ones go on
+                        log.exception("MCP connection %s: an answer was lost", connection[:64])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), ANSWER_POLL_S)
+        finally:
+            with contextlib.suppress(SessionError):
+                await connections.awaiting(connection, self._replica, -1)
+
+    async def _replay(
+        self, connection: str, owner: str, headers: list[tuple[bytes, bytes]], answer: bytes
+    ) -> None:
+        """Post `answer` to this replica's own transport, as the connection's owner."""
+        transport = self._transport
+        if transport is None:
+            return
+        scope: Scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": MCP_PATH,
+            "raw_path": MCP_PATH.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": [
+                *headers,
+                (b"mcp-session-id", connection.encode()),
+                (b"content-type", b"application/json"),
+                (b"accept", b"application/json, text/event-stream"),
+                (b"content-length", str(len(answer)).encode()),
+            ],
+            "client": None,
+            "server": None,
+            "state": {},
+            "user": AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[])),
+            OWNER_SCOPE_KEY: owner,
+        }
+        given = False
+
+        async def receive() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": answer, "more_body": False}
+            await asyncio.Event().wait()  # the request is whole: no more comes, none leaves
+            raise AssertionError("unreachable")
+
+        status = 0
+
+        async def send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+
+        await transport(scope, receive, send)
+        if status != HTTPStatus.ACCEPTED:
+            log.warning(
+                "MCP connection %s: an answer passed on from another replica was refused here (%d)",
+                connection[:64],
+                status,
+            )
 
     async def _continue(
         self, connection: str, owner: str, user: AuthenticatedUser, version: str | None
@@ -190,6 +342,22 @@ class McpHttpFront:
             await self._service.mcp_connections.opened(connection, owner, client)
         except SessionError as exc:  # then only this replica continues it
             log.warning("MCP connection %s is not shared: %s", connection[:64], exc)
+
+
+def _is_answer(body: bytes) -> bool:
+    """Whether `body` is a JSON-RPC response (a result or an error for an id)."""
+    if nests_deeper_than(body, _CLIENT_DEPTH):
+        return False
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return False
+    return (
+        isinstance(message, dict)
+        and "method" not in message
+        and message.get("id") is not None
+        and ("result" in message or "error" in message)
+    )
 
 
 def _header(message: Message, name: bytes) -> str | None:

@@ -260,7 +260,16 @@ def approval_prompt(record: ApprovalRecord) -> str:
     return "\n".join(lines)
 
 
-def _elicitor(ctx: Context) -> Responder:
+# While this replica waits for its client's answer: answers the client sends through another
+# replica reach it too (mcp_front/http.py); on stdio, nothing to do.
+AnswersElsewhere = Callable[[Context], contextlib.AbstractAsyncContextManager[None]]
+
+
+def _no_other_replica(ctx: Context) -> contextlib.AbstractAsyncContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def _elicitor(ctx: Context, answers_elsewhere: AnswersElsewhere) -> Responder:
     """Ask the connection's user to approve or deny; None when its client cannot be asked."""
 
     async def ask(record: ApprovalRecord) -> tuple[bool, str | None] | None:
@@ -268,7 +277,8 @@ def _elicitor(ctx: Context) -> Responder:
         if not ctx.request_context.session.check_client_capability(wanted):
             return None
         try:
-            answer = await ctx.elicit(approval_prompt(record), ApprovalForm)
+            async with answers_elsewhere(ctx):
+                answer = await ctx.elicit(approval_prompt(record), ApprovalForm)
         except (MCPError, ValueError) as exc:  # no way back to the client, or a bad answer
             log.info("approval %s: the MCP client could not be asked: %s", record.id, exc)
             return None
@@ -297,10 +307,14 @@ def _caller(ctx: Context) -> tuple[str, str | None]:
 
 
 async def build_mcp_server(
-    service: Service, *, connections: ConnectionSessions | None = None
+    service: Service,
+    *,
+    connections: ConnectionSessions | None = None,
+    answers_elsewhere: AnswersElsewhere = _no_other_replica,
 ) -> tuple[MCPServer, ConnectionSessions]:
     """The MCP server over `service` (started: its host tools and languages are known), and
-    its connection-to-session map."""
+    its connection-to-session map. `answers_elsewhere`: while an approval is asked of a
+    client, what lets its answer come through another replica."""
     languages = await service.views.tool_languages()
     sessions = connections or ConnectionSessions(service)
     server: MCPServer = MCPServer(
@@ -343,7 +357,7 @@ async def build_mcp_server(
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one tool flow, as the REST invoke route runs it, in the connection's session;
         # what waits for a human meanwhile is asked of this client's user too.
-        with service.admission.approval_responder(session.id, _elicitor(ctx)):
+        with service.admission.approval_responder(session.id, _elicitor(ctx, answers_elsewhere)):
             outcome = await ModelTool(service).invoke(
                 owner, code, session=session, language=language
             )
@@ -368,7 +382,7 @@ async def build_mcp_server(
         owner, connection = _caller(ctx)
         session, note = await sessions.resolve(owner, connection, session_id)
         # The one shell tool flow, as the REST invoke route runs it, in the connection's session.
-        with service.admission.approval_responder(session.id, _elicitor(ctx)):
+        with service.admission.approval_responder(session.id, _elicitor(ctx, answers_elsewhere)):
             outcome = await ModelTool(service).invoke_shell(
                 owner, command, session=session, timeout_s=timeout_s
             )

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from orchestrator.mcp_connections import (
+    MAX_ANSWER_BYTES,
+    MAX_ANSWERS_WAITING,
     MAX_CLIENT_BYTES,
     LocalMcpConnections,
     McpConnection,
@@ -113,3 +115,43 @@ async def test_one_process_forgets_connections_idle_past_their_timeout() -> None
     await local.opened("c1", "owner", None)
     await asyncio.sleep(0.1)  # past the idle timeout
     assert await local.get("c1") is None
+
+
+async def test_an_answer_is_kept_for_each_other_replica_waiting(
+    replicas: list[McpConnections],
+) -> None:
+    """An answer a client sends through one replica is kept for every other replica waiting
+    on its connection (never for the one it came through, which had it), each taking it once;
+    for nobody once they wait no more; never past its caps."""
+    a, b = replicas
+    assert a.answers_travel and b.answers_travel
+    assert await b.pass_on("c1", "rb", b'{"id": 1}') == 0  # nobody waits: nothing kept
+    await a.awaiting("c1", "ra", 1)
+    await a.awaiting("c1", "ra", 1)  # two questions at once through one replica
+    await b.awaiting("c1", "rb", 1)
+    await a.awaiting("c1", "rc", 1)
+    assert await b.pass_on("c1", "rb", b'{"id": 2}') == 2  # for ra and rc, not rb
+    assert await a.passed_on("c1", "ra") == [b'{"id": 2}']
+    assert await a.passed_on("c1", "ra") == []  # taken once
+    assert await b.passed_on("c1", "rb") == []
+    assert await b.passed_on("c2", "rc") == []  # another connection's: none
+    assert await b.passed_on("c1", "rc") == [b'{"id": 2}']
+
+    assert await b.pass_on("c1", "rb", b"x" * (MAX_ANSWER_BYTES + 1)) == 0  # too large
+    for n in range(MAX_ANSWERS_WAITING + 5):
+        await b.pass_on("c1", "rb", str(n).encode())
+    kept = await a.passed_on("c1", "ra")  # the latest, at most the cap
+    assert kept == [str(n).encode() for n in range(5, MAX_ANSWERS_WAITING + 5)]
+
+    for replica, times in (("ra", 2), ("rb", 1), ("rc", 1)):
+        for _ in range(times):
+            await a.awaiting("c1", replica, -1)
+    assert await b.pass_on("c1", "rd", b'{"id": 3}') == 0  # nobody waits any more
+
+
+async def test_one_process_passes_no_answer_on() -> None:
+    local = LocalMcpConnections(keep_s=60)
+    assert not local.answers_travel
+    await local.awaiting("c1", "ra", 1)
+    assert await local.pass_on("c1", "rb", b'{"id": 1}') == 0
+    assert await local.passed_on("c1", "ra") == []

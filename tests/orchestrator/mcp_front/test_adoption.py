@@ -5,31 +5,21 @@ what moves here; tests/cluster/test_replicas.py moves a session's calls with it)
 from __future__ import annotations
 
 import asyncio
-import shutil
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server, make_server
+from tests.orchestrator.mcp_front.replicas import two_replicas
+from tests.orchestrator.service.conftest import KEY_A, KEY_B, Server
 from tests.orchestrator.service.test_mcp_sessions import _message, _open
 
 
 @pytest.fixture(scope="module")
 def replicas(redis_url: str) -> Iterator[tuple[Server, Server]]:
-    prefix = f"m{uuid.uuid4().hex[:8]}"
-    made = [
-        make_server(
-            store_url=redis_url, store_prefix=prefix, backends="local", default_backend="local"
-        ).start()
-        for _ in range(2)
-    ]
-    yield made[0], made[1]
-    for server in made:
-        server.stop()
-        shutil.rmtree(server.state_dir.parent, ignore_errors=True)
+    with two_replicas(redis_url) as made:
+        yield made
 
 
 def _tools(response: httpx.Response) -> list[str]:

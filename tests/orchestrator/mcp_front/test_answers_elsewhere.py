@@ -7,8 +7,6 @@ hands it to its own transport)."""
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from collections.abc import Iterator
 
 import httpx2
@@ -18,27 +16,14 @@ from mcp.client.streamable_http import streamable_http_client
 
 from tests.orchestrator.governance.test_approvals import TOOLS
 from tests.orchestrator.governance.test_approvals_mcp import SEND, User, text_of
-from tests.orchestrator.service.conftest import KEY_A, Server, make_server
+from tests.orchestrator.mcp_front.replicas import two_replicas
+from tests.orchestrator.service.conftest import KEY_A, Server
 
 
 @pytest.fixture(scope="module")
 def replicas(redis_url: str) -> Iterator[tuple[Server, Server]]:
-    prefix = f"ans{uuid.uuid4().hex[:8]}"
-    made = [
-        make_server(
-            store_url=redis_url,
-            store_prefix=prefix,
-            backends="local",
-            default_backend="local",
-            host_tools=json.dumps(TOOLS),
-            approval_timeout_s=60,
-        ).start()
-        for _ in range(2)
-    ]
-    yield made[0], made[1]
-    for server in made:
-        server.stop()
-        shutil.rmtree(server.state_dir.parent, ignore_errors=True)
+    with two_replicas(redis_url, host_tools=json.dumps(TOOLS), approval_timeout_s=60) as made:
+        yield made
 
 
 class AnswersToTheOther(httpx2.AsyncBaseTransport):

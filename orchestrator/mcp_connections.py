@@ -172,10 +172,14 @@ redis.call('SET', KEYS[2], '1', 'EX', ARGV[1])
 return found
 """
 
-# KEYS: the connection's hash of waiting replicas. ARGV: the replica, +1 or -1, time to live.
+# KEYS: the connection's hash of waiting replicas, the answers kept for this replica. ARGV: the
+# replica, +1 or -1, time to live. A replica waiting no more keeps no answer.
 _AWAIT = """
 local n = redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
-if n <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
+if n <= 0 then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('DEL', KEYS[2])
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
 return n
 """
@@ -258,9 +262,8 @@ class SharedMcpConnections(McpConnections):
 
     async def awaiting(self, connection: str, replica: str, more: int) -> None:
         with self._connection.errors():
-            await self._await(
-                keys=[self._awaiting_key(connection)], args=[replica, more, self._ttl]
-            )
+            keys = [self._awaiting_key(connection), self._answers_key(connection, replica)]
+            await self._await(keys=keys, args=[replica, more, self._ttl])
 
     async def pass_on(self, connection: str, replica: str, answer: bytes) -> int:
         if len(answer) > MAX_ANSWER_BYTES:

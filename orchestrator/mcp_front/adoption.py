@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import secrets
 from typing import Any
 
 import anyio
@@ -35,6 +36,10 @@ from pydantic import ValidationError
 log = logging.getLogger(__name__)
 
 TESTED_MCP = ("2.3.",)  # versions of the `mcp` SDK whose private table this was tested with
+# Where an adopted copy's request ids start: past any the opening replica's copy reaches, below
+# 2**53 (a JavaScript client's largest exact integer).
+FIRST_ID = 1 << 32
+ID_SPREAD = 1 << 48
 _said: set[str] = set()
 
 
@@ -138,6 +143,10 @@ async def adopt(
                 dispatcher: JSONRPCDispatcher[TransportContext] = JSONRPCDispatcher(
                     read_stream, write_stream, inline_methods=frozenset({"initialize"})
                 )
+                # Its requests to the client (an approval's elicitation) numbered apart from
+                # those of every other replica's copy of the connection (each SDK copy counts
+                # from 1): an answer, which may come through any replica, names one question.
+                dispatcher._next_id = FIRST_ID + secrets.randbelow(ID_SPREAD)
                 ready = Connection(
                     dispatcher,
                     protocol_version=version,

@@ -6,16 +6,19 @@ hands it to its own transport)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
 import httpx2
 import pytest
 from mcp import Client
+from mcp.client.session import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
+from mcp_types import ElicitRequestParams, ElicitResult, RequestId
 
 from tests.orchestrator.governance.test_approvals import TOOLS
-from tests.orchestrator.governance.test_approvals_mcp import SEND, User, text_of
+from tests.orchestrator.governance.test_approvals_mcp import DENIABLE, SEND, User, text_of
 from tests.orchestrator.mcp_front.replicas import two_replicas
 from tests.orchestrator.service.conftest import KEY_A, Server
 
@@ -68,3 +71,64 @@ async def test_an_answer_sent_through_the_other_replica_reaches_the_question(
 
 def _port(server: Server) -> int:
     return int(server.url.rsplit(":", 1)[1])
+
+
+class Decider:
+    """A user who approves what pays bob and denies what pays eve, keeping each question's id."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, RequestId] = {}
+
+    async def __call__(
+        self, context: ClientRequestContext, params: ElicitRequestParams
+    ) -> ElicitResult:
+        who = "bob" if "'bob'" in params.message else "eve"
+        self.ids[who] = context.request_id
+        return ElicitResult(action="accept", content={"approve": who == "bob", "reason": who})
+
+
+class ByPayee(httpx2.AsyncBaseTransport):
+    """Calls that pay eve go to `other`, every answer and everything else to `first`."""
+
+    def __init__(self, first: int, other: int) -> None:
+        self.first, self.other = first, other
+        self._inner = httpx2.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        body = await request.aread() if request.method == "POST" else b""
+        port = self.other if b"eve" in body and b"tools/call" in body else self.first
+        request.url = request.url.copy_with(port=port)
+        return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_two_questions_at_once_through_both_replicas_get_their_own_answers(
+    replicas: tuple[Server, Server],
+) -> None:
+    """One connection, two calls at once: one through A (its session there), one through B (a
+    session of B's): each replica asks its own approval, every answer goes through A. Each
+    question is answered by its own answer: the replica that continues a connection numbers its
+    questions apart from the one that opened it."""
+    a, b = replicas
+    with b.client() as api:
+        made = api.post("/v1/sessions", json={"tools": ["send_money"]})
+        assert made.status_code in (200, 201), made.text
+        on_b = made.json()["id"]
+    user = Decider()
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    async with httpx2.AsyncClient(
+        headers=headers, transport=ByPayee(_port(a), _port(b)), timeout=120
+    ) as http:
+        transport = streamable_http_client(f"{a.url}/mcp", http_client=http)
+        async with Client(transport, mode="legacy", elicitation_callback=user) as client:
+            paid, refused = await asyncio.gather(
+                client.call_tool("code_interpreter", {"code": SEND}),
+                client.call_tool("code_interpreter", {"code": DENIABLE, "session_id": on_b}),
+            )
+    assert "'sent 3 to bob'" in text_of(paid), text_of(paid)
+    assert "DENIED send_money was denied by mcp: eve" in text_of(refused), text_of(refused)
+    assert user.ids["bob"] != user.ids["eve"], user.ids
+    with b.client() as api:
+        assert api.delete(f"/v1/sessions/{on_b}").status_code == 204

@@ -238,10 +238,11 @@ class Settings(BaseSettings):
     )
     cluster_orphan_after_s: float = Field(
         600.0,
-        ge=10,
-        description="How long a session actor or a paused machine's image no session record "
-        "names (its replica died before recording it), or a place reserved with no record, "
-        "waits before a replica ends it; longer than any creation or pause takes.",
+        ge=30,
+        description="How long a session actor or a paused machine's image that no session "
+        "record names (its replica died before recording it) is seen so before a replica ends "
+        "it: longer than any creation, resume or fork takes (a whole machine's image carried "
+        "in included); under 300 s only for tests.",
     )
 
     # --- host tools sandboxed code may call (docs/programmatic-tool-calling.md)

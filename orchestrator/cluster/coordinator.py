@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOST = "lost: "  # how a tombstone of a lost session begins
+_ABANDONED_AFTER_S = 600.0  # a place reserved this long with no record: its replica died
 # How often a replica looks for session actors and paused machines no record names: at most
 # this, and often enough to see one twice `cluster_orphan_after_s` apart soon after.
 _ORPHAN_SWEEP_S = 60.0
@@ -100,7 +101,8 @@ class ClusterCoordinator:
         )
         self._cursor = 0  # where the reaper's walk over the store goes on from
         self._probes: dict[str, Sandbox] = {}  # sessions the reaper attached, not served here
-        self._unnamed: dict[str, float] = {}  # actors no record names -> when first seen so
+        # By backend: the sandboxes no record names -> when first seen so.
+        self._unnamed: dict[str, dict[str, float]] = {}
         self._orphan_sweep_s = min(_ORPHAN_SWEEP_S, settings.cluster_orphan_after_s / 4)
         self._next_orphan_sweep = time.monotonic() + self._orphan_sweep_s
 
@@ -371,9 +373,7 @@ class ClusterCoordinator:
         held = [x.id for x in self.table.all() if self._shared(x)] + list(self._probes)
         for session_id in await self.coordination.ended_among(held):  # ended elsewhere
             await self._let_go(session_id)
-        for session_id in await self.coordination.abandoned_slots(
-            self.settings.cluster_orphan_after_s, 100
-        ):
+        for session_id in await self.coordination.abandoned_slots(_ABANDONED_AFTER_S, 100):
             log.warning("gave back the place of session %s, never recorded", session_id)
             await self.coordination.release(session_id)
         await self._count_nodes()
@@ -391,29 +391,39 @@ class ClusterCoordinator:
         if now < self._next_orphan_sweep:
             return
         self._next_orphan_sweep = now + self._orphan_sweep_s
-        for backend in self.table.backends.values():
+        for name, backend in self.table.backends.items():
             list_sandboxes = getattr(backend, "list_sandboxes", None)
             if not backend.capabilities.shared_across_nodes or list_sandboxes is None:
                 continue
             live: list[str] = await list_sandboxes()
             # Each live handle asked about (never a listing that may stop at its cap).
             unnamed = set(live) - await self.store.handles_named(live)
-            self._unnamed = {h: t for h, t in self._unnamed.items() if h in unnamed}
+            seen = {h: t for h, t in self._unnamed.get(name, {}).items() if h in unnamed}
+            self._unnamed[name] = seen
             due = {
                 handle
                 for handle in unnamed
-                if now - self._unnamed.setdefault(handle, now)
-                >= self.settings.cluster_orphan_after_s
+                if now - seen.setdefault(handle, now) >= self.settings.cluster_orphan_after_s
             }
-            if due:  # the records themselves read before anything ends: the set may lag them
-                due -= await self.store.handles_in_records(due)
+            if due:
+                # A paused machine is its session's while a record names the sandbox it was
+                # paused from (its pause's record may not have been written); and the records
+                # themselves are read before anything ends: the set may lag them.
+                paused_from = getattr(backend, "paused_from", None)
+                aliases: dict[str, str] = await paused_from(due) if paused_from else {}
+                named = await self.store.handles_in_records(due | set(aliases.values()))
+                due = {h for h in due if h not in named and aliases.get(h) not in named}
             for handle in sorted(due):
+                try:  # one sandbox's trouble is its own: the sweep goes on with the next
+                    await backend.discard(handle)
+                except (SandboxError, OSError) as exc:  # BackendUnavailable is a SandboxError
+                    log.warning("could not end sandbox %s no session names: %s", handle, exc)
+                    continue
                 log.warning(
                     "ended sandbox %s (a session actor or a paused machine): no session names it",
                     handle,
                 )
-                await backend.discard(handle)
-                del self._unnamed[handle]
+                del seen[handle]
 
     async def _reap_shared(self) -> int:
         """One bounded step of the walk over the store's running shared sessions."""

@@ -295,8 +295,12 @@ class RedisStore(StateStore):
         with self._errors():
             async for page in self._pages(self._key("session", "*")):
                 values = cast(list[bytes | None], await self._redis.mget(page))
-                for raw in values:
-                    named |= handles & _handles_of(raw)
+                for key, raw in zip(page, values, strict=True):
+                    found = _handles_of(raw)
+                    if found is None:  # it may name any of them: none is taken for an orphan
+                        log.error("%s is not a readable session record: nothing is swept", key)
+                        return set(handles)
+                    named |= handles & found
             if named:
                 await self._redis.sadd(self._key("handles"), *named)
         return named
@@ -404,12 +408,15 @@ def _settled_dirs(root: Path, before: float) -> list[Path]:
     return settled
 
 
-def _handles_of(raw: bytes | None) -> set[str]:
-    """The sandbox handles a raw session record names (none if it is unreadable)."""
+def _handles_of(raw: bytes | None) -> set[str] | None:
+    """The sandbox handles a raw session record names; None if it is unreadable (a record
+    gone since it was listed names nothing)."""
+    if raw is None:
+        return set()
     try:
-        value = json.loads(raw) if raw is not None else None
+        value = json.loads(raw)
     except ValueError:
-        return set()
+        return None
     if not isinstance(value, dict):
-        return set()
+        return None
     return {h for h in (value.get("sandbox_handle"), value.get("suspended")) if isinstance(h, str)}

@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 GVISOR_NODE = {"CIR_NODE_BACKEND": "gvisor"}
 ORPHAN = "0dd0c0ffee"  # a paused machine's image nobody recorded (its token)
+KEPT = "0dd0c0ffef"  # one nobody recorded, paused from a sandbox a record names
 # Far longer than a session's creation or pause takes here, short enough to wait for.
 ORPHAN_AFTER_S = 40
 SETUP = """
@@ -108,7 +109,7 @@ def test_replica_pauses_a_machine_whole_and_the_other_resumes_it(
     paused_machines = saved_states / "code-interpreter-paused-machines"
 
     def images() -> list[Path]:
-        return [p for p in paused_machines.iterdir() if p.name != ORPHAN]
+        return [p for p in paused_machines.iterdir() if p.is_dir() and p.name != ORPHAN]
 
     sid = _create(a)
     try:
@@ -141,13 +142,21 @@ def test_replica_pauses_a_machine_whole_and_the_other_resumes_it(
         [image] = images()
         # Beside it, an image no record names, as a replica killed between storing it and
         # recording its pause leaves: the replicas' orphan sweep removes it (seen so twice,
-        # ORPHAN_AFTER_S apart); the paused session's, there as long, stays.
+        # ORPHAN_AFTER_S apart); the paused session's, there as long, stays; and so does one
+        # no record names but paused from a sandbox a record names (a pause whose record
+        # could not be written: the session's state).
         (paused_machines / ORPHAN).mkdir()
+        kept = paused_machines / KEPT
+        kept.mkdir()
+        tag = paused_machines / f".{image.name}.from"
+        (paused_machines / f".{KEPT}.from").write_text(tag.read_text())
         deadline = time.monotonic() + 6 * ORPHAN_AFTER_S
         while (paused_machines / ORPHAN).exists():
             assert time.monotonic() < deadline, "the sweep left an image nobody recorded"
             time.sleep(1)
-        assert image.exists()
+        assert image.exists() and kept.exists()
+        kept.rmdir()
+        (paused_machines / f".{KEPT}.from").unlink()
         value, running, kept, _ = _execute(b, sid, CHECK)["stdout"].split()
         assert (value, running, kept) == (held, "True", "True")
         with a.client() as api:
@@ -217,11 +226,14 @@ async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
         handle = await first.suspend()
         assert handle is not None
         paused_on = first.node_id
-        # The orphan sweep sees it (and ends it if no record names it for long enough).
+        # The orphan sweep sees it (and ends it if no record names it, nor the sandbox it was
+        # paused from, for long enough).
         assert handle in await backend.list_sandboxes()
+        assert await backend.paused_from({handle, "machine-none"}) == {handle: first.handle}
     finally:
         await first.close()
-    assert [p.name for p in (tmp_path / "machines").iterdir()] == [handle.removeprefix("machine-")]
+    token = handle.removeprefix("machine-")
+    assert sorted(p.name for p in (tmp_path / "machines").iterdir()) == [f".{token}.from", token]
     gvisor_cluster.kill_node(paused_on)
     deadline = time.monotonic() + 60
     while any(node.node_id == paused_on and node.alive for node in await backend.nodes()):
@@ -235,7 +247,7 @@ async def test_a_snapshot_forks_onto_both_nodes_and_a_pause_outlives_its_node(
         assert (value, running, kept) == (held, "True", "True")
         # Kept until the service has recorded it running: a resume failing after the wake
         # can wake it again.
-        assert len(list((tmp_path / "machines").iterdir())) == 1
+        assert (tmp_path / "machines" / token).is_dir()
         await backend.woken(handle)
         assert list((tmp_path / "machines").iterdir()) == [], "a woken image stayed in the store"
         assert handle not in await backend.list_sandboxes()
@@ -256,7 +268,9 @@ async def test_images_a_crash_left_half_carried_are_removed_at_start(
         directory.mkdir()
         (directory / "pages").write_bytes(b"x")
     long_ago = time.time() - PARTIAL_AFTER_S - 60
-    os.utime(stale, (long_ago, long_ago))
+    for path in (stale / "pages", stale):
+        os.utime(path, (long_ago, long_ago))
+    os.utime(under_way, (long_ago, long_ago))  # a file in it written just now: under way
     assert await machines_backend.cleanup_orphans() == 1
     assert sorted(p.name for p in store.iterdir()) == [under_way.name, whole.name]
     assert "machine-4e5f" in await machines_backend.list_sandboxes()

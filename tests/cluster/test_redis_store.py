@@ -184,6 +184,11 @@ async def test_a_paused_machine_is_named_by_its_record(
     asked = {"machine-3", "machine-1", "cir-2", "cir-none"}
     assert await b.handles_in_records(asked) == {"machine-3", "cir-2"}
     assert await a.handles_named(["machine-3"]) == {"machine-3"}
+    # A record that cannot be read may name any of them: none is taken for an orphan.
+    raw = redis.Redis.from_url(redis_url)
+    raw.set(f"{prefix}:session:s-bad", b"{not json")
+    raw.close()
+    assert await b.handles_in_records({"machine-1", "cir-none"}) == {"machine-1", "cir-none"}
 
 
 async def test_redis_store_handles_named_answers_each_handle(

@@ -471,6 +471,13 @@ class RayBackend(Backend):
         machines = await self._machines.stored() if self._machines is not None else []
         return sorted(sessions - await self._pools.held(names)) + machines
 
+    async def paused_from(self, handles: set[str]) -> dict[str, str]:
+        """The session actor each of these paused machines was paused from, where known: the
+        orphan sweep keeps a machine whose actor a record still names."""
+        if self._machines is None:
+            return {}
+        return await self._machines.paused_from(handles)
+
     async def cleanup_orphans(self) -> int:
         """Images a replica killed while carrying them into the shared store left half made
         (whole ones no record names are the orphan sweep's: `list_sandboxes`)."""

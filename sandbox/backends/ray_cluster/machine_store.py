@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 import secrets
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -26,6 +28,9 @@ from sandbox.tree_transfer import TreeEntry, TreeWriter, read_tree
 PAUSED_PREFIX = "machine-"  # a paused machine's handle: this and its token
 IMAGE_SLACK_MB = 512  # what a machine's image may hold beyond its memory and workspace
 PARTIAL_SUFFIX = ".new"  # an image being carried in: `.<token>.<random><suffix>`, then renamed
+FROM_SUFFIX = ".from"  # `.<token><suffix>`: the sandbox a machine was paused from (`_tag`)
+_TOKEN = re.compile(r"[A-Za-z0-9-]+")  # what `path` accepts of a handle's token
+_MAX_TAG = 512
 
 
 def image_cap(spec: SandboxSpec) -> int:
@@ -42,7 +47,7 @@ class MachineStore:
 
     def path(self, handle: str) -> Path:
         token = handle.removeprefix(PAUSED_PREFIX)
-        if not handle.startswith(PAUSED_PREFIX) or not token.replace("-", "").isalnum():
+        if not handle.startswith(PAUSED_PREFIX) or not _TOKEN.fullmatch(token):
             raise SandboxError(f"{handle!r} names no paused machine of the ray backend")
         return self.root / token
 
@@ -55,7 +60,33 @@ class MachineStore:
         return handle.startswith(PAUSED_PREFIX)
 
     async def discard(self, handle: str) -> None:
-        await asyncio.to_thread(shutil.rmtree, self.path(handle), True)
+        path = self.path(handle)
+        await asyncio.to_thread(shutil.rmtree, path, True)
+        await asyncio.to_thread(self._tag(path).unlink, True)
+
+    @staticmethod
+    def _tag(path: Path) -> Path:
+        """Beside an image (never in it: it travels whole): the sandbox it was paused from."""
+        return path.with_name(f".{path.name}{FROM_SUFFIX}")
+
+    async def mark_paused_from(self, handle: str, sandbox_handle: str) -> None:
+        """Say which sandbox the machine was paused from: while a session's record names that
+        sandbox, the image is its session's (even before its record names the image: a
+        pause whose record could not be written) and the orphan sweep leaves it."""
+        await asyncio.to_thread(self._tag(self.path(handle)).write_text, sandbox_handle)
+
+    async def paused_from(self, handles: set[str]) -> dict[str, str]:
+        """The sandbox each of these machines was paused from, where it is known."""
+        return await asyncio.to_thread(self._paused_from, handles)
+
+    def _paused_from(self, handles: set[str]) -> dict[str, str]:
+        found: dict[str, str] = {}
+        for handle in handles:
+            if not self.is_handle(handle):
+                continue
+            with contextlib.suppress(OSError, SandboxError, UnicodeDecodeError):
+                found[handle] = self._tag(self.path(handle)).read_text()[:_MAX_TAG].strip()
+        return found
 
     async def stored(self) -> list[str]:
         """The handles of the machines waiting here, whole (one being carried in is not yet):
@@ -71,7 +102,7 @@ class MachineStore:
         return sorted(
             self.handle_of(entry.name)
             for entry in entries
-            if not entry.name.startswith(".") and entry.is_dir() and not entry.is_symlink()
+            if _TOKEN.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()
         )
 
     async def remove_partials(self, untouched_since: float) -> int:
@@ -90,7 +121,7 @@ class MachineStore:
             if not (entry.name.startswith(".") and entry.name.endswith(PARTIAL_SUFFIX)):
                 continue
             with contextlib.suppress(FileNotFoundError):
-                if entry.lstat().st_mtime < untouched_since:
+                if _newest_change(entry) < untouched_since:
                     if entry.is_dir() and not entry.is_symlink():
                         shutil.rmtree(entry, ignore_errors=True)
                     else:
@@ -102,6 +133,17 @@ class MachineStore:
 def machine_store(root: Path | None) -> MachineStore | None:
     """The store at `root` (the ray backend's `machine_images_dir`); None: there is none."""
     return MachineStore(root) if root is not None else None
+
+
+def _newest_change(path: Path) -> float:
+    """When anything in the tree at `path` last changed (a large file deep inside is written
+    long after its directory was made)."""
+    newest = path.lstat().st_mtime
+    for root, dirs, files in os.walk(path):
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, os.lstat(os.path.join(root, name)).st_mtime)
+    return newest
 
 
 async def receive_tree(

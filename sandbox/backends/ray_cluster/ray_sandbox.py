@@ -362,6 +362,13 @@ class RaySandbox(Sandbox):
                 await asyncio.shield(self._call(self._actor.wake_here.remote()))
             raise
         try:
+            await self._machines.mark_paused_from(handle, self._name)
+        except OSError as exc:  # the store took the image but not this: it runs on, as above
+            await self._machines.discard(handle)
+            await self._call(self._actor.wake_here.remote())
+            log.warning("session actor %s: its machine's image was not marked: %s", self._name, exc)
+            return None
+        try:
             await self._call(self._actor.paused_away.remote())
         except MachineWokeAgain as exc:  # woken on its node meanwhile (the lapse): runs on
             await self._machines.discard(handle)

@@ -166,6 +166,7 @@ class DockerBackend(Backend):
         self._engine_default_runtime: str | None = None  # the engine's own default
         self._engine_runtime_paths: dict[str, str] | None = None  # runtime name -> its program
         self._zygote: DockerZygote | None = None  # the configured image's, once asked for
+        self._labels_by_container = False  # the engine gives each container an SELinux label
 
     async def _connect(self) -> tuple[docker.DockerClient, DeathWatch]:
         async with self._connect_lock:
@@ -215,6 +216,8 @@ class DockerBackend(Backend):
         """The zygote that forks kernels of `image`: only the backend's own image's (a
         template's code is its builder's, never to run in the zygote's privileges)."""
         if not self.config.zygote_modules or image != self.config.image:
+            return None
+        if self._labels_by_container:
             return None
         if self._zygote is None:
             self._zygote = DockerZygote(
@@ -276,6 +279,11 @@ class DockerBackend(Backend):
                 info = await asyncio.to_thread(client.info)
                 self._cgroupfs = (
                     info.get("CgroupDriver") == "cgroupfs" and str(info.get("CgroupVersion")) == "1"
+                )
+                # A process keeps its SELinux label through a fork and setns: a kernel forked
+                # from the zygote would carry the zygote's, not its own container's categories.
+                self._labels_by_container = any(
+                    "name=selinux" in str(option) for option in info.get("SecurityOptions") or []
                 )
         return self._cgroupfs
 

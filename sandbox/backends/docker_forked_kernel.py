@@ -24,10 +24,10 @@ from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.languages import PYTHON
 from sandbox.backends.docker_container import KernelContainer
 from sandbox.backends.docker_launcher import ContainerLauncher, ulimits
+from sandbox.backends.docker_zygote import DockerZygote
 from sandbox.backends.forked_kernel import read_pipe
 from sandbox.backends.kernel_zygote import (
     ForkRequest,
-    Zygote,
     ZygoteFailed,
     forked_or_afresh,
     hear,
@@ -54,7 +54,7 @@ RLIMITS = {
 class ForkingContainerLauncher(ContainerLauncher):
     """A `ContainerLauncher` whose Python kernels the zygote of its image forks."""
 
-    zygote: Zygote
+    zygote: DockerZygote
 
     async def launch(self, connection_file_in_sandbox: str) -> KernelContainer:
         if not self._forks():
@@ -83,7 +83,7 @@ class ForkingContainerLauncher(ContainerLauncher):
     async def _fork(self, connection_file_in_sandbox: str) -> KernelContainer:
         command = self.kernel_command(connection_file_in_sandbox)
         if command[1:3] != ["-m", "ipykernel_launcher"]:
-            raise SandboxStartError(f"not a kernel the zygote can fork: {command[:3]}")
+            raise ZygoteFailed(f"not a kernel the zygote can fork: {command[:3]}")
         name = self._next_name()
         options = self._container_options(name, connection_file_in_sandbox, HOLDER)
         kernel = await self._start_container(name, options, ForkedContainerKernel)
@@ -111,7 +111,9 @@ class ForkingContainerLauncher(ContainerLauncher):
                 init_pidfd=pidfd,
             )
             output_read, output_write = os.pipe()
-            control = await self.zygote.fork(request, output_write)
+            control, pid = await self.zygote.fork(request, output_write)
+            await asyncio.to_thread(_check_cgroups, pid, init)
+            await self.zygote.check_image(str(kernel.container.attrs.get("Image") or ""))
             os.close(output_write)
             output_write = -1
             output = await read_pipe(output_read)
@@ -129,6 +131,32 @@ class ForkingContainerLauncher(ContainerLauncher):
             if pidfd >= 0:
                 os.close(pidfd)
         return kernel
+
+
+def _check_cgroups(kernel: int, init: int) -> None:
+    """The kernel is in every cgroup its container's first process is in, each hierarchy's
+    (those whose limits hold it, and the rest): else it is killed, and started afresh."""
+    try:
+        pidfd = os.pidfd_open(kernel)
+    except OSError as exc:
+        raise ZygoteFailed(f"the forked kernel is gone: {exc}") from None
+    try:
+        try:
+            same = _cgroup_lines(kernel) == _cgroup_lines(init)
+        except OSError:
+            same = False
+        if not same:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            raise ZygoteFailed("the forked kernel is not in its container's every cgroup")
+    finally:
+        os.close(pidfd)
+
+
+def _cgroup_lines(pid: int) -> list[str]:
+    """Its line of each hierarchy with controllers (v1): what `cgroups_of` joins."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return sorted(line for line in lines if line.split(":", 2)[1].split("=")[0] not in ("", "name"))
 
 
 def _first_process(container: Any) -> int:

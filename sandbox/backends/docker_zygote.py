@@ -79,6 +79,18 @@ class DockerZygote(Zygote):
         self.orchestrator_id = orchestrator_id
         self.home = home  # root's (0700): its socket's directory, removed with it
         self.container: Any = None
+        self.image_id = ""  # the engine's id of the image its container runs
+
+    async def check_image(self, image_id: str) -> None:
+        """Refuse a kernel whose container runs another build of the image (its tag rebuilt
+        or pulled since the zygote started: the zygote's modules are the old build's): the
+        zygote is stopped, so that the next fork starts one of the image as it is now."""
+        if image_id == self.image_id:
+            return
+        async with self._lock:
+            if image_id != self.image_id:
+                await self._stop()
+        raise ZygoteFailed("the image was rebuilt since the kernel zygote started; it starts again")
 
     async def _spawn(self) -> socket.socket:
         where = self.home / secrets.token_hex(6)
@@ -122,6 +134,7 @@ class DockerZygote(Zygote):
             raise ZygoteFailed(f"the kernel zygote's container cannot be read: {exc}") from None
         if pid != int(self.container.attrs.get("State", {}).get("Pid") or -1):
             raise ZygoteFailed("a process other than the kernel zygote's connected")
+        self.image_id = str(self.container.attrs.get("Image") or "")
 
     def _options(self, where: Path) -> dict[str, Any]:
         env = kernel_environment(
@@ -131,7 +144,9 @@ class DockerZygote(Zygote):
         connect = f"{SOCKET_DIR_IN_CONTAINER}/{SOCKET_NAME}"
         return {
             "image": self.image,
-            "command": [self.python, script, "--connect", connect],
+            # Its program, never the image's entrypoint (which would run with its privileges).
+            "entrypoint": [self.python],
+            "command": [script, "--connect", connect],
             "name": f"code-interpreter-zygote-{self.orchestrator_id}-{secrets.token_hex(4)}",
             "user": "0:0",
             "environment": env | SINGLE_THREADED,
@@ -177,6 +192,7 @@ class DockerZygote(Zygote):
 
     async def _kill(self) -> None:
         container, self.container = self.container, None
+        self.image_id = ""
         if container is not None:
             await remove_container(container)
 

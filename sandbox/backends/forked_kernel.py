@@ -115,7 +115,7 @@ class ForkingLauncher(BwrapLauncher):
                 rlimits=rlimits(self.spec.limits, self.cgroup, self.host_uid),
             )
             output_read, output_write = os.pipe()
-            control = await self.zygote.fork(request, output_write)
+            control, _ = await self.zygote.fork(request, output_write)
             os.close(output_write)
             output_write = -1
             output = await read_pipe(output_read)

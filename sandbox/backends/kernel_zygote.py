@@ -46,6 +46,7 @@ RETRY_AFTER_S = 60.0  # a zygote that failed to start is not tried again sooner
 # them. PYTHONPATH is not one: a forked kernel applies it itself.
 STARTUP_ONLY = (
     "PYTHON", "LD_", "GLIBC_", "MALLOC_", "JE_", "LANG", "LC_", "MPL", "OMP_", "MKL_", "OPENBLAS_",
+    "TZ", "TMPDIR",  # the time zone libc and `time` read once; tempfile's directory, cached
 )  # fmt: skip
 
 
@@ -138,9 +139,10 @@ class Zygote:
         self._failed_at: float | None = None  # when it last failed to start
         self._failure = ""
 
-    async def fork(self, request: ForkRequest, output: int) -> socket.socket:
+    async def fork(self, request: ForkRequest, output: int) -> tuple[socket.socket, int]:
         """Fork a kernel as `request` says, its output written to `output` (a pipe's end);
-        the control socket on which its keeper says how it ended (`ForkedKernel`)."""
+        the control socket on which its keeper says how it ended (`ForkedKernel`), and the
+        kernel's host pid."""
         named: list[tuple[str, int]] = []
         control, keeper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -185,12 +187,13 @@ class Zygote:
                 raise ZygoteFailed("the kernel zygote did not fork; it is started again")
             if "keeper" in said:
                 said = await hear(control, FORK_TIMEOUT_S)
-            if "kernel" not in said:
+            kernel = said.get("kernel")
+            if not isinstance(kernel, int) or kernel <= 0:
                 raise ZygoteFailed(f"the kernel could not be forked: {said.get('error', said)}")
         except BaseException:
             control.close()
             raise
-        return control
+        return control, kernel
 
     async def _started(self) -> socket.socket:
         """The connection to a running zygote, started now if there is none (the lock held).

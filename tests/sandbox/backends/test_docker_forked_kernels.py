@@ -19,6 +19,7 @@ import pytest
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox import Backend, create_backend
 from sandbox.backends.docker import DockerBackend, DockerSandbox
+from sandbox.backends.docker_container import LABEL_ORCHESTRATOR
 from sandbox.backends.docker_forked_kernel import ForkedContainerKernel
 from sandbox.backends.docker_zygote import LABEL_ZYGOTE
 from sandbox.preload import ANALYST_PRELOAD, preload_code
@@ -66,9 +67,17 @@ def _ids_named(status: dict[str, list[str]]) -> dict[str, list[str]]:
     return {k: ["uid" if v == uid else v for v in values] for k, values in status.items()}
 
 
+def _forked_where_it_must_be(backend: Backend, sandbox: Any) -> None:
+    """The forking backend's kernels must have been forked (a fallback would compare a
+    kernel the engine started with another)."""
+    if isinstance(backend, DockerBackend) and backend.config.zygote_modules:
+        _kernel_of(sandbox)
+
+
 async def _said(backend: Backend, spec: SandboxSpec, code: str) -> dict[str, Any]:
     sandbox = await backend.create(spec)
     try:
+        _forked_where_it_must_be(backend, sandbox)
         return dict(json.loads((await sandbox.execute(code)).stdout))
     finally:
         await sandbox.close()
@@ -103,13 +112,16 @@ async def test_a_forked_kernel_is_confined_exactly_as_one_the_engine_started(
     """A command beside it is confined as it is (as beside any kernel), and it is confined as
     a kernel the engine started: same ids, groups, capabilities (none, bounding set too),
     no_new_privs, seccomp, rlimits; its container's namespaces and memory cgroup."""
-    inside = await check_a_command_is_confined_exactly_as_the_kernel(forked)
+    inside = await check_a_command_is_confined_exactly_as_the_kernel(forked, _kernel_of)
     afresh = create_backend("docker", **backend_config("docker"))
     try:
         started = await _said(afresh, small_spec(env={"SESSION_VAR": "s"}), DESCRIBE_SELF)
     finally:
         await afresh.close()
     assert _ids_named(inside["status"]) == _ids_named(started["status"])
+    # In every hierarchy, its container's group (as the engine puts a container's processes).
+    for said in (inside, started):
+        assert set(said["cgroups"].values()) == {said["memory_cgroup"]}, said["cgroups"]
     assert inside["limits"] == started["limits"]
     assert inside["status"]["CapBnd"] == ["0000000000000000"]
     assert inside["cwd"] == started["cwd"] == "/workspace"
@@ -144,6 +156,7 @@ async def test_a_forked_kernel_refuses_what_the_seccomp_profile_refuses(forked: 
 async def _run(backend: Backend, code: str) -> str:
     sandbox = await backend.create(small_spec())
     try:
+        _forked_where_it_must_be(backend, sandbox)
         return (await sandbox.execute(code)).stdout
     finally:
         await sandbox.close()
@@ -176,10 +189,12 @@ async def test_a_kernel_killed_from_inside_is_forked_again(forked: Backend) -> N
 async def test_a_kernel_over_its_memory_is_told_so_and_forked_again(forked: Backend) -> None:
     sandbox = await forked.create(small_spec(limits={"memory_mb": 256}))
     try:
+        _kernel_of(sandbox)
         died = await sandbox.execute("b = bytearray(600 << 20); b[::4096] = b'x' * len(b[::4096])")
         assert died.error is not None and "memory" in str(died.error.value), died
         again = await sandbox.execute("import sys; 'pandas' in sys.modules")
         assert again.text == "True", again
+        _kernel_of(sandbox)
     finally:
         await sandbox.close()
 
@@ -212,12 +227,36 @@ async def test_a_dead_zygote_is_started_again_and_closing_leaves_nothing(
     finally:
         await asyncio.gather(first.close(), second.close())
     client = zygote.client
-    left = await asyncio.to_thread(
-        client.containers.list, all=True, filters={"label": LABEL_ZYGOTE}
-    )
+    ours = {"label": [LABEL_ZYGOTE, f"{LABEL_ORCHESTRATOR}={forked.config.orchestrator_id}"]}
+    left = await asyncio.to_thread(client.containers.list, all=True, filters=ours)
     assert len(left) == 1  # the zygote running now, the dead one removed
     await forked.close()  # the fixture's close after it finds nothing more to do
-    left = await asyncio.to_thread(
-        client.containers.list, all=True, filters={"label": LABEL_ZYGOTE}
-    )
+    left = await asyncio.to_thread(client.containers.list, all=True, filters=ours)
     assert left == []
+
+
+async def test_a_kernel_of_another_build_of_the_image_starts_afresh_and_the_zygote_again(
+    forked: Backend,
+) -> None:
+    """The image's tag rebuilt since the zygote started (its recorded build made another's
+    here): the kernel, whose container runs the image as it is now, starts afresh, never
+    forked from the old build's modules; the zygote is started again and forks the next."""
+    assert isinstance(forked, DockerBackend)
+    first = await forked.create(small_spec())
+    await first.close()
+    zygote = forked._zygote
+    assert zygote is not None and zygote.container is not None
+    old = zygote.container.id
+    zygote.image_id = "sha256:" + "0" * 64
+    second = await forked.create(small_spec())
+    try:
+        assert not isinstance(_process_of(second), ForkedContainerKernel)
+        assert (await second.execute("1 + 1")).text == "2"
+    finally:
+        await second.close()
+    third = await forked.create(small_spec())
+    try:
+        _kernel_of(third)
+        assert zygote.container is not None and zygote.container.id != old
+    finally:
+        await third.close()

@@ -113,6 +113,7 @@ def test_guesses_at_one_key_spread_over_addresses_are_slowed_but_its_owner_gets_
 ) -> None:
     prefix = KEY_A[:8]
     spread = [f"127.0.1.{i}" for i in range(1, PER_PREFIX + 1)]
+    within_one_window()
     for address in spread:  # one wrong key each, all starting like KEY_A: each is checked
         with client_from(server, address, prefix + uuid.uuid4().hex) as wrong:
             assert wrong.get("/v1/whoami").status_code == 401
@@ -132,6 +133,7 @@ def test_guesses_at_one_key_spread_over_addresses_are_slowed_but_its_owner_gets_
 def test_wrong_console_logins_are_throttled_the_same_way(server: Server) -> None:
     guesser, owner = "127.0.2.1", "127.0.2.2"
     statuses = []
+    within_one_window()
     with (
         client_from(server, guesser, None) as wrong,
         client_from(server, owner, None) as right,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import httpx2
 import pytest
@@ -29,22 +30,19 @@ def replicas(redis_url: str) -> Iterator[tuple[Server, Server]]:
         yield made
 
 
-class AnswersToTheOther(httpx2.AsyncBaseTransport):
-    """A load balancer without stickiness: the client's answers go to `other`, the rest to
-    `asking`; what went where is kept."""
+class Balancer(httpx2.AsyncBaseTransport):
+    """A load balancer without stickiness: each request to the port `route` picks from its
+    body (b"" but for a POST); what went where is counted by port."""
 
-    def __init__(self, asking: int, other: int) -> None:
-        self.asking, self.other = asking, other
-        self.answers_sent = 0
+    def __init__(self, route: Callable[[bytes], int]) -> None:
+        self.route = route
+        self.sent: Counter[int] = Counter()
         self._inner = httpx2.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        port = self.asking
-        if request.method == "POST":
-            body = await request.aread()
-            message = json.loads(body) if body else None
-            if isinstance(message, dict) and "method" not in message and "id" in message:
-                port, self.answers_sent = self.other, self.answers_sent + 1
+        body = await request.aread() if request.method == "POST" else b""
+        port = self.route(body)
+        self.sent[port] += 1
         request.url = request.url.copy_with(port=port)
         return await self._inner.handle_async_request(request)
 
@@ -52,19 +50,25 @@ class AnswersToTheOther(httpx2.AsyncBaseTransport):
         await self._inner.aclose()
 
 
+def _is_answer(body: bytes) -> bool:
+    message = json.loads(body) if body else None
+    return isinstance(message, dict) and "method" not in message and "id" in message
+
+
 async def test_an_answer_sent_through_the_other_replica_reaches_the_question(
     replicas: tuple[Server, Server],
 ) -> None:
     a, b = replicas
     user = User("accept", {"approve": True, "reason": "through b"})
-    balancer = AnswersToTheOther(_port(a), _port(b))
+    # The client's answers go to B, everything else to A.
+    balancer = Balancer(lambda body: _port(b) if _is_answer(body) else _port(a))
     headers = {"Authorization": f"Bearer {KEY_A}"}
     async with httpx2.AsyncClient(headers=headers, transport=balancer, timeout=120) as http:
         transport = streamable_http_client(f"{a.url}/mcp", http_client=http)
         async with Client(transport, mode="legacy", elicitation_callback=user) as client:
             result = await client.call_tool("code_interpreter", {"code": SEND})
     text = text_of(result)
-    assert len(user.asked) == 1 and balancer.answers_sent == 1
+    assert len(user.asked) == 1 and balancer.sent[_port(b)] == 1
     assert not result.is_error, text
     assert "'sent 3 to bob'" in text and "approved by mcp: through b" in text, text
 
@@ -87,23 +91,6 @@ class Decider:
         return ElicitResult(action="accept", content={"approve": who == "bob", "reason": who})
 
 
-class ByPayee(httpx2.AsyncBaseTransport):
-    """Calls that pay eve go to `other`, every answer and everything else to `first`."""
-
-    def __init__(self, first: int, other: int) -> None:
-        self.first, self.other = first, other
-        self._inner = httpx2.AsyncHTTPTransport()
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        body = await request.aread() if request.method == "POST" else b""
-        port = self.other if b"eve" in body and b"tools/call" in body else self.first
-        request.url = request.url.copy_with(port=port)
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 async def test_two_questions_at_once_through_both_replicas_get_their_own_answers(
     replicas: tuple[Server, Server],
 ) -> None:
@@ -117,9 +104,14 @@ async def test_two_questions_at_once_through_both_replicas_get_their_own_answers
         assert made.status_code in (200, 201), made.text
         on_b = made.json()["id"]
     user = Decider()
+
+    def eve_to_b(body: bytes) -> int:
+        """Calls that pay eve go to B; every answer and everything else to A."""
+        return _port(b) if b"eve" in body and b"tools/call" in body else _port(a)
+
     headers = {"Authorization": f"Bearer {KEY_A}"}
     async with httpx2.AsyncClient(
-        headers=headers, transport=ByPayee(_port(a), _port(b)), timeout=120
+        headers=headers, transport=Balancer(eve_to_b), timeout=120
     ) as http:
         transport = streamable_http_client(f"{a.url}/mcp", http_client=http)
         async with Client(transport, mode="legacy", elicitation_callback=user) as client:

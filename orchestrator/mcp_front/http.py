@@ -187,12 +187,10 @@ class McpHttpFront:
         connections = self._service.mcp_connections
         connection = request.headers.get("mcp-session-id") if request is not None else None
         owner = request.scope.get(OWNER_SCOPE_KEY) if request is not None else None
-        if request is None or not connection or not isinstance(owner, str):
-            yield
+        if not connections.answers_travel or not connection or not isinstance(owner, str):
+            yield  # one process (every answer comes here), or no connection to answer on
             return
-        if not connections.answers_travel:
-            yield
-            return
+        assert request is not None  # it named a connection
         # The headers the transport checks, as the client sent them on the asking request.
         headers = [(k, v) for k, v in request.headers.raw if k.lower() in _REPLAYED_HEADERS]
         try:

@@ -293,12 +293,7 @@ class SharedMcpConnections(McpConnections):
 
 
 def _record(fields: dict[Any, Any]) -> McpConnection | None:
-    values = {
-        (k.decode() if isinstance(k, bytes) else str(k)): (
-            v.decode() if isinstance(v, bytes) else str(v)
-        )
-        for k, v in fields.items()
-    }
+    values = {_text(k): _text(v) for k, v in fields.items()}
     if "owner" not in values:
         return None
     client = values.get("client") or ""

@@ -382,11 +382,10 @@ class ClusterCoordinator:
 
     async def _sweep_orphans(self) -> None:
         """End the session actors and paused machines no record names for
-        `cluster_orphan_after_s`
-        (a replica died between making one and recording it, or between storing a machine's
-        image and recording the pause): the backend lists them, the store knows which are
-        sessions'. Seen twice that far apart, so a creation or a pause under way is never taken
-        for one."""
+        `cluster_orphan_after_s` (a replica died between making one and recording it, or
+        between storing a machine's image and recording the pause): the backend lists them,
+        the store knows which are sessions'. Seen twice that far apart, so a creation or a
+        pause under way is never taken for one."""
         now = time.monotonic()
         if now < self._next_orphan_sweep:
             return

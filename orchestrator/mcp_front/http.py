@@ -114,7 +114,7 @@ class McpHttpFront:
         scope[OWNER_SCOPE_KEY] = owner
         # The transport binds each connection to the principal that opened it: another key's
         # request on it answers 404, exactly like an unknown connection.
-        user = AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[]))
+        user = _user_of(owner)
         scope["user"] = user
         connection = request.headers.get("mcp-session-id")
         version = request.headers.get("mcp-protocol-version")
@@ -263,7 +263,7 @@ class McpHttpFront:
             "client": None,
             "server": None,
             "state": {},
-            "user": AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[])),
+            "user": _user_of(owner),
             OWNER_SCOPE_KEY: owner,
         }
         given = False
@@ -340,6 +340,11 @@ class McpHttpFront:
             await self._service.mcp_connections.opened(connection, owner, client)
         except SessionError as exc:  # then only this replica continues it
             log.warning("MCP connection %s is not shared: %s", connection[:64], exc)
+
+
+def _user_of(owner: str) -> AuthenticatedUser:
+    """The MCP SDK's user for a key's owner: its transport binds each connection to it."""
+    return AuthenticatedUser(AccessToken(token=owner, client_id=owner, scopes=[]))
 
 
 def _is_answer(body: bytes) -> bool:

@@ -154,9 +154,15 @@ def _check_cgroups(kernel: int, init: int) -> None:
 
 
 def _cgroup_lines(pid: int) -> list[str]:
-    """Its line of each hierarchy with controllers (v1): what `cgroups_of` joins."""
+    """Its line of each hierarchy with controllers (v1): those `cgroups_of` joins."""
     lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    return sorted(line for line in lines if line.split(":", 2)[1].split("=")[0] not in ("", "name"))
+    return sorted(line for line in lines if _holds_limits(line.split(":", 2)[1]))
+
+
+def _holds_limits(controllers: str) -> bool:
+    """Whether a hierarchy (named by its /proc/<pid>/cgroup field) has controllers: not
+    cgroup v2's unified line, nor a named hierarchy (systemd's), which hold no limit."""
+    return bool(controllers) and not controllers.startswith("name=")
 
 
 def _first_process(container: Any) -> int:
@@ -210,8 +216,8 @@ def cgroups_of(pid: int) -> dict[str, Path]:
         raise ZygoteFailed(f"the container's cgroups cannot be read: {exc}") from None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if not controllers or controllers.startswith("name="):
-            continue  # cgroup v2's unified line; named hierarchies (systemd's) hold no limit
+        if not _holds_limits(controllers):
+            continue
         mounted = CGROUP_ROOT / controllers
         if not mounted.is_dir():
             continue

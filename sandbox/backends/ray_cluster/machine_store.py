@@ -94,14 +94,17 @@ class MachineStore:
         record was written is named by none."""
         return await asyncio.to_thread(self._stored)
 
-    def _stored(self) -> list[str]:
+    def _entries(self) -> list[Path]:
+        """What the store's directory holds (nothing before the first pause made it)."""
         try:
-            entries = list(self.root.iterdir())
+            return list(self.root.iterdir())
         except FileNotFoundError:
             return []
+
+    def _stored(self) -> list[str]:
         return sorted(
             self.handle_of(entry.name)
-            for entry in entries
+            for entry in self._entries()
             if _TOKEN.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()
         )
 
@@ -113,11 +116,7 @@ class MachineStore:
 
     def _remove_partials(self, untouched_since: float) -> int:
         removed = 0
-        try:
-            entries = list(self.root.iterdir())
-        except FileNotFoundError:
-            return 0
-        for entry in entries:
+        for entry in self._entries():
             if not (entry.name.startswith(".") and entry.name.endswith(PARTIAL_SUFFIX)):
                 continue
             with contextlib.suppress(FileNotFoundError):

@@ -1,8 +1,9 @@
 """The egress proxies of the service's sessions: one per session whose policy gives it a
 network, started when the session is made and stopped when it ends. The proxy itself is in
 sandbox/egress/; this is where it meets the service's settings, metrics and log. A sandbox on
-another machine (a Ray node) runs its proxy there: it is opened with the same ceiling and
-settings, and its records are taken here (orchestrator/cluster/egress_relay.py)."""
+another machine (a Ray node) runs its proxy there: it is opened with the same ceiling,
+settings and shared caps (counted there for the whole cluster), and its records are taken here
+(orchestrator/cluster/egress_relay.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
 from sandbox.egress.outbox import EgressReport
 from sandbox.egress.settings import ServiceEndpoint
-from sandbox.egress.slots import ConnectionSlots
+from sandbox.egress.slots import ConnectionSlots, SharedCaps
 
 log = logging.getLogger(__name__)
 # Each connection is a line of the service's log even when the service logs only warnings
@@ -56,12 +57,8 @@ class SessionEgress:
         if refused_endpoints is None:
             refused_endpoints = settings.service_endpoints
         self._egress = egress_settings(settings, refused_endpoints)
-        self._slots = ConnectionSlots(
-            settings.egress_max_connections_total,
-            f"the service's egress proxies hold {settings.egress_max_connections_total} "
-            "connections, the service's cap (egress_max_connections_total) shared by every "
-            "key; retry later",
-        )
+        total = settings.egress_max_connections_total
+        self._slots = ConnectionSlots(total, self._caps("").total_full())
         # Each key's sessions share a cap: one key cannot hold the whole service's. Kept while
         # the key has a proxy open, with the count of those.
         self._key_slots: dict[str, tuple[ConnectionSlots, int]] = {}
@@ -82,7 +79,8 @@ class SessionEgress:
             relayed = _relayed(session)
             if relayed is not None:
                 ceiling = self.settings.network_ceiling
-                if await relayed.open_egress(ceiling, self._egress):
+                caps = self._caps(session.owner)
+                if await relayed.open_egress(ceiling, self._egress, caps):
                     await self._relay(session, relayed)
             return
         ledger = EgressLedger(session.id, on_record=lambda e: self._recorded(session, e))
@@ -128,17 +126,16 @@ class SessionEgress:
         if self._on_connection is not None:
             self._on_connection(session, entry)
 
+    def _caps(self, owner: str) -> SharedCaps:
+        s = self.settings
+        return SharedCaps(owner, s.egress_max_connections_per_key, s.egress_max_connections_total)
+
     def _hold_key_slots(self, session: Session) -> ConnectionSlots:
         """The cap the session's key shares among its sessions, made with its first."""
-        cap = self.settings.egress_max_connections_per_key
         slots, users = self._key_slots.get(session.owner, (None, 0))
         if slots is None:
-            slots = ConnectionSlots(
-                cap,
-                f"this API key's sessions already have {cap} connections open through their "
-                "proxies, the key's cap (egress_max_connections_per_key); close some in this "
-                "key's sessions and retry, or ask the operator to raise the cap",
-            )
+            caps = self._caps(session.owner)
+            slots = ConnectionSlots(caps.per_key, caps.key_full())
         self._key_slots[session.owner] = (slots, users + 1)
         self._owners[session.id] = session.owner
         return slots

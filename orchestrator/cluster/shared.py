@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.egress import EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressReport
+from sandbox.egress.slots import SharedCaps
 
 
 @runtime_checkable
@@ -75,8 +76,11 @@ class RelayedEgress(Protocol):
         """Its own, not its session's (see RelayedTools.id)."""
         ...
 
-    async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
-        """Start its proxy (again: nothing changes); whether one runs (none: no way out)."""
+    async def open_egress(
+        self, ceiling: NetworkPolicy, settings: EgressSettings, caps: SharedCaps
+    ) -> bool:
+        """Start its proxy (again: nothing changes); whether one runs (none: no way out).
+        `caps`: its key's and the service's, counted with every sandbox of its kind."""
         ...
 
     async def egress_records(self, max_wait_s: float) -> EgressBatch:

@@ -26,7 +26,7 @@ from sandbox.egress.metering import ByteBudget
 from sandbox.egress.pipe import CHUNK
 from sandbox.egress.responses import answer
 from sandbox.egress.settings import EgressSettings
-from sandbox.egress.slots import ConnectionSlots
+from sandbox.egress.slots import Slots
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class EgressProxy:
         ceiling: NetworkPolicy,
         settings: EgressSettings,
         ledger: EgressLedger,
-        slots: Sequence[ConnectionSlots] = (),
+        slots: Sequence[Slots] = (),
     ) -> None:
         """`slots`: caps this proxy shares with others, each taken per connection in order
         (its key's sessions, then the service's); none: only this session's cap."""
@@ -141,7 +141,11 @@ class EgressProxy:
                 log.warning("egress: accepting a connection failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
-            refusal = self._over_cap()
+            try:
+                refusal = await self._over_cap()
+            except BaseException:  # closing while a shared count was asked
+                conn.close()
+                raise
             if refusal is not None:
                 self._refuse_at_once(conn, refusal)
                 continue
@@ -156,7 +160,7 @@ class EgressProxy:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    def _over_cap(self) -> str | None:
+    async def _over_cap(self) -> str | None:
         """Why one more connection may not be served now, or None (and then a slot is taken)."""
         cap = self.settings.max_connections_per_session
         if self._admitted >= cap:
@@ -164,11 +168,17 @@ class EgressProxy:
                 f"this sandbox already has {cap} connections open through the proxy, the "
                 "session's cap (egress_max_connections_per_session); close some and retry"
             )
-        for held, slots in enumerate(self.slots):
-            if not slots.take():
+        held = 0
+        try:
+            for slots in self.slots:
+                refusal = await slots.take()
+                if refusal is not None:
+                    return refusal
+                held += 1
+        finally:
+            if held < len(self.slots):  # refused, or closing while one was asked
                 for taken in self.slots[:held]:
                     taken.give_back()
-                return slots.when_full
         return None
 
     def _release(self) -> None:

@@ -1,13 +1,61 @@
 """Connections open at once through several session proxies together: one key's sessions (so
 one key cannot hold everyone's share), and every session's (each connection holds two of the
-service's descriptors, one pool for the API and every session)."""
+service's descriptors, one pool for the API and every session).
+
+On one machine a count in the service's process holds them (`ConnectionSlots`); where the
+proxies run on several machines (Ray nodes) they ask one count the cluster shares
+(sandbox/backends/ray_cluster/egress_counter.py). Either way the proxy takes a slot of each
+before it serves a connection and gives them back as it ends (`Slots`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Slots(Protocol):
+    async def take(self) -> str | None:
+        """One more connection: None if there was room (a slot is then held), else why not
+        (a refused connection is told so: whose cap it was and what to do)."""
+        ...
+
+    def give_back(self) -> None:
+        """A connection that held a slot ended."""
+        ...
+
+
+@dataclass(frozen=True)
+class SharedCaps:
+    """The caps a session's connections share with others': its key's
+    (`egress_max_connections_per_key`, `owner` the key's owner) and the service's
+    (`egress_max_connections_total`)."""
+
+    owner: str
+    per_key: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if self.per_key < 1 or self.total < 1:
+            raise ValueError("the connection limits must be positive")
+
+    def key_full(self) -> str:
+        return (
+            f"this API key's sessions already have {self.per_key} connections open through "
+            "their proxies, the key's cap (egress_max_connections_per_key); close some in this "
+            "key's sessions and retry, or ask the operator to raise the cap"
+        )
+
+    def total_full(self) -> str:
+        return (
+            f"the service's egress proxies hold {self.total} connections, the service's cap "
+            "(egress_max_connections_total) shared by every key; retry later"
+        )
+
 
 class ConnectionSlots:
-    """A count with a ceiling, taken and given back on the event loop (no lock needed).
-    `when_full` is what a refused connection is told: whose cap it was and what to do."""
+    """A count with a ceiling in this process, taken and given back on the event loop (no
+    lock needed). `when_full` is what a refused connection is told."""
 
     def __init__(self, limit: int, when_full: str) -> None:
         if limit < 1:
@@ -16,12 +64,11 @@ class ConnectionSlots:
         self.when_full = when_full
         self.taken = 0
 
-    def take(self) -> bool:
-        """One more connection, if there is room."""
+    async def take(self) -> str | None:
         if self.taken >= self.limit:
-            return False
+            return self.when_full
         self.taken += 1
-        return True
+        return None
 
     def give_back(self) -> None:
         self.taken = max(0, self.taken - 1)

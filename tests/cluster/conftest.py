@@ -40,7 +40,7 @@ from sandbox.backends.ray_cluster.local_cluster import (
     host_processes,
     local_cluster,
 )
-from sandbox.backends.ray_cluster.names import NAMESPACE
+from sandbox.backends.ray_cluster.names import NAMESPACE, egress_counter_name
 from tests.conftest import require_backend
 from tests.network.upstream import Upstream, upstream
 
@@ -58,6 +58,7 @@ SHARED_CAPACITIES = (0, 2, 2)  # the head offers no sessions; two workers of 2 s
 NODE_DEATH_WAIT_S = 60.0  # how long the head may take to see a node of a module's dead
 
 RayNode = LocalNode  # the name the test modules knew a node by
+EGRESS_COUNT = egress_counter_name("")  # what every service's egress count's name starts with
 
 
 class RayTestCluster:
@@ -154,6 +155,12 @@ def _alive_in_ray(node_ids: set[str]) -> set[str]:
 
 
 def _session_actors() -> list[str]:
+    """The actors a module must not leave: all of ours but the egress counts, which are the
+    cluster's (made by the first networked session, kept for the next)."""
+    return [name for name in _our_actors() if not name.startswith(EGRESS_COUNT)]
+
+
+def _our_actors() -> list[str]:
     import ray
 
     return [
@@ -164,10 +171,11 @@ def _session_actors() -> list[str]:
 
 
 def _end_actors() -> None:
-    """Close whatever a failed test left (gracefully, so its sandbox goes too), then kill."""
+    """Close whatever a failed test left (gracefully, so its sandbox goes too), then kill; the
+    egress counts too, so the next module starts with none."""
     import ray
 
-    for name in _session_actors():
+    for name in _our_actors():
         with contextlib.suppress(Exception):
             actor = ray.get_actor(name, NAMESPACE)
             with contextlib.suppress(Exception):

@@ -2,24 +2,37 @@
 allow-list and the ceiling decide there, and the records of its connections wait for a poller,
 each given out once (the outbox's own tests: tests/sandbox/egress/test_outbox.py). A web server
 on loopback stands in for the internet (its names given by the proxy's test resolver); nothing
-outside is dialled."""
+outside is dialled.
+
+The caps a key's sessions and the whole service share are counted once for the cluster
+(egress_counter.py): a key's two sessions on two nodes share its cap, a node lost frees what
+its sessions held, and a count restarted is told every holding again."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+import ray
+from ray.exceptions import RayActorError
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.backends.ray_cluster.backend import RayBackend
+from sandbox.backends.ray_cluster.egress_counter import counter_of
+from sandbox.backends.ray_cluster.names import NAMESPACE, egress_counter_name
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
 from sandbox.egress import EgressRecord, EgressSettings
+from sandbox.egress.slots import SharedCaps
 from tests.cluster.conftest import RayTestCluster
-from tests.cluster.test_ray_backend import _config
+from tests.cluster.test_ray_backend import ORCHESTRATOR_ID, _config, until
 from tests.conftest import small_spec
 from tests.network.conftest import FETCH
+from tests.network.test_key_egress_cap import TUNNELS
 from tests.network.upstream import HELLO, Upstream
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -27,6 +40,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 CEILING = NetworkPolicy(mode="any")
 # The service's ceiling takes back one of the hosts the session's policy names.
 NARROWER = NetworkPolicy.model_validate({"mode": "any", "deny": ["other.test:*"]})
+OPEN = "HTTP/1.1 200 Connection established"
+
+
+def _caps(owner: str = "alice") -> SharedCaps:
+    return SharedCaps(owner, per_key=2, total=3)
 
 
 def _settings(port: int) -> EgressSettings:
@@ -66,7 +84,7 @@ async def test_the_nodes_proxy_lets_out_only_the_allow_list_and_records_each_con
     networked: RaySandbox, egress_upstream: Upstream
 ) -> None:
     up = egress_upstream
-    assert await networked.open_egress(NARROWER, _settings(up.port))
+    assert await networked.open_egress(NARROWER, _settings(up.port), _caps())
     seen_before = len(up.requests)
     base = f"{up.port}/hello"
     code = FETCH + (
@@ -92,7 +110,7 @@ async def test_the_nodes_proxy_lets_out_only_the_allow_list_and_records_each_con
     assert next(r for r in records if r.allowed).bytes_down > len(HELLO)
     assert (await networked.egress_records(0)).records == ()  # each was given out once
     # Again, from any replica, with another ceiling: the same proxy, its counts and ceiling.
-    assert await networked.open_egress(CEILING, _settings(up.port))
+    assert await networked.open_egress(CEILING, _settings(up.port), _caps())
     again = await networked.execute(FETCH + f"print(fetch('http://other.test:{base}')[0])")
     assert again.stdout.strip() == "403"
     (fourth,) = await _records(networked, 1)  # recorded as its connection ended, on the node
@@ -108,7 +126,7 @@ async def test_a_session_without_a_network_has_no_proxy(ray_cluster: RayTestClus
     backend = RayBackend(_config(ray_cluster, egress_relayed=True))
     sandbox = await backend.create(small_spec())
     try:
-        assert not await sandbox.open_egress(CEILING, _settings(1))
+        assert not await sandbox.open_egress(CEILING, _settings(1), _caps())
         assert await sandbox.egress_report(10) is None
         with pytest.raises(SandboxError, match="no egress proxy"):
             await sandbox.egress_records(0)
@@ -127,3 +145,131 @@ async def test_a_backend_whose_driver_does_not_relay_egress_refuses_a_network(
             await backend.create(small_spec(network=NetworkPolicy(mode="any")))
     finally:
         await backend.close()
+
+
+# --- the caps shared across nodes --------------------------------------------------------------
+
+
+@pytest.fixture
+async def counted(
+    ray_cluster: RayTestCluster, egress_upstream: Upstream
+) -> AsyncIterator[tuple[RayBackend, list[RaySandbox]]]:
+    """A backend whose sessions (made by the test, closed here) count their connections in a
+    count of the test's own, gone at the end."""
+    backend = RayBackend(_config(ray_cluster, egress_relayed=True))
+    made: list[RaySandbox] = []
+    try:
+        yield backend, made
+    finally:
+        for sandbox in made:
+            await sandbox.close()
+        await backend.close()
+        await asyncio.to_thread(_end_count)
+
+
+async def _session(
+    backend: RayBackend, made: list[RaySandbox], up: Upstream, owner: str
+) -> RaySandbox:
+    policy = NetworkPolicy.model_validate([f"allowed.test:{up.port}"])
+    sandbox = await backend.create(small_spec(network=policy))
+    made.append(sandbox)
+    assert await sandbox.open_egress(CEILING, _settings(up.port), _caps(owner))
+    ran = await sandbox.execute(TUNNELS)
+    assert ran.error is None, ran.error
+    return sandbox
+
+
+async def _tunnels(sandbox: RaySandbox, up: Upstream, count: int) -> list[str]:
+    """The status line of each of `count` tunnels opened one after another and held."""
+    authority = f"allowed.test:{up.port}"
+    ran = await sandbox.execute(
+        f"import json; print(json.dumps([tunnel({authority!r}) for _ in range({count})]))"
+    )
+    assert ran.error is None, ran.error
+    lines: list[str] = json.loads(ran.stdout)
+    return lines
+
+
+def _count() -> Any:
+    return ray.get_actor(egress_counter_name(ORCHESTRATOR_ID), NAMESPACE)
+
+
+async def _counts() -> tuple[int, dict[str, int]]:
+    counts: tuple[int, dict[str, int]] = await _count().counts.remote()
+    return counts
+
+
+def _end_count() -> None:
+    with contextlib.suppress(ValueError):  # none was made
+        ray.kill(_count(), no_restart=True)
+
+
+@pytest.mark.cluster
+async def test_a_keys_cap_and_the_services_hold_across_nodes(
+    counted: tuple[RayBackend, list[RaySandbox]], egress_upstream: Upstream
+) -> None:
+    backend, made = counted
+    up = egress_upstream
+    here = await _session(backend, made, up, "alice")
+    there = await _session(backend, made, up, "alice")
+    bobs = await _session(backend, made, up, "bob")
+    assert here.node_id != there.node_id  # the emptiest node takes the next session
+    assert await _tunnels(here, up, 2) == [OPEN, OPEN]
+    (refused,) = await _tunnels(there, up, 1)  # on the other node: the key's cap is full
+    assert refused.startswith("HTTP/1.1 503 too many connections: this API key's "), refused
+    assert "2 connections" in refused and "egress_max_connections_per_key" in refused
+    assert await _tunnels(bobs, up, 1) == [OPEN]  # another key still gets in...
+    (refused,) = await _tunnels(bobs, up, 1)  # ...up to the service's cap
+    assert "3 connections" in refused and "egress_max_connections_total" in refused, refused
+    assert await _counts() == (3, {"alice": 2, "bob": 1})  # the refusals hold nothing
+
+    # One of the key's tunnels closed on one node: the key's session on the other gets in.
+    assert (await here.execute("_tunnels.pop().close()")).error is None
+    await until(
+        lambda: _counts_are((2, {"alice": 1, "bob": 1})), "the closed tunnel to be given back"
+    )
+    assert await _tunnels(there, up, 1) == [OPEN]
+    # A session that ends frees what it held.
+    await bobs.close()
+    await until(lambda: _counts_are((2, {"alice": 2})), "the ended session's slot")
+
+
+async def _counts_are(expected: tuple[int, dict[str, int]]) -> bool:
+    try:
+        return await _counts() == expected
+    except RayActorError:  # restarting
+        return False
+
+
+@pytest.mark.cluster
+async def test_a_lost_node_frees_what_its_sessions_held_and_a_restarted_count_is_told_again(
+    ray_cluster: RayTestCluster,
+    counted: tuple[RayBackend, list[RaySandbox]],
+    egress_upstream: Upstream,
+) -> None:
+    backend, made = counted
+    up = egress_upstream
+    await asyncio.to_thread(_end_count)  # one with a short lease: heartbeats every second
+    await asyncio.to_thread(counter_of, ORCHESTRATOR_ID, NAMESPACE, lease_s=3.0)
+    extra = ray_cluster.start_node(3)  # the emptiest: the next session lands there
+    doomed = await _session(backend, made, up, "alice")
+    kept = await _session(backend, made, up, "alice")
+    assert doomed.node_id == extra.node_id != kept.node_id
+    assert await _tunnels(doomed, up, 2) == [OPEN, OPEN]
+    (refused,) = await _tunnels(kept, up, 1)
+    assert "egress_max_connections_per_key" in refused, refused
+
+    ray_cluster.kill_node(extra.node_id)
+    made.remove(doomed)  # its actor died with the node
+    await until(lambda: _counts_are((0, {})), "the lost node's connections to be freed")
+    assert await _tunnels(kept, up, 1) == [OPEN]
+
+    # The count itself restarted (as when its node is lost): it starts empty, and the
+    # sessions holding connections tell it again within a heartbeat.
+    ray.kill(_count(), no_restart=False)
+    await until(lambda: _counts_are((1, {"alice": 1})), "the holding told again")
+    assert await _tunnels(kept, up, 1) == [OPEN]
+    (refused,) = await _tunnels(kept, up, 1)
+    assert "egress_max_connections_per_key" in refused, refused
+    # What the lost session left on disk goes with the next session started on the machine.
+    made.append(await backend.create(small_spec()))

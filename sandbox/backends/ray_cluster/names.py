@@ -4,7 +4,8 @@
 A session actor is named `cir:<orchestrator id>:<sandbox id>` in the namespace
 `code-interpreter`: the orchestrator id in the name lets a replica list its own sessions with
 one call to the cluster (`ray.util.list_named_actors`), and `:` never occurs in either part.
-A node's warm pool keeper is `cir-pool:<orchestrator id>:<spec digest>:<node id>`.
+A node's warm pool keeper is `cir-pool:<orchestrator id>:<spec digest>:<node id>`, and the
+count of the service's egress connections `cir-egress:<orchestrator id>`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ NODE_STATE_DIR_ENV = "CIR_NODE_STATE_DIR"
 NODE_BACKENDS = ("local", "docker", "gvisor")
 _SESSION = "cir"
 _POOL = "cir-pool"
+_EGRESS_COUNT = "cir-egress"
 
 
 def check_orchestrator_id(orchestrator_id: str) -> str:
@@ -52,6 +54,10 @@ def pool_keeper_name(orchestrator_id: str, spec: SandboxSpec, node_id: str) -> s
 
 def pool_prefix(orchestrator_id: str) -> str:
     return f"{_POOL}:{orchestrator_id}:"
+
+
+def egress_counter_name(orchestrator_id: str) -> str:
+    return f"{_EGRESS_COUNT}:{orchestrator_id}"
 
 
 def spec_digest(spec: SandboxSpec) -> str:

@@ -10,7 +10,8 @@ replica hands over (`open_egress`), and only the records travel, taken with a lo
 (`next_egress_records`, as the tool relay's calls are).
 
 The outbox is bounded (sandbox/egress/outbox.py). The per-session caps (connections open at
-once, bytes) hold exactly as on one machine, in the proxy itself.
+once, bytes) hold exactly as on one machine, in the proxy itself; the caps a key's sessions and
+the whole service share are counted for the whole cluster (egress_counter.py).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import TYPE_CHECKING
 
 from code_interpreter_wire.errors import SandboxClosed, SandboxError
 from code_interpreter_wire.network_policy import NetworkPolicy
+from sandbox.backends.ray_cluster.egress_counter import CountedSlots
 from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressOutbox, EgressReport
+from sandbox.egress.slots import SharedCaps
 
 if TYPE_CHECKING:
     from sandbox.backends.base import Sandbox
@@ -41,18 +44,24 @@ class NodeEgress:
     _egress_proxy: EgressProxy | None = None
     _egress_ledger: EgressLedger | None = None
     _egress_outbox: EgressOutbox | None = None
+    _egress_slots: CountedSlots | None = None
     _egress_opening: asyncio.Lock | None = None
     _egress_stopped = False  # for good: the session is closing
 
     if TYPE_CHECKING:  # given by the actor this is mixed into
         sandbox: Sandbox
         sandbox_id: str
+        orchestrator_id: str
+        namespace: str
 
-    async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
-        """Start the sandbox's proxy with its own policy, the service's `ceiling` and
-        `settings`, if its sandbox has an egress socket; whether a proxy runs. Again, from any
-        replica: nothing changes (the first ceiling and settings hold). No socket, no proxy: the
-        sandbox has no way out at all. Once the session closes: SandboxClosed."""
+    async def open_egress(
+        self, ceiling: NetworkPolicy, settings: EgressSettings, caps: SharedCaps
+    ) -> bool:
+        """Start the sandbox's proxy with its own policy, the service's `ceiling`,
+        `settings` and shared `caps` (counted for the cluster), if its sandbox has an egress
+        socket; whether a proxy runs. Again, from any replica: nothing changes (the first
+        ceiling, settings and caps hold). No socket, no proxy: the sandbox has no way out at
+        all. Once the session closes: SandboxClosed."""
         async with self._egress_lock():  # two replicas at once start one proxy
             if self._egress_stopped:
                 raise SandboxClosed("the session is closing: its egress proxy is gone")
@@ -64,8 +73,13 @@ class NodeEgress:
             raise_descriptor_limit()  # each egress connection holds two
             outbox = EgressOutbox()
             ledger = EgressLedger(self.sandbox_id, on_record=outbox.add)
+            slots = CountedSlots(self.sandbox_id, caps, self.orchestrator_id, self.namespace)
             proxy = EgressProxy(
-                policy=self.sandbox.spec.network, ceiling=ceiling, settings=settings, ledger=ledger
+                policy=self.sandbox.spec.network,
+                ceiling=ceiling,
+                settings=settings,
+                ledger=ledger,
+                slots=(slots,),
             )
             await proxy.start(
                 channel.socket_path,
@@ -74,6 +88,7 @@ class NodeEgress:
                 peer_program=channel.peer.program,
             )
             self._egress_proxy, self._egress_ledger, self._egress_outbox = proxy, ledger, outbox
+            self._egress_slots = slots
             return True
 
     def _egress_lock(self) -> asyncio.Lock:
@@ -105,6 +120,8 @@ class NodeEgress:
         try:
             if proxy is not None:
                 await proxy.close()
+            if self._egress_slots is not None:  # after the proxy gave back every slot
+                await self._egress_slots.close()
         finally:
             if self._egress_outbox is not None:
                 self._egress_outbox.close()

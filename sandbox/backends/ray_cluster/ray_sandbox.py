@@ -42,6 +42,7 @@ from sandbox.backends.ray_cluster.node_machines import MachineWokeAgain
 from sandbox.backends.ray_cluster.session_actor import FILE_CHUNK_BYTES, SessionFacts
 from sandbox.egress import EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressReport
+from sandbox.egress.slots import SharedCaps
 from sandbox.processes.handle import ProcessHandle
 from sandbox.saved_report import SavedState, StateTooLarge
 from sandbox.tree_transfer import TreeRefused
@@ -436,10 +437,13 @@ class RaySandbox(Sandbox):
     async def answer_tool_call(self, key: str, body: bytes) -> None:
         await self._call(self._actor.answer_tool_call.remote(key, body))
 
-    async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
+    async def open_egress(
+        self, ceiling: NetworkPolicy, settings: EgressSettings, caps: SharedCaps
+    ) -> bool:
         """Start the sandbox's egress proxy on its node (node_egress.py) under the service's
-        `ceiling` and `settings`; whether one runs (none: the sandbox has no way out)."""
-        return await self._call(self._actor.open_egress.remote(ceiling, settings))
+        `ceiling`, `settings` and shared `caps` (counted for the whole cluster:
+        egress_counter.py); whether one runs (none: the sandbox has no way out)."""
+        return await self._call(self._actor.open_egress.remote(ceiling, settings, caps))
 
     async def egress_records(self, max_wait_s: float) -> EgressBatch:
         """The proxy's records of connections ended since the last poll (a long poll)."""

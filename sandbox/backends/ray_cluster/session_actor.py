@@ -38,7 +38,7 @@ from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.results import FileInfo, OutputEvent
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, Sandbox
-from sandbox.backends.ray_cluster.names import node_backend_name, node_state_dir
+from sandbox.backends.ray_cluster.names import NAMESPACE, node_backend_name, node_state_dir
 from sandbox.backends.ray_cluster.node_egress import NodeEgress
 from sandbox.backends.ray_cluster.node_machines import NodeMachines
 from sandbox.backends.ray_cluster.node_processes import NodeProcesses
@@ -78,11 +78,18 @@ class SessionActor(NodeProcesses, NodeToolRelay, NodeEgress, NodeMachines):
     import_idle_s = IMPORT_IDLE_S
 
     def __init__(
-        self, sandbox_id: str, spec: SandboxSpec, orchestrator_id: str, *, claimed: bool = True
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        orchestrator_id: str,
+        *,
+        claimed: bool = True,
+        namespace: str = NAMESPACE,
     ) -> None:
         self.sandbox_id = sandbox_id
         self.spec = spec
         self.orchestrator_id = orchestrator_id
+        self.namespace = namespace  # its name's (the service's actors' namespace)
         self._claimed = claimed  # a warm pool's actor is not, until one replica claims it
         self._backend: Backend | None = None
         self._node_backend: str | None = None

@@ -41,7 +41,7 @@ def new_session_actor(
         num_cpus=0,
         resources={SESSION_RESOURCE: 1},
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(sandbox_id, spec, config.orchestrator_id, claimed=claimed)
+    ).remote(sandbox_id, spec, config.orchestrator_id, claimed=claimed, namespace=namespace)
 
 
 async def start_session(

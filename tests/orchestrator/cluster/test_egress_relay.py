@@ -18,6 +18,7 @@ from orchestrator.cluster.egress_relay import EgressRelays
 from orchestrator.cluster.shared import RelayedEgress
 from sandbox.egress import EgressRecord, EgressSettings
 from sandbox.egress.outbox import EgressBatch, EgressOutbox, EgressReport
+from sandbox.egress.slots import SharedCaps
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +34,9 @@ class OutboxSandbox:
         self.failing = failing
         self.polls = 0
 
-    async def open_egress(self, ceiling: NetworkPolicy, settings: EgressSettings) -> bool:
+    async def open_egress(
+        self, ceiling: NetworkPolicy, settings: EgressSettings, caps: SharedCaps
+    ) -> bool:
         return True
 
     async def egress_records(self, max_wait_s: float) -> EgressBatch:

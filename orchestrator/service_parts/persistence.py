@@ -157,12 +157,9 @@ class Persistence:
 
     async def set_labels(self, session: Session) -> None:
         """Keep a session's labels with its record, if it has one (and only while it has:
-        one deleted meanwhile, by another replica even, is never brought back)."""
-        record = await self.store.get_session(session.id)
-        if record is None:
-            return
-        record.labels = session.labels
-        await self.store.update_session(record)
+        one deleted meanwhile, by another replica even, is never brought back); nothing else
+        of the record is written (a pause through another replica meanwhile stands)."""
+        await self.store.set_session_labels(session.id, session.labels)
 
     async def forget(self, session_id: str) -> None:
         """Delete a session's record and its paused state, if any."""

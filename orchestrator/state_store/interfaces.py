@@ -23,12 +23,14 @@ class SessionStore(ABC):
 
     @abstractmethod
     async def put_session(self, record: SessionRecord) -> None:
-        """Insert or replace."""
+        """Insert or replace; a record already there keeps its labels (they change only
+        through `set_session_labels`, so a pause written from a replica's older copy of the
+        session never undoes a front's label set through another)."""
 
     @abstractmethod
-    async def update_session(self, record: SessionRecord) -> bool:
-        """Write the record only if it still exists (never bring back a deleted one); whether
-        it did."""
+    async def set_session_labels(self, session_id: str, labels: dict[str, str]) -> bool:
+        """Change only the record's labels, if it still exists (never bring back a deleted
+        one, never undo a pause written meanwhile); whether it did."""
 
     @abstractmethod
     async def get_session(self, session_id: str) -> SessionRecord | None: ...

@@ -19,12 +19,14 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar, cast
 
 from pydantic import BaseModel
+from redis.asyncio.client import Pipeline
+from redis.exceptions import WatchError
 
 from orchestrator.state_store.interfaces import StateStore
 from orchestrator.state_store.records import (
@@ -49,13 +51,7 @@ _UNRECORDED_AFTER_S = 3600.0  # a saved state's directory unrecorded this long w
 __all__ = ["CorruptRecord", "RedisStore", "StoreUnavailable"]
 
 
-# Update a session's record only if it still exists (another replica may have deleted it).
-# KEYS: the record. ARGV: its new JSON. Returns 1 if updated.
-_UPDATE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('SET', KEYS[1], ARGV[1])
-return 1
-"""
+_WRITE_TRIES = 16  # a record another replica kept changing: the write gives up after this many
 
 
 # KEYS: the record, its owner's index, the running set, the handles set. ARGV: its JSON, its id,
@@ -104,7 +100,6 @@ class RedisStore(StateStore):
         self._max_listed = max_listed
         self._files = snapshots_dir
         self._files.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._update = self._redis.register_script(_UPDATE)
         self._put = self._redis.register_script(_PUT)
 
     async def ping(self) -> None:
@@ -171,29 +166,76 @@ class RedisStore(StateStore):
     async def put_session(self, record: SessionRecord) -> None:
         """Also kept: the set of running sessions (the reapers' walk) and of the sandbox
         handles records name, a paused whole sandbox's too (the orphan sweep's: a handle the
-        record no longer names, once paused or resumed in another sandbox, leaves it)."""
+        record no longer names, once paused or resumed in another sandbox, leaves it). The
+        labels of a record already there stay (see StateStore.put_session)."""
+        key = self._key("session", record.id)
         keys = [
-            self._key("session", record.id),
+            key,
             self._key("owner-sessions", record.owner),
             self._key("running"),
             self._key("handles"),
         ]
-        args = [
-            record.model_dump_json(),
-            record.id,
-            record.state,
-            record.sandbox_handle or "",
-            record.suspended or "",
-        ]
-        with self._errors():
-            await self._put(keys=keys, args=args)
 
-    async def update_session(self, record: SessionRecord) -> bool:
-        """Write the record only if it still exists (never bring back one another replica
-        deleted); whether it did."""
+        async def write(pipe: Pipeline, old: SessionRecord | None) -> bool:
+            kept = record if old is None else record.model_copy(update={"labels": old.labels})
+            args = [
+                kept.model_dump_json(),
+                record.id,
+                record.state,
+                record.sandbox_handle or "",
+                record.suspended or "",
+            ]
+            await self._put(keys=keys, args=args, client=pipe)
+            return True
+
+        await self._rewrite(key, write, corrupt_is_none=True)
+
+    async def set_session_labels(self, session_id: str, labels: dict[str, str]) -> bool:
+        """Change only the record's labels, if it still exists (never bring back one another
+        replica deleted, never undo a pause written meanwhile); whether it did."""
+        key = self._key("session", session_id)
+
+        async def write(pipe: Pipeline, old: SessionRecord | None) -> bool:
+            if old is None:
+                return False
+            pipe.set(key, old.model_copy(update={"labels": dict(labels)}).model_dump_json())
+            return True
+
+        return await self._rewrite(key, write)
+
+    async def _rewrite(
+        self,
+        key: str,
+        write: Callable[[Pipeline, SessionRecord | None], Awaitable[bool]],
+        *,
+        corrupt_is_none: bool = False,
+    ) -> bool:
+        """Read the record at `key` and have `write` queue its new value (or return False to
+        write nothing) in one transaction that holds only if no one wrote the record between
+        (WATCH): tried again then, up to `_WRITE_TRIES` times. `corrupt_is_none`: a record
+        that cannot be read is written over as if there were none."""
         with self._errors():
-            key = self._key("session", record.id)
-            return bool(await self._update(keys=[key], args=[record.model_dump_json()]))
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for _ in range(_WRITE_TRIES):
+                    try:
+                        await pipe.watch(key)
+                        raw = cast(bytes | None, await pipe.get(key))
+                        try:
+                            old = self._load(SessionRecord, raw, key)
+                        except CorruptRecord:
+                            if not corrupt_is_none:
+                                raise
+                            old = None
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        if not await write(pipe, old):
+                            return False
+                        await pipe.execute()
+                        return True
+                    except WatchError:
+                        continue
+        raise StoreUnavailable(
+            f"the record at {key} kept changing under {_WRITE_TRIES} tries to write it; retry"
+        )
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         key = self.session_key(session_id)

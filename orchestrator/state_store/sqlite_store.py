@@ -68,32 +68,40 @@ class SqliteStore(StateStore):
 
     # --- sessions
     async def put_session(self, record: SessionRecord) -> None:
-        await self._write(
-            "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
-            (
-                record.id,
-                record.owner,
-                record.backend,
-                record.state,
-                record.state_since,
-                record.model_dump_json(),
-            ),
-        )
+        await self.database.run(self._put_now, record)
 
-    async def update_session(self, record: SessionRecord) -> bool:
-        changed = await self._write(
-            "UPDATE sessions SET owner = ?, backend = ?, state = ?, state_since = ?, doc = ? "
-            "WHERE id = ?",
-            (
-                record.owner,
-                record.backend,
-                record.state,
-                record.state_since,
-                record.model_dump_json(),
-                record.id,
-            ),
-        )
-        return changed == 1
+    def _put_now(self, record: SessionRecord) -> None:
+        with self._lock:  # the labels read and the record written at once
+            old = self._db.execute("SELECT doc FROM sessions WHERE id = ?", (record.id,))
+            row = old.fetchone()
+            if row is not None:
+                labels = SessionRecord.model_validate_json(row[0]).labels
+                record = record.model_copy(update={"labels": labels})
+            self._db.execute(
+                "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    record.id,
+                    record.owner,
+                    record.backend,
+                    record.state,
+                    record.state_since,
+                    record.model_dump_json(),
+                ),
+            )
+
+    async def set_session_labels(self, session_id: str, labels: dict[str, str]) -> bool:
+        return await self.database.run(self._set_labels_now, session_id, dict(labels))
+
+    def _set_labels_now(self, session_id: str, labels: dict[str, str]) -> bool:
+        with self._lock:
+            row = self._db.execute("SELECT doc FROM sessions WHERE id = ?", (session_id,))
+            found = row.fetchone()
+            if found is None:
+                return False
+            record = SessionRecord.model_validate_json(found[0])
+            doc = record.model_copy(update={"labels": labels}).model_dump_json()
+            self._db.execute("UPDATE sessions SET doc = ? WHERE id = ?", (doc, session_id))
+            return True
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         rows = await self._rows("SELECT doc FROM sessions WHERE id = ?", (session_id,))

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -208,18 +209,61 @@ async def test_redis_store_handles_named_answers_each_handle(
     await store.connection.close()
 
 
-async def test_redis_store_update_never_brings_back_a_deleted_record(
+async def test_redis_store_labels_never_bring_back_a_deleted_record(
     stores: tuple[RedisStore, RedisStore],
 ) -> None:
     a, b = stores
-    record = _session("s-1", labels={"x": "1"})
-    await a.put_session(record)
-    assert await b.update_session(record.model_copy(update={"labels": {"x": "2"}}))
+    await a.put_session(_session("s-1", labels={"x": "1"}))
+    assert await b.set_session_labels("s-1", {"x": "2"})
     got = await a.get_session("s-1")
     assert got is not None and got.labels == {"x": "2"}
     await a.delete_session("s-1")
-    assert not await b.update_session(record)
+    assert not await b.set_session_labels("s-1", {"x": "3"})
     assert await a.get_session("s-1") is None
+
+
+async def test_redis_store_a_pause_and_a_label_set_through_two_replicas_both_stand(
+    stores: tuple[RedisStore, RedisStore], redis_url: str, prefix: str, tmp_path: Path
+) -> None:
+    """Replica B sets labels while replica A pauses the session from its older copy: the
+    pause written between B's read and B's write makes B's write try again on the paused
+    record (it never brings back "running"), and A's next whole record keeps B's labels."""
+    a, _ = stores
+    running = _session("s-1", sandbox_handle="cir-1", labels={"timeout": "1"})
+    await a.put_session(running)
+    paused = running.model_copy(
+        update={"state": "paused", "sandbox_handle": None, "suspended": "img-1"}
+    )
+    key = a.session_key("s-1")
+    other_replica = redis.Redis.from_url(redis_url)
+
+    class PausedMeanwhile(RedisStore):
+        """B's store: right after it reads the record to set labels, A's pause lands (once,
+        written at once by another connection, before B writes)."""
+
+        reads = 0
+
+        def _load(self, kind: type[Any], raw: bytes | None, key_read: str) -> Any:
+            if key_read == key:
+                self.reads += 1
+                if self.reads == 1:
+                    other_replica.set(key, paused.model_dump_json())
+            return super()._load(kind, raw, key_read)
+
+    b = PausedMeanwhile(RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path / "s")
+    try:
+        assert await b.set_session_labels("s-1", {"timeout": "2"})
+        assert b.reads == 2  # the first write did not hold: tried again on the paused record
+        got = await a.get_session("s-1")
+        assert got is not None
+        assert (got.state, got.suspended, got.labels) == ("paused", "img-1", {"timeout": "2"})
+        # A's next whole write, from its copy with the old labels, keeps B's.
+        await a.put_session(paused.model_copy(update={"labels": {"timeout": "1"}}))
+        got = await a.get_session("s-1")
+        assert got is not None and got.labels == {"timeout": "2"}
+    finally:
+        await b.connection.close()
+        other_replica.close()
 
 
 async def test_redis_store_listings_stop_at_their_cap(

@@ -93,18 +93,25 @@ def test_a_kernel_report_out_of_shape_is_refused(forged: dict[str, object]) -> N
         KernelReport.model_validate(forged)
 
 
-async def test_an_update_never_brings_back_a_deleted_record(tmp_path: Path) -> None:
-    """As the Redis store's: labels kept after the session ended elsewhere write nothing."""
+async def test_labels_never_bring_back_a_deleted_record_nor_undo_a_pause(
+    tmp_path: Path,
+) -> None:
+    """As the Redis store's: labels set after the session ended elsewhere write nothing; set
+    after a pause they leave the paused record as it is; a whole record written from an older
+    copy of the session keeps the labels set since."""
     store = SqliteStore(SqliteDatabase(tmp_path))
     try:
         record = SessionRecord(id="s-a", owner="o1", backend="local", spec=SandboxSpec())
         await store.put_session(record)
-        record.labels = {"e2b": "x"}
-        assert await store.update_session(record) is True
+        await store.put_session(record.model_copy(update={"state": "paused"}))
+        assert await store.set_session_labels("s-a", {"e2b": "x"}) is True
         found = await store.get_session("s-a")
-        assert found is not None and found.labels == {"e2b": "x"}
+        assert found is not None and (found.state, found.labels) == ("paused", {"e2b": "x"})
+        await store.put_session(record)  # the older copy, without the labels
+        found = await store.get_session("s-a")
+        assert found is not None and (found.state, found.labels) == ("running", {"e2b": "x"})
         await store.delete_session("s-a")
-        assert await store.update_session(record) is False
+        assert await store.set_session_labels("s-a", {"e2b": "y"}) is False
         assert await store.get_session("s-a") is None
     finally:
         store.database.close()

@@ -20,7 +20,7 @@ from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
 from sandbox.egress.outbox import EgressReport
 from sandbox.egress.settings import ServiceEndpoint
-from sandbox.egress.slots import ConnectionSlots, SharedCaps
+from sandbox.egress.slots import ConnectionSlots, SharedCaps, key_full, total_full
 
 log = logging.getLogger(__name__)
 # Each connection is a line of the service's log even when the service logs only warnings
@@ -58,7 +58,7 @@ class SessionEgress:
             refused_endpoints = settings.service_endpoints
         self._egress = egress_settings(settings, refused_endpoints)
         total = settings.egress_max_connections_total
-        self._slots = ConnectionSlots(total, self._caps("").total_full())
+        self._slots = ConnectionSlots(total, total_full(total))
         # Each key's sessions share a cap: one key cannot hold the whole service's. Kept while
         # the key has a proxy open, with the count of those.
         self._key_slots: dict[str, tuple[ConnectionSlots, int]] = {}
@@ -79,7 +79,10 @@ class SessionEgress:
             relayed = _relayed(session)
             if relayed is not None:
                 ceiling = self.settings.network_ceiling
-                caps = self._caps(session.owner)
+                s = self.settings
+                caps = SharedCaps(
+                    session.owner, s.egress_max_connections_per_key, s.egress_max_connections_total
+                )
                 if await relayed.open_egress(ceiling, self._egress, caps):
                     await self._relay(session, relayed)
             return
@@ -126,16 +129,12 @@ class SessionEgress:
         if self._on_connection is not None:
             self._on_connection(session, entry)
 
-    def _caps(self, owner: str) -> SharedCaps:
-        s = self.settings
-        return SharedCaps(owner, s.egress_max_connections_per_key, s.egress_max_connections_total)
-
     def _hold_key_slots(self, session: Session) -> ConnectionSlots:
         """The cap the session's key shares among its sessions, made with its first."""
         slots, users = self._key_slots.get(session.owner, (None, 0))
         if slots is None:
-            caps = self._caps(session.owner)
-            slots = ConnectionSlots(caps.per_key, caps.key_full())
+            cap = self.settings.egress_max_connections_per_key
+            slots = ConnectionSlots(cap, key_full(cap))
         self._key_slots[session.owner] = (slots, users + 1)
         self._owners[session.id] = session.owner
         return slots

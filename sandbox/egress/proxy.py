@@ -26,7 +26,7 @@ from sandbox.egress.metering import ByteBudget
 from sandbox.egress.pipe import CHUNK
 from sandbox.egress.responses import answer
 from sandbox.egress.settings import EgressSettings
-from sandbox.egress.slots import Slots
+from sandbox.egress.slots import FULL, Refusal, Slots
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)
@@ -143,9 +143,12 @@ class EgressProxy:
                 continue
             try:
                 refusal = await self._over_cap()
-            except BaseException:  # closing while a shared count was asked
+            except asyncio.CancelledError:  # closing while a shared count was asked
                 conn.close()
                 raise
+            except Exception as exc:  # a count that failed: this connection is refused, no more
+                log.exception("egress: the connection caps could not be checked")
+                refusal = Refusal("connection caps unchecked", f"checking them failed: {exc}")
             if refusal is not None:
                 self._refuse_at_once(conn, refusal)
                 continue
@@ -160,13 +163,14 @@ class EgressProxy:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _over_cap(self) -> str | None:
+    async def _over_cap(self) -> Refusal | None:
         """Why one more connection may not be served now, or None (and then a slot is taken)."""
         cap = self.settings.max_connections_per_session
         if self._admitted >= cap:
-            return (
+            return Refusal(
+                FULL,
                 f"this sandbox already has {cap} connections open through the proxy, the "
-                "session's cap (egress_max_connections_per_session); close some and retry"
+                "session's cap (egress_max_connections_per_session); close some and retry",
             )
         held = 0
         try:
@@ -195,12 +199,13 @@ class EgressProxy:
             self._exchanges.discard(exchange)
             self._release()
 
-    def _refuse_at_once(self, conn: socket.socket, text: str) -> None:
+    def _refuse_at_once(self, conn: socket.socket, refusal: Refusal) -> None:
         """Answer 503 and close. A few refusals at a time linger a moment to read what the
         client sent (closing a Unix socket with unread bytes resets it, and the client would
         lose the answer); past those, the answer is sent and the socket closed at once."""
+        text = refusal.text
         self.ledger.add(_record_of_refusal_before_reading(text))
-        reply = answer(503, f"too many connections: {text}", f"egress refused: {text}.\n")
+        reply = answer(503, f"{refusal.reason}: {text}", f"egress refused: {text}.\n")
         with contextlib.suppress(OSError):
             conn.setblocking(False)
             conn.send(reply)  # a few hundred bytes into a fresh socket's empty buffer

@@ -13,11 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+FULL = "too many connections"  # a cap reached: the 503's reason
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a connection is not served now: the 503's reason (`FULL`, or what failed) and the
+    text that says whose cap it was (or what failed) and what to do."""
+
+    reason: str
+    text: str
+
 
 class Slots(Protocol):
-    async def take(self) -> str | None:
-        """One more connection: None if there was room (a slot is then held), else why not
-        (a refused connection is told so: whose cap it was and what to do)."""
+    async def take(self) -> Refusal | None:
+        """One more connection: None if there was room (a slot is then held), else why not."""
         ...
 
     def give_back(self) -> None:
@@ -38,19 +48,29 @@ class SharedCaps:
     def __post_init__(self) -> None:
         if self.per_key < 1 or self.total < 1:
             raise ValueError("the connection limits must be positive")
+        if not self.owner:
+            raise ValueError("shared caps need the key's owner")
 
-    def key_full(self) -> str:
-        return (
-            f"this API key's sessions already have {self.per_key} connections open through "
-            "their proxies, the key's cap (egress_max_connections_per_key); close some in this "
-            "key's sessions and retry, or ask the operator to raise the cap"
-        )
+    def key_full(self) -> Refusal:
+        return Refusal(FULL, key_full(self.per_key))
 
-    def total_full(self) -> str:
-        return (
-            f"the service's egress proxies hold {self.total} connections, the service's cap "
-            "(egress_max_connections_total) shared by every key; retry later"
-        )
+    def total_full(self) -> Refusal:
+        return Refusal(FULL, total_full(self.total))
+
+
+def key_full(cap: int) -> str:
+    return (
+        f"this API key's sessions already have {cap} connections open through their "
+        "proxies, the key's cap (egress_max_connections_per_key); close some in this key's "
+        "sessions and retry, or ask the operator to raise the cap"
+    )
+
+
+def total_full(cap: int) -> str:
+    return (
+        f"the service's egress proxies hold {cap} connections, the service's cap "
+        "(egress_max_connections_total) shared by every key; retry later"
+    )
 
 
 class ConnectionSlots:
@@ -64,9 +84,9 @@ class ConnectionSlots:
         self.when_full = when_full
         self.taken = 0
 
-    async def take(self) -> str | None:
+    async def take(self) -> Refusal | None:
         if self.taken >= self.limit:
-            return self.when_full
+            return Refusal(FULL, self.when_full)
         self.taken += 1
         return None
 

@@ -175,7 +175,8 @@ def _end_actors() -> None:
     egress counts too, so the next module starts with none."""
     import ray
 
-    for name in _our_actors():
+    counts_last = sorted(_our_actors(), key=lambda name: name.startswith(EGRESS_COUNT))
+    for name in counts_last:  # a session closed after its count was killed would make one
         with contextlib.suppress(Exception):
             actor = ray.get_actor(name, NAMESPACE)
             with contextlib.suppress(Exception):

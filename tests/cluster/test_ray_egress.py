@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +30,7 @@ from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
 from sandbox.egress import EgressRecord, EgressSettings
 from sandbox.egress.slots import SharedCaps
 from tests.cluster.conftest import RayTestCluster
-from tests.cluster.test_ray_backend import ORCHESTRATOR_ID, _config, until
+from tests.cluster.test_ray_backend import ORCHESTRATOR_ID, WAIT_S, _config, until
 from tests.conftest import small_spec
 from tests.network.conftest import FETCH
 from tests.network.test_key_egress_cap import TUNNELS
@@ -200,8 +201,21 @@ async def _counts() -> tuple[int, dict[str, int]]:
 
 
 def _end_count() -> None:
+    """Kill the count (if any) and wait until its name is free."""
     with contextlib.suppress(ValueError):  # none was made
         ray.kill(_count(), no_restart=True)
+    deadline = time.monotonic() + WAIT_S
+    while any(e["name"] == egress_counter_name(ORCHESTRATOR_ID) for e in _named()):
+        assert time.monotonic() < deadline, "the killed count kept its name"
+        time.sleep(0.1)
+
+
+def _named() -> list[dict[str, str]]:
+    return [
+        e
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if isinstance(e, dict) and e.get("namespace") == NAMESPACE
+    ]
 
 
 @pytest.mark.cluster
@@ -228,7 +242,9 @@ async def test_a_keys_cap_and_the_services_hold_across_nodes(
     await until(
         lambda: _counts_are((2, {"alice": 1, "bob": 1})), "the closed tunnel to be given back"
     )
-    assert await _tunnels(there, up, 1) == [OPEN]
+    # (A session refused by a shared cap is refused without asking for half a second.)
+    await until(lambda: _tunnel_opens(there, up), "the key's session on the other node")
+    assert await _counts() == (3, {"alice": 2, "bob": 1})
     # A session that ends frees what it held.
     await bobs.close()
     await until(lambda: _counts_are((2, {"alice": 2})), "the ended session's slot")
@@ -250,10 +266,11 @@ async def test_a_lost_node_frees_what_its_sessions_held_and_a_restarted_count_is
     backend, made = counted
     up = egress_upstream
     await asyncio.to_thread(_end_count)  # one with a short lease: heartbeats every second
-    await asyncio.to_thread(counter_of, ORCHESTRATOR_ID, NAMESPACE, lease_s=3.0)
-    extra = ray_cluster.start_node(3)  # the emptiest: the next session lands there
-    doomed = await _session(backend, made, up, "alice")
+    short = await asyncio.to_thread(counter_of, ORCHESTRATOR_ID, NAMESPACE, lease_s=3.0)
+    assert await short.heartbeat_s.remote() == 1.0
     kept = await _session(backend, made, up, "alice")
+    extra = ray_cluster.start_node(3)  # the emptiest now: the next session lands there
+    doomed = await _session(backend, made, up, "alice")
     assert doomed.node_id == extra.node_id != kept.node_id
     assert await _tunnels(doomed, up, 2) == [OPEN, OPEN]
     (refused,) = await _tunnels(kept, up, 1)
@@ -264,12 +281,65 @@ async def test_a_lost_node_frees_what_its_sessions_held_and_a_restarted_count_is
     await until(lambda: _counts_are((0, {})), "the lost node's connections to be freed")
     assert await _tunnels(kept, up, 1) == [OPEN]
 
-    # The count itself restarted (as when its node is lost): it starts empty, and the
-    # sessions holding connections tell it again within a heartbeat.
+    # The count itself restarted (as when it dies): it starts empty, and the sessions
+    # holding connections tell it again within a heartbeat.
+    first = await _count().incarnation.remote()
     ray.kill(_count(), no_restart=False)
+    await until(lambda: _restarted(first), "the count to come back")
     await until(lambda: _counts_are((1, {"alice": 1})), "the holding told again")
     assert await _tunnels(kept, up, 1) == [OPEN]
     (refused,) = await _tunnels(kept, up, 1)
     assert "egress_max_connections_per_key" in refused, refused
     # What the lost session left on disk goes with the next session started on the machine.
     made.append(await backend.create(small_spec()))
+
+
+async def _restarted(first: str) -> bool:
+    try:
+        return bool(await _count().incarnation.remote() != first)
+    except RayActorError:
+        return False
+
+
+class HungCount:
+    """Stands in for a count that never answers a take (its node overloaded, cut off)."""
+
+    def heartbeat_s(self) -> float:
+        return 1.0
+
+    async def take(self, holder: str, caps: SharedCaps) -> None:
+        await asyncio.sleep(3600)
+
+    async def hold(self, holder: str, owner: str, count: int) -> None:
+        await asyncio.sleep(3600)
+
+    async def give_back(self, holder: str) -> None: ...
+
+    async def drop(self, holder: str) -> None: ...
+
+
+@pytest.mark.cluster
+async def test_a_count_that_does_not_answer_refuses_the_connection_saying_so(
+    counted: tuple[RayBackend, list[RaySandbox]], egress_upstream: Upstream
+) -> None:
+    backend, made = counted
+    await asyncio.to_thread(_end_count)
+    hung = (
+        ray.remote(HungCount)
+        .options(name=egress_counter_name(ORCHESTRATOR_ID), namespace=NAMESPACE, num_cpus=0)
+        .remote()
+    )
+    assert await hung.heartbeat_s.remote() == 1.0
+    sandbox = await _session(backend, made, egress_upstream, "alice")
+    (refused,) = await _tunnels(sandbox, egress_upstream, 1)
+    assert refused.startswith("HTTP/1.1 503 connection caps unchecked: the cluster's count"), (
+        refused
+    )
+    assert "did not answer: no answer within 5 s" in refused, refused
+    # The session still answers, and a count that answers again lets it out.
+    await asyncio.to_thread(_end_count)
+    await until(lambda: _tunnel_opens(sandbox, egress_upstream), "a count to answer again")
+
+
+async def _tunnel_opens(sandbox: RaySandbox, up: Upstream) -> bool:
+    return await _tunnels(sandbox, up, 1) == [OPEN]

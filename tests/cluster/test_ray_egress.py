@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.backends.ray_cluster.backend import RayBackend
-from sandbox.backends.ray_cluster.egress_counter import counter_of
+from sandbox.backends.ray_cluster.egress_counter import ASKS_PER_S, counter_of
 from sandbox.backends.ray_cluster.names import NAMESPACE, egress_counter_name
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
 from sandbox.egress import EgressRecord, EgressSettings
@@ -169,12 +169,16 @@ async def counted(
 
 
 async def _session(
-    backend: RayBackend, made: list[RaySandbox], up: Upstream, owner: str
+    backend: RayBackend,
+    made: list[RaySandbox],
+    up: Upstream,
+    owner: str,
+    caps: SharedCaps | None = None,
 ) -> RaySandbox:
     policy = NetworkPolicy.model_validate([f"allowed.test:{up.port}"])
     sandbox = await backend.create(small_spec(network=policy))
     made.append(sandbox)
-    assert await sandbox.open_egress(CEILING, _settings(up.port), _caps(owner))
+    assert await sandbox.open_egress(CEILING, _settings(up.port), caps or _caps(owner))
     ran = await sandbox.execute(TUNNELS)
     assert ran.error is None, ran.error
     return sandbox
@@ -343,3 +347,31 @@ async def test_a_count_that_does_not_answer_refuses_the_connection_saying_so(
 
 async def _tunnel_opens(sandbox: RaySandbox, up: Upstream) -> bool:
     return await _tunnels(sandbox, up, 1) == [OPEN]
+
+
+@pytest.mark.cluster
+async def test_a_sandbox_connecting_in_a_loop_asks_the_count_at_its_pace(
+    counted: tuple[RayBackend, list[RaySandbox]], egress_upstream: Upstream
+) -> None:
+    """Each connection asks the count, so one sandbox connecting in a loop is paced: its
+    asks stay within ASKS_PER_S a second (the connections past it wait their turn, served)."""
+    backend, made = counted
+    roomy = SharedCaps("alice", per_key=1000, total=1000)  # closed ones are given back late
+    sandbox = await _session(backend, made, egress_upstream, "alice", roomy)
+    assert await _tunnels(sandbox, egress_upstream, 1) == [OPEN]  # the count made
+    asked_before = await _count().takes.remote()
+    authority = f"allowed.test:{egress_upstream.port}"
+    connections = 4 * ASKS_PER_S
+    ran = await sandbox.execute(
+        "import json, time\n"
+        "start = time.monotonic(); lines = set()\n"
+        f"for _ in range({connections}):\n"
+        f"    lines.add(tunnel({authority!r})); _tunnels.pop().close()\n"
+        "print(json.dumps([time.monotonic() - start, sorted(lines)]))"
+    )
+    assert ran.error is None, ran.error
+    elapsed, lines = json.loads(ran.stdout)
+    assert lines == [OPEN]  # paced, never refused
+    asked = await _count().takes.remote() - asked_before
+    assert asked == connections
+    assert asked <= ASKS_PER_S * (elapsed + 1), (asked, elapsed)

@@ -75,6 +75,7 @@ class EgressCount:
         self.lease_s = lease_s
         self._clock = clock
         self._incarnation = uuid.uuid4().hex  # a restarted count is told apart by this
+        self._takes = 0  # takes asked of it since it started
         self._holdings: dict[str, _Holding] = {}
         self._by_owner: Counter[str] = Counter()
         self._total = 0
@@ -87,9 +88,14 @@ class EgressCount:
     def incarnation(self) -> str:
         return self._incarnation
 
+    def takes(self) -> int:
+        """Takes asked of it since it started (what each session's pace holds down)."""
+        return self._takes
+
     def take(self, holder: str, caps: SharedCaps) -> Refusal | None:
         """One more connection of `holder` (a session's sandbox id), within its key's cap and
         the service's: None if taken, else what the connection is told."""
+        self._takes += 1
         self._sweep()
         if self._by_owner[caps.owner] >= caps.per_key:
             return caps.key_full()

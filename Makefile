@@ -10,9 +10,13 @@ STAMP  := $(VENV)/.installed
 E2B_V1 := .venv-e2b-v1
 E2B_V1_STAMP := $(E2B_V1)/.installed
 
-.PHONY: install test test-cluster test-gvisor unit lint format demo image engine serve bench bench-full clean
+.PHONY: install pyodide test test-cluster test-gvisor unit lint format demo image engine serve bench bench-full clean
 
-install: $(STAMP) $(E2B_V1_STAMP)
+install: $(STAMP) $(E2B_V1_STAMP) pyodide
+# The wasm backend's Pyodide (docs/wasm.md): the pinned release from npm's registry, checked
+# against its published integrity; nothing is fetched when it is there already.
+pyodide: $(STAMP)
+	@$(BIN)/python -m sandbox.backends.wasm.distribution >/dev/null
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

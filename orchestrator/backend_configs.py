@@ -35,6 +35,8 @@ _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
     "e2b": lambda s, _: s.e2b_backend_config(),
     # Its warm actors (per node) are made by the backend itself, for the default spec.
     "ray": lambda s, pool_spec: s.ray_backend_config() | {"pool_spec": pool_spec},
+    # Its Pyodide: CODE_INTERPRETER_PYODIDE_DIR, else the release `make install` fetched.
+    "wasm": lambda s, _: {"state_dir": s.state_dir},
 }
 
 

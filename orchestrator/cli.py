@@ -496,7 +496,7 @@ def serve(
             "--backend",
             metavar="NAME",
             help="A backend sessions may use (repeatable; the first is the default): "
-            f"{BACKEND_NAMES} or ray (cluster mode). Otherwise the backends setting.",
+            f"{BACKEND_NAMES} (ray: cluster mode). Otherwise the backends setting.",
         ),
     ] = None,
     ray_address: Annotated[

@@ -42,6 +42,9 @@ _ENTRIES = {
         "sandbox.backends.ray_cluster.backend:RayBackend",
         "sandbox.backends.ray_cluster.availability:why_unavailable",
     ),
+    "wasm": _Entry(
+        "sandbox.backends.wasm.backend:WasmBackend", "sandbox.backends.wasm.backend:why_unavailable"
+    ),
 }
 BACKENDS = tuple(_ENTRIES)
 

@@ -58,8 +58,16 @@ def test_the_ray_backends_sandboxes_are_shared_and_saved_through_their_actor() -
     assert not ray.host_dirs  # its nodes keep them, under their own state dirs
 
 
+def test_the_wasm_backends_sandboxes_touch_nothing() -> None:
+    """No network, no processes, no host tools yet, no pause: Python in Pyodide, alone."""
+    wasm = backend_type("wasm").capabilities
+    assert wasm.network_modes == ("none",)
+    assert not (wasm.processes or wasm.host_tools or wasm.pause or wasm.ports or wasm.root)
+    assert not (wasm.images or wasm.runtimes or wasm.shared_across_nodes)
+
+
 def test_an_unknown_backend_is_named_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="choose one of: local, docker, gvisor, e2b, ray"):
+    with pytest.raises(ValueError, match="choose one of: local, docker, gvisor, e2b, ray, wasm"):
         create_backend("nope")
     assert why_unavailable("nope") == "unknown backend 'nope'"
 

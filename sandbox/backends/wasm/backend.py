@@ -1,0 +1,97 @@
+"""The wasm backend (docs/wasm.md): each sandbox a Deno process running Pyodide
+(sandbox.py), for code that needs no native library and must touch nothing: no network, no
+processes, no host file, no daemon, and no namespaces either (it runs where none can be made).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+from pydantic import BaseModel, Field
+
+from code_interpreter_wire.errors import SandboxStartError
+from code_interpreter_wire.spec import SandboxSpec
+from sandbox.backends.base import Backend, BackendCapabilities
+from sandbox.backends.wasm import distribution
+from sandbox.backends.wasm.sandbox import WasmSandbox
+from sandbox.state_dir import SessionDirs, default_state_dir
+
+
+def why_unavailable(**config: Any) -> str | None:
+    """What this machine lacks for the wasm backend (sandbox/backends/registry.py)."""
+    deno = Path(config.get("deno") or Path(sys.prefix) / "bin" / "deno")
+    if not deno.is_file():
+        return f"no Deno at {deno}: install the `languages` extra (the `deno` package)"
+    try:
+        distribution.check(Path(config.get("pyodide_dir") or distribution.configured_dir()))
+    except distribution.PyodideMissing as exc:
+        return str(exc)
+    return None
+
+
+class WasmBackendConfig(BaseModel):
+    state_dir: Path = Field(default_factory=default_state_dir)
+    pyodide_dir: Path = Field(
+        default_factory=distribution.configured_dir,
+        description="The Pyodide distribution the sandboxes run (`make install` fetches the "
+        "pinned release; CODE_INTERPRETER_PYODIDE_DIR points elsewhere).",
+    )
+    deno: Path = Field(
+        default_factory=lambda: Path(sys.prefix) / "bin" / "deno",
+        description="The Deno binary; by default the one the `deno` package (PyPI) installs.",
+    )
+
+
+class WasmBackend(Backend):
+    name = "wasm"
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        network_modes=("none",),
+        host_tools=False,
+        processes=False,
+        suspend=False,
+        snapshot=False,
+        shared_across_nodes=False,
+        images=False,
+        runtimes=False,
+        warm_pool=True,
+        labels_sandboxes=False,
+        host_dirs=True,
+    )
+
+    @classmethod
+    def configured(cls, **config: Any) -> Self:
+        return cls(WasmBackendConfig(**config))
+
+    def __init__(self, config: WasmBackendConfig | None = None) -> None:
+        self.config = config or WasmBackendConfig()
+        self._deno = str(self.config.deno)
+
+    async def create(self, spec: SandboxSpec | None = None) -> WasmSandbox:
+        spec = spec or SandboxSpec()
+        self.refuse_runtime(spec)
+        pyodide = distribution.check(self.config.pyodide_dir)
+        sandbox_id = secrets.token_hex(8)
+        try:
+            dirs = await asyncio.to_thread(
+                SessionDirs.create, self.config.state_dir, self.name, sandbox_id, root_mode=0o700
+            )
+        except OSError as exc:
+            raise SandboxStartError(f"cannot make the sandbox's directory: {exc}") from None
+        sandbox = WasmSandbox(sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno)
+        try:
+            await sandbox.start()
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, dirs.root, True)
+            raise
+        return sandbox
+
+    async def cleanup_orphans(self) -> int:
+        """The directories of sandboxes a service that died left (their Deno processes ended
+        with it: each ends when its socket closes)."""
+        state_dir = self.config.state_dir
+        return len(await asyncio.to_thread(SessionDirs.remove_orphans, state_dir, self.name))

@@ -1,0 +1,96 @@
+// The wasm sandbox's Deno process, main thread: the service's end of the sandbox. It connects
+// to the session's Unix socket (the only path it may read and write besides Pyodide's files),
+// runs Python in a worker that may read Pyodide's files and nothing else, and carries
+// messages between the two. What the worker sends is untrusted: each message is checked for
+// shape and size here, and again by the service.
+//
+// Frames on the socket, both ways: a 4-byte big-endian length, then that many bytes of JSON.
+// From the service: {op: "init", driver, memoryBytes}, {op: "run", id, code, env}, {op: "call", id, fn,
+// args}, {op: "interrupt"}. To the service: whatever the worker posts, as {type, id, body}
+// with `body` a string, plus {type: "worker_error", message} when the worker dies.
+
+const [socketPath, indexURL] = Deno.args;
+const MAX_FRAME = 64 * 1024 * 1024;
+const conn = await Deno.connect({ transport: "unix", path: socketPath });
+const interrupt = new Uint8Array(new SharedArrayBuffer(1));
+const encoder = new TextEncoder();
+const decoder = new TextDecoder();
+let writing = Promise.resolve();
+
+function send(message) {
+  let bytes = encoder.encode(JSON.stringify(message));
+  if (bytes.length > MAX_FRAME) {
+    bytes = encoder.encode(JSON.stringify({ type: "oversize", id: message.id ?? null, size: bytes.length }));
+  }
+  const frame = new Uint8Array(4 + bytes.length);
+  new DataView(frame.buffer).setUint32(0, bytes.length);
+  frame.set(bytes, 4);
+  writing = writing.then(async () => {
+    let sent = 0;
+    while (sent < frame.length) sent += await conn.write(frame.subarray(sent));
+  });
+  return writing;
+}
+
+function fromWorker(event) {
+  const data = event.data;
+  if (data === null || typeof data !== "object" || typeof data.type !== "string" ||
+      typeof data.body !== "string" || data.type.length > 32) {
+    send({ type: "malformed" });
+    return;
+  }
+  const id = typeof data.id === "number" ? data.id : null;
+  send({ type: data.type, id, body: data.body });
+}
+
+let worker = null;
+function startWorker(driver, memoryBytes) {
+  if (worker !== null) worker.terminate(); // a fresh interpreter: the old one's state goes
+  worker = new Worker(new URL("./worker.mjs", import.meta.url), {
+    type: "module",
+    deno: {
+      permissions: {
+        read: [indexURL], write: false, net: false, env: false, run: false, ffi: false,
+        sys: false, import: false,
+      },
+    },
+  });
+  worker.onmessage = fromWorker;
+  worker.onmessageerror = () => send({ type: "malformed" });
+  worker.onerror = (event) => {
+    event.preventDefault();
+    send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000) });
+  };
+  interrupt[0] = 0;
+  worker.postMessage({ op: "init", indexURL, interrupt, driver, memoryBytes });
+}
+
+async function readExactly(n) {
+  const out = new Uint8Array(n);
+  let got = 0;
+  while (got < n) {
+    const read = await conn.read(out.subarray(got));
+    if (read === null) return null;
+    got += read;
+  }
+  return out;
+}
+
+while (true) {
+  const head = await readExactly(4);
+  if (head === null) break;
+  const size = new DataView(head.buffer).getUint32(0);
+  if (size > MAX_FRAME) break;
+  const body = await readExactly(size);
+  if (body === null) break;
+  const message = JSON.parse(decoder.decode(body));
+  if (message.op === "init") {
+    startWorker(message.driver, message.memoryBytes);
+  } else if (message.op === "interrupt") {
+    interrupt[0] = 2; // SIGINT: KeyboardInterrupt at the interpreter's next check
+  } else if (worker !== null) {
+    if (message.op === "run") interrupt[0] = 0;
+    worker.postMessage(message);
+  }
+}
+Deno.exit(0);

@@ -1,0 +1,159 @@
+"""Run inside Pyodide (the wasm sandbox's worker), never imported by the service: executes a
+session's cells and answers its file calls. Everything it sends is JSON text the service checks.
+
+A cell runs in one namespace for the sandbox's life; its last expression's value is shown as
+Jupyter would (its `_repr_*_` forms). Files live in the interpreter's memory under /workspace.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import stat
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from pyodide.code import eval_code_async
+
+WORKSPACE = "/workspace"
+_FORMS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("text/latex", "_repr_latex_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
+    ("application/json", "_repr_json_"),
+)
+
+
+class Driver:
+    def __init__(self) -> None:
+        os.makedirs(WORKSPACE, exist_ok=True)
+        os.chdir(WORKSPACE)
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.count = 0
+
+    async def run(
+        self, code: str, env_json: str, cwd: str, emit: Callable[[str, str], None]
+    ) -> str:
+        self.count += 1
+        os.environ.update(json.loads(env_json))
+        where = _inside(cwd) if cwd else WORKSPACE
+        os.makedirs(where, exist_ok=True)
+        os.chdir(where)
+        try:
+            value = await eval_code_async(
+                code, globals=self.namespace, filename=f"<cell-{self.count}>"
+            )
+        except BaseException as exc:  # KeyboardInterrupt too: the time limit's
+            emit("error", json.dumps(_error(exc)))
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            return json.dumps({"status": "interrupted" if interrupted else "error"})
+        if value is not None:
+            self.namespace["_"] = value
+            bundle = {"data": _bundle(value), "execution_count": self.count}
+            emit("execute_result", json.dumps(bundle))
+        return json.dumps({"status": "ok", "count": self.count})
+
+    def call(self, fn: str, args_json: str) -> str:
+        try:
+            value = getattr(self, "file_" + fn)(*json.loads(args_json))
+        except FileNotFoundError as exc:
+            return json.dumps({"ok": False, "kind": "missing", "message": str(exc)})
+        except (OSError, ValueError) as exc:
+            return json.dumps({"ok": False, "kind": "refused", "message": str(exc)})
+        return json.dumps({"ok": True, "value": value})
+
+    # --- files, by paths the service checked already (relative, no '..'), checked again
+    def file_write(self, path: str, data_b64: str) -> dict[str, Any]:
+        target = _inside(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "wb") as out:
+            out.write(base64.b64decode(data_b64))
+        return _info(target)
+
+    def file_read(self, path: str, max_bytes: int) -> str:
+        target = _inside(path)
+        size = os.stat(target).st_size
+        if size > max_bytes:
+            raise ValueError(f"{path} is {size} bytes, over the {max_bytes} asked for at most")
+        with open(target, "rb") as source:
+            return base64.b64encode(source.read(max_bytes + 1)).decode()
+
+    def file_list(self, path: str, recursive: bool) -> list[dict[str, Any]]:
+        root = _inside(path) if path else WORKSPACE
+        found: list[dict[str, Any]] = []
+        if recursive:
+            for here, dirs, files in os.walk(root):
+                found += [_info(os.path.join(here, name)) for name in sorted(dirs + files)]
+        else:
+            found = [_info(os.path.join(root, name)) for name in sorted(os.listdir(root))]
+        return found
+
+    def file_remove(self, path: str) -> None:
+        target = _inside(path)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        else:
+            os.remove(target)
+        return None
+
+
+def _inside(path: str) -> str:
+    target = os.path.normpath(os.path.join(WORKSPACE, path))
+    if target != WORKSPACE and not target.startswith(WORKSPACE + "/"):
+        raise ValueError(f"{path!r} is outside the workspace")
+    return target
+
+
+def _info(target: str) -> dict[str, Any]:
+    st = os.lstat(target)
+    kind = "directory" if stat.S_ISDIR(st.st_mode) else "file"
+    if stat.S_ISLNK(st.st_mode):
+        kind = "symlink"
+    return {
+        "path": os.path.relpath(target, WORKSPACE),
+        "type": kind,
+        "size": st.st_size,
+        "modified_at": st.st_mtime,
+    }
+
+
+def _bundle(value: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {"text/plain": repr(value)}
+    for mime, method in _FORMS:
+        form = getattr(value, method, None)
+        if not callable(form):
+            continue
+        try:
+            shown = form()
+        except Exception:
+            continue
+        if shown is None:
+            continue
+        if isinstance(shown, bytes):
+            shown = base64.b64encode(shown).decode()
+        data[mime] = shown if mime == "application/json" else str(shown)
+    return data
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    """The traceback as the code's own frames tell it (the interpreter's machinery left out)."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in tb if f.filename.startswith("<cell-") or not f.filename.startswith("<")]
+    frames = frames[next((i for i, f in enumerate(frames) if f.filename.startswith("<cell-")), 0) :]
+    lines = ["Traceback (most recent call last):"] if frames else []
+    lines += traceback.format_list(frames)
+    lines += traceback.format_exception_only(type(exc), exc)
+    return {
+        "ename": type(exc).__name__,
+        "evalue": str(exc),
+        "traceback": [line.rstrip("\n") for line in lines],
+    }
+
+
+_cir_driver = Driver()

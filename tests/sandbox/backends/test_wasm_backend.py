@@ -1,0 +1,215 @@
+"""The wasm backend (sandbox/backends/wasm/): Python in Pyodide under Deno, stateful, with rich
+results, errors, time limits and files; and a wall that lets nothing out: no host file, no
+environment, no process, no network (a web server on loopback stands in for everything), even
+through `js`, Pyodide's door to Deno's own API. Real Deno, real Pyodide (the pinned release
+`make install` fetches)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from code_interpreter_wire.errors import (
+    FileMissing,
+    InvalidPath,
+    LanguageUnavailable,
+    SandboxError,
+)
+from code_interpreter_wire.results import ExecutionStatus, StdoutEvent
+from sandbox.backends.wasm.backend import WasmBackend, WasmBackendConfig
+from sandbox.backends.wasm.sandbox import WasmSandbox
+from tests.conftest import require_backend, small_spec
+from tests.network.upstream import Upstream, upstream
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("wasm-state")
+
+
+@pytest.fixture(scope="module")
+async def backend(state_dir: Path) -> WasmBackend:
+    require_backend("wasm")
+    return WasmBackend(WasmBackendConfig(state_dir=state_dir))
+
+
+@pytest.fixture(scope="module")
+async def sandbox(backend: WasmBackend) -> AsyncIterator[WasmSandbox]:
+    made = await backend.create(small_spec())
+    yield made
+    await made.close()
+
+
+@pytest.fixture(scope="module")
+def web() -> Iterator[Upstream]:
+    with upstream() as up:
+        yield up
+
+
+async def test_state_lives_across_executions_with_output_and_rich_results(
+    sandbox: WasmSandbox,
+) -> None:
+    assert (await sandbox.execute("total = 40")).status is ExecutionStatus.OK
+    seen: list[object] = []
+
+    async def sink(event: object) -> None:
+        seen.append(event)
+
+    ran = await sandbox.execute("print('adding'); total + 2", on_event=sink)
+    assert (ran.status, ran.stdout, ran.results[0].text) == (ExecutionStatus.OK, "adding\n", "42")
+    assert ran.results[0].is_main_result and ran.execution_count == 2
+    assert StdoutEvent(text="adding\n") in seen
+    shown = await sandbox.execute(
+        "class Table:\n"
+        "    def _repr_html_(self): return '<table><tr><td>1</td></tr></table>'\n"
+        "    def _repr_json_(self): return {'rows': 1}\n"
+        "Table()"
+    )
+    (result,) = shown.results
+    assert result.html == "<table><tr><td>1</td></tr></table>"
+    assert result.json_data == {"rows": 1}
+
+
+async def test_an_error_has_the_codes_own_traceback(sandbox: WasmSandbox) -> None:
+    ran = await sandbox.execute("def f():\n    return 1 / 0\nf()")
+    assert ran.status is ExecutionStatus.ERROR
+    assert ran.error is not None and ran.error.name == "ZeroDivisionError"
+    assert 'File "<cell-' in ran.error.traceback and "return 1 / 0" not in ran.error.value
+    assert "_pyodide" not in ran.error.traceback  # the interpreter's machinery left out
+    assert (await sandbox.execute("'still here'")).results[0].text == "'still here'"
+
+
+async def test_a_time_limit_interrupts_python_and_the_state_stays(sandbox: WasmSandbox) -> None:
+    await sandbox.execute("kept = 'yes'")
+    ran = await sandbox.execute("while True:\n    pass", timeout_s=1)
+    assert ran.status is ExecutionStatus.TIMEOUT and not ran.state_lost
+    assert ran.error is not None and "time limit of 1 s" in ran.error.value
+    assert (await sandbox.execute("kept")).results[0].text == "'yes'"
+
+
+async def test_code_that_never_yields_costs_the_interpreter_and_says_so(
+    backend: WasmBackend,
+) -> None:
+    async with await backend.create(small_spec()) as sandbox:
+        await sandbox.execute("kept = 1")
+        ran = await sandbox.execute("import js\njs.eval('while (true) {}')", timeout_s=1)
+        assert ran.status is ExecutionStatus.TIMEOUT and ran.state_lost
+        assert ran.notice is not None and "fresh interpreter" in ran.notice
+        after = await sandbox.execute("kept")
+        assert after.error is not None and after.error.name == "NameError"
+        assert (await sandbox.execute("1 + 1")).results[0].text == "2"
+
+
+async def test_memory_past_the_limit_is_a_memory_error_and_the_session_carries_on(
+    sandbox: WasmSandbox,
+) -> None:
+    limit_mb = sandbox.spec.limits.memory_mb
+    ran = await sandbox.execute(f"hog = bytearray({limit_mb} << 20)")
+    assert ran.error is not None and ran.error.name == "MemoryError", ran
+    ran = await sandbox.execute("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))")
+    assert ran.error is not None and ran.error.name == "MemoryError", ran
+    freed = await sandbox.execute("n = len(chunks); del chunks; n")
+    assert freed.status is ExecutionStatus.OK
+    assert 0 < int(freed.results[0].text or 0) * 16 < limit_mb
+
+
+async def test_output_is_capped(sandbox: WasmSandbox) -> None:
+    limit = sandbox.spec.output_limit_chars
+    ran = await sandbox.execute(f"print('x' * {limit * 4})")
+    assert len(ran.stdout) <= limit + 200 and ran.stdout_dropped > 0
+
+
+@pytest.mark.parametrize(
+    ("code", "refused"),
+    [
+        ("import js\njs.Deno.readTextFileSync('/etc/hostname')", "read access"),
+        ("import js\njs.Deno.env.get('HOME')", "env access"),
+        ("import js\njs.Deno.env.toObject()", "env access"),
+        ("import js\njs.Deno.writeTextFileSync('/tmp/cir-wasm-was-here', 'x')", "write access"),
+        ("import js\njs.Deno.Command.new('/usr/bin/id').outputSync()", "run access"),
+        ("import js\nawait js.Deno.Command.new('/usr/bin/id').output()", "run access"),
+        ("import js\njs.Deno.kill(1, 'SIGTERM')", "run access"),
+        ("import js\njs.Deno.hostname()", "sys access"),
+        ("import js\njs.Deno.dlopen('/lib/x86_64-linux-gnu/libc.so.6', js.Object.new())", "ffi"),
+    ],
+)
+async def test_deno_refuses_what_the_sandbox_asks_of_the_host(
+    sandbox: WasmSandbox, code: str, refused: str
+) -> None:
+    ran = await sandbox.execute(code)
+    assert ran.status is ExecutionStatus.ERROR, ran
+    assert ran.error is not None
+    assert "NotCapable" in ran.error.traceback and refused in ran.error.traceback, ran.error
+
+
+async def test_no_host_file_is_reachable_from_python(sandbox: WasmSandbox) -> None:
+    ran = await sandbox.execute(
+        "import os, json\n"
+        "paths = ('/etc/passwd', '/root', '/usr/bin/python3', '/proc/1/environ')\n"
+        "print(json.dumps([os.path.exists(p) for p in paths]))"
+    )
+    assert json.loads(ran.stdout) == [False] * 4  # its files are its own, in memory
+
+
+async def test_no_network_even_to_loopback(sandbox: WasmSandbox, web: Upstream) -> None:
+    url = f"http://127.0.0.1:{web.port}/hello"
+    seen_before = len(web.requests)
+    for code in (
+        f"import js\nawait js.fetch({url!r})",
+        f"import js\nawait js.Deno.connect(js.Object.fromEntries([['port', {web.port}]]))",
+        f"import urllib.request\nurllib.request.urlopen({url!r}, timeout=5)",
+        f"import socket\nsocket.create_connection(('127.0.0.1', {web.port}), timeout=5)",
+    ):
+        ran = await sandbox.execute(code, timeout_s=30)
+        assert ran.status is ExecutionStatus.ERROR, (code, ran)
+    assert len(web.requests) == seen_before
+
+
+async def test_files_in_and_out_of_the_workspace(sandbox: WasmSandbox) -> None:
+    info = await sandbox.upload("data/in.csv", b"a,b\n1,2\n")
+    assert (info.path, info.type, info.size) == ("data/in.csv", "file", 8)
+    ran = await sandbox.execute(
+        "import csv\nrows = list(csv.reader(open('data/in.csv')))\n"
+        "open('data/out.txt', 'w').write(str(len(rows)))"
+    )
+    assert ran.status is ExecutionStatus.OK
+    assert await sandbox.download("data/out.txt") == b"2"
+    listed = {f.path: f.type for f in await sandbox.list_files("", recursive=True)}
+    assert listed == {"data": "directory", "data/in.csv": "file", "data/out.txt": "file"}
+    await sandbox.remove_file("data")
+    assert await sandbox.list_files() == []
+    with pytest.raises(FileMissing):
+        await sandbox.download("data/out.txt")
+    with pytest.raises(InvalidPath):
+        await sandbox.upload("../escape", b"x")
+    with pytest.raises(InvalidPath):
+        await sandbox.download("/etc/passwd")
+
+
+async def test_a_file_too_large_to_carry_is_refused_and_the_session_carries_on(
+    backend: WasmBackend,
+) -> None:
+    async with await backend.create(small_spec()) as sandbox:
+        await sandbox.execute("open('big.bin', 'wb').write(b'x' * (60 << 20))")
+        with pytest.raises(SandboxError, match="over"):
+            await sandbox.download("big.bin")
+        assert (await sandbox.execute("1 + 1")).results[0].text == "2"
+
+
+async def test_python_only(sandbox: WasmSandbox) -> None:
+    with pytest.raises(LanguageUnavailable, match="Python only"):
+        await sandbox.execute("1", language="javascript")
+
+
+async def test_closing_ends_deno_and_leaves_nothing(backend: WasmBackend, state_dir: Path) -> None:
+    sandbox = await backend.create(small_spec())
+    process = sandbox._process
+    assert process is not None and process.returncode is None
+    await sandbox.close()
+    assert process.returncode is not None
+    assert not (state_dir / "wasm" / sandbox.id).exists()

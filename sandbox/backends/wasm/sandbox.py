@@ -47,7 +47,8 @@ from code_interpreter_wire.results import (
 )
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Sandbox
-from sandbox.kernel.collector import OutputCollector
+from sandbox.json_depth import nests_deeper_than
+from sandbox.kernel.collector import RESULT_MAX_DEPTH, OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.kernel.wire import Malformed
 from sandbox.workspace_paths import clean_path
@@ -229,7 +230,7 @@ class WasmSandbox(Sandbox):
                 await self._take(message)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        except (ValueError, Malformed) as exc:
+        except (ValueError, RecursionError, Malformed) as exc:
             why = f"the wasm sandbox sent something unreadable: {exc}"
         self._lost = why
         if self._ready is not None and not self._ready.done():
@@ -448,12 +449,22 @@ class _Pending:
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     async def take(self, kind: str, body: str) -> None:
+        """One message of the sandbox's for this run or call. One that cannot be read (not
+        JSON, nested too deep, the wrong shape) is dropped and counted on a run, and fails a
+        call."""
         if self.done.done():
             return
+        try:
+            await self._take(kind, body)
+        except (ValueError, Malformed) as exc:
+            if self.collector is not None:  # the run's own end comes from the driver
+                self.collector.malformed_messages += 1
+            else:
+                self.fail(SandboxError(f"the wasm sandbox sent an unreadable {kind}: {exc}"))
+
+    async def _take(self, kind: str, body: str) -> None:
         if kind in ("done", "reply", "failed"):
-            answer = json.loads(body)
-            if not isinstance(answer, dict):
-                raise Malformed(f"a {kind} that is not an object")
+            answer = _parsed(body)
             if kind == "failed":
                 self.done.set_exception(SandboxError(f"the wasm worker: {answer.get('message')}"))
             else:
@@ -464,15 +475,24 @@ class _Pending:
             "execute_result",
             "display_data",
         ):
-            content = json.loads(body)
-            if not isinstance(content, dict):
-                raise Malformed(f"a {kind} that is not an object")
-            await self.collector.handle_content(content, kind)
+            await self.collector.handle_content(_parsed(body), kind)
 
     def fail(self, error: SandboxError) -> None:
         if not self.done.done():
             self.done.set_exception(error)
             self.done.exception()  # read: a run that gave up on it leaves no warning
+
+
+def _parsed(body: str) -> dict[str, Any]:
+    """A message's JSON object, its depth measured before it is parsed (Python's parser
+    raises RecursionError, not ValueError, on one nested some thousands deep)."""
+    raw = body.encode()
+    if nests_deeper_than(raw, RESULT_MAX_DEPTH):
+        raise Malformed(f"a message nested deeper than {RESULT_MAX_DEPTH} levels")
+    parsed = json.loads(raw)
+    if not isinstance(parsed, dict):
+        raise Malformed("a message that is not an object")
+    return parsed
 
 
 def _relative(path: str) -> str:

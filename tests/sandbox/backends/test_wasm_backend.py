@@ -201,6 +201,20 @@ async def test_a_file_too_large_to_carry_is_refused_and_the_session_carries_on(
         assert (await sandbox.execute("1 + 1")).results[0].text == "2"
 
 
+async def test_forged_messages_nested_deep_are_dropped_and_counted(sandbox: WasmSandbox) -> None:
+    """The worker may post anything: a body nested 100,000 deep, for any id, costs nothing."""
+    ran = await sandbox.execute(
+        "import js\n"
+        "deep = '[' * 100_000 + ']' * 100_000\n"
+        "for i in range(1, 500):\n"
+        "    for kind in ('stream', 'execute_result', 'done', 'reply'):\n"
+        "        js.postMessage(js.Object.fromEntries([['type', kind], ['id', i], ['body', deep]]))"
+    )
+    assert ran.status is ExecutionStatus.OK and not ran.state_lost, ran
+    assert ran.notice is not None and "malformed" in ran.notice, ran
+    assert (await sandbox.execute("6 * 7")).results[0].text == "42"
+
+
 async def test_python_only(sandbox: WasmSandbox) -> None:
     with pytest.raises(LanguageUnavailable, match="Python only"):
         await sandbox.execute("1", language="javascript")

@@ -26,7 +26,7 @@ from sandbox.egress.metering import ByteBudget
 from sandbox.egress.pipe import CHUNK
 from sandbox.egress.responses import answer
 from sandbox.egress.settings import EgressSettings
-from sandbox.egress.slots import FULL, Refusal, Slots
+from sandbox.egress.slots import FULL, UNCHECKED, Refusal, Slots
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,9 @@ class EgressProxy:
             except asyncio.CancelledError:  # closing while a shared count was asked
                 conn.close()
                 raise
-            except Exception as exc:  # a count that failed: this connection is refused, no more
+            except Exception:  # a count that failed: this connection is refused, no more
                 log.exception("egress: the connection caps could not be checked")
-                refusal = Refusal("connection caps unchecked", f"checking them failed: {exc}")
+                refusal = Refusal(UNCHECKED, "checking them failed; retry in a moment")
             if refusal is not None:
                 self._refuse_at_once(conn, refusal)
                 continue

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 FULL = "too many connections"  # a cap reached: the 503's reason
+UNCHECKED = "connection caps unchecked"  # the caps could not be checked: the 503's reason
 
 
 @dataclass(frozen=True)

@@ -339,7 +339,7 @@ async def test_a_count_that_does_not_answer_refuses_the_connection_saying_so(
     assert refused.startswith("HTTP/1.1 503 connection caps unchecked: the cluster's count"), (
         refused
     )
-    assert "did not answer: no answer within 5 s" in refused, refused
+    assert "did not answer; retry in a moment" in refused, refused
     # The session still answers, and a count that answers again lets it out.
     await asyncio.to_thread(_end_count)
     await until(lambda: _tunnel_opens(sandbox, egress_upstream), "a count to answer again")

@@ -38,11 +38,11 @@ from typing import Any
 
 import ray
 from limits import RateLimitItemPerSecond
-from limits.aio.storage import MemoryStorage
-from limits.aio.strategies import MovingWindowRateLimiter
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 
 from sandbox.backends.ray_cluster.names import egress_counter_name
-from sandbox.egress.slots import Refusal, SharedCaps
+from sandbox.egress.slots import UNCHECKED, Refusal, SharedCaps
 
 log = logging.getLogger(__name__)
 ActorHandle = Any  # Ray's own is generic over a class it cannot see through ray.remote
@@ -56,7 +56,6 @@ _SWEEP_EVERY_S = 1.0
 # are pinned there the same way): the count lives and dies with the cluster's head, never on a
 # node running sandboxes.
 _HEAD_NODE = "node:__internal_head__"
-UNANSWERED = "connection caps unchecked"  # the 503's reason when the count did not answer
 
 
 @dataclass
@@ -205,30 +204,32 @@ class CountedSlots:
     async def take(self) -> Refusal | None:
         if time.monotonic() < self._refused_until and self._refused is not None:
             return self._refused
-        if not await self._pace.hit(self._rate, self.holder):  # wait for the window to move
-            window = await self._pace.get_window_stats(self._rate, self.holder)
-            await asyncio.sleep(max(0.0, window.reset_time - time.time()))
-            await self._pace.hit(self._rate, self.holder)
-        async with self._asking:
-            try:
+        if not self._pace.hit(self._rate, self.holder):  # wait for the window to move
+            window = self._pace.get_window_stats(self._rate, self.holder)
+            await asyncio.sleep(min(1.0, max(0.0, window.reset_time - time.time())))
+            self._pace.hit(self._rate, self.holder)
+        try:
+            async with asyncio.timeout(ANSWER_S), self._asking:  # the wait for a heartbeat too
                 refusal: Refusal | None = await self._ask(self._take)
-            except _Unanswered as exc:
-                self._astray = True  # the take may yet run: the next heartbeat says how many
-                self._keep_telling()
-                return Refusal(
-                    UNANSWERED,
-                    "the cluster's count of egress connections (the caps a key's sessions and "
-                    f"the whole service share) did not answer: {exc}; retry in a moment",
-                )
+        except (_Unanswered, TimeoutError) as exc:
+            self._astray = True  # the take may yet run: the next heartbeat says how many
+            self._keep_telling()
+            log.warning("egress count: session %s's connection refused: %s", self.holder, exc)
+            refusal = Refusal(
+                UNCHECKED,
+                "the cluster's count of egress connections (the caps a key's sessions and the "
+                "whole service share) did not answer; retry in a moment",
+            )
         if refusal is None:
             self.held += 1
             self._keep_telling()
-        else:
+        else:  # held a moment: a sandbox connecting in a loop is answered here meanwhile
             self._refused, self._refused_until = refusal, time.monotonic() + REFUSED_FOR_S
         return refusal
 
     def give_back(self) -> None:
         self.held = max(0, self.held - 1)
+        self._refused_until = 0.0  # a slot of its own is free again: ask
         counter = self._counter
         if counter is None:
             self._astray = True
@@ -243,15 +244,21 @@ class CountedSlots:
     async def close(self) -> None:
         """The proxy stopped (after giving back each slot): the count forgets this holder. Only
         a count already found is told (one gone forgets it after a lease); none is made."""
-        beating, self._beating = self._beating, None
+        for task in (self._beating, self._finding):
+            if task is not None:
+                task.cancel()
+        beating, self._beating, self._finding = self._beating, None, None
         if beating is not None:
-            beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
-        counter = self._counter
-        if counter is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(counter.drop.remote(self.holder), ANSWER_S)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(ANSWER_S):
+                counter: ActorHandle = self._counter or await asyncio.to_thread(self._existing)
+                await counter.drop.remote(self.holder)
+
+    def _existing(self) -> ActorHandle:
+        """The count if there is one (ValueError if not): never makes one."""
+        return ray.get_actor(egress_counter_name(self._orchestrator_id), self._namespace)
 
     def _keep_telling(self) -> None:
         if self._beating is None or self._beating.done():
@@ -313,7 +320,7 @@ class CountedSlots:
 
     async def _find(self) -> ActorHandle:
         counter = await asyncio.to_thread(counter_of, self._orchestrator_id, self._namespace)
-        self._heartbeat_s = float(await counter.heartbeat_s.remote())
+        self._heartbeat_s = float(await asyncio.wait_for(counter.heartbeat_s.remote(), ANSWER_S))
         self._counter = counter
         return counter
 

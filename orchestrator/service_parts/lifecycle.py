@@ -195,8 +195,8 @@ class Lifecycle:
     async def set_labels(self, session: Session, labels: dict[str, str]) -> None:
         """Keep a front's own data with a session (E2B's metadata, its timeout): it outlives
         pauses and restarts with the session's record."""
-        session.labels = dict(labels)
-        await self._records.set_labels(session)
+        before, session.labels = session.labels, dict(labels)
+        await self._records.set_labels(session, before)
 
     # --- found
     async def get(self, session_id: str, owner: str) -> Session:

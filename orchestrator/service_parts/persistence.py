@@ -155,11 +155,19 @@ class Persistence:
     async def count_paused(self, owner: str) -> int:
         return await self.store.count_sessions(owner, "paused")
 
-    async def set_labels(self, session: Session) -> None:
-        """Keep a session's labels with its record, if it has one (and only while it has:
-        one deleted meanwhile, by another replica even, is never brought back); nothing else
-        of the record is written (a pause through another replica meanwhile stands)."""
-        await self.store.set_session_labels(session.id, session.labels)
+    async def set_labels(self, session: Session, before: Mapping[str, str]) -> None:
+        """Keep what changed of a session's labels since `before` with its record, if it has
+        one (and only while it has: one deleted meanwhile, by another replica even, is never
+        brought back); nothing else of the record is written (a pause through another replica
+        meanwhile stands), and labels this copy of the session did not change stay as they
+        are in the record (another replica's change stands: this copy takes it)."""
+        changes: dict[str, str | None] = {
+            name: value for name, value in session.labels.items() if before.get(name) != value
+        }
+        changes |= {name: None for name in before if name not in session.labels}
+        merged = await self.store.set_session_labels(session.id, changes)
+        if merged is not None:
+            session.labels = merged
 
     async def forget(self, session_id: str) -> None:
         """Delete a session's record and its paused state, if any."""

@@ -5,6 +5,7 @@ the server (redis_connection.py); the event loop waits on neither."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.state_store.records import (
@@ -28,9 +29,13 @@ class SessionStore(ABC):
         session never undoes a front's label set through another)."""
 
     @abstractmethod
-    async def set_session_labels(self, session_id: str, labels: dict[str, str]) -> bool:
+    async def set_session_labels(
+        self, session_id: str, changes: Mapping[str, str | None]
+    ) -> dict[str, str] | None:
         """Change only the record's labels, if it still exists (never bring back a deleted
-        one, never undo a pause written meanwhile); whether it did."""
+        one, never undo a pause written meanwhile): each of `changes` set (None: removed), the
+        others as they are (another replica's change stands). The labels now, or None when
+        there is no record."""
 
     @abstractmethod
     async def get_session(self, session_id: str) -> SessionRecord | None: ...
@@ -102,3 +107,14 @@ class StateStore(SessionStore, SnapshotStore):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+
+def with_changes(labels: Mapping[str, str], changes: Mapping[str, str | None]) -> dict[str, str]:
+    """`labels` with each of `changes` set (None: removed)."""
+    merged = dict(labels)
+    for name, value in changes.items():
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    return merged

@@ -19,7 +19,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar, cast
@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from redis.asyncio.client import Pipeline
 from redis.exceptions import WatchError
 
-from orchestrator.state_store.interfaces import StateStore
+from orchestrator.state_store.interfaces import StateStore, with_changes
 from orchestrator.state_store.records import (
     SessionRecord,
     SessionState,
@@ -190,18 +190,23 @@ class RedisStore(StateStore):
 
         await self._rewrite(key, write, corrupt_is_none=True)
 
-    async def set_session_labels(self, session_id: str, labels: dict[str, str]) -> bool:
-        """Change only the record's labels, if it still exists (never bring back one another
-        replica deleted, never undo a pause written meanwhile); whether it did."""
+    async def set_session_labels(
+        self, session_id: str, changes: Mapping[str, str | None]
+    ) -> dict[str, str] | None:
+        """Change only the record's labels (see StateStore), read and written in one
+        transaction."""
         key = self._key("session", session_id)
+        merged: dict[str, str] | None = None
 
         async def write(pipe: Pipeline, old: SessionRecord | None) -> bool:
+            nonlocal merged
             if old is None:
                 return False
-            pipe.set(key, old.model_copy(update={"labels": dict(labels)}).model_dump_json())
+            merged = with_changes(old.labels, changes)
+            pipe.set(key, old.model_copy(update={"labels": merged}).model_dump_json())
             return True
 
-        return await self._rewrite(key, write)
+        return merged if await self._rewrite(key, write) else None
 
     async def _rewrite(
         self,

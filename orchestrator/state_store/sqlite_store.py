@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.state_store.interfaces import StateStore
+from pydantic import ValidationError
+
+from orchestrator.state_store.interfaces import StateStore, with_changes
 from orchestrator.state_store.records import (
     SessionRecord,
     SessionState,
@@ -75,7 +78,10 @@ class SqliteStore(StateStore):
             old = self._db.execute("SELECT doc FROM sessions WHERE id = ?", (record.id,))
             row = old.fetchone()
             if row is not None:
-                labels = SessionRecord.model_validate_json(row[0]).labels
+                try:
+                    labels = SessionRecord.model_validate_json(row[0]).labels
+                except ValidationError:  # unreadable: written over, as if none were there
+                    labels = record.labels
                 record = record.model_copy(update={"labels": labels})
             self._db.execute(
                 "INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?)",
@@ -89,19 +95,24 @@ class SqliteStore(StateStore):
                 ),
             )
 
-    async def set_session_labels(self, session_id: str, labels: dict[str, str]) -> bool:
-        return await self.database.run(self._set_labels_now, session_id, dict(labels))
+    async def set_session_labels(
+        self, session_id: str, changes: Mapping[str, str | None]
+    ) -> dict[str, str] | None:
+        return await self.database.run(self._set_labels_now, session_id, dict(changes))
 
-    def _set_labels_now(self, session_id: str, labels: dict[str, str]) -> bool:
-        with self._lock:
+    def _set_labels_now(
+        self, session_id: str, changes: dict[str, str | None]
+    ) -> dict[str, str] | None:
+        with self._lock:  # the labels read and written at once
             row = self._db.execute("SELECT doc FROM sessions WHERE id = ?", (session_id,))
             found = row.fetchone()
             if found is None:
-                return False
+                return None
             record = SessionRecord.model_validate_json(found[0])
-            doc = record.model_copy(update={"labels": labels}).model_dump_json()
+            merged = with_changes(record.labels, changes)
+            doc = record.model_copy(update={"labels": merged}).model_dump_json()
             self._db.execute("UPDATE sessions SET doc = ? WHERE id = ?", (doc, session_id))
-            return True
+            return merged
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         rows = await self._rows("SELECT doc FROM sessions WHERE id = ?", (session_id,))

@@ -213,12 +213,14 @@ async def test_redis_store_labels_never_bring_back_a_deleted_record(
     stores: tuple[RedisStore, RedisStore],
 ) -> None:
     a, b = stores
-    await a.put_session(_session("s-1", labels={"x": "1"}))
-    assert await b.set_session_labels("s-1", {"x": "2"})
+    await a.put_session(_session("s-1", labels={"x": "1", "y": "1"}))
+    assert await b.set_session_labels("s-1", {"x": "2"}) == {"x": "2", "y": "1"}
+    # Another replica, from its older copy, changes another label: both stand.
+    assert await a.set_session_labels("s-1", {"y": None, "z": "1"}) == {"x": "2", "z": "1"}
     got = await a.get_session("s-1")
-    assert got is not None and got.labels == {"x": "2"}
+    assert got is not None and got.labels == {"x": "2", "z": "1"}
     await a.delete_session("s-1")
-    assert not await b.set_session_labels("s-1", {"x": "3"})
+    assert await b.set_session_labels("s-1", {"x": "3"}) is None
     assert await a.get_session("s-1") is None
 
 
@@ -252,7 +254,7 @@ async def test_redis_store_a_pause_and_a_label_set_through_two_replicas_both_sta
 
     b = PausedMeanwhile(RedisConnection(redis_url, prefix=prefix), snapshots_dir=tmp_path / "s")
     try:
-        assert await b.set_session_labels("s-1", {"timeout": "2"})
+        assert await b.set_session_labels("s-1", {"timeout": "2"}) == {"timeout": "2"}
         assert b.reads == 2  # the first write did not hold: tried again on the paused record
         got = await a.get_session("s-1")
         assert got is not None

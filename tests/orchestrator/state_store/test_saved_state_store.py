@@ -104,14 +104,18 @@ async def test_labels_never_bring_back_a_deleted_record_nor_undo_a_pause(
         record = SessionRecord(id="s-a", owner="o1", backend="local", spec=SandboxSpec())
         await store.put_session(record)
         await store.put_session(record.model_copy(update={"state": "paused"}))
-        assert await store.set_session_labels("s-a", {"e2b": "x"}) is True
+        assert await store.set_session_labels("s-a", {"e2b": "x", "k": "1"}) == {
+            "e2b": "x",
+            "k": "1",
+        }
+        assert await store.set_session_labels("s-a", {"k": None}) == {"e2b": "x"}
         found = await store.get_session("s-a")
         assert found is not None and (found.state, found.labels) == ("paused", {"e2b": "x"})
         await store.put_session(record)  # the older copy, without the labels
         found = await store.get_session("s-a")
         assert found is not None and (found.state, found.labels) == ("running", {"e2b": "x"})
         await store.delete_session("s-a")
-        assert await store.set_session_labels("s-a", {"e2b": "y"}) is False
+        assert await store.set_session_labels("s-a", {"e2b": "y"}) is None
         assert await store.get_session("s-a") is None
     finally:
         store.database.close()
@@ -135,5 +139,22 @@ async def test_a_walk_over_the_running_sessions_goes_a_piece_at_a_time(tmp_path:
                 break
         assert sorted(seen) == ["s-0", "s-1", "s-2", "s-4", "s-5", "s-6"] and steps > 1
         assert store.shared is False
+    finally:
+        store.database.close()
+
+
+async def test_a_record_that_cannot_be_read_is_written_over(tmp_path: Path) -> None:
+    """As the Redis store's: a whole record written over one that cannot be read (its labels
+    with it) rather than failing."""
+    store = SqliteStore(SqliteDatabase(tmp_path))
+    try:
+        record = SessionRecord(id="s-a", owner="o1", backend="local", spec=SandboxSpec())
+        await store.put_session(record)
+        await store.database.run(
+            store._write_now, "UPDATE sessions SET doc = ? WHERE id = ?", ("{not json", "s-a")
+        )
+        await store.put_session(record.model_copy(update={"labels": {"k": "v"}}))
+        found = await store.get_session("s-a")
+        assert found is not None and found.labels == {"k": "v"}
     finally:
         store.database.close()

@@ -35,9 +35,18 @@ _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
     "e2b": lambda s, _: s.e2b_backend_config(),
     # Its warm actors (per node) are made by the backend itself, for the default spec.
     "ray": lambda s, pool_spec: s.ray_backend_config() | {"pool_spec": pool_spec},
-    # Its Pyodide: CODE_INTERPRETER_PYODIDE_DIR, else the release `make install` fetched.
-    "wasm": lambda s, _: {"state_dir": s.state_dir},
+    "wasm": lambda s, _: _wasm(s),
 }
+
+
+def _wasm(settings: Settings) -> dict[str, object]:
+    config: dict[str, object] = {
+        "state_dir": settings.state_dir,
+        "wheels_dir": settings.wasm_wheels_dir,
+    }
+    if settings.wasm_pyodide_dir is not None:  # else the release `make install` fetched
+        config["pyodide_dir"] = settings.wasm_pyodide_dir
+    return config
 
 
 def backend_config(settings: Settings, name: str, pool_spec: SandboxSpec) -> dict[str, object]:

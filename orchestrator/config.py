@@ -114,6 +114,16 @@ class Settings(BaseSettings):
         "`user: root`; gVisor is the wall, docs/gvisor.md). False: refused there too, saying "
         "so.",
     )
+    wasm_pyodide_dir: Path | None = Field(
+        None,
+        description="The Pyodide distribution wasm sessions run (docs/wasm.md); unset, the "
+        "pinned release `make install` fetched.",
+    )
+    wasm_wheels_dir: Path | None = Field(
+        None,
+        description="Pure-Python wheels wasm sessions may install (`await micropip.install("
+        "name)`; `code-interpreter wasm fetch NAME...` downloads them into it). Unset: none.",
+    )
     docker_runtimes: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_DOCKER_RUNTIMES),
         description="Runtimes a Docker session may ask for (`runtime` on create); those the "

@@ -41,6 +41,11 @@ class WasmBackendConfig(BaseModel):
         description="The Pyodide distribution the sandboxes run (`make install` fetches the "
         "pinned release; CODE_INTERPRETER_PYODIDE_DIR points elsewhere).",
     )
+    wheels_dir: Path | None = Field(
+        default=None,
+        description="Pure-Python wheels the sandboxes may install (`await micropip.install`); "
+        "read-only to them. None: only the standard library.",
+    )
     deno: Path = Field(
         default_factory=lambda: Path(sys.prefix) / "bin" / "deno",
         description="The Deno binary; by default the one the `deno` package (PyPI) installs.",
@@ -82,7 +87,8 @@ class WasmBackend(Backend):
             )
         except OSError as exc:
             raise SandboxStartError(f"cannot make the sandbox's directory: {exc}") from None
-        sandbox = WasmSandbox(sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno)
+        wheels = self.config.wheels_dir.resolve() if self.config.wheels_dir else None
+        sandbox = WasmSandbox(sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno, wheels)
         try:
             await sandbox.start()
         except BaseException:

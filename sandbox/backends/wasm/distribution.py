@@ -25,6 +25,7 @@ import httpx
 from code_interpreter_wire.errors import SandboxStartError
 
 VERSION = "314.0.7"
+PYTHON_VERSION = "3.14"  # the CPython this release of Pyodide is
 INTEGRITY = (  # npm's `dist.integrity` of the release
     "sha512-0YvXxEhfEdpLfb/XkM2BFAeMROq0iMUX2bzzH9pOttyMcWkwq+HbE5uyuGD82LN7y2q+"
     "SNvi/6V5JEsOlD2R1A=="

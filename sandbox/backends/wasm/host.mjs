@@ -9,7 +9,7 @@
 // args}, {op: "interrupt"}. To the service: whatever the worker posts, as {type, id, body}
 // with `body` a string, plus {type: "worker_error", message} when the worker dies.
 
-const [socketPath, indexURL] = Deno.args;
+const [socketPath, indexURL, wheelsDir] = Deno.args;
 const MAX_FRAME = 64 * 1024 * 1024;
 const conn = await Deno.connect({ transport: "unix", path: socketPath });
 const interrupt = new Uint8Array(new SharedArrayBuffer(1));
@@ -50,7 +50,7 @@ function startWorker(driver, memoryBytes) {
     type: "module",
     deno: {
       permissions: {
-        read: [indexURL], write: false, net: false, env: false, run: false, ffi: false,
+        read: wheelsDir ? [indexURL, wheelsDir] : [indexURL], write: false, net: false, env: false, run: false, ffi: false,
         sys: false, import: false,
       },
     },
@@ -62,7 +62,7 @@ function startWorker(driver, memoryBytes) {
     send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000) });
   };
   interrupt[0] = 0;
-  worker.postMessage({ op: "init", indexURL, interrupt, driver, memoryBytes });
+  worker.postMessage({ op: "init", indexURL, wheelsDir, interrupt, driver, memoryBytes });
 }
 
 async function readExactly(n) {

@@ -8,11 +8,19 @@ Jupyter would (its `_repr_*_` forms). Files live in the interpreter's memory und
 from __future__ import annotations
 
 import base64
+import importlib
+import importlib.metadata
+import io
 import json
 import os
+import re
 import shutil
 import stat
+import sys
+import sysconfig
 import traceback
+import types
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -156,4 +164,80 @@ def _error(exc: BaseException) -> dict[str, Any]:
     }
 
 
+# --- packages: pure-Python wheels from the operator's directory (read-only to the sandbox)
+
+WHEELS = os.environ.pop("CIR_WHEELS", "")
+_WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-[^-]+)?-[^-]+-none-any\.whl$")
+
+
+class Micropip(types.ModuleType):
+    """`await micropip.install("name")`, as in Pyodide, but from the operator's wheels only:
+    nothing is ever fetched."""
+
+    async def install(
+        self, requirements: str | list[str], keep_going: bool = False, deps: bool = True
+    ) -> None:
+        names = [requirements] if isinstance(requirements, str) else list(requirements)
+        done: set[str] = set()
+        for requirement in names:
+            _install(requirement, deps, done)
+        importlib.invalidate_caches()
+
+    def list(self) -> dict[str, str]:
+        return {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _install(requirement: str, deps: bool, done: set[str]) -> None:
+    name = re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0]
+    key = _normalized(name)
+    if key in done:
+        return
+    done.add(key)
+    try:
+        importlib.metadata.distribution(name)
+        return  # there already
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    wheel = _wheel_of(key)
+    if wheel is None:
+        raise ValueError(
+            f"no pure-Python wheel of {name!r} among the wheels this service offers; ask its "
+            f"operator to add it (`code-interpreter wasm fetch {name}`)"
+        )
+    import js  # Pyodide's door to Deno: the worker may read the wheels' directory, no more
+
+    data = bytes(js.Deno.readFileSync(f"{WHEELS}/{wheel}").to_py())
+    site = sysconfig.get_paths()["purelib"]
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for member in archive.namelist():
+            target = os.path.normpath(os.path.join(site, member))
+            if not target.startswith(site + "/"):
+                raise ValueError(f"{wheel} holds a path outside site-packages: {member}")
+        archive.extractall(site)
+        metadata = next((m for m in archive.namelist() if m.endswith(".dist-info/METADATA")), None)
+        needs = archive.read(metadata).decode(errors="replace") if metadata else ""
+    if deps:
+        for line in needs.splitlines():
+            if line.startswith("Requires-Dist:") and ";" not in line:
+                _install(line.split(":", 1)[1], deps, done)
+
+
+def _wheel_of(key: str) -> str | None:
+    if not WHEELS:
+        return None
+    import js
+
+    found = []
+    for entry in js.Deno.readDirSync(WHEELS):
+        match = _WHEEL_NAME.match(entry.name)
+        if match and _normalized(match["name"]) == key:
+            found.append(entry.name)
+    return max(found) if found else None
+
+
+sys.modules["micropip"] = Micropip("micropip")
 _cir_driver = Driver()

@@ -64,8 +64,17 @@ CALL_S = 30.0
 class WasmSandbox(Sandbox):
     backend = "wasm"
 
-    def __init__(self, sandbox_id: str, spec: SandboxSpec, root: Path, pyodide: Path, deno: str):
+    def __init__(
+        self,
+        sandbox_id: str,
+        spec: SandboxSpec,
+        root: Path,
+        pyodide: Path,
+        deno: str,
+        wheels: Path | None = None,
+    ):
         self.id = sandbox_id
+        self._wheels = wheels  # pure-Python wheels it may install: read-only to it
         self.spec = spec
         self._root = root
         self._pyodide = pyodide
@@ -134,7 +143,7 @@ class WasmSandbox(Sandbox):
         return conn
 
     def _command(self, path: Path) -> list[str]:
-        readable = ",".join(str(p) for p in (self._pyodide, HERE, path))
+        readable = ",".join(str(p) for p in (self._pyodide, HERE, path, self._wheels) if p)
         heap_mb = self._heap_mb()
         return [
             self._deno,
@@ -152,6 +161,7 @@ class WasmSandbox(Sandbox):
             str(HERE / "host.mjs"),
             str(path),
             str(self._pyodide),
+            str(self._wheels or ""),
         ]
 
     def _process_env(self) -> dict[str, str]:

@@ -40,7 +40,7 @@ async function init(message) {
   const { loadPyodide } = await import(new URL("pyodide.mjs", "file://" + message.indexURL + "/").href);
   pyodide = await loadPyodide({
     indexURL: message.indexURL + "/",
-    env: { HOME: "/workspace" },
+    env: { HOME: "/workspace", CIR_WHEELS: message.wheelsDir ?? "" },
   });
   pyodide.setStdout(writer("stdout"));
   pyodide.setStderr(writer("stderr"));

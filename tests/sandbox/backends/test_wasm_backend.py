@@ -6,7 +6,9 @@ through `js`, Pyodide's door to Deno's own API. Real Deno, real Pyodide (the pin
 
 from __future__ import annotations
 
+import io
 import json
+import zipfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -227,3 +229,66 @@ async def test_closing_ends_deno_and_leaves_nothing(backend: WasmBackend, state_
     await sandbox.close()
     assert process.returncode is not None
     assert not (state_dir / "wasm" / sandbox.id).exists()
+
+
+def _wheel(name: str, version: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> bytes:
+    """A pure-Python wheel made here (no index is reached)."""
+    info = f"{name}-{version}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires
+    )
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+        archive.writestr(f"{info}/METADATA", metadata)
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+async def with_wheels(state_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> WasmBackend:
+    require_backend("wasm")
+    wheels = tmp_path_factory.mktemp("wheels")
+    alpha = {"alpha_pkg/__init__.py": "from beta import B\nA = B + 1\n"}
+    needs = ("beta>=1", "gamma; extra == 'docs'")
+    (wheels / "alpha_pkg-1.0-py3-none-any.whl").write_bytes(
+        _wheel("alpha_pkg", "1.0", alpha, requires=needs)
+    )
+    (wheels / "beta-2.0-py3-none-any.whl").write_bytes(
+        _wheel("beta", "2.0", {"beta.py": "B = 41\n"})
+    )
+    (wheels / "evil-1.0-py3-none-any.whl").write_bytes(
+        _wheel("evil", "1.0", {"../../outside.py": "X = 1\n"})
+    )
+    (wheels / "native-1.0-cp314-cp314-linux_x86_64.whl").write_bytes(b"not for wasm")
+    return WasmBackend(WasmBackendConfig(state_dir=state_dir, wheels_dir=wheels))
+
+
+async def test_a_wheel_from_the_operators_directory_installs_with_what_it_needs(
+    with_wheels: WasmBackend,
+) -> None:
+    async with await with_wheels.create(small_spec()) as sandbox:
+        ran = await sandbox.execute(
+            "import micropip\nawait micropip.install('alpha-pkg')\nimport alpha_pkg\nalpha_pkg.A"
+        )
+        assert ran.results[0].text == "42", ran
+        listed = await sandbox.execute("sorted(micropip.list())")
+        assert "'alpha_pkg'" in (listed.results[0].text or "")
+        for name, why in (("native", "no pure-Python wheel"), ("nothing", "no pure-Python")):
+            refused = await sandbox.execute(f"await micropip.install({name!r})")
+            assert refused.error is not None and why in refused.error.value, refused
+        evil = await sandbox.execute("await micropip.install('evil')")
+        assert evil.error is not None and "outside site-packages" in evil.error.value, evil
+        # The directory is read-only to it, and nothing else of the host opens.
+        write = await sandbox.execute(
+            "import js, os\njs.Deno.writeTextFileSync(os.environ.get('CIR_WHEELS', '/x') + "
+            "'/new.whl', 'x')"
+        )
+        assert write.error is not None
+
+
+async def test_without_a_wheels_directory_nothing_installs(sandbox: WasmSandbox) -> None:
+    ran = await sandbox.execute("import micropip\nawait micropip.install('beta')")
+    assert ran.error is not None and "ask its operator" in ran.error.value

@@ -335,7 +335,9 @@ class WasmSandbox(Sandbox):
             outcome = {}
         finally:
             self._pending.pop(run_id, None)
-        if status is ExecutionStatus.OK and outcome.get("status") != "ok":
+        if status is ExecutionStatus.OK and outcome.get("status") == "interrupted":
+            status = ExecutionStatus.CANCELLED  # interrupted on request (`interrupt`)
+        elif status is ExecutionStatus.OK and outcome.get("status") != "ok":
             status = ExecutionStatus.ERROR
         if state_lost and notice is None:
             notice = "the code did not stop when interrupted: a fresh interpreter replaced it"

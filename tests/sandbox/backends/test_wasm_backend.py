@@ -6,6 +6,7 @@ through `js`, Pyodide's door to Deno's own API. Real Deno, real Pyodide (the pin
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import zipfile
@@ -118,6 +119,30 @@ async def test_memory_past_the_limit_is_a_memory_error_and_the_session_carries_o
     freed = await sandbox.execute("n = len(chunks); del chunks; n")
     assert freed.status is ExecutionStatus.OK
     assert 0 < int(freed.results[0].text or 0) * 16 < limit_mb
+
+
+async def test_an_interrupt_cancels_the_running_code_and_a_restart_starts_afresh(
+    backend: WasmBackend,
+) -> None:
+    async with await backend.create(small_spec()) as sandbox:
+        await sandbox.execute("kept = 1")
+        started = asyncio.Event()
+
+        async def sink(event: object) -> None:
+            started.set()
+
+        running = asyncio.ensure_future(
+            sandbox.execute("print('go', flush=True)\nwhile True:\n    pass", on_event=sink)
+        )
+        await started.wait()
+        assert sandbox.is_busy and await sandbox.interrupt()
+        ran = await running
+        assert ran.status is ExecutionStatus.CANCELLED and not ran.state_lost, ran
+        assert not await sandbox.interrupt()  # nothing runs
+        assert (await sandbox.execute("kept")).results[0].text == "1"
+        await sandbox.restart()
+        after = await sandbox.execute("kept")
+        assert after.error is not None and after.error.name == "NameError"
 
 
 async def test_output_is_capped(sandbox: WasmSandbox) -> None:

@@ -42,6 +42,7 @@ FILES = (
     "package.json",
 )
 DIR_ENV = "CODE_INTERPRETER_PYODIDE_DIR"
+MARKER = ".cir-pyodide"  # in a directory this made: the release and its integrity
 
 
 class PyodideMissing(SandboxStartError):
@@ -102,9 +103,20 @@ def unpack(tarball: bytes, directory: Path) -> Path:
         for path in staging.iterdir():
             path.chmod(0o644)
         staging.chmod(0o755)
-        if directory.exists():
-            shutil.rmtree(directory)
-        staging.rename(directory)
+        (staging / MARKER).write_text(f"{VERSION} {INTEGRITY}\n")
+        if directory.exists():  # only one this made: never a directory an operator named
+            if not (directory / MARKER).is_file():
+                raise ValueError(
+                    f"{directory} exists and is no Pyodide this installer made: remove it, or "
+                    "fetch into another directory"
+                )
+            aside = directory.with_name(f".{directory.name}.old")
+            shutil.rmtree(aside, ignore_errors=True)
+            directory.rename(aside)
+            staging.rename(directory)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            staging.rename(directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return directory

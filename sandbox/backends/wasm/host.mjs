@@ -1,20 +1,28 @@
 // The wasm sandbox's Deno process, main thread: the service's end of the sandbox. It connects
 // to the session's Unix socket (the only path it may read and write besides Pyodide's files),
-// runs Python in a worker that may read Pyodide's files and nothing else, and carries
-// messages between the two. What the worker sends is untrusted: each message is checked for
-// shape and size here, and again by the service.
+// runs Python in a worker that may read Pyodide's files (and the operator's wheels) and nothing
+// else, and carries messages between the two. What the worker sends is untrusted: only the
+// kinds a worker sends, for a run or call outstanding, and within size, are passed on; the
+// service checks them again.
 //
 // Frames on the socket, both ways: a 4-byte big-endian length, then that many bytes of JSON.
-// From the service: {op: "init", driver, memoryBytes}, {op: "run", id, code, env}, {op: "call", id, fn,
-// args}, {op: "interrupt"}. To the service: whatever the worker posts, as {type, id, body}
-// with `body` a string, plus {type: "worker_error", message} when the worker dies.
+// From the service: {op: "init", driver, memoryBytes}, {op: "run", id, code, env, cwd},
+// {op: "call", id, fn, args}, {op: "interrupt", id}. To the service: {type, id, body} (`body`
+// a string: the worker's own JSON), {type: "oversize", id, size}, {type: "worker_error",
+// message}.
 
 const [socketPath, indexURL, wheelsDir] = Deno.args;
 const MAX_FRAME = 64 * 1024 * 1024;
+const MAX_OUTPUT = 8 * 1024 * 1024; // one output message (a stream's text, a rich result)
+const OUTPUTS = new Set(["stream", "error", "execute_result", "display_data"]);
+const ENDS = new Set(["done", "reply", "failed"]);
 const conn = await Deno.connect({ transport: "unix", path: socketPath });
 const interrupt = new Uint8Array(new SharedArrayBuffer(1));
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();
+const outstanding = new Set(); // ids of the runs and calls sent to the worker, not ended yet
+let running = null; // the id of the run outstanding, if any: an interrupt is for it alone
+let initializing = false;
 let writing = Promise.resolve();
 
 function send(message) {
@@ -35,28 +43,50 @@ function send(message) {
 function fromWorker(event) {
   const data = event.data;
   if (data === null || typeof data !== "object" || typeof data.type !== "string" ||
-      typeof data.body !== "string" || data.type.length > 32) {
-    send({ type: "malformed" });
+      typeof data.body !== "string") {
     return;
   }
-  const id = typeof data.id === "number" ? data.id : null;
+  if (data.type === "ready" && initializing) {
+    initializing = false;
+    send({ type: "ready", id: null, body: "{}" });
+    return;
+  }
+  if (data.type === "init_failed" && initializing) {
+    initializing = false;
+    send({ type: "worker_error", message: data.body.slice(0, 2000) });
+    return;
+  }
+  const id = data.id;
+  if (!outstanding.has(id) || !(OUTPUTS.has(data.type) || ENDS.has(data.type))) return;
+  if (ENDS.has(data.type)) {
+    outstanding.delete(id);
+    if (id === running) {
+      running = null;
+      interrupt[0] = 0;
+    }
+  } else if (data.body.length > MAX_OUTPUT) {
+    send({ type: "oversize", id, size: data.body.length });
+    return;
+  }
   send({ type: data.type, id, body: data.body });
 }
 
 let worker = null;
 function startWorker(driver, memoryBytes) {
   if (worker !== null) worker.terminate(); // a fresh interpreter: the old one's state goes
+  outstanding.clear();
+  running = null;
+  initializing = true;
   worker = new Worker(new URL("./worker.mjs", import.meta.url), {
     type: "module",
     deno: {
       permissions: {
-        read: wheelsDir ? [indexURL, wheelsDir] : [indexURL], write: false, net: false, env: false, run: false, ffi: false,
-        sys: false, import: false,
+        read: wheelsDir ? [indexURL, wheelsDir] : [indexURL],
+        write: false, net: false, env: false, run: false, ffi: false, sys: false, import: false,
       },
     },
   });
   worker.onmessage = fromWorker;
-  worker.onmessageerror = () => send({ type: "malformed" });
   worker.onerror = (event) => {
     event.preventDefault();
     send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000) });
@@ -87,9 +117,13 @@ while (true) {
   if (message.op === "init") {
     startWorker(message.driver, message.memoryBytes);
   } else if (message.op === "interrupt") {
-    interrupt[0] = 2; // SIGINT: KeyboardInterrupt at the interpreter's next check
-  } else if (worker !== null) {
-    if (message.op === "run") interrupt[0] = 0;
+    if (running !== null && message.id === running) interrupt[0] = 2; // KeyboardInterrupt next
+  } else if (worker !== null && (message.op === "run" || message.op === "call")) {
+    outstanding.add(message.id);
+    if (message.op === "run") {
+      running = message.id;
+      interrupt[0] = 0;
+    }
     worker.postMessage(message);
   }
 }

@@ -38,6 +38,10 @@ _FORMS = (
 )
 
 
+class TooLarge(Exception):
+    pass
+
+
 class Driver:
     def __init__(self) -> None:
         os.makedirs(WORKSPACE, exist_ok=True)
@@ -72,6 +76,8 @@ class Driver:
             value = getattr(self, "file_" + fn)(*json.loads(args_json))
         except FileNotFoundError as exc:
             return json.dumps({"ok": False, "kind": "missing", "message": str(exc)})
+        except TooLarge as exc:
+            return json.dumps({"ok": False, "kind": "too_large", "message": str(exc)})
         except (OSError, ValueError) as exc:
             return json.dumps({"ok": False, "kind": "refused", "message": str(exc)})
         return json.dumps({"ok": True, "value": value})
@@ -88,7 +94,10 @@ class Driver:
         target = _inside(path)
         size = os.stat(target).st_size
         if size > max_bytes:
-            raise ValueError(f"{path} is {size} bytes, over the {max_bytes} asked for at most")
+            raise TooLarge(
+                f"{path} is {size} bytes, over the {max_bytes} bytes a wasm sandbox's file may "
+                "be moved at"
+            )
         with open(target, "rb") as source:
             return base64.b64encode(source.read(max_bytes + 1)).decode()
 
@@ -236,7 +245,13 @@ def _wheel_of(key: str) -> str | None:
         match = _WHEEL_NAME.match(entry.name)
         if match and _normalized(match["name"]) == key:
             found.append(entry.name)
-    return max(found) if found else None
+    return max(found, key=_version_order) if found else None
+
+
+def _version_order(wheel: str) -> tuple[tuple[int, str], ...]:
+    """A wheel's version as parts that sort as versions do (26.1 after 9.0)."""
+    version = wheel.split("-")[1]
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"[.+]", version))
 
 
 sys.modules["micropip"] = Micropip("micropip")

@@ -8,7 +8,7 @@ socket is treated as the sandbox's word: frames are capped, each message's shape
 outputs kept within the spec's limits (sandbox/kernel/collector.py).
 
 A time limit interrupts the code (Pyodide's interrupt buffer); code that does not come back
-within `INTERRUPT_GRACE_S` (stuck outside the interpreter) costs the worker: a fresh one
+within the spec's `interrupt_grace_s` (stuck outside the interpreter) costs the worker: a fresh one
 replaces it, and the session's variables are lost (said on the execution).
 """
 
@@ -19,7 +19,9 @@ import base64
 import contextlib
 import itertools
 import json
+import logging
 import os
+import resource
 import shutil
 import socket
 import struct
@@ -47,17 +49,19 @@ from code_interpreter_wire.results import (
 )
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Sandbox
-from sandbox.json_depth import nests_deeper_than
-from sandbox.kernel.collector import RESULT_MAX_DEPTH, OutputCollector
+from sandbox.backends.wasm.messages import Pending, file_info, relative_to_workspace
+from sandbox.kernel.collector import OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.kernel.wire import Malformed
 from sandbox.workspace_paths import clean_path
 
+log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 DRIVER = (HERE / "inside_pyodide.py").read_text()
 MAX_FRAME = 64 << 20  # either way; past it from the sandbox, it is ended
 START_S = 60.0  # Pyodide's cold start is 2-5 s; a loaded machine may take much longer
-INTERRUPT_GRACE_S = 3.0
+DENO_RESERVE_MB = 2048  # writable memory Deno and Pyodide reserve of their own (1.3 GiB fresh)
+MAX_FILE = 32 << 20  # a file moved in or out, whole in one message (its base64, in memory)
 CALL_S = 30.0
 
 
@@ -85,9 +89,11 @@ class WasmSandbox(Sandbox):
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self._running = asyncio.Lock()
+        self._run_id: int | None = None  # the run outstanding (an interrupt is for it alone)
+        self._stopping: set[asyncio.Task[None]] = set()
         self._closed = False
         self._lost: str | None = None
 
@@ -95,12 +101,14 @@ class WasmSandbox(Sandbox):
 
     async def start(self) -> None:
         """Start Deno and its worker and wait until Pyodide answers (or SandboxStartError)."""
+        if self._closed:
+            raise SandboxClosed("the sandbox was closed")
         path = self._root / "s"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(path))
-        listener.listen(1)
-        listener.setblocking(False)
         try:
+            listener.bind(str(path))
+            listener.listen(1)
+            listener.setblocking(False)
             self._process = await asyncio.create_subprocess_exec(
                 *self._command(path),
                 stdin=asyncio.subprocess.DEVNULL,
@@ -112,6 +120,7 @@ class WasmSandbox(Sandbox):
             )
             assert self._process.stdout is not None
             self._tail = StdioTail(self._process.stdout)
+            self._hold_to_memory(self._process.pid)
             conn = await self._accept(listener)
             reader, self._writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 16)
             self._reader_task = asyncio.ensure_future(self._read(reader))
@@ -124,6 +133,15 @@ class WasmSandbox(Sandbox):
             raise SandboxStartError(reason) from None
         finally:
             listener.close()
+
+    def _hold_to_memory(self, pid: int) -> None:
+        """The process's writable memory, whatever allocates it (the interpreter's, Deno's own,
+        buffers made through `js`): at most the session's memory and what Deno itself reserves
+        (`DENO_RESERVE_MB`); past it, an allocation fails (or Deno ends, and the next execution
+        says so). Set before the sandbox's code can run: it runs only once the worker is told
+        to start."""
+        limit = (self.spec.limits.memory_mb + DENO_RESERVE_MB) << 20
+        resource.prlimit(pid, resource.RLIMIT_DATA, (limit, limit))
 
     async def _accept(self, listener: socket.socket) -> socket.socket:
         """The process's connection, or SandboxError as soon as it ends without one."""
@@ -143,7 +161,10 @@ class WasmSandbox(Sandbox):
         return conn
 
     def _command(self, path: Path) -> list[str]:
-        readable = ",".join(str(p) for p in (self._pyodide, HERE, path, self._wheels) if p)
+        paths = [str(p) for p in (self._pyodide, HERE, path, self._wheels) if p]
+        if any("," in p for p in paths):
+            raise SandboxError(f"Deno's permissions cannot name a path with a comma: {paths}")
+        readable = ",".join(paths)
         heap_mb = self._heap_mb()
         return [
             self._deno,
@@ -153,6 +174,7 @@ class WasmSandbox(Sandbox):
             "--no-lock",
             "--no-remote",
             "--no-npm",
+            "--no-code-cache",
             "--unstable-worker-options",
             f"--allow-read={readable}",
             f"--allow-write={path}",
@@ -167,13 +189,32 @@ class WasmSandbox(Sandbox):
     def _process_env(self) -> dict[str, str]:
         """Deno's own environment: nothing of the service's (the sandbox cannot read it anyway:
         no env permission), and its caches in the sandbox's directory."""
-        return {"DENO_DIR": str(self._root / "deno"), "NO_COLOR": "1", "HOME": str(self._root)}
+        return {"DENO_DIR": str(self._no_dir()), "NO_COLOR": "1", "HOME": str(self._root)}
+
+    def _no_dir(self) -> Path:
+        """Where Deno keeps its caches, which its permissions do not cover (the sandbox could
+        fill them by importing modules, or through the Cache API): a path under a plain file,
+        which no directory can be made at, so nothing is written."""
+        blocker = self._root / "no-cache"
+        blocker.touch(mode=0o400, exist_ok=True)
+        return blocker / "deno"
 
     async def _start_worker(self) -> None:
-        self._ready = asyncio.get_running_loop().create_future()
+        """A fresh worker (host.mjs ends the one before), answering within START_S."""
+        self._ready = ready = asyncio.get_running_loop().create_future()
         await self._send(self._init_message())
-        async with asyncio.timeout(START_S):
-            await self._ready
+        if self._lost is not None:
+            self._fail_ready(SandboxError(self._lost))
+        try:
+            async with asyncio.timeout(START_S):
+                await asyncio.shield(ready)
+        except TimeoutError:
+            raise SandboxError(f"the wasm worker did not start within {START_S:g} s") from None
+
+    def _fail_ready(self, error: SandboxError) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(error)
+            self._ready.exception()  # read: a start that gave up leaves no warning
 
     def _init_message(self) -> dict[str, Any]:
         """A fresh worker: the driver, and the memory its interpreter may grow to (the spec's
@@ -196,6 +237,7 @@ class WasmSandbox(Sandbox):
             return
         self._closed = True
         self._fail_all(SandboxClosed("the sandbox was closed"))
+        self._fail_ready(SandboxClosed("the sandbox was closed"))
         if self._writer is not None:
             self._writer.close()
         process = self._process
@@ -224,8 +266,11 @@ class WasmSandbox(Sandbox):
         body = json.dumps(message).encode()
         if len(body) > MAX_FRAME:
             raise SandboxError(f"a message of {len(body)} bytes is over the sandbox's frame cap")
-        self._writer.write(struct.pack(">I", len(body)) + body)
-        await self._writer.drain()
+        try:
+            self._writer.write(struct.pack(">I", len(body)) + body)
+            await self._writer.drain()
+        except OSError as exc:
+            raise SandboxError(f"the wasm sandbox's connection failed: {exc}") from None
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         """Take frames until the process ends; a frame over the cap or not JSON ends it."""
@@ -236,15 +281,18 @@ class WasmSandbox(Sandbox):
                 if size > MAX_FRAME:
                     why = f"the wasm sandbox sent a frame of {size} bytes, over the cap"
                     break
-                message = json.loads(await reader.readexactly(size))
-                await self._take(message)
+                frame = await reader.readexactly(size)
+                try:
+                    await self._take(json.loads(frame))
+                except (ValueError, RecursionError, Malformed) as exc:
+                    why = f"the wasm sandbox sent something unreadable: {exc}"
+                    break
+                except Exception:  # a caller's event sink that failed, say: this frame only
+                    log.exception("wasm sandbox %s: a message could not be handled", self.id)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
-        except (ValueError, RecursionError, Malformed) as exc:
-            why = f"the wasm sandbox sent something unreadable: {exc}"
         self._lost = why
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(SandboxError(why))
+        self._fail_ready(SandboxError(why))
         self._fail_all(SandboxError(why))
 
     async def _take(self, message: Any) -> None:
@@ -256,7 +304,9 @@ class WasmSandbox(Sandbox):
                 self._ready.set_result(None)
             return
         if kind == "worker_error":
-            self._fail_all(SandboxError(f"the wasm worker failed: {message.get('message')}"))
+            error = SandboxError(f"the wasm worker failed: {str(message.get('message'))[:2000]}")
+            self._fail_ready(error)
+            self._fail_all(error)
             return
         pending = self._pending.get(message.get("id"))  # type: ignore[arg-type]
         if pending is None:
@@ -286,7 +336,9 @@ class WasmSandbox(Sandbox):
     ) -> Execution:
         if language != PYTHON:
             raise LanguageUnavailable(f"the wasm backend runs Python only (asked: {language})")
-        where = "/".join(clean_path(_relative(cwd or self.spec.workdir), allow_root=True))
+        where = "/".join(
+            clean_path(relative_to_workspace(cwd or self.spec.workdir), allow_root=True)
+        )
         async with self._running:
             return await self._execute(code, timeout_s, env, where, on_event)
 
@@ -302,9 +354,10 @@ class WasmSandbox(Sandbox):
             raise SandboxClosed("the sandbox was closed")
         limit = timeout_s if timeout_s is not None else self.spec.default_timeout_s
         collector = OutputCollector(self.spec.output_limit_chars, on_event)
-        pending = _Pending(collector)
+        pending = Pending(collector)
         run_id = next(self._ids)
         self._pending[run_id] = pending
+        self._run_id = run_id
         started, clock = datetime.now(UTC), time.monotonic()
         status, state_lost, notice = ExecutionStatus.OK, False, None
         try:
@@ -316,15 +369,17 @@ class WasmSandbox(Sandbox):
                     outcome = await asyncio.shield(pending.done)
             except TimeoutError:
                 status = ExecutionStatus.TIMEOUT
-                outcome, state_lost = await self._interrupt(pending)
+                outcome, state_lost = await self._interrupt(run_id, pending)
                 await collector.emit_error(
                     ExecutionError(
                         name="TimeoutError",
                         value=f"the code ran past its time limit of {limit:g} s and was stopped",
                     )
                 )
-        except asyncio.CancelledError:
-            await self._interrupt(pending)
+        except asyncio.CancelledError:  # the caller left: its code is stopped, in the background
+            stopping = asyncio.ensure_future(self._stop_left(run_id, pending))
+            self._stopping.add(stopping)
+            stopping.add_done_callback(self._stopping.discard)
             raise
         except SandboxError as exc:
             if self._closed:
@@ -335,6 +390,7 @@ class WasmSandbox(Sandbox):
             outcome = {}
         finally:
             self._pending.pop(run_id, None)
+            self._run_id = None
         if status is ExecutionStatus.OK and outcome.get("status") == "interrupted":
             status = ExecutionStatus.CANCELLED  # interrupted on request (`interrupt`)
         elif status is ExecutionStatus.OK and outcome.get("status") != "ok":
@@ -351,54 +407,79 @@ class WasmSandbox(Sandbox):
             notice=notice,
         )
 
-    async def _interrupt(self, pending: _Pending) -> tuple[dict[str, Any], bool]:
+    async def _interrupt(self, run_id: int, pending: Pending) -> tuple[dict[str, Any], bool]:
         """Interrupt the running code; (its outcome, whether the worker had to be replaced)."""
         with contextlib.suppress(SandboxError):
-            await self._send({"op": "interrupt"})
+            await self._send({"op": "interrupt", "id": run_id})
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(INTERRUPT_GRACE_S):
+                async with asyncio.timeout(self.spec.interrupt_grace_s):
                     return await asyncio.shield(pending.done), False
         await self._recover()
         return {}, True
 
+    async def _stop_left(self, run_id: int, pending: Pending) -> None:
+        """A run whose caller left: interrupted (the worker replaced if need be), holding the
+        sandbox meanwhile so nothing else starts on a worker being replaced."""
+        async with self._running:
+            with contextlib.suppress(SandboxError):
+                await self._interrupt(run_id, pending)
+
     async def _recover(self) -> None:
-        """A fresh worker (the process too, if it ended): the session's variables are gone,
-        its files with them (they live in the interpreter's memory)."""
+        """A fresh worker (the process too, if it ended or the worker will not start): the
+        session's variables are gone, its files with them (they live in the interpreter's
+        memory). SandboxError if not even a fresh process starts."""
         if self._closed:
             return
         if self._lost is None:
-            await self._send(self._init_message())  # host.mjs replaces the worker
-            self._ready = asyncio.get_running_loop().create_future()
-            async with asyncio.timeout(START_S):
-                await self._ready
-            return
-        await self._restart_process()
+            try:
+                await self._start_worker()  # host.mjs replaces the worker
+                return
+            except SandboxError:
+                if self._closed:
+                    return
+        try:
+            await self._restart_process()
+        except SandboxStartError as exc:
+            raise SandboxError(str(exc)) from None
 
     async def _restart_process(self) -> None:
-        old = self._process
+        old, writer = self._process, self._writer
+        self._fail_all(SandboxError("the wasm sandbox's process was replaced"))
+        if writer is not None:
+            writer.close()
         if old is not None and old.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(old.pid, 9)
             await old.wait()
         if self._reader_task is not None:
             self._reader_task.cancel()
+        if self._closed:
+            raise SandboxClosed("the sandbox was closed")
         self._lost = None
         (self._root / "s").unlink(missing_ok=True)
         await self.start()
 
     async def interrupt(self) -> bool:
-        if not self._running.locked():
+        run_id = self._run_id
+        if run_id is None:
             return False
         with contextlib.suppress(SandboxError):
-            await self._send({"op": "interrupt"})
+            await self._send({"op": "interrupt", "id": run_id})
         return True
 
     async def restart(self, language: str | None = None) -> None:
+        """A fresh interpreter and process: the session's variables go, and its files with them
+        (they live in the interpreter's memory)."""
         if language not in (None, PYTHON):
             raise LanguageUnavailable(f"the wasm backend runs Python only (asked: {language})")
         async with self._running:
+            if self._closed:
+                raise SandboxClosed("the sandbox was closed")
             self._lost = self._lost or "restarted"
-            await self._restart_process()
+            try:
+                await self._restart_process()
+            except SandboxStartError as exc:
+                raise SandboxError(str(exc)) from None
 
     async def set_env(self, env: dict[str, str]) -> None:
         self._env.update(env)
@@ -407,15 +488,19 @@ class WasmSandbox(Sandbox):
 
     async def _call(self, fn: str, *args: Any) -> Any:
         call_id = next(self._ids)
-        pending = _Pending(None)
+        pending = Pending(None)
         self._pending[call_id] = pending
         try:
             await self._send({"op": "call", "id": call_id, "fn": fn, "args": list(args)})
             async with asyncio.timeout(CALL_S):
                 answer = await asyncio.shield(pending.done)
         except TimeoutError:
+            async with self._running:  # its worker is stuck (or gone): a fresh one
+                with contextlib.suppress(SandboxError):
+                    await self._recover()
             raise SandboxError(
-                f"the wasm sandbox did not answer a file call in {CALL_S:g} s"
+                f"the wasm sandbox did not answer a file call in {CALL_S:g} s: a fresh "
+                "interpreter replaced it (the session's variables and files are gone)"
             ) from None
         finally:
             self._pending.pop(call_id, None)
@@ -426,102 +511,39 @@ class WasmSandbox(Sandbox):
         text = str(answer.get("message", ""))[:1000]
         if answer.get("kind") == "missing":
             raise FileMissing(text)
+        if answer.get("kind") == "too_large":
+            raise FileTooLarge(text)
         raise InvalidPath(text)
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
         relative = "/".join(clean_path(path))
-        limit = self.spec.limits.workspace_size_mb << 20
+        limit = min(self.spec.limits.workspace_size_mb << 20, MAX_FILE)
         if len(data) > limit:
-            raise FileTooLarge(f"{len(data)} bytes is over the workspace's {limit} bytes")
-        return _file_info(await self._call("write", relative, base64.b64encode(data).decode()))
+            raise FileTooLarge(
+                f"{len(data)} bytes is over the {limit} bytes a file of a wasm sandbox may hold "
+                "(its workspace's size, and what one message carries)"
+            )
+        return file_info(await self._call("write", relative, base64.b64encode(data).decode()))
 
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
         relative = "/".join(clean_path(path))
-        encoded = await self._call("read", relative, max_bytes)
+        encoded = await self._call("read", relative, min(max_bytes, MAX_FILE))
         if not isinstance(encoded, str):
             raise SandboxError("the wasm sandbox answered a read with something else")
-        return base64.b64decode(encoded)
+        try:
+            data = base64.b64decode(encoded, validate=True)
+        except ValueError:
+            raise SandboxError("the wasm sandbox answered a read with bad base64") from None
+        if len(data) > max_bytes:
+            raise FileTooLarge(f"{path} is over the {max_bytes} bytes asked for at most")
+        return data
 
     async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
         relative = "/".join(clean_path(path, allow_root=True))
         found = await self._call("list", relative, recursive)
         if not isinstance(found, list):
             raise SandboxError("the wasm sandbox answered a listing with something else")
-        return [_file_info(entry) for entry in found[:100_000]]
+        return [file_info(entry) for entry in found[:100_000]]
 
     async def remove_file(self, path: str) -> None:
         await self._call("remove", "/".join(clean_path(path)))
-
-
-class _Pending:
-    """What one run or call waits for: its outputs (a run's) and its end."""
-
-    def __init__(self, collector: OutputCollector | None) -> None:
-        self.collector = collector
-        self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-
-    async def take(self, kind: str, body: str) -> None:
-        """One message of the sandbox's for this run or call. One that cannot be read (not
-        JSON, nested too deep, the wrong shape) is dropped and counted on a run, and fails a
-        call."""
-        if self.done.done():
-            return
-        try:
-            await self._take(kind, body)
-        except (ValueError, Malformed) as exc:
-            if self.collector is not None:  # the run's own end comes from the driver
-                self.collector.malformed_messages += 1
-            else:
-                self.fail(SandboxError(f"the wasm sandbox sent an unreadable {kind}: {exc}"))
-
-    async def _take(self, kind: str, body: str) -> None:
-        if kind in ("done", "reply", "failed"):
-            answer = _parsed(body)
-            if kind == "failed":
-                self.done.set_exception(SandboxError(f"the wasm worker: {answer.get('message')}"))
-            else:
-                self.done.set_result(answer)
-        elif self.collector is not None and kind in (
-            "stream",
-            "error",
-            "execute_result",
-            "display_data",
-        ):
-            await self.collector.handle_content(_parsed(body), kind)
-
-    def fail(self, error: SandboxError) -> None:
-        if not self.done.done():
-            self.done.set_exception(error)
-            self.done.exception()  # read: a run that gave up on it leaves no warning
-
-
-def _parsed(body: str) -> dict[str, Any]:
-    """A message's JSON object, its depth measured before it is parsed (Python's parser
-    raises RecursionError, not ValueError, on one nested some thousands deep)."""
-    raw = body.encode()
-    if nests_deeper_than(raw, RESULT_MAX_DEPTH):
-        raise Malformed(f"a message nested deeper than {RESULT_MAX_DEPTH} levels")
-    parsed = json.loads(raw)
-    if not isinstance(parsed, dict):
-        raise Malformed("a message that is not an object")
-    return parsed
-
-
-def _relative(path: str) -> str:
-    """A working directory as the sandbox's code names it (under /workspace or /home/user, or
-    relative to the workspace), relative to the workspace."""
-    for root in ("/workspace", "/home/user"):
-        if path == root or path.startswith(root + "/"):
-            return path[len(root) :].lstrip("/")
-    return path
-
-
-def _file_info(entry: Any) -> FileInfo:
-    if not isinstance(entry, dict):
-        raise SandboxError("the wasm sandbox described a file with something else")
-    return FileInfo(
-        path=str(entry.get("path", "")),
-        type=entry.get("type", "other"),
-        size=int(entry.get("size", 0)),
-        modified_at=datetime.fromtimestamp(float(entry.get("modified_at", 0)), UTC),
-    )

@@ -4,10 +4,11 @@
 
 let pyodide = null;
 let driver = null;
-let current = null; // the id of the message being handled: outputs are tagged with it
+let interrupt = null;
+let streaming = null; // the id of the run whose output the interpreter's streams carry now
 
-function post(type, body) {
-  self.postMessage({ type, id: current, body });
+function post(type, id, body) {
+  self.postMessage({ type, id, body });
 }
 
 function writer(name) {
@@ -15,20 +16,22 @@ function writer(name) {
   return {
     write(bytes) {
       const text = decoder.decode(bytes, { stream: true });
-      if (text) post("stream", JSON.stringify({ name, text }));
+      if (text && streaming !== null) post("stream", streaming, JSON.stringify({ name, text }));
       return bytes.length;
     },
   };
 }
 
 // The session's memory limit, on the interpreter's Wasm memory: every growth past it fails
-// (Emscripten's allocator then answers NULL, and Python raises MemoryError). The original
-// `grow` is kept in this module alone, out of the session's reach.
+// (Emscripten's allocator then answers NULL, and Python raises MemoryError). The originals are
+// kept in this module alone, out of the session's reach. The process's own limit (set by the
+// service) is what holds whatever else the code allocates.
 function capMemory(maxBytes) {
   const grow = WebAssembly.Memory.prototype.grow;
+  const size = Object.getOwnPropertyDescriptor(WebAssembly.Memory.prototype, "buffer").get;
   const pages = Math.floor(maxBytes / 65536);
   WebAssembly.Memory.prototype.grow = function (delta) {
-    if (this.buffer.byteLength / 65536 + Number(delta) > pages) {
+    if (size.call(this).byteLength / 65536 + Number(delta) > pages) {
       throw new RangeError("over the sandbox's memory limit");
     }
     return grow.call(this, delta);
@@ -37,6 +40,9 @@ function capMemory(maxBytes) {
 
 async function init(message) {
   capMemory(message.memoryBytes);
+  // No threads of the session's own: a worker it started would run on past its executions.
+  for (const name of ["Worker", "SharedWorker"]) delete globalThis[name];
+  interrupt = message.interrupt;
   const { loadPyodide } = await import(new URL("pyodide.mjs", "file://" + message.indexURL + "/").href);
   pyodide = await loadPyodide({
     indexURL: message.indexURL + "/",
@@ -44,29 +50,38 @@ async function init(message) {
   });
   pyodide.setStdout(writer("stdout"));
   pyodide.setStderr(writer("stderr"));
-  pyodide.setInterruptBuffer(message.interrupt);
+  pyodide.setInterruptBuffer(interrupt);
+  interrupt[0] = 0;
   pyodide.runPython(message.driver);
   driver = pyodide.globals.get("_cir_driver");
-  post("ready", "{}");
 }
 
 self.onmessage = async (event) => {
   const message = event.data;
+  const id = typeof message.id === "number" ? message.id : null;
   try {
     if (message.op === "init") {
-      await init(message);
+      try {
+        await init(message);
+      } catch (error) {
+        post("init_failed", null, String(error?.message ?? error).slice(-2000));
+        return;
+      }
+      post("ready", null, "{}");
     } else if (message.op === "run") {
-      current = message.id;
-      const outcome = await driver.run(message.code, JSON.stringify(message.env ?? {}),
-        String(message.cwd ?? ""), (kind, content) => post(kind, content));
-      post("done", outcome);
+      streaming = id;
+      try {
+        const outcome = await driver.run(message.code, JSON.stringify(message.env ?? {}),
+          String(message.cwd ?? ""), (kind, content) => post(kind, id, content));
+        post("done", id, outcome);
+      } finally {
+        if (streaming === id) streaming = null;
+        interrupt[0] = 0;
+      }
     } else if (message.op === "call") {
-      current = message.id;
-      post("reply", driver.call(message.fn, JSON.stringify(message.args ?? [])));
+      post("reply", id, driver.call(message.fn, JSON.stringify(message.args ?? [])));
     }
   } catch (error) {
-    post("failed", JSON.stringify({ message: String(error?.message ?? error).slice(-4000) }));
-  } finally {
-    current = null;
+    post("failed", id, JSON.stringify({ message: String(error?.message ?? error).slice(-4000) }));
   }
 };

@@ -42,3 +42,26 @@ def test_the_installed_release_is_whole() -> None:
     """What `make install` fetched (the wasm tests run on it)."""
     directory = distribution.configured_dir()
     assert distribution.check(directory) == directory
+
+
+def test_an_existing_directory_it_did_not_make_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pointed at an operator's own directory, the installer refuses before touching it."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    tarball = _tarball({f"package/{name}": b"x" for name in distribution.FILES})
+    monkeypatch.setattr(distribution, "INTEGRITY", _integrity_of(tarball))  # this one's
+    with pytest.raises(ValueError, match="no Pyodide this installer made"):
+        distribution.unpack(tarball, mine)
+    made = distribution.unpack(tarball, tmp_path / "fresh")  # and one it made, it replaces
+    assert distribution.unpack(tarball, made) == made
+    assert (mine / "notes.txt").read_text() == "keep"
+
+
+def _integrity_of(tarball: bytes) -> str:
+    import base64
+    import hashlib
+
+    return "sha512-" + base64.b64encode(hashlib.sha512(tarball).digest()).decode()

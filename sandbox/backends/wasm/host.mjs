@@ -23,6 +23,7 @@ const decoder = new TextDecoder();
 const outstanding = new Set(); // ids of the runs and calls sent to the worker, not ended yet
 let running = null; // the id of the run outstanding, if any: an interrupt is for it alone
 let initializing = false;
+let generation = 0; // of the worker, as the service numbers them: echoed on its start
 let writing = Promise.resolve();
 
 function send(message) {
@@ -48,12 +49,12 @@ function fromWorker(event) {
   }
   if (data.type === "ready" && initializing) {
     initializing = false;
-    send({ type: "ready", id: null, body: "{}" });
+    send({ type: "ready", id: null, body: "{}", generation });
     return;
   }
   if (data.type === "init_failed" && initializing) {
     initializing = false;
-    send({ type: "worker_error", message: data.body.slice(0, 2000) });
+    send({ type: "worker_error", message: data.body.slice(0, 2000), generation });
     return;
   }
   const id = data.id;
@@ -65,19 +66,20 @@ function fromWorker(event) {
       interrupt[0] = 0;
     }
   } else if (data.body.length > MAX_OUTPUT) {
-    send({ type: "oversize", id, size: data.body.length });
+    send({ type: "oversize", id, size: data.body.length, output: true });
     return;
   }
   send({ type: data.type, id, body: data.body });
 }
 
 let worker = null;
-function startWorker(driver, memoryBytes) {
+function startWorker(driver, memoryBytes, number) {
   if (worker !== null) worker.terminate(); // a fresh interpreter: the old one's state goes
   outstanding.clear();
   running = null;
   initializing = true;
-  worker = new Worker(new URL("./worker.mjs", import.meta.url), {
+  generation = number ?? generation + 1;
+  const started = new Worker(new URL("./worker.mjs", import.meta.url), {
     type: "module",
     deno: {
       permissions: {
@@ -86,13 +88,16 @@ function startWorker(driver, memoryBytes) {
       },
     },
   });
-  worker.onmessage = fromWorker;
-  worker.onerror = (event) => {
+  worker = started;
+  // A worker replaced since is not heard: what it still sends is of no run or call now.
+  started.onmessage = (event) => { if (started === worker) fromWorker(event); };
+  started.onerror = (event) => {
     event.preventDefault();
-    send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000) });
+    if (started !== worker) return;
+    send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000), generation });
   };
   interrupt[0] = 0;
-  worker.postMessage({ op: "init", indexURL, wheelsDir, interrupt, driver, memoryBytes });
+  started.postMessage({ op: "init", indexURL, wheelsDir, interrupt, driver, memoryBytes });
 }
 
 async function readExactly(n) {
@@ -115,7 +120,7 @@ while (true) {
   if (body === null) break;
   const message = JSON.parse(decoder.decode(body));
   if (message.op === "init") {
-    startWorker(message.driver, message.memoryBytes);
+    startWorker(message.driver, message.memoryBytes, message.generation);
   } else if (message.op === "interrupt") {
     if (running !== null && message.id === running) interrupt[0] = 2; // KeyboardInterrupt next
   } else if (worker !== null && (message.op === "run" || message.op === "call")) {

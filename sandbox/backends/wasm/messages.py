@@ -56,6 +56,14 @@ class Pending:
         ):
             await self.collector.handle_content(await _parsed_off_loop(body), kind)
 
+    def oversize(self, size: object, output: bool) -> None:
+        """host.mjs would not carry a message this large: an output is left out (counted), an
+        end or a call's answer fails it."""
+        if output and self.collector is not None:
+            self.collector.malformed_messages += 1
+        else:
+            self.fail(SandboxError(f"the wasm sandbox's answer of {size} bytes is too large"))
+
     def fail(self, error: SandboxError) -> None:
         if not self.done.done():
             self.done.set_exception(error)

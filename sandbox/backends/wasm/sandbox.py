@@ -49,7 +49,12 @@ from code_interpreter_wire.results import (
 )
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Sandbox
-from sandbox.backends.wasm.messages import Pending, file_info, relative_to_workspace
+from sandbox.backends.wasm.messages import (
+    OFF_LOOP_BYTES,
+    Pending,
+    file_info,
+    relative_to_workspace,
+)
 from sandbox.kernel.collector import OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.kernel.wire import Malformed
@@ -94,6 +99,8 @@ class WasmSandbox(Sandbox):
         self._running = asyncio.Lock()
         self._run_id: int | None = None  # the run outstanding (an interrupt is for it alone)
         self._stopping: set[asyncio.Task[None]] = set()
+        self._handed = False  # the running lock passed to a left run's stopping
+        self._generation = 0  # of the worker: each start a new one
         self._closed = False
         self._lost: str | None = None
 
@@ -125,6 +132,8 @@ class WasmSandbox(Sandbox):
             reader, self._writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 16)
             self._reader_task = asyncio.ensure_future(self._read(reader))
             await self._start_worker()
+            if self._closed:
+                raise SandboxClosed("the sandbox was closed while it started")
         except BaseException as exc:
             reason = await self._startup_failure(exc)
             await self.close()
@@ -141,6 +150,9 @@ class WasmSandbox(Sandbox):
         says so). Set before the sandbox's code can run: it runs only once the worker is told
         to start."""
         limit = (self.spec.limits.memory_mb + DENO_RESERVE_MB) << 20
+        hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
         resource.prlimit(pid, resource.RLIMIT_DATA, (limit, limit))
 
     async def _accept(self, listener: socket.socket) -> socket.socket:
@@ -200,7 +212,10 @@ class WasmSandbox(Sandbox):
         return blocker / "deno"
 
     async def _start_worker(self) -> None:
-        """A fresh worker (host.mjs ends the one before), answering within START_S."""
+        """A fresh worker (host.mjs ends the one before, and what was asked of it), answering
+        within START_S."""
+        self._generation += 1
+        self._fail_calls(SandboxError("the wasm worker was replaced while it was asked"))
         self._ready = ready = asyncio.get_running_loop().create_future()
         await self._send(self._init_message())
         if self._lost is not None:
@@ -220,7 +235,12 @@ class WasmSandbox(Sandbox):
         """A fresh worker: the driver, and the memory its interpreter may grow to (the spec's
         memory less what Deno's own heap may take)."""
         memory = (self.spec.limits.memory_mb - self._heap_mb()) << 20
-        return {"op": "init", "driver": DRIVER, "memoryBytes": max(memory, 48 << 20)}
+        return {
+            "op": "init",
+            "driver": DRIVER,
+            "memoryBytes": max(memory, 48 << 20),
+            "generation": self._generation,
+        }
 
     def _heap_mb(self) -> int:
         return max(64, self.spec.limits.memory_mb // 4)
@@ -283,7 +303,11 @@ class WasmSandbox(Sandbox):
                     break
                 frame = await reader.readexactly(size)
                 try:
-                    await self._take(json.loads(frame))
+                    if size > OFF_LOOP_BYTES:
+                        message = await asyncio.to_thread(json.loads, frame)
+                    else:
+                        message = json.loads(frame)
+                    await self._take(message)
                 except (ValueError, RecursionError, Malformed) as exc:
                     why = f"the wasm sandbox sent something unreadable: {exc}"
                     break
@@ -299,6 +323,8 @@ class WasmSandbox(Sandbox):
         if not isinstance(message, dict):
             raise Malformed("a frame that is not an object")
         kind, body = message.get("type"), message.get("body")
+        if message.get("generation") not in (None, self._generation):
+            return  # of a worker replaced since
         if kind == "ready":
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
@@ -312,8 +338,7 @@ class WasmSandbox(Sandbox):
         if pending is None:
             return  # late (after a time limit), or not ours: dropped
         if kind == "oversize":  # host.mjs would not carry it
-            size = message.get("size")
-            pending.fail(SandboxError(f"the sandbox's answer ({size} bytes) is over {MAX_FRAME}"))
+            pending.oversize(message.get("size"), bool(message.get("output")))
             return
         if isinstance(body, str):
             await pending.take(str(kind), body)
@@ -321,6 +346,11 @@ class WasmSandbox(Sandbox):
     def _fail_all(self, error: SandboxError) -> None:
         for pending in list(self._pending.values()):
             pending.fail(error)
+
+    def _fail_calls(self, error: SandboxError) -> None:
+        for pending in list(self._pending.values()):
+            if pending.collector is None:
+                pending.fail(error)
 
     # --- code -------------------------------------------------------------------------------
 
@@ -339,8 +369,14 @@ class WasmSandbox(Sandbox):
         where = "/".join(
             clean_path(relative_to_workspace(cwd or self.spec.workdir), allow_root=True)
         )
-        async with self._running:
+        await self._running.acquire()
+        try:
             return await self._execute(code, timeout_s, env, where, on_event)
+        finally:
+            if self._handed:  # released by the left run's stopping, once it is stopped
+                self._handed = False
+            else:
+                self._running.release()
 
     async def _execute(
         self,
@@ -377,6 +413,7 @@ class WasmSandbox(Sandbox):
                     )
                 )
         except asyncio.CancelledError:  # the caller left: its code is stopped, in the background
+            self._handed = True  # with the sandbox's lock and the run's id, until it is stopped
             stopping = asyncio.ensure_future(self._stop_left(run_id, pending))
             self._stopping.add(stopping)
             stopping.add_done_callback(self._stopping.discard)
@@ -389,8 +426,9 @@ class WasmSandbox(Sandbox):
             await self._recover()
             outcome = {}
         finally:
-            self._pending.pop(run_id, None)
-            self._run_id = None
+            if not self._handed:
+                self._pending.pop(run_id, None)
+                self._run_id = None
         if status is ExecutionStatus.OK and outcome.get("status") == "interrupted":
             status = ExecutionStatus.CANCELLED  # interrupted on request (`interrupt`)
         elif status is ExecutionStatus.OK and outcome.get("status") != "ok":
@@ -418,11 +456,15 @@ class WasmSandbox(Sandbox):
         return {}, True
 
     async def _stop_left(self, run_id: int, pending: Pending) -> None:
-        """A run whose caller left: interrupted (the worker replaced if need be), holding the
-        sandbox meanwhile so nothing else starts on a worker being replaced."""
-        async with self._running:
+        """A run whose caller left: interrupted (the worker replaced only if it does not
+        stop), with the sandbox's lock its caller held, so nothing else runs meanwhile."""
+        try:
             with contextlib.suppress(SandboxError):
                 await self._interrupt(run_id, pending)
+        finally:
+            self._pending.pop(run_id, None)
+            self._run_id = None
+            self._running.release()
 
     async def _recover(self) -> None:
         """A fresh worker (the process too, if it ended or the worker will not start): the
@@ -457,7 +499,9 @@ class WasmSandbox(Sandbox):
             raise SandboxClosed("the sandbox was closed")
         self._lost = None
         (self._root / "s").unlink(missing_ok=True)
-        await self.start()
+        # Not undone by a caller that leaves meanwhile: a half-started process would close
+        # the whole sandbox.
+        await asyncio.shield(asyncio.ensure_future(self.start()))
 
     async def interrupt(self) -> bool:
         run_id = self._run_id
@@ -487,21 +531,21 @@ class WasmSandbox(Sandbox):
     # --- files ------------------------------------------------------------------------------
 
     async def _call(self, fn: str, *args: Any) -> Any:
+        ready = self._ready
+        if ready is not None and not ready.done():  # a worker starting: asked once it runs
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(START_S):
+                    await asyncio.wait({ready})
         call_id = next(self._ids)
         pending = Pending(None)
         self._pending[call_id] = pending
+        generation = self._generation
         try:
             await self._send({"op": "call", "id": call_id, "fn": fn, "args": list(args)})
             async with asyncio.timeout(CALL_S):
                 answer = await asyncio.shield(pending.done)
         except TimeoutError:
-            async with self._running:  # its worker is stuck (or gone): a fresh one
-                with contextlib.suppress(SandboxError):
-                    await self._recover()
-            raise SandboxError(
-                f"the wasm sandbox did not answer a file call in {CALL_S:g} s: a fresh "
-                "interpreter replaced it (the session's variables and files are gone)"
-            ) from None
+            answer = await self._late_answer(pending, generation)
         finally:
             self._pending.pop(call_id, None)
         if not isinstance(answer, dict):
@@ -514,6 +558,20 @@ class WasmSandbox(Sandbox):
         if answer.get("kind") == "too_large":
             raise FileTooLarge(text)
         raise InvalidPath(text)
+
+    async def _late_answer(self, pending: Pending, generation: int) -> Any:
+        """A call not answered in time: behind a long cell (its answer may come once the cell
+        ends), or to a worker that is stuck or gone, which is then replaced."""
+        async with self._running:
+            if pending.done.done():
+                return pending.done.result()
+            if generation == self._generation:
+                with contextlib.suppress(SandboxError):
+                    await self._recover()
+        raise SandboxError(
+            f"the wasm sandbox did not answer a file call in {CALL_S:g} s: a fresh interpreter "
+            "replaced it (the session's variables and files are gone)"
+        )
 
     async def upload(self, path: str, data: bytes) -> FileInfo:
         relative = "/".join(clean_path(path))

@@ -11,12 +11,19 @@ function post(type, id, body) {
   self.postMessage({ type, id, body });
 }
 
+const STREAM_PIECE = 1024 * 1024; // one write's text goes in pieces of at most this
+
 function writer(name) {
   const decoder = new TextDecoder();
   return {
     write(bytes) {
       const text = decoder.decode(bytes, { stream: true });
-      if (text && streaming !== null) post("stream", streaming, JSON.stringify({ name, text }));
+      if (streaming !== null) {
+        for (let at = 0; at < text.length; at += STREAM_PIECE) {
+          const piece = text.slice(at, at + STREAM_PIECE);
+          post("stream", streaming, JSON.stringify({ name, text: piece }));
+        }
+      }
       return bytes.length;
     },
   };

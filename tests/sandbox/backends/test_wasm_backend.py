@@ -178,6 +178,33 @@ async def test_deno_writes_nothing_to_disk_for_the_sandbox(
     assert written < 1 << 20, sorted(str(p) for p in root.rglob("*"))
 
 
+async def test_a_caller_that_leaves_stops_its_code_and_the_state_stays(
+    backend: WasmBackend,
+) -> None:
+    async with await backend.create(small_spec()) as sandbox:
+        await sandbox.execute("kept = 'here'")
+        started = asyncio.Event()
+
+        async def sink(event: object) -> None:
+            started.set()
+
+        left = asyncio.ensure_future(
+            sandbox.execute("print('go', flush=True)\nwhile True:\n    pass", on_event=sink)
+        )
+        await started.wait()
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        after = await sandbox.execute("kept")  # waits for the stopping, then runs
+        assert after.results[0].text == "'here'", after
+
+
+async def test_one_write_larger_than_a_message_is_cut_not_fatal(sandbox: WasmSandbox) -> None:
+    ran = await sandbox.execute("print('y' * 9_000_000)\n'after'")
+    assert ran.status is ExecutionStatus.OK and not ran.state_lost, ran
+    assert ran.results[0].text == "'after'" and ran.stdout_dropped > 0
+
+
 async def test_output_is_capped(sandbox: WasmSandbox) -> None:
     limit = sandbox.spec.output_limit_chars
     ran = await sandbox.execute(f"print('x' * {limit * 4})")

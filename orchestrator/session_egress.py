@@ -78,12 +78,11 @@ class SessionEgress:
         if channel is None:
             relayed = _relayed(session)
             if relayed is not None:
-                ceiling = self.settings.network_ceiling
                 s = self.settings
                 caps = SharedCaps(
                     session.owner, s.egress_max_connections_per_key, s.egress_max_connections_total
                 )
-                if await relayed.open_egress(ceiling, self._egress, caps):
+                if await relayed.open_egress(s.network_ceiling, self._egress, caps):
                     await self._relay(session, relayed)
             return
         ledger = EgressLedger(session.id, on_record=lambda e: self._recorded(session, e))

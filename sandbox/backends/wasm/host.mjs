@@ -15,12 +15,14 @@ const [socketPath, indexURL, wheelsDir] = Deno.args;
 const MAX_FRAME = 64 * 1024 * 1024;
 const MAX_OUTPUT = 8 * 1024 * 1024; // one output message (a stream's text, a rich result)
 const OUTPUTS = new Set(["stream", "error", "execute_result", "display_data"]);
-const ENDS = new Set(["done", "reply", "failed"]);
+// How each kind of request ends: a run with its `done`, a call with its `reply` (either may
+// fail instead).
+const ENDS = { run: new Set(["done", "failed"]), call: new Set(["reply", "failed"]) };
 const conn = await Deno.connect({ transport: "unix", path: socketPath });
 const interrupt = new Uint8Array(new SharedArrayBuffer(1));
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();
-const outstanding = new Set(); // ids of the runs and calls sent to the worker, not ended yet
+const outstanding = new Map(); // id -> "run" or "call": sent to the worker, not ended yet
 let running = null; // the id of the run outstanding, if any: an interrupt is for it alone
 let initializing = false;
 let generation = 0; // of the worker, as the service numbers them: echoed on its start
@@ -58,8 +60,11 @@ function fromWorker(event) {
     return;
   }
   const id = data.id;
-  if (!outstanding.has(id) || !(OUTPUTS.has(data.type) || ENDS.has(data.type))) return;
-  if (ENDS.has(data.type)) {
+  const asked = outstanding.get(id);
+  if (asked === undefined) return;
+  const ends = ENDS[asked].has(data.type);
+  if (!ends && !(asked === "run" && OUTPUTS.has(data.type))) return;
+  if (ends) {
     outstanding.delete(id);
     if (id === running) {
       running = null;
@@ -124,7 +129,7 @@ while (true) {
   } else if (message.op === "interrupt") {
     if (running !== null && message.id === running) interrupt[0] = 2; // KeyboardInterrupt next
   } else if (worker !== null && (message.op === "run" || message.op === "call")) {
-    outstanding.add(message.id);
+    outstanding.set(message.id, message.op);
     if (message.op === "run") {
       running = message.id;
       interrupt[0] = 0;

@@ -11,6 +11,7 @@ from typing import Any
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.results import FileInfo
+from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX
 from sandbox.json_depth import nests_deeper_than
 from sandbox.kernel.collector import RESULT_MAX_DEPTH, OutputCollector
 from sandbox.kernel.wire import Malformed
@@ -42,7 +43,8 @@ class Pending:
                 self.done.set_result({"status": "error"})
 
     async def _take(self, kind: str, body: str) -> None:
-        if kind in ("done", "reply", "failed"):
+        ends = ("done", "failed") if self.collector is not None else ("reply", "failed")
+        if kind in ends:
             answer = await _parsed_off_loop(body)
             if kind == "failed":
                 self.done.set_exception(SandboxError(f"the wasm worker: {answer.get('message')}"))
@@ -85,7 +87,7 @@ def parsed_object(body: str) -> dict[str, Any]:
 def relative_to_workspace(path: str) -> str:
     """A working directory as the sandbox's code names it (under /workspace or /home/user, or
     relative to the workspace), relative to the workspace."""
-    for root in ("/workspace", "/home/user"):
+    for root in (WORKSPACE_IN_SANDBOX, HOME_IN_SANDBOX):
         if path == root or path.startswith(root + "/"):
             return path[len(root) :].lstrip("/")
     return path

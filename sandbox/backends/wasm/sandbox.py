@@ -24,7 +24,6 @@ import os
 import resource
 import shutil
 import socket
-import struct
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,6 +54,7 @@ from sandbox.backends.wasm.messages import (
     file_info,
     relative_to_workspace,
 )
+from sandbox.frames import FrameRefused, read_frame, write_frame
 from sandbox.kernel.collector import OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.kernel.wire import Malformed
@@ -68,6 +68,7 @@ START_S = 60.0  # Pyodide's cold start is 2-5 s; a loaded machine may take much 
 DENO_RESERVE_MB = 2048  # writable memory Deno and Pyodide reserve of their own (1.3 GiB fresh)
 MAX_FILE = 32 << 20  # a file moved in or out, whole in one message (its base64, in memory)
 CALL_S = 30.0
+FRAME_S = 60.0  # a frame begun (up to MAX_FRAME) must arrive whole within this
 
 
 class WasmSandbox(Sandbox):
@@ -97,6 +98,7 @@ class WasmSandbox(Sandbox):
         self._pending: dict[int, Pending] = {}
         self._ids = itertools.count(1)
         self._running = asyncio.Lock()
+        self._writing = asyncio.Lock()  # frames to the process, one whole after another
         self._run_id: int | None = None  # the run outstanding (an interrupt is for it alone)
         self._stopping: set[asyncio.Task[None]] = set()
         self._handed = False  # the running lock passed to a left run's stopping
@@ -287,23 +289,25 @@ class WasmSandbox(Sandbox):
         if len(body) > MAX_FRAME:
             raise SandboxError(f"a message of {len(body)} bytes is over the sandbox's frame cap")
         try:
-            self._writer.write(struct.pack(">I", len(body)) + body)
-            await self._writer.drain()
+            await write_frame(self._writer, self._writing, body)
         except OSError as exc:
             raise SandboxError(f"the wasm sandbox's connection failed: {exc}") from None
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        """Take frames until the process ends; a frame over the cap or not JSON ends it."""
+        """Take frames until the process ends; a frame over the cap, cut short or not JSON
+        ends it."""
         why = "the wasm sandbox's process ended"
         try:
             while True:
-                size = struct.unpack(">I", await reader.readexactly(4))[0]
-                if size > MAX_FRAME:
-                    why = f"the wasm sandbox sent a frame of {size} bytes, over the cap"
-                    break
-                frame = await reader.readexactly(size)
                 try:
-                    if size > OFF_LOOP_BYTES:
+                    frame = await read_frame(reader, max_bytes=MAX_FRAME, timeout_s=FRAME_S)
+                except FrameRefused as exc:
+                    why = f"the wasm sandbox sent {exc}"
+                    break
+                if frame is None:
+                    break
+                try:
+                    if len(frame) > OFF_LOOP_BYTES:
                         message = await asyncio.to_thread(json.loads, frame)
                     else:
                         message = json.loads(frame)
@@ -313,7 +317,7 @@ class WasmSandbox(Sandbox):
                     break
                 except Exception:  # a caller's event sink that failed, say: this frame only
                     log.exception("wasm sandbox %s: a message could not be handled", self.id)
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except ConnectionError:
             pass
         self._lost = why
         self._fail_ready(SandboxError(why))

@@ -10,6 +10,7 @@ plain subprocess, sampled the same way.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -19,6 +20,7 @@ import httpx
 
 from bench import commands, first_chart, raw, workloads
 from bench.interleave import Measure, Sampled, Untimed, interleaved, quiet
+from bench.lean_http import LeanHttp
 from bench.ours import backend
 from bench.served import API_KEY, served
 from sandbox import Backend, Sandbox
@@ -47,10 +49,22 @@ class _Http:
     def __init__(self, api: httpx.AsyncClient, sid: str) -> None:
         self.api, self.sid = api, sid
         self.handed: str | None = None
+        self.lean: LeanHttp | None = None
+        self.lean_execute = self.lean_invoke = b""
 
     async def execute(self) -> None:
         r = await self.api.post(f"/v1/sessions/{self.sid}/execute", json={"code": "1+1"})
         assert r.json()["results"][0]["text"] == "2", r.text
+
+    async def execute_lean(self) -> None:
+        assert self.lean is not None
+        status, body = await self.lean.send(self.lean_execute)
+        assert status == 200 and json.loads(body)["results"][0]["text"] == "2", body
+
+    async def invoke_lean(self) -> None:
+        assert self.lean is not None
+        status, body = await self.lean.send(self.lean_invoke)
+        assert status == 200 and "[result]\n2" in json.loads(body)["output"]["content"], body
 
     async def invoke(self) -> None:
         r = await self.api.post(
@@ -90,7 +104,19 @@ async def _over_http(sessions: int) -> AsyncIterator[_Http]:
         http = _Http(api, "")
         await http.pool_full()
         http.sid = (await api.post("/v1/sessions", json={})).json()["id"]
-        yield http
+        http.lean = await LeanHttp.connect(url)
+        try:
+            http.lean_execute = http.lean.request(
+                f"/v1/sessions/{http.sid}/execute", {"code": "1+1"}, API_KEY
+            )
+            http.lean_invoke = http.lean.request(
+                "/v1/tools/code_interpreter/invoke",
+                {"arguments": {"code": "1+1", "session_id": http.sid}, "call_id": "b"},
+                API_KEY,
+            )
+            yield http
+        finally:
+            await http.lean.close()
 
 
 async def _cold(b: Backend, after: Untimed) -> None:
@@ -157,6 +183,8 @@ async def measure(p: Plan, backends: list[str]) -> dict[str, tuple[Sampled, str]
                 },
                 "service: 1+1 via HTTP execute": Measure(http.execute),
                 "service: 1+1 via HTTP tool invoke": Measure(http.invoke),
+                "service: 1+1 via HTTP execute, a lean client": Measure(http.execute_lean),
+                "service: 1+1 via HTTP tool invoke, a lean client": Measure(http.invoke_lean),
             },
             p.runs,
         )

@@ -5,7 +5,10 @@ Per session, on disk: `<dir>/<session>/<execution id>.json` (the whole Execution
 
 A save is written on a thread of its own after its execution's answer has gone (the answer carries
 its id): a reader of that id, or of one of its images, waits for the write first. At most
-`WRITES_PENDING` are in flight; past that a save waits for its own.
+`WRITES_PENDING` are in flight; past that a save waits for its own. A small one without images
+(most are: `1+1`, a short print) is kept in memory instead, at once, when nothing is being
+written and it evicts nothing, up to `max_memory_bytes` for all: a file and a thread's round trip
+were a tenth of a small call's time over HTTP.
 
 Kept outputs have two quotas: bytes per session and bytes in all. Saving past either evicts the
 oldest executions (that session's first, then anyone's), with the images only they used. The
@@ -44,6 +47,8 @@ IMAGE_TYPES = {"png": "image/png", "jpg": "image/jpeg", "svg": "image/svg+xml"}
 _REMEMBERED_EVICTIONS = 100_000  # ids still answered "evicted" (410) rather than "not found"
 CHUNK_BYTES = 1 << 20
 WRITES_PENDING = 64
+# An execution whose JSON is at most this long, without images, may be kept in memory.
+SMALL_BYTES = 64 << 10
 UNWRITTEN = "it could not be written"
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,7 @@ class _Kept:
 class _SessionOutputs:
     executions: OrderedDict[str, _Kept] = field(default_factory=OrderedDict)  # oldest first
     artifacts: dict[str, list[int]] = field(default_factory=dict)  # file name -> [users, bytes]
+    in_memory: dict[str, bytes] = field(default_factory=dict)  # execution id -> its JSON
     bytes: int = 0
 
 
@@ -105,6 +111,20 @@ class KeptFile(KeptBytes):
 
     async def close(self) -> None:
         self.file.close()
+
+
+class KeptValue(KeptBytes):
+    """Held whole: in memory, or read whole from a store."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.size = len(data)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield self.data
+
+    async def close(self) -> None:
+        self.data = b""
 
 
 @dataclass(frozen=True)
@@ -177,11 +197,18 @@ class OutputStore(KeptOutputs):
     """On this machine's disk (the service's state directory)."""
 
     def __init__(
-        self, root: Path, *, max_bytes_per_session: int = 256 << 20, max_bytes_total: int = 4 << 30
+        self,
+        root: Path,
+        *,
+        max_bytes_per_session: int = 256 << 20,
+        max_bytes_total: int = 4 << 30,
+        max_memory_bytes: int = 16 << 20,
     ) -> None:
         self.root = root
         self.max_bytes_per_session = max_bytes_per_session
         self.max_bytes_total = max_bytes_total
+        self.max_memory_bytes = max_memory_bytes  # of the small ones kept in memory
+        self._memory_bytes = 0
         self._lock = threading.Lock()  # saves run on threads
         self._sessions: dict[str, _SessionOutputs] = {}
         self._order: OrderedDict[tuple[str, str], None] = OrderedDict()  # every save, oldest first
@@ -207,10 +234,15 @@ class OutputStore(KeptOutputs):
             self._evicted.clear()
             self._dropped.clear()
             self._bytes = 0
+            self._memory_bytes = 0
 
     @property
     def bytes_kept(self) -> int:
         return self._bytes
+
+    @property
+    def bytes_in_memory(self) -> int:
+        return self._memory_bytes
 
     def _dir(self, session_id: str) -> Path:
         if not ITEM_ID.match(session_id):
@@ -220,6 +252,10 @@ class OutputStore(KeptOutputs):
     async def save(self, session_id: str, execution: Execution) -> str:
         """Evicting older ones past a quota; the id at once, the write under way."""
         execution_id = f"e-{secrets.token_hex(8)}"
+        if not self._writing and not execution.artifacts and _surely_small(execution):
+            data = execution.__pydantic_serializer__.to_json(execution)
+            if self._keep_in_memory(session_id, execution_id, data):
+                return execution_id
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
         writing = loop.run_in_executor(
@@ -257,6 +293,36 @@ class OutputStore(KeptOutputs):
         if writing is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(writing)
+
+    def _keep_in_memory(self, session_id: str, execution_id: str, data: bytes) -> bool:
+        """Keep a small execution in memory, now, on the caller's thread; False (nothing
+        done) when it must be written instead: too large, over the memory bound, evicting
+        something (files are deleted on the writer's thread), or the lock held by a thread
+        (this runs on the event loop, which never waits for a lock)."""
+        size = len(data)
+        if size > SMALL_BYTES or self._memory_bytes + size > self.max_memory_bytes:
+            return False
+        if not ITEM_ID.match(session_id) or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if session_id in self._dropped:  # it ended while this run was finishing
+                return True
+            kept = self._sessions.get(session_id)
+            held = 0 if kept is None else kept.bytes
+            if held + size > self.max_bytes_per_session:
+                return False
+            if self._bytes + size > self.max_bytes_total:
+                return False
+            kept = self._sessions.setdefault(session_id, _SessionOutputs())
+            kept.executions[execution_id] = _Kept(size, ())
+            kept.in_memory[execution_id] = data
+            self._order[(session_id, execution_id)] = None
+            kept.bytes += size
+            self._bytes += size
+            self._memory_bytes += size
+            return True
+        finally:
+            self._lock.release()
 
     def _save(self, session_id: str, execution_id: str, execution: Execution) -> None:
         d = self._dir(session_id)
@@ -304,6 +370,10 @@ class OutputStore(KeptOutputs):
         del self._order[(session_id, execution_id)]
         d = self.root / session_id
         gone = [str(d / f"{execution_id}.json")]
+        held = kept.in_memory.pop(execution_id, None)
+        if held is not None:
+            self._memory_bytes -= len(held)
+            gone.clear()
         freed = item.json_bytes
         self._remember(session_id, execution_id, "evicted")
         for name in item.artifacts:
@@ -326,12 +396,17 @@ class OutputStore(KeptOutputs):
     def _missing(self, session_id: str, what: str, item_id: str) -> Exception:
         return self.missing(session_id, what, item_id, self._evicted.get((session_id, item_id)))
 
-    async def open_execution(self, session_id: str, execution_id: str) -> KeptFile:
+    async def open_execution(self, session_id: str, execution_id: str) -> KeptBytes:
         return await asyncio.to_thread(self._open_execution, session_id, execution_id)
 
-    def _open_execution(self, session_id: str, execution_id: str) -> KeptFile:
+    def _open_execution(self, session_id: str, execution_id: str) -> KeptBytes:
         if not ITEM_ID.match(execution_id):
             raise OutputNotFound(f"no execution {execution_id} in session {session_id}")
+        with self._lock:
+            kept = self._sessions.get(session_id)
+            held = None if kept is None else kept.in_memory.get(execution_id)
+        if held is not None:
+            return KeptValue(held)
         try:
             f = open(self._dir(session_id) / f"{execution_id}.json", "rb")  # noqa: SIM115
         except (FileNotFoundError, NotADirectoryError):
@@ -360,7 +435,25 @@ class OutputStore(KeptOutputs):
                 for execution_id in kept.executions:
                     del self._order[(session_id, execution_id)]
                 self._bytes -= kept.bytes
+                self._memory_bytes -= sum(len(held) for held in kept.in_memory.values())
             shutil.rmtree(self._dir(session_id), ignore_errors=True)
+
+
+def _surely_small(execution: Execution) -> bool:
+    """Whether its JSON is surely short enough to be encoded on the event loop, judged from
+    its texts without encoding it: only results of plain text forms are counted."""
+    size = len(execution.stdout) + len(execution.stderr) + len(execution.notice or "")
+    if execution.error is not None:
+        error = execution.error
+        size += len(error.name) + len(error.value) + len(error.traceback)
+    for result in execution.results:
+        if result.json_data is not None or result.chart or result.data or result.extra:
+            return False
+        for text in (result.text, result.html, result.markdown, result.latex, result.javascript):
+            size += len(text or "")
+        size += len(result.svg or "") + len(result.pdf or "")
+    # JSON escapes can lengthen a text: its characters are counted six times over
+    return size * 6 <= SMALL_BYTES
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -40,6 +40,7 @@ from orchestrator.outputs import (
     KeptBytes,
     KeptImage,
     KeptOutputs,
+    KeptValue,
     OutputNotFound,
 )
 from orchestrator.state_store.redis_connection import RedisConnection, StoreUnavailable, text
@@ -320,7 +321,7 @@ class SharedOutputStore(KeptOutputs):
             if 0 < size <= _READ_WHOLE:
                 data = await self._redis.get(key)
                 if data is not None:
-                    return _KeptValue(_raw(data))
+                    return KeptValue(_raw(data))
             elif size:
                 return _KeptChunks(self._connection, key, size)
         raise await self._missing(session_id, "execution", execution_id)
@@ -374,20 +375,6 @@ class SharedOutputStore(KeptOutputs):
 
     async def close(self) -> None:
         """Nothing: each save is done before its caller goes on."""
-
-
-class _KeptValue(KeptBytes):
-    """Read whole from the store."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.size = len(data)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        yield self.data
-
-    async def close(self) -> None:
-        self.data = b""
 
 
 class _KeptChunks(KeptBytes):

@@ -40,8 +40,8 @@ def disk(path: Path) -> int:
 
 def stored(store: KeptOutputs) -> int:
     """The bytes the store holds, counted where they are, checked against its own count."""
-    if isinstance(store, OutputStore):
-        held = disk(store.root)
+    if isinstance(store, OutputStore):  # small ones are held in memory, the rest on disk
+        held = disk(store.root) + store.bytes_in_memory
         assert held == store.bytes_kept
         return held
     assert isinstance(store, SharedOutputStore)
@@ -214,11 +214,49 @@ async def test_a_save_answers_before_its_write_and_waits_past_the_cap(
 async def test_a_write_that_fails_is_told_as_such(disk_store: OutputStore) -> None:
     """The id was given out before the write: if the write fails, a reader is told why."""
     (disk_store.root / "s-blocked").write_text("a file where the session's directory goes")
-    execution_id = await disk_store.save("s-blocked", text(100))
+    execution_id = await disk_store.save("s-blocked", text(20_000))  # too long to hold
     await disk_store.settled("s-blocked", execution_id)
     with pytest.raises(OutputEvicted, match="could not be written"):
         await disk_store.execution("s-blocked", execution_id)
     await disk_store.close()
+
+
+async def test_small_outputs_are_held_in_memory_within_their_bound(tmp_path: Path) -> None:
+    """Small ones without images are held at once, counted in the quotas like the rest,
+    evicted and dropped alike; past the memory bound they are written."""
+    store = OutputStore(
+        tmp_path / "outputs",
+        max_bytes_per_session=PER_SESSION,
+        max_bytes_total=TOTAL,
+        max_memory_bytes=15_000,
+    )
+    store.clear()
+    held = [await store.save("s1", text(3_000)) for _ in range(4)]
+    assert store.writes_pending == 0 and 0 < store.bytes_in_memory <= 15_000
+    assert not list(store.root.rglob("*.json"))
+    assert (await store.execution("s1", held[0])).stdout == "x" * 3_000
+    written = await saved(store, "s1", text(3_000))  # the bound reached: on disk
+    assert (store.root / "s1" / f"{written}.json").is_file()
+    assert stored(store) == store.bytes_kept
+    while not await evicted(store, held[-1]):  # the oldest go first, held or written
+        await saved(store, "s1", text(9_000))
+    assert store.bytes_in_memory == 0 and stored(store) <= PER_SESSION
+    await store.save("s2", text(10))
+    await store.drop("s2")
+    await store.drop("s1")
+    assert stored(store) == 0 and store.bytes_in_memory == 0
+
+
+async def test_a_small_save_waits_its_turn_behind_a_write(disk_store: OutputStore) -> None:
+    """Saves are kept in the order they were made (the quotas evict the oldest first): a
+    small one made while a write is under way goes behind it, not ahead."""
+    first = await disk_store.save("s1", image(1))
+    second = await disk_store.save("s1", text(10))
+    assert disk_store.writes_pending == 2
+    await disk_store.settled("s1", second)
+    assert (disk_store.root / "s1" / f"{second}.json").is_file()
+    assert (await disk_store.execution("s1", first)).artifacts
+    assert stored(disk_store) == disk_store.bytes_kept
 
 
 # --- the shared store: what one replica keeps, another reads

@@ -177,7 +177,9 @@ def test_a_killed_service_leaves_no_sandbox_and_keeps_its_sessions() -> None:
 def test_expired_sessions_leave_no_outputs(short_server: Server) -> None:
     with short_server.client() as api:
         sid = api.post("/v1/sessions", json={}).json()["id"]
-        ran = api.post(f"/v1/sessions/{sid}/execute", json={"code": "print('kept for now')"})
+        # long enough to be written to disk (a short one is held in memory)
+        code = "print('kept for now' * 2_000)"
+        ran = api.post(f"/v1/sessions/{sid}/execute", json={"code": code})
         kept = api.get(f"/v1/sessions/{sid}/executions/{ran.json()['execution_id']}")
         assert kept.status_code == 200, kept.text  # answered once written
         outputs = short_server.state_dir / "outputs" / sid

@@ -22,7 +22,9 @@ running by an earlier execution is refused.
 # less context than one that calls each tool itself. Each call is one JSON frame over a Unix socket
 # the orchestrator listens on (no network in the sandbox). Standard library only: the orchestrator
 # copies this file as it is into the session's channel directory, next to `manifest.json` (the
-# tools) and `sock` (the socket).
+# tools) and `sock` (the socket). In Pyodide (the wasm sandbox), where there are no sockets or
+# threads, the same frames go through the worker's `cirHostTool` (worker.mjs) instead, and a
+# blocking call waits with Pyodide's `run_sync`.
 
 from __future__ import annotations
 
@@ -118,19 +120,33 @@ class _Connection:
         self._ids = itertools.count(1)
         self._pending: dict[int, concurrent.futures.Future[Any]] = {}
 
+    async def call_async(
+        self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float
+    ) -> Any:
+        future = self.submit(tool, arguments, max_bytes)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except ToolError:
+            raise
+        except TimeoutError:
+            raise ToolTimeout(f"{tool}: no answer from the host") from None
+
+    def call_sync(
+        self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float
+    ) -> Any:
+        future = self.submit(tool, arguments, max_bytes)
+        try:
+            return future.result(timeout_s)
+        except ToolError:
+            raise
+        except concurrent.futures.TimeoutError:
+            raise ToolTimeout(f"{tool}: no answer from the host") from None
+
     def submit(
         self, tool: str, arguments: dict[str, Any], max_bytes: int
     ) -> concurrent.futures.Future[Any]:
         call_id = next(self._ids)
-        call = {"id": call_id, "tool": tool, "arguments": arguments, "origin": _origin()}
-        try:
-            frame = json.dumps(call, separators=(",", ":")).encode()
-        except (TypeError, ValueError) as exc:
-            raise ToolArgumentError(f"{tool}: the arguments are not JSON: {exc}") from None
-        if len(frame) > max_bytes:
-            raise ToolTooLarge(
-                f"{tool}: the call is {len(frame)} bytes, over the limit of {max_bytes}"
-            )
+        frame = _call_frame(call_id, tool, arguments, max_bytes)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.set_running_or_notify_cancel()  # an abandoned wait must not cancel it under us
         with self._lock:
@@ -185,12 +201,10 @@ class _Connection:
                     if reply.get("id") is None:
                         break
                     continue
-                if "error" in reply:
-                    error = reply["error"]
-                    kind = _ERRORS.get(error.get("type"), ToolError)
-                    future.set_exception(kind(error.get("message", "the call failed")))
-                else:
-                    future.set_result(reply.get("result"))
+                try:
+                    future.set_result(_result(reply))
+                except ToolError as exc:
+                    future.set_exception(exc)
         except (OSError, ValueError) as exc:
             why = f"the tool channel broke: {exc}"
         with self._lock:
@@ -205,6 +219,78 @@ class _Connection:
                 if not future.done():
                     future.set_exception(ToolChannelError(why))
         sock.close()
+
+
+class _WasmConnection:
+    """In Pyodide: each call frame goes to the worker (`cirHostTool`, worker.mjs), which passes
+    it to the service and settles the promise it gave with the answer frame's text."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+
+    def _sent(self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float) -> Any:
+        import js  # Pyodide's own
+
+        frame = _call_frame(next(self._ids), tool, arguments, max_bytes)
+        return js.cirHostTool(frame.decode(), int(timeout_s * 1000))
+
+    async def call_async(
+        self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float
+    ) -> Any:
+        promise = self._sent(tool, arguments, max_bytes, timeout_s)
+        try:
+            text = await promise
+        except Exception as exc:  # a JsException: no answer in time, the run interrupted
+            return _wasm_answer(tool, "failed", str(getattr(exc, "message", None) or exc))
+        return _wasm_answer(tool, "ok", str(text))
+
+    def call_sync(
+        self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float
+    ) -> Any:
+        from pyodide.ffi import run_sync
+
+        # The promise itself is waited on (not a coroutine around it): an interrupt that ends
+        # the wait is then raised here, in the caller's frames.
+        promise = self._sent(tool, arguments, max_bytes, timeout_s)
+        try:
+            text = run_sync(promise)
+        except Exception as exc:
+            return _wasm_answer(tool, "failed", str(getattr(exc, "message", None) or exc))
+        return _wasm_answer(tool, "ok", str(text))
+
+
+def _wasm_answer(tool: str, outcome: str, text: str) -> Any:
+    if outcome != "ok":
+        if "no answer" in text:
+            raise ToolTimeout(f"{tool}: {text}")
+        raise ToolChannelError(f"{tool}: {text}")
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        raise ToolChannelError(f"{tool}: the host's answer is not JSON") from None
+    if not isinstance(reply, dict):
+        raise ToolChannelError(f"{tool}: the host's answer is not an object")
+    return _result(reply)
+
+
+def _call_frame(call_id: int, tool: str, arguments: dict[str, Any], max_bytes: int) -> bytes:
+    call = {"id": call_id, "tool": tool, "arguments": arguments, "origin": _origin()}
+    try:
+        frame = json.dumps(call, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ToolArgumentError(f"{tool}: the arguments are not JSON: {exc}") from None
+    if len(frame) > max_bytes:
+        raise ToolTooLarge(f"{tool}: the call is {len(frame)} bytes, over the limit of {max_bytes}")
+    return frame
+
+
+def _result(reply: dict[str, Any]) -> Any:
+    """An answer frame's result, or the ToolError it tells of."""
+    if "error" in reply:
+        error: dict[str, Any] = reply["error"] if isinstance(reply["error"], dict) else {}
+        kind = _ERRORS.get(str(error.get("type")), ToolError)
+        raise kind(error.get("message", "the call failed"))
+    return reply.get("result")
 
 
 def _origin() -> str | None:
@@ -356,24 +442,18 @@ def _named(fn: Callable[..., Any], tool: _Tool, module: str, blocking: bool) -> 
     fn.__signature__ = tool.signature  # type: ignore[attr-defined]
 
 
-def _make(tool: _Tool, connection: _Connection) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _make(
+    tool: _Tool, connection: _Connection | _WasmConnection
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
     async def call_async(*args: Any, **kwargs: Any) -> Any:
-        future = connection.submit(tool.name, tool.arguments(args, kwargs), tool.max_bytes)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), tool.timeout_s + _MARGIN_S)
-        except ToolError:
-            raise
-        except TimeoutError:
-            raise ToolTimeout(f"{tool.name}: no answer from the host") from None
+        arguments = tool.arguments(args, kwargs)
+        wait = tool.timeout_s + _MARGIN_S
+        return await connection.call_async(tool.name, arguments, tool.max_bytes, wait)
 
     def call_sync(*args: Any, **kwargs: Any) -> Any:
-        future = connection.submit(tool.name, tool.arguments(args, kwargs), tool.max_bytes)
-        try:
-            return future.result(tool.timeout_s + _MARGIN_S)
-        except ToolError:
-            raise
-        except concurrent.futures.TimeoutError:
-            raise ToolTimeout(f"{tool.name}: no answer from the host") from None
+        arguments = tool.arguments(args, kwargs)
+        wait = tool.timeout_s + _MARGIN_S
+        return connection.call_sync(tool.name, arguments, tool.max_bytes, wait)
 
     _named(call_async, tool, __name__, blocking=False)
     _named(call_sync, tool, f"{__name__}.sync", blocking=True)
@@ -384,7 +464,11 @@ def _load() -> list[str]:
     """Read the manifest and put one async function per tool here, one blocking in `sync`."""
     with open(os.path.join(_DIR, "manifest.json"), "rb") as f:
         manifest = json.load(f)
-    connection = _Connection(_SOCKET, int(manifest.get("max_result_bytes", 8 << 20)) + 4096)
+    connection: _Connection | _WasmConnection
+    if sys.platform == "emscripten":  # Pyodide: no sockets, no threads
+        connection = _WasmConnection()
+    else:
+        connection = _Connection(_SOCKET, int(manifest.get("max_result_bytes", 8 << 20)) + 4096)
     this = sys.modules[__name__]
     names: list[str] = []
     lines = []

@@ -31,11 +31,7 @@ from sandbox import Sandbox, create_backend
 from sandbox.backends.ray_cluster.backend import RayBackend
 from sandbox.backends.ray_cluster.config import RayBackendConfig
 from sandbox.backends.ray_cluster.node_processes import NodeProcesses
-from sandbox.backends.ray_cluster.node_tool_relay import (
-    CALLS_PER_POLL,
-    MAX_UNANSWERED,
-    NodeToolRelay,
-)
+from sandbox.backends.ray_cluster.node_tool_relay import NodeToolRelay
 from sandbox.backends.ray_cluster.ray_sandbox import RaySandbox
 from sandbox.backends.ray_cluster.remote_process import (
     remote_get_process,
@@ -44,6 +40,7 @@ from sandbox.backends.ray_cluster.remote_process import (
     remote_start_process,
 )
 from sandbox.processes.managed import LISTENER_BACKLOG_BYTES, Dropped, ProcessEvent
+from sandbox.tool_call_queue import CALLS_PER_POLL, MAX_UNANSWERED
 from tests.cluster.conftest import RayTestCluster
 from tests.conftest import small_spec
 from tests.orchestrator.host_tools.tools_for_tests import TOOLS

@@ -56,7 +56,7 @@ class WasmBackend(Backend):
     name = "wasm"
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         network_modes=("none",),
-        host_tools=False,
+        host_tools=True,  # relayed by the service (tool_calls.py)
         processes=False,
         suspend=False,
         snapshot=False,

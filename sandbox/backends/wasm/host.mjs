@@ -6,10 +6,11 @@
 // service checks them again.
 //
 // Frames on the socket, both ways: a 4-byte big-endian length, then that many bytes of JSON.
-// From the service: {op: "init", driver, memoryBytes}, {op: "run", id, code, env, cwd},
-// {op: "call", id, fn, args}, {op: "interrupt", id}. To the service: {type, id, body} (`body`
-// a string: the worker's own JSON), {type: "oversize", id, size}, {type: "worker_error",
-// message}.
+// From the service: {op: "init", driver, memoryBytes, tools}, {op: "run", id, code, env, cwd},
+// {op: "call", id, fn, args}, {op: "interrupt", id}, {op: "tools", manifest, module},
+// {op: "tool_reply", call, body}. To the service: {type, id, body} (`body` a string: the
+// worker's own JSON; a host tool call's frame is {type: "tool", id: null, body}),
+// {type: "oversize", id, size}, {type: "worker_error", message}.
 
 const [socketPath, indexURL, wheelsDir] = Deno.args;
 const MAX_FRAME = 64 * 1024 * 1024;
@@ -59,6 +60,10 @@ function fromWorker(event) {
     send({ type: "worker_error", message: data.body.slice(0, 2000), generation });
     return;
   }
+  if (data.type === "tool") { // a host tool call, whoever's: the service checks it
+    if (data.body.length <= MAX_OUTPUT) send({ type: "tool", id: null, body: data.body, generation });
+    return;
+  }
   const id = data.id;
   const asked = outstanding.get(id);
   if (asked === undefined) return;
@@ -78,7 +83,7 @@ function fromWorker(event) {
 }
 
 let worker = null;
-function startWorker(driver, memoryBytes, number) {
+function startWorker(driver, memoryBytes, tools, number) {
   if (worker !== null) worker.terminate(); // a fresh interpreter: the old one's state goes
   outstanding.clear();
   running = null;
@@ -102,7 +107,7 @@ function startWorker(driver, memoryBytes, number) {
     send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000), generation });
   };
   interrupt[0] = 0;
-  started.postMessage({ op: "init", indexURL, wheelsDir, interrupt, driver, memoryBytes });
+  started.postMessage({ op: "init", indexURL, wheelsDir, interrupt, driver, memoryBytes, tools });
 }
 
 async function readExactly(n) {
@@ -125,9 +130,14 @@ while (true) {
   if (body === null) break;
   const message = JSON.parse(decoder.decode(body));
   if (message.op === "init") {
-    startWorker(message.driver, message.memoryBytes, message.generation);
+    startWorker(message.driver, message.memoryBytes, message.tools ?? null, message.generation);
   } else if (message.op === "interrupt") {
-    if (running !== null && message.id === running) interrupt[0] = 2; // KeyboardInterrupt next
+    if (running !== null && message.id === running) {
+      interrupt[0] = 2; // KeyboardInterrupt next
+      worker.postMessage({ op: "tool_cancel" }); // a call it waits on ends, so it sees that
+    }
+  } else if (worker !== null && (message.op === "tools" || message.op === "tool_reply")) {
+    worker.postMessage(message);
   } else if (worker !== null && (message.op === "run" || message.op === "call")) {
     outstanding.set(message.id, message.op);
     if (message.op === "run") {

@@ -8,6 +8,7 @@ Jupyter would (its `_repr_*_` forms). Files live in the interpreter's memory und
 from __future__ import annotations
 
 import base64
+import contextvars
 import importlib
 import importlib.metadata
 import io
@@ -27,6 +28,8 @@ from typing import Any
 from pyodide.code import eval_code_async
 
 WORKSPACE = "/workspace"
+TOOLS_DIR = "/run/host-tools"  # host_tools.py and its manifest, when the session has tools
+ORIGIN_ENV = "CIR_TOOL_ORIGIN"  # the run's origin, as the service names it (host_channel.py)
 _FORMS = (
     ("text/html", "_repr_html_"),
     ("text/markdown", "_repr_markdown_"),
@@ -52,12 +55,17 @@ class Driver:
     async def run(
         self, code: str, env_json: str, cwd: str, emit: Callable[[str, str], None]
     ) -> str:
+        """Run a cell with its own environment variables (put back after it, as on the other
+        backends) and, for its host tool calls and those of tasks it starts, its origin."""
         self.count += 1
-        os.environ.update(json.loads(env_json))
+        env = json.loads(env_json)
+        origin = TOOL_ORIGIN.set(env.pop(ORIGIN_ENV, None))
+        previous = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
         where = _inside(cwd) if cwd else WORKSPACE
-        os.makedirs(where, exist_ok=True)
-        os.chdir(where)
         try:
+            os.makedirs(where, exist_ok=True)
+            os.chdir(where)
             value = await eval_code_async(
                 code, globals=self.namespace, filename=f"<cell-{self.count}>"
             )
@@ -65,11 +73,32 @@ class Driver:
             emit("error", json.dumps(_error(exc)))
             interrupted = isinstance(exc, KeyboardInterrupt)
             return json.dumps({"status": "interrupted" if interrupted else "error"})
+        finally:
+            TOOL_ORIGIN.reset(origin)
+            for key, value_before in previous.items():
+                if value_before is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value_before
         if value is not None:
             self.namespace["_"] = value
             bundle = {"data": _bundle(value), "execution_count": self.count}
             emit("execute_result", json.dumps(bundle))
         return json.dumps({"status": "ok", "count": self.count})
+
+    def set_tools(self, manifest: str, module: str) -> None:
+        """The session's host tools: `import host_tools` finds them (a new manifest is read at
+        the next import)."""
+        os.makedirs(TOOLS_DIR, exist_ok=True)
+        with open(os.path.join(TOOLS_DIR, "manifest.json"), "w") as out:
+            out.write(manifest)
+        with open(os.path.join(TOOLS_DIR, "host_tools.py"), "w") as out:
+            out.write(module)
+        if TOOLS_DIR not in sys.path:
+            sys.path.append(TOOLS_DIR)
+        sys.modules.pop("host_tools", None)
+        sys.modules.pop("host_tools.sync", None)
+        importlib.invalidate_caches()
 
     def call(self, fn: str, args_json: str) -> str:
         try:
@@ -255,4 +284,12 @@ def _version_order(wheel: str) -> tuple[tuple[int, str], ...]:
 
 
 sys.modules["micropip"] = Micropip("micropip")
+# What host_tools.py reads for a call's origin: the run that started the calling task.
+TOOL_ORIGIN: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "cir_tool_origin", default=None
+)
+_runtime = types.ModuleType("_cir_runtime")
+_runtime.tool_origin = TOOL_ORIGIN  # type: ignore[attr-defined]
+sys.modules["_cir_runtime"] = _runtime
+os.environ.pop(ORIGIN_ENV, None)
 _cir_driver = Driver()

@@ -54,6 +54,7 @@ from sandbox.backends.wasm.messages import (
     file_info,
     relative_to_workspace,
 )
+from sandbox.backends.wasm.tool_calls import WasmToolCalls
 from sandbox.frames import FrameRefused, read_frame, write_frame
 from sandbox.kernel.collector import OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
@@ -105,6 +106,7 @@ class WasmSandbox(Sandbox):
         self._generation = 0  # of the worker: each start a new one
         self._closed = False
         self._lost: str | None = None
+        self._tools = WasmToolCalls(self._send)
 
     # --- life -------------------------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class WasmSandbox(Sandbox):
         """A fresh worker (host.mjs ends the one before, and what was asked of it), answering
         within START_S."""
         self._generation += 1
+        self._tools.replaced(self._generation)
         self._fail_calls(SandboxError("the wasm worker was replaced while it was asked"))
         self._ready = ready = asyncio.get_running_loop().create_future()
         await self._send(self._init_message())
@@ -242,6 +245,7 @@ class WasmSandbox(Sandbox):
             "driver": DRIVER,
             "memoryBytes": max(memory, 48 << 20),
             "generation": self._generation,
+            "tools": self._tools.files(),
         }
 
     def _heap_mb(self) -> int:
@@ -258,6 +262,7 @@ class WasmSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
+        await self._tools.queue.close()
         self._fail_all(SandboxClosed("the sandbox was closed"))
         self._fail_ready(SandboxClosed("the sandbox was closed"))
         if self._writer is not None:
@@ -332,6 +337,9 @@ class WasmSandbox(Sandbox):
         if kind == "ready":
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(None)
+            return
+        if kind == "tool" and isinstance(body, str):
+            await self._tools.take(body, self._generation)
             return
         if kind == "worker_error":
             error = SandboxError(f"the wasm worker failed: {str(message.get('message'))[:2000]}")
@@ -531,6 +539,19 @@ class WasmSandbox(Sandbox):
 
     async def set_env(self, env: dict[str, str]) -> None:
         self._env.update(env)
+
+    # --- host tools: relayed by the service (orchestrator/cluster/tool_relay.py) -------------
+
+    async def set_tool_manifest(self, manifest: bytes) -> None:
+        await self._tools.set_manifest(manifest)
+
+    async def tool_calls(self, max_wait_s: float) -> list[tuple[str, bytes]]:
+        if self._closed:
+            raise SandboxClosed("the sandbox was closed")
+        return await self._tools.queue.next_calls(max_wait_s)
+
+    async def answer_tool_call(self, key: str, body: bytes) -> None:
+        await self._tools.queue.answer(key, body)
 
     # --- files ------------------------------------------------------------------------------
 

@@ -6,6 +6,52 @@ let pyodide = null;
 let driver = null;
 let interrupt = null;
 let streaming = null; // the id of the run whose output the interpreter's streams carry now
+let tools = null; // the session's host tools ({manifest, module}) until the driver takes them
+
+// Host tool calls (host_tools.py, in Pyodide): each frame goes to the service, which answers it
+// by the frame's id; the promise given to Python settles with the answer frame's text. A call
+// not answered in time, or cut off by an interrupt, rejects.
+const MAX_TOOL_CALLS = 256;
+const toolCalls = new Map(); // call id -> { resolve, reject, timer }
+
+globalThis.cirHostTool = (frame, timeoutMs) => new Promise((resolve, reject) => {
+  let id = null;
+  try {
+    id = JSON.parse(frame).id;
+  } catch {
+    // left null: refused below
+  }
+  if (typeof id !== "number" || toolCalls.has(id)) {
+    reject(new Error("a host tool call without an id of its own"));
+    return;
+  }
+  if (toolCalls.size >= MAX_TOOL_CALLS) {
+    reject(new Error(`more than ${MAX_TOOL_CALLS} host tool calls at once`));
+    return;
+  }
+  const timer = setTimeout(() => {
+    toolCalls.delete(id);
+    reject(new Error("no answer from the host in time"));
+  }, Math.max(0, Number(timeoutMs) || 0));
+  toolCalls.set(id, { resolve, reject, timer });
+  post("tool", null, frame);
+});
+
+function endToolCalls(why) {
+  for (const [id, call] of toolCalls) {
+    clearTimeout(call.timer);
+    toolCalls.delete(id);
+    call.reject(new Error(why));
+  }
+}
+
+function setTools(given) {
+  tools = given;
+  if (driver !== null && tools !== null) {
+    driver.set_tools(tools.manifest, tools.module);
+    tools = null;
+  }
+}
 
 function post(type, id, body) {
   self.postMessage({ type, id, body });
@@ -46,6 +92,7 @@ function capMemory(maxBytes) {
 }
 
 async function init(message) {
+  if (message.tools && tools === null) tools = message.tools; // a later "tools" is newer
   capMemory(message.memoryBytes);
   // No threads of the session's own: a worker it started would run on past its executions.
   for (const name of ["Worker", "SharedWorker"]) delete globalThis[name];
@@ -61,6 +108,7 @@ async function init(message) {
   interrupt[0] = 0;
   pyodide.runPython(message.driver);
   driver = pyodide.globals.get("_cir_driver");
+  setTools(tools);
 }
 
 self.onmessage = async (event) => {
@@ -87,6 +135,17 @@ self.onmessage = async (event) => {
       }
     } else if (message.op === "call") {
       post("reply", id, driver.call(message.fn, JSON.stringify(message.args ?? [])));
+    } else if (message.op === "tools") {
+      setTools({ manifest: String(message.manifest), module: String(message.module) });
+    } else if (message.op === "tool_reply") {
+      const call = toolCalls.get(message.call);
+      if (call !== undefined) {
+        clearTimeout(call.timer);
+        toolCalls.delete(message.call);
+        call.resolve(String(message.body));
+      }
+    } else if (message.op === "tool_cancel") {
+      endToolCalls("the run was interrupted");
     }
   } catch (error) {
     post("failed", id, JSON.stringify({ message: String(error?.message ?? error).slice(-4000) }));

@@ -43,6 +43,7 @@ def _wasm(settings: Settings) -> dict[str, object]:
     config: dict[str, object] = {
         "state_dir": settings.state_dir,
         "wheels_dir": settings.wasm_wheels_dir,
+        "memory_snapshot": settings.wasm_memory_snapshot,
     }
     if settings.wasm_pyodide_dir is not None:  # else the release `make install` fetched
         config["pyodide_dir"] = settings.wasm_pyodide_dir

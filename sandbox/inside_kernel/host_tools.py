@@ -221,6 +221,9 @@ class _Connection:
         sock.close()
 
 
+_WASM_INTERRUPTED = "the run was interrupted"
+
+
 class _WasmConnection:
     """In Pyodide: each call frame goes to the worker (`cirHostTool`, worker.mjs), which passes
     it to the service and settles the promise it gave with the answer frame's text."""
@@ -260,6 +263,8 @@ class _WasmConnection:
 
 
 def _wasm_answer(tool: str, outcome: str, text: str) -> Any:
+    if outcome != "ok" and _WASM_INTERRUPTED in text:  # worker.mjs: the run was interrupted
+        raise KeyboardInterrupt(f"{tool}: {text}")
     if outcome != "ok":
         if "no answer" in text:
             raise ToolTimeout(f"{tool}: {text}")

@@ -18,8 +18,11 @@ from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.wasm import distribution
+from sandbox.backends.wasm.memory_snapshot import MemorySnapshots
 from sandbox.backends.wasm.sandbox import WasmSandbox
 from sandbox.state_dir import SessionDirs, default_state_dir
+
+SNAPSHOTS_DIR = "wasm-snapshots"  # in the state directory, beside the sandboxes' own
 
 
 def why_unavailable(**config: Any) -> str | None:
@@ -50,6 +53,11 @@ class WasmBackendConfig(BaseModel):
         default_factory=lambda: Path(sys.prefix) / "bin" / "deno",
         description="The Deno binary; by default the one the `deno` package (PyPI) installs.",
     )
+    memory_snapshot: bool = Field(
+        default=True,
+        description="Start sandboxes from a memory snapshot of Pyodide loaded (taken once, "
+        "kept in the state directory) rather than loading it cold each time.",
+    )
 
 
 class WasmBackend(Backend):
@@ -75,6 +83,7 @@ class WasmBackend(Backend):
     def __init__(self, config: WasmBackendConfig | None = None) -> None:
         self.config = config or WasmBackendConfig()
         self._deno = str(self.config.deno)
+        self._snapshots: MemorySnapshots | None = None
 
     async def create(self, spec: SandboxSpec | None = None) -> WasmSandbox:
         spec = spec or SandboxSpec()
@@ -88,13 +97,24 @@ class WasmBackend(Backend):
         except OSError as exc:
             raise SandboxStartError(f"cannot make the sandbox's directory: {exc}") from None
         wheels = self.config.wheels_dir.resolve() if self.config.wheels_dir else None
-        sandbox = WasmSandbox(sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno, wheels)
+        snapshot = await self._snapshot(pyodide.resolve())
+        sandbox = WasmSandbox(
+            sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno, wheels, snapshot
+        )
         try:
             await sandbox.start()
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, dirs.root, True)
             raise
         return sandbox
+
+    async def _snapshot(self, pyodide: Path) -> Path | None:
+        if not self.config.memory_snapshot:
+            return None
+        if self._snapshots is None or self._snapshots.pyodide != pyodide:
+            where = self.config.state_dir / SNAPSHOTS_DIR
+            self._snapshots = MemorySnapshots(where, pyodide, self._deno)
+        return await self._snapshots.path()
 
     async def cleanup_orphans(self) -> int:
         """The directories of sandboxes a service that died left (their Deno processes ended

@@ -8,11 +8,12 @@
 // Frames on the socket, both ways: a 4-byte big-endian length, then that many bytes of JSON.
 // From the service: {op: "init", driver, memoryBytes, tools}, {op: "run", id, code, env, cwd},
 // {op: "call", id, fn, args}, {op: "interrupt", id}, {op: "tools", manifest, module},
-// {op: "tool_reply", call, body}. To the service: {type, id, body} (`body` a string: the
+// {op: "tool_reply", call, body}. (An interrupt sets the worker's flag, which running code
+// sees, and tells the worker, which ends a run that waits.) To the service: {type, id, body} (`body` a string: the
 // worker's own JSON; a host tool call's frame is {type: "tool", id: null, body}),
 // {type: "oversize", id, size}, {type: "worker_error", message}.
 
-const [socketPath, indexURL, wheelsDir] = Deno.args;
+const [socketPath, indexURL, wheelsDir, snapshot] = Deno.args;
 const MAX_FRAME = 64 * 1024 * 1024;
 const MAX_OUTPUT = 8 * 1024 * 1024; // one output message (a stream's text, a rich result)
 const OUTPUTS = new Set(["stream", "error", "execute_result", "display_data"]);
@@ -60,6 +61,10 @@ function fromWorker(event) {
     send({ type: "worker_error", message: data.body.slice(0, 2000), generation });
     return;
   }
+  if (data.type === "snapshot_failed" && initializing) { // it starts cold instead: told
+    send({ type: "snapshot_failed", id: null, body: data.body.slice(0, 2000), generation });
+    return;
+  }
   if (data.type === "tool") { // a host tool call, whoever's: the service checks it
     if (data.body.length <= MAX_OUTPUT) send({ type: "tool", id: null, body: data.body, generation });
     return;
@@ -93,7 +98,7 @@ function startWorker(driver, memoryBytes, tools, number) {
     type: "module",
     deno: {
       permissions: {
-        read: wheelsDir ? [indexURL, wheelsDir] : [indexURL],
+        read: [indexURL, wheelsDir, snapshot].filter((path) => path),
         write: false, net: false, env: false, run: false, ffi: false, sys: false, import: false,
       },
     },
@@ -107,7 +112,9 @@ function startWorker(driver, memoryBytes, tools, number) {
     send({ type: "worker_error", message: String(event.message ?? "the worker failed").slice(0, 2000), generation });
   };
   interrupt[0] = 0;
-  started.postMessage({ op: "init", indexURL, wheelsDir, interrupt, driver, memoryBytes, tools });
+  started.postMessage({
+    op: "init", indexURL, wheelsDir, snapshot: snapshot || null, interrupt, driver, memoryBytes, tools,
+  });
 }
 
 async function readExactly(n) {
@@ -134,7 +141,7 @@ while (true) {
   } else if (message.op === "interrupt") {
     if (running !== null && message.id === running) {
       interrupt[0] = 2; // KeyboardInterrupt next
-      worker.postMessage({ op: "tool_cancel" }); // a call it waits on ends, so it sees that
+      worker.postMessage({ op: "interrupt" }); // and, if it waits rather than runs, there
     }
   } else if (worker !== null && (message.op === "tools" || message.op === "tool_reply")) {
     worker.postMessage(message);

@@ -7,6 +7,7 @@ Jupyter would (its `_repr_*_` forms). Files live in the interpreter's memory und
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextvars
 import importlib
@@ -14,16 +15,18 @@ import importlib.metadata
 import io
 import json
 import os
+import random
 import re
 import shutil
 import stat
 import sys
 import sysconfig
+import time
 import traceback
 import types
 import zipfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 from pyodide.code import eval_code_async
 
@@ -51,6 +54,13 @@ class Driver:
         os.chdir(WORKSPACE)
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.count = 0
+        self._running: asyncio.Task[Any] | None = None  # the run's task, while it runs
+
+    def interrupt(self) -> None:
+        """End the run where it waits (an await, a host tool call): worker.mjs calls this when
+        the run is not running Python, so the interrupt flag would not reach its code."""
+        if self._running is not None:
+            self._running.cancel()
 
     async def run(
         self, code: str, env_json: str, cwd: str, emit: Callable[[str, str], None]
@@ -63,6 +73,7 @@ class Driver:
         previous = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
         where = _inside(cwd) if cwd else WORKSPACE
+        self._running = asyncio.current_task()
         try:
             os.makedirs(where, exist_ok=True)
             os.chdir(where)
@@ -70,10 +81,15 @@ class Driver:
                 code, globals=self.namespace, filename=f"<cell-{self.count}>"
             )
         except BaseException as exc:  # KeyboardInterrupt too: the time limit's
+            if isinstance(exc, asyncio.CancelledError):  # ended where it waited (interrupt)
+                exc = KeyboardInterrupt().with_traceback(exc.__traceback__)
             emit("error", json.dumps(_error(exc)))
             interrupted = isinstance(exc, KeyboardInterrupt)
             return json.dumps({"status": "interrupted" if interrupted else "error"})
         finally:
+            task, self._running = self._running, None
+            while task is not None and task.cancelling():  # the run's answer still goes out
+                task.uncancel()
             TOOL_ORIGIN.reset(origin)
             for key, value_before in previous.items():
                 if value_before is None:
@@ -202,9 +218,33 @@ def _error(exc: BaseException) -> dict[str, Any]:
     }
 
 
+def _sleep(seconds: float | SupportsIndex, /) -> None:
+    """time.sleep as a wait the worker can end: an interrupt (a time limit) raises
+    KeyboardInterrupt here, and the session keeps its state. Pyodide's own sleep waits out its
+    whole time, whatever the flag says."""
+    seconds = float(seconds)
+    if seconds < 0:
+        raise ValueError("sleep length must be non-negative")
+    from pyodide.ffi import can_run_sync, run_sync
+
+    if not can_run_sync():  # not within a run (a callback of JavaScript's): as Pyodide does
+        _PYODIDE_SLEEP(seconds)
+        return
+    import js
+
+    try:
+        run_sync(js.cirSleep(seconds * 1000))
+    except Exception as exc:  # rejected: the run was interrupted
+        raise KeyboardInterrupt(str(getattr(exc, "message", None) or exc)) from None
+
+
+_PYODIDE_SLEEP = time.sleep
+time.sleep = _sleep
+
+
 # --- packages: pure-Python wheels from the operator's directory (read-only to the sandbox)
 
-WHEELS = os.environ.pop("CIR_WHEELS", "")
+WHEELS = str(globals().pop("_cir_wheels", ""))  # set by worker.mjs before this runs
 _WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-[^-]+)?-[^-]+-none-any\.whl$")
 
 
@@ -292,4 +332,7 @@ _runtime = types.ModuleType("_cir_runtime")
 _runtime.tool_origin = TOOL_ORIGIN  # type: ignore[attr-defined]
 sys.modules["_cir_runtime"] = _runtime
 os.environ.pop(ORIGIN_ENV, None)
+# An interpreter restored from the memory snapshot (worker.mjs) has the snapshot's random
+# state: each session draws its own from here (os.urandom is the host's, never the snapshot's).
+random.seed()
 _cir_driver = Driver()

@@ -83,9 +83,11 @@ class WasmSandbox(Sandbox):
         pyodide: Path,
         deno: str,
         wheels: Path | None = None,
+        snapshot: Path | None = None,
     ):
         self.id = sandbox_id
         self._wheels = wheels  # pure-Python wheels it may install: read-only to it
+        self._snapshot = snapshot  # the memory snapshot it starts from (read-only), if any
         self.spec = spec
         self._root = root
         self._pyodide = pyodide
@@ -177,7 +179,7 @@ class WasmSandbox(Sandbox):
         return conn
 
     def _command(self, path: Path) -> list[str]:
-        paths = [str(p) for p in (self._pyodide, HERE, path, self._wheels) if p]
+        paths = [str(p) for p in (self._pyodide, HERE, path, self._wheels, self._snapshot) if p]
         if any("," in p for p in paths):
             raise SandboxError(f"Deno's permissions cannot name a path with a comma: {paths}")
         readable = ",".join(paths)
@@ -200,6 +202,7 @@ class WasmSandbox(Sandbox):
             str(path),
             str(self._pyodide),
             str(self._wheels or ""),
+            str(self._snapshot or ""),
         ]
 
     def _process_env(self) -> dict[str, str]:
@@ -340,6 +343,9 @@ class WasmSandbox(Sandbox):
             return
         if kind == "tool" and isinstance(body, str):
             await self._tools.take(body, self._generation)
+            return
+        if kind == "snapshot_failed":
+            log.warning("wasm sandbox %s started cold: its snapshot failed: %s", self.id, body)
             return
         if kind == "worker_error":
             error = SandboxError(f"the wasm worker failed: {str(message.get('message'))[:2000]}")

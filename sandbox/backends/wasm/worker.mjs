@@ -12,6 +12,7 @@ let tools = null; // the session's host tools ({manifest, module}) until the dri
 // by the frame's id; the promise given to Python settles with the answer frame's text. A call
 // not answered in time, or cut off by an interrupt, rejects.
 const MAX_TOOL_CALLS = 256;
+const INTERRUPTED = "the run was interrupted"; // host_tools.py raises KeyboardInterrupt on it
 const toolCalls = new Map(); // call id -> { resolve, reject, timer }
 
 globalThis.cirHostTool = (frame, timeoutMs) => new Promise((resolve, reject) => {
@@ -42,6 +43,25 @@ function endToolCalls(why) {
     clearTimeout(call.timer);
     toolCalls.delete(id);
     call.reject(new Error(why));
+  }
+}
+
+// time.sleep in the session's Python (inside_pyodide.py): a wait an interrupt can end.
+const sleeps = new Set();
+globalThis.cirSleep = (ms) => new Promise((resolve, reject) => {
+  const sleep = { reject, timer: null };
+  sleep.timer = setTimeout(() => {
+    sleeps.delete(sleep);
+    resolve(null);
+  }, Math.max(0, Number(ms) || 0));
+  sleeps.add(sleep);
+});
+
+function endSleeps(why) {
+  for (const sleep of sleeps) {
+    clearTimeout(sleep.timer);
+    sleeps.delete(sleep);
+    sleep.reject(new Error(why));
   }
 }
 
@@ -91,21 +111,33 @@ function capMemory(maxBytes) {
   };
 }
 
+// Pyodide as the memory snapshot has it (taken once, before any session, by snapshot.mjs):
+// a start in a fraction of a cold one's time; cold when there is none or it will not load.
+async function load(message) {
+  const { loadPyodide } = await import(new URL("pyodide.mjs", "file://" + message.indexURL + "/").href);
+  const options = { indexURL: message.indexURL + "/", env: { HOME: "/workspace" } };
+  if (message.snapshot) {
+    try {
+      return await loadPyodide({ ...options, _loadSnapshot: Deno.readFileSync(message.snapshot) });
+    } catch (error) {
+      post("snapshot_failed", null, String(error?.message ?? error).slice(0, 2000));
+    }
+  }
+  return await loadPyodide(options);
+}
+
 async function init(message) {
   if (message.tools && tools === null) tools = message.tools; // a later "tools" is newer
   capMemory(message.memoryBytes);
   // No threads of the session's own: a worker it started would run on past its executions.
   for (const name of ["Worker", "SharedWorker"]) delete globalThis[name];
   interrupt = message.interrupt;
-  const { loadPyodide } = await import(new URL("pyodide.mjs", "file://" + message.indexURL + "/").href);
-  pyodide = await loadPyodide({
-    indexURL: message.indexURL + "/",
-    env: { HOME: "/workspace", CIR_WHEELS: message.wheelsDir ?? "" },
-  });
+  pyodide = await load(message);
   pyodide.setStdout(writer("stdout"));
   pyodide.setStderr(writer("stderr"));
   pyodide.setInterruptBuffer(interrupt);
   interrupt[0] = 0;
+  pyodide.globals.set("_cir_wheels", message.wheelsDir ?? "");
   pyodide.runPython(message.driver);
   driver = pyodide.globals.get("_cir_driver");
   setTools(tools);
@@ -144,8 +176,17 @@ self.onmessage = async (event) => {
         toolCalls.delete(message.call);
         call.resolve(String(message.body));
       }
-    } else if (message.op === "tool_cancel") {
-      endToolCalls("the run was interrupted");
+    } else if (message.op === "interrupt") {
+      // Heard here, Python is not running: the run waits (on a host tool call, a sleep, a
+      // promise). Its flag would be seen by whatever Python runs next, not by the run's
+      // code: it is taken back, and the run is ended where it waits.
+      interrupt[0] = 0;
+      if (toolCalls.size > 0 || sleeps.size > 0) {
+        endToolCalls(INTERRUPTED); // the calls and sleeps it waits on raise KeyboardInterrupt
+        endSleeps(INTERRUPTED);
+      } else if (driver !== null) {
+        driver.interrupt();
+      }
     }
   } catch (error) {
     post("failed", id, JSON.stringify({ message: String(error?.message ?? error).slice(-4000) }));

@@ -87,12 +87,29 @@ async def test_an_error_has_the_codes_own_traceback(sandbox: WasmSandbox) -> Non
     assert (await sandbox.execute("'still here'")).results[0].text == "'still here'"
 
 
-async def test_a_time_limit_interrupts_python_and_the_state_stays(sandbox: WasmSandbox) -> None:
+@pytest.mark.parametrize(
+    "code",
+    [
+        "while True:\n    pass",
+        "import asyncio\nawait asyncio.sleep(60)",
+        "import time\ntime.sleep(60)",
+    ],
+    ids=["running", "awaiting", "sleeping"],
+)
+async def test_a_time_limit_interrupts_python_and_the_state_stays(
+    sandbox: WasmSandbox, code: str
+) -> None:
+    """Code that runs sees the interrupt flag; code that waits (an await, a sleep: Python is
+    not running, so no flag reaches it) is ended where it waits."""
     await sandbox.execute("kept = 'yes'")
-    ran = await sandbox.execute("while True:\n    pass", timeout_s=1)
-    assert ran.status is ExecutionStatus.TIMEOUT and not ran.state_lost
+    ran = await sandbox.execute(code, timeout_s=1)
+    assert ran.status is ExecutionStatus.TIMEOUT and not ran.state_lost, ran
     assert ran.error is not None and "time limit of 1 s" in ran.error.value
     assert (await sandbox.execute("kept")).results[0].text == "'yes'"
+    slept = await sandbox.execute(
+        "import time\nt = time.monotonic(); time.sleep(0.2)\ntime.monotonic() - t >= 0.2"
+    )
+    assert slept.results[0].text == "True"  # a sleep not interrupted sleeps its time
 
 
 async def test_code_that_never_yields_costs_the_interpreter_and_says_so(
@@ -322,6 +339,34 @@ async def test_closing_ends_deno_and_leaves_nothing(backend: WasmBackend, state_
     await sandbox.close()
     assert process.returncode is not None
     assert not (state_dir / "wasm" / sandbox.id).exists()
+
+
+async def test_sandboxes_start_from_one_memory_snapshot_each_with_its_own_randomness(
+    backend: WasmBackend, state_dir: Path
+) -> None:
+    """Taken once, before any session; what each restored session draws is its own."""
+    drawn = []
+    for _ in range(2):
+        async with await backend.create(small_spec()) as made:
+            assert made._snapshot is not None and made._snapshot.is_file()
+            ran = await made.execute("import os, random\nrandom.random(), os.urandom(8).hex()")
+            drawn.append(ran.results[0].text)
+    assert drawn[0] != drawn[1]
+    assert [p.name for p in (state_dir / "wasm-snapshots").iterdir()] == [made._snapshot.name]
+    assert made._snapshot.parent == state_dir / "wasm-snapshots"
+
+
+async def test_a_snapshot_that_will_not_load_starts_the_sandbox_cold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    backend = WasmBackend(WasmBackendConfig(state_dir=tmp_path))
+    async with await backend.create(small_spec()) as made:  # takes the snapshot
+        snapshot = made._snapshot
+    assert snapshot is not None
+    snapshot.write_bytes(b"not a snapshot" * 1000)
+    async with await backend.create(small_spec()) as cold:
+        assert (await cold.execute("6 * 7")).results[0].text == "42"
+    assert any("started cold" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def _wheel(name: str, version: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> bytes:

@@ -35,6 +35,7 @@ from bench import (
     raw,
     raw_group,
     report,
+    wasm,
 )
 from bench import latency as latency_part
 from bench.interleave import Sampled, cpu_counter
@@ -115,6 +116,15 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
     by_audit = {off: audited["off"], on: audited["on"]}
     add(off, audited["off"], off, by_audit)
     add(on, audited["on"], off, by_audit)
+    # The wasm backend beside the local one: its start (from the memory snapshot, and cold), a
+    # warm pool's hand-over, and 1+1.
+    if (why_no_wasm := why_unavailable("wasm")) is None:
+        by_wasm = await part("wasm", wasm.measure(quick))
+        wasm_samples = {name: sampled for name, (sampled, _) in by_wasm.items()}
+        for name, (sampled, baseline) in by_wasm.items():
+            add(name, sampled, baseline, wasm_samples)
+    else:
+        not_run["wasm backend"] = why_no_wasm
     # gVisor: the Docker backend under runsc, each figure over the same under runc.
     if plan.full and "docker" in backends and (why_not := gvisor.why_unavailable()) is None:
         starts = 3 if quick else 10
@@ -153,6 +163,10 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
         for label, code, config in cases:
             got = await part(f"density: {label}", ours.density(name, counts, code, **config))
             density[label] = {str(k): v for k, v in got.items()}
+    if why_no_wasm is None:  # each a Deno process with Pyodide, idle, started from the snapshot
+        with wasm.scratch() as where:
+            got = await part("density: wasm", ours.density("wasm", counts, state_dir=where))
+        density["wasm"] = {str(k): v for k, v in got.items()}
     capacity = {
         who: int(free / (by_count[str(counts[-1])] * 2**20)) for who, by_count in density.items()
     }

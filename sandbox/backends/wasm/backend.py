@@ -16,10 +16,12 @@ from pydantic import BaseModel, Field
 
 from code_interpreter_wire.errors import SandboxStartError
 from code_interpreter_wire.spec import SandboxSpec
+from sandbox import cgroups
 from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.wasm import distribution
 from sandbox.backends.wasm.memory_snapshot import MemorySnapshots
 from sandbox.backends.wasm.sandbox import WasmSandbox
+from sandbox.cgroups import SandboxCgroup
 from sandbox.state_dir import SessionDirs, default_state_dir
 
 SNAPSHOTS_DIR = "wasm-snapshots"  # in the state directory, beside the sandboxes' own
@@ -52,6 +54,12 @@ class WasmBackendConfig(BaseModel):
     deno: Path = Field(
         default_factory=lambda: Path(sys.prefix) / "bin" / "deno",
         description="The Deno binary; by default the one the `deno` package (PyPI) installs.",
+    )
+    use_cgroups: bool = Field(
+        default=True,
+        description="As root on cgroup v1, hold each sandbox's Deno process to the spec's CPU "
+        "quota (`limits.cpus`), and its resident memory and threads, in a cgroup of its own "
+        "(otherwise: no CPU cap, memory by RLIMIT_DATA alone).",
     )
     memory_snapshot: bool = Field(
         default=True,
@@ -98,8 +106,11 @@ class WasmBackend(Backend):
             raise SandboxStartError(f"cannot make the sandbox's directory: {exc}") from None
         wheels = self.config.wheels_dir.resolve() if self.config.wheels_dir else None
         snapshot = await self._snapshot(pyodide.resolve())
+        group = None
+        if self.config.use_cgroups and cgroups.available():
+            group = SandboxCgroup(sandbox_id, scale_parent=True)
         sandbox = WasmSandbox(
-            sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno, wheels, snapshot
+            sandbox_id, spec, dirs.root, pyodide.resolve(), self._deno, wheels, snapshot, group
         )
         try:
             await sandbox.start()
@@ -120,4 +131,8 @@ class WasmBackend(Backend):
         """The directories of sandboxes a service that died left (their Deno processes ended
         with it: each ends when its socket closes)."""
         state_dir = self.config.state_dir
-        return len(await asyncio.to_thread(SessionDirs.remove_orphans, state_dir, self.name))
+        removed = await asyncio.to_thread(SessionDirs.remove_orphans, state_dir, self.name)
+        if cgroups.available():  # the groups of exactly those sandboxes, if any were made
+            for sandbox_id in removed:
+                await asyncio.to_thread(SandboxCgroup(sandbox_id).remove, 0.5)
+        return len(removed)

@@ -55,6 +55,7 @@ from sandbox.backends.wasm.messages import (
     relative_to_workspace,
 )
 from sandbox.backends.wasm.tool_calls import WasmToolCalls
+from sandbox.cgroups import SandboxCgroup
 from sandbox.frames import FrameRefused, read_frame, write_frame
 from sandbox.kernel.collector import OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
@@ -69,6 +70,8 @@ START_S = 60.0  # Pyodide's cold start is 2-5 s; a loaded machine may take much 
 DENO_RESERVE_MB = 2048  # writable memory Deno and Pyodide reserve of their own (1.3 GiB fresh)
 MAX_FILE = 32 << 20  # a file moved in or out, whole in one message (its base64, in memory)
 CALL_S = 30.0
+GROUP_RESERVE_MB = 1024  # resident memory of Deno's own, beside the session's, in its cgroup
+GROUP_THREADS = 128  # Deno's threads (V8's, its runtime's, the worker's), whatever `pids` says
 FRAME_S = 60.0  # a frame begun (up to MAX_FRAME) must arrive whole within this
 
 
@@ -84,10 +87,12 @@ class WasmSandbox(Sandbox):
         deno: str,
         wheels: Path | None = None,
         snapshot: Path | None = None,
+        group: SandboxCgroup | None = None,
     ):
         self.id = sandbox_id
         self._wheels = wheels  # pure-Python wheels it may install: read-only to it
         self._snapshot = snapshot  # the memory snapshot it starts from (read-only), if any
+        self._group = group  # its CPU quota, memory and threads (as root on cgroup v1), if any
         self.spec = spec
         self._root = root
         self._pyodide = pyodide
@@ -134,6 +139,8 @@ class WasmSandbox(Sandbox):
             assert self._process.stdout is not None
             self._tail = StdioTail(self._process.stdout)
             self._hold_to_memory(self._process.pid)
+            if self._group is not None:
+                await asyncio.to_thread(self._join_group, self._group, self._process.pid)
             conn = await self._accept(listener)
             reader, self._writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 16)
             self._reader_task = asyncio.ensure_future(self._read(reader))
@@ -160,6 +167,20 @@ class WasmSandbox(Sandbox):
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
         resource.prlimit(pid, resource.RLIMIT_DATA, (limit, limit))
+
+    def _join_group(self, group: SandboxCgroup, pid: int) -> None:
+        """The process (every thread of it) into the sandbox's groups, before its worker is
+        told to start: the spec's CPU quota, and resident memory and threads with room for
+        Deno's own (`GROUP_RESERVE_MB`, `GROUP_THREADS`)."""
+        limits = self.spec.limits.model_copy(
+            update={
+                "memory_mb": self.spec.limits.memory_mb + GROUP_RESERVE_MB,
+                "pids": max(self.spec.limits.pids, GROUP_THREADS),
+            }
+        )
+        group.create(limits)
+        for directory in group.dirs:
+            (directory / "cgroup.procs").write_text(str(pid))
 
     async def _accept(self, listener: socket.socket) -> socket.socket:
         """The process's connection, or SandboxError as soon as it ends without one."""
@@ -282,6 +303,8 @@ class WasmSandbox(Sandbox):
                 await self._reader_task
         if self._tail is not None:
             self._tail.stop()
+        if self._group is not None:
+            await asyncio.to_thread(self._group.remove)
         await asyncio.to_thread(shutil.rmtree, self._root, True)
 
     @property

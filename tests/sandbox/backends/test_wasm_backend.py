@@ -22,6 +22,7 @@ from code_interpreter_wire.errors import (
     LanguageUnavailable,
 )
 from code_interpreter_wire.results import Execution, ExecutionStatus, StdoutEvent
+from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.wasm.backend import WasmBackend, WasmBackendConfig
 from sandbox.backends.wasm.sandbox import MAX_FILE, WasmSandbox
 from tests.conftest import require_backend, small_spec
@@ -430,3 +431,36 @@ async def test_a_wheel_from_the_operators_directory_installs_with_what_it_needs(
 async def test_without_a_wheels_directory_nothing_installs(sandbox: WasmSandbox) -> None:
     ran = await sandbox.execute("import micropip\nawait micropip.install('beta')")
     assert ran.error is not None and "ask its operator" in ran.error.value
+
+
+async def test_as_root_the_cpu_quota_holds_deno_and_its_group_goes_with_it(
+    backend: WasmBackend,
+) -> None:
+    """In a cgroup of its own (as root on cgroup v1): the spec's CPU quota throttles a busy
+    loop; the group's memory and thread caps leave Deno its own room; closing removes it."""
+    from sandbox import cgroups
+
+    if not cgroups.available():
+        pytest.skip("cgroup v1 as root is not available here")
+    spec = small_spec(limits=ResourceLimits(memory_mb=1024, cpus=0.25, pids=16))
+    made = await backend.create(spec)
+    try:
+        cpu = cgroups.ROOT / "cpu" / cgroups.PARENT / made.id
+        assert made._process is not None
+        assert str(made._process.pid) in (cpu / "cgroup.procs").read_text().split()
+        assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "25000"
+        memory = cgroups.ROOT / "memory" / cgroups.PARENT / made.id
+        assert int((memory / "memory.limit_in_bytes").read_text()) == (1024 + 1024) << 20
+        before = _throttled(cpu)
+        ran = await made.execute("import time\nt = time.time()\nwhile time.time() - t < 1: pass")
+        assert ran.ok and _throttled(cpu) > before
+    finally:
+        await made.close()
+    assert not cpu.exists() and not memory.exists()
+
+
+def _throttled(group: Path) -> int:
+    for line in (group / "cpu.stat").read_text().splitlines():
+        if line.startswith("nr_throttled"):
+            return int(line.split()[1])
+    raise AssertionError("no nr_throttled in cpu.stat")

@@ -15,17 +15,16 @@ MAX_BODY_BYTES = 16 << 20
 
 
 class LeanHttp:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str):
-        self._reader, self._writer, self._host = reader, writer, host
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, url: str
+    ) -> None:
+        self._reader, self._writer, self._url = reader, writer, url
+        self._host = urlsplit(url).netloc
 
     @classmethod
     async def connect(cls, url: str) -> LeanHttp:
-        where = urlsplit(url)
-        assert where.hostname is not None and where.port is not None, url
-        reader, writer = await asyncio.open_connection(
-            where.hostname, where.port, limit=MAX_HEAD_BYTES
-        )
-        return cls(reader, writer, where.netloc)
+        reader, writer = await _opened(url)
+        return cls(reader, writer, url)
 
     def request(self, path: str, body: dict[str, Any], token: str) -> bytes:
         """A POST, made once and sent as often as wanted."""
@@ -38,16 +37,23 @@ class LeanHttp:
 
     async def send(self, request: bytes) -> tuple[int, bytes]:
         """The answer's status and body (a body of a set length: the service sends no other
-        kind to these requests)."""
+        kind to these requests). A connection the service closed while it idled (its header
+        timeout: a part's set-up can be long) is opened again first."""
+        if self._reader.at_eof() or self._writer.is_closing():
+            self._writer.close()
+            self._reader, self._writer = await _opened(self._url)
         self._writer.write(request)
         head = await self._reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
-        length = next(
+        lengths = [
             int(value)
             for name, _, value in (line.partition(":") for line in lines[1:])
             if name.strip().lower() == "content-length"
-        )
+        ]
+        if not lengths:
+            raise ValueError(f"an answer without a Content-Length: {lines[0]}")
+        length = lengths[0]
         if length > MAX_BODY_BYTES:
             raise ValueError(f"an answer of {length} bytes")
         return status, await self._reader.readexactly(length)
@@ -55,3 +61,9 @@ class LeanHttp:
     async def close(self) -> None:
         self._writer.close()
         await self._writer.wait_closed()
+
+
+async def _opened(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    where = urlsplit(url)
+    assert where.hostname is not None and where.port is not None, url
+    return await asyncio.open_connection(where.hostname, where.port, limit=MAX_HEAD_BYTES)

@@ -252,7 +252,9 @@ class OutputStore(KeptOutputs):
     async def save(self, session_id: str, execution: Execution) -> str:
         """Evicting older ones past a quota; the id at once, the write under way."""
         execution_id = f"e-{secrets.token_hex(8)}"
-        if not self._writing and not execution.artifacts and _surely_small(execution):
+        # Only while nothing is written or waits to be (saves are kept in the order made).
+        idle = not self._writing and not self._slots.locked()
+        if idle and not execution.artifacts and _surely_small(execution):
             data = execution.__pydantic_serializer__.to_json(execution)
             if self._keep_in_memory(session_id, execution_id, data):
                 return execution_id
@@ -448,6 +450,8 @@ def _surely_small(execution: Execution) -> bool:
         size += len(error.name) + len(error.value) + len(error.traceback)
     for result in execution.results:
         if result.json_data is not None or result.chart or result.data or result.extra:
+            return False
+        if result.png is not None or result.jpeg is not None:  # an image not decoded: any size
             return False
         for text in (result.text, result.html, result.markdown, result.latex, result.javascript):
             size += len(text or "")

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from code_interpreter_wire.errors import SandboxClosed, SandboxError
-from sandbox.frames import FRAME_TIMEOUT_S, CallId, error_frame, parse_call
+from sandbox.frames import CallId, error_frame, parse_call
 
 MAX_UNANSWERED = 64  # calls of one session queued or taken and not answered yet
 CALLS_PER_POLL = 16  # at most this many calls in one answer of `next_calls`...
@@ -36,7 +36,7 @@ DEFAULT_CALL_TIMEOUT_S = 60.0
 DEFAULT_MAX_CALL_BYTES = 1 << 20
 DEFAULT_MAX_RESULT_BYTES = 8 << 20
 
-# How a call's answer frame goes back to whoever made the call.
+# How a call's answer frame goes back to whoever made the call, within FRAME_TIMEOUT_S.
 Deliver = Callable[[bytes], Awaitable[None]]
 
 
@@ -103,9 +103,11 @@ class ToolCallQueue:
 
     def offer(self, body: bytes, deliver: Deliver, group: set[str]) -> bytes | None:
         """Keep a call frame (already within `limits.max_call_bytes`) until it is taken and
-        answered through `deliver`; a `busy` answer frame to give at once instead when too
-        many wait. FrameRefused when it is not a call."""
+        answered through `deliver`; a `busy` (or, once closed, `refused`) answer frame to give
+        at once instead. FrameRefused when it is not a call."""
         call_id, tool, _ = parse_call(body)
+        if self.closed:
+            return error_frame(call_id, "refused", "the sandbox's host tool calls are closed")
         if len(self._unanswered) >= MAX_UNANSWERED:
             return error_frame(
                 call_id,
@@ -127,7 +129,7 @@ class ToolCallQueue:
         (at most MAX_POLL_S) for one; [] if none came."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(max_wait_s, 0.0), MAX_POLL_S)
-        while not self._queue:
+        while self.closed or not self._queue:
             if self.closed:
                 raise SandboxClosed("the host-tool relay is closed")
             self._queued.clear()
@@ -205,11 +207,11 @@ class ToolCallQueue:
 
     async def _finish(self, call: _Call, body: bytes) -> None:
         """Answer the call once: it leaves the books first, so nothing answers it twice. A
-        caller that cannot be reached in time is its `deliver`'s to deal with."""
+        caller that cannot be reached, or not within its own time, is its `deliver`'s to deal
+        with (each `Deliver` bounds its own wait)."""
         self._forget(call)
         with contextlib.suppress(ConnectionError, TimeoutError, SandboxError):
-            async with asyncio.timeout(FRAME_TIMEOUT_S):
-                await call.deliver(body)
+            await call.deliver(body)
 
     def _forget(self, call: _Call) -> None:
         if self._unanswered.pop(call.key, None) is None:

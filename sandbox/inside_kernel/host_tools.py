@@ -234,6 +234,7 @@ class _WasmConnection:
     def _sent(self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float) -> Any:
         import js  # Pyodide's own
 
+        # The worker gives the call an id of its own (ids here start again at a re-import).
         frame = _call_frame(next(self._ids), tool, arguments, max_bytes)
         return js.cirHostTool(frame.decode(), int(timeout_s * 1000))
 
@@ -250,8 +251,13 @@ class _WasmConnection:
     def call_sync(
         self, tool: str, arguments: dict[str, Any], max_bytes: int, timeout_s: float
     ) -> Any:
-        from pyodide.ffi import run_sync
+        from pyodide.ffi import can_run_sync, run_sync
 
+        if not can_run_sync():  # checked before the call is made: it would run unwaited for
+            raise ToolChannelError(
+                f"{tool}: a blocking call cannot wait here (inside a JavaScript callback); "
+                f"use `await host_tools.{tool}(...)`"
+            )
         # The promise itself is waited on (not a coroutine around it): an interrupt that ends
         # the wait is then raised here, in the caller's frames.
         promise = self._sent(tool, arguments, max_bytes, timeout_s)

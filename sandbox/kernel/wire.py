@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,33 +83,12 @@ async def receive_frames(
     frame is not copied: copying a 200 MB frame would hold the event loop and, for a moment,
     hold it twice. `sent`: set by whoever sends on this socket (see `_readable`).
     """
-    reader = _synchronous(socket)
-    while True:
-        try:  # a message already waiting (a run's messages come in bursts) costs no wait
-            parts = reader.recv_multipart(zmq.NOBLOCK, copy=False)
-            break
-        except zmq.Again:
-            while not await _readable(socket, sent):
-                pass
+    while not await _readable(socket, sent):
+        pass
+    parts = await socket.recv_multipart(copy=False)
     if sum(len(part) for part in parts) > max_bytes:
         return None
     return [part.buffer if len(part) > ZERO_COPY_BYTES else part.bytes for part in parts]
-
-
-def _synchronous(socket: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
-    """The socket's plain (blocking-API) twin, sharing its ZeroMQ socket: a receive that need
-    not wait is one call, not two futures and a poll. Only ever used without blocking, by the
-    socket's one reader; `_readable` (pyzmq's poll, which looks at the socket before it waits)
-    does the waiting, so no wake-up is lost to a receive made here."""
-    twin = _twins.get(socket)
-    if twin is None:
-        twin = _twins[socket] = zmq.Socket.shadow(socket.underlying)
-    return twin
-
-
-_twins: weakref.WeakKeyDictionary[zmq.asyncio.Socket, zmq.Socket[bytes]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 async def _readable(socket: zmq.asyncio.Socket, sent: asyncio.Event | None) -> bool:

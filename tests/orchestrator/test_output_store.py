@@ -247,6 +247,17 @@ async def test_small_outputs_are_held_in_memory_within_their_bound(tmp_path: Pat
     assert stored(store) == 0 and store.bytes_in_memory == 0
 
 
+async def test_held_and_written_outputs_are_evicted_oldest_first(disk_store: OutputStore) -> None:
+    """Small ones held in memory and larger ones written share one order: the oldest go
+    first, wherever they are kept."""
+    kept = [await saved(disk_store, "s1", text(3_000 if i % 2 == 0 else 12_000)) for i in range(6)]
+    assert disk_store.bytes_in_memory > 0 and list(disk_store.root.rglob("*.json"))
+    await saved(disk_store, "s1", text(12_000))  # over the session's quota: two must go
+    gone = [await evicted(disk_store, execution_id) for execution_id in kept]
+    assert gone == [True, True, False, False, False, False]
+    assert stored(disk_store) <= PER_SESSION
+
+
 async def test_a_small_save_waits_its_turn_behind_a_write(disk_store: OutputStore) -> None:
     """Saves are kept in the order they were made (the quotas evict the oldest first): a
     small one made while a write is under way goes behind it, not ahead."""

@@ -47,10 +47,12 @@ class _Connection:
     keys: set[str] = field(default_factory=set)  # its calls not answered yet
 
     async def deliver(self, body: bytes) -> None:
-        """An answer frame; a connection gone or not reading ends."""
+        """An answer frame (written whole or not at all: a cancel leaves no half frame); a
+        connection gone ends, and one not reading in time is ended by the queue's timeout."""
         try:
-            await write_frame(self.writer, self.lock, body)
-        except (ConnectionError, asyncio.CancelledError):
+            async with asyncio.timeout(FRAME_TIMEOUT_S):
+                await write_frame(self.writer, self.lock, body)
+        except (ConnectionError, TimeoutError):
             self.writer.close()
             raise
 

@@ -286,7 +286,6 @@ class WasmSandbox(Sandbox):
         if self._closed:
             return
         self._closed = True
-        await self._tools.queue.close()
         self._fail_all(SandboxClosed("the sandbox was closed"))
         self._fail_ready(SandboxClosed("the sandbox was closed"))
         if self._writer is not None:
@@ -301,6 +300,7 @@ class WasmSandbox(Sandbox):
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader_task
+        await self._tools.queue.close()  # after the reader: no call comes in after it
         if self._tail is not None:
             self._tail.stop()
         if self._group is not None:

@@ -16,12 +16,15 @@ from typing import Any
 
 from code_interpreter_wire.errors import SandboxError
 from sandbox.backends.wasm.messages import OFF_LOOP_BYTES
-from sandbox.frames import FrameRefused, error_frame, parse_call
+from sandbox.frames import FRAME_TIMEOUT_S, FrameRefused, error_frame, parse_call
 from sandbox.host_channel import KERNEL_MODULE
 from sandbox.tool_call_queue import ToolCallQueue
 
 log = logging.getLogger(__name__)
 MODULE = KERNEL_MODULE.read_text()  # host_tools.py: the same module as in a kernel
+# An answer goes to Deno as JSON text inside one frame of at most 64 MiB (sandbox.py's
+# MAX_FRAME), where escaping can double it: past this, a `too_large` error instead.
+MAX_ANSWER_BYTES = 24 << 20
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -55,30 +58,44 @@ class WasmToolCalls:
         self._generation = generation
 
     async def take(self, body: str, generation: int) -> None:
-        """A call frame a worker sent."""
+        """A call frame a worker sent. One over the call size, or that is not a call, is not
+        one host_tools.py sends (its code forged it): dropped, said in the log."""
         if generation != self._generation:
             return
-        data = body.encode()
+        limit = self.queue.limits.max_call_bytes
+        try:
+            data = body.encode() if len(body) <= limit else b""
+        except UnicodeEncodeError:  # a lone surrogate: no call's JSON holds one
+            data = b""
+        if not data or len(data) > limit:
+            log.info("a wasm sandbox sent a host tool call over %d bytes or not text", limit)
+            return
         try:
             if len(data) > OFF_LOOP_BYTES:
-                call_id, tool, _ = await asyncio.to_thread(parse_call, data)
+                call_id, _, _ = await asyncio.to_thread(parse_call, data)
             else:
-                call_id, tool, _ = parse_call(data)
-        except FrameRefused as exc:  # host_tools.py sends no such thing: its code made it
+                call_id, _, _ = parse_call(data)
+        except FrameRefused as exc:
             log.info("a wasm sandbox sent a host tool call that is not one: %s", exc)
+            return
+        if generation != self._generation:  # its worker was replaced meanwhile
             return
 
         async def deliver(answer: bytes) -> None:
-            if generation == self._generation:  # else its worker was replaced since
-                await self._send({"op": "tool_reply", "call": call_id, "body": answer.decode()})
+            if generation != self._generation:  # its worker was replaced since
+                return
+            if len(answer) > MAX_ANSWER_BYTES:  # over what one message to Deno carries
+                answer = error_frame(
+                    call_id,
+                    "too_large",
+                    f"the answer is {len(answer)} bytes, over the {MAX_ANSWER_BYTES} a wasm "
+                    "sandbox takes: ask for less (filter, page, summarise)",
+                )
+            message = {"op": "tool_reply", "call": call_id, "body": answer.decode()}
+            async with asyncio.timeout(FRAME_TIMEOUT_S):
+                await self._send(message)
 
-        limit = self.queue.limits.max_call_bytes
-        if len(data) > limit:
-            refusal = error_frame(
-                call_id, "too_large", f"{tool}: the call is {len(data)} bytes, over {limit}"
-            )
-            await deliver(refusal)
-            return
         busy = self.queue.offer(data, deliver, self._calls)
         if busy is not None:
-            await deliver(busy)
+            with contextlib.suppress(SandboxError, TimeoutError):
+                await deliver(busy)

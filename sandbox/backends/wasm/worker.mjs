@@ -12,30 +12,34 @@ let tools = null; // the session's host tools ({manifest, module}) until the dri
 // by the frame's id; the promise given to Python settles with the answer frame's text. A call
 // not answered in time, or cut off by an interrupt, rejects.
 const MAX_TOOL_CALLS = 256;
+const MAX_TIMER_MS = 2 ** 31 - 1; // setTimeout's longest
 const INTERRUPTED = "the run was interrupted"; // host_tools.py raises KeyboardInterrupt on it
 const toolCalls = new Map(); // call id -> { resolve, reject, timer }
 
+let toolSeq = 0; // the calls' ids as the service sees them: this worker's own, never reused
+
 globalThis.cirHostTool = (frame, timeoutMs) => new Promise((resolve, reject) => {
-  let id = null;
+  let call = null;
   try {
-    id = JSON.parse(frame).id;
+    call = JSON.parse(frame);
   } catch {
     // left null: refused below
   }
-  if (typeof id !== "number" || toolCalls.has(id)) {
-    reject(new Error("a host tool call without an id of its own"));
+  if (call === null || typeof call !== "object" || Array.isArray(call)) {
+    reject(new Error("a host tool call that is not a JSON object"));
     return;
   }
   if (toolCalls.size >= MAX_TOOL_CALLS) {
     reject(new Error(`more than ${MAX_TOOL_CALLS} host tool calls at once`));
     return;
   }
+  const id = ++toolSeq;
   const timer = setTimeout(() => {
     toolCalls.delete(id);
     reject(new Error("no answer from the host in time"));
-  }, Math.max(0, Number(timeoutMs) || 0));
+  }, Math.min(MAX_TIMER_MS, Math.max(0, Number(timeoutMs) || 0)));
   toolCalls.set(id, { resolve, reject, timer });
-  post("tool", null, frame);
+  post("tool", null, JSON.stringify({ ...call, id }));
 });
 
 function endToolCalls(why) {
@@ -53,7 +57,7 @@ globalThis.cirSleep = (ms) => new Promise((resolve, reject) => {
   sleep.timer = setTimeout(() => {
     sleeps.delete(sleep);
     resolve(null);
-  }, Math.max(0, Number(ms) || 0));
+  }, Math.min(MAX_TIMER_MS, Math.max(0, Number(ms) || 0)));
   sleeps.add(sleep);
 });
 
@@ -181,12 +185,9 @@ self.onmessage = async (event) => {
       // promise). Its flag would be seen by whatever Python runs next, not by the run's
       // code: it is taken back, and the run is ended where it waits.
       interrupt[0] = 0;
-      if (toolCalls.size > 0 || sleeps.size > 0) {
-        endToolCalls(INTERRUPTED); // the calls and sleeps it waits on raise KeyboardInterrupt
-        endSleeps(INTERRUPTED);
-      } else if (driver !== null) {
-        driver.interrupt();
-      }
+      endToolCalls(INTERRUPTED); // the calls and sleeps it waits on raise KeyboardInterrupt,
+      endSleeps(INTERRUPTED); // and its task is cancelled where it awaits
+      if (driver !== null) driver.interrupt();
     }
   } catch (error) {
     post("failed", id, JSON.stringify({ message: String(error?.message ?? error).slice(-4000) }));

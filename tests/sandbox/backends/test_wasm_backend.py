@@ -421,11 +421,15 @@ async def test_a_wheel_from_the_operators_directory_installs_with_what_it_needs(
         evil = await sandbox.execute("await micropip.install('evil')")
         assert evil.error is not None and "outside site-packages" in evil.error.value, evil
         # The directory is read-only to it, and nothing else of the host opens.
+        assert with_wheels.config.wheels_dir is not None
+        where = with_wheels.config.wheels_dir.resolve()
         write = await sandbox.execute(
-            "import js, os\njs.Deno.writeTextFileSync(os.environ.get('CIR_WHEELS', '/x') + "
-            "'/new.whl', 'x')"
+            f"import js\njs.Deno.writeTextFileSync('{where}/new.whl', 'x')"
         )
-        assert write.error is not None
+        assert write.error is not None and "NotCapable" in write.error.traceback, write.error
+        assert not (where / "new.whl").exists()
+        read = await sandbox.execute(f"js.Deno.statSync('{where}').isDirectory")
+        assert read.results[0].text == "True", read  # it reads the directory: the wall holds
 
 
 async def test_without_a_wheels_directory_nothing_installs(sandbox: WasmSandbox) -> None:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 
+import httpx2
 import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
+from tests.clients.test_mcp import session_of, text_of
 from tests.conftest import require_backend
-from tests.orchestrator.service.conftest import Server, make_server
+from tests.orchestrator.service.conftest import KEY_A, Server, make_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,3 +73,36 @@ def test_what_a_wasm_session_cannot_do_is_refused_with_the_reason(server: Server
             assert paused.json()["error"]["type"] == "PauseUnsupported"
         finally:
             api.delete(f"/v1/sessions/{sid}")
+
+
+@pytest.fixture(scope="module")
+def wasm_server() -> Iterator[Server]:
+    """A service whose default (and only) backend is wasm: what MCP's tool makes."""
+    require_backend("wasm")
+    made = make_server(backends="wasm", default_backend="wasm").start()
+    try:
+        yield made
+    finally:
+        made.stop()
+        shutil.rmtree(made.state_dir.parent, ignore_errors=True)
+
+
+async def test_a_wasm_session_through_mcp(wasm_server: Server) -> None:
+    """The service's MCP front with the `mcp` package's own client: a session on the wasm
+    backend keeps its state across calls."""
+    server = wasm_server
+    sid = ""
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY_A}"}) as http:
+        transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
+        async with Client(transport) as client:
+            made = await client.call_tool("code_interpreter", {"code": "import sys\nx = 20"})
+            assert not made.is_error, made
+            ran = await client.call_tool(
+                "code_interpreter",
+                {"code": "sys.platform, x * 2 + 2", "session_id": session_of(made)},
+            )
+            assert "[result]\n('emscripten', 42)" in text_of(ran), text_of(ran)
+            sid = session_of(made)
+    with server.client() as api:
+        assert api.get(f"/v1/sessions/{sid}").json()["backend"] == "wasm"
+        api.delete(f"/v1/sessions/{sid}")

@@ -242,15 +242,18 @@ _PYODIDE_SLEEP = time.sleep
 time.sleep = _sleep
 
 
-# --- packages: pure-Python wheels from the operator's directory (read-only to the sandbox)
+# --- packages: the Pyodide distribution's own (compiled ones too, where the operator's copy has
+# them), then pure-Python wheels from the operator's directory; both read-only to the sandbox
 
 WHEELS = str(globals().pop("_cir_wheels", ""))  # set by worker.mjs before this runs
+PYODIDE = str(globals().pop("_cir_pyodide", "")).rstrip("/")  # the distribution's directory
 _WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-[^-]+)?-[^-]+-none-any\.whl$")
 
 
 class Micropip(types.ModuleType):
-    """`await micropip.install("name")`, as in Pyodide, but from the operator's wheels only:
-    nothing is ever fetched."""
+    """`await micropip.install("name")`, as in Pyodide, but only from what this service holds:
+    the packages of its Pyodide distribution whose files it has (with what they need), else the
+    operator's pure-Python wheels. Nothing is ever fetched."""
 
     async def install(
         self, requirements: str | list[str], keep_going: bool = False, deps: bool = True
@@ -258,7 +261,7 @@ class Micropip(types.ModuleType):
         names = [requirements] if isinstance(requirements, str) else list(requirements)
         done: set[str] = set()
         for requirement in names:
-            _install(requirement, deps, done)
+            await _install(requirement, deps, done)
         importlib.invalidate_caches()
 
     def list(self) -> dict[str, str]:
@@ -269,7 +272,7 @@ def _normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _install(requirement: str, deps: bool, done: set[str]) -> None:
+async def _install(requirement: str, deps: bool, done: set[str]) -> None:
     name = re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0]
     key = _normalized(name)
     if key in done:
@@ -280,12 +283,27 @@ def _install(requirement: str, deps: bool, done: set[str]) -> None:
         return  # there already
     except importlib.metadata.PackageNotFoundError:
         pass
+    packaged = _in_distribution(key)
+    if packaged is not None:
+        await _load_package(packaged)
+        return
     wheel = _wheel_of(key)
     if wheel is None:
         raise ValueError(
-            f"no pure-Python wheel of {name!r} among the wheels this service offers; ask its "
-            f"operator to add it (`code-interpreter wasm fetch {name}`)"
+            f"no package {name!r} among those this service offers: not in its Pyodide "
+            "distribution's files, nor a pure-Python wheel in its wheels directory; ask its "
+            f"operator to add it (`code-interpreter wasm fetch {name}`, or a full Pyodide "
+            "distribution as wasm_pyodide_dir)"
         )
+    needs = _unpack(wheel)
+    if deps:
+        for line in needs.splitlines():
+            if line.startswith("Requires-Dist:") and ";" not in line:
+                await _install(line.split(":", 1)[1], deps, done)
+
+
+def _unpack(wheel: str) -> str:
+    """A wheel of the wheels directory unpacked into site-packages; its metadata's text."""
     import js  # Pyodide's door to Deno: the worker may read the wheels' directory, no more
 
     data = bytes(js.Deno.readFileSync(f"{WHEELS}/{wheel}").to_py())
@@ -297,11 +315,56 @@ def _install(requirement: str, deps: bool, done: set[str]) -> None:
                 raise ValueError(f"{wheel} holds a path outside site-packages: {member}")
         archive.extractall(site)
         metadata = next((m for m in archive.namelist() if m.endswith(".dist-info/METADATA")), None)
-        needs = archive.read(metadata).decode(errors="replace") if metadata else ""
-    if deps:
-        for line in needs.splitlines():
-            if line.startswith("Requires-Dist:") and ";" not in line:
-                _install(line.split(":", 1)[1], deps, done)
+        return archive.read(metadata).decode(errors="replace") if metadata else ""
+
+
+_LOCK: dict[str, dict[str, Any]] | None = None  # the distribution's packages, by normalized name
+
+
+def _in_distribution(key: str) -> str | None:
+    """The distribution's name for a package it lists and holds the file of; None if not (a
+    release from npm lists its packages without their files: Pyodide would fetch them)."""
+    global _LOCK
+    if not PYODIDE:
+        return None
+    import js
+
+    if _LOCK is None:
+        try:
+            listed = json.loads(str(js.Deno.readTextFileSync(f"{PYODIDE}/pyodide-lock.json")))
+            _LOCK = {_normalized(n): p for n, p in listed.get("packages", {}).items()}
+        except Exception:  # no lock file, or not one: only the wheels directory then
+            _LOCK = {}
+    package = _LOCK.get(key)
+    if not isinstance(package, dict) or not isinstance(package.get("file_name"), str):
+        return None
+    if "/" in package["file_name"] or ":" in package["file_name"]:
+        return None  # a URL or a path elsewhere: never fetched
+    try:
+        js.Deno.statSync(f"{PYODIDE}/{package['file_name']}")
+    except Exception:
+        return None
+    return str(package.get("name") or key)
+
+
+async def _load_package(name: str) -> None:
+    """Pyodide's own loading, from the distribution's directory (its integrity checked); what it
+    needs comes from there too, and is refused if it is not there."""
+    import pyodide_js
+    from pyodide.ffi import create_proxy
+
+    said: list[str] = []
+    errors = create_proxy(said.append)
+    try:
+        await pyodide_js.loadPackage(name, messageCallback=None, errorCallback=errors)
+    finally:
+        errors.destroy()
+    if said or _normalized(name) not in {
+        _normalized(d.metadata["Name"]) for d in importlib.metadata.distributions()
+    }:
+        raise ValueError(
+            f"{name} could not be loaded from this service's Pyodide: {' '.join(said)}"
+        )
 
 
 def _wheel_of(key: str) -> str | None:

@@ -8,6 +8,7 @@ const [indexURL, outPath] = Deno.args;
 const { loadPyodide } = await import(new URL("pyodide.mjs", "file://" + indexURL + "/").href);
 const pyodide = await loadPyodide({
   indexURL: indexURL + "/",
+  packageBaseUrl: indexURL + "/", // as worker.mjs loads it: nothing from Pyodide's CDN
   env: { HOME: "/workspace" },
   _makeSnapshot: true,
 });

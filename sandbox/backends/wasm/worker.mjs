@@ -119,7 +119,10 @@ function capMemory(maxBytes) {
 // a start in a fraction of a cold one's time; cold when there is none or it will not load.
 async function load(message) {
   const { loadPyodide } = await import(new URL("pyodide.mjs", "file://" + message.indexURL + "/").href);
-  const options = { indexURL: message.indexURL + "/", env: { HOME: "/workspace" } };
+  // Packages come from the distribution's directory, never from Pyodide's CDN: where a file is
+  // not there, Pyodide's fallback is this same directory.
+  const local = message.indexURL + "/";
+  const options = { indexURL: local, packageBaseUrl: local, env: { HOME: "/workspace" } };
   if (message.snapshot) {
     try {
       return await loadPyodide({ ...options, _loadSnapshot: Deno.readFileSync(message.snapshot) });
@@ -142,6 +145,7 @@ async function init(message) {
   pyodide.setInterruptBuffer(interrupt);
   interrupt[0] = 0;
   pyodide.globals.set("_cir_wheels", message.wheelsDir ?? "");
+  pyodide.globals.set("_cir_pyodide", message.indexURL);
   pyodide.runPython(message.driver);
   driver = pyodide.globals.get("_cir_driver");
   setTools(tools);

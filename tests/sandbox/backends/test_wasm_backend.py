@@ -7,8 +7,10 @@ through `js`, Pyodide's door to Deno's own API. Real Deno, real Pyodide (the pin
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import json
+import shutil
 import zipfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,6 +25,7 @@ from code_interpreter_wire.errors import (
 )
 from code_interpreter_wire.results import Execution, ExecutionStatus, StdoutEvent
 from code_interpreter_wire.spec import ResourceLimits
+from sandbox.backends.wasm import distribution as distribution_module
 from sandbox.backends.wasm.backend import WasmBackend, WasmBackendConfig
 from sandbox.backends.wasm.sandbox import MAX_FILE, WasmSandbox
 from tests.conftest import require_backend, small_spec
@@ -415,7 +418,8 @@ async def test_a_wheel_from_the_operators_directory_installs_with_what_it_needs(
         assert ran.results[0].text == "42", ran
         listed = await sandbox.execute("sorted(micropip.list())")
         assert "'alpha_pkg'" in (listed.results[0].text or "")
-        for name, why in (("native", "no pure-Python wheel"), ("nothing", "no pure-Python")):
+        for name in ("native", "nothing"):
+            why = f"no package {name!r} among those this service offers"
             refused = await sandbox.execute(f"await micropip.install({name!r})")
             assert refused.error is not None and why in refused.error.value, refused
         evil = await sandbox.execute("await micropip.install('evil')")
@@ -430,6 +434,58 @@ async def test_a_wheel_from_the_operators_directory_installs_with_what_it_needs(
         assert not (where / "new.whl").exists()
         read = await sandbox.execute(f"js.Deno.statSync('{where}').isDirectory")
         assert read.results[0].text == "True", read  # it reads the directory: the wall holds
+
+
+@pytest.fixture(scope="module")
+def distribution(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An operator's Pyodide distribution: the pinned release with two packages' files of its
+    own in it (one needing the other), and one more its lock lists without the file (as a
+    release from npm lists numpy)."""
+    require_backend("wasm")
+    where = tmp_path_factory.mktemp("pyodide-full")
+    for item in distribution_module.configured_dir().iterdir():
+        if item.is_file():
+            shutil.copy2(item, where / item.name)
+    lock = json.loads((where / "pyodide-lock.json").read_text())
+    for name, files, depends in (
+        ("tinydep", {"tinydep/__init__.py": "D = 6\n"}, []),
+        ("tinypkg", {"tinypkg/__init__.py": "from tinydep import D\nVALUE = D * 7\n"}, ["tinydep"]),
+    ):
+        data = _wheel(name, "1.0", files)
+        file_name = f"{name}-1.0-py3-none-any.whl"
+        (where / file_name).write_bytes(data)
+        lock["packages"][name] = {
+            "name": name, "version": "1.0", "file_name": file_name, "install_dir": "site",
+            "sha256": hashlib.sha256(data).hexdigest(), "package_type": "package",
+            "imports": [name], "depends": depends, "unvendored_tests": False, "tool": {},
+        }  # fmt: skip
+    lock["packages"]["ghostpkg"] = {**lock["packages"]["tinydep"], "name": "ghostpkg",
+                                    "file_name": "ghostpkg-1.0-py3-none-any.whl"}  # fmt: skip
+    (where / "pyodide-lock.json").write_text(json.dumps(lock))
+    return where
+
+
+async def test_a_package_of_the_operators_pyodide_distribution_loads_from_its_directory(
+    distribution: Path, tmp_path: Path
+) -> None:
+    """Pyodide's own loading (its integrity check, what a package needs), from the operator's
+    distribution; one it lists without the file is refused, and nothing reaches for Pyodide's
+    CDN, not even Pyodide's own fallback."""
+    backend = WasmBackend(WasmBackendConfig(state_dir=tmp_path, pyodide_dir=distribution))
+    async with await backend.create(small_spec()) as sandbox:
+        ran = await sandbox.execute(
+            "import micropip\nawait micropip.install('tinypkg')\nimport tinypkg\ntinypkg.VALUE"
+        )
+        assert ran.results[0].text == "42", ran
+        ghost = await sandbox.execute("await micropip.install('ghostpkg')")
+        assert ghost.error is not None and "no package 'ghostpkg'" in ghost.error.value, ghost
+        direct = await sandbox.execute(
+            "import pyodide_js\nawait pyodide_js.loadPackage('ghostpkg')\n"
+            "import importlib.util\nimportlib.util.find_spec('ghostpkg') is None"
+        )
+        said = direct.stdout + direct.stderr + str(direct.error)
+        assert "jsdelivr" not in said and "http" not in said, said
+        assert str(distribution) in said, said  # it looked in the directory, and only there
 
 
 async def test_without_a_wheels_directory_nothing_installs(sandbox: WasmSandbox) -> None:

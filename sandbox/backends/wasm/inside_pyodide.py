@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import contextvars
 import importlib
 import importlib.metadata
@@ -128,11 +129,21 @@ class Driver:
         return json.dumps({"ok": True, "value": value})
 
     # --- files, by paths the service checked already (relative, no '..'), checked again
-    def file_write(self, path: str, data_b64: str) -> dict[str, Any]:
+    def file_write(self, path: str, data_b64: str, quota: int) -> dict[str, Any]:
+        """Write a file, the workspace's whole size kept within `quota` bytes (the file it
+        replaces not counted)."""
         target = _inside(path)
+        data = base64.b64decode(data_b64)
+        replaced = os.path.getsize(target) if os.path.isfile(target) else 0
+        used = _workspace_bytes() - replaced
+        if used + len(data) > quota:
+            raise TooLarge(
+                f"{path}: {len(data)} bytes more would take the workspace past its quota of "
+                f"{quota} bytes ({used} in use): remove files first"
+            )
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "wb") as out:
-            out.write(base64.b64decode(data_b64))
+            out.write(data)
         return _info(target)
 
     def file_read(self, path: str, max_bytes: int) -> str:
@@ -163,6 +174,15 @@ class Driver:
         else:
             os.remove(target)
         return None
+
+
+def _workspace_bytes() -> int:
+    total = 0
+    for here, _, files in os.walk(WORKSPACE):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(here, name)).st_size
+    return total
 
 
 def _inside(path: str) -> str:

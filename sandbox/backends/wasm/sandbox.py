@@ -635,7 +635,9 @@ class WasmSandbox(Sandbox):
                 f"{len(data)} bytes is over the {limit} bytes a file of a wasm sandbox may hold "
                 "(its workspace's size, and what one message carries)"
             )
-        return file_info(await self._call("write", relative, base64.b64encode(data).decode()))
+        quota = self.spec.limits.workspace_size_mb << 20
+        encoded = base64.b64encode(data).decode()
+        return file_info(await self._call("write", relative, encoded, quota))
 
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
         relative = "/".join(clean_path(path))

@@ -309,6 +309,18 @@ async def test_a_file_too_large_to_carry_is_refused_and_the_session_carries_on(
         assert (await sandbox.execute("1 + 1")).results[0].text == "2"
 
 
+async def test_uploads_keep_the_workspace_within_its_quota(backend: WasmBackend) -> None:
+    spec = small_spec(limits=ResourceLimits(memory_mb=1024, workspace_size_mb=1))
+    async with await backend.create(spec) as sandbox:
+        await sandbox.upload("a.bin", b"a" * 600_000)
+        with pytest.raises(FileTooLarge, match="quota of 1048576 bytes"):
+            await sandbox.upload("b.bin", b"b" * 600_000)
+        await sandbox.upload("a.bin", b"c" * 900_000)  # replacing a file: its size goes
+        assert [f.path for f in await sandbox.list_files()] == ["a.bin"]
+        await sandbox.remove_file("a.bin")
+        await sandbox.upload("b.bin", b"b" * 600_000)
+
+
 async def test_forged_messages_nested_deep_are_dropped_and_counted(backend: WasmBackend) -> None:
     """The worker may post anything: bodies nested 100,000 deep, for any id, cost nothing; an
     unreadable end of its own run ends that run as an error, and the session carries on. (A

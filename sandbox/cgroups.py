@@ -34,6 +34,7 @@ _CONTROLLERS = ("memory", "pids", "cpu")
 BACKGROUND_SHARES = 64
 LIVE_SHARES = 1024
 MAX_SHARES = 262_144  # cgroup v1's most
+CFS_PERIOD_US = 100_000
 _RESCALING = threading.Lock()  # called from the event loop and from worker threads
 
 
@@ -63,11 +64,14 @@ class SandboxCgroup:
         if swap.exists():  # only where swap accounting is on
             swap.write_text(memory)
         (self.dirs[1] / "pids.max").write_text(str(limits.pids))
-        period = 100_000
-        (self.dirs[2] / "cpu.cfs_period_us").write_text(str(period))
-        (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * period)))
+        (self.dirs[2] / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        self.set_cpu_quota(limits.cpus)
         if self.scale_parent:
             rescale_parent(joining=self.sandbox_id)
+
+    def set_cpu_quota(self, cpus: float) -> None:
+        """At most `cpus` cores' time, whatever runs in the group."""
+        (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(cpus * CFS_PERIOD_US)))
 
     def weigh(self, *, background: bool) -> bool:
         """The sandbox's CPU weight among its siblings: background (a warm pool's sandbox

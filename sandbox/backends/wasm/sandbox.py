@@ -145,6 +145,8 @@ class WasmSandbox(Sandbox):
             reader, self._writer = await asyncio.open_unix_connection(sock=conn, limit=1 << 16)
             self._reader_task = asyncio.ensure_future(self._read(reader))
             await self._start_worker()
+            if self._group is not None:  # the session's code runs from now on: its quota too
+                await asyncio.to_thread(self._group.set_cpu_quota, self.spec.limits.cpus)
             if self._closed:
                 raise SandboxClosed("the sandbox was closed while it started")
         except BaseException as exc:
@@ -170,12 +172,14 @@ class WasmSandbox(Sandbox):
 
     def _join_group(self, group: SandboxCgroup, pid: int) -> None:
         """The process (every thread of it) into the sandbox's groups, before its worker is
-        told to start: the spec's CPU quota, and resident memory and threads with room for
-        Deno's own (`GROUP_RESERVE_MB`, `GROUP_THREADS`)."""
+        told to start: resident memory and threads with room for Deno's own
+        (`GROUP_RESERVE_MB`, `GROUP_THREADS`); the spec's CPU quota once Pyodide has started
+        (its start is the service's work, not the session's, and a third faster unthrottled)."""
         limits = self.spec.limits.model_copy(
             update={
                 "memory_mb": self.spec.limits.memory_mb + GROUP_RESERVE_MB,
                 "pids": max(self.spec.limits.pids, GROUP_THREADS),
+                "cpus": os.cpu_count() or 1,  # Pyodide's start (ours): the spec's once it runs
             }
         )
         group.create(limits)

@@ -35,6 +35,7 @@ BACKGROUND_SHARES = 64
 LIVE_SHARES = 1024
 MAX_SHARES = 262_144  # cgroup v1's most
 CFS_PERIOD_US = 100_000
+MIN_QUOTA_US = 1_000
 _RESCALING = threading.Lock()  # called from the event loop and from worker threads
 
 
@@ -71,7 +72,8 @@ class SandboxCgroup:
 
     def set_cpu_quota(self, cpus: float) -> None:
         """At most `cpus` cores' time, whatever runs in the group."""
-        (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(int(cpus * CFS_PERIOD_US)))
+        quota = max(MIN_QUOTA_US, int(cpus * CFS_PERIOD_US))  # the kernel's least
+        (self.dirs[2] / "cpu.cfs_quota_us").write_text(str(quota))
 
     def weigh(self, *, background: bool) -> bool:
         """The sandbox's CPU weight among its siblings: background (a warm pool's sandbox

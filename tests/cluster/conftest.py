@@ -56,6 +56,7 @@ os.environ["RAY_AUTH_TOKEN"] = RUN_TOKEN
 HEALTH_CHECK_MS = 500  # how often the head checks a raylet: a killed node is found dead soon
 SHARED_CAPACITIES = (0, 2, 2)  # the head offers no sessions; two workers of 2 slots
 NODE_DEATH_WAIT_S = 60.0  # how long the head may take to see a node of a module's dead
+EXITING_WAIT_S = 180.0  # how long a process past the release of its memory may take to end
 
 RayNode = LocalNode  # the name the test modules knew a node by
 EGRESS_COUNT = egress_counter_name("")  # what every service's egress count's name starts with
@@ -134,10 +135,33 @@ class RayTestCluster:
         _wait_for(lambda: not _alive_in_ray({n.node_id for n in self.own}), NODE_DEATH_WAIT_S)
         # Ending an actor ends its sandbox, but the processes may take a moment to go.
         _wait_for(lambda: not self.cluster.sandbox_processes(), KILL_WAIT_S)
+        # A process whose command line is gone is past its exit's release of its memory and
+        # runs nothing any more; under load the kernel may take longer to finish it (a PID
+        # namespace's first process waits for every other in it to be reaped). Waited for
+        # longer; one that never ends still fails the module, with its state said.
+        if all(not command for command in self.cluster.sandbox_processes().values()):
+            _wait_for(lambda: not self.cluster.sandbox_processes(), EXITING_WAIT_S)
         left = Leftovers(
-            {**self.cluster.sandbox_processes(), **survivors}, self.cluster.sandbox_dirs()
+            {
+                **{pid: _described(pid, c) for pid, c in self.cluster.sandbox_processes().items()},
+                **survivors,
+            },
+            self.cluster.sandbox_dirs(),
         )
         return leaked, left
+
+
+def _described(pid: int, command: str) -> str:
+    """A leftover process as it reads: its command line, or (exiting) its state and where the
+    kernel holds it."""
+    if command:
+        return command
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return "(gone while read)"
+    return f"(exiting: state {state}, waiting in {wchan or 'nothing'})"
 
 
 def _wait_for(done: Callable[[], object], wait_s: float) -> None:

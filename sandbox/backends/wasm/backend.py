@@ -98,6 +98,7 @@ class WasmBackend(Backend):
         self.refuse_runtime(spec)
         pyodide = distribution.check(self.config.pyodide_dir)
         sandbox_id = secrets.token_hex(8)
+        snapshot = await self._snapshot(pyodide.resolve())  # before anything is made to remove
         try:
             dirs = await asyncio.to_thread(
                 SessionDirs.create, self.config.state_dir, self.name, sandbox_id, root_mode=0o700
@@ -105,7 +106,6 @@ class WasmBackend(Backend):
         except OSError as exc:
             raise SandboxStartError(f"cannot make the sandbox's directory: {exc}") from None
         wheels = self.config.wheels_dir.resolve() if self.config.wheels_dir else None
-        snapshot = await self._snapshot(pyodide.resolve())
         group = None
         if self.config.use_cgroups and cgroups.available():
             group = SandboxCgroup(sandbox_id, scale_parent=True)

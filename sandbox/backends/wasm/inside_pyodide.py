@@ -11,10 +11,12 @@ import asyncio
 import base64
 import contextlib
 import contextvars
+import hashlib
 import importlib
 import importlib.metadata
 import io
 import json
+import math
 import os
 import random
 import re
@@ -56,11 +58,13 @@ class Driver:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.count = 0
         self._running: asyncio.Task[Any] | None = None  # the run's task, while it runs
+        self._interrupted = False  # the run was cancelled by `interrupt`, not by its own code
 
     def interrupt(self) -> None:
         """End the run where it waits (an await, a host tool call): worker.mjs calls this when
         the run is not running Python, so the interrupt flag would not reach its code."""
         if self._running is not None:
+            self._interrupted = True
             self._running.cancel()
 
     async def run(
@@ -75,6 +79,7 @@ class Driver:
         os.environ.update(env)
         where = _inside(cwd) if cwd else WORKSPACE
         self._running = asyncio.current_task()
+        self._interrupted = False
         try:
             os.makedirs(where, exist_ok=True)
             os.chdir(where)
@@ -82,8 +87,8 @@ class Driver:
                 code, globals=self.namespace, filename=f"<cell-{self.count}>"
             )
         except BaseException as exc:  # KeyboardInterrupt too: the time limit's
-            if isinstance(exc, asyncio.CancelledError):  # ended where it waited (interrupt)
-                exc = KeyboardInterrupt().with_traceback(exc.__traceback__)
+            if isinstance(exc, asyncio.CancelledError) and self._interrupted:
+                exc = KeyboardInterrupt().with_traceback(exc.__traceback__)  # ended where it waited
             emit("error", json.dumps(_error(exc)))
             interrupted = isinstance(exc, KeyboardInterrupt)
             return json.dumps({"status": "interrupted" if interrupted else "error"})
@@ -133,8 +138,10 @@ class Driver:
         """Write a file, the workspace's whole size kept within `quota` bytes (the file it
         replaces not counted)."""
         target = _inside(path)
+        if os.path.islink(target):  # as on every backend: a link the code planted is refused
+            raise ValueError(f"{path} is a symbolic link; a file is written only in its place")
         data = base64.b64decode(data_b64)
-        replaced = os.path.getsize(target) if os.path.isfile(target) else 0
+        replaced = os.lstat(target).st_size if os.path.isfile(target) else 0
         used = _workspace_bytes() - replaced
         if used + len(data) > quota:
             raise TooLarge(
@@ -241,10 +248,16 @@ def _error(exc: BaseException) -> dict[str, Any]:
 def _sleep(seconds: float | SupportsIndex, /) -> None:
     """time.sleep as a wait the worker can end: an interrupt (a time limit) raises
     KeyboardInterrupt here, and the session keeps its state. Pyodide's own sleep waits out its
-    whole time, whatever the flag says."""
+    whole time, whatever the flag says. Its arguments are refused as CPython's are."""
+    if isinstance(seconds, str | bytes) or not hasattr(seconds, "__float__"):
+        raise TypeError(f"'{type(seconds).__name__}' object cannot be interpreted as an integer")
     seconds = float(seconds)
+    if math.isnan(seconds):
+        raise ValueError("Invalid value NaN (not a number)")
     if seconds < 0:
         raise ValueError("sleep length must be non-negative")
+    if seconds > _LONGEST_SLEEP_S:
+        raise OverflowError("sleep length is too large")
     from pyodide.ffi import can_run_sync, run_sync
 
     if not can_run_sync():  # not within a run (a callback of JavaScript's): as Pyodide does
@@ -258,6 +271,7 @@ def _sleep(seconds: float | SupportsIndex, /) -> None:
         raise KeyboardInterrupt(str(getattr(exc, "message", None) or exc)) from None
 
 
+_LONGEST_SLEEP_S = (2**31 - 1) / 1000  # a JavaScript timer's longest
 _PYODIDE_SLEEP = time.sleep
 time.sleep = _sleep
 
@@ -356,35 +370,62 @@ def _in_distribution(key: str) -> str | None:
         except Exception:  # no lock file, or not one: only the wheels directory then
             _LOCK = {}
     package = _LOCK.get(key)
-    if not isinstance(package, dict) or not isinstance(package.get("file_name"), str):
-        return None
-    if "/" in package["file_name"] or ":" in package["file_name"]:
-        return None  # a URL or a path elsewhere: never fetched
-    try:
-        js.Deno.statSync(f"{PYODIDE}/{package['file_name']}")
-    except Exception:
+    if not isinstance(package, dict) or _file_of(package) is None:
         return None
     return str(package.get("name") or key)
 
 
-async def _load_package(name: str) -> None:
-    """Pyodide's own loading, from the distribution's directory (its integrity checked); what it
-    needs comes from there too, and is refused if it is not there."""
-    import pyodide_js
-    from pyodide.ffi import create_proxy
+def _file_of(package: dict[str, Any]) -> str | None:
+    """The path of a package's file in the distribution's directory, if it is there: a name,
+    never a URL or a path elsewhere."""
+    name = package.get("file_name")
+    if not isinstance(name, str) or not name or "/" in name or ":" in name or name[0] == ".":
+        return None
+    import js
 
-    said: list[str] = []
-    errors = create_proxy(said.append)
     try:
-        await pyodide_js.loadPackage(name, messageCallback=None, errorCallback=errors)
-    finally:
-        errors.destroy()
-    if said or _normalized(name) not in {
-        _normalized(d.metadata["Name"]) for d in importlib.metadata.distributions()
-    }:
-        raise ValueError(
-            f"{name} could not be loaded from this service's Pyodide: {' '.join(said)}"
-        )
+        js.Deno.statSync(f"{PYODIDE}/{name}")
+    except Exception:
+        return None
+    return f"{PYODIDE}/{name}"
+
+
+def _verified(key: str, seen: set[str]) -> None:
+    """The package's file, and those of what it needs, each as the distribution's lock says
+    (its sha256): Pyodide's own check does not run under Deno (its fetch ignores `integrity`,
+    and a file read skips it)."""
+    import js
+
+    assert _LOCK is not None
+    seen.add(key)
+    package = _LOCK.get(key)
+    path = _file_of(package) if isinstance(package, dict) else None
+    if package is None or path is None:
+        raise ValueError(f"{key} is needed, and this service's Pyodide does not hold it")
+    data = bytes(js.Deno.readFileSync(path).to_py())
+    if hashlib.sha256(data).hexdigest() != package.get("sha256"):
+        raise ValueError(f"{key}: its file does not match the distribution's lock; not loaded")
+    for needed in package.get("depends") or []:
+        if isinstance(needed, str) and _normalized(needed) not in seen:
+            _verified(_normalized(needed), seen)
+
+
+async def _load_package(name: str) -> None:
+    """Pyodide's own loading, from the distribution's directory, of a package and what it
+    needs, each file checked first (`_verified`)."""
+    import js
+    import pyodide_js
+
+    _verified(_normalized(name), set())
+    # Pyodide's messages go to a list of JavaScript's own (no Python proxy to outlive the call).
+    said = js.Array.new()
+    collect = js.Function.new("said", "return (m) => { said.push(String(m)); }")(said)
+    quiet = js.Function.new("")
+    await pyodide_js.loadPackage(name, messageCallback=quiet, errorCallback=collect)
+    installed = {_normalized(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+    if _normalized(name) not in installed:
+        why = " ".join(str(m) for m in said) or "it is not installed after loading"
+        raise ValueError(f"{name} could not be loaded from this service's Pyodide: {why}")
 
 
 def _wheel_of(key: str) -> str | None:

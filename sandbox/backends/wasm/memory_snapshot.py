@@ -10,7 +10,8 @@ share is taken back: each draws its own random state as it starts (inside_pyodid
 `os.urandom` is the host's). What it cannot renew is the interpreter's string hash seed, the
 same in every session from one snapshot (it keys no secret of ours; docs/wasm.md). A snapshot
 that cannot be taken leaves sandboxes to start cold, said in the log, and is tried again after
-`RETRY_S`; one that will not load starts that sandbox cold (worker.mjs).
+`RETRY_S`; one that will not load starts that sandbox cold (worker.mjs) and is deleted, to be
+taken again. While one is taken, sandboxes wait for it (a take is 2-5 s).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from sandbox.backends.wasm import distribution
+from sandbox.backends.wasm.sandbox import DENO_RUN
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
@@ -80,13 +82,7 @@ class MemorySnapshots:
         partial = self.directory / f".{target.name}.{secrets.token_hex(4)}.partial"
         process = await asyncio.create_subprocess_exec(
             self.deno,
-            "run",
-            "--no-prompt",
-            "--no-config",
-            "--no-lock",
-            "--no-remote",
-            "--no-npm",
-            "--no-code-cache",
+            *DENO_RUN,
             f"--allow-read={self.pyodide}",
             f"--allow-write={partial}",
             str(SCRIPT),
@@ -114,7 +110,12 @@ class MemorySnapshots:
             partial.unlink(missing_ok=True)
 
     def _forget_others(self, kept: Path) -> None:
-        """Snapshots of an earlier Pyodide or Deno: no sandbox will start from them again."""
+        """Snapshots of an earlier Pyodide or Deno (no sandbox will start from them again), and
+        what a take cut short left (one older than a take can last)."""
         for other in self.directory.glob("pyodide-*.bin"):
             if other != kept:
                 other.unlink(missing_ok=True)
+        for partial in self.directory.glob(".pyodide-*.partial"):
+            with contextlib.suppress(OSError):
+                if time.time() - partial.stat().st_mtime > TAKE_S:
+                    partial.unlink()

@@ -70,6 +70,17 @@ START_S = 60.0  # Pyodide's cold start is 2-5 s; a loaded machine may take much 
 DENO_RESERVE_MB = 2048  # writable memory Deno and Pyodide reserve of their own (1.3 GiB fresh)
 MAX_FILE = 32 << 20  # a file moved in or out, whole in one message (its base64, in memory)
 CALL_S = 30.0
+# How every Deno of the backend runs: nothing asked of a person, no configuration or lock file,
+# nothing fetched, no compiled code kept on disk. What it may touch is each one's own flags.
+DENO_RUN = (
+    "run",
+    "--no-prompt",
+    "--no-config",
+    "--no-lock",
+    "--no-remote",
+    "--no-npm",
+    "--no-code-cache",
+)
 GROUP_RESERVE_MB = 1024  # resident memory of Deno's own, beside the session's, in its cgroup
 GROUP_THREADS = 128  # Deno's threads (V8's, its runtime's, the worker's), whatever `pids` says
 FRAME_S = 60.0  # a frame begun (up to MAX_FRAME) must arrive whole within this
@@ -152,6 +163,8 @@ class WasmSandbox(Sandbox):
         except BaseException as exc:
             reason = await self._startup_failure(exc)
             await self.close()
+            if self._group is not None:  # closed meanwhile (a restart's start): its group too
+                await asyncio.to_thread(self._group.remove)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise SandboxStartError(reason) from None
@@ -211,13 +224,7 @@ class WasmSandbox(Sandbox):
         heap_mb = self._heap_mb()
         return [
             self._deno,
-            "run",
-            "--no-prompt",
-            "--no-config",
-            "--no-lock",
-            "--no-remote",
-            "--no-npm",
-            "--no-code-cache",
+            *DENO_RUN,
             "--unstable-worker-options",
             f"--allow-read={readable}",
             f"--allow-write={path}",
@@ -373,6 +380,9 @@ class WasmSandbox(Sandbox):
             return
         if kind == "snapshot_failed":
             log.warning("wasm sandbox %s started cold: its snapshot failed: %s", self.id, body)
+            if self._snapshot is not None:  # taken again by the next sandbox's start
+                with contextlib.suppress(OSError):
+                    self._snapshot.unlink()
             return
         if kind == "worker_error":
             error = SandboxError(f"the wasm worker failed: {str(message.get('message'))[:2000]}")

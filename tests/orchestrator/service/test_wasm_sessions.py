@@ -84,6 +84,7 @@ def wasm_server() -> Iterator[Server]:
         yield made
     finally:
         made.stop()
+        assert not any((made.state_dir / "wasm").glob("*")), "a wasm sandbox was left behind"
         shutil.rmtree(made.state_dir.parent, ignore_errors=True)
 
 
@@ -92,17 +93,20 @@ async def test_a_wasm_session_through_mcp(wasm_server: Server) -> None:
     backend keeps its state across calls."""
     server = wasm_server
     sid = ""
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY_A}"}) as http:
-        transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
-        async with Client(transport) as client:
-            made = await client.call_tool("code_interpreter", {"code": "import sys\nx = 20"})
-            assert not made.is_error, made
-            ran = await client.call_tool(
-                "code_interpreter",
-                {"code": "sys.platform, x * 2 + 2", "session_id": session_of(made)},
-            )
-            assert "[result]\n('emscripten', 42)" in text_of(ran), text_of(ran)
-            sid = session_of(made)
-    with server.client() as api:
-        assert api.get(f"/v1/sessions/{sid}").json()["backend"] == "wasm"
-        api.delete(f"/v1/sessions/{sid}")
+    try:
+        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY_A}"}) as http:
+            transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
+            async with Client(transport) as client:
+                made = await client.call_tool("code_interpreter", {"code": "import sys\nx = 20"})
+                assert not made.is_error, made
+                sid = session_of(made)
+                ran = await client.call_tool(
+                    "code_interpreter", {"code": "sys.platform, x * 2 + 2", "session_id": sid}
+                )
+                assert "[result]\n('emscripten', 42)" in text_of(ran), text_of(ran)
+        with server.client() as api:
+            assert api.get(f"/v1/sessions/{sid}").json()["backend"] == "wasm"
+    finally:
+        if sid:
+            with server.client() as api:
+                api.delete(f"/v1/sessions/{sid}")

@@ -321,6 +321,29 @@ async def test_uploads_keep_the_workspace_within_its_quota(backend: WasmBackend)
         await sandbox.upload("b.bin", b"b" * 600_000)
 
 
+async def test_an_upload_through_a_planted_link_is_refused(sandbox: WasmSandbox) -> None:
+    await sandbox.execute(
+        "import os\nopen('real.txt', 'w').write('r')\nos.symlink('real.txt', 'link')"
+    )
+    with pytest.raises(InvalidPath, match="symbolic link"):
+        await sandbox.upload("link", b"through the link")
+    assert (await sandbox.execute("open('real.txt').read()")).results[0].text == "'r'"
+
+
+async def test_sleep_refuses_what_cpythons_refuses_and_a_cancel_is_the_codes_own(
+    sandbox: WasmSandbox,
+) -> None:
+    for arg, error in (("'1'", "TypeError"), ("float('nan')", "ValueError"),
+                       ("-1", "ValueError"), ("float('inf')", "OverflowError")):  # fmt: skip
+        ran = await sandbox.execute(f"import time\ntime.sleep({arg})")
+        assert ran.error is not None and ran.error.name == error, (arg, ran)
+    own = await sandbox.execute(
+        "import asyncio\nt = asyncio.ensure_future(asyncio.sleep(5))\nt.cancel()\nawait t"
+    )
+    assert own.status is ExecutionStatus.ERROR and own.error is not None, own
+    assert own.error.name == "CancelledError", own  # not told as an interrupt
+
+
 async def test_forged_messages_nested_deep_are_dropped_and_counted(backend: WasmBackend) -> None:
     """The worker may post anything: bodies nested 100,000 deep, for any id, cost nothing; an
     unreadable end of its own run ends that run as an error, and the session carries on. (A
@@ -383,6 +406,9 @@ async def test_a_snapshot_that_will_not_load_starts_the_sandbox_cold(
     async with await backend.create(small_spec()) as cold:
         assert (await cold.execute("6 * 7")).results[0].text == "42"
     assert any("started cold" in r.getMessage() for r in caplog.records), caplog.text
+    assert not snapshot.exists()  # dropped: the next start takes it again
+    async with await backend.create(small_spec()) as again:
+        assert again._snapshot == snapshot and snapshot.stat().st_size > 1 << 20
 
 
 def _wheel(name: str, version: str, files: dict[str, str], requires: tuple[str, ...] = ()) -> bytes:
@@ -498,6 +524,27 @@ async def test_a_package_of_the_operators_pyodide_distribution_loads_from_its_di
         said = direct.stdout + direct.stderr + str(direct.error)
         assert "jsdelivr" not in said and "http" not in said, said
         assert str(distribution) in said, said  # it looked in the directory, and only there
+
+
+async def test_a_distribution_file_that_does_not_match_its_lock_is_refused(
+    distribution: Path, tmp_path: Path
+) -> None:
+    """Pyodide's own check of a package's sha256 does not run under Deno: ours does, for the
+    package and what it needs."""
+    tampered = tmp_path / "pyodide"
+    shutil.copytree(distribution, tampered)
+    wheel = tampered / "tinydep-1.0-py3-none-any.whl"
+    wheel.write_bytes(_wheel("tinydep", "1.0", {"tinydep/__init__.py": "D = 'not yours'\n"}))
+    backend = WasmBackend(WasmBackendConfig(state_dir=tmp_path / "state", pyodide_dir=tampered))
+    async with await backend.create(small_spec()) as sandbox:
+        ran = await sandbox.execute("import micropip\nawait micropip.install('tinypkg')")
+        assert ran.error is not None and "does not match the distribution's lock" in (
+            ran.error.value
+        ), ran
+        gone = await sandbox.execute(
+            "import importlib.util\nimportlib.util.find_spec('tinydep') is None"
+        )
+        assert gone.results[0].text == "True", gone
 
 
 async def test_without_a_wheels_directory_nothing_installs(sandbox: WasmSandbox) -> None:

@@ -150,6 +150,13 @@ class SandboxCgroup:
             rescale_parent()
 
 
+def remove_groups_of(sandbox_ids: list[str], wait_s: float = 0.5) -> None:
+    """The groups of sandboxes a dead service left (blocking), where groups are made at all."""
+    if available():
+        for sandbox_id in sandbox_ids:
+            SandboxCgroup(sandbox_id).remove(wait_s)
+
+
 def rescale_parent(parent: Path = ROOT / "cpu" / PARENT, *, joining: str = "") -> int | None:
     """Weigh the sandboxes' parent group among the host's processes as that many live sessions:
     LIVE_SHARES for each live sandbox under it (at least one's; warming ones add nothing), and

@@ -197,9 +197,8 @@ class LocalBackend(Backend):
 
     async def cleanup_orphans(self) -> int:
         removed = SessionDirs.remove_orphans(self.config.state_dir, self.name)
-        if cgroups.available():  # the groups of exactly those sandboxes, if any were made
-            for sandbox_id in removed:
-                await asyncio.to_thread(SandboxCgroup(sandbox_id).remove, 0.5)
+        # the groups of exactly those sandboxes, if any were made
+        await asyncio.to_thread(cgroups.remove_groups_of, removed)
         return len(removed)
 
     def spawner_for(self, launcher: BwrapLauncher) -> Spawner:

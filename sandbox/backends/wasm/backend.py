@@ -132,7 +132,6 @@ class WasmBackend(Backend):
         with it: each ends when its socket closes)."""
         state_dir = self.config.state_dir
         removed = await asyncio.to_thread(SessionDirs.remove_orphans, state_dir, self.name)
-        if cgroups.available():  # the groups of exactly those sandboxes, if any were made
-            for sandbox_id in removed:
-                await asyncio.to_thread(SandboxCgroup(sandbox_id).remove, 0.5)
+        # the groups of exactly those sandboxes, if any were made
+        await asyncio.to_thread(cgroups.remove_groups_of, removed)
         return len(removed)

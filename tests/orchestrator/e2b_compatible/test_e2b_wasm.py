@@ -13,7 +13,7 @@ from e2b_code_interpreter import Sandbox
 
 from tests.conftest import require_backend
 from tests.e2b_sdk_fixtures import point_sdk_at
-from tests.orchestrator.service.conftest import Server, make_server
+from tests.orchestrator.service.conftest import Server, leftovers, make_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,7 +24,7 @@ def server() -> Iterator[Server]:
     made = make_server(backends="local,wasm", default_backend="local").start()
     yield made
     made.stop()
-    assert not any((made.state_dir / "wasm").glob("*")), "a wasm sandbox was left behind"
+    assert leftovers(made) == []
     shutil.rmtree(made.state_dir.parent, ignore_errors=True)
 
 

@@ -20,7 +20,7 @@ from tests.orchestrator.governance.test_approvals import (
     name_of,
     wait_pending,
 )
-from tests.orchestrator.service.conftest import KEY_A, Server, make_server
+from tests.orchestrator.service.conftest import KEY_A, Server, leftovers, make_server
 
 pytestmark = pytest.mark.timeout(180)
 ADMIN_KEY = "admin-" + uuid.uuid4().hex
@@ -45,7 +45,7 @@ def server() -> Iterator[Server]:
     ).start()
     yield srv
     srv.stop()
-    assert not any((srv.state_dir / "wasm").glob("*")), "a wasm sandbox was left behind"
+    assert leftovers(srv) == []
     shutil.rmtree(srv.state_dir.parent, ignore_errors=True)
 
 

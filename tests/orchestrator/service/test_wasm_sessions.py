@@ -14,22 +14,26 @@ from mcp.client.streamable_http import streamable_http_client
 
 from tests.clients.test_mcp import session_of, text_of
 from tests.conftest import require_backend
-from tests.orchestrator.service.conftest import KEY_A, Server, make_server
+from tests.orchestrator.service.conftest import KEY_A, Server, leftovers, make_server
 
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+def _served(**settings: object) -> Iterator[Server]:
+    """A service with these settings, stopped at the module's end, having left nothing."""
     require_backend("wasm")
-    made = make_server(backends="local,wasm", default_backend="local", network_ceiling="any")
-    made.start()
+    made = make_server(**settings).start()
     try:
         yield made
     finally:
         made.stop()
-        assert not any((made.state_dir / "wasm").glob("*")), "a wasm sandbox was left behind"
+        assert leftovers(made) == []
         shutil.rmtree(made.state_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    yield from _served(backends="local,wasm", default_backend="local", network_ceiling="any")
 
 
 def test_a_wasm_session_runs_over_rest_and_the_tool(server: Server) -> None:
@@ -78,14 +82,7 @@ def test_what_a_wasm_session_cannot_do_is_refused_with_the_reason(server: Server
 @pytest.fixture(scope="module")
 def wasm_server() -> Iterator[Server]:
     """A service whose default (and only) backend is wasm: what MCP's tool makes."""
-    require_backend("wasm")
-    made = make_server(backends="wasm", default_backend="wasm").start()
-    try:
-        yield made
-    finally:
-        made.stop()
-        assert not any((made.state_dir / "wasm").glob("*")), "a wasm sandbox was left behind"
-        shutil.rmtree(made.state_dir.parent, ignore_errors=True)
+    yield from _served(backends="wasm", default_backend="wasm")
 
 
 async def test_a_wasm_session_through_mcp(wasm_server: Server) -> None:

@@ -37,8 +37,14 @@ EntryKind = Literal["dir", "file", "link", "data"]
 
 
 def tree_bytes(root: Path) -> int:
-    """The bytes of the files under `root` (links not followed). Blocking."""
-    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    """The bytes of the files under `root` (links not followed): what each holds, a sparse
+    file (a machine's disk) only what it has written. Blocking."""
+    return sum(
+        min(st.st_size, st.st_blocks * 512)
+        for p in root.rglob("*")
+        if p.is_file() and not p.is_symlink()
+        for st in (p.lstat(),)
+    )
 
 
 class TreeRefused(SandboxError):

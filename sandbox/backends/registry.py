@@ -42,6 +42,10 @@ _ENTRIES = {
         "sandbox.backends.ray_cluster.backend:RayBackend",
         "sandbox.backends.ray_cluster.availability:why_unavailable",
     ),
+    "microvm": _Entry(
+        "sandbox.backends.microvm.backend:MicrovmBackend",
+        "sandbox.backends.microvm.backend:why_unavailable",
+    ),
     "wasm": _Entry(
         "sandbox.backends.wasm.backend:WasmBackend", "sandbox.backends.wasm.backend:why_unavailable"
     ),

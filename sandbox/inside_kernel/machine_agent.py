@@ -4,7 +4,8 @@ A sandbox gVisor can checkpoint may hold no socket bound on a host path, and the
 tools and egress all used to be reached that way. So the host reaches everything inside through
 this agent instead, over the container's stdio, which a restore hands over to new pipes: one
 framed, multiplexed channel of requests, events and byte streams under credit (its format, its
-requests and its limits: machine_wire.py; the children the agent starts: machine_children.py).
+requests and its limits: machine_wire.py; the children the agent starts: machine_children.py;
+the workspace's files, for a host that cannot reach them: machine_files.py).
 
 Standard library only, run with -I -S: it runs beside code it must not trust, which may also try
 to talk to it; it trusts its stdin alone. Single-threaded: one selector, non-blocking fds.
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:  # on the host (its tests, the template digest): in the package
     from sandbox.inside_kernel import machine_children as children
+    from sandbox.inside_kernel import machine_files as files
     from sandbox.inside_kernel import machine_root as root
     from sandbox.inside_kernel import machine_wire as wire
 else:
@@ -35,6 +39,7 @@ else:
     # is named like a standard module.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import machine_children as children
+    import machine_files as files
     import machine_root as root
     import machine_wire as wire
 
@@ -49,6 +54,9 @@ class Agent:
         self.inbuf = bytearray()
         self.outbuf = bytearray()
         self.streams: dict[int, wire.Stream[children.Child]] = {}
+        # Streams that carry a workspace file (or a listing) rather than an fd's bytes, by id.
+        self.transfers: dict[int, files.Source | files.FileSink] = {}
+        self.workspace = files.WORKSPACE
         self.children: dict[int, children.Child] = {}
         self.listeners: dict[int, tuple[socket.socket, str, set[int]]] = {}
         self.next_sid = 1
@@ -149,7 +157,10 @@ class Agent:
         stream = self.streams.get(sid)
         if stream is None:
             return
-        if kind == wire.DATA:
+        transfer = self.transfers.get(sid)
+        if transfer is not None:
+            self.transfer_frame(stream, transfer, kind, payload)
+        elif kind == wire.DATA:
             stream.inbound += payload
             self.write_stream(stream)
         elif kind == wire.EOF:
@@ -169,6 +180,8 @@ class Agent:
         try:
             reply = getattr(self, "op_" + op)(request)
             reply.update(id=request.get("id"), ok=True)
+        except files.Refused as exc:  # an answer the host maps to its typed error
+            reply = {"id": request.get("id"), "ok": True, **exc.reply()}
         except Exception as exc:  # every failure is the host's to read
             reply = {"id": request.get("id"), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
         self.control(reply)
@@ -248,6 +261,10 @@ class Agent:
             return
         if tell:
             self.frame(wire.CLOSE, stream.sid)
+        transfer = self.transfers.pop(stream.sid, None)
+        if transfer is not None:  # a file not written to the end is removed
+            transfer.close()
+            return
         child = stream.child
         if child is not None:  # the child lives on, its output kept in its tail
             for name, bound in child.streams.items():
@@ -261,6 +278,74 @@ class Agent:
         for _, _, open_fds in self.listeners.values():
             open_fds.discard(stream.fd)
         os.close(stream.fd)
+
+    # --- workspace files ----------------------------------------------------------------------
+    def start_transfer(
+        self, sid: int, transfer: files.Source | files.FileSink
+    ) -> wire.Stream[children.Child]:
+        """A stream of the host's for a file's bytes: no fd of its own to watch (a regular
+        file is always "ready"), it moves as frames and credit come."""
+        try:
+            stream = self.add_stream(sid, -1)
+        except BaseException:
+            transfer.close()
+            raise
+        self.transfers[sid] = transfer
+        return stream
+
+    def transfer_frame(
+        self,
+        stream: wire.Stream[children.Child],
+        transfer: files.Source | files.FileSink,
+        kind: int,
+        payload: bytes,
+    ) -> None:
+        if kind == wire.CLOSE:
+            self.drop(stream, tell=False)
+        elif kind == wire.GRANT:
+            stream.credit += wire.CREDIT.unpack(payload)[0]
+            self.send_source(stream)
+        elif isinstance(transfer, files.FileSink) and kind == wire.DATA:
+            if not transfer.done:  # else it failed already, and said so: the rest is dropped
+                try:
+                    transfer.write(payload)
+                except files.Refused as exc:
+                    self.send_result(stream, exc.reply())
+            self.frame(wire.GRANT, stream.sid, wire.CREDIT.pack(len(payload)))
+        elif isinstance(transfer, files.FileSink) and kind == wire.EOF and not transfer.done:
+            try:
+                result = transfer.finish()
+            except files.Refused as exc:
+                result = exc.reply()
+            self.send_result(stream, result)
+
+    def send_source(self, stream: wire.Stream[children.Child]) -> None:
+        """As much of a file (or listing) as the stream's credit allows, at most a window's
+        worth each time: a big file never holds up the loop."""
+        source = self.transfers.get(stream.sid)
+        if not isinstance(source, files.Source) or stream.eof_sent:
+            return
+        while stream.credit > 0:
+            try:
+                data = source.read(min(wire.MAX_PAYLOAD, stream.credit))
+            except OSError:  # closed short: the host sees less than the size it was told
+                self.drop(stream)
+                return
+            if not data:
+                source.close()
+                stream.eof_sent = True
+                self.frame(wire.EOF, stream.sid)
+                return
+            stream.credit -= len(data)
+            self.frame(wire.DATA, stream.sid, data)
+
+    def send_result(self, stream: wire.Stream[children.Child], result: dict[str, Any]) -> None:
+        """How a file write ended, on its own stream, which then ends."""
+        data = json.dumps(result).encode()
+        stream.credit -= len(data)
+        self.frame(wire.DATA, stream.sid, data)
+        stream.eof_sent = True
+        self.frame(wire.EOF, stream.sid)
 
     # --- children -----------------------------------------------------------------------------
     def read_child(self, child: children.Child, name: str, fd: int) -> None:
@@ -351,6 +436,15 @@ class Agent:
     # --- requests -----------------------------------------------------------------------------
     def op_hello(self, request: dict[str, Any]) -> dict[str, Any]:
         self.attached = True
+        if request.get("workspace"):  # where the workspace is, if not at files.WORKSPACE
+            self.workspace = str(request["workspace"])
+        # A virtual machine restored from a save wakes with the save's clock and random state
+        # (and a template's or snapshot's other restores share that state): the host says the
+        # time and gives fresh entropy, which the machine's own kernel reseeds from at once.
+        if request.get("now") is not None:
+            time.clock_settime(time.CLOCK_REALTIME, float(request["now"]))
+        if request.get("entropy"):
+            _reseed(bytes.fromhex(str(request["entropy"])))
         # Root as the host's setting says now (a restored machine listened as its maker said).
         if request.get("root") is False and self.root.listener is not None:
             self.root.stop_listening()
@@ -466,6 +560,40 @@ class Agent:
     def op_unsaveable(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"reasons": children.network_sockets()}
 
+    def op_file_read(self, request: dict[str, Any]) -> dict[str, Any]:
+        source, size = files.open_file(self.workspace, request["path"], int(request["max_bytes"]))
+        self.send_source(self.start_transfer(int(request["stream"]), source))
+        return {"size": size}
+
+    def op_file_write(self, request: dict[str, Any]) -> dict[str, Any]:
+        mode = request.get("mode")
+        uid, gid = int(request["uid"]), int(request["gid"])
+        sink = files.open_sink(
+            self.workspace, request["path"], uid, gid, None if mode is None else int(mode)
+        )
+        self.start_transfer(int(request["stream"]), sink)
+        return {}
+
+    def op_file_list(self, request: dict[str, Any]) -> dict[str, Any]:
+        limit = max(0, min(int(request.get("limit") or files.LIST_LIMIT), files.LIST_LIMIT))
+        recursive = bool(request.get("recursive"))
+        source, count, truncated = files.listing(
+            self.workspace, request.get("path", ""), recursive, limit
+        )
+        self.send_source(self.start_transfer(int(request["stream"]), source))
+        return {"count": count, "truncated": truncated}
+
+    def op_file_remove(self, request: dict[str, Any]) -> dict[str, Any]:
+        files.remove(self.workspace, request["path"])
+        return {}
+
+    def op_file_mkdir(self, request: dict[str, Any]) -> dict[str, Any]:
+        uid, gid = int(request["uid"]), int(request["gid"])
+        return files.make_dir(self.workspace, request["path"], uid, gid)
+
+    def op_file_stat(self, request: dict[str, Any]) -> dict[str, Any]:
+        return files.stat_path(self.workspace, request["path"])
+
     def op_detach(self, request: dict[str, Any]) -> dict[str, Any]:
         for stream in list(self.streams.values()):
             self.drop(stream, tell=False)
@@ -527,6 +655,21 @@ class Agent:
                         self.read_stream(what)
                 elif isinstance(what, tuple):
                     self.read_child(what[0], what[1], key.fd)
+
+
+_RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
+_RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
+
+
+def _reseed(entropy: bytes) -> None:
+    """Credit `entropy` to the kernel's pool and reseed its generator from it now (root only):
+    every reader of /dev/urandom or getrandom after this draws apart from the save's."""
+    if not 16 <= len(entropy) <= 512:
+        raise ValueError("entropy of 16 to 512 bytes is expected")
+    with open("/dev/urandom", "wb", buffering=0) as pool:
+        header = struct.pack("ii", len(entropy) * 8, len(entropy))
+        fcntl.ioctl(pool, _RNDADDENTROPY, header + entropy)
+        fcntl.ioctl(pool, _RNDRESEEDCRNG)
 
 
 def main() -> None:

@@ -16,8 +16,9 @@ import itertools
 import json
 import logging
 import os
+import socket
 from asyncio import FIRST_COMPLETED
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -180,6 +181,8 @@ class AgentChannel:
         self.attached = asyncio.Event()  # set whenever it is not detached
         self.attached.set()
         self.going_on = False  # a save after which it runs on is under way
+        # What each hello tells the agent besides (a virtual machine's clock and entropy).
+        self.hello_fields: Callable[[], dict[str, Any]] = dict
         self._task = asyncio.ensure_future(self._read_loop())
 
     @classmethod
@@ -190,17 +193,35 @@ class AgentChannel:
         the channel)."""
         return cls(*await _pipe_streams(read_fd, write_fd), on_accept)
 
+    @classmethod
+    async def over_socket(
+        cls, sock: socket.socket, on_accept: AcceptHandler | None = None
+    ) -> AgentChannel:
+        """The channel over a connected stream socket to the agent (a virtual machine's port,
+        which its emulator binds to a Unix socket): taken over, closed with the channel."""
+        return cls(*await _socket_streams(sock), on_accept)
+
     async def rebind(self, read_fd: int, write_fd: int) -> None:
         """Go on over new pipes: those of the same machine restored from the checkpoint just
         taken (its agent as it was at the detach). The caller then says `reattach`."""
+        await self._rebind(_pipe_streams(read_fd, write_fd))
+
+    async def rebind_socket(self, sock: socket.socket) -> None:
+        """As `rebind`, over a new connected socket (a restored virtual machine's port)."""
+        await self._rebind(_socket_streams(sock))
+
+    async def _rebind(
+        self, streams: Coroutine[Any, Any, tuple[asyncio.StreamReader, asyncio.StreamWriter]]
+    ) -> None:
         if not self.detached or self.closed.done():
+            streams.close()
             raise AgentError("only a detached channel whose machine was saved can be rebound")
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         with contextlib.suppress(Exception):
             self._writer.transport.abort()
-        self._reader, self._writer = await _pipe_streams(read_fd, write_fd)
+        self._reader, self._writer = await streams
         self._task = asyncio.ensure_future(self._read_loop())
 
     # --- requests ---------------------------------------------------------------------------
@@ -250,7 +271,7 @@ class AgentChannel:
         return not self.closed.done()
 
     async def hello(self) -> list[Child]:
-        answer = await self.request("hello", root=self.root_allowed)
+        answer = await self.request("hello", root=self.root_allowed, **self.hello_fields())
         if answer.get("version") != VERSION:
             raise AgentError(f"the sandbox's agent speaks version {answer.get('version')!r}")
         children = []
@@ -527,6 +548,14 @@ async def _pipe_streams(
         os.fdopen(write_fd, "wb", buffering=0),
     )
     return reader, asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+async def _socket_streams(
+    sock: socket.socket,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    # Not the pipes' transports: a write pipe's transport takes its fd readable as its reader
+    # gone, which on a socket is the agent talking.
+    return await asyncio.open_unix_connection(sock=sock, limit=2 * MAX_PAYLOAD)
 
 
 async def bridge(

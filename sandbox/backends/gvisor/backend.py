@@ -217,7 +217,19 @@ class GvisorBackend(Backend):
                 except SandboxError as exc:  # it does not restore, or not re-key: started
                     log.warning("template %s is unusable, dropped: %s", template.name, exc)
                     await self._drop_template(template)
-        return await _MachineRecipe(self, spec, image, kernels, rootfs).make()
+        return await self._recipe(spec, image, kernels, rootfs).make()
+
+    def _recipe(
+        self, spec: SandboxSpec, image: str, kernels: KernelPrograms, rootfs: Path
+    ) -> _MachineRecipe:
+        return _MachineRecipe(self, spec, image, kernels, rootfs)
+
+    async def machine_version(self) -> str:
+        """What must be the same to restore a saved machine here: this host's runsc."""
+        return await host_runsc_version()
+
+    def _template_key(self, rootfs: Path, spec: SandboxSpec) -> str:
+        return template_key(rootfs, spec, self.config.preload)
 
     async def languages(self, spec: SandboxSpec | None = None) -> list[str]:
         image = (spec.image if spec else None) or self.config.image
@@ -227,14 +239,14 @@ class GvisorBackend(Backend):
     async def _template(self, spec: SandboxSpec, image: str, rootfs: Path) -> Path | None:
         """The ready template for `spec`, or None: one is then made in the background (if
         there is room for one more), for the sandboxes after this one."""
-        key = template_key(rootfs, spec, self.config.preload)
+        key = self._template_key(rootfs, spec)
         found = self._templates.get(key)
         if found is not None:
             return found
         where = self.templates_dir / key
         if key not in self._building and (where / MANIFEST).is_file():  # kept from before
             try:
-                read_manifest(where, await host_runsc_version())
+                read_manifest(where, await self.machine_version())
                 self._templates[key] = where
                 return where
             except ImageUnusable as exc:
@@ -255,7 +267,7 @@ class GvisorBackend(Backend):
         spec = spec or SandboxSpec()
         image = spec.image or self.config.image
         _, rootfs = await self._image(image)
-        key = template_key(rootfs, spec, self.config.preload)
+        key = self._template_key(rootfs, spec)
         self._failed.pop(key, None)  # asked for: tried again now
         found = await self._template(spec, image, rootfs)
         if found is not None:
@@ -273,13 +285,13 @@ class GvisorBackend(Backend):
                 where = self.templates_dir / key
                 making = self.templates_dir / f".{key}.{secrets.token_hex(4)}.new"
                 try:  # made meanwhile by another service on this state dir
-                    await asyncio.to_thread(read_manifest, where, await host_runsc_version())
+                    await asyncio.to_thread(read_manifest, where, await self.machine_version())
                     self._templates[key] = where
                     return where
                 except ImageUnusable:
                     await asyncio.to_thread(shutil.rmtree, where, True)
                 kernels, rootfs = await self._image(image)
-                sandbox = await _MachineRecipe(self, spec, image, kernels, rootfs).make()
+                sandbox = await self._recipe(spec, image, kernels, rootfs).make()
                 try:
                     if self.config.preload:
                         await sandbox.preload(self.config.preload)
@@ -311,7 +323,7 @@ class GvisorBackend(Backend):
     async def _restore(self, saved: Path, spec: SandboxSpec, *, shared: bool) -> GvisorSandbox:
         """A sandbox restored from the saved machine in `saved`; `shared`: others are restored
         from it too, so it is re-keyed."""
-        manifest = await asyncio.to_thread(read_manifest, saved, await host_runsc_version())
+        manifest = await asyncio.to_thread(read_manifest, saved, await self.machine_version())
         for holds, asked, what in (
             (manifest.get("host_tools", False), spec.host_tools, "host tools"),
             (manifest.get("network", False), spec.network.enabled, "a network"),
@@ -323,7 +335,7 @@ class GvisorBackend(Backend):
                 )
         image = str(manifest["image"])
         kernels, rootfs = await self._image(image)
-        recipe = _MachineRecipe(self, spec, image, kernels, rootfs)
+        recipe = self._recipe(spec, image, kernels, rootfs)
         recipe.restoring = (saved, manifest)
         recipe.rekey = shared
         return await recipe.make()

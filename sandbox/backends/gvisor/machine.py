@@ -48,6 +48,7 @@ from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
 from sandbox.inside_kernel import (
     machine_agent,
     machine_children,
+    machine_files,
     machine_root,
     machine_sudo,
     machine_wire,
@@ -65,6 +66,7 @@ AGENT_FILES = tuple(
         machine_agent.__file__,
         machine_wire.__file__,
         machine_children.__file__,
+        machine_files.__file__,
         machine_root.__file__,
     )
 )

@@ -25,7 +25,6 @@ from sandbox.backends.gvisor.machine import (
     Machine,
     MachineError,
     RestoreFailed,
-    host_runsc_version,
 )
 from sandbox.backends.gvisor.machine_channels import channel_environment
 from sandbox.backends.gvisor.machine_images import rekey_code, write_manifest
@@ -55,6 +54,8 @@ class MachineHome(Protocol):
     def release_uid(self, uid: int) -> None: ...
 
     def finish_later(self, work: Awaitable[None]) -> None: ...
+
+    async def machine_version(self) -> str: ...
 
 
 class GvisorSandbox(KernelSandbox):
@@ -161,7 +162,7 @@ class GvisorSandbox(KernelSandbox):
         """What the image about to be taken holds; written last, once all of it is saved."""
         kernels, processes = self._saved_parts()
         return {
-            "runsc": await host_runsc_version(),
+            "runsc": await self._backend.machine_version(),
             "image": self._image,
             "uid": self._uid,
             "host_tools": self.spec.host_tools,

@@ -1,0 +1,1 @@
+"""The microvm backend: each sandbox a QEMU virtual machine of its own (docs/microvm.md)."""

@@ -32,6 +32,16 @@ _SECTIONS: dict[str, Callable[[Settings, SandboxSpec], dict[str, object]]] = {
         "image": s.docker_image,
         "root": s.gvisor_root,
     },
+    # Virtual machines too, their root filesystems made from the same images.
+    "microvm": lambda s, _: {
+        "state_dir": s.state_dir,
+        "orchestrator_id": s.orchestrator_id,
+        "image": s.docker_image,
+        "root": s.microvm_root,
+        "accelerator": s.microvm_accelerator,
+        "kernel_dir": s.microvm_kernel_dir,
+        "templates": s.microvm_templates,
+    },
     "e2b": lambda s, _: s.e2b_backend_config(),
     # Its warm actors (per node) are made by the backend itself, for the default spec.
     "ray": lambda s, pool_spec: s.ray_backend_config() | {"pool_spec": pool_spec},

@@ -114,6 +114,26 @@ class Settings(BaseSettings):
         "`user: root`; gVisor is the wall, docs/gvisor.md). False: refused there too, saying "
         "so.",
     )
+    microvm_root: bool = Field(
+        True,
+        description="Processes of a microvm-backend session may run as its machine's root "
+        "(the virtual machine is the wall, docs/microvm.md). False: refused there too.",
+    )
+    microvm_accelerator: Literal["auto", "kvm", "tcg"] = Field(
+        "auto",
+        description="How microvm guests run: `auto` (KVM where a guest boots on it, else "
+        "TCG, QEMU's emulated CPU: docs/microvm.md), `kvm` or `tcg`.",
+    )
+    microvm_kernel_dir: Path | None = Field(
+        None,
+        description="Where the microvm guests' kernel was fetched (`python -m "
+        "sandbox.backends.microvm.guest_kernel DIR`); unset, the user's cache.",
+    )
+    microvm_templates: bool = Field(
+        True,
+        description="microvm sessions are restored from a saved machine of their spec with the "
+        "preload's modules imported, made in the background after the first one.",
+    )
     wasm_pyodide_dir: Path | None = Field(
         None,
         description="The Pyodide distribution wasm sessions run (docs/wasm.md); unset, the "

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandbox.channel_dir import check_socket_path, make_channel_dir
@@ -49,6 +50,10 @@ class HostChannel:
     # The program that must be at the other end, when the uid alone does not say it is the
     # sandbox: under gVisor the host sees its gofer (`runsc-gofer`, root) connect.
     peer_program: str | None = None
+    # Told of each file written, once it is in place: where the sandbox cannot read this
+    # directory itself (a virtual machine), its backend copies the file in before the write
+    # returns, so the sandbox never reads an older one after it.
+    mirrors: list[Callable[[str, bytes], None]] = field(default_factory=list, compare=False)
 
     @classmethod
     def create(
@@ -78,6 +83,8 @@ class HostChannel:
         finally:
             os.close(fd)
         os.replace(tmp, self.path / name)
+        for mirror in self.mirrors:
+            mirror(name, data)
 
     def listen(self, backlog: int = 16) -> socket.socket:
         """Bind the socket, open to the sandbox only, and return it listening (non-blocking)."""

@@ -58,6 +58,8 @@ class Agent:
         self.transfers: dict[int, files.Source | files.FileSink] = {}
         self.workspace = files.WORKSPACE
         self.children: dict[int, children.Child] = {}
+        self.oom_kills: int | None = None
+        self.oom_killed_since()  # the count so far: what comes after is news
         self.listeners: dict[int, tuple[socket.socket, str, set[int]]] = {}
         self.next_sid = 1
         self.attached = True
@@ -408,6 +410,10 @@ class Agent:
                 child.exit = {"signal": os.WTERMSIG(status)}
             else:
                 child.exit = {"code": os.WEXITSTATUS(status)}
+            killed = child.exit.get("signal") == signal.SIGKILL or child.exit.get("code") == 137
+            oom = self.oom_killed_since()
+            if killed and oom is not None:  # where this kernel counts its OOM kills
+                child.exit["oom"] = oom
             for name, fd in list(child.out.items()):  # what it wrote before it ended, first
                 while name in child.out and self.sel.get_map().get(fd) is not None:
                     before = child.tail_sizes[name]
@@ -419,6 +425,18 @@ class Agent:
                 if child.tty and name in child.out:
                     self.end_output(child, name, fd)
             self.report_exit(child)
+
+    def oom_killed_since(self) -> bool | None:
+        """Whether the kernel's OOM killer killed anything since the last ask (a machine with
+        a kernel of its own: its /proc/vmstat counts); None where it is not counted."""
+        try:
+            with open("/proc/vmstat", "rb") as f:
+                counts = dict(line.split() for line in f.read().splitlines() if b" " in line)
+            now = int(counts[b"oom_kill"])
+        except (OSError, KeyError, ValueError):
+            return None
+        before, self.oom_kills = self.oom_kills, now
+        return before is not None and now > before
 
     def report_exit(self, child: children.Child) -> None:
         if child.exit is not None:

@@ -58,6 +58,9 @@ class ChildEnd:
 
     code: int | None
     signal: int | None
+    # Whether the machine's own kernel killed it for memory (the agent's word, where its
+    # kernel counts OOM kills: a virtual machine's); None where nothing says.
+    out_of_memory: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -497,10 +500,12 @@ class AgentChannel:
             future = self._exits.get(int(message["pid"]))
             if future is None or future.done():
                 return  # not a child of ours: it was not started by this channel
-            code, signum = message.get("code"), message.get("signal")
+            code, signum, oom = message.get("code"), message.get("signal"), message.get("oom")
             future.set_result(
                 ChildEnd(
-                    None if code is None else int(code), None if signum is None else int(signum)
+                    None if code is None else int(code),
+                    None if signum is None else int(signum),
+                    None if oom is None else bool(oom),
                 )
             )
         elif event == "accepted":

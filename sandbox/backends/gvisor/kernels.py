@@ -108,8 +108,8 @@ class MachineKernel:
                 return KernelExit.from_returncode(-signal.SIGKILL, out_of_memory=True)
             return KernelExit(f"was lost when its sandbox's machine ended ({exc})", None, None)
         if end.signal is not None:
-            return KernelExit.from_returncode(-end.signal, out_of_memory=None)
-        return KernelExit.from_returncode(end.code or 0)
+            return KernelExit.from_returncode(-end.signal, out_of_memory=end.out_of_memory)
+        return KernelExit.from_returncode(end.code or 0, out_of_memory=end.out_of_memory)
 
     async def kill(self) -> None:
         self.close_relays()

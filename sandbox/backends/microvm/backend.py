@@ -16,7 +16,7 @@ import contextlib
 import math
 import os
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import docker
 from docker.errors import DockerException
@@ -34,6 +34,7 @@ from sandbox.backends.gvisor.machine_channels import open_inside
 from sandbox.backends.gvisor.machine_images import template_key
 from sandbox.backends.gvisor.machine_sandbox import IMAGE_DIR
 from sandbox.backends.microvm import guest_boot, guest_disks, guest_kernel
+from sandbox.backends.microvm.guest_channels import channel_files, mirror_into
 from sandbox.backends.microvm.machine import MachineError, QemuMachine
 from sandbox.backends.microvm.qemu import (
     Accelerator,
@@ -107,7 +108,7 @@ class MicrovmBackendConfig(BaseModel):
     )
     preload: str = Field(ANALYST_PRELOAD, description="Python a template runs before it is saved.")
     max_templates: int = Field(4, ge=1, description="Templates kept at once (one per spec).")
-    accelerator: str = Field(
+    accelerator: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="`auto` (KVM where it runs guests, else TCG), `kvm` or `tcg`."
     )
 
@@ -115,8 +116,8 @@ class MicrovmBackendConfig(BaseModel):
 class MicrovmBackend(GvisorBackend):
     name = "microvm"
     capabilities = BackendCapabilities(
-        network_modes=("none",),
-        host_tools=False,
+        network_modes=("none", "allow_list", "any"),  # through the agent, as gVisor machines
+        host_tools=True,
         processes=True,
         suspend=True,  # the whole machine, by QEMU's migration into a file
         snapshot=True,
@@ -170,7 +171,9 @@ class MicrovmBackend(GvisorBackend):
         return self._kernel, self._initramfs, accel
 
     async def _image(self, image: str) -> tuple[KernelPrograms, Path]:
-        """The image's kernels and its root filesystem disk (made once per image id)."""
+        """The image's kernels and its root filesystem disk (made once per image id); the
+        guest's kernel found first (what a template's key holds)."""
+        await self.guest()
         if image not in self._programs:
 
             def find() -> tuple[KernelPrograms, Path]:
@@ -284,6 +287,12 @@ class _VmRecipe(_MachineRecipe):
         assert self.uid is not None and self.qemu_uid is not None
         backend = self.backend
         write_user_database(dirs, self.uid)
+        self.make_channels(dirs)  # their files go into the machine: made before it starts
+        self.router.host_channel, self.router.egress_channel = (
+            self.host_channel,
+            self.egress_channel,
+        )
+        extra = {} if self.host_channel is None else channel_files(self.host_channel)
         kernel, initramfs, accel = await backend.guest()
         limits = self.spec.limits
         where = dirs.root / "machine"
@@ -293,7 +302,9 @@ class _VmRecipe(_MachineRecipe):
         if self.restoring is None:
             workspace_mb = limits.workspace_size_mb * (100 + WORKSPACE_SLACK_PERCENT) // 100
             await asyncio.gather(
-                asyncio.to_thread(guest_disks.make_root_layer, layer, ROOT_LAYER_MB, dirs.etc, {}),
+                asyncio.to_thread(
+                    guest_disks.make_root_layer, layer, ROOT_LAYER_MB, dirs.etc, extra
+                ),
                 asyncio.to_thread(
                     guest_disks.make_workspace, workspace, workspace_mb, (self.uid, self.uid)
                 ),
@@ -317,6 +328,7 @@ class _VmRecipe(_MachineRecipe):
             tmp_mb=limits.tmp_size_mb,
             pids=limits.pids,
             open_files=limits.open_files,
+            file_size_mb=limits.file_size_mb,
             uid=self.qemu_uid,
             gid=self.qemu_uid,
         )
@@ -326,6 +338,9 @@ class _VmRecipe(_MachineRecipe):
         qemu_uid, self.qemu_uid = self.qemu_uid, None  # the machine's to give back now
         machine.on_destroyed = lambda: backend.uids.release(qemu_uid)
         self.machine = machine  # type: ignore[assignment]
+        if self.host_channel is not None:  # the manifest, written once the session has tools
+            loop = asyncio.get_running_loop()
+            self.host_channel.mirrors.append(mirror_into(machine.running, loop))
         try:
             channel = await machine.start(self.router.accept, image=image)
             await channel.hello()

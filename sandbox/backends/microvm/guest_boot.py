@@ -49,12 +49,13 @@ for d in vda vdb vdc; do
         n=$((n + 1)); [ $n -gt 500 ] && fail "no disk $d"; $B usleep 10000
     done
 done
-tmp=64; pids=256; files=1024
+tmp=64; pids=256; files=1024; fsize=1024
 for arg in $($B cat /proc/cmdline); do
     case "$arg" in
         cir.tmp=*) tmp="${{arg#cir.tmp=}}" ;;
         cir.pids=*) pids="${{arg#cir.pids=}}" ;;
         cir.files=*) files="${{arg#cir.files=}}" ;;
+        cir.fsize=*) fsize="${{arg#cir.fsize=}}" ;;
     esac
 done
 $B mkdir -p /lower /layer /newroot
@@ -68,7 +69,11 @@ $B mount -t ext4 -o rw,nosuid,nodev /dev/vdc $R{workspace} || fail "the workspac
 $B rmdir $R{workspace}/lost+found 2>/dev/null
 $B mount --bind $R{workspace} $R{home}
 $B mount -t tmpfs -o size=${{tmp}}m,mode=1777,nosuid,nodev tmpfs $R/tmp
+# /run is the machine's memory, as in a gVisor machine; what the layers hold there (the
+# host-tool files) is copied onto it.
+$B mkdir -p /run-layers && $B cp -a $R/run/. /run-layers/
 $B mount -t tmpfs -o size={run}m,mode=755,nosuid,nodev tmpfs $R/run
+$B cp -a /run-layers/. $R/run/ || fail "/run not filled"
 $B mount --move /dev $R/dev
 $B mkdir -p $R/dev/pts $R/dev/shm
 $B mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts $R/dev/pts
@@ -85,7 +90,8 @@ done
 [ -n "$port" ] || fail "no agent port"
 # Inherited by the agent and all it starts; counted per user, so the sandbox's user is held
 # (root is not: the agent, and what runs as root by the sandbox's own choice).
-ulimit -u $pids -n $files -c 0 || fail "limits not set"
+# busybox counts a file's size in 512-byte blocks.
+ulimit -u $pids -n $files -c 0 -f $((fsize * 2048)) || fail "limits not set"
 echo "{ready}"
 exec $B env -i PATH=/usr/bin:/bin $B switch_root $R {agent} <>$R/dev/$port >&0
 """

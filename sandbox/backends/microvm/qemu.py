@@ -176,6 +176,7 @@ class MachineLayout:
     tmp_mb: int
     pids: int  # the sandbox user's processes at most, inside
     open_files: int
+    file_size_mb: int
     uid: int
     gid: int
 
@@ -197,7 +198,7 @@ def command_line(program: str, accel: Accelerator, layout: MachineLayout) -> lis
 
     cmdline = (
         f"console=ttyS0 quiet panic=-1 cir.tmp={layout.tmp_mb} cir.pids={layout.pids}"
-        f" cir.files={layout.open_files}"
+        f" cir.files={layout.open_files} cir.fsize={layout.file_size_mb}"
     )
     if accel.mmio:
         cmdline += " reboot=t"

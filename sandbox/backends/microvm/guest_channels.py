@@ -1,0 +1,74 @@
+"""A machine's host-tool directory, copied in: a gVisor machine has it bound read-only, a
+virtual machine can be bound nothing (a save could not hold it), so its files are written into
+the machine's root: the kernel module with the root layer, the manifest (written by the service
+once the session has its tools) pushed in through the agent as it is written."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import posixpath
+import threading
+from collections.abc import Awaitable, Callable
+
+from sandbox.backends.gvisor.agent_channel import AgentChannel
+from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HostChannel
+
+log = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 60.0
+FILE_MODE = 0o644  # root's, readable by the sandbox's user, not its to change
+
+
+def channel_files(channel: HostChannel) -> dict[str, bytes]:
+    """The directory's files now, by their paths inside (for the machine's root layer)."""
+    found = {}
+    for path in sorted(channel.path.iterdir()):
+        if path.is_file() and not path.is_symlink() and not path.name.startswith("."):
+            found[posixpath.join(HOST_TOOLS_DIR_IN_SANDBOX, path.name)] = path.read_bytes()
+    return found
+
+
+def mirror_into(
+    running: Callable[[], Awaitable[AgentChannel]], loop: asyncio.AbstractEventLoop
+) -> Callable[[str, bytes], None]:
+    """A `HostChannel` mirror that writes each file into the machine through its agent; run on
+    a worker thread (`ToolChannel.open` writes there), it returns once the file is in."""
+
+    async def push(name: str, data: bytes) -> None:
+        channel = await running()
+        path = posixpath.join(HOST_TOOLS_DIR_IN_SANDBOX, name)
+        pid, io, _ = await channel.spawn(
+            ["/bin/true"],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd="/",
+            uid=0,
+            gid=0,
+            tag="host-tools-file",
+            separate_stderr=False,
+            files={path: (data, FILE_MODE)},
+        )
+        io.close()
+        await channel.wait_child(pid)
+
+    def mirror(name: str, data: bytes) -> None:
+        if loop.is_closed():
+            return
+        future = asyncio.run_coroutine_threadsafe(push(name, data), loop)
+        if threading.current_thread() is _loop_thread(loop):  # cannot wait here: sent on
+            future.add_done_callback(_log_failure)
+            return
+        future.result(PUSH_TIMEOUT_S)
+
+    return mirror
+
+
+def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
+    thread_id = getattr(loop, "_thread_id", None)
+    return next((t for t in threading.enumerate() if t.ident == thread_id), None)
+
+
+def _log_failure(future: object) -> None:
+    exception = getattr(future, "exception", lambda: None)()
+    if exception is not None:
+        log.warning("a host-tool file was not copied into its machine: %s", exception)

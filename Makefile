@@ -110,10 +110,22 @@ test-gvisor: install
 # (tests/microvm/test_microvm_sandbox.py). Deselected: what looks for sandbox processes among
 # the host's, and what a machine of its own does differently (docs/microvm.md).
 MICROVM_TESTS := tests/microvm tests/sandbox/test_execution.py tests/sandbox/test_files.py \
-	tests/sandbox/processes/test_processes.py tests/security/test_resource_abuse.py \
+	tests/sandbox/processes/test_processes.py tests/sandbox/test_isolation.py \
+	tests/security/test_escape.py tests/security/test_resource_abuse.py \
+	tests/security/test_process_abuse.py tests/security/test_file_abuse.py \
 	tests/security/test_output_bounds.py
+MICROVM_DIFFERS := \
+	tests/sandbox/test_isolation.py::test_no_host_secrets_in_any_environment[microvm] \
+	tests/sandbox/test_isolation.py::test_daemonized_child_does_not_outlive_the_session[microvm] \
+	tests/sandbox/test_isolation.py::test_daemonized_child_does_not_outlive_a_kernel_restart[microvm] \
+	tests/sandbox/test_isolation.py::test_sessions_cannot_see_each_other[microvm] \
+	tests/sandbox/test_isolation.py::test_the_kernel_directory_cannot_be_tampered_with[microvm] \
+	tests/sandbox/test_isolation.py::test_dangerous_system_calls_are_refused[microvm] \
+	tests/security/test_process_abuse.py::test_a_command_is_confined_exactly_as_the_kernel[microvm] \
+	tests/security/test_process_abuse.py::test_a_detached_daemon_dies_with_its_session[microvm]
 test-microvm: install
-	CIR_TEST_BACKENDS=microvm $(BIN)/pytest $(XDIST) $(MICROVM_TESTS)
+	CIR_TEST_BACKENDS=microvm $(BIN)/pytest $(XDIST) $(MICROVM_TESTS) \
+		$(addprefix --deselect=,$(MICROVM_DIFFERS))
 
 # The fast tier: pure modules only (no bwrap, no Docker, no kernel, no server), in seconds. Such a
 # test file lives beside the others of its module and says `pytestmark = pytest.mark.unit`.

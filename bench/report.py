@@ -12,6 +12,7 @@ from bench.agreement import section as agreement_section
 from bench.cluster import section as cluster_section
 from bench.first_chart import section as first_chart_section
 from bench.machines import section as machines_section
+from bench.microvm import section as microvm_section
 from bench.persistence import section as persistence_section
 from code_interpreter_wire.languages import LANGUAGES
 
@@ -112,6 +113,8 @@ def render(report: dict[str, Any], before: dict[str, Any] | None = None) -> str:
         out += persistence_section(report["persistence"])
     if "first_chart" in report:
         out += first_chart_section(report["first_chart"])
+    if "microvm" in report:
+        out += microvm_section(report["microvm"])
     if "machines" in report:
         out += machines_section(report["machines"])
     if "cluster" in report:

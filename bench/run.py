@@ -2,10 +2,10 @@
 
 Each part samples ours and its baseline in turns (bench/interleave.py) and logs the machine's
 load as it begins and ends; the default run takes about 8 minutes on a quiet 2-core machine
-(15 at most), `--full` (`make bench-full`) adds the long parts and the peers. Writes
-bench/results/latest.{md,json,png} (a `--quick` smoke run: quick.*) and compares the run with
-the previous one of the same kind (bench/agreement.py). All traffic stays on this machine; every
-sandbox, ours and the peers', runs with networking off.
+(15 at most), 2-3 more where the microvm backend runs; `--full` (`make bench-full`) adds the
+long parts and the peers. Writes bench/results/latest.{md,json,png} (a `--quick` smoke run:
+quick.*) and compares the run with the previous one of the same kind (bench/agreement.py). All
+traffic stays on this machine; every sandbox, ours and the peers', runs with networking off.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from bench import (
     languages,
     machines,
     memory,
+    microvm,
     ours,
     peers,
     persistence,
@@ -146,6 +147,13 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
     by_persistence = await part("persistence", persistence.measure(persistence.samples(quick)))
     # A fresh session's first chart over HTTP, from a warm pool with and without a preload.
     by_first_chart = await part("first chart", first_chart.measure(first_chart.samples(quick)))
+    # The microvm backend on the accelerator it has here: a start restored from a template
+    # beside a cold boot, in turns; pause and resume of a machine holding ~100 MiB.
+    by_microvm: dict[str, Any] | None = None
+    if (why_no_microvm := why_unavailable("microvm")) is None:
+        by_microvm = await part("microvm", microvm.measure(microvm.samples(quick)))
+    else:
+        not_run["microvm backend"] = why_no_microvm
     # Memory per idle session: bare, and preloaded as a preloading pool's sessions are.
     counts = plan.density_counts
     preload = preload_code(first_chart.PRELOAD_MODULES.split(","), ANALYST_PRELOAD)
@@ -232,6 +240,7 @@ async def main(plan: Plan, with_peers: bool) -> dict[str, Any]:
         "languages": by_language,
         "persistence": by_persistence,
         "first_chart": by_first_chart,
+        **({"microvm": by_microvm} if by_microvm is not None else {}),
         **({"machines": by_machines} if by_machines is not None else {}),
         **({"cluster": by_cluster} if by_cluster is not None else {}),
         "heavy": heavy,

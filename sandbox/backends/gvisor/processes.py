@@ -86,6 +86,9 @@ class MachineProcess(SpawnedProcess):
 
 
 def process_end(end: ChildEnd) -> ProcessEnd:
+    if end.out_of_memory:  # the machine's own kernel said so (a virtual machine's)
+        error = "it was killed for lack of memory: the sandbox ran out of its memory limit"
+        return ProcessEnd(exit_code=None, signal=end.signal or 9, error=error)
     if end.signal is not None:
         return ProcessEnd(exit_code=None, signal=end.signal, error=f"killed by signal {end.signal}")
     code = end.code or 0

@@ -74,10 +74,20 @@ $B mount -t tmpfs -o size=${{tmp}}m,mode=1777,nosuid,nodev tmpfs $R/tmp
 $B mkdir -p /run-layers && $B cp -a $R/run/. /run-layers/
 $B mount -t tmpfs -o size={run}m,mode=755,nosuid,nodev tmpfs $R/run
 $B cp -a /run-layers/. $R/run/ || fail "/run not filled"
-$B mount --move /dev $R/dev
+# The machine's /dev: only what a program expects (the disks, the ports, memory and the
+# kernel's log stay in the first steps' /dev, where nothing after them reaches).
+$B mount -t tmpfs -o size=64k,mode=755,nosuid,noexec devices $R/dev
+for node in "null 1 3" "zero 1 5" "full 1 7" "random 1 8" "urandom 1 9" "tty 5 0"; do
+    set -- $node
+    $B mknod -m 666 $R/dev/$1 c $2 $3
+done
 $B mkdir -p $R/dev/pts $R/dev/shm
 $B mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts $R/dev/pts
-$B ln -sf pts/ptmx $R/dev/ptmx
+$B ln -s pts/ptmx $R/dev/ptmx
+$B ln -s /proc/self/fd $R/dev/fd
+$B ln -s /proc/self/fd/0 $R/dev/stdin
+$B ln -s /proc/self/fd/1 $R/dev/stdout
+$B ln -s /proc/self/fd/2 $R/dev/stderr
 $B mount -t tmpfs -o size={shm}m,mode=1777,nosuid,nodev shm $R/dev/shm
 $B mount --move /proc $R/proc
 $B mount --move /sys $R/sys
@@ -88,12 +98,13 @@ for f in $R/sys/class/virtio-ports/*; do
     [ "$($B cat $f/name 2>/dev/null)" = "{port}" ] && port=$($B basename $f)
 done
 [ -n "$port" ] || fail "no agent port"
+[ -c /dev/$port ] || fail "no agent port device"
 # Inherited by the agent and all it starts; counted per user, so the sandbox's user is held
 # (root is not: the agent, and what runs as root by the sandbox's own choice).
 # busybox counts a file's size in 512-byte blocks.
 ulimit -u $pids -n $files -c 0 -f $((fsize * 2048)) || fail "limits not set"
 echo "{ready}"
-exec $B env -i PATH=/usr/bin:/bin $B switch_root $R {agent} <>$R/dev/$port >&0
+exec $B env -i PATH=/usr/bin:/bin $B switch_root $R {agent} <>/dev/$port >&0
 """
 
 

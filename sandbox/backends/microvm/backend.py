@@ -86,6 +86,11 @@ class MicrovmBackendConfig(BaseModel):
     kernel_dir: Path | None = Field(
         None, description="Where the guest kernel was fetched (default: the user's cache)."
     )
+    rootfs_dir: Path | None = Field(
+        None,
+        description="Where the images' root filesystem disks are kept (made once per image id, "
+        "shared by every service of this user: default, the user's cache).",
+    )
     orchestrator_id: str = "default"
     python: str = "/opt/kernel/bin/python"
     kernel_path: str = IMAGE_PATH
@@ -142,7 +147,7 @@ class MicrovmBackend(GvisorBackend):
         # The machine-sandbox code reads these of its backend (GvisorBackend's fields).
         self.config = _SharedConfig(c)  # type: ignore[assignment]
         self.uids = HostUidPool(c.host_uid_base, c.host_uid_count)
-        self.rootfs_store = c.state_dir / "microvm-rootfs"
+        self.rootfs_store = c.rootfs_dir or guest_kernel.default_dir().with_name("microvm-rootfs")
         self.paused_dir = c.state_dir / "microvm-paused"
         self.templates_dir = c.state_dir / "microvm-templates"
         self._programs: dict[str, tuple[KernelPrograms, Path]] = {}

@@ -151,7 +151,11 @@ class FileSink:
         assert self.temp is not None
         try:
             os.fchmod(self.fd, self.mode)
+            # On its disk before it is answered: a machine that dies after an upload (its
+            # kernel hung, say) keeps what the caller was told was written.
+            os.fsync(self.fd)
             os.rename(self.temp, self.name, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)
+            os.fsync(self.dfd)
             self.temp = None
             st = os.fstat(self.fd)
         except OSError as exc:

@@ -113,6 +113,12 @@ class MicrovmBackendConfig(BaseModel):
     )
     preload: str = Field(ANALYST_PRELOAD, description="Python a template runs before it is saved.")
     max_templates: int = Field(4, ge=1, description="Templates kept at once (one per spec).")
+    hang_timeout_s: float = Field(
+        90.0,
+        gt=0,
+        description="A machine whose agent answers nothing this long (its kernel hung) is "
+        "ended; the session goes on in a fresh machine.",
+    )
     accelerator: Literal["auto", "kvm", "tcg"] = Field(
         "auto", description="`auto` (KVM where it runs guests, else TCG), `kvm` or `tcg`."
     )
@@ -338,7 +344,13 @@ class _VmRecipe(_MachineRecipe):
             gid=self.qemu_uid,
         )
         machine = QemuMachine(
-            qemu_program(), accel, layout, limits, self.sandbox_id, root_allowed=backend.config.root
+            qemu_program(),
+            accel,
+            layout,
+            limits,
+            self.sandbox_id,
+            root_allowed=backend.config.root,
+            hang_timeout_s=backend.vm_config.hang_timeout_s,
         )
         qemu_uid, self.qemu_uid = self.qemu_uid, None  # the machine's to give back now
         machine.on_destroyed = lambda: backend.uids.release(qemu_uid)

@@ -36,6 +36,7 @@ BOOT_TIMEOUT_S = 180.0  # TCG on a loaded host boots slowly; a hang ends here
 QEMU_RESERVE_MB = 256  # QEMU's own memory beside the guest's, in its cgroup
 QEMU_THREADS = 64  # its pids limit: vCPU, I/O and its own threads
 _TAIL_BYTES = 4096
+WATCHDOG_MISSES = 3  # asks in a row, each waiting up to a period for its answer
 STATE_FILE = "state"  # a saved machine's memory and devices, in its image directory
 
 
@@ -60,6 +61,7 @@ class QemuMachine:
         *,
         root_allowed: bool = True,
         cgroups: bool = True,
+        hang_timeout_s: float = 90.0,
     ) -> None:
         self.program = program
         self.accelerator = accelerator
@@ -67,6 +69,7 @@ class QemuMachine:
         self.limits = limits
         self.id = name
         self.root_allowed = root_allowed
+        self.hang_timeout_s = hang_timeout_s  # a machine silent this long is ended
         self.channel: AgentChannel | None = None
         self.restarts = 0
         self.stderr_tail = b""  # the serial console's last and QEMU's own words
@@ -78,6 +81,7 @@ class QemuMachine:
         self._starting = asyncio.Lock()
         self._group = SandboxCgroup(f"vm-{name}") if cgroups else None
         self._qmp: Monitor | None = None
+        self._watchdog: asyncio.Future[None] | None = None
         self.on_destroyed: Callable[[], None] | None = None  # gives its host uid back
 
     # --- the process --------------------------------------------------------------------------
@@ -159,6 +163,9 @@ class QemuMachine:
         raise MachineError(f"the machine {why}: {self.last_words()}")
 
     async def _kill(self) -> None:
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+            self._watchdog = None
         if self._qmp is not None:
             qmp, self._qmp = self._qmp, None
             with contextlib.suppress(Exception):
@@ -192,7 +199,37 @@ class QemuMachine:
         self.channel = await AgentChannel.over_socket(sock, on_accept)
         self.channel.root_allowed = self.root_allowed
         self.channel.hello_fields = _fresh_clock_and_entropy
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._watchdog = asyncio.ensure_future(self._watch(self.channel))
         return self.channel
+
+    async def _watch(self, channel: AgentChannel) -> None:
+        """A machine whose agent stops answering (its kernel hung, or QEMU stuck) is ended
+        after WATCHDOG_MISSES asks in a row (about `hang_timeout_s`): its channel closes, the
+        calls waiting on it fail typed, and the next call starts a fresh machine (`running`)."""
+        period = self.hang_timeout_s / (2 * WATCHDOG_MISSES)
+        missed = 0
+        while not channel.closed.done():
+            await asyncio.sleep(period)
+            if channel.detached or channel.going_on or self._starting.locked():
+                missed = 0
+                continue  # being saved: it answers again after
+            try:
+                await asyncio.wait_for(channel.request("unsaveable"), period)
+                missed = 0
+            except (AgentError, TimeoutError):
+                missed += 1
+                log.warning("machine %s: its agent did not answer (%d)", self.id, missed)
+            except SandboxError:
+                return
+            if missed >= WATCHDOG_MISSES:
+                log.warning("machine %s stopped answering; it is ended", self.id)
+                process = self._process
+                if process is not None and process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                return
 
     def _disks_from(self, image: Path) -> None:
         for disk in (self.layout.root_layer, self.layout.workspace):

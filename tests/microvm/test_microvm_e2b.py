@@ -9,14 +9,15 @@ import platform
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from e2b import SandboxState
 from e2b_code_interpreter import Sandbox
 
-from tests.conftest import require_backend
+from tests.conftest import host_processes_with, require_backend
 from tests.e2b_sdk_fixtures import point_sdk_at
-from tests.orchestrator.service.conftest import Server, make_server
+from tests.orchestrator.service.conftest import Server, leftovers, make_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -30,13 +31,31 @@ COUNTER = (
 def server() -> Iterator[Server]:
     """A server whose only backend is microvm (E2B's template `microvm` names it)."""
     require_backend("microvm")
-    running = make_server(backends="microvm", default_backend="microvm").start()
+    # No template machine made in the background: one session here, and CI's cores are few.
+    running = make_server(
+        backends="microvm", default_backend="microvm", microvm_templates="false"
+    ).start()
     try:
         yield running
+        running.stop()
+        assert leftovers(running) == []  # no machine's directory left behind
+        assert not qemu_of(running.state_dir), "a QEMU outlived its server"
     finally:
         if running.process is not None and running.process.poll() is None:
             running.stop()
         shutil.rmtree(running.state_dir.parent, ignore_errors=True)
+
+
+def qemu_of(state_dir: Path) -> list[int]:
+    """QEMU processes whose sockets are under `state_dir`."""
+    return [pid for pid in host_processes_with(str(state_dir)) if b"qemu" in _argv0(pid)]
+
+
+def _argv0(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return b""
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ def make_server(**settings: object) -> Server:
 def leftovers(server: Server) -> list[str]:
     """Sandboxes, containers or directories the server left behind."""
     found = []
-    for backend in ("local", "docker", "wasm"):
+    for backend in ("local", "docker", "wasm", "microvm"):
         d = server.state_dir / backend
         if d.is_dir():
             found += [f"{backend}: {p.name}" for p in d.iterdir()]

@@ -94,6 +94,8 @@ def start_child(request: dict[str, Any], uid: int, gid: int, *, with_err: bool) 
                 theirs.append(err_w)
                 stderr = err_w
                 out["err"] = err_r
+            for fd in theirs:  # its own, so it may open them again (/dev/stdout, /dev/stderr)
+                os.fchown(fd, uid, gid)
         process = subprocess.Popen(
             [str(a) for a in request["argv"]],
             stdin=stdin,

@@ -33,7 +33,6 @@ from sandbox.cgroups import SandboxCgroup
 log = logging.getLogger(__name__)
 
 BOOT_TIMEOUT_S = 180.0  # TCG on a loaded host boots slowly; a hang ends here
-QEMU_RESERVE_MB = 256  # QEMU's own memory beside the guest's, in its cgroup
 QEMU_THREADS = 64  # its pids limit: vCPU, I/O and its own threads
 _TAIL_BYTES = 4096
 WATCHDOG_MISSES = 3  # asks in a row, each waiting up to a period for its answer
@@ -97,7 +96,10 @@ class QemuMachine:
             argv += ["-incoming", "defer"]
         if self._group is not None:
             reserve = self.limits.model_copy(
-                update={"memory_mb": self.layout.memory_mb + QEMU_RESERVE_MB, "pids": QEMU_THREADS}
+                update={
+                    "memory_mb": self.layout.memory_mb + self.accelerator.own_memory_mb,
+                    "pids": QEMU_THREADS,
+                }
             )
             await asyncio.to_thread(self._group.create, reserve)
         self._booted = asyncio.Event()

@@ -33,6 +33,7 @@ KVM_PROBE_TIMEOUT_S = 30.0
 # machine's uid (a filter denying set*id kills it there); once dropped, no uid is regained.
 SECCOMP = "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=deny"
 _PROBE_MARK = "cir-kvm-probe-ok"
+TCG_CODE_MB = 128
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class Accelerator:
     reason: str  # why this one: said in the session's info and the logs
 
     @property
+    def own_memory_mb(self) -> int:
+        """QEMU's memory beside the guest's: its own, and under TCG its translated code."""
+        return 256 + (TCG_CODE_MB if self.name == "tcg" else 0)
+
+    @property
     def mmio(self) -> bool:
         """Its devices are on MMIO (microvm) rather than PCI (q35)."""
         return self.machine == "microvm"
@@ -53,7 +59,9 @@ class Accelerator:
         return f"virtio-{kind}-device" if self.mmio else f"virtio-{kind}-pci"
 
     def arguments(self) -> list[str]:
-        accel = "kvm" if self.name == "kvm" else "tcg,thread=multi"
+        # TCG's translated code is kept in a buffer of 1 GiB by default, which grows into the
+        # machine's host memory: a tenth of it holds a session's code well enough.
+        accel = "kvm" if self.name == "kvm" else f"tcg,thread=multi,tb-size={TCG_CODE_MB}"
         machine = "microvm,rtc=on,pit=off,pic=off" if self.mmio else "q35,vmport=off"
         cpu = "host" if self.name == "kvm" else "max"
         return ["-machine", machine, "-accel", accel, "-cpu", cpu]
@@ -197,9 +205,7 @@ def command_line(program: str, accel: Accelerator, layout: MachineLayout) -> lis
         return ["-drive", options, "-device", f"{accel.device('blk')},drive={name}"]
 
     cmdline = (
-        # init_on_free: a page the guest frees is zeroed, and a save skips zero pages, so a
-        # machine's image holds what it uses, not everything it ever touched.
-        "console=ttyS0 quiet panic=-1 init_on_free=1"
+        "console=ttyS0 quiet panic=-1"
         f" cir.tmp={layout.tmp_mb} cir.pids={layout.pids} cir.files={layout.open_files}"
         f" cir.fsize={layout.file_size_mb}"
     )

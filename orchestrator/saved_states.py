@@ -279,6 +279,13 @@ class SavedStates:
                 record.notice = "the service restarted; its sandbox was kept whole by its backend"
                 await self._pause_record(record, None, state_lost=False)
                 continue
+            if not engine.capabilities.workspace_on_host:  # its files went with its sandbox
+                record.notice = (
+                    "the service restarted, and this session's sandbox ended with it: its "
+                    "variables and files are gone (its snapshots are kept)"
+                )
+                await self._pause_record(record, None, state_lost=True)
+                continue
             try:
                 await self._salvage_one(record)
             except Exception:

@@ -37,8 +37,13 @@ EntryKind = Literal["dir", "file", "link", "data"]
 
 
 def tree_bytes(root: Path) -> int:
-    """The bytes of the files under `root` (links not followed): what each holds, a sparse
-    file (a machine's disk) only what it has written. Blocking."""
+    """The bytes of the files under `root` (links not followed). Blocking."""
+    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def tree_disk_bytes(root: Path) -> int:
+    """What the files under `root` take on disk, at most their sizes: a sparse file (a
+    virtual machine's disk) only what it has written. Blocking."""
     return sum(
         min(st.st_size, st.st_blocks * 512)
         for p in root.rglob("*")

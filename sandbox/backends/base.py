@@ -324,6 +324,10 @@ class BackendCapabilities:
     # Its sandboxes have a root (`ProcessRequest.user`, sudo), its wall being another's: its
     # sandboxes say so too (`Sandbox.has_root`).
     root: bool = False
+    # A sandbox's workspace is a directory on this host (under its `host_dirs`), which outlives
+    # the process that made it: a service that restarts finds its sessions' files there. Not so
+    # where the workspace is a disk inside a virtual machine, or in an interpreter's memory.
+    workspace_on_host: bool = True
 
     @property
     def pause(self) -> bool:

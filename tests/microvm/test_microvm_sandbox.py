@@ -222,3 +222,25 @@ async def test_the_hosts_loopback_is_out_of_reach(
     assert (await run_ok(shared, attempt)).text == "'ConnectionRefusedError'"
     devices = await run_ok(shared, "import os; sorted(os.listdir('/sys/class/net'))")
     assert devices.text == "['lo']"
+
+
+def test_qemu_itself_runs_confined(shared: MicrovmSandbox) -> None:
+    """Under TCG the emulator is the wall: were it taken over, it would be a process of its
+    own uid, under its seccomp filter, with no network (its own namespace: a loopback of its
+    own, no host socket by address), no host IPC, an empty root, no core dump and files no
+    larger than its machine needs."""
+    pid = qemu_of(shared)
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+    )
+    uids = status["Uid"].split()
+    assert uids[0] != "0" and len(set(uids)) == 1, uids
+    assert status["Seccomp"].strip() == "2"
+    for kind in ("net", "ipc", "uts"):
+        assert Path(f"/proc/{pid}/ns/{kind}").readlink() != Path(f"/proc/self/ns/{kind}").readlink()
+    assert Path(f"/proc/{pid}/root").readlink() == shared.dirs.root / "machine" / "empty"
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    core = next(line for line in limits.splitlines() if line.startswith("Max core file size"))
+    assert core.split()[4:6] == ["0", "0"]
+    size = next(line for line in limits.splitlines() if line.startswith("Max file size"))
+    assert size.split()[3] != "unlimited"

@@ -209,10 +209,6 @@ class AgentChannel:
         taken (its agent as it was at the detach). The caller then says `reattach`."""
         await self._rebind(_pipe_streams(read_fd, write_fd))
 
-    async def rebind_socket(self, sock: socket.socket) -> None:
-        """As `rebind`, over a new connected socket (a restored virtual machine's port)."""
-        await self._rebind(_socket_streams(sock))
-
     async def _rebind(
         self, streams: Coroutine[Any, Any, tuple[asyncio.StreamReader, asyncio.StreamWriter]]
     ) -> None:

@@ -34,7 +34,7 @@ from sandbox.backends.kernel_sandbox import KernelSandbox
 from sandbox.kernel.driver import KernelDriver
 from sandbox.saved_report import REPORT_FILE, SavedState, StateTooLarge
 from sandbox.state_dir import SessionDirs
-from sandbox.tree_transfer import tree_bytes
+from sandbox.tree_transfer import tree_bytes, tree_disk_bytes
 from sandbox.workspace_files import Workspace
 
 log = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ def _measured(saved: Path) -> SavedState:
     workspace = saved / WORKSPACE_DIR
     return SavedState(
         machine=True,
-        machine_bytes=tree_bytes(saved / IMAGE_DIR),
+        machine_bytes=tree_disk_bytes(saved / IMAGE_DIR),  # a machine's disks are sparse
         workspace_bytes=tree_bytes(workspace),
         files=sum(1 for p in workspace.rglob("*") if not p.is_dir()),
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -26,15 +27,16 @@ from code_interpreter_wire.errors import BackendUnavailable
 from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import Backend, BackendCapabilities
 from sandbox.backends.docker_launcher import write_user_database
-from sandbox.backends.gvisor.agent_channel import AgentError
+from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError
 from sandbox.backends.gvisor.backend import GvisorBackend, _MachineRecipe
 from sandbox.backends.gvisor.kernels import KeptKernel
 from sandbox.backends.gvisor.machine import ImageUnusable
 from sandbox.backends.gvisor.machine_channels import open_inside
 from sandbox.backends.gvisor.machine_images import template_key
 from sandbox.backends.gvisor.machine_sandbox import IMAGE_DIR
+from sandbox.backends.kernel_recipe import ChannelPeer
 from sandbox.backends.microvm import guest_boot, guest_disks, guest_kernel
-from sandbox.backends.microvm.guest_channels import channel_files, mirror_into
+from sandbox.backends.microvm.guest_channels import channel_files, mirror_into, push_file
 from sandbox.backends.microvm.machine import MachineError, QemuMachine
 from sandbox.backends.microvm.qemu import (
     Accelerator,
@@ -45,6 +47,7 @@ from sandbox.backends.microvm.qemu import (
 )
 from sandbox.backends.microvm.sandbox import MicrovmSandbox
 from sandbox.cgroups import remove_groups_of
+from sandbox.host_channel import MANIFEST_NAME, MODULE_NAME
 from sandbox.image_labels import IMAGE_PATH, KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
@@ -113,6 +116,10 @@ class MicrovmBackendConfig(BaseModel):
     )
     preload: str = Field(ANALYST_PRELOAD, description="Python a template runs before it is saved.")
     max_templates: int = Field(4, ge=1, description="Templates kept at once (one per spec).")
+    machine: Literal["auto", "q35", "microvm"] = Field(
+        "auto",
+        description="QEMU's machine type: `auto` (microvm on KVM, q35 on TCG), or either.",
+    )
     hang_timeout_s: float = Field(
         90.0,
         gt=0,
@@ -140,6 +147,7 @@ class MicrovmBackend(GvisorBackend):
         host_dirs=True,
         ports=False,
         root=True,
+        workspace_on_host=False,  # a disk of the machine's
     )
 
     @classmethod
@@ -179,6 +187,8 @@ class MicrovmBackend(GvisorBackend):
             accel = Accelerator("kvm", "microvm", "the operator chose KVM")
         else:
             accel = await accelerator(self._kernel)
+        if self.vm_config.machine != "auto":
+            accel = dataclasses.replace(accel, machine=self.vm_config.machine)
         return self._kernel, self._initramfs, accel
 
     async def _image(self, image: str) -> tuple[KernelPrograms, Path]:
@@ -367,6 +377,24 @@ class _VmRecipe(_MachineRecipe):
             raise
         if image is None:  # a restored machine has its listeners and forwarder already
             await open_inside(channel, self.spec, self.kernels.python, self.uid)
+        machine.after_restart = self._reopen
+
+    def channel_peer(self) -> ChannelPeer:
+        # Only this service connects to the channels' host sockets (for the agent inside): no
+        # host group is given their directories.
+        return ChannelPeer(os.geteuid(), 0)
+
+    async def _reopen(self, channel: AgentChannel) -> None:
+        """In a machine booted afresh after its predecessor ended (a panic, a hang): the
+        agent's listeners and forwarder, and the host-tool files, as at the first boot."""
+        assert self.uid is not None
+        await open_inside(channel, self.spec, self.kernels.python, self.uid)
+        if self.host_channel is not None:
+            for name in (MODULE_NAME, MANIFEST_NAME):
+                path = self.host_channel.path / name
+                if await asyncio.to_thread(path.is_file):
+                    data = await asyncio.to_thread(path.read_bytes)
+                    await push_file(channel, name, data)
 
     def sandbox(self, dirs: SessionDirs, driver: KernelDriver) -> MicrovmSandbox:
         assert self.machine is not None and self.uid is not None

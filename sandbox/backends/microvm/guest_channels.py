@@ -36,20 +36,8 @@ def mirror_into(
     a worker thread (`ToolChannel.open` writes there), it returns once the file is in."""
 
     async def push(name: str, data: bytes) -> None:
-        channel = await running()
-        path = posixpath.join(HOST_TOOLS_DIR_IN_SANDBOX, name)
-        pid, io, _ = await channel.spawn(
-            ["/bin/true"],
-            env={"PATH": "/usr/bin:/bin"},
-            cwd="/",
-            uid=0,
-            gid=0,
-            tag="host-tools-file",
-            separate_stderr=False,
-            files={path: (data, FILE_MODE)},
-        )
-        io.close()
-        await channel.wait_child(pid)
+        async with asyncio.timeout(PUSH_TIMEOUT_S):
+            await push_file(await running(), name, data)
 
     def mirror(name: str, data: bytes) -> None:
         if loop.is_closed():
@@ -58,9 +46,30 @@ def mirror_into(
         if threading.current_thread() is _loop_thread(loop):  # cannot wait here: sent on
             future.add_done_callback(_log_failure)
             return
-        future.result(PUSH_TIMEOUT_S)
+        try:
+            future.result(PUSH_TIMEOUT_S + 5)
+        except TimeoutError:
+            future.cancel()
+            raise
 
     return mirror
+
+
+async def push_file(channel: AgentChannel, name: str, data: bytes) -> None:
+    """Write the host-tool file `name` into the machine (root's, readable by its user)."""
+    path = posixpath.join(HOST_TOOLS_DIR_IN_SANDBOX, name)
+    pid, io, _ = await channel.spawn(
+        ["/bin/true"],
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+        uid=0,
+        gid=0,
+        tag="host-tools-file",
+        separate_stderr=False,
+        files={path: (data, FILE_MODE)},
+    )
+    io.close()
+    await channel.wait_child(pid)
 
 
 def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:

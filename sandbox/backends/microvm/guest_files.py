@@ -147,6 +147,9 @@ class GuestWorkspace:
                 total += len(chunk)
                 if total > MAX_LIST_BYTES:
                     raise AgentError("the sandbox's agent sent a listing over its size")
+                if b"\n" not in chunk:  # no line ends here: nothing to split yet
+                    pending += chunk
+                    continue
                 pending += chunk
                 *lines, rest = pending.split(b"\n")
                 for line in lines:

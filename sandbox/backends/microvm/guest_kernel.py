@@ -27,9 +27,9 @@ from code_interpreter_wire.errors import BackendUnavailable
 META_PACKAGE = "linux-image-cloud-amd64"
 KERNEL_JSON = "kernel.json"
 # What the guest's first steps load (guest_boot.py), each after what it needs (read from the
-# module's own `depends=`): the virtio PCI transport, disks, the agent's port, the host's
-# entropy, the root filesystem's overlay.
-MODULES = ("virtio_pci", "virtio_blk", "virtio_console", "virtio-rng", "overlay")
+# module's own `depends=`): the virtio transports (PCI for q35, MMIO for the microvm machine),
+# disks, the agent's port, the host's entropy, the root filesystem's overlay.
+MODULES = ("virtio_pci", "virtio_mmio", "virtio_blk", "virtio_console", "virtio-rng", "overlay")
 _MODULES_DIR = "lib/modules"
 
 
@@ -66,7 +66,7 @@ def find(directory: Path | None = None) -> GuestKernel:
                 kernel = GuestKernel(release_dir, str(data["release"]), tuple(data["modules"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if kernel.image.is_file():
+            if kernel.image.is_file() and _holds_modules(release_dir):
                 found.append(kernel)
     if not found:
         raise BackendUnavailable(
@@ -101,7 +101,7 @@ def fetch(directory: Path | None = None) -> GuestKernel:
             raise BackendUnavailable(f"{package.name} holds no kernel image")
         release = images[-1].name.removeprefix("vmlinuz-")
         done = directory / release
-        if (done / KERNEL_JSON).is_file():
+        if _holds_modules(done):
             return find(directory)
         making = directory / f".{release}.partial"
         shutil.rmtree(making, ignore_errors=True)
@@ -115,8 +115,18 @@ def fetch(directory: Path | None = None) -> GuestKernel:
             json.dumps({"release": release, "modules": [n for n, _ in order]})
         )
         directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(done, ignore_errors=True)  # one from before, without all the modules
         os.rename(making, done)
     return find(directory)
+
+
+def _holds_modules(release_dir: Path) -> bool:
+    """Whether a fetched kernel has every module this version loads."""
+    try:
+        held = set(json.loads((release_dir / KERNEL_JSON).read_text())["modules"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return {name.replace("-", "_") for name in MODULES} <= {n.replace("-", "_") for n in held}
 
 
 def _download(package: str, into: Path) -> Path:

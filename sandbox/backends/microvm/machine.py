@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from code_interpreter_wire.errors import SandboxClosed, SandboxError
 from code_interpreter_wire.spec import ResourceLimits
+from sandbox.backends.gvisor import machine as gvisor_machine
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.backends.microvm.guest_boot import READY_MARK
 from sandbox.backends.microvm.guest_disks import copy_disk
@@ -33,17 +36,21 @@ from sandbox.cgroups import SandboxCgroup
 log = logging.getLogger(__name__)
 
 BOOT_TIMEOUT_S = 180.0  # TCG on a loaded host boots slowly; a hang ends here
-QEMU_THREADS = 64  # its pids limit: vCPU, I/O and its own threads
+QEMU_THREADS = 128  # its pids limit: vCPUs, its I/O pool (qemu.IO_THREADS), its own
 _TAIL_BYTES = 4096
 WATCHDOG_MISSES = 3  # asks in a row, each waiting up to a period for its answer
+DROP_CACHES_TIMEOUT_S = 20.0
+UNSHARE = "/usr/bin/unshare"  # util-linux's, at its fixed place
+STATE_SLACK_MB = 1024  # a save's state beside the guest's memory: its devices, its headers
 STATE_FILE = "state"  # a saved machine's memory and devices, in its image directory
 
 
-class MachineError(SandboxError):
-    """QEMU refused or failed (the message holds its own words or the guest's last)."""
+class MachineError(gvisor_machine.MachineError):
+    """QEMU refused or failed (the message holds its own words or the guest's last); the
+    machine sandbox's code (shared with gVisor) takes it as a failed save or start."""
 
 
-class RestoreFailed(MachineError):
+class RestoreFailed(MachineError, gvisor_machine.RestoreFailed):
     """A machine saved while it ran could not run on from the save."""
 
 
@@ -81,7 +88,10 @@ class QemuMachine:
         self._group = SandboxCgroup(f"vm-{name}") if cgroups else None
         self._qmp: Monitor | None = None
         self._watchdog: asyncio.Future[None] | None = None
+        self._oom_kills_at_start = 0  # the host's OOM kills in its cgroup before this QEMU
         self.on_destroyed: Callable[[], None] | None = None  # gives its host uid back
+        # What a machine booted afresh after its predecessor ended needs done first.
+        self.after_restart: Callable[[AgentChannel], Awaitable[None]] | None = None
 
     # --- the process --------------------------------------------------------------------------
     async def _launch(self, incoming: bool) -> socket.socket:
@@ -104,12 +114,26 @@ class QemuMachine:
             await asyncio.to_thread(self._group.create, reserve)
         self._booted = asyncio.Event()
         self.stderr_tail = b""
+        if self._group is not None:
+            self._oom_kills_at_start = self._group.oom_kills()
+        largest = max(
+            os.stat(disk).st_size for disk in (self.layout.root_layer, self.layout.workspace)
+        )
+        file_size = max(largest, (self.layout.memory_mb + STATE_SLACK_MB) << 20)
         process = await asyncio.create_subprocess_exec(
+            # Namespaces of its own: no network but a loopback of its own, no host IPC or
+            # abstract socket; its sockets here are files in the session's directory.
+            UNSHARE,
+            "--net",
+            "--ipc",
+            "--uts",
+            "--",
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=functools.partial(_qemu_limits, file_size),
         )
         self._process = process
         if self._group is not None:
@@ -259,8 +283,11 @@ class QemuMachine:
             await (await self._monitor()).save_to(image / STATE_FILE)
         except MonitorError as exc:
             raise MachineError(f"the machine could not be saved: {exc}") from None
-        for disk in (self.layout.root_layer, self.layout.workspace):
-            await asyncio.to_thread(copy_disk, disk, image / disk.name)
+        try:
+            for disk in (self.layout.root_layer, self.layout.workspace):
+                await asyncio.to_thread(copy_disk, disk, image / disk.name)
+        except OSError as exc:  # the host's disk is full, say: the machine runs on unsaved
+            raise MachineError(f"the machine's disks could not be copied: {exc}") from None
 
     async def running(self) -> AgentChannel:
         """Its agent's channel; a machine that ended on its own (a guest kernel's panic, most
@@ -280,6 +307,8 @@ class QemuMachine:
             await self._kill()
             channel = await self.start(self._on_accept)
             await channel.hello()
+            if self.after_restart is not None:
+                await self.after_restart(channel)
             self.restarts += 1
             return channel
 
@@ -288,14 +317,25 @@ class QemuMachine:
         process inside, which its kernel's end tells); None where unreadable."""
         if self._group is None:
             return None
-        return self._group.oom_kills() > 0
+        return self._group.oom_kills() > self._oom_kills_at_start
 
     async def checkpoint(self, image: Path) -> None:
         """Save the whole machine to `image` (a new directory); the machine stops. If the save
-        fails, the machine runs on, its agent quiet until `AgentChannel.reattach`."""
-        assert self.channel is not None
-        await _drop_caches(self.channel)
-        await self.channel.detach()
+        fails, the machine runs on, its agent quiet until `AgentChannel.reattach`. Finished
+        even if its caller leaves: a machine half saved would be neither running nor saved."""
+        channel = self.channel
+        assert channel is not None
+        await _drop_caches(channel)
+        task = asyncio.ensure_future(self._checkpoint(channel, image))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await task
+            raise
+
+    async def _checkpoint(self, channel: AgentChannel, image: Path) -> None:
+        await channel.detach()
         try:
             await self._save(image)
         except BaseException:
@@ -380,19 +420,37 @@ class QemuMachine:
 
 
 async def _drop_caches(channel: AgentChannel) -> None:
-    """The guest's page cache let go before a save (its pages are then zero: not saved)."""
-    with contextlib.suppress(AgentError, SandboxError):
-        pid, io, _ = await channel.spawn(
-            ["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"],
-            env={"PATH": "/usr/bin:/bin"},
-            cwd="/",
-            uid=0,
-            gid=0,
-            tag="drop-caches",
-            separate_stderr=False,
-        )
-        io.close()
+    """The guest's page cache let go before a save (less for the save to write); given up
+    after DROP_CACHES_TIMEOUT_S (a guest may not answer: the save goes on)."""
+    with contextlib.suppress(AgentError, SandboxError, TimeoutError):
+        async with asyncio.timeout(DROP_CACHES_TIMEOUT_S):
+            await _run_drop_caches(channel)
+
+
+async def _run_drop_caches(channel: AgentChannel) -> None:
+    pid, io, _ = await channel.spawn(
+        ["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"],
+        env={"PATH": "/usr/bin:/bin"},
+        cwd="/",
+        uid=0,
+        gid=0,
+        tag="drop-caches",
+        separate_stderr=False,
+    )
+    io.close()
+    try:
         await channel.wait_child(pid)
+    except BaseException:
+        with contextlib.suppress(AgentError, SandboxError):
+            await channel.signal(pid, 9)
+        raise
+
+
+def _qemu_limits(file_size: int) -> None:
+    """In QEMU's process, before it runs: no file it writes (its disks, a save's state)
+    grows past what its machine can need, and no core dump of a guest's memory."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _fresh_clock_and_entropy() -> dict[str, object]:

@@ -28,20 +28,28 @@ class MicrovmSandbox(GvisorSandbox):
     async def _refuse_unsaveable(self) -> bool:
         return False  # a whole machine saves whatever it holds (its sockets too)
 
+    # Each within this sandbox's share of file work, as the host-workspace backends' are.
     async def upload(self, path: str, data: bytes) -> FileInfo:
-        return file_info(await self.guest_files.write(path, data))
+        async with self._file_slots:
+            return file_info(await self.guest_files.write(path, data))
 
     async def download(self, path: str, *, max_bytes: int = 100 << 20) -> bytes:
-        return await self.guest_files.read(path, max_bytes)
+        async with self._file_slots:
+            return await self.guest_files.read(path, max_bytes)
 
     async def export_file(self, path: str, dest: Path, *, max_bytes: int) -> int:
-        return await self.guest_files.copy_out(path, dest, max_bytes)
+        async with self._file_slots:
+            return await self.guest_files.copy_out(path, dest, max_bytes)
 
     async def import_file(self, path: str, source: Path) -> FileInfo:
-        return file_info(await self.guest_files.copy_in(path, source))
+        async with self._file_slots:
+            return file_info(await self.guest_files.copy_in(path, source))
 
     async def list_files(self, path: str = "", *, recursive: bool = False) -> list[FileInfo]:
-        return [file_info(e) for e in await self.guest_files.list_dir(path, recursive=recursive)]
+        async with self._file_slots:
+            entries = await self.guest_files.list_dir(path, recursive=recursive)
+        return [file_info(e) for e in entries]
 
     async def remove_file(self, path: str) -> None:
-        await self.guest_files.remove(path)
+        async with self._file_slots:
+            await self.guest_files.remove(path)

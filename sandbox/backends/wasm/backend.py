@@ -82,6 +82,7 @@ class WasmBackend(Backend):
         warm_pool=True,
         labels_sandboxes=False,
         host_dirs=True,
+        workspace_on_host=False,  # in the interpreter's memory
     )
 
     @classmethod

@@ -68,7 +68,9 @@ def test_the_wasm_backends_sandboxes_touch_nothing() -> None:
 
 
 def test_an_unknown_backend_is_named_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="choose one of: local, docker, gvisor, e2b, ray, wasm"):
+    with pytest.raises(
+        ValueError, match="choose one of: local, docker, gvisor, e2b, ray, microvm, wasm"
+    ):
         create_backend("nope")
     assert why_unavailable("nope") == "unknown backend 'nope'"
 

@@ -55,6 +55,7 @@ from sandbox.inside_kernel import (
 )
 from sandbox.kernel.command import KERNEL_START_FILES
 from sandbox.kernel.programs import SUPERVISOR_FILE, SUPERVISOR_IN_SANDBOX
+from sandbox.program_version import program_version
 
 log = logging.getLogger(__name__)
 
@@ -126,25 +127,9 @@ def runsc_program() -> str:
     return found
 
 
-_versions: dict[tuple[str, int, int], str] = {}
-
-
-async def runsc_version(program: str) -> str:
-    """What `runsc --version` says first, asked once per binary (a new one is asked again)."""
-    st = os.stat(program)
-    key = (program, st.st_ino, st.st_mtime_ns)
-    if key not in _versions:
-        process = await asyncio.create_subprocess_exec(
-            program, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-        )
-        out, _ = await process.communicate()
-        _versions[key] = out.decode(errors="replace").splitlines()[0].strip() if out else "unknown"
-    return _versions[key]
-
-
 async def host_runsc_version() -> str:
     """The version of the runsc this host runs machines with."""
-    return await runsc_version(runsc_program())
+    return await program_version(runsc_program())
 
 
 class Machine:

@@ -21,14 +21,14 @@ from typing import Any, Literal, Self
 
 import docker
 from docker.errors import DockerException
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from code_interpreter_wire.errors import BackendUnavailable
 from code_interpreter_wire.spec import SandboxSpec
-from sandbox.backends.base import Backend, BackendCapabilities
+from sandbox.backends.base import BackendCapabilities
 from sandbox.backends.docker_launcher import write_user_database
 from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError
-from sandbox.backends.gvisor.backend import GvisorBackend, _MachineRecipe
+from sandbox.backends.gvisor.backend import GvisorBackend, GvisorBackendConfig, _MachineRecipe
 from sandbox.backends.gvisor.kernels import KeptKernel
 from sandbox.backends.gvisor.machine import ImageUnusable
 from sandbox.backends.gvisor.machine_channels import open_inside
@@ -48,13 +48,11 @@ from sandbox.backends.microvm.qemu import (
 from sandbox.backends.microvm.sandbox import MicrovmSandbox
 from sandbox.cgroups import remove_groups_of
 from sandbox.host_channel import MANIFEST_NAME, MODULE_NAME
-from sandbox.image_labels import IMAGE_PATH, KERNEL_IMAGE
+from sandbox.image_labels import KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
-from sandbox.preload import ANALYST_PRELOAD
-from sandbox.state_dir import SessionDirs, default_state_dir
-from sandbox.uids import HostUidPool
+from sandbox.state_dir import SessionDirs
 from sandbox.workspace_files import Workspace
 
 __all__ = ["MicrovmBackend", "MicrovmBackendConfig", "MicrovmSandbox", "why_unavailable"]
@@ -83,9 +81,18 @@ def why_unavailable(**config: Any) -> str | None:
     return None
 
 
-class MicrovmBackendConfig(BaseModel):
-    image: str = Field(KERNEL_IMAGE, description="Kernel image used when a spec names none.")
-    state_dir: Path = Field(default_factory=default_state_dir)
+class MicrovmBackendConfig(GvisorBackendConfig):
+    """The gVisor machines' settings (the same sandbox code reads them), and QEMU's."""
+
+    host_uid_base: int = Field(
+        1_800_000,
+        description="Machine i's QEMU runs as host uid host_uid_base + i (never a real user).",
+    )
+    root: bool = Field(
+        True,
+        description="Processes may run as the machine's root (sudo, `user: root`): the "
+        "machine is the wall. False: refused, as on the other backends.",
+    )
     kernel_dir: Path | None = Field(
         None, description="Where the guest kernel was fetched (default: the user's cache)."
     )
@@ -94,28 +101,6 @@ class MicrovmBackendConfig(BaseModel):
         description="Where the images' root filesystem disks are kept (made once per image id, "
         "shared by every service of this user: default, the user's cache).",
     )
-    orchestrator_id: str = "default"
-    python: str = "/opt/kernel/bin/python"
-    kernel_path: str = IMAGE_PATH
-    host_uid_base: int = Field(
-        1_800_000,
-        description="Machine i's QEMU, and its sandbox's user inside, run as uid "
-        "host_uid_base + i (never a real user).",
-    )
-    host_uid_count: int = 10_000
-    root: bool = Field(
-        True,
-        description="Processes may run as the machine's root (sudo, `user: root`): the "
-        "machine is the wall. False: refused, as on the other backends.",
-    )
-    templates: bool = Field(
-        True,
-        description="Restore new sandboxes from a saved machine of their image and spec, the "
-        "preload's modules imported (made in the background after the first such sandbox, kept "
-        "across restarts), instead of booting them.",
-    )
-    preload: str = Field(ANALYST_PRELOAD, description="Python a template runs before it is saved.")
-    max_templates: int = Field(4, ge=1, description="Templates kept at once (one per spec).")
     machine: Literal["auto", "q35", "microvm"] = Field(
         "auto",
         description="QEMU's machine type: `auto` (microvm on KVM, q35 on TCG), or either.",
@@ -156,21 +141,11 @@ class MicrovmBackend(GvisorBackend):
 
     def __init__(self, config: MicrovmBackendConfig | None = None) -> None:
         self.vm_config = config or MicrovmBackendConfig()
+        super().__init__(self.vm_config)
         c = self.vm_config
-        Backend.__init__(self)
-        # The machine-sandbox code reads these of its backend (GvisorBackend's fields).
-        self.config = _SharedConfig(c)  # type: ignore[assignment]
-        self.uids = HostUidPool(c.host_uid_base, c.host_uid_count)
         self.rootfs_store = c.rootfs_dir or guest_kernel.default_dir().with_name("microvm-rootfs")
         self.paused_dir = c.state_dir / "microvm-paused"
         self.templates_dir = c.state_dir / "microvm-templates"
-        self._programs: dict[str, tuple[KernelPrograms, Path]] = {}
-        self._paused_uids: dict[str, int] = {}
-        self._templates: dict[str, Path] = {}
-        self._building: dict[str, asyncio.Task[Path]] = {}
-        self._template_lock = asyncio.Lock()
-        self._finishing: set[asyncio.Future[None]] = set()
-        self._failed: dict[str, float] = {}
         self._kernel: guest_kernel.GuestKernel | None = None
         self._initramfs: Path | None = None
 
@@ -241,21 +216,6 @@ class MicrovmBackend(GvisorBackend):
         return len(
             await asyncio.to_thread(SessionDirs.remove_orphans, self.vm_config.state_dir, self.name)
         )
-
-
-class _SharedConfig:
-    """What the machine-sandbox code reads of its backend's config, from this backend's."""
-
-    def __init__(self, config: MicrovmBackendConfig) -> None:
-        self.state_dir = config.state_dir
-        self.image = config.image
-        self.kernel_path = config.kernel_path
-        self.root = config.root
-        self.python = config.python
-        self.templates = config.templates
-        self.preload = config.preload
-        self.max_templates = config.max_templates
-        self.orchestrator_id = config.orchestrator_id
 
 
 def _kill_qemu_of(session: Path) -> None:

@@ -6,11 +6,14 @@ once the session has its tools) pushed in through the agent as it is written."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import posixpath
+import signal
 import threading
 from collections.abc import Awaitable, Callable
 
+from code_interpreter_wire.errors import SandboxError
 from sandbox.backends.gvisor.agent_channel import AgentChannel
 from sandbox.host_channel import HOST_TOOLS_DIR_IN_SANDBOX, HostChannel
 
@@ -58,18 +61,31 @@ def mirror_into(
 async def push_file(channel: AgentChannel, name: str, data: bytes) -> None:
     """Write the host-tool file `name` into the machine (root's, readable by its user)."""
     path = posixpath.join(HOST_TOOLS_DIR_IN_SANDBOX, name)
+    await run_as_root(channel, ["/bin/true"], files={path: (data, FILE_MODE)})
+
+
+async def run_as_root(
+    channel: AgentChannel, argv: list[str], *, files: dict[str, tuple[bytes, int]] | None = None
+) -> None:
+    """Run `argv` in the machine as its root (after writing `files`), to its end; killed if
+    its caller gives up on it."""
     pid, io, _ = await channel.spawn(
-        ["/bin/true"],
+        argv,
         env={"PATH": "/usr/bin:/bin"},
         cwd="/",
         uid=0,
         gid=0,
-        tag="host-tools-file",
+        tag="host-work",
         separate_stderr=False,
-        files={path: (data, FILE_MODE)},
+        files=files,
     )
     io.close()
-    await channel.wait_child(pid)
+    try:
+        await channel.wait_child(pid)
+    except BaseException:
+        with contextlib.suppress(SandboxError):
+            await channel.signal(pid, signal.SIGKILL)
+        raise
 
 
 def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:

@@ -28,10 +28,12 @@ from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.gvisor import machine as gvisor_machine
 from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
 from sandbox.backends.microvm.guest_boot import READY_MARK
+from sandbox.backends.microvm.guest_channels import run_as_root
 from sandbox.backends.microvm.guest_disks import copy_disk
 from sandbox.backends.microvm.monitor import Monitor, MonitorError
 from sandbox.backends.microvm.qemu import Accelerator, MachineLayout, command_line
 from sandbox.cgroups import SandboxCgroup
+from sandbox.run_to_end import finish_even_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -326,23 +328,21 @@ class QemuMachine:
         channel = self.channel
         assert channel is not None
         await _drop_caches(channel)
-        task = asyncio.ensure_future(self._checkpoint(channel, image))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await task
-            raise
+        await finish_even_if_cancelled(self._checkpoint(channel, image))
 
     async def _checkpoint(self, channel: AgentChannel, image: Path) -> None:
         await channel.detach()
+        await self._save_or_resume(image)
+        await self._kill()
+
+    async def _save_or_resume(self, image: Path) -> None:
+        """Save the machine into `image`; if that fails, it runs on (its agent still quiet)."""
         try:
             await self._save(image)
         except BaseException:
             with contextlib.suppress(MonitorError):
                 await (await self._monitor()).resume()
             raise
-        await self._kill()
 
     async def checkpoint_and_go_on(
         self, image: Path, while_stopped: Callable[[], Awaitable[None]] | None = None
@@ -362,13 +362,7 @@ class QemuMachine:
                 finally:
                     channel.going_on = False
 
-        task = asyncio.ensure_future(save())  # finished even if its caller leaves
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await task
-            raise
+        await finish_even_if_cancelled(save())  # finished even if its caller leaves
 
     async def _save_and_resume(
         self,
@@ -378,12 +372,7 @@ class QemuMachine:
     ) -> None:
         await _drop_caches(channel)
         await channel.detach()
-        try:
-            await self._save(image)
-        except BaseException:
-            with contextlib.suppress(MonitorError):
-                await (await self._monitor()).resume()
-            raise
+        await self._save_or_resume(image)
         failure: Exception | None = None
         if while_stopped is not None:
             try:
@@ -428,22 +417,7 @@ async def _drop_caches(channel: AgentChannel) -> None:
 
 
 async def _run_drop_caches(channel: AgentChannel) -> None:
-    pid, io, _ = await channel.spawn(
-        ["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"],
-        env={"PATH": "/usr/bin:/bin"},
-        cwd="/",
-        uid=0,
-        gid=0,
-        tag="drop-caches",
-        separate_stderr=False,
-    )
-    io.close()
-    try:
-        await channel.wait_child(pid)
-    except BaseException:
-        with contextlib.suppress(AgentError, SandboxError):
-            await channel.signal(pid, 9)
-        raise
+    await run_as_root(channel, ["/bin/sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"])
 
 
 def _qemu_limits(file_size: int) -> None:

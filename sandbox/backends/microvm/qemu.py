@@ -24,6 +24,7 @@ from pathlib import Path
 from code_interpreter_wire.errors import BackendUnavailable
 from sandbox.backends.microvm.guest_boot import AGENT_PORT, busybox_program, newc_archive
 from sandbox.backends.microvm.guest_kernel import GuestKernel
+from sandbox.program_version import program_version
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,17 @@ SECCOMP = "on,obsolete=deny,elevateprivileges=allow,spawn=deny,resourcecontrol=d
 _PROBE_MARK = "cir-kvm-probe-ok"
 TCG_CODE_MB = 128
 IO_THREADS = 16
+# No device but those named, no config file, no display; the console on stdout; a guest that
+# reboots ends instead.
+_BARE = (
+    "-nodefaults",
+    "-no-user-config",
+    "-display",
+    "none",
+    "-serial",
+    "stdio",
+    "-no-reboot",
+)
 
 
 @dataclass(frozen=True)
@@ -85,21 +97,9 @@ def qemu_program() -> str:
     return found
 
 
-_versions: dict[tuple[str, int, int], str] = {}
-
-
 async def qemu_version() -> str:
-    """What `qemu-system-x86_64 --version` says first, asked once per binary."""
-    program = qemu_program()
-    st = os.stat(program)
-    key = (program, st.st_ino, st.st_mtime_ns)
-    if key not in _versions:
-        process = await asyncio.create_subprocess_exec(
-            program, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-        )
-        out, _ = await process.communicate()
-        _versions[key] = out.decode(errors="replace").splitlines()[0].strip() if out else "unknown"
-    return _versions[key]
+    """What this host's QEMU says it is (what a saved machine must have been saved by)."""
+    return await program_version(qemu_program())
 
 
 _accelerator: Accelerator | None = None
@@ -132,13 +132,7 @@ async def _probe(kernel: GuestKernel) -> Accelerator:
                 *Accelerator("kvm", "microvm", "").arguments(),
                 "-m",
                 "128",
-                "-nodefaults",
-                "-no-user-config",
-                "-display",
-                "none",
-                "-serial",
-                "stdio",
-                "-no-reboot",
+                *_BARE,
                 "-kernel",
                 str(kernel.image),
                 "-initrd",
@@ -224,15 +218,9 @@ def command_line(program: str, accel: Accelerator, layout: MachineLayout) -> lis
         str(layout.memory_mb),
         "-smp",
         str(layout.cpus),
-        "-nodefaults",
-        "-no-user-config",
-        "-display",
-        "none",
-        "-serial",
-        "stdio",
+        *_BARE,
         "-nic",
         "none",
-        "-no-reboot",
         "-kernel",
         str(layout.kernel.image),
         "-initrd",

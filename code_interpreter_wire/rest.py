@@ -132,7 +132,10 @@ class SessionInfo(BaseModel):
     executions: int
     from_pool: bool
     runtime: str | None = Field(
-        None, description="The OCI runtime of its containers (docker); null on other backends."
+        None,
+        description="What runs it: the OCI runtime of its containers (docker), the accelerator "
+        "of its virtual machine (microvm: `kvm`, or `tcg`, QEMU's emulated CPU); null on "
+        "other backends.",
     )
     tools: list[str] = Field(default_factory=list, description="Host tools its code may call.")
     network: NetworkPolicy = Field(

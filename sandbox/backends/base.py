@@ -50,8 +50,8 @@ class Sandbox(ABC):
     id: str
     backend: str
     spec: SandboxSpec
-    # The OCI runtime its containers run under (Docker: `runc`, `runsc`...); None where the
-    # backend has no such choice.
+    # What runs it, where a backend has a choice: the OCI runtime of its containers (Docker:
+    # `runc`, `runsc`...), the accelerator of its virtual machine (microvm: `kvm`, `tcg`).
     runtime: str | None = None
     # Where the host listens for this sandbox's tool calls; None: it has no channel.
     host_channel: HostChannel | None = None

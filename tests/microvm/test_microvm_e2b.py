@@ -83,6 +83,9 @@ def has_counted(sbx: Sandbox) -> bool:
 def test_the_sdk_runs_a_machine_and_pauses_it_whole(sdk: Server) -> None:
     sbx = Sandbox.create(template="microvm", timeout=600)
     try:
+        with sdk.client() as api:  # the session says what runs its machine
+            info = api.get(f"/v1/sessions/{sbx.sandbox_id}").json()
+        assert info["backend"] == "microvm" and info["runtime"] in ("kvm", "tcg"), info
         release = sbx.run_code("import platform; print(platform.release())").logs.stdout[0].strip()
         assert release and release != platform.release()
         assert sbx.run_code("x = 41\nx + 1").text == "42"

@@ -375,6 +375,8 @@ class _VmRecipe(_MachineRecipe):
             kernel_path=self.backend.config.kernel_path,
             root=self.backend.config.root,
         )
+        assert isinstance(self.machine, QemuMachine)
+        sandbox.runtime = self.machine.accelerator.name  # in the session's info: kvm or tcg
         return sandbox
 
     async def undo(self) -> None:

@@ -95,7 +95,8 @@ def start_child(request: dict[str, Any], uid: int, gid: int, *, with_err: bool) 
                 stderr = err_w
                 out["err"] = err_r
             for fd in theirs:  # its own, so it may open them again (/dev/stdout, /dev/stderr)
-                os.fchown(fd, uid, gid)
+                with contextlib.suppress(OSError):  # gVisor's pipes take no owner: as they are
+                    os.fchown(fd, uid, gid)
         process = subprocess.Popen(
             [str(a) for a in request["argv"]],
             stdin=stdin,

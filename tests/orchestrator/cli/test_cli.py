@@ -198,8 +198,8 @@ def test_help_shows_no_type_placeholders(command: tuple[str, ...]) -> None:
 
 def test_help_names_every_backend_and_how_serve_is_configured() -> None:
     flat = {c: " ".join(run_cli(c, "--help").stdout.split()) for c in ("run", "serve")}
-    assert "local, docker, gvisor, e2b, ray or wasm" in flat["run"]
-    assert "ray or wasm (ray: cluster mode)" in flat["serve"]
+    assert "local, docker, gvisor, e2b, ray, microvm or wasm" in flat["run"]
+    assert "microvm or wasm (ray: cluster mode)" in flat["serve"]
     serve = flat["serve"]
     for setting in ("host", "port"):
         assert f"[default: {Settings.model_fields[setting].default}]" in serve, serve

@@ -10,13 +10,13 @@
 # themselves come from PyPI with `make install`), without their recommendations (R's would
 # bring a compiler tool chain); Chromium and its WebDriver for the console's browser tests
 # (tests/orchestrator/governance/test_console_browser.py); QEMU and a static busybox for the
-# microvm backend (docs/microvm.md; its guest kernel comes with `make install`, never installed
-# on this host), also without recommendations.
+# microvm backend with e2fsprogs to make its disks (docs/microvm.md; its guest kernel comes with
+# `make install`, never installed on this host), also without recommendations.
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 packages=(bubblewrap python3 python3-venv python3-dev make docker.io runsc debootstrap git procps
     util-linux iproute2 redis-server chromium chromium-driver)
-language_packages=(r-base-core r-cran-irkernel default-jdk-headless qemu-system-x86
+language_packages=(r-base-core r-cran-irkernel default-jdk-headless qemu-system-x86 e2fsprogs
     busybox-static)
 
 missing_of() {

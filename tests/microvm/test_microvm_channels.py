@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from orchestrator.host_tools import ChannelLimits, ToolChannel, ToolRegistry
-from sandbox.backends.microvm.backend import MicrovmBackend, MicrovmSandbox
+from sandbox import Sandbox
+from sandbox.backends.microvm.backend import MicrovmBackend
 from tests.conftest import require_backend
 from tests.microvm.conftest import vm_spec
 from tests.network.conftest import FETCH, Net, new_session, served_net
@@ -23,7 +24,7 @@ from tests.orchestrator.host_tools.tools_for_tests import TOOLS
 pytestmark = pytest.mark.timeout(600)
 
 
-async def _tools(sb: MicrovmSandbox) -> ToolChannel:
+async def _tools(sb: Sandbox) -> ToolChannel:
     assert sb.host_channel is not None
     return await ToolChannel.open(
         sb.host_channel, ToolRegistry(TOOLS).select(["add"]), ChannelLimits()

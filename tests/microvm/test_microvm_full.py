@@ -17,6 +17,7 @@ import pytest
 
 from code_interpreter_wire.errors import FileTooLarge
 from code_interpreter_wire.processes import ProcessRequest
+from code_interpreter_wire.results import ExecutionStatus
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox import Sandbox, create_backend
 from sandbox.backends.base import SavedSandboxUnusable
@@ -324,5 +325,30 @@ async def test_the_microvm_machine_type_runs_a_session() -> None:
             assert (await run_ok(sb, "1 + 1")).text == "2"
             listed = await sb.run_command(ProcessRequest(command="ls /sys/bus/pci/devices | wc -l"))
             assert listed.stdout.strip() == "0", listed
+    finally:
+        await backend.close()
+
+
+async def test_a_hung_machine_is_ended_and_the_session_goes_on_in_a_fresh_one() -> None:
+    """A guest that stops answering (here its CPUs stopped through QEMU's monitor: as a hung
+    kernel looks from the host) fails the call waiting on it, typed, within the backend's
+    hang_timeout_s, and the next call runs in a fresh machine with the workspace kept."""
+    require_backend("microvm")
+    backend = create_backend(
+        "microvm", state_dir=shared_state_dir(), templates=False, hang_timeout_s=6
+    )
+    try:
+        async with await backend.create(vm_spec()) as sb:
+            assert isinstance(sb, MicrovmSandbox)
+            await sb.upload("kept.txt", b"kept")
+            await run_ok(sb, "x = 1")
+            before = qemu_of(sb)
+            monitor = await sb._machine._monitor()  # type: ignore[attr-defined]
+            await monitor.pause()
+            hung = await sb.execute("x", timeout_s=120)
+            assert hung.status is ExecutionStatus.KERNEL_DIED, hung
+            after = await run_ok(sb, "open('kept.txt').read()")
+            assert after.text == "'kept'"
+            assert qemu_of(sb) != before
     finally:
         await backend.close()

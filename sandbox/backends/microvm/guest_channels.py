@@ -10,7 +10,6 @@ import contextlib
 import logging
 import posixpath
 import signal
-import threading
 from collections.abc import Awaitable, Callable
 
 from code_interpreter_wire.errors import SandboxError
@@ -46,7 +45,7 @@ def mirror_into(
         if loop.is_closed():
             return
         future = asyncio.run_coroutine_threadsafe(push(name, data), loop)
-        if threading.current_thread() is _loop_thread(loop):  # cannot wait here: sent on
+        if _running_loop() is loop:  # on the loop itself, which cannot wait here: sent on
             future.add_done_callback(_log_failure)
             return
         try:
@@ -88,9 +87,11 @@ async def run_as_root(
         raise
 
 
-def _loop_thread(loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
-    thread_id = getattr(loop, "_thread_id", None)
-    return next((t for t in threading.enumerate() if t.ident == thread_id), None)
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread's
+        return None
 
 
 def _log_failure(future: object) -> None:

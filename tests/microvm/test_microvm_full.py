@@ -313,22 +313,6 @@ async def test_closing_a_sandbox_leaves_no_qemu_cgroup_or_directory(
     assert sb.id not in our_sessions(microvm)
 
 
-async def test_the_microvm_machine_type_runs_a_session() -> None:
-    """QEMU's `microvm` machine (virtio over MMIO, no PCI), the one KVM hosts get: booted here
-    under TCG, so the guest's first steps find its disks and port on that bus too."""
-    require_backend("microvm")
-    backend = create_backend(
-        "microvm", state_dir=shared_state_dir(), templates=False, machine="microvm"
-    )
-    try:
-        async with await backend.create(vm_spec()) as sb:
-            assert (await run_ok(sb, "1 + 1")).text == "2"
-            listed = await sb.run_command(ProcessRequest(command="ls /sys/bus/pci/devices | wc -l"))
-            assert listed.stdout.strip() == "0", listed
-    finally:
-        await backend.close()
-
-
 async def test_a_hung_machine_is_ended_and_the_session_goes_on_in_a_fresh_one() -> None:
     """A guest that stops answering (here its CPUs stopped through QEMU's monitor: as a hung
     kernel looks from the host) fails the call waiting on it, typed, within the backend's

@@ -85,10 +85,16 @@ def why_unavailable(**config: Any) -> str | None:
     """What this machine lacks for the gvisor backend: runsc (as root) and the kernel image."""
     try:
         runsc_program()
-        with contextlib.closing(docker.from_env()) as client:
-            client.images.get(config.get("image") or KERNEL_IMAGE)
     except BackendUnavailable as exc:
         return str(exc)
+    return why_no_kernel_image(config.get("image"))
+
+
+def why_no_kernel_image(image: str | None) -> str | None:
+    """Why the kernel image machines are made from is not at hand (None: it is)."""
+    try:
+        with contextlib.closing(docker.from_env()) as client:
+            client.images.get(image or KERNEL_IMAGE)
     except DockerException as exc:
         return f"the kernel image is not on a reachable Docker engine (`make image`): {exc}"
     return None

@@ -28,7 +28,12 @@ from code_interpreter_wire.spec import SandboxSpec
 from sandbox.backends.base import BackendCapabilities
 from sandbox.backends.docker_launcher import write_user_database
 from sandbox.backends.gvisor.agent_channel import AgentChannel, AgentError
-from sandbox.backends.gvisor.backend import GvisorBackend, GvisorBackendConfig, _MachineRecipe
+from sandbox.backends.gvisor.backend import (
+    GvisorBackend,
+    GvisorBackendConfig,
+    _MachineRecipe,
+    why_no_kernel_image,
+)
 from sandbox.backends.gvisor.kernels import KeptKernel
 from sandbox.backends.gvisor.machine import ImageUnusable
 from sandbox.backends.gvisor.machine_channels import open_inside
@@ -48,7 +53,6 @@ from sandbox.backends.microvm.qemu import (
 from sandbox.backends.microvm.sandbox import MicrovmSandbox
 from sandbox.cgroups import remove_groups_of
 from sandbox.host_channel import MANIFEST_NAME, MODULE_NAME
-from sandbox.image_labels import KERNEL_IMAGE
 from sandbox.kernel.command import STARTUP_FILE_IN_SANDBOX
 from sandbox.kernel.driver import KernelDriver
 from sandbox.kernel.programs import KernelPrograms, image_programs, refuse_unbuilt_template
@@ -72,13 +76,9 @@ def why_unavailable(**config: Any) -> str | None:
         guest_boot.busybox_program()
         guest_disks.mkfs_program()
         guest_kernel.find(Path(config["kernel_dir"]) if config.get("kernel_dir") else None)
-        with contextlib.closing(docker.from_env()) as client:
-            client.images.get(config.get("image") or KERNEL_IMAGE)
     except BackendUnavailable as exc:
         return str(exc)
-    except DockerException as exc:
-        return f"the kernel image is not on a reachable Docker engine (`make image`): {exc}"
-    return None
+    return why_no_kernel_image(config.get("image"))
 
 
 class MicrovmBackendConfig(GvisorBackendConfig):

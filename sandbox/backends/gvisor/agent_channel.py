@@ -37,6 +37,7 @@ from sandbox.inside_kernel.machine_wire import (
     WINDOW,
 )
 from sandbox.json_depth import nests_deeper_than
+from sandbox.run_to_end import finish_even_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -549,6 +550,25 @@ async def _pipe_streams(
         os.fdopen(write_fd, "wb", buffering=0),
     )
     return reader, asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+async def save_and_go_on(
+    channel: AgentChannel, lock: asyncio.Lock, save: Callable[[], Awaitable[None]]
+) -> None:
+    """Run `save`, a whole save after which the machine runs on: under `lock` (no fresh start
+    meanwhile), the channel's requests waiting for it (`going_on`), and finished even if its
+    caller leaves (a machine stopped and not running on would be neither running nor saved);
+    the cancel goes on after."""
+
+    async def run() -> None:
+        async with lock:
+            channel.going_on = True
+            try:
+                await save()
+            finally:
+                channel.going_on = False
+
+    await finish_even_if_cancelled(run())
 
 
 async def _socket_streams(

@@ -43,7 +43,12 @@ from code_interpreter_wire.errors import (
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, SavedSandboxUnusable
 from sandbox.backends.docker_launcher import gvisor_host_pids
-from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
+from sandbox.backends.gvisor.agent_channel import (
+    AcceptHandler,
+    AgentChannel,
+    AgentError,
+    save_and_go_on,
+)
 from sandbox.egress_channel import FORWARDER_FILE, FORWARDER_IN_SANDBOX
 from sandbox.inside_kernel import (
     machine_agent,
@@ -305,23 +310,11 @@ class Machine:
         assert channel is not None
         os.mkdir(image, 0o700)
 
-        async def save() -> None:
-            async with self._starting:
-                channel.going_on = True
-                try:
-                    await self._checkpoint_and_restore(channel, image, while_stopped)
-                finally:
-                    channel.going_on = False
-
-        # Not given up half-way by a caller that leaves: a machine stopped and not restored
-        # would be neither running nor saved. It is finished, then the cancel goes on.
-        task = asyncio.ensure_future(save())
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await task
-            raise
+        await save_and_go_on(
+            channel,
+            self._starting,
+            lambda: self._checkpoint_and_restore(channel, image, while_stopped),
+        )
 
     async def _checkpoint_and_restore(
         self,

@@ -26,7 +26,12 @@ from pathlib import Path
 from code_interpreter_wire.errors import SandboxClosed, SandboxError
 from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.gvisor import machine as gvisor_machine
-from sandbox.backends.gvisor.agent_channel import AcceptHandler, AgentChannel, AgentError
+from sandbox.backends.gvisor.agent_channel import (
+    AcceptHandler,
+    AgentChannel,
+    AgentError,
+    save_and_go_on,
+)
 from sandbox.backends.microvm.guest_boot import READY_MARK
 from sandbox.backends.microvm.guest_channels import run_as_root
 from sandbox.backends.microvm.guest_disks import copy_disk
@@ -354,15 +359,9 @@ class QemuMachine:
         channel = self.channel
         assert channel is not None
 
-        async def save() -> None:
-            async with self._starting:
-                channel.going_on = True
-                try:
-                    await self._save_and_resume(channel, image, while_stopped)
-                finally:
-                    channel.going_on = False
-
-        await finish_even_if_cancelled(save())  # finished even if its caller leaves
+        await save_and_go_on(
+            channel, self._starting, lambda: self._save_and_resume(channel, image, while_stopped)
+        )
 
     async def _save_and_resume(
         self,

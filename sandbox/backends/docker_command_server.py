@@ -88,11 +88,23 @@ async def start_in_container(
     try:
         async with asyncio.timeout(START_TIMEOUT_S):
             said = await loop.sock_recv(connection, MESSAGE_LIMIT)
-        if "pid" not in json.loads(said or b"{}"):
-            raise ValueError(said)
-    except (TimeoutError, ValueError, TypeError):
+    except TimeoutError:
         connection.close()
-        raise SandboxStartError("the sandbox's command server did not start properly") from None
+        raise SandboxStartError(
+            f"the sandbox's command server connected but said nothing in {START_TIMEOUT_S:g} s"
+        ) from None
+    if not said:  # it ended (killed from the sandbox, say) before saying it was ready
+        connection.close()
+        raise StartAgain("the sandbox's command server ended before it was ready")
+    try:
+        hello = json.loads(said)
+    except ValueError:
+        hello = None
+    if not isinstance(hello, dict) or "pid" not in hello:
+        connection.close()
+        why = hello.get("error") if isinstance(hello, dict) else None
+        why = str(why)[:200] if why else "it did not say its pid"  # the sandbox's word: bounded
+        raise SandboxStartError(f"the sandbox's command server did not start properly: {why}")
     return CommandServer(connection, serves=container, host_pid=host_pid)
 
 

@@ -298,7 +298,11 @@ def main() -> None:
         connection = socket.socket(fileno=int(spec["connection_fd"]))
     libc = ctypes.CDLL(None, use_errno=True)
     try:
-        _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal")
+        if "connection_fd" in spec:  # locally: it ends with its nsenter, the host's
+            _check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "the parent-death signal")
+        # Not in a container: its parent there is a thread of the engine's shim (a Go program,
+        # whose threads may end while it lives on), and the signal comes at that thread's end.
+        # It ends when the host closes the connection, or with its container.
         _confine(libc, spec)
         # Nothing else it was given stays open (nsenter's user namespace, say).
         os.closerange(3, connection.fileno())

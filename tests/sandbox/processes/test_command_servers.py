@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from code_interpreter_wire.processes import ProcessRequest, TerminalSize
 from sandbox import Backend, Sandbox, create_backend
 from sandbox.backends import docker_command_server
 from sandbox.backends.docker_command_server import start_exec
+from sandbox.kernel.programs import COMMAND_SERVER_FILE
 from sandbox.processes import served
 from tests.conftest import DOCKER_RUNTIME, backend_config, require_backend, small_spec
 
@@ -188,6 +190,44 @@ CONNECT = (
     "s.connect(sys.argv[1])\n"
     "print('connected')"
 )
+
+
+# A container's server as its exec starts it, under a parent that ends once the server has
+# said its pid (then its connection is closed): is it still there to end on its own?
+OUTLIVES_ITS_PARENT = """
+import ctypes, json, os, socket, subprocess, sys, tempfile
+assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # a child subreaper: the server's end is ours
+server_file = sys.argv[1]
+with tempfile.TemporaryDirectory() as where:
+    path = os.path.join(where, "commands.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    starts = "import subprocess, sys; subprocess.Popen(sys.argv[1:]); sys.stdin.read()"
+    argv = [sys.executable, "-I", "-S", server_file, "--connect", path, where]
+    parent = subprocess.Popen([sys.executable, "-c", starts, *argv], stdin=subprocess.PIPE)
+    connection, _ = listener.accept()
+    pid = json.loads(connection.recv(1 << 16))["pid"]
+    parent.stdin.close()
+    parent.wait()  # its parent has ended: a parent-death signal would have been sent by now
+    connection.close()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"killed_by": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                      "exit": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None}))
+"""
+
+
+async def test_a_containers_server_outlives_its_parent_and_ends_when_the_host_closes() -> None:
+    """In a container the server's parent is a thread of the engine's shim, which may end while
+    the container lives: the server must not end with it (a parent-death signal killed it there
+    between its connection and its first word, under load), but when the host lets it go."""
+    program = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", OUTLIVES_ITS_PARENT, str(COMMAND_SERVER_FILE),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(program.communicate(), 60)
+    assert program.returncode == 0
+    assert json.loads(out) == {"killed_by": None, "exit": 0}
 
 
 async def test_a_terminal_is_the_sandboxs_own_with_a_name_and_a_type(sandbox: Sandbox) -> None:

@@ -10,18 +10,22 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import NoReturn, Protocol
 
 import h11
 
 from code_interpreter_wire.network_policy import IpAddress, NetworkPolicy
+from sandbox.egress.credentials import SUBSTITUTED, CredentialBindings
 from sandbox.egress.decision import decide, denied_address
+from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress.ledger import MAX_METHOD_CHARS, EgressLedger, EgressRecord
 from sandbox.egress.metering import ByteBudget, CapReached, Meter
 from sandbox.egress.pipe import CHUNK, pump, send
-from sandbox.egress.plain_http import Forward
+from sandbox.egress.plain_http import Forward, end_to_end
 from sandbox.egress.resolver import Unreachable, resolve
 from sandbox.egress.responses import CONNECT_ESTABLISHED, answer, refusal
 from sandbox.egress.service_guard import service_refusal
@@ -33,6 +37,7 @@ from sandbox.egress.target import (
     parse_absolute,
     parse_connect,
 )
+from sandbox.egress.terminated import inner_path, serve_tls
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,8 @@ class SessionProxy(Protocol):
     budget: ByteBudget
     peer: SocketPeer  # who may connect
     closing: set[asyncio.Task[None]]  # connections still flushing their last bytes
+    credentials: CredentialBindings | None  # the session's secrets, swapped in by host
+    interceptor: TlsInterceptor | None  # terminates the TLS of hosts a secret is bound to
 
     def end_all(self, note: str) -> None: ...
 
@@ -86,6 +93,7 @@ class Exchange:
         self.reason = "closed before sending a request"
         self.address: str | None = None
         self.end_note: str | None = None
+        self.credentials: list[tuple[str, str]] = []  # (secret name, outcome)
 
     def abort(self, note: str) -> None:
         """End this connection now, both sides, noting why."""
@@ -148,7 +156,9 @@ class Exchange:
         self.reason = decision.reason
         upstream_reader, upstream_writer = await self._dial(target, addresses)
         self.upstream_writer = upstream_writer
-        if self.method == "CONNECT":
+        if self.method == "CONNECT" and self._terminates(target):
+            await self._terminate(target, connection, upstream_reader, upstream_writer)
+        elif self.method == "CONNECT":
             self.writer.write(CONNECT_ESTABLISHED)
             await self.writer.drain()
             early = connection.trailing_data[0]  # sent by the client before our 200 came
@@ -165,6 +175,7 @@ class Exchange:
                 )
             )
         else:
+            request = self._substituted(request, target.host, target.path, tls=False)
             forward = Forward(
                 connection,
                 self.reader,
@@ -175,6 +186,116 @@ class Exchange:
                 proxy.settings.max_head_bytes,
             )
             await self._watched(lambda: forward.run(request, target))
+
+    def _terminates(self, target: Target) -> bool:
+        """Whether this CONNECT is TLS-terminated: a secret is bound to its host."""
+        proxy = self.proxy
+        return (
+            proxy.credentials is not None
+            and proxy.interceptor is not None
+            and proxy.credentials.binds(target.host)
+        )
+
+    async def _terminate(
+        self,
+        target: Target,
+        connection: h11.Connection,
+        upstream_reader: asyncio.StreamReader,
+        upstream_writer: asyncio.StreamWriter,
+    ) -> None:
+        """A CONNECT to a host a secret is bound to: verified TLS to the host first (its
+        certificate failing is a 502 before anything is read from the sandbox), then the
+        sandbox's TLS ended here with a certificate minted for the host, and its request
+        forwarded with its placeholders swapped. One request per tunnel (`Connection: close`)."""
+        proxy = self.proxy
+        interceptor = proxy.interceptor
+        assert interceptor is not None
+        settings = proxy.settings
+        where = f"{target.host}:{target.port}"
+        if connection.trailing_data[0]:
+            why = f"bytes sent before the proxy's answer to CONNECT {where}; wait for its 200"
+            await self._answer(400, why, f"egress refused: {why}\n")
+        try:
+            client_context = interceptor.client_context(settings.upstream_ca_file)
+            async with asyncio.timeout(settings.connect_timeout_s):
+                await upstream_writer.start_tls(client_context, server_hostname=target.host)
+        except ssl.SSLCertVerificationError as exc:
+            why = f"the certificate of {where} did not verify ({exc.verify_message}); nothing sent"
+            await self._answer(502, why, f"egress failed: {why}\n")
+        except (OSError, TimeoutError) as exc:
+            why = f"TLS with {where} failed ({exc or type(exc).__name__}); nothing sent"
+            await self._answer(502, why, f"egress failed: {why}\n")
+        server_context = await asyncio.to_thread(interceptor.server_context, target.host)
+        self.writer.write(CONNECT_ESTABLISHED)
+        await self.writer.drain()
+        self.reason = f"{self.reason}; TLS terminated by the proxy (a secret is bound to the host)"
+        try:
+            self.reader, self.writer = await serve_tls(
+                self.writer, server_context, settings.header_timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            if self.end_note is None:  # not ended from outside meanwhile (closing, the cap)
+                self.end_note = (
+                    f"the sandbox's TLS with the proxy failed ({exc or type(exc).__name__}); "
+                    "does it trust the deployment's egress CA?"
+                )
+            return
+        request, inner = await self._read_head()
+        try:
+            path = inner_path(request.target, target)
+        except BadTarget as exc:
+            await self._answer(400, str(exc), f"egress refused: {exc}\n")
+        for name, value in request.headers:
+            if name == b"host":
+                mismatch = host_header_mismatch(value, target, 443)
+                if mismatch is not None:
+                    await self._answer(403, mismatch, f"egress refused: {mismatch}\n")
+        request = self._substituted(request, target.host, path)
+        forward = Forward(
+            inner,
+            self.reader,
+            self.writer,
+            upstream_reader,
+            upstream_writer,
+            self.meter,
+            settings.max_head_bytes,
+            default_port=443,
+        )
+        await self._watched(lambda: forward.run(request, replace(target, path=path)))
+
+    def _substituted(
+        self, request: h11.Request, host: str, path: str, *, tls: bool = True
+    ) -> h11.Request:
+        """`request` with the placeholders that may go to (host, its method, path) swapped for
+        their values (in its end-to-end headers only; never in plain HTTP: `tls` False), each
+        noted for the record."""
+        credentials = self.proxy.credentials
+        if credentials is None:
+            return request
+        method = request.method.decode("ascii", "replace")
+        result = credentials.substitute(
+            end_to_end(list(request.headers)), host=host, method=method, path=path, tls=tls
+        )
+        self.credentials.extend(result.outcomes)
+        unchanged = [f"{name}: {why}" for name, why in result.outcomes if why != SUBSTITUTED]
+        if unchanged:
+            log.warning(
+                "egress session=%s: secret placeholders to %s not swapped: [%s]",
+                self.proxy.ledger.session_id,
+                host,
+                "; ".join(unchanged),
+            )
+        if not result.substituted:
+            return request
+        try:
+            return h11.Request(
+                method=request.method,
+                target=request.target,
+                headers=result.headers,
+                http_version=request.http_version,
+            )
+        except h11.LocalProtocolError:  # its message would hold the value
+            raise ConnectionError("a header with a secret swapped in is not valid HTTP") from None
 
     def _peer_allowed(self) -> bool:
         if self.proxy.peer.uid is None:
@@ -310,7 +431,10 @@ class Exchange:
                 writer.transport.abort()  # an abnormal end: no flushing to a peer that stalls
             else:
                 # Flushes what is buffered, for a bounded time: a peer that never reads it is
-                # cut, and nothing of the connection outlives that.
+                # cut, and nothing of the connection outlives that. A transport closing already
+                # is left alone (a TLS one, closed twice, loses its state: CPython 3.11).
+                if writer.transport.is_closing():
+                    continue
                 writer.close()
                 if writer.transport.get_write_buffer_size():
                     flushing = asyncio.ensure_future(_flushed_or_cut(writer))
@@ -332,6 +456,7 @@ class Exchange:
             bytes_up=self.meter.up,
             bytes_down=self.meter.down,
             duration_s=asyncio.get_running_loop().time() - self.started_mono,
+            credentials=tuple(self.credentials),
         )
 
 

@@ -30,14 +30,21 @@ class EgressRecord:
     bytes_up: int  # sent to the destination
     bytes_down: int  # received from the destination
     duration_s: float
+    # Each placeholder name seen in the request's headers and what became of it ("substituted",
+    # "sent unchanged: host not bound", ...): names and outcomes only, never a value.
+    credentials: tuple[tuple[str, str], ...] = ()
 
     def describe(self, session_id: str) -> str:
         """The record as one line of a log (the service's, or a node's when none took it)."""
         decision = "allowed" if self.allowed else "refused"
+        secrets = ""
+        if self.credentials:
+            shown = "; ".join(f"{name}: {outcome}" for name, outcome in self.credentials)
+            secrets = f" credentials=[{shown}]"
         return (
             f"egress session={session_id} {self.method or '-'} {self.host or '-'}:{self.port} "
             f"{decision} address={self.address or '-'} up={self.bytes_up} "
-            f"down={self.bytes_down}: {self.reason}"
+            f"down={self.bytes_down}{secrets}: {self.reason}"
         )
 
 

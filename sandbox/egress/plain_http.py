@@ -54,8 +54,13 @@ class Forward:
         upstream_writer: asyncio.StreamWriter,
         meter: Meter,
         max_head_bytes: int,
+        *,
+        default_port: int = 80,
     ) -> None:
+        """`default_port`: the port a Host header may leave out (443 inside a terminated TLS
+        tunnel)."""
         self.client = client
+        self.default_port = default_port
         self.client_reader = client_reader
         self.client_writer = client_writer
         self.upstream_reader = upstream_reader
@@ -66,7 +71,7 @@ class Forward:
     async def run(self, request: h11.Request, target: Target) -> None:
         headers = end_to_end(list(request.headers))
         if not any(name == b"host" for name, _ in headers):
-            headers.insert(0, (b"host", _authority(target).encode("ascii")))
+            headers.insert(0, (b"host", _authority(target, self.default_port).encode("ascii")))
         headers.append((b"connection", b"close"))
         head = h11.Request(method=request.method, target=target.path, headers=headers)
         await self._up(head)
@@ -142,6 +147,6 @@ class Forward:
                 raise ConnectionError("the destination closed before its response was complete")
 
 
-def _authority(target: Target) -> str:
+def _authority(target: Target, default_port: int) -> str:
     host = f"[{target.host}]" if ":" in target.host else target.host
-    return host if target.port == 80 else f"{host}:{target.port}"
+    return host if target.port == default_port else f"{host}:{target.port}"

@@ -20,7 +20,9 @@ from pathlib import Path
 
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.channel_dir import MAX_SOCKET_PATH
+from sandbox.egress.credentials import CredentialBindings
 from sandbox.egress.exchange import Exchange
+from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress.ledger import EgressLedger, EgressRecord
 from sandbox.egress.metering import ByteBudget
 from sandbox.egress.pipe import CHUNK
@@ -46,9 +48,22 @@ class EgressProxy:
         settings: EgressSettings,
         ledger: EgressLedger,
         slots: Sequence[Slots] = (),
+        credentials: CredentialBindings | None = None,
+        interceptor: TlsInterceptor | None = None,
     ) -> None:
         """`slots`: caps this proxy shares with others, each taken per connection in order
-        (its key's sessions, then the service's); none: only this session's cap."""
+        (its key's sessions, then the service's); none: only this session's cap.
+        `credentials`: the session's secrets, swapped for their placeholders in the headers of
+        requests to their hosts; `interceptor` (the deployment's CA) lets it do so for HTTPS
+        too, by terminating the TLS of CONNECTs to those hosts (others stay opaque tunnels)."""
+        if credentials is not None and len(credentials) and interceptor is None:
+            log.warning(
+                "egress session=%s: secrets without a TLS interceptor are swapped in plain HTTP "
+                "only; HTTPS to their hosts carries the placeholders unchanged",
+                ledger.session_id,
+            )
+        self.credentials = credentials
+        self.interceptor = interceptor
         self.policy = policy
         self.slots = tuple(slots)
         self.ceiling = ceiling

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 from code_interpreter_wire.network_policy import normalize_host
@@ -49,6 +50,9 @@ class EgressSettings:
     header_timeout_s: float = 20.0  # a client that never finishes its request head
     idle_timeout_s: float = 300.0  # a connection with no byte either way
     max_head_bytes: int = 64 * 1024  # a longer request head (or response head) is refused
+    # CA certificates trusted beside the system's when the proxy itself speaks TLS to a host
+    # (credential substitution, sandbox/egress/interception.py): an internal CA, or tests'.
+    upstream_ca_file: Path | None = None
     private_ports: Mapping[str, frozenset[int]] = field(init=False)
 
     def __post_init__(self) -> None:

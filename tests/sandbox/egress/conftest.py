@@ -23,6 +23,8 @@ import pytest
 
 from code_interpreter_wire.network_policy import NetworkPolicy
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
+from sandbox.egress.credentials import CredentialBindings
+from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress.slots import ConnectionSlots
 
 ANY = NetworkPolicy(mode="any")
@@ -177,6 +179,8 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
         ceiling: NetworkPolicy = ANY,
         peer_uid: int | None = None,
         slots: Sequence[ConnectionSlots] = (),
+        credentials: CredentialBindings | None = None,
+        interceptor: TlsInterceptor | None = None,
         **settings: Any,
     ) -> Running:
         seen: list[EgressRecord] = []
@@ -190,6 +194,8 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
             settings=EgressSettings(**settings),
             ledger=ledger,
             slots=slots,
+            credentials=credentials,
+            interceptor=interceptor,
         )
         path = directory / f"proxy{len(cleanups)}.sock"
         await proxy.start(path, peer_uid=peer_uid, peer_gid=None)

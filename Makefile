@@ -81,7 +81,8 @@ GVISOR_TESTS := tests/sandbox/test_execution.py tests/sandbox/test_files.py \
 	tests/security/test_file_abuse.py tests/security/test_output_bounds.py \
 	tests/security/test_interrupt_socket.py tests/security/test_memory_bounds.py \
 	tests/orchestrator/host_tools/test_sandbox_tools.py \
-	tests/orchestrator/service/test_processes_api.py tests/network/test_session_egress.py
+	tests/orchestrator/service/test_processes_api.py tests/network/test_session_egress.py \
+	tests/orchestrator/service/test_volumes_api.py
 GVISOR_DIFFERS := \
 	tests/sandbox/test_isolation.py::test_daemonized_child_does_not_outlive_the_session[docker] \
 	tests/sandbox/test_isolation.py::test_daemonized_child_does_not_outlive_a_kernel_restart[docker] \

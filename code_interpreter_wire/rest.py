@@ -21,8 +21,10 @@ from code_interpreter_wire.languages import LANGUAGES, MAX_LANGUAGE_NAME, PYTHON
 from code_interpreter_wire.network_policy import NO_NETWORK, NetworkPolicy
 from code_interpreter_wire.ports import PortsInfo, PortsRequest
 from code_interpreter_wire.results import Execution
-from code_interpreter_wire.spec import ResourceLimits
+from code_interpreter_wire.secrets import MAX_SECRETS_PER_SESSION, SecretName
+from code_interpreter_wire.spec import MAX_MOUNTS, ResourceLimits
 from code_interpreter_wire.tool_definitions import ToolFormat
+from code_interpreter_wire.volumes import VolumeMount, mounts_apart
 
 
 def _encodable(text: str) -> str:
@@ -107,11 +109,26 @@ class CreateSessionRequest(BaseModel):
         description="Start from this snapshot of yours: its variables and files (and, unless "
         "given here, its backend and limits).",
     )
+    volumes: Annotated[list[VolumeMount], AfterValidator(mounts_apart)] = Field(
+        default_factory=list,
+        max_length=MAX_MOUNTS,
+        description="Your volumes to mount, each at a path of its own, read-only or not "
+        "(docs/volumes.md).",
+    )
     ports: PortsRequest | None = Field(
         None,
         description="Reach the servers its code starts (inbound ports): through the service at "
         "/v1/sessions/{id}/ports/{port}/ (HTTP and WebSocket), with its owner's key or its "
         "port token, or by anyone with `public`. None (the default): no inbound traffic.",
+    )
+    secrets: list[SecretName] = Field(
+        default_factory=list,
+        max_length=MAX_SECRETS_PER_SESSION,
+        description="Names of your stored secrets (POST /v1/secrets) its code may use: each "
+        "becomes an environment variable holding the placeholder `cir-secret://NAME`, which "
+        "its egress proxy replaces with the value in request headers to the secret's hosts "
+        "(its network policy must allow them). The value never enters the sandbox "
+        "(docs/secrets.md).",
     )
 
 
@@ -161,6 +178,10 @@ class SessionInfo(BaseModel):
     )
     ports: PortsInfo | None = Field(
         None, description="How its inbound ports are reached; null: it asked for none."
+    )
+    secrets: list[str] = Field(
+        default_factory=list,
+        description="The names of the secrets its egress proxy substitutes (never values).",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -68,6 +70,53 @@ def check_environment(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+# Where a directory of the host may be mounted in a sandbox: below these, never over the
+# system's own directories (/usr, /etc, /proc, /tmp, /run...).
+MOUNT_ROOTS = ("/mnt", "/data", "/workspace", "/home/user")
+MAX_MOUNTS = 8
+_MOUNT_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_mount_path(path: str) -> str:
+    """A mount point as the sandbox names it: absolute, plain, below one of MOUNT_ROOTS."""
+    parts = path.split("/")
+    below = [root for root in MOUNT_ROOTS if path.startswith(root + "/")]
+    if (
+        not below
+        or len(path) > 256
+        or len(parts) > 10
+        or not all(_MOUNT_PART.match(p) for p in path[len(below[0]) + 1 :].split("/"))
+    ):
+        raise ValueError(
+            f"{path!r} is not a mount point a sandbox may have: an absolute path below one of "
+            f"{', '.join(MOUNT_ROOTS)} (e.g. /mnt/data), each name letters, digits, '.', '_' "
+            "or '-', without '..' or a trailing '/'"
+        )
+    return path
+
+
+class DirectoryMount(BaseModel):
+    """A directory of the host seen in the sandbox at `path` (a volume: orchestrator/volumes/).
+    Backends that can mount declare it (`BackendCapabilities.mounts`)."""
+
+    source: str = Field(description="The host's directory (the service's to choose).")
+    path: Annotated[str, AfterValidator(check_mount_path)]
+    read_only: bool = False
+
+
+def paths_apart(paths: list[str]) -> None:
+    """No two mounts at one place, nor one inside another (which would hide it)."""
+    ordered = sorted(paths)
+    for before, after in itertools.pairwise(ordered):
+        if after == before or after.startswith(before + "/"):
+            raise ValueError(f"mounts {before!r} and {after!r} overlap: give each its own place")
+
+
+def _mounts_apart(mounts: list[DirectoryMount]) -> list[DirectoryMount]:
+    paths_apart([m.path for m in mounts])
+    return mounts
+
+
 class SandboxSpec(BaseModel):
     """Everything needed to start one sandbox."""
 
@@ -122,5 +171,10 @@ class SandboxSpec(BaseModel):
         description="What the sandbox may reach: 'none' (the default), an allow-list of hosts "
         "and ports, or 'any'; anything but 'none' gives it a proxy on 127.0.0.1:3128 (see "
         "sandbox/egress_channel.py). The service holds it to the deployment's ceiling.",
+    )
+    mounts: Annotated[list[DirectoryMount], AfterValidator(_mounts_apart)] = Field(
+        default_factory=list,
+        max_length=MAX_MOUNTS,
+        description="Host directories seen in the sandbox (volumes), read-only or not.",
     )
     labels: dict[str, str] = Field(default_factory=dict, description="Free-form metadata.")

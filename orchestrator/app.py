@@ -31,8 +31,18 @@ from orchestrator.request_context import ClientGone
 from orchestrator.request_guard import RequestGuard
 from orchestrator.routes import approvals as approval_routes
 from orchestrator.routes import audit as audit_log
-from orchestrator.routes import files, languages, ops, processes, sessions, snapshots, tools
+from orchestrator.routes import (
+    files,
+    languages,
+    ops,
+    processes,
+    sessions,
+    snapshots,
+    tools,
+    volumes,
+)
 from orchestrator.routes import principal as whoami
+from orchestrator.routes import secrets as secret_routes
 from orchestrator.security_headers import NoSniff
 from orchestrator.service import Service
 from orchestrator.sessions import SessionError
@@ -71,9 +81,12 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     app.state.service = service
     app.state.authenticate = authenticate
     app.state.fronts = fronts
-    routers = (sessions, snapshots, files, processes, tools, languages, ops, whoami, audit_log)
+    routers = (
+        sessions, snapshots, files, volumes, processes, tools, languages, ops, whoami, audit_log
+    )  # fmt: skip
     app.include_router(approval_routes.router)
     app.include_router(port_routes)  # docs/ports.md: servers in sessions, by path or by host
+    app.include_router(secret_routes.router)  # docs/secrets.md: the credential vault
     for router in (module.router for module in routers):
         app.include_router(router)
     app.router.routes.append(mcp.route())

@@ -8,15 +8,19 @@ import re
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-# The routes that take an upload: ours, and E2B's (at its two prefixes). Exactly these: a path
-# that merely ends the same way gets the ordinary limit (tests/orchestrator/test_body_routes.py).
+# The routes that take an upload: ours (a session's files, a volume's), and E2B's (at its two
+# prefixes). Exactly these: a path that merely ends the same way gets the ordinary limit
+# (tests/orchestrator/test_body_routes.py).
 # An announced body this far over its limit is not read to its end before the connection
 # closes (reading it would cost more than a client's retry).
 DRAIN_BYTES = 64 << 20
-_UPLOADS = re.compile(r"/v1/sessions/[^/]+/files|(/e2b)?/files")
+_UPLOADS = re.compile(r"/v1/(sessions|volumes)/[^/]+/files|(/e2b)?/files")
+_PUT_UPLOADS = re.compile(r"(/e2b)?/volumecontent/[^/]+/file")  # E2B's volume files
 
 
 def is_upload(method: str, path: str) -> bool:
+    if method == "PUT":
+        return _PUT_UPLOADS.fullmatch(path) is not None
     return method == "POST" and _UPLOADS.fullmatch(path) is not None
 
 

@@ -22,6 +22,7 @@ from orchestrator.governance.keys_cli import keys_app
 from orchestrator.http_errors import problems
 from orchestrator.template_cli import template_app
 from orchestrator.terminal import TerminalPrinter
+from orchestrator.volume_cli import volume_app
 from orchestrator.wasm_cli import wasm_app
 from sandbox.backends.registry import BACKENDS
 
@@ -418,6 +419,7 @@ app.add_typer(audit_app, name="audit")
 app.add_typer(keys_app, name="keys")
 app.add_typer(template_app, name="template")
 app.add_typer(wasm_app, name="wasm")
+app.add_typer(volume_app, name="volume")
 
 
 @image_app.command("build")

@@ -196,6 +196,19 @@ class Settings(BaseSettings):
         "replica serves (the ray backend's) pause, resume on any node, snapshot and fork; "
         "without it they cannot (docs/cluster.md).",
     )
+    volumes_dir: Path | None = Field(
+        None,
+        description="Where volumes live (docs/volumes.md); by default `<state_dir>/volumes`. In "
+        "cluster mode, a directory every node mounts at the same path.",
+    )
+    volume_default_size_mb: int = Field(
+        1024, ge=1, description="A volume's size (its quota) when its creator gives none."
+    )
+    volume_max_size_mb: int = Field(16384, ge=1, description="The largest volume one may make.")
+    max_volume_bytes_per_key: int = Field(
+        50 << 30, ge=0, description="The sizes of a key's volumes, together."
+    )
+    max_volumes_per_key: int = Field(100, ge=0, description="Volumes a key may hold.")
     max_sessions_per_key: int = Field(20, ge=1)
     max_sessions_total: int = Field(200, ge=1)
     pool_size: int = Field(
@@ -370,6 +383,30 @@ class Settings(BaseSettings):
         description="Connections the sessions of one key together hold open at once through "
         "their proxies (so one key cannot hold the service's whole budget); one more is "
         "answered 503 and closed at once.",
+    )
+    egress_upstream_ca_file: Path | None = Field(
+        None,
+        description="CA certificates (PEM) the egress proxy trusts beside the system's when it "
+        "speaks TLS to a host itself (credential substitution, docs/secrets.md): an internal CA.",
+    )
+
+    # --- the credential vault (docs/secrets.md): keys' secrets, substituted by the proxy
+    vault_key: SecretStr | None = Field(
+        None,
+        description="The key sealing stored secrets: base64 of 32 bytes (`openssl rand -base64 "
+        "32`). Unset: made once into the state dir (vault.key, mode 0600); required in cluster "
+        "mode, the same on every replica.",
+    )
+    vault_ca_cert_file: Path | None = Field(
+        None,
+        description="The deployment's CA certificate (PEM) the proxy signs bound hosts' "
+        "certificates with; unset: made once into the state dir. Required in cluster mode.",
+    )
+    vault_ca_key_file: Path | None = Field(
+        None, description="Its private key (PEM); set with vault_ca_cert_file."
+    )
+    vault_max_secrets_per_key: int = Field(
+        100, ge=1, le=10_000, description="Secrets one key may store."
     )
 
     # --- inbound ports (docs/ports.md): servers a session's code starts, reached through us

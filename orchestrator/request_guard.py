@@ -2,11 +2,12 @@
 
 1. Who is calling is settled from the headers alone, by path family: a bearer key for /v1, /mcp
    and /metrics; an API key for E2B's control plane; a sandbox id and its access token for E2B's
-   data plane and its Connect services. The console (/console) is a family of its own: people
-   log in there with a form, so its pages check their login cookie themselves, on every
-   request. FastAPI reads and parses a body before it resolves the dependencies that
-   authenticate, and the Connect application parses before its handler runs: without this
-   gate, anyone could have any parser read anything.
+   data plane and its Connect services; a volume's token (or an API key) for E2B's volume
+   files. The console (/console) is a family of its own: people log in there with a form, so
+   its pages check their login cookie themselves, on every request. FastAPI reads and parses a
+   body before it resolves the dependencies that authenticate, and the Connect application
+   parses before its handler runs: without this gate, anyone could have any parser read
+   anything.
 2. A body that a JSON parser will read is measured first (see json_depth): nesting deeper than
    `max_json_depth` is refused with 400, because protobuf's JSON parser crashed the whole
    process on ~30,000 levels. Large bodies are measured in a worker thread. File uploads,
@@ -47,6 +48,8 @@ from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.e2b_compatible.front import PREFIX as E2B_PREFIX
 from orchestrator.e2b_compatible.sandboxes import REFUSALS, E2BSandboxes, SandboxGone
 from orchestrator.e2b_compatible.signed_urls import SignedFile, SignedFileRequest, SignedUrlRefused
+from orchestrator.e2b_compatible.volume_content import PREFIX as VOLUME_CONTENT
+from orchestrator.e2b_compatible.volume_content import owner_of_call
 from orchestrator.key_throttle import TooManyWrongKeys
 from orchestrator.metrics import METRICS
 from sandbox.json_depth import nests_deeper_than
@@ -71,6 +74,7 @@ class Family(Enum):
     BEARER = "bearer"  # /v1, /mcp, and /metrics unless it is public
     E2B_CONTROL = "e2b-control"
     E2B_DATA = "e2b-data"
+    E2B_VOLUME = "e2b-volume"  # a volume's files: its volume token, or an API key
     CONNECT = "connect"
     CONSOLE = "console"  # the web console: its pages check their login cookie
     # A session's ports (orchestrator/ports_front/): the caller is a key, a port token or
@@ -81,7 +85,9 @@ class Family(Enum):
 
 
 # The families whose caller's key (or sandbox token) is checked before the app runs.
-_CHECKED = frozenset({Family.BEARER, Family.E2B_CONTROL, Family.E2B_DATA, Family.CONNECT})
+_CHECKED = frozenset(
+    {Family.BEARER, Family.E2B_CONTROL, Family.E2B_DATA, Family.E2B_VOLUME, Family.CONNECT}
+)
 
 
 def _e2b_path(path: str) -> str:
@@ -145,6 +151,10 @@ class RequestGuard:
             return Family.CONNECT
         if path.startswith(("/sandboxes", "/v2/sandboxes")):
             return Family.E2B_CONTROL
+        if path == "/volumes" or path.startswith("/volumes/"):
+            return Family.E2B_CONTROL
+        if path.startswith(VOLUME_CONTENT):
+            return Family.E2B_VOLUME
         if path == "/health":
             return Family.PUBLIC
         if path.startswith(_E2B_DATA):
@@ -205,6 +215,9 @@ class RequestGuard:
                 self.authenticate.owner_for_key(key, client_address(request))
             elif family in (Family.E2B_DATA, Family.CONNECT):
                 await self._check_sandbox(request)
+            elif family is Family.E2B_VOLUME:
+                assert self.sandboxes is not None
+                owner_of_call(self.authenticate, self.sandboxes.service, request)
         except HTTPException as exc:
             kind = getattr(exc, "kind", "Unauthorized")  # WrongKeysThrottled names its own
             raise Refused(exc.status_code, kind, str(exc.detail), dict(exc.headers or {})) from None
@@ -447,7 +460,7 @@ async def _answer(send: Send, family: Family, refused: Refused) -> None:
         # Connect has no 502: a sandbox that is gone is "unavailable", as E2B's envd says.
         status = 503 if status == 502 else status
         payload: dict[str, object] = {"code": _CONNECT_CODES[status], "message": message}
-    elif family in (Family.E2B_CONTROL, Family.E2B_DATA):
+    elif family in (Family.E2B_CONTROL, Family.E2B_DATA, Family.E2B_VOLUME):
         payload = {"code": status, "message": message}
         headers.append((b"should-retry", b"false"))
     else:

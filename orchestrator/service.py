@@ -28,10 +28,12 @@ from orchestrator.service_parts.runs import Runs
 from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.service_parts.sweeps import Sweeps
 from orchestrator.service_parts.views import Views
+from orchestrator.service_parts.volumes import Volumes
 from orchestrator.service_parts.workspace import Workspace
 from orchestrator.session_coordinator import LocalCoordinator
 from orchestrator.sessions import SessionCoordinator, SessionManager
 from orchestrator.settings_sections import Sections
+from orchestrator.vault.vault import Vault, VaultSection
 from sandbox import create_backend
 from sandbox.backends.base import Backend
 
@@ -50,8 +52,9 @@ class Service:
 
     The parts a front calls: `lifecycle` (sessions made, found, listed, paused, resumed,
     ended), `runs` (code, commands, processes), `files` (the workspace's files, kept outputs),
-    `persistence` (snapshots), `views` (answers' shapes, languages, status), `admission`
-    (checks a front makes before it has a session, who a key is, approvals' answers), `channels`
+    `persistence` (snapshots), `volumes` (volumes and their files), `views` (answers' shapes,
+    languages, status), `admission` (checks a front makes before it has a session, who a key
+    is, approvals' answers), `channels`
     (host tools' descriptions), `ports` (connections to servers in sessions), `trail` (the
     audit log's reader), `sweeps.deadlines` (the one sweeper a front's own deadlines run on:
     E2B's sandbox timeouts) and `mcp_connections` (MCP's streamable-HTTP connections). Not the
@@ -77,6 +80,8 @@ class Service:
         self._sessions = _session_manager(settings, cut, shared, given_backends, self)
         sessions = self._sessions
         self.trail = AuditTrail(cut.audit, principal_of=lambda owner: self.admission.who(owner))
+        # Keys' secrets, bound into their sessions' egress proxies (docs/secrets.md).
+        self.vault = Vault(_vault_section(settings), self.trail.secret_event, shared)
         # Humans who approve risky calls (docs/governance.md); asks the stores start() opens.
         self._approvals = Approvals(
             cut.approvals,
@@ -93,10 +98,12 @@ class Service:
             self.admission,
             self._approvals,
             self.trail,
+            vault=self.vault,
         )
         self.views = Views(cut.views, sessions, self.channels)
         self.persistence = Persistence(cut.storage, sessions.backends, self.admission, shared)
         self.files = Workspace(cut.admission, self.admission, self.trail, outputs)
+        self.volumes = Volumes(cut.volumes, self.admission, self.trail)
         self.runs = Runs(
             self.admission, self._approvals, self.channels, self.trail, outputs, self.views
         )
@@ -134,7 +141,9 @@ class Service:
             locks=locks,
             outputs=outputs,
             ports=self.ports,
+            volumes=self.volumes,
         )
+        self.volumes.wire(state=self.lifecycle.state)
         self.deadlines = Deadlines(self.lifecycle, self.sweeps)
         self._instance_lock: InstanceLock | None = None  # held from start to close
 
@@ -148,6 +157,8 @@ class Service:
             await self.persistence.start()
             self.trail.log.start(self.persistence.governance.audit)
             await self.admission.start(self.persistence.governance.principals)
+            await self.volumes.start()  # before a paused session may resume with its volumes
+            await self.vault.start()  # before any session may ask for its secrets
             await self.channels.start()
             await self._sessions.start()
         except BaseException:  # what did start (MCP tool servers, backends) is stopped
@@ -163,6 +174,8 @@ class Service:
             ("writing the audit log", self.trail.close),  # after the sessions' ends
             ("closing admission", self.admission.close),
             ("stopping the host tools", self.channels.close_tools),
+            ("unmounting volumes", self.volumes.close),
+            ("closing the vault", self.vault.close),
             ("closing the stores", self.persistence.close),
             ("finishing kept outputs' writes", self._outputs.close),
         )
@@ -186,6 +199,18 @@ def _shared_store(settings: Settings) -> RedisConnection | None:
         prefix=settings.store_prefix,
         timeout_s=settings.store_timeout_s,
         allow_unauthenticated=settings.store_allow_unauthenticated,
+    )
+
+
+def _vault_section(settings: Settings) -> VaultSection:
+    key = settings.vault_key.get_secret_value() if settings.vault_key is not None else None
+    return VaultSection(
+        state_dir=settings.state_dir,
+        key=key,
+        ca_cert_file=settings.vault_ca_cert_file,
+        ca_key_file=settings.vault_ca_key_file,
+        max_secrets_per_key=settings.vault_max_secrets_per_key,
+        clustered=settings.store_url is not None,
     )
 
 

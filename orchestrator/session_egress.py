@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from orchestrator.cluster.egress_relay import EgressRelays
 from orchestrator.cluster.shared import RelayedEgress
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import EgressSection
+from orchestrator.vault.records import SecretsNotAvailable
+from orchestrator.vault.vault import BUNDLE_NAME, CA_NAME, SessionSecrets, Vault
 from sandbox import Sandbox
 from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
@@ -37,6 +40,7 @@ def egress_settings(
         resolve_overrides={n: tuple(a) for n, a in settings.egress_resolve.items()},
         max_bytes_per_session=settings.egress_max_bytes_per_session,
         max_connections_per_session=settings.egress_max_connections_per_session,
+        upstream_ca_file=settings.egress_upstream_ca_file,
     )
 
 
@@ -48,11 +52,14 @@ class SessionEgress:
         settings: EgressSection,
         on_connection: Callable[[Session, EgressRecord], None] | None = None,
         refused_endpoints: Sequence[ServiceEndpoint] | None = None,
+        vault: Vault | None = None,
     ) -> None:
         """`on_connection`: told of each connection as it ends (the audit log); it must not
         block or raise. `refused_endpoints`: what no sandbox may reach (by default the
-        service's API and store: the section's `service_endpoints`)."""
+        service's API and store: the section's `service_endpoints`). `vault`: where the
+        secrets of sessions that ask for some are bound from (orchestrator/vault/)."""
         self.settings = settings
+        self._vault = vault
         self._on_connection = on_connection
         if refused_endpoints is None:
             refused_endpoints = settings.service_endpoints
@@ -75,6 +82,11 @@ class SessionEgress:
         sandbox whose proxy runs beside it on another machine, start that one (or find it
         started) and take its records here."""
         channel = session.sandbox.egress_channel
+        if channel is None and session.secrets:
+            raise SecretsNotAvailable(
+                f"sessions of the {session.backend} backend cannot have secrets: their egress "
+                "proxy is not this service's"
+            )
         if channel is None:
             relayed = _relayed(session)
             if relayed is not None:
@@ -85,6 +97,7 @@ class SessionEgress:
                 if await relayed.open_egress(s.network_ceiling, self._egress, caps):
                     await self._relay(session, relayed)
             return
+        secrets = await self._secrets(session, channel.path)
         ledger = EgressLedger(session.id, on_record=lambda e: self._recorded(session, e))
         proxy = EgressProxy(
             policy=session.sandbox.spec.network,
@@ -92,6 +105,8 @@ class SessionEgress:
             settings=self._egress,
             ledger=ledger,
             slots=(self._hold_key_slots(session), self._slots),
+            credentials=secrets.bindings if secrets is not None else None,
+            interceptor=secrets.interceptor if secrets is not None else None,
         )
         try:
             await proxy.start(
@@ -105,6 +120,21 @@ class SessionEgress:
             raise
         self._proxies[session.id] = proxy
         self._ledgers[session.id] = ledger
+
+    async def _secrets(self, session: Session, directory: Path) -> SessionSecrets | None:
+        """The session's secrets bound for its proxy (none asked: None), and the CA bundle its
+        sandbox trusts written where it reads it (its egress directory, bound read-only)."""
+        if not session.secrets:
+            return None
+        if self._vault is None:
+            raise SecretsNotAvailable("this service keeps no secrets")
+        secrets = await self._vault.for_session(session.owner, session.id, session.secrets)
+        for name, data in ((BUNDLE_NAME, secrets.bundle), (CA_NAME, secrets.ca_cert)):
+            partial = directory / f".{name}.partial"
+            partial.write_bytes(data)
+            partial.chmod(0o644)  # the sandbox's uid reads it; nobody there may change it
+            partial.replace(directory / name)
+        return secrets
 
     async def attach(self, session: Session) -> None:
         """A session another replica made, now served here too: its proxy's records taken
@@ -125,6 +155,8 @@ class SessionEgress:
         METRICS.egress_bytes.labels(backend, "up").inc(entry.bytes_up)
         METRICS.egress_bytes.labels(backend, "down").inc(entry.bytes_down)
         log.info("%s", entry.describe(session.id))
+        if entry.credentials and self._vault is not None:
+            self._vault.used(session.owner, session.id, entry.host, entry.credentials)
         if self._on_connection is not None:
             self._on_connection(session, entry)
 

@@ -80,6 +80,8 @@ class Session:
     state_lost: bool = False  # ... and whether that resume lost its variables
     labels: dict[str, str] = field(default_factory=dict)  # a front's own (E2B's metadata)
     ports: PortAccess | None = None  # its inbound ports (service_parts/ports.py), if asked for
+    # The names of its key's secrets its egress proxy binds (orchestrator/vault/): never values.
+    secrets: list[str] = field(default_factory=list)
     changing: int = 0  # pauses or resumes of it under way here: its record may lag behind
     # What a call that finds its sandbox lost raises instead (set by the manager holding it).
     when_lost: Callable[[SandboxLost], Awaitable[Exception]] | None = field(

@@ -182,6 +182,7 @@ class EgressSection(Section):
     egress_max_connections_per_session: int
     egress_max_connections_total: int
     egress_max_connections_per_key: int
+    egress_upstream_ca_file: Path | None  # trusted beside the system's (docs/secrets.md)
     service_endpoints: tuple[ServiceEndpoint, ...]
 
 
@@ -225,6 +226,19 @@ class ViewSection(Section):
     ports_domain: str | None
 
 
+class VolumesSection(Section):
+    """Volumes: where they live, how large, how many (docs/volumes.md)."""
+
+    volumes_dir: Path  # derived: `<state_dir>/volumes` unless set
+    volume_images: bool  # derived: not in a cluster (no image on a shared directory)
+    volume_default_size_mb: int
+    volume_max_size_mb: int
+    max_volume_bytes_per_key: int
+    max_volumes_per_key: int
+    max_upload_bytes: int
+    max_download_bytes: int
+
+
 class Sections(BaseModel):
     """Every part's section, cut once from the settings by the composition root."""
 
@@ -242,6 +256,7 @@ class Sections(BaseModel):
     ports: PortsSection
     channels: ChannelSection
     views: ViewSection
+    volumes: VolumesSection
 
     @classmethod
     def of(cls, settings: Any, service_endpoints: tuple[ServiceEndpoint, ...]) -> Sections:
@@ -259,4 +274,9 @@ class Sections(BaseModel):
             ports=PortsSection.of(settings),
             channels=ChannelSection.of(settings),
             views=ViewSection.of(settings),
+            volumes=VolumesSection.of(
+                settings,
+                volumes_dir=settings.volumes_dir or settings.state_dir / "volumes",
+                volume_images=settings.store_url is None,
+            ),
         )

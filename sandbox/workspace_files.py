@@ -39,9 +39,17 @@ class Entry:
 class Workspace:
     """A directory on this machine whose contents the sandboxed code controls."""
 
-    def __init__(self, root: str, *, owner: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        root: str,
+        *,
+        owner: tuple[int, int] | None = None,
+        modes: tuple[int, int] = (0o644, 0o755),
+    ) -> None:
+        """`modes`: of the files and directories it makes (a volume's are every session's)."""
         self.root = root
         self.owner = owner  # files created for the sandbox are given to its user
+        self.file_mode, self.dir_mode = modes
 
     @contextmanager
     def _dir(self, parts: tuple[str, ...], *, create: bool = False) -> Iterator[int]:
@@ -64,7 +72,7 @@ class Workspace:
                 if not create:
                     raise FileMissing(f"no such directory: {part!r}") from None
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.mkdir(part, self.dir_mode, dir_fd=fd)
                 except FileExistsError:
                     continue
                 if self.owner:
@@ -113,7 +121,7 @@ class Workspace:
                 fd = os.open(
                     name,
                     os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
-                    0o644,
+                    self.file_mode,
                     dir_fd=dfd,
                 )
             except OSError as exc:

@@ -66,7 +66,10 @@ async def create_context(
         cwd = None  # where its kernel runs already
     if len(record.contexts) >= MAX_CONTEXTS:
         raise E2BError(429, f"a sandbox holds at most {MAX_CONTEXTS} contexts; remove one first")
-    spec = CreateSessionRequest(backend=session.backend, image=session.image)
+    # Its volumes at the same paths: E2B's contexts share the sandbox's filesystem.
+    spec = CreateSessionRequest(
+        backend=session.backend, image=session.image, volumes=record.volumes
+    )
     new = await service.lifecycle.create(record.owner, spec, workdir=E2B_HOME)
     # Checked again after the wait: the sandbox may have ended, or other contexts filled it.
     if not sandboxes.is_live(record) or len(record.contexts) >= MAX_CONTEXTS:

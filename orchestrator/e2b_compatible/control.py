@@ -1,9 +1,10 @@
 """E2B's control plane, the API its SDK calls at `E2B_API_URL`: sandboxes are our sessions.
 
 Create, get, list, kill, set the timeout, connect, pause (and resume by connecting), lifecycle
-auto-pause, snapshots (and sandboxes made from them, the snapshot id given as the template). What
-E2B's microVMs can do and our sandboxes cannot (forks, metrics, a filesystem-only pause, a cold
-boot on resume, changing network rules while running) is refused with a message saying so.
+auto-pause, snapshots (and sandboxes made from them, the snapshot id given as the template),
+volume mounts (volumes.py). What E2B's microVMs can do and our sandboxes cannot (forks, metrics,
+a filesystem-only pause, a cold boot on resume, changing network rules while running) is refused
+with a message saying so.
 Internet access and network rules on create become a network policy (network.py). Bodies are
 read and written with the SDK's own models, so the wire format is E2B's by construction.
 """
@@ -29,6 +30,7 @@ from e2b.api.client.models import (
     SandboxSnapshotRequest,
     SandboxState,
     SandboxTimeoutRequest,
+    SandboxVolumeMount,
     SnapshotInfo,
 )
 from e2b.api.client.models import Sandbox as SandboxModel
@@ -46,6 +48,7 @@ from orchestrator.e2b_compatible.sandboxes import (
     DEFAULT_TIMEOUT_S,
     E2BRecord,
 )
+from orchestrator.e2b_compatible.volumes import mounts_for, mounts_shown
 from orchestrator.http_errors import problems
 from orchestrator.service import Service
 from orchestrator.sessions import Session, SessionBusy, SessionError
@@ -94,7 +97,6 @@ async def _backend_for(service: Service, template: str) -> tuple[str | None, str
 def _refuse_unsupported(body: NewSandboxV2) -> None:
     unsupported = {
         "mcp": not isinstance(body.mcp, Unset) and body.mcp is not None,
-        "volume_mounts": not isinstance(body.volume_mounts, Unset) and bool(body.volume_mounts),
         "iam": not isinstance(body.iam, Unset),
     }
     asked = [name for name, given in unsupported.items() if given]
@@ -102,7 +104,7 @@ def _refuse_unsupported(body: NewSandboxV2) -> None:
         raise E2BError(
             400,
             f"not supported by this server: {', '.join(asked)}. Its sandboxes have no MCP "
-            "gateway, volumes or workload identity.",
+            "gateway or workload identity.",
         )
     if body.auto_pause is True and body.auto_pause_memory is False:
         raise E2BError(
@@ -212,7 +214,9 @@ def _described(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
     }
 
 
-def _detail(record: E2BRecord, info: SessionInfo, domain: str) -> dict[str, Any]:
+def _detail(
+    record: E2BRecord, info: SessionInfo, domain: str, mounts: list[SandboxVolumeMount]
+) -> dict[str, Any]:
     lifecycle = SandboxLifecycle(
         auto_resume=record.auto_resume,
         on_timeout=SandboxOnTimeout.PAUSE if record.auto_pause else SandboxOnTimeout.KILL,
@@ -222,14 +226,17 @@ def _detail(record: E2BRecord, info: SessionInfo, domain: str) -> dict[str, Any]
         allow_internet_access=info.network.enabled,
         domain=domain,
         lifecycle=lifecycle,
+        volume_mounts=mounts,
     )
     if info.state == "paused":  # what a pause here keeps: memory (variables) and files
         model.pause_mode = SandboxPauseMode.FULL
     return model.to_dict()
 
 
-def _listed(record: E2BRecord, info: SessionInfo) -> dict[str, Any]:
-    return ListedSandbox(**_described(record, info)).to_dict()
+def _listed(
+    record: E2BRecord, info: SessionInfo, mounts: list[SandboxVolumeMount]
+) -> dict[str, Any]:
+    return ListedSandbox(**_described(record, info), volume_mounts=mounts).to_dict()
 
 
 async def _info(service: Service, record: E2BRecord) -> SessionInfo:
@@ -253,6 +260,7 @@ async def create(
     backend, image = (
         (None, None) if from_snapshot else await _backend_for(service, request.template_id)
     )
+    volumes = await mounts_for(service, owner, request.volume_mounts)
     env = {} if isinstance(request.env_vars, Unset) else dict(request.env_vars or {})
     metadata = {} if isinstance(request.metadata, Unset) else dict(request.metadata or {})
     try:
@@ -267,6 +275,7 @@ async def create(
             network=network,
             snapshot_id=request.template_id if from_snapshot else None,
             ports=_ports_asked(service, request.network),
+            volumes=volumes,
         )
     except ValidationError as exc:
         raise E2BError(400, problems(exc.errors())) from None
@@ -290,6 +299,7 @@ async def create(
         ),
         token=token,
     )
+    record.volumes = volumes
     record.set_timeout(timeout)
     await sandboxes.keep(record, session)
     return _created(record, session.ports, _ports_domain(service, http))
@@ -332,7 +342,8 @@ async def list_sandboxes(
             or (started_after is not None and record.started_at <= started_after)
         ):
             continue
-        out.append((record.started_at, record.sandbox_id, _listed(record, info)))
+        mounts = await mounts_shown(service, owner, record.volumes)
+        out.append((record.started_at, record.sandbox_id, _listed(record, info, mounts)))
     out.sort(key=lambda x: (x[0], x[1]), reverse=order == "desc")
     start = _page_start(next_token)
     if start + limit < len(out):
@@ -372,7 +383,8 @@ async def get(
     sandbox_id: str, http: Request, service: ServiceDep, sandboxes: E2BDep, owner: ApiOwnerDep
 ) -> dict[str, Any]:
     record, _ = await sandboxes.found(sandbox_id, owner)
-    return _detail(record, await _info(service, record), _ports_domain(service, http))
+    mounts = await mounts_shown(service, owner, record.volumes)
+    return _detail(record, await _info(service, record), _ports_domain(service, http), mounts)
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204, summary="E2B: kill a sandbox")

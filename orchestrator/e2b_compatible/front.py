@@ -6,7 +6,14 @@ from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from fastapi import FastAPI
 
-from orchestrator.e2b_compatible import contexts, control, execute, files
+from orchestrator.e2b_compatible import (
+    contexts,
+    control,
+    execute,
+    files,
+    volume_content,
+    volumes,
+)
 from orchestrator.e2b_compatible.connect_codecs import refusing_codecs
 from orchestrator.e2b_compatible.filesystem import StripPrefix, WorkspaceFilesystem
 from orchestrator.e2b_compatible.grpc_refusal import GrpcRefusal
@@ -18,11 +25,18 @@ PREFIX = "/e2b"
 
 
 def mount(app: FastAPI, service: Service) -> E2BSandboxes:
-    """Serve E2B's control plane, code interpreter, files and processes; return the sandboxes'
-    registry (its `start`/`close` run E2B's timeouts)."""
+    """Serve E2B's control plane, volumes, code interpreter, files and processes; return the
+    sandboxes' registry (its `start`/`close` run E2B's timeouts)."""
     sandboxes = E2BSandboxes(service)
     app.state.e2b = sandboxes
-    routers = (control.router, execute.router, contexts.router, files.router)
+    routers = (
+        control.router,
+        execute.router,
+        contexts.router,
+        files.router,
+        volumes.router,
+        volume_content.router,
+    )
     for router in routers:
         app.include_router(router)
     for router in routers:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from code_interpreter_wire.languages import PYTHON
 from code_interpreter_wire.rest import CreateSessionRequest
+from code_interpreter_wire.volumes import VolumeMount
 from orchestrator.auth import LOCAL_OWNER
 from orchestrator.governance.errors import PolicyDenied
 from orchestrator.service import Service
@@ -117,6 +118,8 @@ class E2BRecord:
     # take its ports' traffic (public, or with the traffic token) without the access token.
     open_code_port: bool = False
     pausing: bool = False  # a pause is under way: the sweep leaves it alone
+    # Its volumes (E2B's volumeMounts): its contexts' sessions mount them too, as on E2B.
+    volumes: list[VolumeMount] = field(default_factory=list)
 
     def set_timeout(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -155,6 +158,7 @@ class _SavedRecord(BaseModel):
     paused_on_purpose: bool
     contexts: list[_SavedContext]
     open_code_port: bool = False
+    volumes: list[VolumeMount] = []
 
 
 def _saved(record: E2BRecord) -> str:
@@ -169,6 +173,7 @@ def _saved(record: E2BRecord) -> str:
         auto_resume=record.auto_resume,
         paused_on_purpose=record.paused_on_purpose,
         open_code_port=record.open_code_port,
+        volumes=record.volumes,
         contexts=[
             _SavedContext(id=c.id, cwd=c.cwd, language=c.language) for c in record.contexts.values()
         ],
@@ -200,6 +205,7 @@ def _restored(session_id: str, owner: str, labels: dict[str, str]) -> E2BRecord 
         auto_resume=kept.auto_resume,
         paused_on_purpose=kept.paused_on_purpose,
         open_code_port=kept.open_code_port,
+        volumes=kept.volumes,
     )
 
 

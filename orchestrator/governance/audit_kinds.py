@@ -24,12 +24,23 @@ EGRESS_CONNECTION = "egress.connection"  # host, port, verdict, reason, bytes up
 # port, caller (owner, token, public), client address, bytes in and out, why it ended; or status
 # "refused" with the reason (no such port open, a cap reached)
 PORT_CONNECTION = "port.connection"
+VOLUME_CREATED = "volume.created"  # volume_id, name, size_mb
+VOLUME_DELETED = "volume.deleted"  # volume_id
+VOLUME_MOUNTED = "volume.mounted"  # volume_id, path, read_only (with the session's id)
+VOLUME_FILE_WRITE = "volume.file.write"  # volume_id, path, bytes
+VOLUME_FILE_REMOVE = "volume.file.remove"  # volume_id, path
+VOLUME_FILE_MKDIR = "volume.file.mkdir"  # volume_id, path
 KEY_ADDED = "key.added"
 KEY_ROTATED = "key.rotated"
 KEY_REVOKED = "key.revoked"
 KEY_POLICY = "key.policy"
 POLICY_DENIED = "policy.denied"  # rule, message
 AUDIT_DROPPED = "audit.dropped"  # dropped: events the full queue could not take
+# The credential vault (orchestrator/vault/): name, hosts, replaced; name; name, host, outcome
+# (status "substituted" or "unchanged"). Never a value.
+SECRET_STORED = "secret.stored"
+SECRET_DELETED = "secret.deleted"
+SECRET_USED = "secret.used"
 
 ALL_KINDS = (
     SESSION_CREATED,
@@ -49,12 +60,21 @@ ALL_KINDS = (
     FILE_MKDIR,
     EGRESS_CONNECTION,
     PORT_CONNECTION,
+    VOLUME_CREATED,
+    VOLUME_DELETED,
+    VOLUME_MOUNTED,
+    VOLUME_FILE_WRITE,
+    VOLUME_FILE_REMOVE,
+    VOLUME_FILE_MKDIR,
     KEY_ADDED,
     KEY_ROTATED,
     KEY_REVOKED,
     KEY_POLICY,
     POLICY_DENIED,
     AUDIT_DROPPED,
+    SECRET_STORED,
+    SECRET_DELETED,
+    SECRET_USED,
 )
 
 # The owner of the service's own events (audit.dropped): no key's, so only admins see them.

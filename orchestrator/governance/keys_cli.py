@@ -197,6 +197,15 @@ SelfApproveOption = Annotated[
 MaxSessionsOption = Annotated[
     int | None, typer.Option(metavar="N", min=0, help="Sessions it may hold at once.")
 ]
+VolumesOption = Annotated[
+    str | None,
+    typer.Option(
+        metavar="RULE",
+        help="Its volumes: read_write (the default), read_only (mounted read-only only, none "
+        "made or changed), none.",
+        show_default=False,
+    ),
+]
 MaxLimitOption = Annotated[
     list[str] | None,
     typer.Option(
@@ -239,6 +248,7 @@ def policy_flags(
     self_approve: SelfApproveOption = None,
     max_sessions: MaxSessionsOption = None,
     max_limit: MaxLimitOption = None,
+    volumes: VolumesOption = None,
 ) -> dict[str, Any]:
     """The rules the flags of `add` and `set-policy` set, by rule (None: not given)."""
     return {
@@ -254,6 +264,7 @@ def policy_flags(
         "self_approve": self_approve,
         "max_sessions": max_sessions,
         "max_limits": _limits(max_limit),
+        "volumes": volumes,
     }
 
 

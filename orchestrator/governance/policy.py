@@ -7,7 +7,7 @@ settings (`api_keys`) are full access; keys made with `code-interpreter keys add
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -47,6 +47,11 @@ class Policy(BaseModel):
         None, description="Ceilings on the resource limits its sessions may ask for, by name."
     )
     max_sessions: int | None = Field(None, ge=0, description="Sessions it may hold at once.")
+    volumes: Literal["read_write", "read_only", "none"] = Field(
+        "read_write",
+        description="Its volumes: made, written and mounted as it likes (read_write); mounted "
+        "read-only and not changed from outside, none made (read_only); none at all (none).",
+    )
     self_approve: bool = Field(
         False, description="It may answer the approval requests of its own sessions."
     )

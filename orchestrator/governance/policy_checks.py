@@ -137,6 +137,22 @@ def check_tools(who: Principal, tools: Iterable[str]) -> None:
         )
 
 
+def check_volumes(who: Principal, *, mounted: int = 0, writable: bool = False) -> None:
+    """Volumes under the key's `volumes` rule: `mounted` of them in a new session, `writable`:
+    any of them written (a mount not read-only, or a change from outside, or a new volume)."""
+    rule = who.policy.volumes
+    if rule == "none" and (mounted or writable):
+        raise PolicyDenied.by_rule(who.name, "use volumes", "volumes", "allows none")
+    if rule == "read_only" and writable:
+        raise PolicyDenied.by_rule(
+            who.name,
+            "make, change or mount a volume writable",
+            "volumes",
+            "allows read-only mounts only",
+            hint="Mount it with read_only: true",
+        )
+
+
 def allowed_tools(who: Principal, tools: list[str]) -> list[str]:
     """Those of `tools` the policy allows (a front's default tools: the rest left out)."""
     allowed = who.policy.host_tools
@@ -203,6 +219,9 @@ def check_request(who: Principal, backend: str, request: CreateSessionRequest) -
     if request.network is not None:
         check_network(who, request.network)
     check_tools(who, request.tools)
+    if request.volumes:
+        writable = any(not v.read_only for v in request.volumes)
+        check_volumes(who, mounted=len(request.volumes), writable=writable)
     if request.limits is not None:
         check_limits(who, request.limits.model_dump(exclude_none=True))
 

@@ -54,7 +54,11 @@ async def list_files(
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 async def download(path: str, session: SessionDep, service: ServiceDep) -> Response:
-    data = await service.files.download(session, path)
+    return downloaded(path, await service.files.download(session, path))
+
+
+def downloaded(path: str, data: bytes) -> Response:
+    """A file's bytes as a download named as it is (volumes' downloads too)."""
     name = clean_path(path)[-1]
     ascii_name = name.encode("ascii", "replace").decode().replace("?", "_")
     ascii_name = ascii_name.replace("\\", "_").replace('"', "_")

@@ -4,6 +4,7 @@ what an event carries is decided here once, and every part records through this.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest
 from code_interpreter_wire.results import Execution
@@ -207,6 +208,14 @@ class AuditTrail:
             details={"path": path, "bytes": size},
         )
 
+    def volume(
+        self, kind: str, owner: str, volume_id: str, session_id: str | None = None, **details: Any
+    ) -> None:
+        """A volume made, deleted, mounted, or a file of it changed from outside."""
+        self.log.record(
+            kind, owner=owner, session_id=session_id, details={"volume_id": volume_id, **details}
+        )
+
     def egress_connection(self, session: Session, entry: EgressRecord) -> None:
         self.log.record(
             audited.EGRESS_CONNECTION,
@@ -227,6 +236,17 @@ class AuditTrail:
                 "ended_at": round(entry.time + entry.duration_s, 3),
             },
         )
+
+    def secret_event(
+        self,
+        kind: str,
+        owner: str,
+        session_id: str | None,
+        status: str,
+        details: dict[str, Any],
+    ) -> None:
+        """A secret stored, deleted or used (orchestrator/vault/): names, never values."""
+        self.log.record(kind, owner=owner, session_id=session_id, status=status, details=details)
 
     def port_connection(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from code_interpreter_wire.network_policy import NetworkPolicy
 from orchestrator.cluster.shared import RelayedTools
 from orchestrator.cluster.tool_relay import ToolRelays
 from orchestrator.governance.approvals import Approvals
@@ -19,6 +20,8 @@ from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import ChannelSection, EgressSection
 from orchestrator.state_store import SessionRecord
+from orchestrator.vault.records import SecretsNotAvailable
+from orchestrator.vault.vault import Vault
 from sandbox import Sandbox
 from sandbox.egress.outbox import EgressReport
 
@@ -34,9 +37,11 @@ class Channels:
         admission: Admission,
         approvals: Approvals,
         trail: AuditTrail,
+        vault: Vault | None = None,
     ) -> None:
         """`registry`: the host tools sessions may call (configured from the settings here);
-        `egress`: the settings of sessions' egress proxies."""
+        `egress`: the settings of sessions' egress proxies; `vault`: the keys' secrets their
+        proxies bind (orchestrator/vault/)."""
         self.settings = settings
         self._registry = registry
         self._registry.configure(settings.host_tools)
@@ -45,7 +50,8 @@ class Channels:
         self._trail = trail
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
         self._relays = ToolRelays()  # host tools of sessions whose sandbox is elsewhere
-        self._egress = SessionEgress(egress, on_connection=trail.egress_connection)
+        self._vault = vault
+        self._egress = SessionEgress(egress, on_connection=trail.egress_connection, vault=vault)
 
     async def start(self) -> None:
         await self._registry.start()
@@ -140,6 +146,17 @@ class Channels:
                 log.warning("session %s: its host tools are not here: %s", session.id, exc)
 
     # --- egress
+    async def secrets_env(
+        self, owner: str, names: list[str], policy: NetworkPolicy
+    ) -> dict[str, str]:
+        """The environment of a new session asking for its key's secrets `names` (placeholders,
+        the CA bundle's variables); refused (SecretsNotAvailable) before a sandbox is made."""
+        if not names:
+            return {}
+        if self._vault is None:
+            raise SecretsNotAvailable("this service keeps no secrets")
+        return await self._vault.session_env(owner, names, policy)
+
     async def open_egress(self, session: Session) -> None:
         """Start the session's egress proxy, if its sandbox has a network to proxy."""
         await self._egress.open(session)

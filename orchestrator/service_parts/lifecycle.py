@@ -20,6 +20,7 @@ from orchestrator.service_parts.persistence import Persistence, record_of
 from orchestrator.service_parts.ports import Ports
 from orchestrator.service_parts.state_locks import StateLocks
 from orchestrator.service_parts.views import Views
+from orchestrator.service_parts.volumes import Volumes
 from orchestrator.service_parts.workspace import Workspace
 from orchestrator.sessions import (
     Session,
@@ -30,6 +31,7 @@ from orchestrator.sessions import (
 )
 from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
+from orchestrator.vault.records import SecretsNotAvailable
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,7 @@ class Lifecycle:
         locks: StateLocks,
         outputs: KeptOutputs,
         ports: Ports,
+        volumes: Volumes,
     ) -> None:
         self.settings = settings
         self._sessions = sessions
@@ -87,6 +90,7 @@ class Lifecycle:
         self._locks = locks
         self._outputs = outputs
         self._ports = ports
+        self._volumes = volumes
 
     # --- made
     async def create(
@@ -154,11 +158,30 @@ class Lifecycle:
         # Refused before a sandbox is made.
         if_offered, token = ports_asked
         ports = self._ports.access_for(name, request.ports, if_offered=if_offered, token=token)
-        async with self._admission.session_slot(owner):
-            session = await self._sessions.create(
-                owner, backend=name, spec=spec, env=request.env, fork=machine
+        backend = self._sessions.backends.get(name)
+        if request.secrets and (backend is None or not backend.capabilities.egress_files):
+            raise SecretsNotAvailable(
+                f"sessions of the {name} backend cannot have secrets: their egress proxy is not "
+                "this service's, or their sandbox cannot read the CA it signs with; use one "
+                "whose sessions can (docs/secrets.md, Backends)"
             )
+        # Placeholders only: the values stay with its proxy (orchestrator/vault/).
+        secret_env = await self._channels.secrets_env(owner, request.secrets, spec.network)
+        mounts_possible = backend is not None and backend.capabilities.mounts
+        async with self._volumes.reserved(owner, mounts_possible, request.volumes) as mounts:
+            if mounts:
+                spec = spec.model_copy(update={"mounts": mounts})
+            async with self._admission.session_slot(owner):
+                session = await self._sessions.create(
+                    owner, backend=name, spec=spec, env=request.env | secret_env, fork=machine
+                )
+            try:
+                await self._volumes.hold(session.id, owner, request.volumes)
+            except BaseException:
+                await self._sessions.delete(session.id, owner)
+                raise
         session.ports = ports
+        session.secrets = list(dict.fromkeys(request.secrets))
         self._trail.created(session, list(tools), snapshot.id if snapshot is not None else None)
         session.idle_timeout_s = idle_timeout_s
         try:
@@ -401,6 +424,7 @@ class Lifecycle:
         await self._outputs.drop(session_id)
         await self._channels.close_for(session_id)
         await self._ports.ended(session_id)
+        await self._volumes.released(session_id)
         # Last (a store that fails delays none of the above): the waits of other replicas.
         try:
             await self._approvals.abandon_session_elsewhere(session_id)

@@ -187,6 +187,7 @@ class Pauses:
         session.idle_timeout_s, session.on_idle = record.idle_timeout_s, record.on_idle
         session.labels = dict(record.labels)
         session.ports = record.ports
+        session.secrets = list(record.secrets)  # bound again by name, as its key has them now
         try:
             await self._channels.open_egress(session)
             tools: dict[str, HostTool] = {}

@@ -43,6 +43,7 @@ def record_of(session: Session, tools: list[str]) -> SessionRecord:
         executions=session.executions,
         labels=session.labels,
         ports=session.ports,
+        secrets=session.secrets,
     )
 
 

@@ -75,6 +75,7 @@ class Views:
             languages=session_languages(session),
             started_languages=started_languages(session),
             ports=ports_info(session.id, session.ports, s.ports_domain),
+            secrets=session.secrets,
         )
 
     def paused_info(self, record: SessionRecord) -> SessionInfo:
@@ -98,6 +99,7 @@ class Views:
             paused_at=datetime.fromtimestamp(record.state_since, UTC),
             deleted_in_s=max(0.0, record.state_since + retention - time.time()),
             ports=ports_info(record.id, record.ports, self.settings.ports_domain),
+            secrets=record.secrets,
         )
 
     def running_info(self, record: SessionRecord) -> SessionInfo:

@@ -41,6 +41,8 @@ class SessionRecord(BaseModel):
     state_lost: bool = False  # ... and whether its variables were lost
     labels: dict[str, str] = Field(default_factory=dict)  # a front's own (E2B's metadata...)
     ports: PortAccess | None = None  # its inbound ports, if it asked for them
+    # Its secrets' names, bound again by name when it resumes (orchestrator/vault/); no value.
+    secrets: list[str] = Field(default_factory=list)
 
     def names_another_than(self, handle: str | None) -> bool:
         """Whether a copy of the session running in sandbox `handle` is no longer the one this

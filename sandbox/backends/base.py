@@ -328,6 +328,11 @@ class BackendCapabilities:
     # the process that made it: a service that restarts finds its sessions' files there. Not so
     # where the workspace is a disk inside a virtual machine, or in an interpreter's memory.
     workspace_on_host: bool = True
+    # It mounts host directories into its sandboxes (SandboxSpec.mounts: volumes).
+    mounts: bool = False
+    # Its sandboxes' egress proxy is this service's, and they read the files put beside its
+    # socket (/run/egress): the CA a secret's TLS is signed with (the credential vault).
+    egress_files: bool = False
 
     @property
     def pause(self) -> bool:

@@ -341,6 +341,10 @@ class BwrapLauncher:
             mounts.append(("--ro-bind", str(self.egress.path), EGRESS_DIR_IN_SANDBOX))
         mounts += [
             ("--bind", str(self.dirs.workspace), HOME_IN_SANDBOX),
+            *(
+                ("--ro-bind" if m.read_only else "--bind", m.source, m.path)
+                for m in self.spec.mounts  # after the workspace: one may be inside it
+            ),
             ("--remount-ro", "/"),  # bwrap's root is a tmpfs: nothing may be created there
             ("--chdir", self.spec.workdir),
         ]

@@ -149,6 +149,8 @@ class DockerBackend(Backend):
         labels_sandboxes=True,  # containers in an engine other services may use
         host_dirs=True,  # the workspace and kernel directories its containers bind
         ports=True,
+        mounts=True,
+        egress_files=True,
     )
 
     @classmethod

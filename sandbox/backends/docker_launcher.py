@@ -293,6 +293,10 @@ class ContainerLauncher:
         if self.egress is not None:
             egress_dir = {"bind": EGRESS_DIR_IN_SANDBOX, "mode": "ro"}
             options["volumes"][str(self.egress.path)] = egress_dir
+        for m in self.spec.mounts:  # volumes (after the workspace: one may be inside it)
+            options["mounts"].append(
+                Mount(target=m.path, source=m.source, type="bind", read_only=m.read_only)
+            )
         if self.cgroup_parent:
             options["cgroup_parent"] = self.cgroup_parent
         return options

@@ -133,6 +133,8 @@ class LocalBackend(Backend):
         labels_sandboxes=False,  # its sandboxes are its state dir's: nobody else's are there
         host_dirs=True,
         ports=True,
+        mounts=True,
+        egress_files=True,
     )
 
     @classmethod
@@ -172,6 +174,10 @@ class LocalBackend(Backend):
         if not self.config.unsafe_no_sandbox and self._bwrap is None:
             raise BackendUnavailable(INSTALL_HINT)
         if self.config.unsafe_no_sandbox:
+            if spec.mounts:
+                raise BackendUnavailable(
+                    "mounts (volumes) need a sandbox to mount them in; unsafe_no_sandbox has none"
+                )
             log.warning("UNSAFE: running a kernel with no sandbox (unsafe_no_sandbox is set)")
         probe = await self._probe()
         programs = HostPrograms(self._python, self._bwrap or "", self._kernel_programs(probe))

@@ -195,6 +195,7 @@ def replicas(
             "CODE_INTERPRETER_METRICS_PUBLIC": "true",
             # Every replica's saved states in one directory (a shared volume in production).
             "CODE_INTERPRETER_SAVED_STATES_DIR": str(root / "saved-states"),
+            "CODE_INTERPRETER_VOLUMES_DIR": str(root / "volumes"),  # shared, as saved states
             # Sessions may reach the loopback web server standing in for the internet, by name.
             "CODE_INTERPRETER_NETWORK_CEILING": "any",
             "CODE_INTERPRETER_EGRESS_RESOLVE": "allowed.test=127.0.0.1,other.test=127.0.0.1",
@@ -846,3 +847,44 @@ def _egress_total(replica: Replica) -> float:
         for labels, value in replica.metric("cir_egress_connections_total").items()
         if 'backend="ray"' in labels
     )
+
+
+@pytest.mark.cluster
+def test_replica_volumes_are_shared_by_sessions_on_any_node_through_any_replica(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """A volume made through A, written by a session on one node, read by a session made
+    through B (wherever it runs), held by both (a delete through either is 409), deleted
+    through B once they end: its directory is the shared `volumes_dir`, its holders too."""
+    a, b = replicas
+    with a.client() as api:
+        made = api.post("/v1/volumes", json={"name": "shared", "size_mb": 16})
+    assert made.status_code == 201, made.text
+    volume = made.json()["id"]
+    writer = _create(a, volumes=[{"volume_id": volume, "path": "/mnt/shared"}])
+    reader = ""
+    try:
+        wrote = _execute(a, writer, "open('/mnt/shared/note.txt', 'w').write('from a node')")
+        assert wrote["status"] == "ok", wrote
+        mount = {"volume_id": volume, "path": "/data/shared", "read_only": True}
+        reader = _create(b, volumes=[mount])
+        read = _execute(b, reader, "print(open('/data/shared/note.txt').read())")
+        assert read["stdout"] == "from a node\n", read
+        for replica in (a, b):
+            with replica.client() as api:
+                refused = api.delete(f"/v1/volumes/{volume}")
+                assert refused.status_code == 409, refused.text
+                assert sorted(api.get(f"/v1/volumes/{volume}").json()["mounted_by"]) == sorted(
+                    [writer, reader]
+                )
+        with b.client() as api:
+            got = api.get(f"/v1/volumes/{volume}/files/note.txt")
+            assert got.status_code == 200 and got.content == b"from a node"
+    finally:
+        _delete(a, writer)
+        if reader:
+            _delete(b, reader)
+    with b.client() as api:
+        assert api.delete(f"/v1/volumes/{volume}").status_code == 204
+    with a.client() as api:
+        assert api.get(f"/v1/volumes/{volume}").status_code == 404

@@ -18,7 +18,13 @@ from orchestrator.request_guard import Family, RequestGuard
 
 pytestmark = pytest.mark.unit
 
-_CHECKED = {Family.BEARER, Family.E2B_CONTROL, Family.E2B_DATA, Family.CONNECT}
+_CHECKED = {
+    Family.BEARER,
+    Family.E2B_CONTROL,
+    Family.E2B_DATA,
+    Family.E2B_VOLUME,
+    Family.CONNECT,
+}
 
 
 def _app(tmp_path: Path) -> FastAPI:
@@ -47,10 +53,24 @@ def _guard(app: FastAPI) -> RequestGuard:
 def test_uploads_are_exactly_the_upload_routes(tmp_path: Path) -> None:
     app = _app(tmp_path)
     uploads = {(m, p) for m, p in _operations(app, with_body=False) if is_upload(m, p)}
-    # Ours (multipart) and E2B's (multipart or raw; at `/` and at `/e2b`).
-    assert uploads == {("POST", "/v1/sessions/x/files"), ("POST", "/files")}
+    # Ours (multipart) and E2B's (multipart or raw; at `/` and at `/e2b`), and E2B's volume
+    # files (raw).
+    assert uploads == {
+        ("POST", "/v1/sessions/x/files"),
+        ("POST", "/v1/volumes/x/files"),
+        ("POST", "/files"),
+        ("PUT", "/volumecontent/x/file"),
+    }
     assert is_upload("POST", "/e2b/files")
-    for path in ("/no/such/files", "/v1/sessions/x/files/y", "/console/files", "/e2b/x/files"):
+    assert is_upload("PUT", "/e2b/volumecontent/x/file")
+    assert not is_upload("POST", "/volumecontent/x/file")
+    for path in (
+        "/no/such/files",
+        "/v1/sessions/x/files/y",
+        "/v1/volumes/x/files/y",
+        "/console/files",
+        "/e2b/x/files",
+    ):
         assert not is_upload("POST", path), path
 
 

@@ -23,6 +23,7 @@ DOCUMENTS = [
     "docs/persistence.md",
     "docs/cluster.md",
     "docs/ports.md",
+    "docs/secrets.md",
 ]
 UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "day": 86400, "days": 86400, "s": 1}
 # Defaults the docs say in words, not as a value (what the setting falls back on).

@@ -145,6 +145,7 @@ class GvisorBackend(Backend):
         host_dirs=True,
         ports=True,
         root=True,
+        egress_files=True,
     )
 
     @classmethod

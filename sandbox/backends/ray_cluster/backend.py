@@ -167,6 +167,9 @@ class RayBackend(Backend):
         labels_sandboxes=True,  # actors in a cluster other services may share
         host_dirs=False,  # its nodes keep them, under their own state dirs
         ports=False,  # its sandboxes' processes live on other nodes' actors
+        # Its nodes' backends mount them: a directory every node mounts at the same path
+        # (the service's `volumes_dir`, docs/volumes.md).
+        mounts=True,
     )
 
     @classmethod

@@ -1,0 +1,124 @@
+"""The credential vault's request and response bodies (`/v1/secrets`): a key stores a secret
+under a name, bound to hosts; a session asking for it by name gets only a placeholder, which its
+egress proxy replaces in requests to those hosts. A value is sent once and never answered back."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, Field, StringConstraints, field_validator
+
+from code_interpreter_wire.network_policy import HostPattern, PolicyError
+
+PLACEHOLDER_PREFIX = "cir-secret://"  # what a session's variable holds instead of the value
+MAX_SECRET_BYTES = 8192
+MAX_HOSTS = 16
+MAX_METHODS = 16
+MAX_PATH_PREFIXES = 16
+MAX_PATH_PREFIX_CHARS = 512
+MAX_SECRETS_PER_SESSION = 32
+SECRET_NAME_PATTERN = r"^[A-Z_][A-Z0-9_]{0,63}$"
+_METHOD_PATTERN = r"^[A-Z]{1,16}$"
+# What a header value may hold (the proxy's own check: sandbox/egress/credentials.py).
+_VALUE = re.compile(r"^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\Z")
+
+# An environment variable's name, as the session's code reads it (`os.environ["NAME"]`).
+SecretName = Annotated[str, StringConstraints(pattern=SECRET_NAME_PATTERN)]
+
+
+def placeholder(name: str) -> str:
+    """What a session's variable `name` holds: the proxy swaps it for the value, host side."""
+    return f"{PLACEHOLDER_PREFIX}{name}"
+
+
+def _hosts(hosts: list[str]) -> list[str]:
+    """Host names or `*.domain`, compared as network policies compare them (lowercase IDNA)."""
+    normalized: list[str] = []
+    for host in hosts:
+        if host.strip() == "*":
+            raise ValueError("'*' would bind every host; name the hosts the secret is for")
+        try:
+            pattern = HostPattern.parse(host)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
+        if pattern.network is not None and "/" in pattern.text:
+            raise ValueError(f"{host[:80]!r}: a network is not a host; name the host")
+        if pattern.text not in normalized:
+            normalized.append(pattern.text)
+    return normalized
+
+
+class StoreSecretRequest(BaseModel):
+    """A secret stored (or replaced, under the same name) for the caller's key."""
+
+    name: SecretName = Field(
+        description="How sessions ask for it, and the name of their environment variable."
+    )
+    value: str = Field(
+        repr=False,
+        min_length=1,
+        max_length=MAX_SECRET_BYTES,
+        description=f"The secret itself (at most {MAX_SECRET_BYTES} bytes of printable "
+        "ASCII); kept encrypted, never answered back, never put into a sandbox.",
+    )
+    hosts: list[str] = Field(
+        min_length=1,
+        max_length=MAX_HOSTS,
+        description="The hosts whose requests get the value (`api.example.com`, "
+        "`*.example.com`); a session's network policy must also allow them.",
+    )
+    methods: list[Annotated[str, StringConstraints(pattern=_METHOD_PATTERN)]] | None = Field(
+        None, max_length=MAX_METHODS, description="Only requests of these methods; all if unset."
+    )
+    path_prefixes: (
+        list[
+            Annotated[
+                str,
+                StringConstraints(pattern=r"^/[^\x00-\x20]*$", max_length=MAX_PATH_PREFIX_CHARS),
+            ]
+        ]
+        | None
+    ) = Field(
+        None,
+        max_length=MAX_PATH_PREFIXES,
+        description="Only requests whose path starts with one of these; all paths if unset.",
+    )
+
+    @field_validator("value")
+    @classmethod
+    def _value_fits(cls, value: str) -> str:
+        # The value itself is never in the message.
+        if not _VALUE.match(value):
+            raise ValueError(
+                "must be printable ASCII with no control character (CR, LF, NUL...) and no "
+                "leading or trailing whitespace: it goes into a request header"
+            )
+        return value
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_readable(cls, hosts: list[str]) -> list[str]:
+        return _hosts(hosts)
+
+    @field_validator("methods")
+    @classmethod
+    def _methods_unique(cls, methods: list[str] | None) -> list[str] | None:
+        return None if methods is None else sorted(set(methods))
+
+
+class SecretInfo(BaseModel):
+    """A stored secret as its key sees it: never its value."""
+
+    name: str
+    hosts: list[str]
+    methods: list[str] | None = None
+    path_prefixes: list[str] | None = None
+    placeholder: str = Field(description="What a session's variable of this name holds.")
+    created_at: datetime
+    updated_at: datetime
+
+
+class SecretList(BaseModel):
+    secrets: list[SecretInfo]

@@ -1,0 +1,206 @@
+"""E2B's volumes on ours (docs/volumes.md): its control plane (`Volume.create`, `list`,
+`get_info`, `destroy`, called with the API key) and `volumeMounts` on create.
+
+E2B names a volume by id or by name (its SDK mounts by name), so names made here are unique per
+key; a name two of a key's volumes share (made through `/v1/volumes`, where names are free) is
+refused as ambiguous rather than guessed. E2B's mounts are read-write; its SDK has no read-only
+flag. The volume token E2B gives with a volume opens that volume's files (volume_content.py) and
+nothing else: an HMAC of the owner and the volume under a secret kept beside the volumes, so
+every replica sharing the volumes directory knows it and it survives restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+from e2b.api.client.models import NewVolume, SandboxVolumeMount, VolumeAndToken
+from e2b.api.client.models import Volume as VolumeModel
+from e2b.api.client.types import Unset
+from fastapi import APIRouter, Body, Response
+from pydantic import ValidationError
+
+from code_interpreter_wire.volumes import (
+    CreateVolumeRequest,
+    VolumeInfo,
+    VolumeMount,
+)
+from orchestrator.e2b_compatible.deps import ApiOwnerDep, ServiceDep
+from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.http_errors import problems
+from orchestrator.service import Service
+from orchestrator.service_parts.volumes import VolumeNotFound
+from orchestrator.sessions import SessionError
+
+router = APIRouter(route_class=E2BRoute, tags=["e2b"])
+JSONBody = Annotated[dict[str, Any], Body()]
+
+TOKEN_PREFIX = "e2bvol_"
+_SECRET_FILE = ".e2b-volume-token-key"  # in the volumes directory (never a volume's name)
+_creating = asyncio.Lock()  # a name is checked free and taken as one step
+
+
+def typed(exc: SessionError) -> E2BError:
+    """Our refusal in E2B's shape, its type named in the message (E2B's body has no field)."""
+    return E2BError(exc.status, f"{type(exc).__name__}: {exc}")
+
+
+# --- volume tokens
+@functools.cache
+def _secret(volumes_dir: Path) -> bytes:
+    """The key volume tokens are signed with: made once, by whichever replica comes first."""
+    volumes_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+    final = volumes_dir / _SECRET_FILE
+    if not final.exists():
+        partial = volumes_dir / f".{_SECRET_FILE}.{secrets.token_hex(6)}"
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+        try:
+            os.link(partial, final)  # atomic, and never over another replica's
+        except FileExistsError:
+            pass
+        finally:
+            partial.unlink()
+    secret = final.read_bytes()
+    if len(secret) < 32:
+        raise RuntimeError(f"{final} is damaged: remove it (volume tokens given so far end)")
+    return secret
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _mac(secret: bytes, owner: str, volume_id: str) -> str:
+    message = f"e2b-volume\0{owner}\0{volume_id}".encode()
+    return _b64(hmac.new(secret, message, hashlib.sha256).digest())
+
+
+def token_for(service: Service, owner: str, volume_id: str) -> str:
+    """The volume's token for its owner: it names the owner and proves the pair."""
+    secret = _secret(service.volumes.settings.volumes_dir)
+    return f"{TOKEN_PREFIX}{_b64(owner.encode())}.{_mac(secret, owner, volume_id)}"
+
+
+def owner_of_token(service: Service, token: str, volume_id: str) -> str | None:
+    """The owner a volume token was given to, if it is this volume's; else None."""
+    if not token.startswith(TOKEN_PREFIX) or len(token) > 1024:
+        return None
+    named, _, mac = token[len(TOKEN_PREFIX) :].rpartition(".")
+    try:
+        owner = base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)).decode()
+    except ValueError:
+        return None
+    secret = _secret(service.volumes.settings.volumes_dir)
+    expected = _mac(secret, owner, volume_id)
+    return owner if hmac.compare_digest(expected.encode(), mac.encode()) else None
+
+
+# --- finding a volume by id or name
+async def find(service: Service, owner: str, id_or_name: str) -> VolumeInfo:
+    """The key's volume with this id, else with this name (E2B's SDK uses both)."""
+    try:
+        return await service.volumes.get(owner, id_or_name)
+    except VolumeNotFound:
+        pass
+    except SessionError as exc:
+        raise typed(exc) from None
+    named = [v for v in await service.volumes.of_owner(owner) if v.name == id_or_name]
+    if len(named) > 1:
+        ids = ", ".join(v.id for v in named)
+        raise E2BError(
+            409,
+            f"VolumeAmbiguous: {len(named)} of your volumes are named "
+            f"{id_or_name!r} ({ids}): name one by its id",
+        )
+    if not named:
+        raise E2BError(404, f"VolumeNotFound: no volume {id_or_name!r} of yours")
+    return named[0]
+
+
+async def mounts_for(
+    service: Service, owner: str, asked: Sequence[SandboxVolumeMount] | Unset | None
+) -> list[VolumeMount]:
+    """E2B's `volumeMounts` ({name, path}, read-write) as our mounts; an unknown volume: 404."""
+    if isinstance(asked, Unset) or not asked:
+        return []
+    found = []
+    for mount in asked:
+        volume = await find(service, owner, mount.name)
+        try:
+            found.append(VolumeMount(volume_id=volume.id, path=mount.path))
+        except ValidationError as exc:
+            raise E2BError(400, f"volume mount {mount.path!r}: {problems(exc.errors())}") from None
+    return found
+
+
+async def mounts_shown(
+    service: Service, owner: str, mounts: Sequence[VolumeMount]
+) -> list[SandboxVolumeMount]:
+    """What a sandbox's detail says it mounts: each volume's name (as E2B's SDK sent it)."""
+    shown = []
+    for mount in mounts:
+        try:
+            name = (await service.volumes.get(owner, mount.volume_id)).name
+        except SessionError:
+            name = mount.volume_id
+        shown.append(SandboxVolumeMount(name=name, path=mount.path))
+    return shown
+
+
+def _with_token(service: Service, owner: str, volume: VolumeInfo) -> dict[str, Any]:
+    token = token_for(service, owner, volume.id)
+    return VolumeAndToken(volume_id=volume.id, name=volume.name, token=token).to_dict()
+
+
+# --- the routes
+@router.post("/volumes", status_code=201, summary="E2B: create a volume")
+async def create(body: JSONBody, service: ServiceDep, owner: ApiOwnerDep) -> dict[str, Any]:
+    """A volume of the service's default size; its name must be free among the key's."""
+    try:
+        asked = NewVolume.from_dict(body)
+        request = CreateVolumeRequest(name=asked.name)
+    except (KeyError, TypeError, ValueError) as exc:
+        message = problems(exc.errors()) if isinstance(exc, ValidationError) else str(exc)
+        raise E2BError(400, f"invalid volume request: {message}") from None
+    async with _creating:
+        if any(v.name == request.name for v in await service.volumes.of_owner(owner)):
+            raise E2BError(
+                409, f"VolumeExists: you have a volume named {request.name!r}: pick another name"
+            )
+        try:
+            volume = await service.volumes.create(owner, request)
+        except SessionError as exc:
+            raise typed(exc) from None
+    return _with_token(service, owner, volume)
+
+
+@router.get("/volumes", summary="E2B: list the caller's volumes")
+async def list_volumes(service: ServiceDep, owner: ApiOwnerDep) -> list[dict[str, Any]]:
+    volumes = await service.volumes.of_owner(owner)
+    return [VolumeModel(volume_id=v.id, name=v.name).to_dict() for v in volumes]
+
+
+@router.get("/volumes/{volume}", summary="E2B: get a volume (by id or name), with its token")
+async def get(volume: str, service: ServiceDep, owner: ApiOwnerDep) -> dict[str, Any]:
+    return _with_token(service, owner, await find(service, owner, volume))
+
+
+@router.delete("/volumes/{volume}", status_code=204, summary="E2B: destroy a volume")
+async def destroy(volume: str, service: ServiceDep, owner: ApiOwnerDep) -> Response:
+    """409 while a sandbox (running or paused) mounts it; another key's is not found."""
+    found = await find(service, owner, volume)
+    try:
+        await service.volumes.delete(owner, found.id)
+    except SessionError as exc:
+        raise typed(exc) from None
+    return Response(status_code=204)

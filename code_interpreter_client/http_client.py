@@ -11,10 +11,14 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
-from urllib.parse import quote
 
 import httpx
 
+from code_interpreter_client.http_answers import APIError as APIError
+from code_interpreter_client.http_answers import checked as _check
+from code_interpreter_client.http_answers import segment as _segment
+from code_interpreter_client.secret_calls import BlockingSecretCalls, SecretCalls
+from code_interpreter_client.volume_calls import BlockingVolumeCalls, VolumeCalls
 from code_interpreter_wire.background_loop import run_sync
 from code_interpreter_wire.processes import CommandResult, ProcessInfo, ProcessRequest, TerminalSize
 from code_interpreter_wire.rest import (
@@ -26,8 +30,6 @@ from code_interpreter_wire.rest import (
     SnapshotInfo,
 )
 from code_interpreter_wire.results import FileInfo
-from code_interpreter_wire.secrets import SecretInfo, SecretList
-from code_interpreter_wire.volumes import VolumeInfo
 
 T = TypeVar("T")
 # Waiting for a command or a process may outlast any read timeout: the service bounds it.
@@ -35,39 +37,7 @@ _NO_READ_TIMEOUT = httpx.Timeout(None, connect=30.0)
 SessionState = Literal["running", "paused"]
 
 
-class APIError(Exception):
-    """The service answered with an error: its HTTP status, error type and message."""
-
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(f"{status} {kind}: {message}")
-        self.status = status
-        self.kind = kind
-        self.message = message
-
-
-def _segment(value: str) -> str:
-    """An id as one path segment: slashes and `..` in it name no other route (an id handed
-    over by a model or a store could otherwise reach another of the key's resources)."""
-    quoted = quote(value, safe="")
-    return quoted if quoted not in (".", "..") else quoted.replace(".", "%2E")
-
-
-def _path(value: str) -> str:
-    """A file's path in a URL: its names quoted, its slashes kept (the service refuses `..`)."""
-    return quote(value, safe="/")
-
-
-def _check(response: httpx.Response) -> httpx.Response:
-    if response.is_success:
-        return response
-    try:
-        error = response.json()["error"]
-        raise APIError(response.status_code, error["type"], error["message"])
-    except (ValueError, KeyError, TypeError):
-        raise APIError(response.status_code, "HTTPError", response.text) from None
-
-
-class AsyncClient:
+class AsyncClient(VolumeCalls, SecretCalls):
     def __init__(
         self, base_url: str, api_key: str | None = None, *, timeout_s: float = 600.0
     ) -> None:
@@ -85,9 +55,6 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.http.aclose()
-
-    async def _json(self, method: str, url: str, **kwargs: Any) -> Any:
-        return _check(await self.http.request(method, url, **kwargs)).json()
 
     # --- sessions
     async def create_session(self, **body: Any) -> SessionInfo:
@@ -136,34 +103,6 @@ class AsyncClient:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         _check(await self.http.delete(f"/v1/snapshots/{_segment(snapshot_id)}"))
-
-    # --- secrets (docs/secrets.md): sessions ask for them by name (`secrets=["NAME"]`)
-    async def store_secret(
-        self,
-        name: str,
-        value: str,
-        hosts: list[str],
-        *,
-        methods: list[str] | None = None,
-        path_prefixes: list[str] | None = None,
-    ) -> SecretInfo:
-        """Store (or replace) a secret bound to `hosts`; its value is never answered back."""
-        # Checked by the service only: a local validation error would print the value.
-        body: dict[str, Any] = {"name": name, "value": value, "hosts": hosts}
-        if methods is not None:
-            body["methods"] = methods
-        if path_prefixes is not None:
-            body["path_prefixes"] = path_prefixes
-        return SecretInfo.model_validate(await self._json("POST", "/v1/secrets", json=body))
-
-    async def list_secrets(self) -> list[SecretInfo]:
-        return SecretList.model_validate(await self._json("GET", "/v1/secrets")).secrets
-
-    async def get_secret(self, name: str) -> SecretInfo:
-        return SecretInfo.model_validate(await self._json("GET", f"/v1/secrets/{_segment(name)}"))
-
-    async def delete_secret(self, name: str) -> None:
-        _check(await self.http.delete(f"/v1/secrets/{_segment(name)}"))
 
     async def delete_session(self, session_id: str) -> None:
         _check(await self.http.delete(f"/v1/sessions/{_segment(session_id)}"))
@@ -261,53 +200,6 @@ class AsyncClient:
 
     async def delete_file(self, session_id: str, path: str) -> None:
         _check(await self.http.delete(f"/v1/sessions/{_segment(session_id)}/files/{path}"))
-
-    # --- volumes (docs/volumes.md): sessions mount them with `volumes=[{volume_id, path}]`
-    async def create_volume(self, name: str, size_mb: int | None = None) -> VolumeInfo:
-        body: dict[str, Any] = {"name": name}
-        if size_mb is not None:
-            body["size_mb"] = size_mb
-        return VolumeInfo.model_validate(await self._json("POST", "/v1/volumes", json=body))
-
-    async def list_volumes(self) -> list[VolumeInfo]:
-        return [VolumeInfo.model_validate(v) for v in await self._json("GET", "/v1/volumes")]
-
-    async def get_volume(self, volume_id: str) -> VolumeInfo:
-        url = f"/v1/volumes/{_segment(volume_id)}"
-        return VolumeInfo.model_validate(await self._json("GET", url))
-
-    async def delete_volume(self, volume_id: str) -> None:
-        _check(await self.http.delete(f"/v1/volumes/{_segment(volume_id)}"))
-
-    async def upload_to_volume(self, volume_id: str, path: str, data: bytes) -> FileInfo:
-        response = await self.http.post(
-            f"/v1/volumes/{_segment(volume_id)}/files",
-            params={"path": path},
-            files={"file": (path.rsplit("/", 1)[-1], data)},
-        )
-        return FileInfo.model_validate(_check(response).json())
-
-    async def list_volume_files(
-        self, volume_id: str, path: str = "", *, recursive: bool = False
-    ) -> list[FileInfo]:
-        data = await self._json(
-            "GET",
-            f"/v1/volumes/{_segment(volume_id)}/files",
-            params={"path": path, "recursive": recursive},
-        )
-        return [FileInfo.model_validate(f) for f in data]
-
-    async def download_from_volume(self, volume_id: str, path: str) -> bytes:
-        url = f"/v1/volumes/{_segment(volume_id)}/files/{_path(path)}"
-        return _check(await self.http.get(url)).content
-
-    async def delete_from_volume(self, volume_id: str, path: str) -> None:
-        url = f"/v1/volumes/{_segment(volume_id)}/files/{_path(path)}"
-        _check(await self.http.delete(url))
-
-    async def make_volume_directory(self, volume_id: str, path: str) -> None:
-        url = f"/v1/volumes/{_segment(volume_id)}/directories"
-        _check(await self.http.post(url, params={"path": path}))
 
     async def artifact(self, session_id: str, artifact_id: str) -> bytes:
         url = f"/v1/sessions/{_segment(session_id)}/artifacts/{artifact_id}"
@@ -458,8 +350,10 @@ def _iterate(events: AsyncGenerator[T]) -> Iterator[T]:
         run_sync(events.aclose())
 
 
-class Client:
+class Client(BlockingVolumeCalls, BlockingSecretCalls):
     """The same calls, blocking. Each runs the async client on a background event loop."""
+
+    api: AsyncClient
 
     def __init__(
         self, base_url: str, api_key: str | None = None, *, timeout_s: float = 600.0
@@ -503,28 +397,6 @@ class Client:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         run_sync(self.api.delete_snapshot(snapshot_id))
-
-    def store_secret(
-        self,
-        name: str,
-        value: str,
-        hosts: list[str],
-        *,
-        methods: list[str] | None = None,
-        path_prefixes: list[str] | None = None,
-    ) -> SecretInfo:
-        return run_sync(
-            self.api.store_secret(name, value, hosts, methods=methods, path_prefixes=path_prefixes)
-        )
-
-    def list_secrets(self) -> list[SecretInfo]:
-        return run_sync(self.api.list_secrets())
-
-    def get_secret(self, name: str) -> SecretInfo:
-        return run_sync(self.api.get_secret(name))
-
-    def delete_secret(self, name: str) -> None:
-        run_sync(self.api.delete_secret(name))
 
     def delete_session(self, session_id: str) -> None:
         run_sync(self.api.delete_session(session_id))
@@ -570,35 +442,6 @@ class Client:
 
     def list_files(self, session_id: str, path: str = "") -> list[FileInfo]:
         return run_sync(self.api.list_files(session_id, path))
-
-    def create_volume(self, name: str, size_mb: int | None = None) -> VolumeInfo:
-        return run_sync(self.api.create_volume(name, size_mb))
-
-    def list_volumes(self) -> list[VolumeInfo]:
-        return run_sync(self.api.list_volumes())
-
-    def get_volume(self, volume_id: str) -> VolumeInfo:
-        return run_sync(self.api.get_volume(volume_id))
-
-    def delete_volume(self, volume_id: str) -> None:
-        run_sync(self.api.delete_volume(volume_id))
-
-    def upload_to_volume(self, volume_id: str, path: str, data: bytes) -> FileInfo:
-        return run_sync(self.api.upload_to_volume(volume_id, path, data))
-
-    def list_volume_files(
-        self, volume_id: str, path: str = "", *, recursive: bool = False
-    ) -> list[FileInfo]:
-        return run_sync(self.api.list_volume_files(volume_id, path, recursive=recursive))
-
-    def download_from_volume(self, volume_id: str, path: str) -> bytes:
-        return run_sync(self.api.download_from_volume(volume_id, path))
-
-    def delete_from_volume(self, volume_id: str, path: str) -> None:
-        run_sync(self.api.delete_from_volume(volume_id, path))
-
-    def make_volume_directory(self, volume_id: str, path: str) -> None:
-        run_sync(self.api.make_volume_directory(volume_id, path))
 
     def invoke_tool(self, arguments: Any, **options: Any) -> dict[str, Any]:
         return run_sync(self.api.invoke_tool(arguments, **options))

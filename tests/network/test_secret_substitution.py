@@ -195,6 +195,29 @@ def test_the_bound_host_receives_the_value_and_the_sandbox_only_the_placeholder(
         "print(os.environ['API_KEY'], found)\n"
     )
     assert run(api, sid, look).strip() == "cir-secret://API_KEY []"
+    # And its memory: the kernel that made the request dumps every region it can read, and
+    # looks for the value as a first half followed by the second (never whole in its memory).
+    dump = (
+        "import re\n"
+        f"first, second = {VALUE[:10].encode()!r}, {VALUE[10:].encode()!r}\n"
+        "hits = regions = 0\n"
+        "with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
+        "    for line in maps:\n"
+        "        span, perms = line.split()[:2]\n"
+        "        if not perms.startswith('r'):\n"
+        "            continue\n"
+        "        start, end = (int(x, 16) for x in span.split('-'))\n"
+        "        try:\n"
+        "            mem.seek(start)\n"
+        "            data = mem.read(end - start)\n"
+        "        except (OSError, OverflowError, ValueError):\n"
+        "            continue\n"
+        "        regions += 1\n"
+        "        for at in (m.start() for m in re.finditer(re.escape(first), data)):\n"
+        "            hits += data[at + len(first) : at + len(first) + len(second)] == second\n"
+        "print(hits, regions > 10)\n"
+    )
+    assert run(api, sid, dump).strip() == "0 True"
 
 
 def test_an_unbound_host_gets_the_placeholder_unchanged(

@@ -24,14 +24,19 @@ class SecretCalls(HttpCalls):
         *,
         methods: list[str] | None = None,
         path_prefixes: list[str] | None = None,
+        headers: list[str] | None = None,
     ) -> SecretInfo:
-        """Store (or replace) a secret bound to `hosts`; its value is never answered back."""
+        """Store (or replace) a secret bound to `hosts` (and `methods`, `path_prefixes`, when
+        given), put only into the request headers `headers` names (unset: the service's
+        default, `authorization`, `x-api-key`, `api-key`); its value is never answered back."""
         # Checked by the service only: a local validation error would print the value.
         body: dict[str, Any] = {"name": name, "value": value, "hosts": hosts}
         if methods is not None:
             body["methods"] = methods
         if path_prefixes is not None:
             body["path_prefixes"] = path_prefixes
+        if headers is not None:
+            body["headers"] = headers
         return SecretInfo.model_validate(await self._json("POST", "/v1/secrets", json=body))
 
     async def list_secrets(self) -> list[SecretInfo]:
@@ -57,9 +62,12 @@ class BlockingSecretCalls:
         *,
         methods: list[str] | None = None,
         path_prefixes: list[str] | None = None,
+        headers: list[str] | None = None,
     ) -> SecretInfo:
         return run_sync(
-            self.api.store_secret(name, value, hosts, methods=methods, path_prefixes=path_prefixes)
+            self.api.store_secret(
+                name, value, hosts, methods=methods, path_prefixes=path_prefixes, headers=headers
+            )
         )
 
     def list_secrets(self) -> list[SecretInfo]:

@@ -19,6 +19,30 @@ MAX_METHODS = 16
 MAX_PATH_PREFIXES = 16
 MAX_PATH_PREFIX_CHARS = 512
 MAX_SECRETS_PER_SESSION = 32
+MAX_HEADERS = 16
+MAX_HEADER_CHARS = 64
+# The headers a secret may go in when its binding names none: where API keys travel.
+DEFAULT_HEADERS = ("authorization", "x-api-key", "api-key")
+# Headers that frame the request or concern one hop: never given a value (the proxy's own list,
+# sandbox/egress/credentials.py's _REFUSED_HEADERS, refused here already with a 422).
+_FRAMING_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+    }
+)
+# An HTTP header name: a token (RFC 9110, 5.6.2).
+_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 SECRET_NAME_PATTERN = r"^[A-Z_][A-Z0-9_]{0,63}$"
 _METHOD_PATTERN = r"^[A-Z]{1,16}$"
 # What a header value may hold (the proxy's own check: sandbox/egress/credentials.py).
@@ -34,7 +58,9 @@ def placeholder(name: str) -> str:
 
 
 def _hosts(hosts: list[str]) -> list[str]:
-    """Host names or `*.domain`, compared as network policies compare them (lowercase IDNA)."""
+    """Host names or `*.domain`, compared as network policies compare them (lowercase IDNA).
+    The service also refuses a wildcard over a public or shared suffix (the Public Suffix List:
+    orchestrator/vault/public_suffixes.py), which this package does not carry."""
     normalized: list[str] = []
     for host in hosts:
         if host.strip() == "*":
@@ -47,6 +73,26 @@ def _hosts(hosts: list[str]) -> list[str]:
             raise ValueError(f"{host[:80]!r}: a network is not a host; name the host")
         if pattern.text not in normalized:
             normalized.append(pattern.text)
+    return normalized
+
+
+def _headers(headers: list[str]) -> list[str]:
+    """Header names, lowercase, each once, in the order given."""
+    normalized: list[str] = []
+    for header in headers:
+        if len(header) > MAX_HEADER_CHARS or not _HEADER_NAME.match(header):
+            raise ValueError(
+                f"{header[:80]!r} is not a header name (an HTTP token of at most "
+                f"{MAX_HEADER_CHARS} characters)"
+            )
+        lowered = header.lower()
+        if lowered in _FRAMING_HEADERS:
+            raise ValueError(
+                f"{lowered}: a header that frames the request or concerns one hop never gets a "
+                "value"
+            )
+        if lowered not in normalized:
+            normalized.append(lowered)
     return normalized
 
 
@@ -85,6 +131,13 @@ class StoreSecretRequest(BaseModel):
         max_length=MAX_PATH_PREFIXES,
         description="Only requests whose path starts with one of these; all paths if unset.",
     )
+    headers: list[str] | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_HEADERS,
+        description="The request headers the value may go in (names, any case); unset: "
+        f"{', '.join(DEFAULT_HEADERS)}. A placeholder in any other header goes out unchanged.",
+    )
 
     @field_validator("value")
     @classmethod
@@ -107,6 +160,16 @@ class StoreSecretRequest(BaseModel):
     def _methods_unique(cls, methods: list[str] | None) -> list[str] | None:
         return None if methods is None else sorted(set(methods))
 
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, headers: list[str] | None) -> list[str] | None:
+        return None if headers is None else _headers(headers)
+
+    @property
+    def bound_headers(self) -> list[str]:
+        """The headers the value may go in: those given, else the default ones."""
+        return list(DEFAULT_HEADERS) if self.headers is None else list(self.headers)
+
 
 class SecretInfo(BaseModel):
     """A stored secret as its key sees it: never its value."""
@@ -115,6 +178,10 @@ class SecretInfo(BaseModel):
     hosts: list[str]
     methods: list[str] | None = None
     path_prefixes: list[str] | None = None
+    headers: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_HEADERS),
+        description="The request headers the value may go in.",
+    )
     placeholder: str = Field(description="What a session's variable of this name holds.")
     created_at: datetime
     updated_at: datetime

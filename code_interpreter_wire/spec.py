@@ -71,8 +71,9 @@ def check_environment(env: dict[str, str]) -> dict[str, str]:
 
 
 # Where a directory of the host may be mounted in a sandbox: below these, never over the
-# system's own directories (/usr, /etc, /proc, /tmp, /run...).
-MOUNT_ROOTS = ("/mnt", "/data", "/workspace", "/home/user")
+# system's own directories (/usr, /etc, /proc, /tmp, /run...), nor in the workspace, whose
+# files the service reaches on the host (a mount there would hide from it what it shows).
+MOUNT_ROOTS = ("/mnt", "/data")
 MAX_MOUNTS = 8
 _MOUNT_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -88,8 +89,8 @@ def check_mount_path(path: str) -> str:
         or not all(_MOUNT_PART.match(p) for p in path[len(below[0]) + 1 :].split("/"))
     ):
         raise ValueError(
-            f"{path!r} is not a mount point a sandbox may have: an absolute path below one of "
-            f"{', '.join(MOUNT_ROOTS)} (e.g. /mnt/data), each name letters, digits, '.', '_' "
+            f"{path!r} is not a mount point a sandbox may have: an absolute path below "
+            f"{' or '.join(MOUNT_ROOTS)} (e.g. /mnt/data), each name letters, digits, '.', '_' "
             "or '-', without '..' or a trailing '/'"
         )
     return path
@@ -106,10 +107,9 @@ class DirectoryMount(BaseModel):
 
 def paths_apart(paths: list[str]) -> None:
     """No two mounts at one place, nor one inside another (which would hide it)."""
-    ordered = sorted(paths)
-    for before, after in itertools.pairwise(ordered):
-        if after == before or after.startswith(before + "/"):
-            raise ValueError(f"mounts {before!r} and {after!r} overlap: give each its own place")
+    for one, other in itertools.permutations(paths, 2):
+        if other == one or other.startswith(one + "/"):
+            raise ValueError(f"mounts {one!r} and {other!r} overlap: give each its own place")
 
 
 def _mounts_apart(mounts: list[DirectoryMount]) -> list[DirectoryMount]:

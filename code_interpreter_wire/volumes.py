@@ -44,7 +44,7 @@ class VolumeMount(BaseModel):
 
     volume_id: VolumeId
     path: Annotated[str, AfterValidator(check_mount_path)] = Field(
-        description="Where the session sees it: below /mnt, /data, /workspace or /home/user."
+        description="Where the session sees it: below /mnt or /data (e.g. /mnt/data)."
     )
     read_only: bool = False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from orchestrator.config import Settings
 from orchestrator.console import PREFIX as CONSOLE_PREFIX
 from orchestrator.console import console_app
 from orchestrator.e2b_compatible import mount as mount_e2b
+from orchestrator.e2b_compatible import running as e2b_front_running
 from orchestrator.front_config import FrontConfig
 from orchestrator.host_tools import ToolRegistry
 from orchestrator.http_errors import problems, status_of
@@ -94,7 +96,11 @@ def create_app(settings: Settings | None = None, host_tools: ToolRegistry | None
     app.mount(CONSOLE_PREFIX, console_app(service, fronts, authenticate.throttle))
     # E2B's API (docs/e2b.md): its sweeper runs E2B's sandbox timeouts.
     sandboxes = mount_e2b(app, service) if settings.e2b_compat else None
-    e2b_running = sandboxes.running if sandboxes is not None else contextlib.nullcontext
+    e2b_running = (
+        functools.partial(e2b_front_running, sandboxes)
+        if sandboxes is not None
+        else contextlib.nullcontext
+    )
     # Outermost last: headers on every answer; sizes, then callers and nesting, before the app.
     app.add_middleware(
         RequestGuard,

@@ -116,6 +116,7 @@ class Service:
             self.persistence,
             self.trail,
             outputs,
+            self.volumes,
         )
         self.sweeps = Sweeps(
             cut.expiry, sessions, self.admission, self.persistence, self.trail, pauses, locks
@@ -143,7 +144,7 @@ class Service:
             ports=self.ports,
             volumes=self.volumes,
         )
-        self.volumes.wire(state=self.lifecycle.state)
+        self.volumes.wire(state=self.lifecycle.state, record_of=self.persistence.get)
         self.deadlines = Deadlines(self.lifecycle, self.sweeps)
         self._instance_lock: InstanceLock | None = None  # held from start to close
 

@@ -17,7 +17,7 @@ from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import EgressSection
 from orchestrator.vault.records import SecretsNotAvailable
-from orchestrator.vault.vault import BUNDLE_NAME, CA_NAME, SessionSecrets, Vault
+from orchestrator.vault.vault import SessionSecrets, Vault
 from sandbox import Sandbox
 from sandbox.descriptors import raise_descriptor_limit
 from sandbox.egress import EgressLedger, EgressProxy, EgressRecord, EgressSettings
@@ -122,19 +122,23 @@ class SessionEgress:
         self._ledgers[session.id] = ledger
 
     async def _secrets(self, session: Session, directory: Path) -> SessionSecrets | None:
-        """The session's secrets bound for its proxy (none asked: None), and the CA bundle its
-        sandbox trusts written where it reads it (its egress directory, bound read-only)."""
+        """The session's secrets bound for its proxy (none asked: None). The files sandboxes
+        trust are written where they read them (the egress directory, bound read-only) for
+        every session once the vault has its CA, secrets or not: a sandbox forked or restored
+        from one that had secrets keeps its variables naming them (SSL_CERT_FILE...), so they
+        must name a file. The files are public: the system's CAs and the deployment's."""
+        trust = self._vault.trust if self._vault is not None else None
+        if trust is not None:
+            for name, data in trust.files():
+                partial = directory / f".{name}.partial"
+                partial.write_bytes(data)
+                partial.chmod(0o644)  # the sandbox's uid reads it; nobody there may change it
+                partial.replace(directory / name)
         if not session.secrets:
             return None
         if self._vault is None:
             raise SecretsNotAvailable("this service keeps no secrets")
-        secrets = await self._vault.for_session(session.owner, session.id, session.secrets)
-        for name, data in ((BUNDLE_NAME, secrets.bundle), (CA_NAME, secrets.ca_cert)):
-            partial = directory / f".{name}.partial"
-            partial.write_bytes(data)
-            partial.chmod(0o644)  # the sandbox's uid reads it; nobody there may change it
-            partial.replace(directory / name)
-        return secrets
+        return await self._vault.for_session(session.owner, session.id, session.secrets)
 
     async def attach(self, session: Session) -> None:
         """A session another replica made, now served here too: its proxy's records taken

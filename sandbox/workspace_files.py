@@ -7,9 +7,11 @@ and hard links are refused too. Both backends keep their workspaces on the host 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
+import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,10 +114,14 @@ class Workspace:
         """Write a file; return what is now there."""
         return self.copy_in(path, io.BytesIO(data))
 
-    def copy_in(self, path: str, source: BinaryIO) -> Entry:
-        """Write a file from `source`, a chunk at a time; return what is now there."""
+    def copy_in(self, path: str, source: BinaryIO, *, atomic: bool = False) -> Entry:
+        """Write a file from `source`, a chunk at a time; return what is now there. `atomic`:
+        written under a name of its own beside it, then renamed over it, so a write that fails
+        (the disk full) leaves the file as it was."""
         parts = clean_path(path)
         with self._dir(parts[:-1], create=True) as dfd:
+            if atomic:
+                return self._replace(dfd, parts, source)
             name = parts[-1]
             try:
                 fd = os.open(
@@ -145,6 +151,56 @@ class Workspace:
             finally:
                 os.close(fd)
         return Entry("/".join(parts), "file", st.st_size, st.st_mtime)
+
+    def _replace(self, dfd: int, parts: tuple[str, ...], source: BinaryIO) -> Entry:
+        path, name = "/".join(parts), parts[-1]
+        try:
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+                raise FileAccessError(f"cannot write {path!r}: not a plain file")
+        partial = f".cir-partial-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(partial, flags, self.file_mode, dir_fd=dfd)
+        except OSError as exc:
+            raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
+        try:
+            try:
+                while chunk := source.read(1 << 20):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                if self.owner:
+                    os.fchown(fd, *self.owner)
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+            os.rename(partial, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(partial, dir_fd=dfd)
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise FileTooLarge(f"cannot write {path!r}: {_why(exc)}") from exc
+            raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
+        return Entry(path, "file", st.st_size, st.st_mtime)
+
+    def stat(self, path: str) -> Entry | None:
+        """What is at `path` (no link followed on the way or at the end), or None."""
+        parts = clean_path(path)
+        try:
+            with self._dir(parts[:-1]) as dfd:
+                shown, escaped = shown_name(parts[-1])
+                return self._entry(dfd, parts[-1], "/".join((*parts[:-1], shown)), escaped)
+        except FileMissing:
+            return None
+
+    def make_dirs(self, path: str) -> None:
+        """Make a directory and its parents (what is there already is left as it is)."""
+        with self._dir(clean_path(path), create=True):
+            pass
 
     def remove(self, path: str) -> None:
         """Remove a file, a symlink (never what it points at) or a directory tree of any depth."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from fastapi import FastAPI
@@ -50,3 +53,12 @@ def mount(app: FastAPI, service: Service) -> E2BSandboxes:
         app.mount(connect_app.path, served)
         app.mount(PREFIX + connect_app.path, StripPrefix(served, PREFIX))
     return sandboxes
+
+
+@contextlib.asynccontextmanager
+async def running(sandboxes: E2BSandboxes) -> AsyncIterator[None]:
+    """The front while the service runs: its volume tokens' key read (or made) first, off the
+    event loop (a damaged one stops the start), then E2B's timeouts swept."""
+    await volumes.load_token_key(sandboxes.service)
+    async with sandboxes.running():
+        yield

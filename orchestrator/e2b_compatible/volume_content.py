@@ -2,10 +2,11 @@
 `https://api.<E2B_DOMAIN>`): a volume's files from outside, through `Service.volumes`.
 
 Called with the volume's token (`Authorization: Bearer`, which E2B's control plane gave with the
-volume: volumes.py) or one of the service's API keys. Paths are the volume's own, `/` its root
-(`/a/b.txt` and `a/b.txt` are one file). What the files' owners and modes are is the sessions'
-(every session's user may change what another made: docs/volumes.md), so uid, gid and mode are
-neither set here nor reported (0).
+volume: volumes.py; good for a day, and only while the key it was given to works) or one of
+the service's API keys. Paths are the volume's own, `/` its root (`/a/b.txt` and `a/b.txt` are
+one file). What the files' owners and modes are is the sessions' (every session's user may
+change what another made: docs/volumes.md), so uid, gid and mode are neither set here nor
+reported (0).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from code_interpreter_wire.results import FileInfo
 from orchestrator.auth import Authenticator, WrongKeysThrottled, client_address
 from orchestrator.e2b_compatible.deps import ServiceDep
 from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.volumes import TOKEN_PREFIX, owner_of_token, typed
+from orchestrator.e2b_compatible.volumes import (
+    TOKEN_PREFIX,
+    TokenRefused,
+    owner_of_token,
+    typed,
+)
 from orchestrator.http_errors import status_of
 from orchestrator.key_throttle import TooManyWrongKeys
 from orchestrator.service import Service
@@ -62,12 +68,19 @@ def owner_of_call(authenticate: Authenticator, service: Service, request: Reques
         authenticate.throttle.before_check(client, token)
     except TooManyWrongKeys as refused:
         raise WrongKeysThrottled(refused) from None
-    owner = owner_of_token(service, token, volume_id)
-    if owner is None:
-        authenticate.throttle.failed(client, token)
-        raise HTTPException(401, f"this volume token does not open volume {volume_id!r}")
-    if authenticate.principals().is_revoked(owner):
+    try:
+        owner = owner_of_token(service, token, volume_id)
+    except TokenRefused as refused:
+        if refused.guessed:
+            authenticate.throttle.failed(client, token)
+        raise HTTPException(401, str(refused)) from None
+    principals = authenticate.principals()
+    if principals.is_revoked(owner):
         raise HTTPException(401, "the key this volume token was given to is revoked")
+    if not principals.is_current(owner):
+        raise HTTPException(
+            401, "the key this volume token was given to is no longer one of this service's"
+        )
     return owner
 
 
@@ -115,15 +128,12 @@ def _typed_errors() -> Iterator[None]:
 
 
 async def _entry(service: Service, owner: str, volume_id: str, path: str) -> FileInfo:
-    """One entry, found in its directory's listing (the root: the volume itself)."""
+    """One entry, by a stat of its own path (the root: the volume itself)."""
     inside = _inside(path)
-    if not inside:
+    if posixpath.normpath("/" + inside) == "/":
         created = (await service.volumes.get(owner, volume_id)).created_at
         return FileInfo(path="", type="directory", size=0, modified_at=created)
-    parent = posixpath.dirname(inside.rstrip("/"))
-    listed = await service.volumes.list_files(owner, volume_id, parent)
-    wanted = posixpath.normpath(inside)
-    found = next((e for e in listed if e.path == wanted), None)
+    found = await service.volumes.stat(owner, volume_id, inside)
     if found is None:
         raise FileMissing(f"no such file or directory: {path!r}")
     return found
@@ -147,12 +157,12 @@ async def list_dir(
     owner: CallerDep,
     depth: Annotated[int, Query(ge=1, le=64)] = 1,
 ) -> list[dict[str, Any]]:
-    """Its entries, `depth` levels down (1: the directory's own)."""
-    top = _inside(path)
+    """Its entries, `depth` levels down (1: the directory's own); deeper ones are not walked."""
     with _typed_errors():
-        listed = await service.volumes.list_files(owner, volume_id, top, recursive=depth > 1)
-    base = len([p for p in top.split("/") if p not in ("", ".")])
-    return [_stat(e) for e in listed if e.path.count("/") + 1 - base <= depth]
+        listed = await service.volumes.list_files(
+            owner, volume_id, _inside(path), recursive=depth > 1, max_depth=depth - 1
+        )
+    return [_stat(e) for e in listed]
 
 
 @router.post("/volumecontent/{volume_id}/dir", status_code=201, summary="E2B: make a directory")

@@ -5,19 +5,23 @@ E2B names a volume by id or by name (its SDK mounts by name), so names made here
 key; a name two of a key's volumes share (made through `/v1/volumes`, where names are free) is
 refused as ambiguous rather than guessed. E2B's mounts are read-write; its SDK has no read-only
 flag. The volume token E2B gives with a volume opens that volume's files (volume_content.py) and
-nothing else: an HMAC of the owner and the volume under a secret kept beside the volumes, so
-every replica sharing the volumes directory knows it and it survives restarts.
+nothing else, for TOKEN_TTL_S after it was given, and only while the key it was given to works
+(neither revoked nor gone from the settings): an HMAC of the owner, the volume and the time
+under a secret kept beside the volumes, so every replica sharing the volumes directory knows
+it and it survives restarts. E2B's SDK keeps a Volume object's token for the object's life and
+never asks for another: an object kept past a day is made again with `Volume.connect`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import functools
+import contextlib
 import hashlib
 import hmac
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -44,7 +48,13 @@ router = APIRouter(route_class=E2BRoute, tags=["e2b"])
 JSONBody = Annotated[dict[str, Any], Body()]
 
 TOKEN_PREFIX = "e2bvol_"
+# E2B's SDK keeps the token a Volume object was made with for the object's life (Volume.create,
+# Volume.connect); one kept past this is refused, and Volume.connect gives a new one.
+TOKEN_TTL_S = 24 * 3600
+_CLOCK_SKEW_S = 300  # a token from a replica whose clock is ahead by up to this is good
 _SECRET_FILE = ".e2b-volume-token-key"  # in the volumes directory (never a volume's name)
+_KEY_BYTES = 32
+_keys: dict[Path, bytes] = {}  # by volumes directory: read as the front starts
 _creating = asyncio.Lock()  # a name is checked free and taken as one step
 
 
@@ -54,55 +64,115 @@ def typed(exc: SessionError) -> E2BError:
 
 
 # --- volume tokens
-@functools.cache
-def _secret(volumes_dir: Path) -> bytes:
-    """The key volume tokens are signed with: made once, by whichever replica comes first."""
+class TokenRefused(Exception):
+    """A volume token that opens nothing here; `guessed`: not one this service signed."""
+
+    def __init__(self, message: str, *, guessed: bool) -> None:
+        super().__init__(message)
+        self.guessed = guessed
+
+
+def _read_or_make_key(volumes_dir: Path) -> bytes:
+    """The key volume tokens are signed with, made by whichever replica comes first (blocking):
+    written whole and synced under a name of its own, then linked into place, so no replica
+    ever reads a part of it. A key there but damaged stops the start."""
     volumes_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
     final = volumes_dir / _SECRET_FILE
     if not final.exists():
         partial = volumes_dir / f".{_SECRET_FILE}.{secrets.token_hex(6)}"
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(partial, flags, 0o600)
         try:
-            os.link(partial, final)  # atomic, and never over another replica's
-        except FileExistsError:
-            pass
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(_KEY_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+            with contextlib.suppress(FileExistsError):  # another replica's came first: its
+                os.link(partial, final)  # atomic, and never over another replica's
         finally:
-            partial.unlink()
-    secret = final.read_bytes()
-    if len(secret) < 32:
-        raise RuntimeError(f"{final} is damaged: remove it (volume tokens given so far end)")
-    return secret
+            partial.unlink(missing_ok=True)
+        dir_fd = os.open(volumes_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)  # the link lasts past a crash
+        finally:
+            os.close(dir_fd)
+    with open(final, "rb") as f:
+        key = f.read(_KEY_BYTES + 1)
+    if len(key) != _KEY_BYTES:
+        raise RuntimeError(
+            f"{final} is damaged ({len(key)} bytes, not {_KEY_BYTES}): remove it and start "
+            "again (every replica sharing the volumes directory; volume tokens given so far end)"
+        )
+    return key
+
+
+async def load_token_key(service: Service) -> None:
+    """Read (or make) the volume tokens' key: once, as the front starts, off the event loop.
+    A key replaced while the service runs is taken at its next start (every replica's)."""
+    volumes_dir = service.volumes.settings.volumes_dir
+    _keys[volumes_dir] = await asyncio.to_thread(_read_or_make_key, volumes_dir)
+
+
+def _key_of(service: Service) -> bytes:
+    try:
+        return _keys[service.volumes.settings.volumes_dir]
+    except KeyError:
+        raise RuntimeError("the E2B front has not started: no volume token key read") from None
 
 
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
-def _mac(secret: bytes, owner: str, volume_id: str) -> str:
-    message = f"e2b-volume\0{owner}\0{volume_id}".encode()
-    return _b64(hmac.new(secret, message, hashlib.sha256).digest())
+def _mac(key: bytes, owner: str, volume_id: str, issued: int) -> str:
+    message = f"e2b-volume/2\0{owner}\0{volume_id}\0{issued}".encode()
+    return _b64(hmac.new(key, message, hashlib.sha256).digest())
+
+
+def sign_token(key: bytes, owner: str, volume_id: str, issued: int) -> str:
+    """A volume token: the owner, when it was given, and the MAC of both with the volume."""
+    mac = _mac(key, owner, volume_id, issued)
+    return f"{TOKEN_PREFIX}{_b64(owner.encode())}.{issued}.{mac}"
+
+
+def check_token(key: bytes, token: str, volume_id: str, now: float) -> str:
+    """The owner a volume token was given to, if it is this volume's and not expired; else
+    TokenRefused."""
+    wrong = TokenRefused(f"this volume token does not open volume {volume_id!r}", guessed=True)
+    if not token.startswith(TOKEN_PREFIX) or len(token) > 1024:
+        raise wrong
+    parts = token[len(TOKEN_PREFIX) :].split(".")
+    if len(parts) != 3:  # (the first tokens, without a time, were never to expire: refused)
+        raise wrong
+    named, issued_text, mac = parts
+    try:
+        owner = base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)).decode()
+        issued = int(issued_text) if issued_text.isdigit() and len(issued_text) < 16 else -1
+    except ValueError:
+        raise wrong from None
+    expected = _mac(key, owner, volume_id, issued)
+    if issued < 0 or not hmac.compare_digest(expected.encode(), mac.encode()):
+        raise wrong
+    if issued - _CLOCK_SKEW_S > now:
+        raise TokenRefused("this volume token is from the future: check the clocks", guessed=False)
+    if now >= issued + TOKEN_TTL_S:
+        raise TokenRefused(
+            f"this volume token expired (they last {TOKEN_TTL_S // 3600} h): get a new one "
+            "with Volume.connect or Volume.get_info",
+            guessed=False,
+        )
+    return owner
 
 
 def token_for(service: Service, owner: str, volume_id: str) -> str:
-    """The volume's token for its owner: it names the owner and proves the pair."""
-    secret = _secret(service.volumes.settings.volumes_dir)
-    return f"{TOKEN_PREFIX}{_b64(owner.encode())}.{_mac(secret, owner, volume_id)}"
+    """A token for the volume's owner, good for TOKEN_TTL_S from now."""
+    return sign_token(_key_of(service), owner, volume_id, int(time.time()))
 
 
-def owner_of_token(service: Service, token: str, volume_id: str) -> str | None:
-    """The owner a volume token was given to, if it is this volume's; else None."""
-    if not token.startswith(TOKEN_PREFIX) or len(token) > 1024:
-        return None
-    named, _, mac = token[len(TOKEN_PREFIX) :].rpartition(".")
-    try:
-        owner = base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)).decode()
-    except ValueError:
-        return None
-    secret = _secret(service.volumes.settings.volumes_dir)
-    expected = _mac(secret, owner, volume_id)
-    return owner if hmac.compare_digest(expected.encode(), mac.encode()) else None
+def owner_of_token(service: Service, token: str, volume_id: str) -> str:
+    """The owner a volume token was given to, if it is this volume's and still good; else
+    TokenRefused. Whether that owner's key still works is the caller's to ask."""
+    return check_token(_key_of(service), token, volume_id, time.time())
 
 
 # --- finding a volume by id or name

@@ -36,8 +36,9 @@ KEY_REVOKED = "key.revoked"
 KEY_POLICY = "key.policy"
 POLICY_DENIED = "policy.denied"  # rule, message
 AUDIT_DROPPED = "audit.dropped"  # dropped: events the full queue could not take
-# The credential vault (orchestrator/vault/): name, hosts, replaced; name; name, host, outcome
-# (status "substituted" or "unchanged"). Never a value.
+# The credential vault (orchestrator/vault/): name, hosts, replaced; name; and one per
+# connection that carried placeholders: host, secrets (up to 16 {name, outcome}), more (status
+# "substituted" when any was, else "unchanged"). Never a value.
 SECRET_STORED = "secret.stored"
 SECRET_DELETED = "secret.deleted"
 SECRET_USED = "secret.used"

@@ -137,11 +137,14 @@ def check_tools(who: Principal, tools: Iterable[str]) -> None:
         )
 
 
-def check_volumes(who: Principal, *, mounted: int = 0, writable: bool = False) -> None:
+def check_volumes(
+    who: Principal, *, mounted: int = 0, writable: bool = False, reading: bool = False
+) -> None:
     """Volumes under the key's `volumes` rule: `mounted` of them in a new session, `writable`:
-    any of them written (a mount not read-only, or a change from outside, or a new volume)."""
+    any of them written (a mount not read-only, a change from outside, a new volume),
+    `reading`: its volumes or their files read from outside."""
     rule = who.policy.volumes
-    if rule == "none" and (mounted or writable):
+    if rule == "none" and (mounted or writable or reading):
         raise PolicyDenied.by_rule(who.name, "use volumes", "volumes", "allows none")
     if rule == "read_only" and writable:
         raise PolicyDenied.by_rule(
@@ -277,4 +280,13 @@ def fit_resumed(
         )
         fitted.limits = lowered
         notices.append(f"its limits are now {changed}: its key's policy (rule `max_limits`)")
+    if fitted.mounts:  # its volumes: none (refused, it stays paused), or read-only now
+        check_volumes(who, mounted=len(fitted.mounts))
+        writable = [m.path for m in fitted.mounts if not m.read_only]
+        if who.policy.volumes == "read_only" and writable:
+            fitted.mounts = [m.model_copy(update={"read_only": True}) for m in fitted.mounts]
+            notices.append(
+                f"its volumes at {', '.join(writable)} are read-only now: its key's policy "
+                "(rule `volumes`)"
+            )
     return fitted, notices

@@ -76,6 +76,7 @@ class _Known:
     by_digest: dict[str, PrincipalRecord] = field(default_factory=dict)
     by_id: dict[str, Principal] = field(default_factory=dict)
     revoked: dict[str, float] = field(default_factory=dict)  # id -> when
+    live: dict[str, PrincipalRecord] = field(default_factory=dict)  # not revoked, by id
 
     @staticmethod
     def of(records: list[PrincipalRecord]) -> _Known:
@@ -85,6 +86,7 @@ class _Known:
             if record.revoked_at is not None:
                 known.revoked[record.id] = record.revoked_at
                 continue
+            known.live[record.id] = record
             for key in record.keys:
                 known.by_digest[key.digest] = record
         return known
@@ -215,6 +217,20 @@ class Principals:
         """Whether this owner id is a revoked key's (as last read from the store): its
         sessions do nothing more, even before the reaper has ended them."""
         return owner in self._known.revoked
+
+    def is_current(self, owner: str) -> bool:
+        """Whether this owner id is a key's that works now (as last read from the store): one
+        the settings name, or the store's, not revoked, with a key not past its grace. What was
+        given to an owner that is not (a volume token) opens nothing."""
+        if self.disabled:
+            return owner == LOCAL_OWNER
+        if owner in self._settings_ids:
+            return True
+        record = self._known.live.get(owner)
+        now = time.time()
+        return record is not None and any(
+            k.expires_at is None or k.expires_at > now for k in record.keys
+        )
 
     def revoked(self) -> dict[str, float]:
         """Revoked principals' ids, with when (as last read from the store)."""

@@ -7,13 +7,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Response
 
-from code_interpreter_wire.secrets import (
-    SECRET_NAME_PATTERN,
-    SecretInfo,
-    SecretList,
-    StoreSecretRequest,
-)
+from code_interpreter_wire.secrets import SECRET_NAME_PATTERN, SecretInfo, SecretList
 from orchestrator.routes.deps import OwnerDep, ServiceDep
+from orchestrator.vault.public_suffixes import StoreSecretBody
 
 router = APIRouter(prefix="/v1/secrets", tags=["secrets"])
 NameParam = Annotated[str, Path(pattern=SECRET_NAME_PATTERN)]
@@ -26,7 +22,7 @@ NameParam = Annotated[str, Path(pattern=SECRET_NAME_PATTERN)]
     responses={200: {"model": SecretInfo, "description": "Replaced the secret of that name"}},
 )
 async def store_secret(
-    body: StoreSecretRequest, response: Response, service: ServiceDep, owner: OwnerDep
+    body: StoreSecretBody, response: Response, service: ServiceDep, owner: OwnerDep
 ) -> SecretInfo:
     info, replaced = await service.vault.put(owner, body)
     if replaced:

@@ -51,7 +51,8 @@ async def upload(
     ] = None,
 ) -> FileInfo:
     target = path if path is not None else (file.filename or "")
-    clean_path(target)  # refuse a bad name before reading a byte
+    clean_path(target)  # refuse a bad name, or another key's volume, before reading a byte
+    await service.volumes.check_writable(owner, volume_id)
     limit = service.admission.upload_limit()
     chunks: list[bytes] = []
     size = 0

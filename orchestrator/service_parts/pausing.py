@@ -19,6 +19,7 @@ from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.service_parts.channels import Channels
 from orchestrator.service_parts.errors import ResumeFailed, ToolsNotAvailable
 from orchestrator.service_parts.persistence import Persistence, record_of
+from orchestrator.service_parts.volumes import Volumes
 from orchestrator.sessions import Session, SessionBusy, SessionManager
 from orchestrator.settings_sections import ExpirySection
 from orchestrator.state_store import SessionRecord, SnapshotRecord
@@ -57,8 +58,11 @@ class Pauses:
         persistence: Persistence,
         trail: AuditTrail,
         outputs: KeptOutputs,
+        volumes: Volumes | None = None,
     ) -> None:
+        """`volumes`: what a session that resumes with volumes mounts, made ready first."""
         self.settings = settings
+        self._volumes = volumes
         self._sessions = sessions
         self._admission = admission
         self._channels = channels
@@ -162,6 +166,8 @@ class Pauses:
         paused and nothing is lost (ResumeFailed)."""
         saved = await self._records.saved_state(record.saved_state) if record.saved_state else None
         spec, notices = self._admission.fit_resumed(record)
+        if spec.mounts and self._volumes is not None:  # its volumes still its, on the host
+            await self._volumes.ready(record.owner, spec.mounts)
         async with self._admission.session_slot(record.owner):
             session = await self._sessions.create(
                 record.owner,

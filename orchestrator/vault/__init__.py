@@ -5,5 +5,7 @@ terminating TLS for those hosts with the deployment's CA (docs/secrets.md).
 
 `records.py` (the record, the refusals), `crypto.py` (the key and the sealing), `store.py` (the
 async interface) with `sqlite_store.py` (one machine) and `redis_store.py` (a cluster), `ca.py`
-(the deployment's CA and the bundle sandboxes trust), `vault.py` (the service's part).
+(the deployment's CA and the bundle sandboxes trust), `files.py` (key and CA files written
+whole), `public_suffixes.py` (no wildcard over a shared domain), `vault.py` (the service's
+part).
 """

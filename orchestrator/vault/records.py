@@ -6,21 +6,39 @@ import time
 
 from pydantic import BaseModel, Field
 
+from code_interpreter_wire.secrets import DEFAULT_HEADERS
 from orchestrator.session_error import SessionError
 
 
-class SecretRecord(BaseModel):
+class SecretBinding(BaseModel):
+    """Where a secret's value may go: hosts, and optionally methods and path prefixes, and the
+    headers it may be put in. Sealed into its ciphertext's associated data (crypto.py), so a
+    binding changed at rest no longer opens."""
+
+    hosts: list[str]
+    methods: list[str] | None = None
+    path_prefixes: list[str] | None = None
+    headers: list[str] = Field(default_factory=lambda: list(DEFAULT_HEADERS))
+
+
+class SecretRecord(SecretBinding):
     """One secret of one owner: its binding in the clear, its value sealed (crypto.py)."""
 
     owner: str
     name: str
-    hosts: list[str]
-    methods: list[str] | None = None
-    path_prefixes: list[str] | None = None
     nonce: str  # base64, 12 bytes
-    ciphertext: str  # base64: AES-GCM of the value, bound to owner and name
+    ciphertext: str  # base64: AES-GCM of the value, bound to owner, name and binding
     created_at: float = Field(default_factory=time.time)
     updated_at: float = Field(default_factory=time.time)
+
+    @property
+    def binding(self) -> SecretBinding:
+        return SecretBinding(
+            hosts=self.hosts,
+            methods=self.methods,
+            path_prefixes=self.path_prefixes,
+            headers=self.headers,
+        )
 
 
 class SecretNotFound(SessionError):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +21,12 @@ from code_interpreter_wire.secrets import (
     placeholder,
 )
 from orchestrator.governance.audit_kinds import SECRET_DELETED, SECRET_STORED, SECRET_USED
-from orchestrator.vault.ca import DeploymentCa, load_ca
+from orchestrator.vault.ca import load_ca
 from orchestrator.vault.crypto import Sealer, load_key
+from orchestrator.vault.public_suffixes import wildcard_refusal
 from orchestrator.vault.records import (
     InvalidSecret,
+    SecretBinding,
     SecretNotFound,
     SecretRecord,
     SecretsNotAvailable,
@@ -32,7 +34,7 @@ from orchestrator.vault.records import (
     VaultUnavailable,
 )
 from orchestrator.vault.store import VaultStore
-from sandbox.egress.credentials import CredentialBinding, CredentialBindings
+from sandbox.egress.credentials import SUBSTITUTED, CredentialBinding, CredentialBindings
 from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress_channel import EGRESS_DIR_IN_SANDBOX, proxy_environment
 
@@ -48,6 +50,9 @@ CA_IN_SANDBOX = f"{EGRESS_DIR_IN_SANDBOX}/{CA_NAME}"
 
 # Audit: (kind, owner, session id or None, status, details); never raises.
 Audit = Callable[[str, str, str | None, str, dict[str, Any]], None]
+# (name, outcome) pairs one `secret.used` event lists, at most (the proxy notes at most 16 per
+# connection, made-up names counted as one entry): the rest are counted, not listed.
+MAX_USES_AUDITED = 16
 
 
 def trust_environment() -> dict[str, str]:
@@ -75,11 +80,25 @@ class VaultSection:
     """The vault's settings (orchestrator/config.py's `vault_*`)."""
 
     state_dir: Path
-    key: str | None  # base64 of 32 bytes; None: the state dir's (one machine only)
+    # base64 of 32 bytes; None: the state dir's (one machine only). Never in a repr.
+    key: str | None = field(repr=False)
     ca_cert_file: Path | None
     ca_key_file: Path | None
     max_secrets_per_key: int
     clustered: bool
+
+
+@dataclass(frozen=True)
+class TrustFiles:
+    """What a sandbox trusts, public data only: the system's CAs and the deployment's CA
+    (`bundle`), and the deployment's CA alone (`ca_cert`)."""
+
+    bundle: bytes = field(repr=False)
+    ca_cert: bytes = field(repr=False)
+
+    def files(self) -> tuple[tuple[str, bytes], ...]:
+        """(name in the egress directory, contents)."""
+        return ((BUNDLE_NAME, self.bundle), (CA_NAME, self.ca_cert))
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,7 @@ def info_of(record: SecretRecord) -> SecretInfo:
         hosts=record.hosts,
         methods=record.methods,
         path_prefixes=record.path_prefixes,
+        headers=record.headers,
         placeholder=placeholder(record.name),
         created_at=datetime.fromtimestamp(record.created_at, UTC),
         updated_at=datetime.fromtimestamp(record.updated_at, UTC),
@@ -136,7 +156,7 @@ class Vault:
         self._shared = shared
         self._store: VaultStore | None = None
         self._sealer: Sealer | None = None
-        self._ca: DeploymentCa | None = None
+        self._trust: TrustFiles | None = None
         self._interceptor: TlsInterceptor | None = None
         self._unavailable: str | None = "the service is not started"
 
@@ -158,8 +178,9 @@ class Vault:
         except VaultSettingError as exc:  # set, but wrong: the service does not start
             raise VaultUnavailable(str(exc)) from None
         self._sealer = Sealer(key)
-        self._ca = ca
+        # The interceptor holds the CA's key (loaded); the vault keeps only what is public.
         self._interceptor = TlsInterceptor(ca.cert_pem, ca.key_pem)
+        self._trust = TrustFiles(ca.bundle, ca.cert_pem)
         if self._shared is not None:
             from orchestrator.vault.redis_store import RedisVault  # the [cluster] extra's
 
@@ -181,8 +202,9 @@ class Vault:
         return self._store, self._sealer
 
     @property
-    def ca(self) -> DeploymentCa | None:
-        return self._ca
+    def trust(self) -> TrustFiles | None:
+        """The files sandboxes trust once the vault has its CA (else None)."""
+        return self._trust
 
     # --- a key's secrets
     async def put(self, owner: str, request: StoreSecretRequest) -> tuple[SecretInfo, bool]:
@@ -192,19 +214,26 @@ class Vault:
             raise InvalidSecret(
                 f"{request.name} is a variable sandboxes need as it is: name the secret otherwise"
             )
-        try:  # refused now, as the proxy would refuse it when binding (never the value)
-            CredentialBinding(
-                request.name, request.value, request.hosts, request.methods, request.path_prefixes
-            )
-        except ValueError as exc:
-            raise InvalidSecret(str(exc)) from None
-        nonce, ciphertext = sealer.seal(owner, request.name, request.value)
-        record = SecretRecord(
-            owner=owner,
-            name=request.name,
+        for host in request.hosts:  # the route's body refused it already (422); others' too
+            why = wildcard_refusal(host)
+            if why is not None:
+                raise InvalidSecret(why)
+        binding = SecretBinding(
             hosts=request.hosts,
             methods=request.methods,
             path_prefixes=request.path_prefixes,
+            headers=request.bound_headers,
+        )
+        try:  # refused now, as the proxy would refuse it when binding (never the value)
+            _bound(request.name, request.value, binding)
+        except ValueError as exc:
+            raise InvalidSecret(str(exc)) from None
+        # Sealed with its binding: each put seals again, under the binding it now has.
+        nonce, ciphertext = sealer.seal(owner, request.name, binding, request.value)
+        record = SecretRecord(
+            owner=owner,
+            name=request.name,
+            **binding.model_dump(),
             nonce=nonce,
             ciphertext=ciphertext,
         )
@@ -245,7 +274,7 @@ class Vault:
             raise SecretsNotAvailable(
                 f"a session may ask for at most {MAX_SECRETS_PER_SESSION} secrets"
             )
-        store, _ = self._opened()
+        store, sealer = self._opened()
         records = {name: await store.get(owner, name) for name in dict.fromkeys(names)}
         unknown = [name for name, record in records.items() if record is None]
         if unknown:
@@ -261,6 +290,10 @@ class Vault:
             )
         for name, record in records.items():
             assert record is not None
+            try:  # a secret that no longer opens is refused now, not left unbound silently
+                sealer.open(owner, name, record.binding, record.nonce, record.ciphertext)
+            except VaultUnavailable as exc:
+                raise SecretsNotAvailable(str(exc)) from None
             missing = unreachable(record.hosts, policy)
             if missing:
                 raise SecretsNotAvailable(
@@ -274,29 +307,50 @@ class Vault:
         self, owner: str, session_id: str, names: Sequence[str]
     ) -> SessionSecrets:
         """A session's bindings, values opened, for its egress proxy (on create and on each
-        resume: bound by name, as the key's secrets are now). A name deleted since is left
-        unbound: its placeholder then goes out unchanged."""
+        resume: bound by name, as the key's secrets are now). A name deleted since, or one that
+        no longer opens (the vault key changed, its record changed at rest), is left unbound
+        with a warning naming it: its placeholder then goes out unchanged."""
         store, sealer = self._opened()
-        assert self._interceptor is not None and self._ca is not None
+        assert self._interceptor is not None and self._trust is not None
         bindings = []
         for name in dict.fromkeys(names):
             record = await store.get(owner, name)
             if record is None:
                 log.warning("session %s: its secret %s is gone; left unbound", session_id, name)
                 continue
-            value = sealer.open(owner, name, record.nonce, record.ciphertext)
-            bindings.append(
-                CredentialBinding(name, value, record.hosts, record.methods, record.path_prefixes)
-            )
+            try:
+                value = sealer.open(owner, name, record.binding, record.nonce, record.ciphertext)
+                bindings.append(_bound(name, value, record.binding))
+            except (VaultUnavailable, ValueError) as exc:
+                log.warning("session %s: %s; left unbound", session_id, exc)
+                continue
+        trust = self._trust
         return SessionSecrets(
-            CredentialBindings(bindings), self._interceptor, self._ca.bundle, self._ca.cert_pem
+            CredentialBindings(bindings), self._interceptor, trust.bundle, trust.ca_cert
         )
 
     def used(
         self, owner: str, session_id: str, host: str | None, outcomes: Sequence[tuple[str, str]]
     ) -> None:
-        """A connection of a session carried placeholders: each name's outcome, audited."""
-        for name, outcome in outcomes:
-            details = {"name": name, "host": host, "outcome": outcome}
-            status = "substituted" if outcome == "substituted" else "unchanged"
-            self._audit(SECRET_USED, owner, session_id, status, details)
+        """A connection of a session carried placeholders: one event for the connection, its
+        (name, outcome) pairs listed up to MAX_USES_AUDITED (the rest counted), status
+        `substituted` when any was."""
+        listed = [{"name": name, "outcome": outcome} for name, outcome in outcomes]
+        details: dict[str, Any] = {"host": host, "secrets": listed[:MAX_USES_AUDITED]}
+        if len(listed) > MAX_USES_AUDITED:
+            details["more"] = len(listed) - MAX_USES_AUDITED
+        substituted = any(outcome == SUBSTITUTED for _, outcome in outcomes)
+        status = "substituted" if substituted else "unchanged"
+        self._audit(SECRET_USED, owner, session_id, status, details)
+
+
+def _bound(name: str, value: str, binding: SecretBinding) -> CredentialBinding:
+    """The proxy's binding of a secret (ValueError as the proxy would refuse it)."""
+    return CredentialBinding(
+        name,
+        value,
+        binding.hosts,
+        binding.methods,
+        binding.path_prefixes,
+        headers=binding.headers,
+    )

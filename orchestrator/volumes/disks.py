@@ -63,18 +63,27 @@ def share_with_every_session(path: Path) -> None:
 def make_image(image: Path, size_mb: int) -> None:
     """An ext4 image whose files may hold `size_mb` MiB, and little more (blocking): made a
     little larger than that, then grown by what ext4's own structures took (its journal and
-    tables grow with it)."""
-    with open(image, "xb") as f:
-        f.truncate((size_mb + _OVERHEAD_MB) << 20)  # sparse: disk is used as files are written
-    _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "root_owner=0:0", str(image)])
+    tables grow with it). Its blocks are allocated on the host's disk."""
+    _allocate(image, (size_mb + _OVERHEAD_MB) << 20)
+    _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "root_owner=0:0,nodiscard", str(image)])
     for _ in range(4):
         short = (size_mb << 20) - _free_bytes(image)
         if short <= 0:
             return
-        grown = image.stat().st_size + short + (short >> 3) + (1 << 20)
-        os.truncate(image, grown)
+        _allocate(image, image.stat().st_size + short + (short >> 3) + (1 << 20))
         _run(["resize2fs", "-f", str(image)])
     raise OSError(f"an ext4 image of {size_mb} MiB could not be made to hold as much")
+
+
+def _allocate(image: Path, size: int) -> None:
+    """The image's blocks taken on the host's disk now (never a sparse promise the disk may
+    not keep: a full host disk under a mounted ext4 aborts its journal); ENOSPC if they are
+    not there."""
+    fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
 
 
 def _free_bytes(image: Path) -> int:
@@ -87,7 +96,7 @@ def mount_image(image: Path, at: Path) -> None:
     """Mount `image` at `at` unless it is mounted there already (blocking)."""
     if os.path.ismount(at):
         return
-    _run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev", str(image), str(at)])
+    _run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev,errors=remount-ro", str(image), str(at)])
     lost = at / "lost+found"  # mkfs's: not the volume's to show; e2fsck makes it again if need be
     with contextlib.suppress(OSError):
         lost.rmdir()

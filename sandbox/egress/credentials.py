@@ -1,11 +1,13 @@
 """Credential substitution: the sandbox holds placeholders (`cir-secret://NAME`), never the real
 keys, and the egress proxy swaps a placeholder for its value in the headers of a request, only
-for the hosts (and methods and path prefixes) that secret is bound to.
+for the hosts (and methods, path prefixes and header names) that secret is bound to.
 
 Why in headers only: that is where API keys travel (`Authorization`, `X-Api-Key`), and a body or
-URL rewritten by the proxy would change what the sandbox's code signed or hashed. Why names and
-outcomes but never values leave this module: the records and logs are shown to operators and, in
-part, to the sandbox itself.
+URL rewritten by the proxy would change what the sandbox's code signed or hashed. Why only in the
+headers a secret names: many APIs echo some request headers back (`Idempotency-Key`,
+`X-Request-Id`, `Origin`, a bad `Content-Type` in a 415), which would hand the value to the
+sandbox. Why names and outcomes but never values leave this module: the records and logs are
+shown to operators and, in part, to the sandbox itself.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from code_interpreter_wire.network_policy import HostPattern, PolicyError, normalize_host
 
@@ -24,20 +27,59 @@ _PLACEHOLDER = re.compile(rb"cir-secret://(" + NAME_PATTERN.encode() + rb")(?![A
 # Printable ASCII and inner spaces only: CR, LF and NUL would let a value inject headers, and h11
 # refuses other control characters and edge whitespace (with the value in its message).
 _VALUE = re.compile(r"^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\Z")
-# A path whose segments a server may resolve elsewhere (`/v1/../admin`, `%2e%2e`, `%2f`) never
-# counts as under a prefix.
-_TRICKY_PATH = re.compile(r"(^|/)\.{1,2}(/|$)|%2e|%2f|%5c|\\", re.IGNORECASE)
+# A path whose segments a server may resolve elsewhere never counts as under a prefix: dot
+# segments (`/v1/../admin`), encoded dots, slashes and backslashes (`%2e%2e`, `%2f`, `%5c`, `\`),
+# matrix parameters (`/v1/..;/admin`, `/v1;x`, `%3b`), empty segments (`/v1//admin`), and a
+# double encoding (`%252e`), which a server or framework decoding twice would turn into one.
+_TRICKY_PATH = re.compile(r"(^|/)\.{1,2}(/|$)|%2e|%2f|%5c|%3b|%25|%00|\\|;|//", re.IGNORECASE)
+# An HTTP field name (RFC 9110's token).
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+
+# Where a value goes when its binding does not say: the headers API keys travel in.
+DEFAULT_SECRET_HEADERS = ("authorization", "x-api-key", "api-key")
+MAX_SECRET_HEADERS = 16  # header names one binding may name
+MAX_HEADER_NAME_CHARS = 64
+# Never given a value: they frame the request or concern one hop (the proxy drops or rewrites
+# those), so a value there would be lost, misframe the request, or reach the wrong party.
+_REFUSED_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+    }
+)
+# Methods never given a value, whatever a binding's `methods` says: TRACE (and IIS's TRACK) echo
+# the request, headers included, back to the sandbox; CONNECT is never forwarded as a request.
+NEVER_SWAPPED_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
+# Swaps per request, at most: of one name, and in all. A request head full of placeholders would
+# otherwise grow into a head many times its size (the value being longer than its placeholder).
+MAX_SWAPS_PER_NAME = 4
+MAX_SWAPS = 16
+# (name, outcome) pairs noted per request (and per connection), at most: made-up names count as
+# one entry, so a head full of them cannot grow the session's records or its log lines.
+MAX_OUTCOMES = 16
 
 SUBSTITUTED = "substituted"
 HOST_NOT_BOUND = "sent unchanged: host not bound"
 METHOD_NOT_BOUND = "sent unchanged: method not bound"
 PATH_NOT_BOUND = "sent unchanged: path not bound"
+HEADER_NOT_BOUND = "sent unchanged: header not bound"
+TOO_MANY_PLACEHOLDERS = "sent unchanged: too many placeholders"
 # Never swapped into plain HTTP: anyone on the way (or who spoofs the name) would read it.
 PLAIN_HTTP = "sent unchanged: plain HTTP (secrets go only over HTTPS)"
 UNKNOWN_NAME = "sent unchanged: no such secret"
-# Names of no secret noted per request, at most: a request head full of made-up placeholders
-# must not grow the session's records (or its log line) without bound.
-MAX_UNKNOWN_NOTED = 16
+# The request was refused (431): with its values swapped in, its head would be over the limit.
+HEAD_TOO_LARGE = "not sent: the request head would be too large with the value swapped in"
+NOT_LISTED = "outcomes not listed (too many names)"
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -50,7 +92,8 @@ def placeholder(name: str) -> str:
 
 
 class SecretValue:
-    """A secret's value, which no repr, str or format of it shows."""
+    """A secret's value, which no repr, str or format of it shows, and which never pickles (a
+    binding must not travel to another process or node)."""
 
     __slots__ = ("_value",)
 
@@ -71,20 +114,33 @@ class SecretValue:
     def __hash__(self) -> int:
         return hash(self._value)
 
+    def __reduce__(self) -> NoReturn:
+        raise TypeError("a secret's value is not pickled: it stays in the process that holds it")
+
+    def __copy__(self) -> SecretValue:
+        return self  # immutable: a copy is itself (and stays in this process)
+
+    def __deepcopy__(self, memo: object) -> SecretValue:
+        return self
+
 
 @dataclass(frozen=True)
 class CredentialBinding:
     """One secret: its name, its value, and where the proxy may put the value.
 
     `hosts` are host patterns as a network policy writes them (`api.openai.com`,
-    `*.example.com`, `203.0.113.7`), without ports; `methods` and `path_prefixes`, when given,
-    narrow it further (a request must match one of each)."""
+    `*.example.com`, `203.0.113.7`), without ports; a wildcard matches exactly one label, as in
+    a certificate (`*.example.com`: `a.example.com`, not `a.b.example.com` nor `example.com`).
+    `methods` and `path_prefixes`, when given, narrow it further (a request must match one of
+    each; a prefix matches whole segments: `/v1` covers `/v1` and `/v1/x`, not `/v1-admin`).
+    `headers`: the header names (any case) the value may go in; None: DEFAULT_SECRET_HEADERS."""
 
     name: str
     value: SecretValue = field(repr=False)
     hosts: tuple[str, ...]
     methods: tuple[str, ...] | None = None
     path_prefixes: tuple[str, ...] | None = None
+    headers: tuple[str, ...] = DEFAULT_SECRET_HEADERS  # lowercase
     patterns: tuple[HostPattern, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(
@@ -94,6 +150,8 @@ class CredentialBinding:
         hosts: Iterable[str],
         methods: Iterable[str] | None = None,
         path_prefixes: Iterable[str] | None = None,
+        *,
+        headers: Iterable[str] | None = None,
     ) -> None:
         placeholder(name)  # checks the name
         secret = value if isinstance(value, SecretValue) else _checked_value(name, value)
@@ -113,33 +171,58 @@ class CredentialBinding:
         prefix_list = None if path_prefixes is None else tuple(path_prefixes)
         if prefix_list is not None and not all(p.startswith("/") for p in prefix_list):
             raise ValueError(f"secret {name}: path prefixes start with '/'")
+        header_list = DEFAULT_SECRET_HEADERS if headers is None else _checked_headers(name, headers)
         for attribute, content in (
             ("name", name),
             ("value", secret),
             ("hosts", host_list),
             ("methods", method_list),
             ("path_prefixes", prefix_list),
+            ("headers", header_list),
             ("patterns", tuple(patterns)),
         ):
             object.__setattr__(self, attribute, content)
 
     def covers_host(self, host: str) -> bool:
         """Whether a normalized destination host is one this secret may go to."""
-        return any(pattern.matches(host) for pattern in self.patterns)
+        return any(_binding_matches(pattern, host) for pattern in self.patterns)
+
+    def covers_header(self, header: bytes) -> bool:
+        """Whether the value may go in the header `header` (a lowercase name, as h11 gives)."""
+        return header.decode("ascii", "replace") in self.headers
 
     def refusal(self, host: str, method: str, path: str) -> str | None:
         """Why this secret may not go in this request (an outcome), or None when it may."""
         if not self.covers_host(host):
             return HOST_NOT_BOUND
-        if self.methods is not None and method.upper() not in self.methods:
+        verb = method.upper()
+        if verb in NEVER_SWAPPED_METHODS or (self.methods is not None and verb not in self.methods):
             return METHOD_NOT_BOUND
         if self.path_prefixes is not None:
             bare = path.split("?", 1)[0].split("#", 1)[0]
             if _TRICKY_PATH.search(bare) or not any(
-                bare.startswith(prefix) for prefix in self.path_prefixes
+                _under(bare, prefix) for prefix in self.path_prefixes
             ):
                 return PATH_NOT_BOUND
         return None
+
+
+def _binding_matches(pattern: HostPattern, host: str) -> bool:
+    """A binding's host match: as the network policy's, except that a wildcard stands for exactly
+    one label (the policy's own `*.example.com` matches any depth, and stays so)."""
+    if pattern.network is None and pattern.text.startswith("*."):
+        suffix = pattern.text[1:]  # ".example.com"
+        label = host[: -len(suffix)] if host.endswith(suffix) else ""
+        return bool(label) and "." not in label
+    return pattern.matches(host)
+
+
+def _under(path: str, prefix: str) -> bool:
+    """Whether `path` is `prefix` or below it, by whole segments (a prefix ending in `/` covers
+    what is below it only)."""
+    if prefix.endswith("/"):
+        return path.startswith(prefix)
+    return path == prefix or path.startswith(prefix + "/")
 
 
 def _checked_value(name: str, value: str) -> SecretValue:
@@ -152,16 +235,57 @@ def _checked_value(name: str, value: str) -> SecretValue:
     return SecretValue(value)
 
 
+def _checked_headers(name: str, headers: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(headers, str):  # one name given bare would be read as its letters
+        headers = (headers,)
+    chosen: dict[str, None] = {}
+    for header in headers:
+        if len(chosen) >= MAX_SECRET_HEADERS:
+            raise ValueError(f"secret {name}: name at most {MAX_SECRET_HEADERS} headers")
+        if not isinstance(header, str) or not _TOKEN.match(header):
+            raise ValueError(f"secret {name}: {str(header)[:80]!r} is not a header name")
+        if len(header) > MAX_HEADER_NAME_CHARS:
+            raise ValueError(
+                f"secret {name}: header names have at most {MAX_HEADER_NAME_CHARS} characters"
+            )
+        lower = header.lower()
+        if lower in _REFUSED_HEADERS:
+            raise ValueError(
+                f"secret {name}: {header} frames the request or concerns one hop; a value never "
+                "goes there"
+            )
+        chosen[lower] = None
+    if not chosen:
+        raise ValueError(f"secret {name}: name at least one header (or none, for the defaults)")
+    return tuple(chosen)
+
+
 @dataclass(frozen=True)
 class Substitution:
-    """A request's headers after substitution, and what happened to each placeholder name."""
+    """A request's headers after substitution, and what happened to the placeholders: each
+    (name, outcome) once, as first seen, at most MAX_OUTCOMES, made-up names in one entry."""
 
-    headers: Headers
-    outcomes: tuple[tuple[str, str], ...]  # (name, outcome), each name once, as first seen
+    headers: Headers = field(repr=False)
+    outcomes: tuple[tuple[str, str], ...]
+    swaps: int = 0  # placeholders swapped for their values
 
     @property
     def substituted(self) -> bool:
-        return any(outcome == SUBSTITUTED for _, outcome in self.outcomes)
+        return self.swaps > 0
+
+
+class HeadTooLarge(Exception):
+    """The request's head would be longer than the proxy's limit with its values swapped in: it
+    is refused (431) whole. Sizes and names only, never a value."""
+
+    def __init__(self, size: int, limit: int, outcomes: tuple[tuple[str, str], ...]) -> None:
+        super().__init__(
+            f"the request head would be {size} bytes with the secrets' values swapped in, over "
+            f"the proxy's limit of {limit}"
+        )
+        self.size = size
+        self.limit = limit
+        self.outcomes = outcomes
 
 
 class CredentialBindings:
@@ -210,32 +334,81 @@ class CredentialBindings:
         method: str,
         path: str,
         tls: bool = True,
+        max_head_bytes: int | None = None,
+        request_line_bytes: int = 0,
     ) -> Substitution:
-        """`headers` with each placeholder that may go to (host, method, path) replaced by its
-        value; the others are left as they are. `host` is normalized; `path` is the request's
-        origin-form target; `tls`: the request goes over TLS (else nothing is swapped, and what
-        would have been is noted PLAIN_HTTP)."""
-        outcomes: dict[str, str] = {}
-        unknown = 0
-
-        def replace(match: re.Match[bytes]) -> bytes:
-            nonlocal unknown
-            name = match.group(1).decode("ascii")
-            binding = self._by_name.get(name)
-            if binding is None:
-                if name not in outcomes and unknown < MAX_UNKNOWN_NOTED:
-                    unknown += 1
-                    outcomes[name] = UNKNOWN_NAME
-                return match.group(0)
-            why = binding.refusal(host, method, path)
-            if why is None and not tls:
-                why = PLAIN_HTTP
-            outcomes.setdefault(name, why or SUBSTITUTED)
-            return match.group(0) if why is not None else binding.value.reveal()
-
+        """`headers` with each placeholder that may go to (host, method, path, its header)
+        replaced by its value, within MAX_SWAPS_PER_NAME and MAX_SWAPS; the others are left as
+        they are. `host` is normalized; `path` is the request's origin-form target; `tls`: the
+        request goes over TLS (else nothing is swapped, and what would have been is noted
+        PLAIN_HTTP). `max_head_bytes`: the most the head (its request line taking
+        `request_line_bytes`) may be once swapped; over it, HeadTooLarge, raised before any
+        value is copied anywhere."""
+        outcomes: dict[tuple[str, str], None] = {}
+        unknown: set[str] = set()
+        per_name: dict[str, int] = {}
+        swaps = 0
+        # First the plan: which placeholder (header index, span) gets which binding's value.
+        plan: dict[int, list[tuple[int, int, CredentialBinding]]] = {}
+        size = request_line_bytes + 2
+        growth = 0
+        for index, (header, value) in enumerate(headers):
+            size += len(header) + len(value) + 4
+            if b"cir-secret://" not in value:
+                continue
+            for match in _PLACEHOLDER.finditer(value):
+                name = match.group(1).decode("ascii")
+                binding = self._by_name.get(name)
+                if binding is None:
+                    unknown.add(name)
+                    continue
+                why = binding.refusal(host, method, path)
+                if why is None and not binding.covers_header(header):
+                    why = HEADER_NOT_BOUND
+                if why is None and not tls:
+                    why = PLAIN_HTTP
+                if why is None and (
+                    per_name.get(name, 0) >= MAX_SWAPS_PER_NAME or swaps >= MAX_SWAPS
+                ):
+                    why = TOO_MANY_PLACEHOLDERS
+                outcomes[(name, why or SUBSTITUTED)] = None
+                if why is None:
+                    per_name[name] = per_name.get(name, 0) + 1
+                    swaps += 1
+                    plan.setdefault(index, []).append((match.start(), match.end(), binding))
+                    growth += len(binding.value.reveal()) - (match.end() - match.start())
+        noted = _bounded(list(outcomes), unknown)
+        if max_head_bytes is not None and plan and size + growth > max_head_bytes:
+            refused = tuple(
+                (name, HEAD_TOO_LARGE if why == SUBSTITUTED else why) for name, why in noted
+            )
+            raise HeadTooLarge(size + growth, max_head_bytes, refused)
+        if not plan:
+            return Substitution(list(headers), noted)
         result: Headers = []
-        for name, value in headers:
-            if b"cir-secret://" in value:
-                value = _PLACEHOLDER.sub(replace, value)
-            result.append((name, value))
-        return Substitution(result, tuple(outcomes.items()))
+        for index, (header, value) in enumerate(headers):
+            spans = plan.get(index)
+            if spans is None:
+                result.append((header, value))
+                continue
+            pieces, at = [], 0
+            for start, end, binding in spans:
+                pieces += [value[at:start], binding.value.reveal()]
+                at = end
+            pieces.append(value[at:])
+            result.append((header, b"".join(pieces)))
+        return Substitution(result, noted, swaps)
+
+
+def _bounded(outcomes: list[tuple[str, str]], unknown: set[str]) -> tuple[tuple[str, str], ...]:
+    """At most MAX_OUTCOMES (name, outcome) pairs: the made-up names in one (the name itself when
+    there is one), and the known ones past the room summed up in one."""
+    room = MAX_OUTCOMES - (1 if unknown else 0)
+    if len(outcomes) > room:
+        hidden = {name for name, _ in outcomes[room - 1 :]}
+        outcomes = [*outcomes[: room - 1], (f"<{len(hidden)} more names>", NOT_LISTED)]
+    if len(unknown) == 1:
+        outcomes.append((next(iter(unknown)), UNKNOWN_NAME))
+    elif unknown:
+        outcomes.append((f"<{len(unknown)} unknown names>", UNKNOWN_NAME))
+    return tuple(outcomes)

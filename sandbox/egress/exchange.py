@@ -19,7 +19,7 @@ from typing import NoReturn, Protocol
 import h11
 
 from code_interpreter_wire.network_policy import IpAddress, NetworkPolicy
-from sandbox.egress.credentials import SUBSTITUTED, CredentialBindings
+from sandbox.egress.credentials import MAX_OUTCOMES, CredentialBindings, HeadTooLarge
 from sandbox.egress.decision import decide, denied_address
 from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress.ledger import MAX_METHOD_CHARS, EgressLedger, EgressRecord
@@ -37,7 +37,7 @@ from sandbox.egress.target import (
     parse_absolute,
     parse_connect,
 )
-from sandbox.egress.terminated import inner_path, serve_tls
+from sandbox.egress.terminated import buffered, inner_path, serve_tls
 from sandbox.socket_peer import SocketPeer
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class Exchange:
                 )
             )
         else:
-            request = self._substituted(request, target.host, target.path, tls=False)
+            request = await self._substituted(request, target.host, target.path, tls=False)
             forward = Forward(
                 connection,
                 self.reader,
@@ -212,9 +212,9 @@ class Exchange:
         assert interceptor is not None
         settings = proxy.settings
         where = f"{target.host}:{target.port}"
-        if connection.trailing_data[0]:
-            why = f"bytes sent before the proxy's answer to CONNECT {where}; wait for its 200"
-            await self._answer(400, why, f"egress refused: {why}\n")
+        early = f"bytes sent before the proxy's answer to CONNECT {where}; wait for its 200"
+        if connection.trailing_data[0] or buffered(self.reader):
+            await self._answer(400, early, f"egress refused: {early}\n")
         try:
             client_context = interceptor.client_context(settings.upstream_ca_file)
             async with asyncio.timeout(settings.connect_timeout_s):
@@ -226,12 +226,16 @@ class Exchange:
             why = f"TLS with {where} failed ({exc or type(exc).__name__}); nothing sent"
             await self._answer(502, why, f"egress failed: {why}\n")
         server_context = await asyncio.to_thread(interceptor.server_context, target.host)
+        if connection.trailing_data[0] or buffered(self.reader):
+            # Sent while the proxy dialled: those bytes (a ClientHello) would be lost to the TLS
+            # that starts here, and the handshake would hang.
+            await self._answer(400, early, f"egress refused: {early}\n")
         self.writer.write(CONNECT_ESTABLISHED)
         await self.writer.drain()
         self.reason = f"{self.reason}; TLS terminated by the proxy (a secret is bound to the host)"
         try:
             self.reader, self.writer = await serve_tls(
-                self.writer, server_context, settings.header_timeout_s
+                self.reader, self.writer, server_context, settings.header_timeout_s
             )
         except (OSError, TimeoutError) as exc:
             if self.end_note is None:  # not ended from outside meanwhile (closing, the cap)
@@ -250,7 +254,7 @@ class Exchange:
                 mismatch = host_header_mismatch(value, target, 443)
                 if mismatch is not None:
                     await self._answer(403, mismatch, f"egress refused: {mismatch}\n")
-        request = self._substituted(request, target.host, path)
+        request = await self._substituted(request, target.host, path)
         forward = Forward(
             inner,
             self.reader,
@@ -263,28 +267,32 @@ class Exchange:
         )
         await self._watched(lambda: forward.run(request, replace(target, path=path)))
 
-    def _substituted(
+    async def _substituted(
         self, request: h11.Request, host: str, path: str, *, tls: bool = True
     ) -> h11.Request:
         """`request` with the placeholders that may go to (host, its method, path) swapped for
         their values (in its end-to-end headers only; never in plain HTTP: `tls` False), each
-        noted for the record."""
+        noted for the record (once per connection, in its record line: nothing is logged per
+        request, which the sandbox could repeat at will). A head that the values would make
+        longer than the proxy's limit is answered 431."""
         credentials = self.proxy.credentials
         if credentials is None:
             return request
         method = request.method.decode("ascii", "replace")
-        result = credentials.substitute(
-            end_to_end(list(request.headers)), host=host, method=method, path=path, tls=tls
-        )
-        self.credentials.extend(result.outcomes)
-        unchanged = [f"{name}: {why}" for name, why in result.outcomes if why != SUBSTITUTED]
-        if unchanged:
-            log.warning(
-                "egress session=%s: secret placeholders to %s not swapped: [%s]",
-                self.proxy.ledger.session_id,
-                host,
-                "; ".join(unchanged),
+        try:
+            result = credentials.substitute(
+                end_to_end(list(request.headers)),
+                host=host,
+                method=method,
+                path=path,
+                tls=tls,
+                max_head_bytes=self.proxy.settings.max_head_bytes,
+                request_line_bytes=len(request.method) + len(request.target) + 11,
             )
+        except HeadTooLarge as exc:
+            self._note_credentials(exc.outcomes)
+            await self._answer(431, str(exc), f"egress refused: {exc}\n")
+        self._note_credentials(result.outcomes)
         if not result.substituted:
             return request
         try:
@@ -296,6 +304,11 @@ class Exchange:
             )
         except h11.LocalProtocolError:  # its message would hold the value
             raise ConnectionError("a header with a secret swapped in is not valid HTTP") from None
+
+    def _note_credentials(self, outcomes: tuple[tuple[str, str], ...]) -> None:
+        """Outcomes for the record, at most MAX_OUTCOMES per connection."""
+        room = MAX_OUTCOMES - len(self.credentials)
+        self.credentials.extend(outcomes[: max(room, 0)])
 
     def _peer_allowed(self) -> bool:
         if self.proxy.peer.uid is None:

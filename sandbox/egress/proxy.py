@@ -54,12 +54,14 @@ class EgressProxy:
         """`slots`: caps this proxy shares with others, each taken per connection in order
         (its key's sessions, then the service's); none: only this session's cap.
         `credentials`: the session's secrets, swapped for their placeholders in the headers of
-        requests to their hosts; `interceptor` (the deployment's CA) lets it do so for HTTPS
-        too, by terminating the TLS of CONNECTs to those hosts (others stay opaque tunnels)."""
+        HTTPS requests to their hosts (never of plain HTTP ones); `interceptor` (the
+        deployment's CA) is what lets it, by terminating the TLS of CONNECTs to those hosts
+        (others stay opaque tunnels): without it nothing is swapped."""
         if credentials is not None and len(credentials) and interceptor is None:
             log.warning(
-                "egress session=%s: secrets without a TLS interceptor are swapped in plain HTTP "
-                "only; HTTPS to their hosts carries the placeholders unchanged",
+                "egress session=%s: secrets without a TLS interceptor are never swapped in: "
+                "HTTPS to their hosts stays an opaque tunnel carrying the placeholders "
+                "unchanged, and plain HTTP never gets a value",
                 ledger.session_id,
             )
         self.credentials = credentials

@@ -14,14 +14,30 @@ from sandbox.egress.target import BadTarget, Target, split_authority
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
+def buffered(reader: asyncio.StreamReader) -> int:
+    """How many bytes `reader` holds that were received but not read yet. asyncio offers no
+    public way to ask (`at_eof` says nothing of them, a read would take them), so this looks at
+    the StreamReader's private buffer (CPython's `_buffer`, a bytearray, since 3.4); were it
+    ever missing, nothing is known buffered, as before."""
+    buffer = getattr(reader, "_buffer", None)
+    return len(buffer) if isinstance(buffer, bytearray) else 0
+
+
 async def serve_tls(
-    writer: asyncio.StreamWriter, context: ssl.SSLContext, handshake_timeout_s: float
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    context: ssl.SSLContext,
+    handshake_timeout_s: float,
 ) -> Streams:
-    """New streams speaking TLS, as the server, over `writer`'s connection. Why not
+    """New streams speaking TLS, as the server, over the connection of `reader` and `writer`,
+    whose plain reader must hold no unread byte (it would be lost to the TLS layer). Why not
     `StreamWriter.start_tls`: it takes the client's side for a stream opened as a client, which
     the proxy's accepted sockets are (`open_unix_connection(sock=...)`)."""
     loop = asyncio.get_running_loop()
     await writer.drain()
+    # `loop.start_tls` stops reading before it first awaits: bytes not buffered now reach TLS.
+    if buffered(reader):
+        raise ConnectionError("bytes arrived before the TLS handshake could start")
     reader = asyncio.StreamReader(limit=CHUNK)
     protocol = asyncio.StreamReaderProtocol(reader)
     transport = await loop.start_tls(

@@ -28,7 +28,7 @@ SERVER_MODULES = [
     "fastapi", "starlette", "uvicorn", "docker", "jupyter_client", "zmq", "mcp", "e2b",
     "e2b_code_interpreter", "typer", "rich", "prometheus_client", "pyseccomp", "jsonschema",
     "griffe", "multipart", "python_multipart", "pydantic_settings", "jinja2", "markupsafe",
-    "websockets", "limits", "cryptography", "tenacity",
+    "websockets", "limits", "cryptography", "tenacity", "publicsuffixlist",
 ]  # fmt: skip
 
 REFUSE_SERVER_MODULES = f"""

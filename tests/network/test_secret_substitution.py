@@ -80,7 +80,12 @@ def https(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Https]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            auth = self.headers.get("Authorization") or self.headers.get("X-Key") or ""
+            auth = (
+                self.headers.get("Authorization")
+                or self.headers.get("X-Key")
+                or self.headers.get("X-Echo")
+                or ""
+            )
             server.seen.append((self.headers.get("Host", ""), self.path, auth))
             self.send_response(200)
             self.send_header("Content-Length", "2")
@@ -135,7 +140,13 @@ def session(
     https.seen.clear()  # what this session's requests brought, only
     with server.client() as api:
         stored = api.post(
-            "/v1/secrets", json={"name": "API_KEY", "value": VALUE, "hosts": [HOSTS[0]]}
+            "/v1/secrets",
+            json={
+                "name": "API_KEY",
+                "value": VALUE,
+                "hosts": [HOSTS[0]],
+                "headers": ["Authorization", "X-Key"],
+            },
         )
         assert stored.status_code == 201, stored.text
         network = [f"{h}:{https.port}" for h in HOSTS]
@@ -259,8 +270,27 @@ def test_uses_are_audited_by_name_never_by_value(
         time.sleep(0.2)
     assert events, "no secret.used event"
     assert VALUE not in json.dumps(events)
-    assert events[0]["details"]["name"] == "API_KEY"
+    # One event for the connection, its placeholders' outcomes in it.
+    assert len(events) == 1, events
+    assert events[0]["details"]["secrets"] == [{"name": "API_KEY", "outcome": "substituted"}]
+    assert events[0]["details"]["host"] == HOSTS[0]
     assert events[0]["status"] == "substituted"
+
+
+def test_a_header_the_secret_is_not_bound_to_gets_the_placeholder_unchanged(
+    https: Https, session: tuple[httpx.Client, str]
+) -> None:
+    api, sid = session
+    url = f"https://{HOSTS[0]}:{https.port}/unlisted-header"
+    code = (
+        "import os, requests\n"
+        "headers = {'X-Echo': os.environ['API_KEY']}\n"
+        f"r = requests.get('{url}', headers=headers, timeout=60)\n"
+        "print(r.status_code)\n"
+    )
+    assert run(api, sid, code).strip() == "200"
+    received = [echo for _, path, echo in https.seen if path == "/unlisted-header"]
+    assert received == ["cir-secret://API_KEY"]
 
 
 def test_a_paused_session_keeps_names_only_and_is_bound_again_on_resume(

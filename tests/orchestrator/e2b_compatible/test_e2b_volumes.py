@@ -4,9 +4,13 @@ sandbox writes is read from outside; another key's volume is not found; a mounte
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import stat
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,8 +27,19 @@ from e2b.volume.volume_sync import Volume
 from e2b_code_interpreter import Sandbox
 
 from code_interpreter_wire.volumes import VolumeMount
+from orchestrator.config import Settings
 from orchestrator.e2b_compatible.sandboxes import SANDBOX_LABEL, E2BRecord, _restored, _saved
+from orchestrator.e2b_compatible.volumes import (
+    TOKEN_TTL_S,
+    TokenRefused,
+    _read_or_make_key,
+    check_token,
+    sign_token,
+)
+from orchestrator.governance.principals import Principals, owner_of
+from orchestrator.settings_sections import AuthSection
 from tests.e2b_sdk_fixtures import point_sdk_at
+from tests.orchestrator.governance.conftest import add_key_to, eventually, run_keys
 from tests.orchestrator.service.conftest import (
     KEY_A,
     KEY_B,
@@ -115,7 +130,7 @@ def test_list_get_and_destroy(sdk: Server) -> None:
         by_id = Volume.get_info(made.volume_id)
         by_name = Volume.get_info("listed")
         assert by_id.volume_id == by_name.volume_id == made.volume_id
-        assert by_id.token == made.token
+        assert by_id.token and by_id.token.startswith("e2bvol_")  # a new one, good for a day
         connected = Volume.connect(made.volume_id)
         connected.write_file("/x.txt", "x")
         assert made.read_file("/x.txt", format="bytes") == b"x"
@@ -154,6 +169,26 @@ def test_files_from_outside(volume: Volume) -> None:
     assert not volume.exists("/a/b/c.txt")
     with pytest.raises(VolumePathNotFoundException):
         volume.remove("/a")
+
+
+def test_a_large_directory_hides_nothing(sdk: Server) -> None:
+    """A file past the first 10,000 of its directory is found, and a listing `depth` deep
+    walks no deeper (a large deep directory first hides none of what follows it)."""
+    with sdk.client() as client:
+        made = client.post("/v1/volumes", json={"name": "large dir", "size_mb": 96})
+        assert made.status_code == 201, made.text
+    volume = Volume.connect(made.json()["id"])
+    try:
+        volume.write_file("/z.txt", "z")  # (its image mounted on the host now, where it is one)
+        many = sdk.state_dir / "volumes" / volume.volume_id / "data" / "a" / "many"
+        many.mkdir(parents=True)
+        for i in range(10_001):
+            (many / f"f{i:05}").touch()
+        assert volume.get_info("/a/many/f10000").type.value == "file"
+        listed = [e.path for e in volume.list("/", depth=2)]
+        assert listed == ["/a", "/a/many", "/z.txt"]
+    finally:
+        Volume.destroy(volume.volume_id)
 
 
 def test_another_keys_volume_is_not_found(sdk: Server, volume: Volume) -> None:
@@ -233,3 +268,89 @@ def test_a_sandboxs_volumes_are_kept_with_its_record() -> None:
     record = E2BRecord("s-1", "s-1", "key-a", "token", "base", volumes=[mount])
     restored = _restored("s-1", "key-a", {SANDBOX_LABEL: _saved(record)})
     assert restored is not None and restored.volumes == [mount]
+
+
+# --- volume tokens: a day long, and only while their key works
+def _server_key(server: Server) -> bytes:
+    return (server.state_dir / "volumes" / ".e2b-volume-token-key").read_bytes()
+
+
+def test_an_expired_token_is_refused(volume: Volume, sdk: Server) -> None:
+    key, owner = _server_key(sdk), owner_of(KEY_A)
+    now = int(time.time())
+    fresh = Volume(
+        volume.volume_id, volume.name, token=sign_token(key, owner, volume.volume_id, now)
+    )
+    fresh.write_file("/t.txt", "t")  # signed as the service signs: good
+    old = sign_token(key, owner, volume.volume_id, now - TOKEN_TTL_S - 1)
+    with pytest.raises(AuthenticationException, match="expired"):
+        Volume(volume.volume_id, volume.name, token=old).read_file("/t.txt")
+    # Signed for a key the service no longer has (taken out of its settings): refused.
+    gone = sign_token(key, owner_of("a key taken out"), volume.volume_id, now)
+    with pytest.raises(AuthenticationException, match="no longer"):
+        Volume(volume.volume_id, volume.name, token=gone).read_file("/t.txt")
+    # The first tokens had no time, and so no end: refused.
+    assert volume.token is not None
+    named, _, mac = volume.token.split(".")
+    with pytest.raises(AuthenticationException):
+        Volume(volume.volume_id, volume.name, token=f"{named}.{mac}").read_file("/t.txt")
+
+
+def test_a_revoked_keys_token_is_refused(sdk: Server) -> None:
+    """(Its volume is left to the server's end, which unmounts it: a revoked key deletes
+    nothing.)"""
+    name = f"vol-revoked-{os.getpid()}-{time.monotonic_ns()}"
+    key = add_key_to(sdk, name)
+    made = Volume.create("kept", api_key=key)
+    made.write_file("/f.txt", "f")
+    revoked = run_keys(sdk, "revoke", name)
+    assert revoked.exit_code == 0, revoked.stderr
+
+    def refused() -> bool:
+        try:
+            made.read_file("/f.txt")
+        except AuthenticationException as exc:
+            return "revoked" in str(exc)
+        return False
+
+    assert eventually(refused)
+
+
+def test_tokens_checked(tmp_path: Path) -> None:
+    key = _read_or_make_key(tmp_path / "volumes")
+    token = sign_token(key, "owner-1", "vol-a", 1_000_000)
+    assert check_token(key, token, "vol-a", 1_000_000 + TOKEN_TTL_S - 1) == "owner-1"
+    refusals = [
+        (token, "vol-b", 1_000_001, "does not open"),  # another volume's
+        (token, "vol-a", 1_000_000 + TOKEN_TTL_S, "expired"),
+        (token, "vol-a", 1_000_000 - 3600, "future"),
+        (sign_token(b"x" * 32, "owner-1", "vol-a", 1_000_000), "vol-a", 1_000_001, "not open"),
+        (token.replace(".1000000.", ".1000001."), "vol-a", 1_000_001, "does not open"),
+        (token + ".x", "vol-a", 1_000_001, "does not open"),
+    ]
+    for given, volume_id, now, said in refusals:
+        with pytest.raises(TokenRefused, match=said) as refused:
+            check_token(key, given, volume_id, now)
+        assert refused.value.guessed == ("open" in said), given
+
+
+def test_the_token_key_is_made_once_whole_and_a_damaged_one_stops_the_start(
+    tmp_path: Path,
+) -> None:
+    volumes = tmp_path / "volumes"
+    key = _read_or_make_key(volumes)
+    made = volumes / ".e2b-volume-token-key"
+    assert len(key) == 32 and _read_or_make_key(volumes) == key
+    assert stat.S_IMODE(made.stat().st_mode) == 0o600
+    assert [p.name for p in volumes.iterdir()] == [made.name]  # nothing left aside
+    made.write_bytes(key[:10])
+    with pytest.raises(RuntimeError, match="damaged"):
+        _read_or_make_key(volumes)
+
+
+def test_only_a_current_keys_owner_is_current(tmp_path: Path) -> None:
+    """A key taken out of the settings is no longer current (its tokens open nothing)."""
+    settings = Settings(api_keys=["kept"], state_dir=tmp_path)
+    principals = Principals(AuthSection.of(settings), None)
+    assert principals.is_current(owner_of("kept"))
+    assert not principals.is_current(owner_of("removed"))

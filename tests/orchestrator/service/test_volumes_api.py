@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from code_interpreter_client.http_client import APIError, Client
-from tests.orchestrator.governance.conftest import add_key_to
+from tests.orchestrator.governance.conftest import add_key_to, eventually, run_keys
 from tests.orchestrator.service.conftest import (
     KEY_A,
     KEY_B,
@@ -221,6 +221,8 @@ def test_a_volume_holds_no_more_than_its_size(api: httpx.Client) -> None:
         {"volume_id": "not-a-volume", "path": "/mnt/x"},
         {"volume_id": "vol-000000000000000000000000", "path": "/etc"},
         {"volume_id": "vol-000000000000000000000000", "path": "/mnt/../etc"},
+        {"volume_id": "vol-000000000000000000000000", "path": "/workspace/data"},
+        {"volume_id": "vol-000000000000000000000000", "path": "/home/user/data"},
     ],
 )
 def test_bad_mounts_are_refused_typed(api: httpx.Client, mount: dict[str, object]) -> None:
@@ -229,10 +231,45 @@ def test_bad_mounts_are_refused_typed(api: httpx.Client, mount: dict[str, object
     assert refused.json()["error"]["type"] in ("VolumeNotFound", "InvalidRequest")
 
 
-def test_two_mounts_in_one_place_are_refused(api: httpx.Client, volume: str) -> None:
-    mounts = [{"volume_id": volume, "path": "/mnt/a"}, {"volume_id": volume, "path": "/mnt/a/b"}]
+@pytest.mark.parametrize(
+    "paths", [["/mnt/a", "/mnt/a/b"], ["/mnt/a", "/mnt/a"], ["/mnt/a", "/mnt/a-b", "/mnt/a/c"]]
+)
+def test_two_mounts_in_one_place_are_refused(
+    api: httpx.Client, volume: str, paths: list[str]
+) -> None:
+    mounts = [{"volume_id": volume, "path": path} for path in paths]
     refused = api.post("/v1/sessions", json={"volumes": mounts})
     assert refused.status_code == 422 and "overlap" in refused.text, refused.text
+
+
+def test_a_failed_overwrite_leaves_the_file_as_it_was(api: httpx.Client) -> None:
+    made = api.post("/v1/volumes", json={"name": "small", "size_mb": 8}).json()
+    base = f"/v1/volumes/{made['id']}"
+    try:
+        first = api.post(f"{base}/files", params={"path": "a.bin"}, files={"file": ("a", b"1")})
+        assert first.status_code == 201
+        big = b"x" * (9 << 20)
+        again = api.post(f"{base}/files", params={"path": "a.bin"}, files={"file": ("a", big)})
+        assert again.status_code == 413 and again.json()["error"]["type"] == "VolumeFull"
+        assert api.get(f"{base}/files/a.bin").content == b"1"
+        # A replacement is counted as what it leaves: the old file's bytes go.
+        fits = b"y" * (6 << 20)
+        for _ in range(2):
+            put = api.post(f"{base}/files", params={"path": "a.bin"}, files={"file": ("a", fits)})
+            assert put.status_code == 201, put.text
+        names = [f["path"] for f in api.get(f"{base}/files").json()]
+        assert names == ["a.bin"]  # nothing half-written left beside it
+    finally:
+        api.delete(base)
+
+
+def test_a_deleted_paused_session_lets_its_volume_go(api: httpx.Client) -> None:
+    made = api.post("/v1/volumes", json={"name": "freed"}).json()
+    sid = session(api, service_backends()[0], {"volume_id": made["id"], "path": "/mnt/f"})
+    assert api.post(f"/v1/sessions/{sid}/pause").status_code == 200
+    assert api.delete(f"/v1/volumes/{made['id']}").status_code == 409
+    assert api.delete(f"/v1/sessions/{sid}").status_code == 204
+    assert api.delete(f"/v1/volumes/{made['id']}").status_code == 204
 
 
 def test_the_python_client_and_the_cli(server: Server) -> None:
@@ -315,6 +352,35 @@ def test_a_keys_volumes_rule_is_held(server: Server, api: httpx.Client, volume: 
         assert client.post("/v1/volumes", json={"name": "mine"}).status_code == 403
         mount = {"volume_id": volume, "path": "/mnt/x", "read_only": True}
         assert client.post("/v1/sessions", json={"volumes": [mount]}).status_code == 403
+        assert client.get("/v1/volumes").status_code == 403  # none: not even read
+
+
+def test_a_policy_changed_while_paused_holds_when_it_resumes(server: Server) -> None:
+    """A key made read_only while its session slept resumes with its volume read-only."""
+    name = f"writer-{uuid.uuid4().hex[:6]}"
+    key = add_key_to(server, name)
+    with server.client(key) as client:
+        made = client.post("/v1/volumes", json={"name": "w"}).json()
+        sid = session(client, service_backends()[0], {"volume_id": made["id"], "path": "/mnt/w"})
+        try:
+            assert run(client, sid, "open('/mnt/w/a', 'w').write('1')")["status"] == "ok"
+            assert client.post(f"/v1/sessions/{sid}/pause").status_code == 200
+            changed = run_keys(server, "set-policy", name, "--volumes", "read_only")
+            assert changed.exit_code == 0, changed.stderr
+            assert eventually(  # the service has taken the new policy
+                lambda: client.get("/v1/whoami").json()["policy"]["volumes"] == "read_only"
+            )
+            resumed = client.post(f"/v1/sessions/{sid}/resume")
+            assert resumed.status_code == 200, resumed.text
+            assert "read-only now" in (resumed.json()["notice"] or ""), resumed.json()
+            refused = run(client, sid, "open('/mnt/w/b', 'w').write('2')")
+            assert "Read-only file system" in str(refused), refused
+            assert run(client, sid, "print(open('/mnt/w/a').read())")["stdout"] == "1\n"
+        finally:
+            client.delete(f"/v1/sessions/{sid}")
+        made_id = made["id"]
+    with server.client(KEY_A) as owner_a:  # another key: still not its to see
+        assert owner_a.get(f"/v1/volumes/{made_id}").status_code == 404
 
 
 def test_a_paused_session_keeps_its_volume_and_finds_it_again(

@@ -58,6 +58,7 @@ def test_store_list_get_replace_delete_never_answer_the_value(api: httpx.Client)
     assert VALUE not in stored.text
     assert info["name"] == "API_KEY" and info["hosts"] == ["api.example.com"]
     assert info["methods"] == ["GET", "POST"] and info["path_prefixes"] == ["/v1/"]
+    assert info["headers"] == ["authorization", "x-api-key", "api-key"]  # the default
     assert info["placeholder"] == "cir-secret://API_KEY"
 
     listed = api.get("/v1/secrets")
@@ -68,10 +69,18 @@ def test_store_list_get_replace_delete_never_answer_the_value(api: httpx.Client)
 
     # The same name again replaces it (200), keeping when it was first stored.
     again = api.post(
-        "/v1/secrets", json={"name": "API_KEY", "value": VALUE + "2", "hosts": ["*.Example.COM"]}
+        "/v1/secrets",
+        json={
+            "name": "API_KEY",
+            "value": VALUE + "2",
+            "hosts": ["*.Example.COM"],
+            "headers": ["X-Goog-Api-Key"],
+        },
     )
     assert again.status_code == 200, again.text
     assert again.json()["hosts"] == ["*.example.com"]
+    assert again.json()["headers"] == ["x-goog-api-key"]
+    assert api.get("/v1/secrets/API_KEY").json()["headers"] == ["x-goog-api-key"]
     assert again.json()["created_at"] == info["created_at"]
 
     assert api.delete("/v1/secrets/API_KEY").status_code == 204
@@ -112,6 +121,17 @@ def test_another_keys_secret_is_invisible(server: Server, api: httpx.Client) -> 
         {"name": "OK", "value": "v", "hosts": [f"h{i}.example" for i in range(17)]},
         {"name": "OK", "value": "v", "hosts": ["a.example"], "methods": ["get me"]},
         {"name": "OK", "value": "v", "hosts": ["a.example"], "path_prefixes": ["no-slash"]},
+        {"name": "OK", "value": "v", "hosts": ["a.example"], "headers": []},
+        {"name": "OK", "value": "v", "hosts": ["a.example"], "headers": ["bad header"]},
+        {"name": "OK", "value": "v", "hosts": ["a.example"], "headers": ["h" * 65]},
+        {"name": "OK", "value": "v", "hosts": ["a.example"], "headers": ["Host"]},
+        {"name": "OK", "value": "v", "hosts": ["a.example"], "headers": ["content-length"]},
+        {
+            "name": "OK",
+            "value": "v",
+            "hosts": ["a.example"],
+            "headers": [f"x-{i}" for i in range(17)],
+        },
         {"name": "OK"},
     ],
 )
@@ -124,6 +144,29 @@ def test_malformed_input_is_refused_typed_and_never_echoes_the_value(
     value = body.get("value")
     if isinstance(value, str) and len(value) > 3:
         assert value not in reply.text
+    assert api.get("/v1/secrets").json() == {"secrets": []}
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "*.com",
+        "*.co.uk",
+        "*.amazonaws.com",
+        "*.github.io",
+        "*.herokuapp.com",
+        "*.blob.core.windows.net",
+    ],
+)
+def test_a_wildcard_over_a_public_or_shared_suffix_is_refused_naming_it(
+    api: httpx.Client, host: str
+) -> None:
+    reply = api.post(
+        "/v1/secrets", json={"name": "OK", "value": VALUE, "hosts": ["a.example", host]}
+    )
+    assert reply.status_code == 422, reply.text
+    assert error_type(reply) == "InvalidRequest" and host in reply.json()["error"]["message"]
+    assert VALUE not in reply.text
     assert api.get("/v1/secrets").json() == {"secrets": []}
 
 
@@ -204,6 +247,24 @@ def test_a_session_sees_only_the_placeholder_and_trusts_the_bundle(api: httpx.Cl
         api.delete(f"/v1/sessions/{sid}")
 
 
+def test_a_session_without_secrets_has_the_trust_files_too(api: httpx.Client) -> None:
+    """A sandbox forked or restored from one that had secrets keeps its SSL_CERT_FILE & co.:
+    the files they name are in every networked session's egress directory."""
+    created = new_session(api, {"network": ["api.example.com"]})
+    assert created.status_code == 201, created.text
+    sid = created.json()["id"]
+    try:
+        code = (
+            "import pathlib\n"
+            "bundle = pathlib.Path('/run/egress/ca-bundle.pem').read_text()\n"
+            "ca = pathlib.Path('/run/egress/egress-ca.pem').read_text()\n"
+            "print(bundle.count('BEGIN CERTIFICATE') >= 2, bundle.endswith(ca))\n"
+        )
+        assert run(api, sid, code).strip() == "True True"
+    finally:
+        api.delete(f"/v1/sessions/{sid}")
+
+
 def test_a_session_asking_for_what_it_cannot_have_is_refused_before_a_sandbox(
     api: httpx.Client,
 ) -> None:
@@ -227,8 +288,10 @@ def test_the_python_client_stores_lists_gets_and_deletes(server: Server) -> None
     from tests.orchestrator.service.conftest import KEY_A
 
     with Client(server.url, KEY_A) as client:
-        info = client.store_secret("CLIENT_KEY", VALUE, ["api.example.com"], methods=["GET"])
-        assert (info.name, info.methods) == ("CLIENT_KEY", ["GET"])
+        info = client.store_secret(
+            "CLIENT_KEY", VALUE, ["api.example.com"], methods=["GET"], headers=["X-Key"]
+        )
+        assert (info.name, info.methods, info.headers) == ("CLIENT_KEY", ["GET"], ["x-key"])
         assert [s.name for s in client.list_secrets()] == ["CLIENT_KEY"]
         assert client.get_secret("CLIENT_KEY").hosts == ["api.example.com"]
         client.delete_secret("CLIENT_KEY")

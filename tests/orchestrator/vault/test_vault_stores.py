@@ -19,6 +19,7 @@ from code_interpreter_wire.secrets import StoreSecretRequest
 from orchestrator.vault.ca import load_ca
 from orchestrator.vault.crypto import Sealer, load_key
 from orchestrator.vault.records import (
+    SecretBinding,
     SecretNotFound,
     SecretRecord,
     SecretsFull,
@@ -31,10 +32,11 @@ from orchestrator.vault.store import VaultStore
 from orchestrator.vault.vault import Vault, VaultSection, unreachable
 
 VALUE = "tok-" + secrets.token_hex(16)
+BINDING = SecretBinding(hosts=["api.example.com"])
 
 
 def record(owner: str, name: str, sealer: Sealer, value: str = VALUE) -> SecretRecord:
-    nonce, ciphertext = sealer.seal(owner, name, value)
+    nonce, ciphertext = sealer.seal(owner, name, BINDING, value)
     return SecretRecord(
         owner=owner, name=name, hosts=["api.example.com"], nonce=nonce, ciphertext=ciphertext
     )
@@ -65,7 +67,7 @@ async def test_a_store_keeps_each_owners_secrets_apart_and_caps_them(store: Vaul
     assert await store.put(record("a", "ONE", sealer, "new"), 2) is True  # replaced
     again = await store.get("a", "ONE")
     assert again is not None and again.created_at == first.created_at
-    assert sealer.open("a", "ONE", again.nonce, again.ciphertext) == "new"
+    assert sealer.open("a", "ONE", again.binding, again.nonce, again.ciphertext) == "new"
     await store.put(record("a", "TWO", sealer), 2)
     with pytest.raises(SecretsFull):
         await store.put(record("a", "THREE", sealer), 2)
@@ -79,16 +81,27 @@ async def test_a_store_keeps_each_owners_secrets_apart_and_caps_them(store: Vaul
     assert await store.get("b", "ONE") is not None
 
 
-def test_a_sealed_value_opens_only_for_its_owner_and_name() -> None:
+def test_a_sealed_value_opens_only_for_its_owner_name_and_binding() -> None:
     sealer = Sealer(secrets.token_bytes(32))
-    nonce, ciphertext = sealer.seal("a", "ONE", VALUE)
+    nonce, ciphertext = sealer.seal("a", "ONE", BINDING, VALUE)
     assert VALUE not in base64.b64decode(ciphertext).decode(errors="replace")
-    assert sealer.open("a", "ONE", nonce, ciphertext) == VALUE
+    assert sealer.open("a", "ONE", BINDING, nonce, ciphertext) == VALUE
     for owner, name in (("b", "ONE"), ("a", "TWO")):
         with pytest.raises(VaultUnavailable):
-            sealer.open(owner, name, nonce, ciphertext)
+            sealer.open(owner, name, BINDING, nonce, ciphertext)
     with pytest.raises(VaultUnavailable):
-        Sealer(secrets.token_bytes(32)).open("a", "ONE", nonce, ciphertext)
+        Sealer(secrets.token_bytes(32)).open("a", "ONE", BINDING, nonce, ciphertext)
+    # Its binding changed at rest (by whoever can write the store but has no key): no value.
+    for changed in (
+        {"hosts": ["evil.example"]},
+        {"hosts": ["api.example.com", "evil.example"]},
+        {"methods": ["GET"]},
+        {"path_prefixes": ["/"]},
+        {"headers": ["authorization", "x-echo"]},
+    ):
+        moved = BINDING.model_copy(update=changed)
+        with pytest.raises(VaultUnavailable, match="ONE"):
+            sealer.open("a", "ONE", moved, nonce, ciphertext)
 
 
 def test_the_key_is_made_once_private_or_given_and_required_in_a_cluster(tmp_path: Path) -> None:
@@ -141,6 +154,7 @@ async def test_the_vault_binds_by_name_and_audits_without_values(tmp_path: Path)
         assert env["API_KEY"] == "cir-secret://API_KEY" and VALUE not in str(env)
         with pytest.raises(SecretsNotAvailable, match="API_KEY"):
             await vault.session_env("b", ["API_KEY"], policy)  # another key's: unknown
+        assert info.headers == ["authorization", "x-api-key", "api-key"]  # the default
         bound = await vault.for_session("a", "s-1", ["API_KEY"])
         assert bound.bindings.names == ("API_KEY",) and VALUE not in repr(bound.bindings)
         assert b"BEGIN CERTIFICATE" in bound.ca_cert and bound.bundle.endswith(bound.ca_cert)

@@ -66,7 +66,7 @@ class Recorder(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
-    do_GET = do_POST = _handle
+    do_GET = do_POST = do_TRACE = _handle
 
 
 class RecordingServer(ThreadingHTTPServer):
@@ -364,10 +364,8 @@ async def test_the_placeholder_to_an_unbound_host_arrives_unchanged_and_is_recor
     line = plain_record.describe("s-test")
     assert "credentials=[OPENAI_KEY: sent unchanged: host not bound]" in line
     assert tunnel_record.credentials == () and "TLS terminated" not in tunnel_record.reason
-    assert (
-        "placeholders to other.test not swapped: [OPENAI_KEY: sent unchanged: host not bound]"
-        in caplog.text
-    )
+    # Noted in the connection's record only: no log line per request (a sandbox could flood it).
+    assert "not swapped" not in caplog.text and "OPENAI_KEY" not in caplog.text
     _never_the_value(running, caplog)
 
 
@@ -474,7 +472,8 @@ async def test_without_an_interceptor_https_to_a_bound_host_stays_an_opaque_tunn
     start_proxy: StartProxy, servers: Servers
 ) -> None:
     """Secrets but no CA: CONNECTs are never terminated, so the placeholder goes unchanged
-    inside the client's own TLS (plain HTTP would still be swapped)."""
+    inside the client's own TLS (and plain HTTP never gets a value either): nothing is swapped
+    anywhere."""
     for seen in servers.seen.values():
         seen.clear()
     running = await start_proxy(

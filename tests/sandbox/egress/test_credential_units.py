@@ -13,8 +13,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from sandbox.egress.credentials import (
+    HEADER_NOT_BOUND,
     HOST_NOT_BOUND,
-    MAX_UNKNOWN_NOTED,
+    MAX_OUTCOMES,
     METHOD_NOT_BOUND,
     PATH_NOT_BOUND,
     PLACEHOLDER_PREFIX,
@@ -121,11 +122,12 @@ def test_placeholders_and_which_hosts_are_bound() -> None:
     assert not secrets.binds("api.test.evil") and not secrets.binds("other.test")
 
 
-def test_substitution_swaps_exact_tokens_in_headers_for_bound_hosts_only() -> None:
+def test_substitution_swaps_exact_tokens_in_bound_headers_for_bound_hosts_only() -> None:
     secrets = bindings()
     headers = [
         (b"authorization", b"Bearer cir-secret://OPENAI_KEY"),
-        (b"x-two", b"cir-secret://OPENAI_KEY,cir-secret://OPENAI_KEY"),
+        (b"x-api-key", b"cir-secret://OPENAI_KEY,cir-secret://OPENAI_KEY"),
+        (b"x-two", b"cir-secret://OPENAI_KEY"),  # not a header the value goes in
         (b"x-longer", b"cir-secret://OPENAI_KEYS"),  # another name, not this one
         (b"x-unknown", b"cir-secret://NOT_BOUND"),
         (b"accept", b"*/*"),
@@ -133,15 +135,17 @@ def test_substitution_swaps_exact_tokens_in_headers_for_bound_hosts_only() -> No
     done = secrets.substitute(headers, host="api.test", method="GET", path="/")
     assert done.headers == [
         (b"authorization", f"Bearer {VALUE}".encode()),
-        (b"x-two", f"{VALUE},{VALUE}".encode()),
+        (b"x-api-key", f"{VALUE},{VALUE}".encode()),
+        (b"x-two", b"cir-secret://OPENAI_KEY"),
         (b"x-longer", b"cir-secret://OPENAI_KEYS"),
         (b"x-unknown", b"cir-secret://NOT_BOUND"),
         (b"accept", b"*/*"),
     ]
+    assert done.swaps == 3
     assert done.outcomes == (
         ("OPENAI_KEY", SUBSTITUTED),
-        ("OPENAI_KEYS", UNKNOWN_NAME),
-        ("NOT_BOUND", UNKNOWN_NAME),
+        ("OPENAI_KEY", HEADER_NOT_BOUND),
+        ("<2 unknown names>", UNKNOWN_NAME),
     )
     elsewhere = secrets.substitute(headers, host="other.test", method="GET", path="/")
     assert elsewhere.headers == headers and not elsewhere.substituted
@@ -255,10 +259,14 @@ def test_an_interceptor_refuses_a_key_that_is_not_the_cas_or_a_cert_that_is_no_c
         TlsInterceptor(leaf.public_bytes(serialization.Encoding.PEM), one.key_pem)
 
 
-def test_made_up_names_noted_are_bounded_but_bound_ones_always_are() -> None:
+def test_made_up_names_noted_are_one_entry_but_bound_ones_always_are() -> None:
     made_up = ",".join(f"cir-secret://FAKE_{i}" for i in range(100)).encode()
     headers = [(b"x-many", made_up), (b"authorization", b"Bearer cir-secret://OPENAI_KEY")]
     done = bindings().substitute(headers, host="api.test", method="GET", path="/")
-    assert len(done.outcomes) == MAX_UNKNOWN_NOTED + 1
-    assert done.outcomes[-1] == ("OPENAI_KEY", SUBSTITUTED)
+    assert done.outcomes == (("OPENAI_KEY", SUBSTITUTED), ("<100 unknown names>", UNKNOWN_NAME))
+    assert len(done.outcomes) <= MAX_OUTCOMES
     assert done.headers[0] == (b"x-many", made_up)
+    one = bindings().substitute(
+        [(b"x-one", b"cir-secret://TYPO")], host="api.test", method="GET", path="/"
+    )
+    assert one.outcomes == (("TYPO", UNKNOWN_NAME),)  # a single one by its name: a typo shows

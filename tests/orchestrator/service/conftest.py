@@ -114,6 +114,12 @@ def leftovers(server: Server) -> list[str]:
         d = server.state_dir / backend
         if d.is_dir():
             found += [f"{backend}: {p.name}" for p in d.iterdir()]
+    with open("/proc/self/mounts") as mounts:  # workspaces' tmpfs, volumes' images
+        found += [
+            f"mount: {point}"
+            for point in (line.split()[1] for line in mounts)
+            if point.startswith(f"{server.state_dir}/")
+        ]
     if "docker" in service_backends():
         import docker
 

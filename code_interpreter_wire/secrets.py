@@ -23,9 +23,10 @@ MAX_HEADERS = 16
 MAX_HEADER_CHARS = 64
 # The headers a secret may go in when its binding names none: where API keys travel.
 DEFAULT_HEADERS = ("authorization", "x-api-key", "api-key")
-# Headers that frame the request or concern one hop: never given a value (the proxy's own list,
-# sandbox/egress/credentials.py's _REFUSED_HEADERS, refused here already with a 422).
-_FRAMING_HEADERS = frozenset(
+# Headers that frame the request or concern one hop: never given a value (the proxy drops or
+# rewrites those, so a value there would be lost, misframe the request or reach the wrong party);
+# refused here with a 422, and by the proxy (sandbox/egress/credentials.py).
+FRAMING_HEADERS = frozenset(
     {
         "host",
         "content-length",
@@ -42,11 +43,14 @@ _FRAMING_HEADERS = frozenset(
     }
 )
 # An HTTP header name: a token (RFC 9110, 5.6.2).
-_HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-SECRET_NAME_PATTERN = r"^[A-Z_][A-Z0-9_]{0,63}$"
+HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+SECRET_NAME = r"[A-Z_][A-Z0-9_]{0,63}"  # an environment variable's name, upper case
+SECRET_NAME_PATTERN = rf"^{SECRET_NAME}$"
 _METHOD_PATTERN = r"^[A-Z]{1,16}$"
-# What a header value may hold (the proxy's own check: sandbox/egress/credentials.py).
-_VALUE = re.compile(r"^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\Z")
+# What a header value may hold: printable ASCII and inner spaces only (CR, LF and NUL would let
+# a value inject headers; h11 refuses other control characters and edge whitespace). The proxy
+# checks the same (sandbox/egress/credentials.py).
+VALUE = re.compile(r"^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\Z")
 
 # An environment variable's name, as the session's code reads it (`os.environ["NAME"]`).
 SecretName = Annotated[str, StringConstraints(pattern=SECRET_NAME_PATTERN)]
@@ -80,13 +84,13 @@ def _headers(headers: list[str]) -> list[str]:
     """Header names, lowercase, each once, in the order given."""
     normalized: list[str] = []
     for header in headers:
-        if len(header) > MAX_HEADER_CHARS or not _HEADER_NAME.match(header):
+        if len(header) > MAX_HEADER_CHARS or not HEADER_NAME.match(header):
             raise ValueError(
                 f"{header[:80]!r} is not a header name (an HTTP token of at most "
                 f"{MAX_HEADER_CHARS} characters)"
             )
         lowered = header.lower()
-        if lowered in _FRAMING_HEADERS:
+        if lowered in FRAMING_HEADERS:
             raise ValueError(
                 f"{lowered}: a header that frames the request or concerns one hop never gets a "
                 "value"
@@ -143,7 +147,7 @@ class StoreSecretRequest(BaseModel):
     @classmethod
     def _value_fits(cls, value: str) -> str:
         # The value itself is never in the message.
-        if not _VALUE.match(value):
+        if not VALUE.match(value):
             raise ValueError(
                 "must be printable ASCII with no control character (CR, LF, NUL...) and no "
                 "leading or trailing whitespace: it goes into a request header"

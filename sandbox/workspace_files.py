@@ -137,10 +137,7 @@ class Workspace:
                 if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
                     raise FileAccessError(f"cannot write {path!r}: not a plain file")
                 os.ftruncate(fd, 0)
-                while chunk := source.read(1 << 20):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                _write_all(fd, source)
                 if self.owner:
                     os.fchown(fd, *self.owner)
                 st = os.fstat(fd)
@@ -169,10 +166,7 @@ class Workspace:
             raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
         try:
             try:
-                while chunk := source.read(1 << 20):
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                _write_all(fd, source)
                 if self.owner:
                     os.fchown(fd, *self.owner)
                 st = os.fstat(fd)
@@ -295,6 +289,14 @@ class Workspace:
             os.close(fd)
             raise FileAccessError(f"{name!r} is not a plain file")
         return fd
+
+
+def _write_all(fd: int, source: BinaryIO) -> None:
+    """`source` to `fd`, a chunk at a time, each written whole."""
+    while chunk := source.read(1 << 20):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def shown_name(name: str) -> tuple[str, bool]:

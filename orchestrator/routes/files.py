@@ -25,8 +25,13 @@ async def upload(
 ) -> FileInfo:
     target = path if path is not None else (file.filename or "")
     clean_path(target)  # refuse a bad name before reading a byte
-    # Read in chunks and refuse past the limit before holding it all (the service checks again).
-    limit = service.admission.upload_limit()
+    data = await read_upload(file, service.admission.upload_limit())
+    return await service.files.upload(session, target, data)
+
+
+async def read_upload(file: UploadFile, limit: int) -> bytes:
+    """An upload's bytes, read in chunks and refused past `limit` before it is held whole (the
+    service checks again)."""
     chunks: list[bytes] = []
     size = 0
     while chunk := await file.read(1 << 20):
@@ -34,7 +39,7 @@ async def upload(
         if size > limit:
             raise HTTPException(413, f"the upload is larger than the limit of {limit} bytes")
         chunks.append(chunk)
-    return await service.files.upload(session, target, b"".join(chunks))
+    return b"".join(chunks)
 
 
 @router.get("", summary="List a directory of the workspace")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, File, HTTPException, Query, Response, UploadFile
+from fastapi import APIRouter, File, Query, Response, UploadFile
 
 from code_interpreter_wire.results import FileInfo
 from code_interpreter_wire.volumes import CreateVolumeRequest, VolumeInfo
 from orchestrator.routes.deps import OwnerDep, ServiceDep
-from orchestrator.routes.files import downloaded
+from orchestrator.routes.files import downloaded, read_upload
 from sandbox.workspace_files import clean_path
 
 router = APIRouter(prefix="/v1/volumes", tags=["volumes"])
@@ -53,15 +53,8 @@ async def upload(
     target = path if path is not None else (file.filename or "")
     clean_path(target)  # refuse a bad name, or another key's volume, before reading a byte
     await service.volumes.check_writable(owner, volume_id)
-    limit = service.admission.upload_limit()
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await file.read(1 << 20):
-        size += len(chunk)
-        if size > limit:
-            raise HTTPException(413, f"the upload is larger than the limit of {limit} bytes")
-        chunks.append(chunk)
-    return await service.volumes.upload(owner, volume_id, target, b"".join(chunks))
+    data = await read_upload(file, service.admission.upload_limit())
+    return await service.volumes.upload(owner, volume_id, target, data)
 
 
 @router.post("/{volume_id}/directories", status_code=204, summary="Make a directory")

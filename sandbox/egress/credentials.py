@@ -18,45 +18,34 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from code_interpreter_wire.network_policy import HostPattern, PolicyError, normalize_host
+from code_interpreter_wire.secrets import (
+    DEFAULT_HEADERS,
+    FRAMING_HEADERS,
+    HEADER_NAME,
+    MAX_HEADER_CHARS,
+    MAX_HEADERS,
+    PLACEHOLDER_PREFIX,
+    SECRET_NAME,
+    VALUE,
+)
 
-PLACEHOLDER_PREFIX = "cir-secret://"
-NAME_PATTERN = r"[A-Z_][A-Z0-9_]{0,63}"
+NAME_PATTERN = SECRET_NAME
 _NAME = re.compile(rf"^{NAME_PATTERN}\Z")
 # The exact token: a longer name (or one running on in name characters) is not this one.
 _PLACEHOLDER = re.compile(rb"cir-secret://(" + NAME_PATTERN.encode() + rb")(?![A-Za-z0-9_])")
-# Printable ASCII and inner spaces only: CR, LF and NUL would let a value inject headers, and h11
-# refuses other control characters and edge whitespace (with the value in its message).
-_VALUE = re.compile(r"^[\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\Z")
+_VALUE = VALUE  # what a header value may hold (the wire type's rule, and why)
 # A path whose segments a server may resolve elsewhere never counts as under a prefix: dot
 # segments (`/v1/../admin`), encoded dots, slashes and backslashes (`%2e%2e`, `%2f`, `%5c`, `\`),
 # matrix parameters (`/v1/..;/admin`, `/v1;x`, `%3b`), empty segments (`/v1//admin`), and a
 # double encoding (`%252e`), which a server or framework decoding twice would turn into one.
 _TRICKY_PATH = re.compile(r"(^|/)\.{1,2}(/|$)|%2e|%2f|%5c|%3b|%25|%00|\\|;|//", re.IGNORECASE)
-# An HTTP field name (RFC 9110's token).
-_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_TOKEN = HEADER_NAME  # an HTTP field name (RFC 9110's token)
 
 # Where a value goes when its binding does not say: the headers API keys travel in.
-DEFAULT_SECRET_HEADERS = ("authorization", "x-api-key", "api-key")
-MAX_SECRET_HEADERS = 16  # header names one binding may name
-MAX_HEADER_NAME_CHARS = 64
-# Never given a value: they frame the request or concern one hop (the proxy drops or rewrites
-# those), so a value there would be lost, misframe the request, or reach the wrong party.
-_REFUSED_HEADERS = frozenset(
-    {
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "upgrade",
-        "expect",
-    }
-)
+DEFAULT_SECRET_HEADERS = DEFAULT_HEADERS
+MAX_SECRET_HEADERS = MAX_HEADERS  # header names one binding may name
+MAX_HEADER_NAME_CHARS = MAX_HEADER_CHARS
+_REFUSED_HEADERS = FRAMING_HEADERS  # never given a value (the wire type says why)
 # Methods never given a value, whatever a binding's `methods` says: TRACE (and IIS's TRACK) echo
 # the request, headers included, back to the sandbox; CONNECT is never forwarded as a request.
 NEVER_SWAPPED_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})

@@ -11,7 +11,8 @@
 # bring a compiler tool chain); Chromium and its WebDriver for the console's browser tests
 # (tests/orchestrator/governance/test_console_browser.py); QEMU and a static busybox for the
 # microvm backend with e2fsprogs to make its disks (docs/microvm.md; its guest kernel comes with
-# `make install`, never installed on this host), also without recommendations.
+# `make install`, never installed on this host), also without recommendations; e2fsprogs makes
+# volumes' images too (docs/volumes.md).
 # Safe to run again: it installs only what is missing.
 set -euo pipefail
 packages=(bubblewrap python3 python3-venv python3-dev make docker.io runsc debootstrap git procps

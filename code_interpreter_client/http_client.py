@@ -16,6 +16,7 @@ import httpx
 
 from code_interpreter_client.http_answers import APIError as APIError
 from code_interpreter_client.http_answers import checked as _check
+from code_interpreter_client.http_answers import file_path as _path
 from code_interpreter_client.http_answers import segment as _segment
 from code_interpreter_client.secret_calls import BlockingSecretCalls, SecretCalls
 from code_interpreter_client.volume_calls import BlockingVolumeCalls, VolumeCalls
@@ -195,11 +196,12 @@ class AsyncClient(VolumeCalls, SecretCalls):
 
     async def download(self, session_id: str, path: str) -> bytes:
         return _check(
-            await self.http.get(f"/v1/sessions/{_segment(session_id)}/files/{path}")
+            await self.http.get(f"/v1/sessions/{_segment(session_id)}/files/{_path(path)}")
         ).content
 
     async def delete_file(self, session_id: str, path: str) -> None:
-        _check(await self.http.delete(f"/v1/sessions/{_segment(session_id)}/files/{path}"))
+        url = f"/v1/sessions/{_segment(session_id)}/files/{_path(path)}"
+        _check(await self.http.delete(url))
 
     async def artifact(self, session_id: str, artifact_id: str) -> bytes:
         url = f"/v1/sessions/{_segment(session_id)}/artifacts/{artifact_id}"

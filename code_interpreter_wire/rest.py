@@ -22,9 +22,9 @@ from code_interpreter_wire.network_policy import NO_NETWORK, NetworkPolicy
 from code_interpreter_wire.ports import PortsInfo, PortsRequest
 from code_interpreter_wire.results import Execution
 from code_interpreter_wire.secrets import MAX_SECRETS_PER_SESSION, SecretName
-from code_interpreter_wire.spec import MAX_MOUNTS, ResourceLimits
+from code_interpreter_wire.spec import MAX_MOUNTS, ResourceLimits, mounts_apart
 from code_interpreter_wire.tool_definitions import ToolFormat
-from code_interpreter_wire.volumes import VolumeMount, mounts_apart
+from code_interpreter_wire.volumes import VolumeMount
 
 
 def _encodable(text: str) -> str:

@@ -80,8 +80,10 @@ def _hosts(hosts: list[str]) -> list[str]:
     return normalized
 
 
-def _headers(headers: list[str]) -> list[str]:
-    """Header names, lowercase, each once, in the order given."""
+def checked_headers(headers: list[str]) -> list[str]:
+    """Header names a secret may go in: lowercase, each once, in the order given; a name that
+    is no HTTP token, or frames the request or concerns one hop, is refused (ValueError). The
+    proxy holds its bindings to the same (sandbox/egress/credentials.py)."""
     normalized: list[str] = []
     for header in headers:
         if len(header) > MAX_HEADER_CHARS or not HEADER_NAME.match(header):
@@ -167,7 +169,7 @@ class StoreSecretRequest(BaseModel):
     @field_validator("headers")
     @classmethod
     def _header_names(cls, headers: list[str] | None) -> list[str] | None:
-        return None if headers is None else _headers(headers)
+        return None if headers is None else checked_headers(headers)
 
     @property
     def bound_headers(self) -> list[str]:

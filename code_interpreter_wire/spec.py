@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol, TypeVar
 
 from pydantic import AfterValidator, BaseModel, Field
 
@@ -105,15 +105,19 @@ class DirectoryMount(BaseModel):
     read_only: bool = False
 
 
-def paths_apart(paths: list[str]) -> None:
+class _Placed(Protocol):
+    path: str
+
+
+_P = TypeVar("_P", bound=_Placed)
+
+
+def mounts_apart(mounts: list[_P]) -> list[_P]:
     """No two mounts at one place, nor one inside another (which would hide it)."""
+    paths = [m.path for m in mounts]
     for one, other in itertools.permutations(paths, 2):
         if other == one or other.startswith(one + "/"):
             raise ValueError(f"mounts {one!r} and {other!r} overlap: give each its own place")
-
-
-def _mounts_apart(mounts: list[DirectoryMount]) -> list[DirectoryMount]:
-    paths_apart([m.path for m in mounts])
     return mounts
 
 
@@ -172,7 +176,7 @@ class SandboxSpec(BaseModel):
         "and ports, or 'any'; anything but 'none' gives it a proxy on 127.0.0.1:3128 (see "
         "sandbox/egress_channel.py). The service holds it to the deployment's ceiling.",
     )
-    mounts: Annotated[list[DirectoryMount], AfterValidator(_mounts_apart)] = Field(
+    mounts: Annotated[list[DirectoryMount], AfterValidator(mounts_apart)] = Field(
         default_factory=list,
         max_length=MAX_MOUNTS,
         description="Host directories seen in the sandbox (volumes), read-only or not.",

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, Field, StringConstraints
 
-from code_interpreter_wire.spec import check_mount_path, paths_apart
+from code_interpreter_wire.spec import check_mount_path
 
 # A volume's id as the service makes them; anything else names no volume.
 VOLUME_ID_PATTERN = r"^vol-[0-9a-f]{24}$"
@@ -47,8 +47,3 @@ class VolumeMount(BaseModel):
         description="Where the session sees it: below /mnt or /data (e.g. /mnt/data)."
     )
     read_only: bool = False
-
-
-def mounts_apart(mounts: list[VolumeMount]) -> list[VolumeMount]:
-    paths_apart([m.path for m in mounts])
-    return mounts

@@ -22,6 +22,7 @@ from orchestrator.governance.keys_cli import keys_app
 from orchestrator.http_errors import problems
 from orchestrator.template_cli import template_app
 from orchestrator.terminal import TerminalPrinter
+from orchestrator.volume_cli import KEY_VARIABLE as DEFAULT_KEY_VARIABLE
 from orchestrator.volume_cli import volume_app
 from orchestrator.wasm_cli import wasm_app
 from sandbox.backends.registry import BACKENDS
@@ -35,7 +36,6 @@ BACKEND_NAMES = f"{', '.join(BACKENDS[:-1])} or {BACKENDS[-1]}"
 EXIT_USAGE = 2  # bad usage, a backend that cannot run, a file that could not be copied
 EXIT_TIMEOUT = 124  # as timeout(1)
 EXIT_NO_STATUS = 125  # a command that ended without an exit status or a signal
-DEFAULT_KEY_VARIABLE = "CODE_INTERPRETER_API_KEY"
 AnyPath = TypeVar("AnyPath", Path, PurePosixPath)
 
 # Plain help (no rich markup): rich's help shows a `<bool>` or `<str>` beside every option.

@@ -7,6 +7,7 @@ settings and shared caps (counted there for the whole cluster), and its records 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -82,11 +83,6 @@ class SessionEgress:
         sandbox whose proxy runs beside it on another machine, start that one (or find it
         started) and take its records here."""
         channel = session.sandbox.egress_channel
-        if channel is None and session.secrets:
-            raise SecretsNotAvailable(
-                f"sessions of the {session.backend} backend cannot have secrets: their egress "
-                "proxy is not this service's"
-            )
         if channel is None:
             relayed = _relayed(session)
             if relayed is not None:
@@ -128,12 +124,8 @@ class SessionEgress:
         from one that had secrets keeps its variables naming them (SSL_CERT_FILE...), so they
         must name a file. The files are public: the system's CAs and the deployment's."""
         trust = self._vault.trust if self._vault is not None else None
-        if trust is not None:
-            for name, data in trust.files():
-                partial = directory / f".{name}.partial"
-                partial.write_bytes(data)
-                partial.chmod(0o644)  # the sandbox's uid reads it; nobody there may change it
-                partial.replace(directory / name)
+        if trust is not None:  # off the event loop: the system's CAs are some 200 KiB
+            await asyncio.to_thread(_write_trust_files, directory, trust.files())
         if not session.secrets:
             return None
         if self._vault is None:
@@ -208,6 +200,14 @@ class SessionEgress:
         for session_id in list(self._proxies):
             await self.close(session_id)
         await self._relays.close()
+
+
+def _write_trust_files(directory: Path, files: Sequence[tuple[str, bytes]]) -> None:
+    for name, data in files:
+        partial = directory / f".{name}.partial"
+        partial.write_bytes(data)
+        partial.chmod(0o644)  # the sandbox's uid reads it; nobody there may change it
+        partial.replace(directory / name)
 
 
 def _relayed(session: Session) -> RelayedEgress | None:

@@ -235,8 +235,6 @@ class VolumesSection(Section):
     volume_max_size_mb: int
     max_volume_bytes_per_key: int
     max_volumes_per_key: int
-    max_upload_bytes: int
-    max_download_bytes: int
 
 
 class Sections(BaseModel):

@@ -20,6 +20,7 @@ volume_app = typer.Typer(
     no_args_is_help=True,
 )
 DEFAULT_URL = "http://127.0.0.1:8000"
+KEY_VARIABLE = "CODE_INTERPRETER_API_KEY"  # where the CLI's calls to a service find their key
 UrlOption = Annotated[
     str,
     typer.Option(
@@ -36,7 +37,6 @@ KeyEnvOption = Annotated[
     ),
 ]
 VolumeArgument = Annotated[str, typer.Argument(metavar="VOLUME_ID", help="The volume's id.")]
-_KEY_VARIABLE = "CODE_INTERPRETER_API_KEY"
 
 
 @contextmanager
@@ -61,7 +61,7 @@ def create(
         int | None, typer.Option("--size-mb", metavar="MIB", help="Its size; the default if unset.")
     ] = None,
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """Make a volume; prints it (its id among its fields)."""
     with _client(url, api_key_env) as client:
@@ -69,7 +69,7 @@ def create(
 
 
 @volume_app.command("list")
-def list_volumes(url: UrlOption = DEFAULT_URL, api_key_env: KeyEnvOption = _KEY_VARIABLE) -> None:
+def list_volumes(url: UrlOption = DEFAULT_URL, api_key_env: KeyEnvOption = KEY_VARIABLE) -> None:
     """Your volumes, oldest first."""
     with _client(url, api_key_env) as client:
         _show([v.model_dump(mode="json") for v in client.list_volumes()])
@@ -79,7 +79,7 @@ def list_volumes(url: UrlOption = DEFAULT_URL, api_key_env: KeyEnvOption = _KEY_
 def info(
     volume_id: VolumeArgument,
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """A volume: its size, what it holds, the sessions that mount it."""
     with _client(url, api_key_env) as client:
@@ -90,7 +90,7 @@ def info(
 def delete(
     volume_id: VolumeArgument,
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """Delete a volume and its files (refused while a session mounts it)."""
     with _client(url, api_key_env) as client:
@@ -103,7 +103,7 @@ def ls(
     path: Annotated[str, typer.Argument(help="A directory of it; its root if unset.")] = "",
     recursive: Annotated[bool, typer.Option("--recursive", "-r")] = False,
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """A directory of a volume: one entry a line (type, size, path)."""
     with _client(url, api_key_env) as client:
@@ -117,7 +117,7 @@ def put(
     local: Annotated[Path, typer.Argument(help="The file to upload ('-': standard input).")],
     path: Annotated[str, typer.Argument(help="Where in the volume.")],
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """Upload a file into a volume."""
     data = sys.stdin.buffer.read() if str(local) == "-" else local.read_bytes()
@@ -134,7 +134,7 @@ def get(
         typer.Option("--output", "-o", help="Where to write it; standard output if unset."),
     ] = None,
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """Download a file of a volume."""
     with _client(url, api_key_env) as client:
@@ -150,7 +150,7 @@ def rm(
     volume_id: VolumeArgument,
     path: Annotated[str, typer.Argument(help="A file or a directory (with all it holds).")],
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """Remove a file or a directory tree of a volume."""
     with _client(url, api_key_env) as client:
@@ -162,7 +162,7 @@ def mkdir(
     volume_id: VolumeArgument,
     path: Annotated[str, typer.Argument(help="The directory, with its parents.")],
     url: UrlOption = DEFAULT_URL,
-    api_key_env: KeyEnvOption = _KEY_VARIABLE,
+    api_key_env: KeyEnvOption = KEY_VARIABLE,
 ) -> None:
     """Make a directory in a volume."""
     with _client(url, api_key_env) as client:

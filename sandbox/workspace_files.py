@@ -142,9 +142,7 @@ class Workspace:
                     os.fchown(fd, *self.owner)
                 st = os.fstat(fd)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    raise FileTooLarge(f"cannot write {path!r}: {_why(exc)}") from exc
-                raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
+                raise _write_error(path, exc) from exc
             finally:
                 os.close(fd)
         return Entry("/".join(parts), "file", st.st_size, st.st_mtime)
@@ -176,9 +174,7 @@ class Workspace:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(partial, dir_fd=dfd)
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                raise FileTooLarge(f"cannot write {path!r}: {_why(exc)}") from exc
-            raise FileAccessError(f"cannot write {path!r}: {_why(exc)}") from exc
+            raise _write_error(path, exc) from exc
         return Entry(path, "file", st.st_size, st.st_mtime)
 
     def stat(self, path: str) -> Entry | None:
@@ -289,6 +285,14 @@ class Workspace:
             os.close(fd)
             raise FileAccessError(f"{name!r} is not a plain file")
         return fd
+
+
+def _write_error(path: str, exc: OSError) -> FileTooLarge | FileAccessError:
+    """A failed write as the models say it: no room (a full disk, a quota, the file size
+    limit) is FileTooLarge."""
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return FileTooLarge(f"cannot write {path!r}: {_why(exc)}")
+    return FileAccessError(f"cannot write {path!r}: {_why(exc)}")
 
 
 def _write_all(fd: int, source: BinaryIO) -> None:

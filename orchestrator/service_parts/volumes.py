@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from code_interpreter_wire.errors import FileTooLarge
 from code_interpreter_wire.results import FileInfo
@@ -26,6 +26,7 @@ from orchestrator.service_parts.admission import Admission
 from orchestrator.service_parts.audit_trail import AuditTrail
 from orchestrator.session_error import SessionError
 from orchestrator.settings_sections import VolumesSection
+from orchestrator.state_store import SessionRecord
 from orchestrator.volumes import disks
 from orchestrator.volumes.store import (
     NotAnImageHere,
@@ -68,6 +69,12 @@ class VolumeFull(SessionError):
     status = 413
 
 
+class VolumeNameTaken(SessionError):
+    """A volume made by a name the key's volumes have already (where names must be unique)."""
+
+    status = 409
+
+
 class VolumeLimitReached(SessionError):
     """A key holding as many volumes as it may."""
 
@@ -93,7 +100,7 @@ class VolumeSpaceUnavailable(SessionError):
 
 
 SessionState = Callable[[str, str], Awaitable[object | None]]
-SessionRecordOf = Callable[[str], Awaitable[Any]]
+SessionRecordOf = Callable[[str], Awaitable[SessionRecord | None]]
 
 
 class Volumes:
@@ -116,14 +123,9 @@ class Volumes:
         self._state, self._record_of = state, record_of
 
     async def start(self) -> None:
-        """What a create or delete cut short left is swept; every image is mounted on the host,
-        so a paused session resumed from its record binds its volumes as they are."""
+        """What a create or delete cut short left is swept. Images are mounted on first use
+        (a resume makes its volumes ready first: `ready`)."""
         await asyncio.to_thread(self._store.sweep)
-        for record in await asyncio.to_thread(self._store.all):
-            try:
-                await asyncio.to_thread(self._store.data, record)
-            except (OSError, NotAnImageHere, VolumeGone) as exc:
-                log.warning("volume %s could not be mounted: %s", record.id, exc)
 
     async def close(self) -> None:
         """Images mounted on the host are unmounted (a sandbox still holding one keeps it)."""
@@ -134,7 +136,11 @@ class Volumes:
                 log.warning("volume %s could not be unmounted: %s", record.id, exc)
 
     # --- volumes
-    async def create(self, owner: str, request: CreateVolumeRequest) -> VolumeInfo:
+    async def create(
+        self, owner: str, request: CreateVolumeRequest, *, unique_name: bool = False
+    ) -> VolumeInfo:
+        """A new volume; `unique_name`: refused (409) if the owner has one of that name (E2B
+        finds volumes by name), checked under the lock every replica takes."""
         with self._admission.enforcing(owner) as who:
             policy_checks.check_volumes(who, writable=True)
         s = self.settings
@@ -145,12 +151,16 @@ class Volumes:
                 f"({s.volume_max_size_mb} MiB); ask for less"
             )
         quota = OwnerQuota(s.max_volumes_per_key, s.max_volume_bytes_per_key)
-        make = partial(self._store.create, owner, request.name, size_mb, quota, check=lambda: None)
+
+        def name_free(mine: list[VolumeRecord]) -> None:  # under the owner's lock
+            if unique_name and any(r.name == request.name for r in mine):
+                raise VolumeNameTaken(f"you have a volume named {request.name!r} already")
+
+        make = partial(self._store.create, owner, request.name, size_mb, quota, check=name_free)
         try:  # in a thread that finishes under its lock even if the caller leaves
             record = await asyncio.shield(asyncio.to_thread(make))
         except OverQuota as exc:
-            kind = VolumeLimitReached if "holds" in str(exc) else VolumeTooLarge
-            raise kind(str(exc)) from None
+            raise (VolumeLimitReached if exc.count else VolumeTooLarge)(str(exc)) from None
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise VolumeSpaceUnavailable(
@@ -170,6 +180,18 @@ class Volumes:
 
     async def get(self, owner: str, volume_id: str) -> VolumeInfo:
         return await self._info(await self._record(owner, volume_id))
+
+    async def records(self, owner: str) -> list[VolumeRecord]:
+        """The owner's volumes as they are kept (no usage counted, no holders read): for a
+        front that needs ids and names only."""
+        with self._admission.enforcing(owner) as who:
+            policy_checks.check_volumes(who, reading=True)
+        found = [r for r in await asyncio.to_thread(self._store.all) if r.owner == owner]
+        return sorted(found, key=lambda r: r.created_at)
+
+    async def record(self, owner: str, volume_id: str) -> VolumeRecord:
+        """One of the owner's volumes as it is kept (VolumeNotFound otherwise)."""
+        return await self._record(owner, volume_id)
 
     async def delete(self, owner: str, volume_id: str) -> None:
         record = await self._record(owner, volume_id, writing=True)
@@ -225,7 +247,7 @@ class Volumes:
 
     async def download(self, owner: str, volume_id: str, path: str) -> bytes:
         record = await self._record(owner, volume_id)
-        limit = self.settings.max_download_bytes
+        limit = self._admission.download_limit()
         return await self._files(record, lambda f: f.read(path, max_bytes=limit))
 
     async def list_files(
@@ -393,7 +415,7 @@ class Volumes:
         try:
             if self._record_of is not None:
                 found = await self._record_of(session_id)
-                if found is not None and getattr(found, "owner", owner) == owner:
+                if found is not None and found.owner == owner:
                     return True
             return self._state is not None and await self._state(session_id, owner) is not None
         except Exception:  # a store that cannot answer: held, never deleted under it

@@ -19,7 +19,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from orchestrator.vault.files import write_new
+from orchestrator.durable_files import write_new
 from orchestrator.vault.records import VaultSettingError, VaultUnavailable
 from sandbox.egress.interception import generate_ca
 

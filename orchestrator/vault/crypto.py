@@ -19,7 +19,7 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from orchestrator.vault.files import write_new
+from orchestrator.durable_files import write_new
 from orchestrator.vault.records import SecretBinding, VaultSettingError, VaultUnavailable
 
 KEY_FILE = "vault.key"

@@ -4,7 +4,8 @@
     <id>/data/                          its files (an ext4 image's mount point, or a directory)
     <id>/data.img                       the image, where volumes are images (disks.py)
     <id>/holders/<session id>           a session that mounts it (its owner inside)
-    <id>/.lock                          taken while it is mounted on the host or deleted
+    .lock-<id>                          taken while it is mounted on the host or deleted
+    .owner-<hash>.lock                  taken while an owner's volume is made
 
 Kept on disk, not in a database: in a cluster the directory is shared, and what a volume is,
 who holds it and the locks travel with it (flock, which NFS v4 carries). Blocking: the
@@ -28,6 +29,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from orchestrator.durable_files import write_new
 from orchestrator.volumes import disks
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,11 @@ class VolumeGone(Exception):
 
 
 class OverQuota(Exception):
-    """A new volume past its owner's count or total (the message says which)."""
+    """A new volume past its owner's count (`count`) or total (the message says which)."""
+
+    def __init__(self, message: str, *, count: bool) -> None:
+        super().__init__(message)
+        self.count = count
 
 
 class NotAnImageHere(Exception):
@@ -76,23 +82,33 @@ class VolumeStore:
         self.images = images
 
     def create(
-        self, owner: str, name: str, size_mb: int, quota: OwnerQuota, *, check: Callable[[], None]
+        self,
+        owner: str,
+        name: str,
+        size_mb: int,
+        quota: OwnerQuota,
+        *,
+        check: Callable[[list[VolumeRecord]], None] | None = None,
     ) -> VolumeRecord:
         """A new volume, its owner's count and total checked and grown as one step under a lock
-        every replica takes (`check`: called under it, first; it may raise)."""
+        every replica takes (`check`: given the owner's volumes under it, first; it may raise,
+        e.g. a name taken)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o711)
         with self._owner_lock(owner):
-            check()
             mine = [r for r in self.all() if r.owner == owner]
+            if check is not None:
+                check(mine)
             if len(mine) >= quota.max_volumes:
                 raise OverQuota(
-                    f"your key holds {len(mine)} volumes, the most it may; delete one first"
+                    f"your key holds {len(mine)} volumes, the most it may; delete one first",
+                    count=True,
                 )
             total = sum(r.size_mb for r in mine) + size_mb
             if total << 20 > quota.max_bytes:
                 raise OverQuota(
                     f"your volumes would be {total} MiB together, past your key's "
-                    f"{quota.max_bytes >> 20} MiB: delete one, or ask for less"
+                    f"{quota.max_bytes >> 20} MiB: delete one, or ask for less",
+                    count=False,
                 )
             return self._make(owner, name, size_mb)
 
@@ -172,6 +188,7 @@ class VolumeStore:
                 return holding
             (aside / _META).unlink(missing_ok=True)
         _remove(aside)
+        (self.root / f".lock-{record.id}").unlink(missing_ok=True)  # one waiting finds it gone
         return set()
 
     def unmount(self, record: VolumeRecord) -> None:
@@ -189,6 +206,9 @@ class VolumeStore:
             return
         for name in names:
             home = self.root / name
+            if name.startswith(".lock-") and not (self.root / name[len(".lock-") :]).exists():
+                (self.root / name).unlink(missing_ok=True)  # a delete cut short left it
+                continue
             unfinished = _ID.match(name) and not (home / _META).exists()
             if name.startswith(_DELETING) or unfinished:
                 with contextlib.suppress(OSError):
@@ -264,12 +284,7 @@ def _check_session_id(session_id: str) -> None:
 
 def _write_meta(home: Path, record: VolumeRecord) -> None:
     fields = asdict(record) | {"created_at": record.created_at.isoformat()}
-    partial = home / f".{_META}.partial"
-    with open(partial, "w") as f:
-        f.write(json.dumps(fields))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, home / _META)
+    write_new(home / _META, json.dumps(fields).encode(), 0o644)
 
 
 def _read_meta(home: Path) -> VolumeRecord | None:

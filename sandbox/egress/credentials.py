@@ -20,13 +20,12 @@ from typing import NoReturn
 from code_interpreter_wire.network_policy import HostPattern, PolicyError, normalize_host
 from code_interpreter_wire.secrets import (
     DEFAULT_HEADERS,
-    FRAMING_HEADERS,
-    HEADER_NAME,
     MAX_HEADER_CHARS,
     MAX_HEADERS,
     PLACEHOLDER_PREFIX,
     SECRET_NAME,
     VALUE,
+    checked_headers,
 )
 
 NAME_PATTERN = SECRET_NAME
@@ -39,13 +38,11 @@ _VALUE = VALUE  # what a header value may hold (the wire type's rule, and why)
 # matrix parameters (`/v1/..;/admin`, `/v1;x`, `%3b`), empty segments (`/v1//admin`), and a
 # double encoding (`%252e`), which a server or framework decoding twice would turn into one.
 _TRICKY_PATH = re.compile(r"(^|/)\.{1,2}(/|$)|%2e|%2f|%5c|%3b|%25|%00|\\|;|//", re.IGNORECASE)
-_TOKEN = HEADER_NAME  # an HTTP field name (RFC 9110's token)
 
 # Where a value goes when its binding does not say: the headers API keys travel in.
 DEFAULT_SECRET_HEADERS = DEFAULT_HEADERS
 MAX_SECRET_HEADERS = MAX_HEADERS  # header names one binding may name
 MAX_HEADER_NAME_CHARS = MAX_HEADER_CHARS
-_REFUSED_HEADERS = FRAMING_HEADERS  # never given a value (the wire type says why)
 # Methods never given a value, whatever a binding's `methods` says: TRACE (and IIS's TRACK) echo
 # the request, headers included, back to the sandbox; CONNECT is never forwarded as a request.
 NEVER_SWAPPED_METHODS = frozenset({"TRACE", "TRACK", "CONNECT"})
@@ -225,25 +222,16 @@ def _checked_value(name: str, value: str) -> SecretValue:
 
 
 def _checked_headers(name: str, headers: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(headers, str):  # one name given bare would be read as its letters
-        headers = (headers,)
-    chosen: dict[str, None] = {}
-    for header in headers:
-        if len(chosen) >= MAX_SECRET_HEADERS:
-            raise ValueError(f"secret {name}: name at most {MAX_SECRET_HEADERS} headers")
-        if not isinstance(header, str) or not _TOKEN.match(header):
-            raise ValueError(f"secret {name}: {str(header)[:80]!r} is not a header name")
-        if len(header) > MAX_HEADER_NAME_CHARS:
-            raise ValueError(
-                f"secret {name}: header names have at most {MAX_HEADER_NAME_CHARS} characters"
-            )
-        lower = header.lower()
-        if lower in _REFUSED_HEADERS:
-            raise ValueError(
-                f"secret {name}: {header} frames the request or concerns one hop; a value never "
-                "goes there"
-            )
-        chosen[lower] = None
+    """The wire type's rule (`checked_headers`), with the secret's name in a refusal."""
+    listed = [headers] if isinstance(headers, str) else list(headers)  # one name given bare
+    if not all(isinstance(h, str) for h in listed):
+        raise ValueError(f"secret {name}: header names are text")
+    if len(listed) > MAX_SECRET_HEADERS:
+        raise ValueError(f"secret {name}: name at most {MAX_SECRET_HEADERS} headers")
+    try:
+        chosen = checked_headers(listed)
+    except ValueError as exc:
+        raise ValueError(f"secret {name}: {exc}") from None
     if not chosen:
         raise ValueError(f"secret {name}: name at least one header (or none, for the defaults)")
     return tuple(chosen)

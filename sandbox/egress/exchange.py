@@ -249,11 +249,7 @@ class Exchange:
             path = inner_path(request.target, target)
         except BadTarget as exc:
             await self._answer(400, str(exc), f"egress refused: {exc}\n")
-        for name, value in request.headers:
-            if name == b"host":
-                mismatch = host_header_mismatch(value, target, 443)
-                if mismatch is not None:
-                    await self._answer(403, mismatch, f"egress refused: {mismatch}\n")
+        await self._host_header_agrees(request, target, 443)
         request = await self._substituted(request, target.host, path)
         forward = Forward(
             inner,
@@ -359,13 +355,19 @@ class Exchange:
                 default_port = 80
         except BadTarget as exc:
             await self._answer(400, str(exc), f"egress refused: {exc}\n")
+        self.host, self.port = target.host, target.port  # what a refusal is recorded for
+        await self._host_header_agrees(request, target, default_port)
+        return target
+
+    async def _host_header_agrees(
+        self, request: h11.Request, target: Target, default_port: int
+    ) -> None:
+        """A Host header naming another place than the target is refused (403)."""
         for name, value in request.headers:
             if name == b"host":
                 mismatch = host_header_mismatch(value, target, default_port)
                 if mismatch is not None:
-                    self.host, self.port = target.host, target.port
                     await self._answer(403, mismatch, f"egress refused: {mismatch}\n")
-        return target
 
     async def _dial(
         self, target: Target, addresses: tuple[IpAddress, ...]

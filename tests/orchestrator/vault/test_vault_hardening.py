@@ -21,9 +21,9 @@ from pydantic import ValidationError
 
 from code_interpreter_wire.network_policy import NetworkPolicy
 from code_interpreter_wire.secrets import StoreSecretRequest
+from orchestrator.durable_files import write_new
 from orchestrator.vault.ca import load_ca
 from orchestrator.vault.crypto import VaultKeyError, load_key
-from orchestrator.vault.files import write_new
 from orchestrator.vault.public_suffixes import StoreSecretBody
 from orchestrator.vault.records import InvalidSecret, SecretsNotAvailable, VaultSettingError
 from orchestrator.vault.sqlite_store import SqliteVault

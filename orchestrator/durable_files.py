@@ -1,6 +1,6 @@
-"""The vault's files written so that a crash never leaves an empty or half one in place: the
-data goes to a new temporary file beside it (created 0600, exclusively), is synced, and only
-then gets the file's name; the directory is synced after."""
+"""Files written so that a crash never leaves an empty or half one in place (the vault's keys
+and CA, volumes' metadata): the data goes to a new temporary file beside it (created 0600,
+exclusively), is synced, and only then gets the file's name; the directory is synced after."""
 
 from __future__ import annotations
 

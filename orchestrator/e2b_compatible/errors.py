@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from code_interpreter_wire.errors import FileAccessError, SandboxClosed
+from code_interpreter_wire.errors import FileAccessError, SandboxClosed, SandboxError
 from orchestrator.e2b_compatible.sandboxes import SandboxGone
 from orchestrator.http_errors import problems, status_of
 from orchestrator.metrics import METRICS
@@ -53,17 +53,20 @@ def e2b_error(status: int, message: str, kind: str = "E2BError") -> JSONResponse
     return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """The E2B-shaped answer for an error raised while serving an E2B route."""
+def error_response(exc: Exception, *, named: bool = False) -> JSONResponse:
+    """The E2B-shaped answer for an error raised while serving an E2B route; `named`: a typed
+    refusal of ours (SessionError, SandboxError) has its type before its message, as E2B's
+    body has no field for it (its volume routes, whose SDK callers tell refusals apart so)."""
     kind = type(exc).__name__
     if isinstance(exc, E2BError):
         return e2b_error(exc.status, str(exc), kind)
     if isinstance(exc, SandboxGone):
         return e2b_error(502, str(exc), kind)
+    said = f"{kind}: {exc}" if named and isinstance(exc, SessionError | SandboxError) else str(exc)
     if isinstance(exc, SessionExpired):  # E2B has no "expired": a killed sandbox is not found
-        return e2b_error(404, str(exc), kind)
+        return e2b_error(404, said, kind)
     if isinstance(exc, SessionError):
-        return e2b_error(exc.status, str(exc), kind)
+        return e2b_error(exc.status, said, kind)
     if isinstance(exc, HTTPException):
         return e2b_error(exc.status_code, str(exc.detail), kind)
     if isinstance(exc, RequestValidationError):
@@ -72,7 +75,7 @@ def error_response(exc: Exception) -> JSONResponse:
         return e2b_error(499, "the client disconnected; its code was stopped", kind)
     status = status_of(exc, _E2B_STATUS)
     if status is not None:
-        return e2b_error(status, str(exc), kind)
+        return e2b_error(status, said, kind)
     log.exception("unhandled error on an E2B route", exc_info=exc)
     return e2b_error(500, "the server failed; see its log", "InternalError")
 
@@ -80,13 +83,23 @@ def error_response(exc: Exception) -> JSONResponse:
 class E2BRoute(APIRoute):
     """A route whose errors come back in E2B's shape."""
 
+    named: ClassVar[bool] = False  # our refusals' type named in the message (error_response)
+
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        named = self.named
 
         async def route(request: Request) -> Response:
             try:
                 return await handler(request)
             except Exception as exc:
-                return error_response(exc)
+                return error_response(exc, named=named)
 
         return route
+
+
+class E2BNamedRoute(E2BRoute):
+    """An E2B route whose refusals name their type in the message (`VolumeInUse: ...`): the
+    volume routes'. The others' messages stay as E2B's own (its SDK matches some of them)."""
+
+    named = True

@@ -11,32 +11,26 @@ reported (0).
 
 from __future__ import annotations
 
-import contextlib
 import posixpath
 import re
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 from e2b.volume.client.models import VolumeEntryStat, VolumeEntryStatType
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 
-from code_interpreter_wire.errors import FileAccessError, FileMissing, SandboxError
+from code_interpreter_wire.errors import FileMissing
 from code_interpreter_wire.results import FileInfo
 from orchestrator.auth import Authenticator, WrongKeysThrottled, client_address
 from orchestrator.e2b_compatible.deps import ServiceDep
-from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
-from orchestrator.e2b_compatible.volumes import (
-    TOKEN_PREFIX,
-    TokenRefused,
-    owner_of_token,
-    typed,
-)
-from orchestrator.http_errors import status_of
+from orchestrator.e2b_compatible.errors import E2BError, E2BNamedRoute
+from orchestrator.e2b_compatible.files import _read_body
+from orchestrator.e2b_compatible.volumes import TOKEN_PREFIX, TokenRefused, owner_of_token
 from orchestrator.key_throttle import TooManyWrongKeys
 from orchestrator.service import Service
-from orchestrator.sessions import SessionError
 
-router = APIRouter(route_class=E2BRoute, tags=["e2b"])
+# Our refusals with their type in the message; a missing path 404 (the SDK's
+# VolumePathNotFoundException), a refused one 400 (errors.py).
+router = APIRouter(route_class=E2BNamedRoute, tags=["e2b"])
 PREFIX = "/volumecontent/"
 _VOLUME_OF_PATH = re.compile(r"/volumecontent/([^/]+)/")
 _KINDS = {
@@ -47,9 +41,19 @@ _KINDS = {
 
 
 # --- who calls
+_CALLER = "volume_caller"  # in the request's state: the owner owner_of_call found
+
+
 def owner_of_call(authenticate: Authenticator, service: Service, request: Request) -> str:
     """The owner a content call is made for: its volume token's (this volume's only), or its
-    API key's; 401 otherwise. A wrong token counts as a wrong key against its address."""
+    API key's; 401 otherwise. A wrong token counts as a wrong key against its address. Kept in
+    the request's state (the request gate asks first: the route takes its answer)."""
+    owner = _verified_owner(authenticate, service, request)
+    setattr(request.state, _CALLER, owner)
+    return owner
+
+
+def _verified_owner(authenticate: Authenticator, service: Service, request: Request) -> str:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     token = token.strip() if scheme.lower() == "bearer" else ""
     token = token or request.headers.get("x-api-key", "")
@@ -85,6 +89,10 @@ def owner_of_call(authenticate: Authenticator, service: Service, request: Reques
 
 
 async def _caller(request: Request, service: ServiceDep) -> str:
+    """The owner the request gate found for this call (request_guard.py), else found here."""
+    found = getattr(request.state, _CALLER, None)
+    if isinstance(found, str):
+        return found
     authenticate: Authenticator = request.app.state.authenticate
     return owner_of_call(authenticate, service, request)
 
@@ -114,24 +122,11 @@ def _stat(info: FileInfo) -> dict[str, Any]:
     ).to_dict()
 
 
-@contextlib.contextmanager
-def _typed_errors() -> Iterator[None]:
-    """Our refusals with their type in the message; a missing path 404 (the SDK's
-    VolumePathNotFoundException), a refused one 400."""
-    try:
-        yield
-    except SessionError as exc:
-        raise typed(exc) from None
-    except SandboxError as exc:
-        status = status_of(exc, {FileAccessError: 400}) or 500
-        raise E2BError(status, f"{type(exc).__name__}: {exc}") from None
-
-
 async def _entry(service: Service, owner: str, volume_id: str, path: str) -> FileInfo:
     """One entry, by a stat of its own path (the root: the volume itself)."""
     inside = _inside(path)
     if posixpath.normpath("/" + inside) == "/":
-        created = (await service.volumes.get(owner, volume_id)).created_at
+        created = (await service.volumes.record(owner, volume_id)).created_at
         return FileInfo(path="", type="directory", size=0, modified_at=created)
     found = await service.volumes.stat(owner, volume_id, inside)
     if found is None:
@@ -158,10 +153,9 @@ async def list_dir(
     depth: Annotated[int, Query(ge=1, le=64)] = 1,
 ) -> list[dict[str, Any]]:
     """Its entries, `depth` levels down (1: the directory's own); deeper ones are not walked."""
-    with _typed_errors():
-        listed = await service.volumes.list_files(
-            owner, volume_id, _inside(path), recursive=depth > 1, max_depth=depth - 1
-        )
+    listed = await service.volumes.list_files(
+        owner, volume_id, _inside(path), recursive=depth > 1, max_depth=depth - 1
+    )
     return [_stat(e) for e in listed]
 
 
@@ -179,18 +173,16 @@ async def make_dir(
     """With `force`, its missing parents too; without, a missing parent is 404."""
     _refuse_ownership(uid, gid, mode)
     inside = _inside(path)
-    with _typed_errors():
-        parent = posixpath.dirname(inside.rstrip("/"))
-        if not force and parent:
-            await _entry(service, owner, volume_id, parent)
-        await service.volumes.make_directory(owner, volume_id, inside)
-        return _stat(await _entry(service, owner, volume_id, inside))
+    parent = posixpath.dirname(inside.rstrip("/"))
+    if not force and parent:
+        await _entry(service, owner, volume_id, parent)
+    await service.volumes.make_directory(owner, volume_id, inside)
+    return _stat(await _entry(service, owner, volume_id, inside))
 
 
 @router.get("/volumecontent/{volume_id}/path", summary="E2B: a volume file's information")
 async def stat(volume_id: str, path: PathQuery, service: ServiceDep, owner: CallerDep) -> Any:
-    with _typed_errors():
-        return _stat(await _entry(service, owner, volume_id, path))
+    return _stat(await _entry(service, owner, volume_id, path))
 
 
 @router.patch("/volumecontent/{volume_id}/path", summary="E2B: change a file's owner or mode")
@@ -204,8 +196,7 @@ async def update_metadata(volume_id: str, path: PathQuery, owner: CallerDep) -> 
 async def remove(
     volume_id: str, path: PathQuery, service: ServiceDep, owner: CallerDep
 ) -> Response:
-    with _typed_errors():
-        await service.volumes.remove_file(owner, volume_id, _inside(path))
+    await service.volumes.remove_file(owner, volume_id, _inside(path))
     return Response(status_code=204)
 
 
@@ -218,8 +209,7 @@ async def remove(
 async def read_file(
     volume_id: str, path: PathQuery, service: ServiceDep, owner: CallerDep
 ) -> Response:
-    with _typed_errors():
-        data = await service.volumes.download(owner, volume_id, _inside(path))
+    data = await service.volumes.download(owner, volume_id, _inside(path))
     return Response(content=data, media_type="application/octet-stream")
 
 
@@ -235,16 +225,8 @@ async def write_file(
     mode: int | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """The body is the file (octet-stream): made with its parents, or replaced."""
+    """The body is the file (octet-stream, gunzipped if it says so): made with its parents,
+    or replaced. Past the upload limit: 413 FileTooLarge."""
     _refuse_ownership(uid, gid, mode)
-    limit = service.admission.upload_limit()
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise E2BError(413, f"FileTooLarge: the file is over the upload limit of {limit}")
-        chunks.append(chunk)
-    with _typed_errors():
-        written = await service.volumes.upload(owner, volume_id, _inside(path), b"".join(chunks))
-    return _stat(written)
+    data = await _read_body(request, service.admission.upload_limit())
+    return _stat(await service.volumes.upload(owner, volume_id, _inside(path), data))

@@ -2,14 +2,15 @@
 `get_info`, `destroy`, called with the API key) and `volumeMounts` on create.
 
 E2B names a volume by id or by name (its SDK mounts by name), so names made here are unique per
-key; a name two of a key's volumes share (made through `/v1/volumes`, where names are free) is
-refused as ambiguous rather than guessed. E2B's mounts are read-write; its SDK has no read-only
-flag. The volume token E2B gives with a volume opens that volume's files (volume_content.py) and
-nothing else, for TOKEN_TTL_S after it was given, and only while the key it was given to works
-(neither revoked nor gone from the settings): an HMAC of the owner, the volume and the time
-under a secret kept beside the volumes, so every replica sharing the volumes directory knows
-it and it survives restarts. E2B's SDK keeps a Volume object's token for the object's life and
-never asks for another: an object kept past a day is made again with `Volume.connect`.
+key (checked under the key's lock every replica takes); a name two of a key's volumes share
+(made through `/v1/volumes`, where names are free) is refused as ambiguous rather than guessed.
+E2B's mounts are read-write; its SDK has no read-only flag. The volume token E2B gives with a
+volume opens that volume's files (volume_content.py) and nothing else, for TOKEN_TTL_S after it
+was given, and only while the key it was given to works (neither revoked nor gone from the
+settings): an HMAC of the owner, the volume and the time under a secret kept beside the volumes,
+so every replica sharing the volumes directory knows it and it survives restarts. E2B's SDK
+keeps a Volume object's token for the object's life and never asks for another: an object kept
+past a day is made again with `Volume.connect`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from e2b.api.client.models import NewVolume, SandboxVolumeMount, VolumeAndToken
 from e2b.api.client.models import Volume as VolumeModel
@@ -32,19 +33,17 @@ from e2b.api.client.types import Unset
 from fastapi import APIRouter, Body, Response
 from pydantic import ValidationError
 
-from code_interpreter_wire.volumes import (
-    CreateVolumeRequest,
-    VolumeInfo,
-    VolumeMount,
-)
+from code_interpreter_wire.volumes import CreateVolumeRequest, VolumeMount
 from orchestrator.e2b_compatible.deps import ApiOwnerDep, ServiceDep
-from orchestrator.e2b_compatible.errors import E2BError, E2BRoute
+from orchestrator.e2b_compatible.errors import E2BError, E2BNamedRoute
 from orchestrator.http_errors import problems
 from orchestrator.service import Service
-from orchestrator.service_parts.volumes import VolumeNotFound
+from orchestrator.service_parts.volumes import VolumeNameTaken, VolumeNotFound
 from orchestrator.sessions import SessionError
+from orchestrator.volumes.store import VolumeRecord
 
-router = APIRouter(route_class=E2BRoute, tags=["e2b"])
+# Our refusals with their type in the message (`VolumeInUse: ...`): E2B's body has no field.
+router = APIRouter(route_class=E2BNamedRoute, tags=["e2b"])
 JSONBody = Annotated[dict[str, Any], Body()]
 
 TOKEN_PREFIX = "e2bvol_"
@@ -55,12 +54,16 @@ _CLOCK_SKEW_S = 300  # a token from a replica whose clock is ahead by up to this
 _SECRET_FILE = ".e2b-volume-token-key"  # in the volumes directory (never a volume's name)
 _KEY_BYTES = 32
 _keys: dict[Path, bytes] = {}  # by volumes directory: read as the front starts
-_creating = asyncio.Lock()  # a name is checked free and taken as one step
 
 
-def typed(exc: SessionError) -> E2BError:
-    """Our refusal in E2B's shape, its type named in the message (E2B's body has no field)."""
-    return E2BError(exc.status, f"{type(exc).__name__}: {exc}")
+class _Named(Protocol):
+    """What E2B is told of a volume: a VolumeInfo or a VolumeRecord."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 # --- volume tokens
@@ -176,15 +179,14 @@ def owner_of_token(service: Service, token: str, volume_id: str) -> str:
 
 
 # --- finding a volume by id or name
-async def find(service: Service, owner: str, id_or_name: str) -> VolumeInfo:
-    """The key's volume with this id, else with this name (E2B's SDK uses both)."""
+async def find(service: Service, owner: str, id_or_name: str) -> VolumeRecord:
+    """The key's volume with this id, else with this name (E2B's SDK uses both): as kept, its
+    usage not counted nor its holders read."""
     try:
-        return await service.volumes.get(owner, id_or_name)
+        return await service.volumes.record(owner, id_or_name)
     except VolumeNotFound:
         pass
-    except SessionError as exc:
-        raise typed(exc) from None
-    named = [v for v in await service.volumes.of_owner(owner) if v.name == id_or_name]
+    named = [v for v in await service.volumes.records(owner) if v.name == id_or_name]
     if len(named) > 1:
         ids = ", ".join(v.id for v in named)
         raise E2BError(
@@ -220,14 +222,14 @@ async def mounts_shown(
     shown = []
     for mount in mounts:
         try:
-            name = (await service.volumes.get(owner, mount.volume_id)).name
+            name = (await service.volumes.record(owner, mount.volume_id)).name
         except SessionError:
             name = mount.volume_id
         shown.append(SandboxVolumeMount(name=name, path=mount.path))
     return shown
 
 
-def _with_token(service: Service, owner: str, volume: VolumeInfo) -> dict[str, Any]:
+def _with_token(service: Service, owner: str, volume: _Named) -> dict[str, Any]:
     token = token_for(service, owner, volume.id)
     return VolumeAndToken(volume_id=volume.id, name=volume.name, token=token).to_dict()
 
@@ -242,21 +244,19 @@ async def create(body: JSONBody, service: ServiceDep, owner: ApiOwnerDep) -> dic
     except (KeyError, TypeError, ValueError) as exc:
         message = problems(exc.errors()) if isinstance(exc, ValidationError) else str(exc)
         raise E2BError(400, f"invalid volume request: {message}") from None
-    async with _creating:
-        if any(v.name == request.name for v in await service.volumes.of_owner(owner)):
-            raise E2BError(
-                409, f"VolumeExists: you have a volume named {request.name!r}: pick another name"
-            )
-        try:
-            volume = await service.volumes.create(owner, request)
-        except SessionError as exc:
-            raise typed(exc) from None
+    try:
+        volume = await service.volumes.create(owner, request, unique_name=True)
+    except VolumeNameTaken:  # (E2B's word for it)
+        raise E2BError(
+            409, f"VolumeExists: you have a volume named {request.name!r}: pick another name"
+        ) from None
     return _with_token(service, owner, volume)
 
 
 @router.get("/volumes", summary="E2B: list the caller's volumes")
 async def list_volumes(service: ServiceDep, owner: ApiOwnerDep) -> list[dict[str, Any]]:
-    volumes = await service.volumes.of_owner(owner)
+    """Ids and names only (E2B's list carries no more): as kept, no usage counted."""
+    volumes = await service.volumes.records(owner)
     return [VolumeModel(volume_id=v.id, name=v.name).to_dict() for v in volumes]
 
 
@@ -269,8 +269,5 @@ async def get(volume: str, service: ServiceDep, owner: ApiOwnerDep) -> dict[str,
 async def destroy(volume: str, service: ServiceDep, owner: ApiOwnerDep) -> Response:
     """409 while a sandbox (running or paused) mounts it; another key's is not found."""
     found = await find(service, owner, volume)
-    try:
-        await service.volumes.delete(owner, found.id)
-    except SessionError as exc:
-        raise typed(exc) from None
+    await service.volumes.delete(owner, found.id)
     return Response(status_code=204)

@@ -4,6 +4,8 @@ sandbox writes is read from outside; another key's volume is not found; a mounte
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import shutil
 import signal
@@ -25,10 +27,20 @@ from e2b import (
 from e2b.volume.volume_async import AsyncVolume
 from e2b.volume.volume_sync import Volume
 from e2b_code_interpreter import Sandbox
+from starlette.requests import Request
 
+from code_interpreter_wire.errors import FileAccessError, FileTooLarge
 from code_interpreter_wire.volumes import VolumeMount
 from orchestrator.config import Settings
-from orchestrator.e2b_compatible.sandboxes import SANDBOX_LABEL, E2BRecord, _restored, _saved
+from orchestrator.e2b_compatible.errors import E2BError, error_response
+from orchestrator.e2b_compatible.sandboxes import (
+    SANDBOX_LABEL,
+    E2BRecord,
+    SandboxGone,
+    _restored,
+    _saved,
+)
+from orchestrator.e2b_compatible.volume_content import _caller
 from orchestrator.e2b_compatible.volumes import (
     TOKEN_TTL_S,
     TokenRefused,
@@ -37,6 +49,7 @@ from orchestrator.e2b_compatible.volumes import (
     sign_token,
 )
 from orchestrator.governance.principals import Principals, owner_of
+from orchestrator.service_parts.volumes import VolumeInUse
 from orchestrator.settings_sections import AuthSection
 from tests.e2b_sdk_fixtures import point_sdk_at
 from tests.orchestrator.governance.conftest import add_key_to, eventually, run_keys
@@ -232,6 +245,13 @@ def test_content_calls_need_a_token_before_the_body_is_read(sdk: Server, volume:
         assert with_key.status_code == 200 and len(with_key.content) == len(big)
         full = http.put(url, params={"path": "more.bin"}, content=big, headers=headers)
         assert full.status_code == 413 and "VolumeFull" in full.json()["message"], full.text
+        # A gzip body is stored as it was before it was compressed.
+        zipped = {**headers, "Content-Encoding": "gzip"}
+        put = http.put(
+            url, params={"path": "z.txt"}, content=gzip.compress(b"z" * 9), headers=zipped
+        )
+        assert put.status_code == 201 and put.json()["size"] == 9, put.text
+        assert http.get(url, params={"path": "z.txt"}, headers=headers).content == b"z" * 9
 
 
 def test_a_paused_sandbox_keeps_its_volume(volume: Volume) -> None:
@@ -260,6 +280,30 @@ async def test_the_async_volume(sdk: Server, monkeypatch: pytest.MonkeyPatch) ->
         assert [e.path for e in await made.list("/")] == ["/n.txt"]
     finally:
         assert await AsyncVolume.destroy(made.volume_id) is True
+
+
+def _said(exc: Exception, *, named: bool) -> tuple[int, str]:
+    answer = error_response(exc, named=named)
+    return answer.status_code, json.loads(bytes(answer.body))["message"]
+
+
+def test_the_volume_routes_name_our_refusals_the_others_do_not() -> None:
+    """The volume routes' refusals say their type (E2B's body has no field for it); the rest of
+    the E2B front answers as E2B does (test_e2b_errors.py)."""
+    assert _said(VolumeInUse("mounted"), named=True) == (409, "VolumeInUse: mounted")
+    assert _said(FileAccessError("a link"), named=True) == (400, "FileAccessError: a link")
+    assert _said(FileTooLarge("big"), named=True) == (413, "FileTooLarge: big")
+    assert _said(E2BError(404, "VolumeNotFound: x"), named=True) == (404, "VolumeNotFound: x")
+    gone = SandboxGone("sbx-1")
+    assert _said(gone, named=True) == (502, str(gone))
+    assert _said(VolumeInUse("mounted"), named=False) == (409, "mounted")
+
+
+async def test_a_content_call_takes_the_owner_the_request_gate_found() -> None:
+    """The token is checked once, by the gate (request_guard.py): the route takes its answer
+    from the request's state (here with no authenticator to check it again)."""
+    request = Request({"type": "http", "state": {"volume_caller": "owner-1"}, "headers": []})
+    assert await _caller(request, service=None) == "owner-1"  # type: ignore[arg-type]
 
 
 def test_a_sandboxs_volumes_are_kept_with_its_record() -> None:

@@ -180,14 +180,19 @@ def test_only_the_proxy_leads_out(net: Net, session: tuple[httpx.Client, str]) -
     # The service itself is not reachable through the proxy.
     status, _ = fetched(api, sid, f"http://127.0.0.1:{server_port}/healthz")
     assert status in (400, 403)
-    # The egress directory holds this session's socket alone, read-only.
+    # The egress directory holds this session's socket and the public files a session with
+    # secrets trusts (the system's CAs and the deployment's: never a key), read-only.
     listed = run(
         api,
         sid,
-        "import os\nprint(sorted(os.listdir('/run/egress')))\n"
+        "import os, pathlib\nprint(sorted(os.listdir('/run/egress')))\n"
+        "print(any(b'PRIVATE KEY' in p.read_bytes() for p in pathlib.Path('/run/egress')"
+        ".glob('*.pem')))\n"
         "try:\n    open('/run/egress/x', 'w')\nexcept OSError as e:\n    print(type(e).__name__)",
     )
-    assert listed.split() == ["['proxy.sock']", "OSError"] or "PermissionError" in listed, listed
+    names, private, refused = listed.splitlines()
+    assert names == "['ca-bundle.pem', 'egress-ca.pem', 'proxy.sock']", listed
+    assert private == "False" and refused in ("OSError", "PermissionError"), listed
 
 
 def test_another_sessions_socket_is_out_of_reach(

@@ -56,10 +56,27 @@ _STARTED = b"will now block"  # what `ray start --block` logs once its node runs
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, *, besides: Sequence[int] = ()) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 now, none of `besides`. All are held open
+    until all are chosen: ports taken one at a time may repeat (the kernel hands a port just
+    closed out again), and Ray refuses a node whose components share one."""
+    held: list[socket.socket] = []  # the ones in `besides` too: so they are not handed out again
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket()
+            held.append(s)
+            s.bind((LOOPBACK, 0))
+            port: int = s.getsockname()[1]
+            if port not in besides:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def new_token() -> str:
@@ -249,13 +266,15 @@ class LocalCluster:
             sys.executable, "-m", "sandbox.backends.ray_cluster.loopback", "start", "--block",
             f"--node-ip-address={LOOPBACK}", f"--temp-dir={temp_dir}", "--disable-usage-stats",
             f"--num-cpus={num_cpus}", f"--resources={json.dumps(offered)}",
-            *(f"{option}={free_port()}" for option in _PORT_OPTIONS),
         ]  # fmt: skip
+        # The dashboard's port last: only a head takes it.
+        *ports, dashboard_port = free_ports(len(_PORT_OPTIONS) + 1, besides=(self.port,))
+        command += [f"{option}={port}" for option, port in zip(_PORT_OPTIONS, ports, strict=True)]
         node_env = {**os.environ, **self.env, **(env or {})}
         if head:
             # No dashboard; Ray still runs its minimal one, on a port of its own here too.
             command += ["--head", f"--port={self.port}", "--include-dashboard=false"]
-            command += [f"--dashboard-port={free_port()}"]
+            command += [f"--dashboard-port={dashboard_port}"]
             if self.health_check_ms is not None:
                 node_env["RAY_health_check_period_ms"] = str(self.health_check_ms)
                 node_env["RAY_health_check_failure_threshold"] = "3"

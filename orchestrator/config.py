@@ -389,6 +389,15 @@ class Settings(BaseSettings):
         description="CA certificates (PEM) the egress proxy trusts beside the system's when it "
         "speaks TLS to a host itself (credential substitution, docs/secrets.md): an internal CA.",
     )
+    egress_inspected_ports: Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode] = (
+        Field(
+            default_factory=lambda: [443],
+            description="CONNECT ports whose TLS the proxy inspects for a session with secrets "
+            "when none is bound to the host, so that a placeholder sent there is logged (and sent "
+            "unchanged); comma-separated, empty for none: such tunnels then stay opaque "
+            "(docs/secrets.md).",
+        )
+    )
 
     # --- the credential vault (docs/secrets.md): keys' secrets, substituted by the proxy
     vault_key: SecretStr | None = Field(
@@ -655,6 +664,7 @@ class Settings(BaseSettings):
         "docker_images",
         "docker_runtimes",
         "egress_private_hosts",
+        "egress_inspected_ports",
         "preload_modules",
         mode="before",
     )

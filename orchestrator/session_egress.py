@@ -42,6 +42,7 @@ def egress_settings(
         max_bytes_per_session=settings.egress_max_bytes_per_session,
         max_connections_per_session=settings.egress_max_connections_per_session,
         upstream_ca_file=settings.egress_upstream_ca_file,
+        inspected_ports=frozenset(settings.egress_inspected_ports),
     )
 
 

@@ -183,6 +183,7 @@ class EgressSection(Section):
     egress_max_connections_total: int
     egress_max_connections_per_key: int
     egress_upstream_ca_file: Path | None  # trusted beside the system's (docs/secrets.md)
+    egress_inspected_ports: tuple[int, ...]  # TLS looked into for placeholders
     service_endpoints: tuple[ServiceEndpoint, ...]
 
 

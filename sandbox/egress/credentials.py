@@ -376,6 +376,18 @@ class CredentialBindings:
             result.append((header, b"".join(pieces)))
         return Substitution(result, noted, swaps)
 
+    def unbound_outcomes(self, names: Iterable[str]) -> tuple[tuple[str, str], ...]:
+        """The outcomes of placeholders seen going, unchanged, to a host none of the session's
+        secrets is bound to (an inspected tunnel): bounded as `substitute`'s are."""
+        outcomes: list[tuple[str, str]] = []
+        unknown: set[str] = set()
+        for name in dict.fromkeys(names):
+            if name in self._by_name:
+                outcomes.append((name, HOST_NOT_BOUND))
+            else:
+                unknown.add(name)
+        return _bounded(outcomes, unknown)
+
 
 def _bounded(outcomes: list[tuple[str, str]], unknown: set[str]) -> tuple[tuple[str, str], ...]:
     """At most MAX_OUTCOMES (name, outcome) pairs: the made-up names in one (the name itself when

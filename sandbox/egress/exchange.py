@@ -24,7 +24,8 @@ from sandbox.egress.decision import decide, denied_address
 from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress.ledger import MAX_METHOD_CHARS, EgressLedger, EgressRecord
 from sandbox.egress.metering import ByteBudget, CapReached, Meter
-from sandbox.egress.pipe import CHUNK, pump, send
+from sandbox.egress.pipe import CHUNK, pump, send, tunnel
+from sandbox.egress.placeholder_scan import PlaceholderScanner
 from sandbox.egress.plain_http import Forward, end_to_end
 from sandbox.egress.resolver import Unreachable, resolve
 from sandbox.egress.responses import CONNECT_ESTABLISHED, answer, refusal
@@ -45,6 +46,8 @@ _LINGER_S = 2.0  # after an early answer, how long unread request bytes are drai
 _LINGER_BYTES = 1 << 20
 _CHECK_IDLE_EVERY_S = 1.0
 _MAX_ADDRESSES_TRIED = 8  # each may take the connect timeout
+_EARLY = "bytes were sent before the proxy's answer to CONNECT"
+_EARLY_ANSWER = f"{_EARLY}; wait for its 200"
 
 
 class SessionProxy(Protocol):
@@ -158,22 +161,10 @@ class Exchange:
         self.upstream_writer = upstream_writer
         if self.method == "CONNECT" and self._terminates(target):
             await self._terminate(target, connection, upstream_reader, upstream_writer)
+        elif self.method == "CONNECT" and self._inspects(target):
+            await self._inspect(target, addresses, connection, upstream_reader, upstream_writer)
         elif self.method == "CONNECT":
-            self.writer.write(CONNECT_ESTABLISHED)
-            await self.writer.drain()
-            early = connection.trailing_data[0]  # sent by the client before our 200 came
-
-            async def client_to_upstream() -> None:
-                if early:
-                    await send(upstream_writer, early, self.meter, up=True)
-                await pump(self.reader, upstream_writer, self.meter, up=True)
-
-            await self._watched(
-                lambda: _tunnel(
-                    client_to_upstream(),
-                    pump(upstream_reader, self.writer, self.meter, up=False),
-                )
-            )
+            await self._opaque(connection, upstream_reader, upstream_writer)
         else:
             request = await self._substituted(request, target.host, target.path, tls=False)
             forward = Forward(
@@ -196,6 +187,130 @@ class Exchange:
             and proxy.credentials.binds(target.host)
         )
 
+    def _inspects(self, target: Target) -> bool:
+        """Whether this CONNECT's TLS is inspected (not terminated for a swap): the session has
+        secrets, none bound to the host, and the port is one the operator has inspected."""
+        proxy = self.proxy
+        return (
+            bool(proxy.credentials)
+            and proxy.interceptor is not None
+            and target.port in proxy.settings.inspected_ports
+        )
+
+    async def _opaque(
+        self,
+        connection: h11.Connection,
+        upstream_reader: asyncio.StreamReader,
+        upstream_writer: asyncio.StreamWriter,
+    ) -> None:
+        """A CONNECT relayed as it is: what the client sends goes on unread."""
+        self.writer.write(CONNECT_ESTABLISHED)
+        await self.writer.drain()
+        early = connection.trailing_data[0]  # sent by the client before our 200 came
+
+        async def client_to_upstream() -> None:
+            if early:
+                await send(upstream_writer, early, self.meter, up=True)
+            await pump(self.reader, upstream_writer, self.meter, up=True)
+
+        await self._watched(
+            lambda: tunnel(
+                client_to_upstream(),
+                pump(upstream_reader, self.writer, self.meter, up=False),
+            )
+        )
+
+    async def _inspect(
+        self,
+        target: Target,
+        addresses: tuple[IpAddress, ...],
+        connection: h11.Connection,
+        upstream_reader: asyncio.StreamReader,
+        upstream_writer: asyncio.StreamWriter,
+    ) -> None:
+        """A CONNECT of a session with secrets to a host none is bound to: its TLS is ended
+        here (as for a bound host) so that a placeholder sent there is noted, then relayed
+        unchanged both ways. Where the proxy cannot see into it (bytes sent before its 200, a
+        host whose certificate the proxy does not verify, a server not speaking TLS), the
+        tunnel stays opaque, as for a session without secrets, and its record says so."""
+        credentials, interceptor = self.proxy.credentials, self.proxy.interceptor
+        assert credentials is not None and interceptor is not None
+        why_not = _EARLY if self._early(connection) else None
+        if why_not is None:
+            server_context = await asyncio.to_thread(interceptor.server_context, target.host)
+            why_not = await self._upstream_tls(target, upstream_writer)
+            if why_not is None and self._early(connection):  # sent while the proxy dialled
+                why_not = _EARLY
+            if why_not is not None:  # that connection tried TLS: the sandbox gets a new one
+                upstream_writer.transport.abort()
+                upstream_reader, upstream_writer = await self._dial(target, addresses)
+                self.upstream_writer = upstream_writer
+        if why_not is not None:
+            self.reason = f"{self.reason}; not inspected by the proxy: {why_not}"
+            await self._opaque(connection, upstream_reader, upstream_writer)
+            return
+        note = "TLS inspected by the proxy (the session has secrets, none bound to the host)"
+        if not await self._serve_tls(connection, server_context, note):
+            return
+        scanner = PlaceholderScanner()
+        try:
+            await self._watched(
+                lambda: tunnel(
+                    pump(self.reader, upstream_writer, self.meter, up=True, observe=scanner.feed),
+                    pump(upstream_reader, self.writer, self.meter, up=False),
+                )
+            )
+        finally:
+            scanner.close()
+            self._note_credentials(credentials.unbound_outcomes(scanner.names))
+
+    def _early(self, connection: h11.Connection) -> bool:
+        """Whether the client sent bytes after its CONNECT before the proxy's 200: TLS started
+        here would lose them (a ClientHello), and its handshake would hang."""
+        return bool(connection.trailing_data[0] or buffered(self.reader))
+
+    async def _upstream_tls(
+        self, target: Target, upstream_writer: asyncio.StreamWriter
+    ) -> str | None:
+        """Verified TLS of the proxy's own with the host; why it failed, if it did."""
+        interceptor = self.proxy.interceptor
+        assert interceptor is not None
+        settings = self.proxy.settings
+        where = f"{target.host}:{target.port}"
+        try:
+            client_context = interceptor.client_context(settings.upstream_ca_file)
+            async with asyncio.timeout(settings.connect_timeout_s):
+                await upstream_writer.start_tls(client_context, server_hostname=target.host)
+        except ssl.SSLCertVerificationError as exc:
+            return f"the certificate of {where} did not verify ({exc.verify_message})"
+        except (OSError, TimeoutError) as exc:
+            return f"TLS with {where} failed ({exc or type(exc).__name__})"
+        return None
+
+    async def _serve_tls(
+        self, connection: h11.Connection, server_context: ssl.SSLContext, note: str
+    ) -> bool:
+        """Answer the CONNECT and end the sandbox's TLS here, with `server_context` (a
+        certificate minted for the host); False (the exchange noted why) when its handshake
+        fails. Bytes sent before the answer are refused (400)."""
+        if self._early(connection):
+            await self._answer(400, _EARLY_ANSWER, f"egress refused: {_EARLY_ANSWER}\n")
+        self.writer.write(CONNECT_ESTABLISHED)
+        await self.writer.drain()
+        self.reason = f"{self.reason}; {note}"
+        try:
+            self.reader, self.writer = await serve_tls(
+                self.reader, self.writer, server_context, self.proxy.settings.header_timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            if self.end_note is None:  # not ended from outside meanwhile (closing, the cap)
+                self.end_note = (
+                    f"the sandbox's TLS with the proxy failed ({exc or type(exc).__name__}); "
+                    "does it trust the deployment's egress CA?"
+                )
+            return False
+        return True
+
     async def _terminate(
         self,
         target: Target,
@@ -207,42 +322,19 @@ class Exchange:
         certificate failing is a 502 before anything is read from the sandbox), then the
         sandbox's TLS ended here with a certificate minted for the host, and its request
         forwarded with its placeholders swapped. One request per tunnel (`Connection: close`)."""
-        proxy = self.proxy
-        interceptor = proxy.interceptor
-        assert interceptor is not None
-        settings = proxy.settings
-        where = f"{target.host}:{target.port}"
-        early = f"bytes sent before the proxy's answer to CONNECT {where}; wait for its 200"
-        if connection.trailing_data[0] or buffered(self.reader):
-            await self._answer(400, early, f"egress refused: {early}\n")
-        try:
-            client_context = interceptor.client_context(settings.upstream_ca_file)
-            async with asyncio.timeout(settings.connect_timeout_s):
-                await upstream_writer.start_tls(client_context, server_hostname=target.host)
-        except ssl.SSLCertVerificationError as exc:
-            why = f"the certificate of {where} did not verify ({exc.verify_message}); nothing sent"
-            await self._answer(502, why, f"egress failed: {why}\n")
-        except (OSError, TimeoutError) as exc:
-            why = f"TLS with {where} failed ({exc or type(exc).__name__}); nothing sent"
-            await self._answer(502, why, f"egress failed: {why}\n")
-        server_context = await asyncio.to_thread(interceptor.server_context, target.host)
-        if connection.trailing_data[0] or buffered(self.reader):
-            # Sent while the proxy dialled: those bytes (a ClientHello) would be lost to the TLS
-            # that starts here, and the handshake would hang.
-            await self._answer(400, early, f"egress refused: {early}\n")
-        self.writer.write(CONNECT_ESTABLISHED)
-        await self.writer.drain()
-        self.reason = f"{self.reason}; TLS terminated by the proxy (a secret is bound to the host)"
-        try:
-            self.reader, self.writer = await serve_tls(
-                self.reader, self.writer, server_context, settings.header_timeout_s
+        settings = self.proxy.settings
+        if self._early(connection):
+            await self._answer(400, _EARLY_ANSWER, f"egress refused: {_EARLY_ANSWER}\n")
+        failed = await self._upstream_tls(target, upstream_writer)
+        if failed is not None:
+            await self._answer(
+                502, f"{failed}; nothing sent", f"egress failed: {failed}; nothing sent\n"
             )
-        except (OSError, TimeoutError) as exc:
-            if self.end_note is None:  # not ended from outside meanwhile (closing, the cap)
-                self.end_note = (
-                    f"the sandbox's TLS with the proxy failed ({exc or type(exc).__name__}); "
-                    "does it trust the deployment's egress CA?"
-                )
+        interceptor = self.proxy.interceptor
+        assert interceptor is not None
+        server_context = await asyncio.to_thread(interceptor.server_context, target.host)
+        note = "TLS terminated by the proxy (a secret is bound to the host)"
+        if not await self._serve_tls(connection, server_context, note):
             return
         request, inner = await self._read_head()
         try:
@@ -473,25 +565,6 @@ class Exchange:
             duration_s=asyncio.get_running_loop().time() - self.started_mono,
             credentials=tuple(self.credentials),
         )
-
-
-async def _tunnel(up: Awaitable[None], down: Awaitable[None]) -> None:
-    """Both directions of a tunnel. The client's end of sending is passed on (a half-close) and
-    the answer still flows back; the destination's end of sending ends the tunnel once all it
-    sent is delivered, as a destination closing means the exchange is over. A failure of either
-    direction ends both."""
-    up_task, down_task = asyncio.ensure_future(up), asyncio.ensure_future(down)
-    waiting = {up_task, down_task}
-    try:
-        while not down_task.done():
-            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
-    finally:
-        for task in (up_task, down_task):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
 
 
 FLUSH_S = 10.0  # the most a closing connection may take to deliver its last bytes

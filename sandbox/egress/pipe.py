@@ -4,6 +4,8 @@ backpressure through `drain`, the byte cap, and a half-close passed on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
 from sandbox.egress.metering import CapReached, Meter
 
@@ -23,13 +25,40 @@ async def send(writer: asyncio.StreamWriter, data: bytes, meter: Meter, *, up: b
 
 
 async def pump(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, meter: Meter, *, up: bool
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    meter: Meter,
+    *,
+    up: bool,
+    observe: Callable[[bytes], None] | None = None,
 ) -> None:
-    """Copy until end of file, then half-close the writer so the far side sees the end too."""
+    """Copy until end of file, then half-close the writer so the far side sees the end too.
+    `observe` is shown each chunk before it is sent."""
     while True:
         chunk = await reader.read(CHUNK)
         if not chunk:
             break
+        if observe is not None:
+            observe(chunk)
         await send(writer, chunk, meter, up=up)
     if writer.can_write_eof() and not writer.is_closing():
         writer.write_eof()
+
+
+async def tunnel(up: Awaitable[None], down: Awaitable[None]) -> None:
+    """Both directions of a tunnel. The client's end of sending is passed on (a half-close) and
+    the answer still flows back; the destination's end of sending ends the tunnel once all it
+    sent is delivered, as a destination closing means the exchange is over. A failure of either
+    direction ends both."""
+    up_task, down_task = asyncio.ensure_future(up), asyncio.ensure_future(down)
+    waiting = {up_task, down_task}
+    try:
+        while not down_task.done():
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+    finally:
+        for task in (up_task, down_task):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task

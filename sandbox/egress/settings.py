@@ -53,6 +53,10 @@ class EgressSettings:
     # CA certificates trusted beside the system's when the proxy itself speaks TLS to a host
     # (credential substitution, sandbox/egress/interception.py): an internal CA, or tests'.
     upstream_ca_file: Path | None = None
+    # The CONNECT ports whose TLS the proxy inspects for a session with secrets when no secret
+    # is bound to the host: the placeholders it carries are noted (sent unchanged); empty, such
+    # tunnels stay opaque (sandbox/egress/exchange.py, docs/secrets.md).
+    inspected_ports: frozenset[int] = frozenset({443})
     private_ports: Mapping[str, frozenset[int]] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -116,6 +117,8 @@ def server(https: Https) -> Iterator[Server]:
         egress_resolve=",".join(f"{h}=127.0.0.1" for h in HOSTS),
         egress_private_hosts=",".join(f"{h}:{https.port}" for h in HOSTS),
         egress_upstream_ca_file=https.ca_file,
+        # The test server's port stands for 443: HTTPS to an unbound host there is inspected.
+        egress_inspected_ports=https.port,
     )
     srv.start()
     try:
@@ -231,22 +234,42 @@ def test_the_bound_host_receives_the_value_and_the_sandbox_only_the_placeholder(
     assert run(api, sid, dump).strip() == "0 True"
 
 
-def test_an_unbound_host_gets_the_placeholder_unchanged(
-    https: Https, session: tuple[httpx.Client, str]
+def test_an_unbound_host_gets_the_placeholder_unchanged_and_the_attempt_is_logged(
+    server: Server, https: Https, session: tuple[httpx.Client, str]
 ) -> None:
     api, sid = session
     url = f"https://{HOSTS[1]}:{https.port}/unbound"
     code = (
-        "import os, requests, urllib3\n"
-        "urllib3.disable_warnings()\n"
+        "import os, requests\n"
         "auth = {'Authorization': 'Bearer ' + os.environ['API_KEY']}\n"
-        # Not terminated: the sandbox's own TLS reaches the server, whose CA it does not know.
-        f"r = requests.get('{url}', headers=auth, timeout=60, verify=False)\n"
+        # Inspected: the proxy ends the sandbox's TLS (which trusts the deployment's CA).
+        f"r = requests.get('{url}', headers=auth, timeout=60)\n"
         "print(r.status_code, r.text)\n"
     )
     assert run(api, sid, code).strip() == "200 ok"
     received = [auth for host, path, auth in https.seen if path == "/unbound"]
     assert received == ["Bearer cir-secret://API_KEY"]
+    events = _secret_events(api, sid)
+    assert [(e["details"]["host"], e["details"]["secrets"]) for e in events] == [
+        (HOSTS[1], [{"name": "API_KEY", "outcome": "sent unchanged: host not bound"}])
+    ]
+    # And the service's log line for the connection names the attempt (never a value).
+    assert "API_KEY: sent unchanged: host not bound" in server.log.read_text()
+
+
+def _secret_events(api: httpx.Client, sid: str) -> list[dict[str, Any]]:
+    """The session's `secret.used` audit events, once there is one (the proxy records a
+    connection as it ends, the audit log takes it a moment later)."""
+    events: list[dict[str, Any]] = []
+    for _ in range(50):
+        page = api.get("/v1/audit", params={"kind": "secret.used", "session_id": sid})
+        assert page.status_code == 200, page.text
+        events = page.json()["events"]
+        if events:
+            break
+        time.sleep(0.2)
+    assert events, "no secret.used event"
+    return events
 
 
 def test_uses_are_audited_by_name_never_by_value(
@@ -260,15 +283,7 @@ def test_uses_are_audited_by_name_never_by_value(
         "import os, requests\n"
         f"requests.get('{url}', headers={{'X-Key': os.environ['API_KEY']}}, timeout=60)\n",
     )
-    events = []
-    for _ in range(50):
-        page = api.get("/v1/audit", params={"kind": "secret.used", "session_id": sid})
-        assert page.status_code == 200, page.text
-        events = page.json()["events"]
-        if events:
-            break
-        time.sleep(0.2)
-    assert events, "no secret.used event"
+    events = _secret_events(api, sid)
     assert VALUE not in json.dumps(events)
     # One event for the connection, its placeholders' outcomes in it.
     assert len(events) == 1, events

@@ -8,13 +8,23 @@ from orchestrator.state_store.redis_connection import RedisConnection, text
 from orchestrator.vault.records import SecretRecord, SecretsFull
 from orchestrator.vault.store import VaultStore
 
-# KEYS: the owner's hash. ARGV: name, the record's JSON, the cap. Returns "new", "replaced" or
-# "full".
+# KEYS: the owner's hash. ARGV: name, the record's JSON without its `created_at`, the cap, the
+# `created_at` of a new record. A replacement keeps the stored one, read in the script (never
+# before it: two replicas replacing at once would otherwise race), written back exactly
+# (%.17g round-trips a double). Returns "new", "replaced" or "full".
 _PUT = """
-local held = redis.call('HEXISTS', KEYS[1], ARGV[1])
-if held == 0 and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 'full' end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if held == 1 then return 'replaced' end
+local earlier = redis.call('HGET', KEYS[1], ARGV[1])
+if not earlier and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 'full' end
+local created = ARGV[4]
+if earlier then
+  local kept = cjson.decode(earlier)['created_at']
+  if type(kept) == 'number' then created = string.format('%.17g', kept) end
+end
+local rest = string.sub(ARGV[2], 2)
+local sep = ','
+if rest == '}' then sep = '' end
+redis.call('HSET', KEYS[1], ARGV[1], '{"created_at":' .. created .. sep .. rest)
+if earlier then return 'replaced' end
 return 'new'
 """
 
@@ -27,16 +37,11 @@ class RedisVault(VaultStore):
         self._put = self._redis.register_script(_PUT)
 
     async def put(self, record: SecretRecord, max_per_owner: int) -> bool:
-        earlier = await self.get(record.owner, record.name)
-        if earlier is not None:
-            record = record.model_copy(update={"created_at": earlier.created_at})
         keys = [self._key("vault", record.owner)]
+        doc = record.model_dump_json(exclude={"created_at"})
+        args: list[str | int] = [record.name, doc, max_per_owner, repr(record.created_at)]
         with self._errors():
-            answer = text(
-                await self._put(
-                    keys=keys, args=[record.name, record.model_dump_json(), max_per_owner]
-                )
-            )
+            answer = text(await self._put(keys=keys, args=args))
         if answer == "full":
             raise SecretsFull(f"this key holds {max_per_owner} secrets, the most it may")
         return answer == "replaced"

@@ -4,6 +4,7 @@ what a cluster without its shared key and CA says."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import secrets
 import stat
@@ -79,6 +80,29 @@ async def test_a_store_keeps_each_owners_secrets_apart_and_caps_them(store: Vaul
     assert await store.delete("a", "ONE") is True
     assert await store.delete("a", "ONE") is False
     assert await store.get("b", "ONE") is not None
+
+
+async def test_replacements_at_once_keep_the_first_records_creation_time(
+    store: VaultStore,
+) -> None:
+    """Replicas storing one name at once: whichever was stored first is the one created, and its
+    time is kept to the last bit by every replacement."""
+    sealer = Sealer(secrets.token_bytes(32))
+    made = [
+        record("a", "RACED", sealer, f"v{n}").model_copy(
+            update={"created_at": 1_764_432_000.123_456_7 + n / 1_000_003}
+        )
+        for n in range(8)
+    ]
+    replaced = await asyncio.gather(*(store.put(r, 10) for r in made))
+    assert sorted(replaced) == [False] + [True] * 7
+    first = made[replaced.index(False)]
+    kept = await store.get("a", "RACED")
+    assert kept is not None and kept.created_at == first.created_at
+    assert await store.put(record("a", "RACED", sealer), 10) is True
+    again = await store.get("a", "RACED")
+    assert again is not None and again.created_at == first.created_at
+    assert again.updated_at != first.updated_at or again.nonce != first.nonce
 
 
 def test_a_sealed_value_opens_only_for_its_owner_name_and_binding() -> None:

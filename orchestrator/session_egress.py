@@ -17,7 +17,6 @@ from orchestrator.cluster.shared import RelayedEgress
 from orchestrator.metrics import METRICS
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import EgressSection
-from orchestrator.vault.records import SecretsNotAvailable
 from orchestrator.vault.vault import SessionSecrets, Vault
 from sandbox import Sandbox
 from sandbox.descriptors import raise_descriptor_limit
@@ -52,9 +51,9 @@ class SessionEgress:
     def __init__(
         self,
         settings: EgressSection,
+        vault: Vault,
         on_connection: Callable[[Session, EgressRecord], None] | None = None,
         refused_endpoints: Sequence[ServiceEndpoint] | None = None,
-        vault: Vault | None = None,
     ) -> None:
         """`on_connection`: told of each connection as it ends (the audit log); it must not
         block or raise. `refused_endpoints`: what no sandbox may reach (by default the
@@ -124,13 +123,11 @@ class SessionEgress:
         every session once the vault has its CA, secrets or not: a sandbox forked or restored
         from one that had secrets keeps its variables naming them (SSL_CERT_FILE...), so they
         must name a file. The files are public: the system's CAs and the deployment's."""
-        trust = self._vault.trust if self._vault is not None else None
+        trust = self._vault.trust
         if trust is not None:  # off the event loop: the system's CAs are some 200 KiB
             await asyncio.to_thread(_write_trust_files, directory, trust.files())
         if not session.secrets:
             return None
-        if self._vault is None:
-            raise SecretsNotAvailable("this service keeps no secrets")
         return await self._vault.for_session(session.owner, session.id, session.secrets)
 
     async def attach(self, session: Session) -> None:
@@ -152,7 +149,7 @@ class SessionEgress:
         METRICS.egress_bytes.labels(backend, "up").inc(entry.bytes_up)
         METRICS.egress_bytes.labels(backend, "down").inc(entry.bytes_down)
         log.info("%s", entry.describe(session.id))
-        if entry.credentials and self._vault is not None:
+        if entry.credentials:
             self._vault.used(session.owner, session.id, entry.host, entry.credentials)
         if self._on_connection is not None:
             self._on_connection(session, entry)

@@ -20,7 +20,6 @@ from orchestrator.session_egress import SessionEgress
 from orchestrator.sessions import Session
 from orchestrator.settings_sections import ChannelSection, EgressSection
 from orchestrator.state_store import SessionRecord
-from orchestrator.vault.records import SecretsNotAvailable
 from orchestrator.vault.vault import Vault
 from sandbox import Sandbox
 from sandbox.egress.outbox import EgressReport
@@ -37,7 +36,7 @@ class Channels:
         admission: Admission,
         approvals: Approvals,
         trail: AuditTrail,
-        vault: Vault | None = None,
+        vault: Vault,
     ) -> None:
         """`registry`: the host tools sessions may call (configured from the settings here);
         `egress`: the settings of sessions' egress proxies; `vault`: the keys' secrets their
@@ -51,7 +50,7 @@ class Channels:
         self._channels: dict[str, ToolChannel] = {}  # session id -> its tool channel
         self._relays = ToolRelays()  # host tools of sessions whose sandbox is elsewhere
         self._vault = vault
-        self._egress = SessionEgress(egress, on_connection=trail.egress_connection, vault=vault)
+        self._egress = SessionEgress(egress, vault, on_connection=trail.egress_connection)
 
     async def start(self) -> None:
         await self._registry.start()
@@ -153,8 +152,6 @@ class Channels:
         the CA bundle's variables); refused (SecretsNotAvailable) before a sandbox is made."""
         if not names:
             return {}
-        if self._vault is None:
-            raise SecretsNotAvailable("this service keeps no secrets")
         return await self._vault.session_env(owner, names, policy)
 
     async def open_egress(self, session: Session) -> None:

@@ -58,7 +58,7 @@ class Pauses:
         persistence: Persistence,
         trail: AuditTrail,
         outputs: KeptOutputs,
-        volumes: Volumes | None = None,
+        volumes: Volumes,
     ) -> None:
         """`volumes`: what a session that resumes with volumes mounts, made ready first."""
         self.settings = settings
@@ -166,7 +166,7 @@ class Pauses:
         paused and nothing is lost (ResumeFailed)."""
         saved = await self._records.saved_state(record.saved_state) if record.saved_state else None
         spec, notices = self._admission.fit_resumed(record)
-        if spec.mounts and self._volumes is not None:  # its volumes still its, on the host
+        if spec.mounts:  # its volumes still its, on the host
             await self._volumes.ready(record.owner, spec.mounts)
         async with self._admission.session_slot(record.owner):
             session = await self._sessions.create(

@@ -220,6 +220,8 @@ class Volumes:
 
     async def upload(self, owner: str, volume_id: str, path: str, data: bytes) -> FileInfo:
         self._admission.check_upload_size(len(data))
+        # Checked again (the route checked before reading the body): the volume may have gone,
+        # or the key's rule changed, while the body came.
         record = await self._record(owner, volume_id, writing=True)
         clean_path(path)
         lock = self._writing.setdefault(volume_id, asyncio.Lock())

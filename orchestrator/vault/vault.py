@@ -104,12 +104,10 @@ class TrustFiles:
 @dataclass(frozen=True)
 class SessionSecrets:
     """What a session's egress proxy is given: its bindings (values opened) and the interceptor
-    that terminates TLS for their hosts; and the files its sandbox trusts."""
+    that terminates TLS for their hosts (the files its sandbox trusts are `Vault.trust`)."""
 
     bindings: CredentialBindings
     interceptor: TlsInterceptor
-    bundle: bytes
-    ca_cert: bytes
 
 
 def unreachable(hosts: Sequence[str], policy: NetworkPolicy) -> list[str]:
@@ -311,7 +309,7 @@ class Vault:
         no longer opens (the vault key changed, its record changed at rest), is left unbound
         with a warning naming it: its placeholder then goes out unchanged."""
         store, sealer = self._opened()
-        assert self._interceptor is not None and self._trust is not None
+        assert self._interceptor is not None
         bindings = []
         for name in dict.fromkeys(names):
             record = await store.get(owner, name)
@@ -324,10 +322,7 @@ class Vault:
             except (VaultUnavailable, ValueError) as exc:
                 log.warning("session %s: %s; left unbound", session_id, exc)
                 continue
-        trust = self._trust
-        return SessionSecrets(
-            CredentialBindings(bindings), self._interceptor, trust.bundle, trust.ca_cert
-        )
+        return SessionSecrets(CredentialBindings(bindings), self._interceptor)
 
     def used(
         self, owner: str, session_id: str, host: str | None, outcomes: Sequence[tuple[str, str]]

@@ -181,7 +181,10 @@ async def test_the_vault_binds_by_name_and_audits_without_values(tmp_path: Path)
         assert info.headers == ["authorization", "x-api-key", "api-key"]  # the default
         bound = await vault.for_session("a", "s-1", ["API_KEY"])
         assert bound.bindings.names == ("API_KEY",) and VALUE not in repr(bound.bindings)
-        assert b"BEGIN CERTIFICATE" in bound.ca_cert and bound.bundle.endswith(bound.ca_cert)
+        trust = vault.trust
+        assert trust is not None and b"BEGIN CERTIFICATE" in trust.ca_cert
+        assert trust.bundle.endswith(trust.ca_cert)
+        assert bound.interceptor.ca_cert_pem == trust.ca_cert
         vault.used("a", "s-1", "api.example.com", [("API_KEY", "substituted")])
         await vault.delete("a", "API_KEY")
         with pytest.raises(SecretNotFound):

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from code_interpreter_client import Client
+from code_interpreter_client import APIError, Client
 from tests.gvisor.conftest import machine_server
 from tests.orchestrator.service.conftest import KEY_A, Server
 
@@ -128,3 +128,30 @@ def test_forks_of_a_machine_snapshot_carry_memory_and_processes_with_keys_of_the
         finally:
             for one in [sid, *forks]:
                 api.delete(f"/v1/sessions/{one}")
+
+
+def test_a_machine_session_keeps_its_volume_across_a_whole_pause(server: Server) -> None:
+    """A volume in a gVisor machine through the service: written inside, held while the machine
+    is saved whole (not deleted under it; written from outside meanwhile), mounted again where
+    it was when the machine is restored."""
+    with Client(server.url, KEY_A) as api:
+        volume = api.create_volume("machine-data", size_mb=16).id
+        sid = api.create_session(volumes=[{"volume_id": volume, "path": "/mnt/v"}]).id
+        try:
+            wrote = api.execute(sid, GENERATOR + "\nopen('/mnt/v/inside', 'w').write('1')")
+            assert wrote.error is None, wrote
+            assert api.pause(sid).state == "paused"
+            assert len(list((server.state_dir / "gvisor-paused").iterdir())) == 1
+            with pytest.raises(APIError) as held:
+                api.delete_volume(volume)
+            assert held.value.status == 409, held.value
+            api.upload_to_volume(volume, "outside", b"2")
+            assert api.resume(sid).session.state == "running"
+            both = api.execute(
+                sid, "print(next(c), open('/mnt/v/inside').read(), open('/mnt/v/outside').read())"
+            )
+            assert both.stdout == "2 1 2\n", both
+        finally:
+            api.delete_session(sid)
+        assert api.download_from_volume(volume, "inside") == b"1"
+        api.delete_volume(volume)  # let go with its session

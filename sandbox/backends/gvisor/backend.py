@@ -61,6 +61,7 @@ from sandbox.backends.gvisor.machine_images import (
     MANIFEST,
     read_manifest,
     template_key,
+    volume_places,
 )
 from sandbox.backends.gvisor.machine_sandbox import IMAGE_DIR, WORKSPACE_DIR, GvisorSandbox
 from sandbox.backends.gvisor.workspace_copy import copy_workspace
@@ -146,6 +147,7 @@ class GvisorBackend(Backend):
         ports=True,
         root=True,
         egress_files=True,
+        mounts=True,  # bound by runsc's gofer, kept across a pause (the same places)
     )
 
     @classmethod
@@ -215,8 +217,9 @@ class GvisorBackend(Backend):
         image = spec.image or self.config.image
         kernels, rootfs = await self._image(image)
         # A machine with a network holds the forwarder's TCP port, which this gVisor cannot
-        # save: no template of it could be made.
-        if self.config.templates and not spec.network.enabled:
+        # save: no template of it could be made. One with volumes holds their mounts: its
+        # template would be of those volumes alone.
+        if self.config.templates and not spec.network.enabled and not spec.mounts:
             template = await self._template(spec, image, rootfs)
             if template is not None:
                 try:
@@ -340,6 +343,13 @@ class GvisorBackend(Backend):
                 raise ImageUnusable(
                     f"the saved machine {had} {what}; a sandbox restored from it must too"
                 )
+        held = [(str(m["path"]), bool(m["read_only"])) for m in manifest.get("volumes") or []]
+        if held != volume_places(spec):  # the restored mount table is the saved one
+            listed = ", ".join(f"{p} ({'ro' if ro else 'rw'})" for p, ro in held) or "none"
+            raise ImageUnusable(
+                f"the saved machine had volumes mounted at {listed}; a sandbox restored from it "
+                "must mount volumes at those places, as they were"
+            )
         image = str(manifest["image"])
         kernels, rootfs = await self._image(image)
         recipe = self._recipe(spec, image, kernels, rootfs)
@@ -478,6 +488,7 @@ class _MachineRecipe(KernelRecipe["GvisorSandbox"]):
             limits=self.spec.limits,
             cgroup=f"{CGROUP_PARENT}/{self.sandbox_id}",
             read_only=read_only_dirs(self.host_channel, self.egress_channel),
+            volumes=self.spec.mounts,
         )
         config["process"]["cwd"] = "/"
         write_bundle(bundle, config)

@@ -30,7 +30,7 @@ import logging
 import os
 import shutil
 import tarfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, cast
 
@@ -40,7 +40,7 @@ from code_interpreter_wire.errors import (
     SandboxError,
     SandboxStartError,
 )
-from code_interpreter_wire.spec import ResourceLimits
+from code_interpreter_wire.spec import DirectoryMount, ResourceLimits
 from sandbox.backends.base import HOME_IN_SANDBOX, WORKSPACE_IN_SANDBOX, SavedSandboxUnusable
 from sandbox.backends.docker_launcher import gvisor_host_pids
 from sandbox.backends.gvisor.agent_channel import (
@@ -416,11 +416,13 @@ def oci_config(
     limits: ResourceLimits,
     cgroup: str | None,
     read_only: dict[str, Path] | None = None,
+    volumes: Sequence[DirectoryMount] = (),
 ) -> dict[str, Any]:
     """The machine's OCI config: its agent as root (with root's rights inside gVisor), the
     root filesystem under the machine's own overlay, tmpfs /tmp and /run (saved with the
     machine), the workspace bound twice, our programs bound read-only, `read_only`'s host
-    directories at their paths inside (the channels' files), and the sandbox's limits."""
+    directories at their paths inside (the channels' files), `volumes` at theirs (read-only
+    as each says), and the sandbox's limits."""
     memory = limits.memory_mb << 20
 
     def bind(source: Path, target: str, *, ro: bool) -> dict[str, Any]:
@@ -489,6 +491,7 @@ def oci_config(
             bind(workspace, WORKSPACE_IN_SANDBOX, ro=False),
             bind(workspace, HOME_IN_SANDBOX, ro=False),
             *(bind(source, target, ro=True) for target, source in (read_only or {}).items()),
+            *(bind(Path(m.source), m.path, ro=m.read_only) for m in volumes),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],

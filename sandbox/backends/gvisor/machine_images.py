@@ -63,6 +63,13 @@ def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
     return manifest
 
 
+def volume_places(spec: SandboxSpec) -> list[tuple[str, bool]]:
+    """Where a machine's volumes are mounted, and whether read-only: what a saved machine's
+    manifest keeps, and a sandbox restored from it must mount the same (its mount table is the
+    saved one; the host directories may be others, the same volumes made ready again)."""
+    return sorted((mount.path, mount.read_only) for mount in spec.mounts)
+
+
 @functools.cache
 def inside_code_digest() -> str:
     """Our code a machine runs inside (its agent and the modules beside it, start-up files,

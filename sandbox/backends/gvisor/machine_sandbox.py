@@ -27,7 +27,7 @@ from sandbox.backends.gvisor.machine import (
     RestoreFailed,
 )
 from sandbox.backends.gvisor.machine_channels import channel_environment
-from sandbox.backends.gvisor.machine_images import rekey_code, write_manifest
+from sandbox.backends.gvisor.machine_images import rekey_code, volume_places, write_manifest
 from sandbox.backends.gvisor.processes import MachineSpawner
 from sandbox.backends.gvisor.workspace_copy import copy_workspace
 from sandbox.backends.kernel_sandbox import KernelSandbox
@@ -167,6 +167,10 @@ class GvisorSandbox(KernelSandbox):
             "uid": self._uid,
             "host_tools": self.spec.host_tools,
             "network": self.spec.network.enabled,
+            "volumes": [
+                {"path": path, "read_only": read_only}
+                for path, read_only in volume_places(self.spec)
+            ],
             "kernels": kernels,
             "processes": processes,
         }

@@ -65,15 +65,23 @@ async def test_a_paused_machine_wakes_with_its_volumes_and_only_with_them(
     shared, data = volumes
     spec = small_spec(mounts=mounts(shared, data))
     sb = await gvisor.create(spec)
-    await sb.execute("f = open('/mnt/shared/log.txt', 'a'); f.write('before\\n'); f.flush()")
-    handle = await sb.suspend()
+    try:
+        await sb.execute("f = open('/mnt/shared/log.txt', 'a'); f.write('before\\n'); f.flush()")
+        handle = await sb.suspend()
+    except BaseException:
+        await sb.close()
+        raise
     assert handle is not None
     (shared / "while-paused.txt").write_text("written while it slept")
     # Its mount table is the saved one: volumes elsewhere (or none) are refused, typed.
-    for other in ([], [DirectoryMount(source=str(shared), path="/mnt/elsewhere")]):
-        with pytest.raises(ImageUnusable, match="volumes mounted at"):
-            await gvisor.wake(handle, small_spec(mounts=other))
-    woken = await gvisor.wake(handle, spec)
+    try:
+        for other in ([], [DirectoryMount(source=str(shared), path="/mnt/elsewhere")]):
+            with pytest.raises(ImageUnusable, match="volumes mounted at"):
+                await gvisor.wake(handle, small_spec(mounts=other))
+        woken = await gvisor.wake(handle, spec)
+    except BaseException:
+        await gvisor.discard(handle)
+        raise
     try:
         await gvisor.woken(handle)
         # The file it held open goes on where it was; what the host wrote meanwhile is there.

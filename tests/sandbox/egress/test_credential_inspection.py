@@ -24,14 +24,15 @@ from sandbox.egress.interception import TlsInterceptor
 from sandbox.egress.placeholder_scan import MAX_NAMES, PlaceholderScanner
 from tests.sandbox.egress.conftest import Running, StartProxy
 from tests.sandbox.egress.test_credential_proxy import (
+    GH_VALUE,
+    VALUE,
     Servers,
+    _never_the_value,
     _request,
     https_via_proxy,
     servers,  # noqa: F401  (the module's fixture)
 )
 
-VALUE = "sk-real-inspected-3c1d"
-GH_VALUE = "ghp-real-inspected-8e8e"
 NAMES = ("api.test", "other.test", "badcert.test", "gh.test")
 
 
@@ -64,11 +65,15 @@ def _issued_by(cert: x509.Certificate, ca_file: Path) -> bool:
     return True
 
 
-def _no_value(running: Running, caplog: pytest.LogCaptureFixture) -> None:
-    for record in running.ledger.records:
-        for text in (repr(record), record.describe("s-test")):
-            assert VALUE not in text and GH_VALUE not in text
-    assert VALUE not in caplog.text and GH_VALUE not in caplog.text
+async def _connected(
+    running: Running, where: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection through the proxy, its CONNECT to `where` answered 200."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", running.relay_port)
+    writer.write(f"CONNECT {where} HTTP/1.1\r\nHost: {where}\r\n\r\n".encode())
+    async with asyncio.timeout(30):
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+    return reader, writer
 
 
 async def test_https_to_an_unbound_host_is_inspected_relayed_unchanged_and_noted(
@@ -79,11 +84,8 @@ async def test_https_to_an_unbound_host_is_inspected_relayed_unchanged_and_noted
     caplog.set_level(logging.DEBUG)
     running = await _proxy(start_proxy, servers, inspected_ports=frozenset({servers.api_tls}))
     where = f"other.test:{servers.api_tls}"
-    reader, writer = await asyncio.open_connection("127.0.0.1", running.relay_port)
+    reader, writer = await _connected(running, where)
     try:
-        writer.write(f"CONNECT {where} HTTP/1.1\r\nHost: {where}\r\n\r\n".encode())
-        async with asyncio.timeout(30):
-            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         context = ssl.create_default_context(cafile=str(servers.deployment_ca_file))
         await writer.start_tls(context, server_hostname="other.test")
         der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
@@ -125,7 +127,7 @@ async def test_https_to_an_unbound_host_is_inspected_relayed_unchanged_and_noted
         ("NOPE", UNKNOWN_NAME),  # made-up names last, as for every record
     )
     assert "OPENAI_KEY: sent unchanged: host not bound" in record.describe("s-test")
-    _no_value(running, caplog)
+    _never_the_value(running, caplog)
 
 
 async def test_a_bound_host_is_still_terminated_and_given_its_value(
@@ -169,11 +171,8 @@ async def test_a_host_the_proxy_cannot_verify_gets_an_opaque_tunnel_and_the_reco
 ) -> None:
     running = await _proxy(start_proxy, servers, inspected_ports=frozenset({servers.bad_tls}))
     where = f"badcert.test:{servers.bad_tls}"
-    reader, writer = await asyncio.open_connection("127.0.0.1", running.relay_port)
+    reader, writer = await _connected(running, where)
     try:
-        writer.write(f"CONNECT {where} HTTP/1.1\r\nHost: {where}\r\n\r\n".encode())
-        async with asyncio.timeout(30):
-            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         # The sandbox's own TLS reaches the server (which it may trust by its own means).
         context = ssl.create_default_context()
         context.check_hostname = False
@@ -197,11 +196,8 @@ async def test_a_server_not_speaking_tls_gets_an_opaque_tunnel(
 ) -> None:
     running = await _proxy(start_proxy, servers, inspected_ports=frozenset({servers.plain}))
     where = f"other.test:{servers.plain}"
-    reader, writer = await asyncio.open_connection("127.0.0.1", running.relay_port)
+    reader, writer = await _connected(running, where)
     try:
-        writer.write(f"CONNECT {where} HTTP/1.1\r\nHost: {where}\r\n\r\n".encode())
-        async with asyncio.timeout(30):
-            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         writer.write(_request("GET", "/plain-in-tunnel", where, {"Connection": "close"}))
         async with asyncio.timeout(30):
             assert (await reader.read(-1)).startswith(b"HTTP/1.1 200")

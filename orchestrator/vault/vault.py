@@ -190,6 +190,8 @@ class Vault:
         self._unavailable = None
 
     async def close(self) -> None:
+        if self._interceptor is not None:
+            self._interceptor.close()
         if self._store is not None:
             await self._store.close()
             self._store = None

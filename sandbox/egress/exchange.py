@@ -62,7 +62,7 @@ class SessionProxy(Protocol):
     peer: SocketPeer  # who may connect
     closing: set[asyncio.Task[None]]  # connections still flushing their last bytes
     credentials: CredentialBindings | None  # the session's secrets, swapped in by host
-    interceptor: TlsInterceptor | None  # terminates the TLS of hosts a secret is bound to
+    interceptor: TlsInterceptor | None  # ends TLS: to bound hosts, and on inspected ports
 
     def end_all(self, note: str) -> None: ...
 
@@ -235,12 +235,20 @@ class Exchange:
         tunnel stays opaque, as for a session without secrets, and its record says so."""
         credentials, interceptor = self.proxy.credentials, self.proxy.interceptor
         assert credentials is not None and interceptor is not None
+        session_id = self.proxy.ledger.session_id
         why_not = _EARLY if self._early(connection) else None
+        if why_not is None and not (
+            interceptor.cached(target.host) or interceptor.may_inspect_new_host(session_id)
+        ):
+            most = interceptor.inspected_hosts_per_minute
+            why_not = f"over {most} new hosts inspected for the session this minute"
         if why_not is None:
-            server_context = await asyncio.to_thread(interceptor.server_context, target.host)
+            # The host verified first: a certificate is minted only for a real one.
             why_not = await self._upstream_tls(target, upstream_writer)
-            if why_not is None and self._early(connection):  # sent while the proxy dialled
-                why_not = _EARLY
+            if why_not is None:
+                server_context = await interceptor.context_for(target.host)
+                if self._early(connection):  # sent while the proxy dialled
+                    why_not = _EARLY
             if why_not is not None:  # that connection tried TLS: the sandbox gets a new one
                 upstream_writer.transport.abort()
                 upstream_reader, upstream_writer = await self._dial(target, addresses)
@@ -332,7 +340,7 @@ class Exchange:
             )
         interceptor = self.proxy.interceptor
         assert interceptor is not None
-        server_context = await asyncio.to_thread(interceptor.server_context, target.host)
+        server_context = await interceptor.context_for(target.host)
         note = "TLS terminated by the proxy (a secret is bound to the host)"
         if not await self._serve_tls(connection, server_context, note):
             return

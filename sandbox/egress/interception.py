@@ -5,11 +5,18 @@ the sandbox trusts), and speaks verified TLS to the real host itself.
 Why a CA per deployment, made by `generate_ca`: a key shared between deployments (or written in
 the code) would let anyone holding it read every sandbox's traffic. Why one leaf key per
 interceptor and a certificate per host: minting is then a signature only, and a certificate names
-one host, so it cannot be replayed for another. Other CONNECTs are never terminated.
+one host, so it cannot be replayed for another. The TLS of sessions without secrets is never
+ended here; that of sessions with secrets is, to their bound hosts (to swap a value in) and on
+the inspected ports (to note a placeholder sent elsewhere: sandbox/egress/exchange.py).
+
+Minting (a signature, and a context loaded from files: some milliseconds of CPU) runs on the
+interceptor's own thread, so a session asking for host after host never holds the threads the
+rest of the service waits on; and the new hosts a session may have inspected are paced.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import os
@@ -18,6 +25,7 @@ import ssl
 import tempfile
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +34,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from limits import RateLimitItemPerMinute
+from limits.storage import MemoryStorage
+from limits.strategies import MovingWindowRateLimiter
 
 from code_interpreter_wire.network_policy import address_of, normalize_host
 
@@ -35,6 +46,9 @@ _LEAF_VALIDITY = datetime.timedelta(days=1)
 _BACKDATE = datetime.timedelta(hours=1)  # a sandbox's clock a little behind still accepts it
 _RENEW_BEFORE = datetime.timedelta(hours=1)  # a cached leaf this close to its end is re-minted
 _MAX_CN = 64  # the most characters a commonName may have
+# New hosts a session may have inspected a minute (certificates minted for hosts no secret of it
+# is bound to); past it, its HTTPS to other new hosts stays opaque for the rest of the minute.
+INSPECTED_HOSTS_PER_MINUTE = 30
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,7 @@ class TlsInterceptor:
         *,
         cache_size: int = 256,
         leaf_validity: datetime.timedelta = _LEAF_VALIDITY,
+        inspected_hosts_per_minute: int = INSPECTED_HOSTS_PER_MINUTE,
     ) -> None:
         """`ca_cert_pem`/`ca_key_pem`: the deployment's CA (`generate_ca`); `cache_size`: how
         many hosts' certificates (and contexts) are kept, the least recently used dropped."""
@@ -134,6 +149,10 @@ class TlsInterceptor:
         self._leaves: OrderedDict[str, _Leaf] = OrderedDict()
         self._clients: dict[Path | None, ssl.SSLContext] = {}
         self._lock = threading.Lock()  # contexts are made in worker threads
+        self._minter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cir-egress-mint")
+        self._pace = MovingWindowRateLimiter(MemoryStorage())
+        self.inspected_hosts_per_minute = inspected_hosts_per_minute
+        self._inspected_rate = RateLimitItemPerMinute(inspected_hosts_per_minute)
 
     def __repr__(self) -> str:
         subject = self.ca_cert.subject.rfc4514_string()
@@ -144,6 +163,27 @@ class TlsInterceptor:
         """The hosts whose certificates are cached, least recently used first."""
         with self._lock:
             return tuple(self._leaves)
+
+    def close(self) -> None:
+        """Stop the minting thread (contexts being made are given up)."""
+        self._minter.shutdown(wait=False, cancel_futures=True)
+
+    def cached(self, host: str) -> bool:
+        """Whether `host`'s certificate is cached and not due for renewal (no minting)."""
+        name = normalize_host(host)
+        with self._lock:
+            leaf = self._leaves.get(name)
+        now = datetime.datetime.now(datetime.UTC)
+        return leaf is not None and leaf.not_after - now > _RENEW_BEFORE
+
+    def may_inspect_new_host(self, session_id: str) -> bool:
+        """Whether the session may have one more host inspected that is not cached (counted)."""
+        return self._pace.hit(self._inspected_rate, session_id)
+
+    async def context_for(self, host: str) -> ssl.SSLContext:
+        """`server_context`, made on the interceptor's own thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._minter, self.server_context, host)
 
     def certificate(self, host: str) -> x509.Certificate:
         """The certificate presented to the sandbox for `host` (minted, or from the cache)."""

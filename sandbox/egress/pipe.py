@@ -32,8 +32,9 @@ async def pump(
     up: bool,
     observe: Callable[[bytes], None] | None = None,
 ) -> None:
-    """Copy until end of file, then half-close the writer so the far side sees the end too.
-    `observe` is shown each chunk before it is sent."""
+    """Copy until end of file, then half-close the writer so the far side sees the end too
+    (closed, where it cannot half-close: a TLS stream's end is its close). `observe` is shown
+    each chunk before it is sent."""
     while True:
         chunk = await reader.read(CHUNK)
         if not chunk:
@@ -41,8 +42,12 @@ async def pump(
         if observe is not None:
             observe(chunk)
         await send(writer, chunk, meter, up=up)
-    if writer.can_write_eof() and not writer.is_closing():
+    if writer.is_closing():
+        return
+    if writer.can_write_eof():
         writer.write_eof()
+    else:
+        writer.close()
 
 
 async def tunnel(up: Awaitable[None], down: Awaitable[None]) -> None:

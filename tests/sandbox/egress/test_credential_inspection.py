@@ -130,6 +130,39 @@ async def test_https_to_an_unbound_host_is_inspected_relayed_unchanged_and_noted
     _never_the_value(running, caplog)
 
 
+async def test_an_inspected_tunnel_ends_when_the_sandbox_closes_it(
+    start_proxy: StartProxy,
+    servers: Servers,  # noqa: F811
+) -> None:
+    """A keep-alive server never closes first: the sandbox's close ends the tunnel (TLS cannot
+    pass a half-close on), so its connection slot is free again at once, not after the idle
+    time (300 s here). Each of three requests, one connection at a time allowed, waits only for
+    the record of the one before."""
+    running = await _proxy(
+        start_proxy,
+        servers,
+        inspected_ports=frozenset({servers.api_tls}),
+        max_connections_per_session=1,
+    )
+    where = f"other.test:{servers.api_tls}"
+    context = ssl.create_default_context(cafile=str(servers.deployment_ca_file))
+    for n in range(1, 4):
+        reader, writer = await _connected(running, where)
+        try:
+            await writer.start_tls(context, server_hostname="other.test")
+            writer.write(_request("GET", f"/kept-alive/{n}", where, {}))
+            async with asyncio.timeout(30):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+        finally:
+            writer.close()
+        records = await running.records(n)  # within 30 s, far less than the idle time
+        assert "TLS inspected" in records[-1].reason and records[-1].allowed
+        assert "no byte either way" not in records[-1].reason
+    assert [s["path"] for s in servers.seen["api"]] == [f"/kept-alive/{n}" for n in (1, 2, 3)]
+
+
 async def test_a_bound_host_is_still_terminated_and_given_its_value(
     start_proxy: StartProxy,
     servers: Servers,  # noqa: F811
@@ -188,6 +221,45 @@ async def test_a_host_the_proxy_cannot_verify_gets_an_opaque_tunnel_and_the_reco
     (record,) = await running.records(1)
     assert "not inspected by the proxy: the certificate of badcert.test" in record.reason
     assert record.allowed and record.credentials == ()
+    # No certificate was minted for it: only a host that verified gets one.
+    interceptor = running.proxy.interceptor
+    assert interceptor is not None and "badcert.test" not in interceptor.cached_hosts
+
+
+async def test_the_new_hosts_a_session_has_inspected_are_paced(
+    start_proxy: StartProxy,
+    servers: Servers,  # noqa: F811
+) -> None:
+    """Past its new hosts a minute, a session's HTTPS to another new host stays opaque (and
+    says so); a host inspected already (its certificate cached) is inspected still."""
+    names = ("api.test", "other.test", "gh.test")
+    interceptor = TlsInterceptor(
+        servers.deployment.cert_pem, servers.deployment.key_pem, inspected_hosts_per_minute=1
+    )
+    running = await start_proxy(
+        {"allow": [{"host": name, "ports": [servers.api_tls]} for name in names]},
+        resolve_overrides={name: ("127.0.0.1",) for name in names},
+        private_hosts=frozenset(f"{name}:{servers.api_tls}" for name in names),
+        upstream_ca_file=servers.upstream_ca_file,
+        credentials=CredentialBindings(
+            [CredentialBinding("OPENAI_KEY", VALUE, hosts=("api.test",))]
+        ),
+        interceptor=interceptor,
+        inspected_ports=frozenset({servers.api_tls}),
+    )
+    try:
+        for n, host in enumerate(("other.test", "gh.test", "other.test"), start=1):
+            request = _request("GET", "/", f"{host}:{servers.api_tls}", {"Connection": "close"})
+            trusted = servers.upstream_ca_file if n == 2 else servers.deployment_ca_file
+            reply = await https_via_proxy(running, host, servers.api_tls, trusted, request)
+            assert reply.status == 200, reply
+            records = await running.records(n)
+            inspected = "TLS inspected" in records[-1].reason
+            assert inspected == (n != 2), records[-1].reason
+        assert "over 1 new hosts inspected for the session this minute" in records[1].reason
+        assert interceptor.cached_hosts == ("other.test",)
+    finally:
+        interceptor.close()
 
 
 async def test_a_server_not_speaking_tls_gets_an_opaque_tunnel(

@@ -7,7 +7,7 @@ import logging
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.rest import CreateSessionRequest, LimitsRequest, ResumeInfo, SessionInfo
-from code_interpreter_wire.spec import SandboxSpec
+from code_interpreter_wire.spec import DirectoryMount, SandboxSpec
 from orchestrator.cluster.shared import SharedSandbox
 from orchestrator.governance.approvals import Approvals
 from orchestrator.host_tools import HostTool
@@ -169,6 +169,8 @@ class Lifecycle:
         secret_env = await self._channels.secrets_env(owner, request.secrets, spec.network)
         mounts_possible = backend is not None and backend.capabilities.mounts
         async with self._volumes.reserved(owner, mounts_possible, request.volumes) as mounts:
+            if snapshot is not None and machine is not None:
+                _same_volume_places(snapshot, mounts)
             if mounts:
                 spec = spec.model_copy(update={"mounts": mounts})
             async with self._admission.session_slot(owner):
@@ -435,3 +437,16 @@ class Lifecycle:
                 session_id,
                 exc_info=True,
             )
+
+
+def _same_volume_places(snapshot: SnapshotRecord, mounts: list[DirectoryMount]) -> None:
+    """A whole saved sandbox keeps its mount table: started from it, a session mounts volumes
+    at the places (and read-only as) it had them, or is refused before a sandbox is made."""
+    saved = sorted((m.path, m.read_only) for m in snapshot.spec.mounts)
+    if sorted((m.path, m.read_only) for m in mounts) != saved:
+        had = ", ".join(f"{path} ({'read-only' if ro else 'read-write'})" for path, ro in saved)
+        raise SnapshotUnfit(
+            f"snapshot {snapshot.id} is a whole sandbox that had volumes mounted at "
+            f"{had or 'no place'}: start it with volumes at the same places, as they were "
+            "(`volumes`), or not at all if it had none"
+        )

@@ -10,15 +10,18 @@ from orchestrator.vault.store import VaultStore
 
 # KEYS: the owner's hash. ARGV: name, the record's JSON without its `created_at`, the cap, the
 # `created_at` of a new record. A replacement keeps the stored one, read in the script (never
-# before it: two replicas replacing at once would otherwise race), written back exactly
-# (%.17g round-trips a double). Returns "new", "replaced" or "full".
+# before it: two replicas replacing at once would otherwise race), written back exactly (%.17g
+# round-trips a double); a stored record that does not read gets the new time. Returns "new",
+# "replaced" or "full".
 _PUT = """
 local earlier = redis.call('HGET', KEYS[1], ARGV[1])
 if not earlier and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 'full' end
 local created = ARGV[4]
 if earlier then
-  local kept = cjson.decode(earlier)['created_at']
-  if type(kept) == 'number' then created = string.format('%.17g', kept) end
+  local ok, doc = pcall(cjson.decode, earlier)
+  if ok and type(doc) == 'table' and type(doc['created_at']) == 'number' then
+    created = string.format('%.17g', doc['created_at'])
+  end
 end
 local rest = string.sub(ARGV[2], 2)
 local sep = ','

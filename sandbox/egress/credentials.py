@@ -31,7 +31,10 @@ from code_interpreter_wire.secrets import (
 NAME_PATTERN = SECRET_NAME
 _NAME = re.compile(rf"^{NAME_PATTERN}\Z")
 # The exact token: a longer name (or one running on in name characters) is not this one.
-_PLACEHOLDER = re.compile(rb"cir-secret://(" + NAME_PATTERN.encode() + rb")(?![A-Za-z0-9_])")
+_PLACEHOLDER = re.compile(
+    re.escape(PLACEHOLDER_PREFIX.encode()) + rb"(" + NAME_PATTERN.encode() + rb")(?![A-Za-z0-9_])"
+)
+_PREFIX = PLACEHOLDER_PREFIX.encode()
 _VALUE = VALUE  # what a header value may hold (the wire type's rule, and why)
 # A path whose segments a server may resolve elsewhere never counts as under a prefix: dot
 # segments (`/v1/../admin`), encoded dots, slashes and backslashes (`%2e%2e`, `%2f`, `%5c`, `\`),
@@ -331,7 +334,7 @@ class CredentialBindings:
         growth = 0
         for index, (header, value) in enumerate(headers):
             size += len(header) + len(value) + 4
-            if b"cir-secret://" not in value:
+            if _PREFIX not in value:
                 continue
             for match in _PLACEHOLDER.finditer(value):
                 name = match.group(1).decode("ascii")
@@ -376,9 +379,12 @@ class CredentialBindings:
             result.append((header, b"".join(pieces)))
         return Substitution(result, noted, swaps)
 
-    def unbound_outcomes(self, names: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    def unbound_outcomes(
+        self, names: Iterable[str], more_unknown: int = 0
+    ) -> tuple[tuple[str, str], ...]:
         """The outcomes of placeholders seen going, unchanged, to a host none of the session's
-        secrets is bound to (an inspected tunnel): bounded as `substitute`'s are."""
+        secrets is bound to (an inspected tunnel): bounded as `substitute`'s are;
+        `more_unknown`: further placeholders of made-up names, not named."""
         outcomes: list[tuple[str, str]] = []
         unknown: set[str] = set()
         for name in dict.fromkeys(names):
@@ -386,17 +392,21 @@ class CredentialBindings:
                 outcomes.append((name, HOST_NOT_BOUND))
             else:
                 unknown.add(name)
-        return _bounded(outcomes, unknown)
+        return _bounded(outcomes, unknown, more_unknown)
 
 
-def _bounded(outcomes: list[tuple[str, str]], unknown: set[str]) -> tuple[tuple[str, str], ...]:
+def _bounded(
+    outcomes: list[tuple[str, str]], unknown: set[str], more_unknown: int = 0
+) -> tuple[tuple[str, str], ...]:
     """At most MAX_OUTCOMES (name, outcome) pairs: the made-up names in one (the name itself when
     there is one), and the known ones past the room summed up in one."""
-    room = MAX_OUTCOMES - (1 if unknown else 0)
+    room = MAX_OUTCOMES - (1 if unknown or more_unknown else 0)
     if len(outcomes) > room:
         hidden = {name for name, _ in outcomes[room - 1 :]}
         outcomes = [*outcomes[: room - 1], (f"<{len(hidden)} more names>", NOT_LISTED)]
-    if len(unknown) == 1:
+    if more_unknown:
+        outcomes.append((f"<more than {len(unknown)} unknown names>", UNKNOWN_NAME))
+    elif len(unknown) == 1:
         outcomes.append((next(iter(unknown)), UNKNOWN_NAME))
     elif unknown:
         outcomes.append((f"<{len(unknown)} unknown names>", UNKNOWN_NAME))

@@ -260,7 +260,7 @@ class Exchange:
         note = "TLS inspected by the proxy (the session has secrets, none bound to the host)"
         if not await self._serve_tls(connection, server_context, note):
             return
-        scanner = PlaceholderScanner()
+        scanner = PlaceholderScanner(credentials.names)
         try:
             await self._watched(
                 lambda: tunnel(
@@ -270,7 +270,8 @@ class Exchange:
             )
         finally:
             scanner.close()
-            self._note_credentials(credentials.unbound_outcomes(scanner.names))
+            outcomes = credentials.unbound_outcomes(scanner.names, scanner.unknown_beyond)
+            self._note_credentials(outcomes)
 
     def _early(self, connection: h11.Connection) -> bool:
         """Whether the client sent bytes after its CONNECT before the proxy's 200: TLS started

@@ -151,6 +151,22 @@ def test_a_machine_session_keeps_its_volume_across_a_whole_pause(server: Server)
                 sid, "print(next(c), open('/mnt/v/inside').read(), open('/mnt/v/outside').read())"
             )
             assert both.stdout == "2 1 2\n", both
+            # A whole snapshot of it starts only with the volume where it was (refused first).
+            snap = api.snapshot(sid, name="with-volume").id
+            for volumes in ([], [{"volume_id": volume, "path": "/mnt/v", "read_only": True}]):
+                with pytest.raises(APIError) as unfit:
+                    api.create_session(snapshot_id=snap, volumes=volumes)
+                assert unfit.value.status == 409 and "/mnt/v" in unfit.value.message, unfit.value
+            fork = api.create_session(
+                snapshot_id=snap, volumes=[{"volume_id": volume, "path": "/mnt/v"}]
+            ).id
+            try:
+                assert api.execute(fork, "print(next(c), open('/mnt/v/inside').read())").stdout == (
+                    "3 1\n"
+                )
+            finally:
+                api.delete_session(fork)
+            api.delete_snapshot(snap)
         finally:
             api.delete_session(sid)
         assert api.download_from_volume(volume, "inside") == b"1"

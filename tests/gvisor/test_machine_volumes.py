@@ -13,6 +13,11 @@ from code_interpreter_wire.processes import ProcessRequest
 from code_interpreter_wire.spec import DirectoryMount
 from sandbox.backends.gvisor.backend import GvisorBackend
 from sandbox.backends.gvisor.machine import ImageUnusable
+from sandbox.backends.gvisor.machine_images import (
+    read_manifest,
+    saved_volume_places,
+    write_manifest,
+)
 from tests.conftest import small_spec
 
 
@@ -92,3 +97,19 @@ async def test_a_paused_machine_wakes_with_its_volumes_and_only_with_them(
         assert (shared / "log.txt").read_text() == "before\nafter\n"
     finally:
         await woken.close()
+
+
+@pytest.mark.parametrize(
+    "volumes",
+    ["/mnt/x", [{"path": "/mnt/x"}], [{"path": 1, "read_only": False}], ["/mnt/x"], {"a": 1}],
+)
+def test_a_manifest_with_volumes_it_cannot_read_is_unusable_typed(
+    tmp_path: Path, volumes: object
+) -> None:
+    manifest = {"runsc": "v", "image": "i", "uid": 1, "kernels": {}, "volumes": volumes}
+    write_manifest(tmp_path, manifest)
+    with pytest.raises(ImageUnusable, match="no readable manifest"):
+        read_manifest(tmp_path, "v")
+    # A save from before volumes (none kept) reads as having none.
+    write_manifest(tmp_path, {k: v for k, v in manifest.items() if k != "volumes"})
+    assert saved_volume_places(read_manifest(tmp_path, "v")) == []

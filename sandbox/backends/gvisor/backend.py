@@ -60,6 +60,7 @@ from sandbox.backends.gvisor.machine_channels import (
 from sandbox.backends.gvisor.machine_images import (
     MANIFEST,
     read_manifest,
+    saved_volume_places,
     template_key,
     volume_places,
 )
@@ -343,7 +344,7 @@ class GvisorBackend(Backend):
                 raise ImageUnusable(
                     f"the saved machine {had} {what}; a sandbox restored from it must too"
                 )
-        held = [(str(m["path"]), bool(m["read_only"])) for m in manifest.get("volumes") or []]
+        held = saved_volume_places(manifest)  # checked by read_manifest
         if held != volume_places(spec):  # the restored mount table is the saved one
             listed = ", ".join(f"{p} ({'ro' if ro else 'rw'})" for p, ro in held) or "none"
             raise ImageUnusable(

@@ -52,6 +52,7 @@ def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
             raise ValueError("no kernels")
         if not isinstance(manifest.get("processes", []), list):
             raise ValueError("no processes")
+        saved_volume_places(manifest)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ImageUnusable(f"the saved machine has no readable manifest: {exc}") from None
     if manifest.get("version") != MANIFEST_VERSION:
@@ -61,6 +62,21 @@ def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
             f"the saved machine was saved by gVisor {manifest.get('runsc')}, this host runs {runsc}"
         )
     return manifest
+
+
+def saved_volume_places(manifest: dict[str, Any]) -> list[tuple[str, bool]]:
+    """`volume_places` as the manifest keeps them (none in a save from before volumes);
+    ValueError, KeyError or TypeError if it holds something else."""
+    entries = manifest.get("volumes") or []
+    if not isinstance(entries, list):
+        raise ValueError("volumes: not a list")
+    places = []
+    for entry in entries:
+        path, read_only = entry["path"], entry["read_only"]
+        if not isinstance(path, str) or not isinstance(read_only, bool):
+            raise ValueError("volumes: an entry is not a path and a flag")
+        places.append((path, read_only))
+    return sorted(places)
 
 
 def volume_places(spec: SandboxSpec) -> list[tuple[str, bool]]:

@@ -21,7 +21,7 @@ from sandbox.egress.credentials import (
     CredentialBindings,
 )
 from sandbox.egress.interception import TlsInterceptor
-from sandbox.egress.placeholder_scan import MAX_NAMES, PlaceholderScanner
+from sandbox.egress.placeholder_scan import MAX_UNKNOWN, PlaceholderScanner
 from tests.sandbox.egress.conftest import Running, StartProxy
 from tests.sandbox.egress.test_credential_proxy import (
     GH_VALUE,
@@ -351,20 +351,33 @@ async def test_a_session_without_secrets_is_never_inspected(
 
 
 def test_the_scanner_finds_placeholders_split_anywhere_and_only_whole_names() -> None:
-    stream = b"a cir-secret://OPENAI_KEY b cir-secret://GH_TOKENx cir-secret://LAST"
+    stream = (
+        b"a cir-secret://OPENAI_KEY b cir-secret://GH_TOKENx q=cir-secret%3a%2F%2FQUERY&"
+        b'j="cir-secret:\\/\\/JSON" cir-secret://LAST'
+    )
     for size in (1, 2, 3, 7, 64):
-        scanner = PlaceholderScanner()
+        scanner = PlaceholderScanner(["OPENAI_KEY", "LAST"])
         for at in range(0, len(stream), size):
             scanner.feed(stream[at : at + size])
         scanner.close()
-        # GH_TOKENx runs on in a name character: not a placeholder; LAST ends the stream.
-        assert scanner.names == ("OPENAI_KEY", "LAST"), size
+        # GH_TOKENx runs on in a name character: not a placeholder. The session's own names
+        # first; a percent-encoded one (a query string) and a JSON-escaped one are seen too.
+        assert scanner.names == ("OPENAI_KEY", "LAST", "QUERY", "JSON"), size
+        assert scanner.unknown_beyond == 0, size
 
 
-def test_the_scanner_remembers_a_bounded_number_of_names() -> None:
-    scanner = PlaceholderScanner()
-    for n in range(MAX_NAMES * 4):
-        scanner.feed(f"cir-secret://N{n} ".encode())
+def test_made_up_names_cannot_hide_the_sessions_own_and_memory_stays_bounded() -> None:
+    scanner = PlaceholderScanner(["REAL"])
+    for n in range(MAX_UNKNOWN * 4):
+        scanner.feed(f"cir-secret://FAKE{n} ".encode())
+    scanner.feed(b"cir-secret://REAL ")
     scanner.close()
-    assert len(scanner.names) == MAX_NAMES
-    assert len(scanner._tail) <= 100  # bounded, whatever was fed
+    assert scanner.names == ("REAL", *(f"FAKE{n}" for n in range(MAX_UNKNOWN)))
+    assert scanner.unknown_beyond == MAX_UNKNOWN * 3
+    assert len(scanner._tail) == 0
+    bindings = CredentialBindings([CredentialBinding("REAL", VALUE, hosts=("api.test",))])
+    outcomes = bindings.unbound_outcomes(scanner.names, scanner.unknown_beyond)
+    assert outcomes == (
+        ("REAL", HOST_NOT_BOUND),
+        (f"<more than {MAX_UNKNOWN} unknown names>", UNKNOWN_NAME),
+    )

@@ -443,10 +443,13 @@ def _same_volume_places(snapshot: SnapshotRecord, mounts: list[DirectoryMount]) 
     """A whole saved sandbox keeps its mount table: started from it, a session mounts volumes
     at the places (and read-only as) it had them, or is refused before a sandbox is made."""
     saved = sorted((m.path, m.read_only) for m in snapshot.spec.mounts)
-    if sorted((m.path, m.read_only) for m in mounts) != saved:
-        had = ", ".join(f"{path} ({'read-only' if ro else 'read-write'})" for path, ro in saved)
-        raise SnapshotUnfit(
-            f"snapshot {snapshot.id} is a whole sandbox that had volumes mounted at "
-            f"{had or 'no place'}: start it with volumes at the same places, as they were "
-            "(`volumes`), or not at all if it had none"
-        )
+    if sorted((m.path, m.read_only) for m in mounts) == saved:
+        return
+    whole = f"snapshot {snapshot.id} is a whole sandbox"
+    if not saved:
+        raise SnapshotUnfit(f"{whole} that had no volumes: start it without `volumes`")
+    had = ", ".join(f"{path} ({'read-only' if ro else 'read-write'})" for path, ro in saved)
+    raise SnapshotUnfit(
+        f"{whole} that had volumes mounted at {had}: start it with `volumes` at those places, "
+        "read-only as they were (the volumes may be others)"
+    )

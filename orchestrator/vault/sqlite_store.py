@@ -9,6 +9,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from orchestrator.vault.records import SecretRecord, SecretsFull
 from orchestrator.vault.store import VaultStore
 
@@ -46,8 +48,11 @@ class SqliteVault(VaultStore):
                     (record.owner, record.name),
                 ).fetchone()
                 if row is not None:
-                    earlier = SecretRecord.model_validate_json(row[0])
-                    record = record.model_copy(update={"created_at": earlier.created_at})
+                    try:  # one gone bad at rest is replaced, keeping the new time
+                        earlier = SecretRecord.model_validate_json(row[0])
+                        record = record.model_copy(update={"created_at": earlier.created_at})
+                    except ValidationError:
+                        pass
                 else:
                     (held,) = self._db.execute(
                         "SELECT COUNT(*) FROM secrets WHERE owner = ?", (record.owner,)

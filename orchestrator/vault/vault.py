@@ -192,6 +192,7 @@ class Vault:
     async def close(self) -> None:
         if self._interceptor is not None:
             self._interceptor.close()
+            self._interceptor = None
         if self._store is not None:
             await self._store.close()
             self._store = None

@@ -236,15 +236,15 @@ class Exchange:
         credentials, interceptor = self.proxy.credentials, self.proxy.interceptor
         assert credentials is not None and interceptor is not None
         session_id = self.proxy.ledger.session_id
+        paced = f"over {interceptor.new_hosts_per_minute} new hosts for the session this minute"
         why_not = _EARLY if self._early(connection) else None
-        if why_not is None and not (
-            interceptor.cached(target.host) or interceptor.may_inspect_new_host(session_id)
-        ):
-            most = interceptor.inspected_hosts_per_minute
-            why_not = f"over {most} new hosts inspected for the session this minute"
+        if why_not is None and not interceptor.may_take(session_id, target.host):
+            why_not = paced
         if why_not is None:
             # The host verified first: a certificate is minted only for a real one.
             why_not = await self._upstream_tls(target, upstream_writer)
+            if why_not is None and not interceptor.take(session_id, target.host):
+                why_not = paced
             if why_not is None:
                 server_context = await interceptor.context_for(target.host)
                 if self._early(connection):  # sent while the proxy dialled
@@ -262,10 +262,13 @@ class Exchange:
             return
         scanner = PlaceholderScanner(credentials.names)
         try:
+            # The sandbox's end of sending ends it (TLS passes no half-close on): both sides are
+            # then closed as every connection is, their last bytes flushed for a bounded time.
             await self._watched(
                 lambda: tunnel(
                     pump(self.reader, upstream_writer, self.meter, up=True, observe=scanner.feed),
                     pump(upstream_reader, self.writer, self.meter, up=False),
+                    ends_with_up=True,
                 )
             )
         finally:
@@ -341,6 +344,12 @@ class Exchange:
             )
         interceptor = self.proxy.interceptor
         assert interceptor is not None
+        if not interceptor.take(self.proxy.ledger.session_id, target.host):
+            why = (
+                f"over {interceptor.new_hosts_per_minute} new hosts whose TLS the proxy ends for "
+                "the session this minute; nothing sent: try again in a minute"
+            )
+            await self._answer(429, why, f"egress refused: {why}\n")
         server_context = await interceptor.context_for(target.host)
         note = "TLS terminated by the proxy (a secret is bound to the host)"
         if not await self._serve_tls(connection, server_context, note):

@@ -11,7 +11,8 @@ the inspected ports (to note a placeholder sent elsewhere: sandbox/egress/exchan
 
 Minting (a signature, and a context loaded from files: some milliseconds of CPU) runs on the
 interceptor's own thread, so a session asking for host after host never holds the threads the
-rest of the service waits on; and the new hosts a session may have inspected are paced.
+rest of the service waits on; and the new hosts a session may have its TLS ended for are paced
+(`take`), each host counted once per session.
 """
 
 from __future__ import annotations
@@ -46,9 +47,10 @@ _LEAF_VALIDITY = datetime.timedelta(days=1)
 _BACKDATE = datetime.timedelta(hours=1)  # a sandbox's clock a little behind still accepts it
 _RENEW_BEFORE = datetime.timedelta(hours=1)  # a cached leaf this close to its end is re-minted
 _MAX_CN = 64  # the most characters a commonName may have
-# New hosts a session may have inspected a minute (certificates minted for hosts no secret of it
-# is bound to); past it, its HTTPS to other new hosts stays opaque for the rest of the minute.
-INSPECTED_HOSTS_PER_MINUTE = 30
+# New hosts a session may have its TLS ended for, a minute: past it, its HTTPS to another new
+# host stays opaque (inspection) or is refused 429 (a bound host) until the minute has moved.
+NEW_HOSTS_PER_MINUTE = 30
+_MAX_HOSTS_KEPT = 1024  # hosts remembered as a session's own (more: the oldest count again)
 
 
 @dataclass(frozen=True)
@@ -128,9 +130,9 @@ class TlsInterceptor:
         ca_cert_pem: bytes,
         ca_key_pem: bytes,
         *,
-        cache_size: int = 256,
+        cache_size: int = 1024,
         leaf_validity: datetime.timedelta = _LEAF_VALIDITY,
-        inspected_hosts_per_minute: int = INSPECTED_HOSTS_PER_MINUTE,
+        new_hosts_per_minute: int = NEW_HOSTS_PER_MINUTE,
     ) -> None:
         """`ca_cert_pem`/`ca_key_pem`: the deployment's CA (`generate_ca`); `cache_size`: how
         many hosts' certificates (and contexts) are kept, the least recently used dropped."""
@@ -151,8 +153,9 @@ class TlsInterceptor:
         self._lock = threading.Lock()  # contexts are made in worker threads
         self._minter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cir-egress-mint")
         self._pace = MovingWindowRateLimiter(MemoryStorage())
-        self.inspected_hosts_per_minute = inspected_hosts_per_minute
-        self._inspected_rate = RateLimitItemPerMinute(inspected_hosts_per_minute)
+        self.new_hosts_per_minute = new_hosts_per_minute
+        self._new_host_rate = RateLimitItemPerMinute(new_hosts_per_minute)
+        self._hosts_of: dict[str, OrderedDict[str, None]] = {}  # session id -> its hosts so far
 
     def __repr__(self) -> str:
         subject = self.ca_cert.subject.rfc4514_string()
@@ -165,25 +168,47 @@ class TlsInterceptor:
             return tuple(self._leaves)
 
     def close(self) -> None:
-        """Stop the minting thread (contexts being made are given up)."""
-        self._minter.shutdown(wait=False, cancel_futures=True)
+        """Stop the minting thread once what it is making is made (nothing new is taken)."""
+        self._minter.shutdown(wait=False)
 
-    def cached(self, host: str) -> bool:
-        """Whether `host`'s certificate is cached and not due for renewal (no minting)."""
-        name = normalize_host(host)
+    def may_take(self, session_id: str, host: str) -> bool:
+        """Whether the session may have its TLS to `host` ended now: one of its hosts already,
+        or room for one more in its minute. Nothing is counted (see `take`)."""
         with self._lock:
-            leaf = self._leaves.get(name)
-        now = datetime.datetime.now(datetime.UTC)
-        return leaf is not None and leaf.not_after - now > _RENEW_BEFORE
+            known = host in self._hosts_of.get(session_id, ())
+        return known or self._pace.test(self._new_host_rate, session_id)
 
-    def may_inspect_new_host(self, session_id: str) -> bool:
-        """Whether the session may have one more host inspected that is not cached (counted)."""
-        return self._pace.hit(self._inspected_rate, session_id)
+    def take(self, session_id: str, host: str) -> bool:
+        """Count `host` as one of the session's (once, however many connections reach it);
+        False if its minute has no room left for a new one."""
+        with self._lock:
+            hosts = self._hosts_of.setdefault(session_id, OrderedDict())
+            if host in hosts:
+                hosts.move_to_end(host)
+                return True
+        if not self._pace.hit(self._new_host_rate, session_id):
+            return False
+        with self._lock:
+            hosts = self._hosts_of.setdefault(session_id, OrderedDict())
+            hosts[host] = None
+            while len(hosts) > _MAX_HOSTS_KEPT:
+                hosts.popitem(last=False)
+        return True
+
+    def forget(self, session_id: str) -> None:
+        """The session's proxy is closed: its hosts and its count go."""
+        with self._lock:
+            self._hosts_of.pop(session_id, None)
+        self._pace.clear(self._new_host_rate, session_id)
 
     async def context_for(self, host: str) -> ssl.SSLContext:
-        """`server_context`, made on the interceptor's own thread."""
+        """`server_context`, made on the interceptor's own thread (ConnectionError once the
+        interceptor is closed)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._minter, self.server_context, host)
+        try:
+            return await loop.run_in_executor(self._minter, self.server_context, host)
+        except RuntimeError:  # "cannot schedule new futures after shutdown"
+            raise ConnectionError("the egress proxy is closing") from None
 
     def certificate(self, host: str) -> x509.Certificate:
         """The certificate presented to the sandbox for `host` (minted, or from the cache)."""

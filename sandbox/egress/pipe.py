@@ -33,8 +33,8 @@ async def pump(
     observe: Callable[[bytes], None] | None = None,
 ) -> None:
     """Copy until end of file, then half-close the writer so the far side sees the end too
-    (closed, where it cannot half-close: a TLS stream's end is its close). `observe` is shown
-    each chunk before it is sent."""
+    (where it can: a TLS stream cannot, see `tunnel`). `observe` is shown each chunk before it
+    is sent."""
     while True:
         chunk = await reader.read(CHUNK)
         if not chunk:
@@ -42,23 +42,20 @@ async def pump(
         if observe is not None:
             observe(chunk)
         await send(writer, chunk, meter, up=up)
-    if writer.is_closing():
-        return
-    if writer.can_write_eof():
+    if writer.can_write_eof() and not writer.is_closing():
         writer.write_eof()
-    else:
-        writer.close()
 
 
-async def tunnel(up: Awaitable[None], down: Awaitable[None]) -> None:
+async def tunnel(up: Awaitable[None], down: Awaitable[None], *, ends_with_up: bool = False) -> None:
     """Both directions of a tunnel. The client's end of sending is passed on (a half-close) and
     the answer still flows back; the destination's end of sending ends the tunnel once all it
     sent is delivered, as a destination closing means the exchange is over. A failure of either
-    direction ends both."""
+    direction ends both. `ends_with_up`: the client's end of sending ends it too (where a
+    half-close cannot be passed on: TLS ended by the proxy)."""
     up_task, down_task = asyncio.ensure_future(up), asyncio.ensure_future(down)
     waiting = {up_task, down_task}
     try:
-        while not down_task.done():
+        while not down_task.done() and not (ends_with_up and up_task.done()):
             done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()

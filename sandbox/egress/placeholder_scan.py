@@ -4,12 +4,13 @@ sandbox/egress/exchange.py), so the attempt is recorded even though nothing is s
 
 Why a stream scanner rather than an HTTP parser: the bytes go on as they are, whatever protocol
 runs inside the tunnel, and a placeholder anywhere (a header, a URL, a body) is worth noting: as
-written, percent-encoded (`cir-secret%3A%2F%2FNAME`, as a query string or form carries it) or
-JSON-escaped (`cir-secret:\\/\\/NAME`). Not recognized: other encodings (base64 as in Basic auth,
-compression) and a placeholder cut by the transfer's own framing (a chunked body's chunk
-boundary). Memory stays bounded: a tail shorter than the longest placeholder is kept between
-chunks; the session's own names are always noted, at most MAX_UNKNOWN made-up ones (the rest
-counted), so a flood of made-up names cannot hide a real one.
+written, percent-encoded (`cir-secret%3A%2F%2FNAME`, as a query string or form carries it;
+`cir-secret%3A//NAME`, as a path does) or JSON-escaped (`cir-secret:\\/\\/NAME`). Not
+recognized: other encodings (base64 as in Basic auth, compression) and a placeholder cut by the
+transfer's own framing (a chunked body's chunk boundary). Memory stays bounded: a tail shorter
+than the longest placeholder is kept between chunks; the session's own names are always noted,
+at most MAX_UNKNOWN made-up ones (more are summed up), so a flood of made-up names cannot hide a
+real one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from collections.abc import Iterable
 from code_interpreter_wire.secrets import PLACEHOLDER_PREFIX, SECRET_NAME
 
 _SCHEME = PLACEHOLDER_PREFIX.removesuffix("://").encode()  # b"cir-secret"
-_SEPARATORS = (rb"://", rb"%3a%2f%2f", rb":\/\/")  # as written, percent-encoded, JSON-escaped
+# As written, percent-encoded (whole, or as `quote()` leaves a path's slashes), JSON-escaped.
+_SEPARATORS = (rb"://", rb"%3a%2f%2f", rb"%3a//", rb":\/\/")
 _PLACEHOLDER = re.compile(
     re.escape(_SCHEME)
     + rb"(?i:"

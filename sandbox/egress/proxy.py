@@ -130,6 +130,8 @@ class EgressProxy:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.interceptor is not None:
+            self.interceptor.forget(self.ledger.session_id)
         if self._socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._socket_path.unlink()

@@ -67,7 +67,9 @@ def read_manifest(where: Path, runsc: str) -> dict[str, Any]:
 def saved_volume_places(manifest: dict[str, Any]) -> list[tuple[str, bool]]:
     """`volume_places` as the manifest keeps them (none in a save from before volumes);
     ValueError, KeyError or TypeError if it holds something else."""
-    entries = manifest.get("volumes") or []
+    entries = manifest.get("volumes")
+    if entries is None:
+        return []
     if not isinstance(entries, list):
         raise ValueError("volumes: not a list")
     places = []

@@ -226,38 +226,53 @@ async def test_a_host_the_proxy_cannot_verify_gets_an_opaque_tunnel_and_the_reco
     assert interceptor is not None and "badcert.test" not in interceptor.cached_hosts
 
 
-async def test_the_new_hosts_a_session_has_inspected_are_paced(
+async def test_the_new_hosts_a_session_has_its_tls_ended_for_are_paced(
     start_proxy: StartProxy,
     servers: Servers,  # noqa: F811
 ) -> None:
     """Past its new hosts a minute, a session's HTTPS to another new host stays opaque (and
-    says so); a host inspected already (its certificate cached) is inspected still."""
+    says so), to a new bound host is refused 429; a host of its already is taken still, however
+    many connections reach it at once. Its count goes with its proxy."""
     names = ("api.test", "other.test", "gh.test")
     interceptor = TlsInterceptor(
-        servers.deployment.cert_pem, servers.deployment.key_pem, inspected_hosts_per_minute=1
+        servers.deployment.cert_pem, servers.deployment.key_pem, new_hosts_per_minute=1
     )
+    bindings = [CredentialBinding("OPENAI_KEY", VALUE, hosts=("api.test",))]
     running = await start_proxy(
         {"allow": [{"host": name, "ports": [servers.api_tls]} for name in names]},
         resolve_overrides={name: ("127.0.0.1",) for name in names},
         private_hosts=frozenset(f"{name}:{servers.api_tls}" for name in names),
         upstream_ca_file=servers.upstream_ca_file,
-        credentials=CredentialBindings(
-            [CredentialBinding("OPENAI_KEY", VALUE, hosts=("api.test",))]
-        ),
+        credentials=CredentialBindings(bindings),
         interceptor=interceptor,
         inspected_ports=frozenset({servers.api_tls}),
     )
+
+    async def get(host: str, trusted: Path) -> int:
+        request = _request("GET", "/", f"{host}:{servers.api_tls}", {"Connection": "close"})
+        reply = await https_via_proxy(running, host, servers.api_tls, trusted, request)
+        return reply.status
+
     try:
-        for n, host in enumerate(("other.test", "gh.test", "other.test"), start=1):
-            request = _request("GET", "/", f"{host}:{servers.api_tls}", {"Connection": "close"})
-            trusted = servers.upstream_ca_file if n == 2 else servers.deployment_ca_file
-            reply = await https_via_proxy(running, host, servers.api_tls, trusted, request)
-            assert reply.status == 200, reply
-            records = await running.records(n)
-            inspected = "TLS inspected" in records[-1].reason
-            assert inspected == (n != 2), records[-1].reason
-        assert "over 1 new hosts inspected for the session this minute" in records[1].reason
+        # Four connections at once to one new host: one host, counted once, all inspected.
+        statuses = await asyncio.gather(
+            *(get("other.test", servers.deployment_ca_file) for _ in range(4))
+        )
+        assert statuses == [200] * 4
+        # Another new host: its minute is used up, so an opaque tunnel (the server's own
+        # certificate, which the client trusts here); a new bound host is refused.
+        assert await get("gh.test", servers.upstream_ca_file) == 200
+        assert await get("api.test", servers.deployment_ca_file) == 429
+        assert await get("other.test", servers.deployment_ca_file) == 200  # its own still
+        records = await running.records(7)
+        assert ["TLS inspected" in r.reason for r in records[:4]] == [True] * 4
+        assert "not inspected by the proxy: over 1 new hosts for the session" in records[4].reason
+        assert "over 1 new hosts whose TLS the proxy ends" in records[5].reason
+        assert not records[5].allowed and "TLS inspected" in records[6].reason
         assert interceptor.cached_hosts == ("other.test",)
+        assert not interceptor.may_take("s-test", "api.test")
+        await running.proxy.close()
+        assert interceptor.may_take("s-test", "api.test")  # forgotten with its proxy
     finally:
         interceptor.close()
 
@@ -353,7 +368,7 @@ async def test_a_session_without_secrets_is_never_inspected(
 def test_the_scanner_finds_placeholders_split_anywhere_and_only_whole_names() -> None:
     stream = (
         b"a cir-secret://OPENAI_KEY b cir-secret://GH_TOKENx q=cir-secret%3a%2F%2FQUERY&"
-        b'j="cir-secret:\\/\\/JSON" cir-secret://LAST'
+        b'j="cir-secret:\\/\\/JSON" /p/cir-secret%3A//PATH cir-secret://LAST'
     )
     for size in (1, 2, 3, 7, 64):
         scanner = PlaceholderScanner(["OPENAI_KEY", "LAST"])
@@ -362,7 +377,7 @@ def test_the_scanner_finds_placeholders_split_anywhere_and_only_whole_names() ->
         scanner.close()
         # GH_TOKENx runs on in a name character: not a placeholder. The session's own names
         # first; a percent-encoded one (a query string) and a JSON-escaped one are seen too.
-        assert scanner.names == ("OPENAI_KEY", "LAST", "QUERY", "JSON"), size
+        assert scanner.names == ("OPENAI_KEY", "LAST", "QUERY", "JSON", "PATH"), size
         assert scanner.unknown_beyond == 0, size
 
 

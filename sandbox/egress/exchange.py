@@ -231,8 +231,9 @@ class Exchange:
         """A CONNECT of a session with secrets to a host none is bound to: its TLS is ended
         here (as for a bound host) so that a placeholder sent there is noted, then relayed
         unchanged both ways. Where the proxy cannot see into it (bytes sent before its 200, a
-        host whose certificate the proxy does not verify, a server not speaking TLS), the
-        tunnel stays opaque, as for a session without secrets, and its record says so."""
+        host whose certificate the proxy does not verify, a server not speaking TLS, a session
+        past its new hosts for the minute), the tunnel stays opaque, as for a session without
+        secrets, and its record says so."""
         credentials, interceptor = self.proxy.credentials, self.proxy.interceptor
         assert credentials is not None and interceptor is not None
         session_id = self.proxy.ledger.session_id

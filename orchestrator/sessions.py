@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
-from code_interpreter_wire.errors import SandboxLost
+from code_interpreter_wire.errors import BackendUnavailable, SandboxLost
 from code_interpreter_wire.ports import PortAccess
 from code_interpreter_wire.spec import ResourceLimits, SandboxSpec
 from orchestrator.metrics import METRICS
@@ -27,10 +27,12 @@ from orchestrator.settings_sections import SessionTableSection
 from sandbox import Backend, Sandbox
 from sandbox.pool import WarmPool
 from sandbox.preload import preload_code
+from sandbox.run_to_end import finish_even_if_cancelled
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TOMBSTONES = 10_000  # how many ended session ids are remembered, to answer "expired"
+CREATION_WAIT_S = 120.0  # how long a closing service waits for the sandboxes being made
 
 
 class SessionNotFound(SessionError):
@@ -234,6 +236,9 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (owner, why)
         self._creating: dict[str, int] = {}  # owner -> sessions being created
+        self._none_creating = asyncio.Event()  # set while no sandbox is being made
+        self._none_creating.set()
+        self._closing = False  # a sandbox made from now on is closed, not served
         self._reaper: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------------------------------
@@ -273,10 +278,16 @@ class SessionManager:
     async def close(self) -> None:
         """Close every session and pool: nothing is left running (the sessions every replica
         serves are left to the others, in cluster mode)."""
+        self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        # Sandboxes being made (a request still running, its client maybe gone) are closed by
+        # their makers once made: waited for, so that none outlives the service.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CREATION_WAIT_S):
+                await self._none_creating.wait()
         try:
             await self._coordinator.closing()
             await asyncio.gather(
@@ -368,7 +379,10 @@ class SessionManager:
         wake: str | None,
         fork: Path | None,
     ) -> Session:
+        if self._closing:
+            raise BackendUnavailable("the service is shutting down: try again once it is back")
         self._creating[owner] = self._creating.get(owner, 0) + 1
+        self._none_creating.clear()
         try:
             spec = spec or self.default_spec()
             pool = self.pools.get(name)
@@ -385,11 +399,15 @@ class SessionManager:
             try:
                 if env:
                     await sandbox.set_env(env)
+                if self._closing:  # made while the service closed: nobody would end it
+                    raise BackendUnavailable("the service shut down while the sandbox was made")
             except BaseException:
-                await sandbox.close()
+                await finish_even_if_cancelled(sandbox.close())
                 raise
         finally:
             self._creating[owner] -= 1
+            if not any(self._creating.values()):
+                self._none_creating.set()
         session = Session(
             id=session_id,
             owner=owner,

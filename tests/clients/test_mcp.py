@@ -229,7 +229,7 @@ def mcp_server(request: pytest.FixtureRequest) -> Iterator[Server]:
 
 @asynccontextmanager
 async def http_client(server: Server, mode: Any, key: str = KEY_A) -> AsyncIterator[Client]:
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
         transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
         async with Client(transport, mode=mode) as client:
             yield client

@@ -22,6 +22,7 @@ from sandbox.backends.wasm import distribution
 from sandbox.backends.wasm.memory_snapshot import MemorySnapshots
 from sandbox.backends.wasm.sandbox import WasmSandbox
 from sandbox.cgroups import SandboxCgroup
+from sandbox.run_to_end import finish_even_if_cancelled
 from sandbox.state_dir import SessionDirs, default_state_dir
 
 SNAPSHOTS_DIR = "wasm-snapshots"  # in the state directory, beside the sandboxes' own
@@ -100,12 +101,20 @@ class WasmBackend(Backend):
         pyodide = distribution.check(self.config.pyodide_dir)
         sandbox_id = secrets.token_hex(8)
         snapshot = await self._snapshot(pyodide.resolve())  # before anything is made to remove
-        try:
-            dirs = await asyncio.to_thread(
+        # Made whole even if this create is cancelled meanwhile, and then removed whole.
+        making = asyncio.ensure_future(
+            asyncio.to_thread(
                 SessionDirs.create, self.config.state_dir, self.name, sandbox_id, root_mode=0o700
             )
+        )
+        try:
+            dirs = await finish_even_if_cancelled(making)
         except OSError as exc:
             raise SandboxStartError(f"cannot make the sandbox's directory: {exc}") from None
+        except asyncio.CancelledError:
+            if not making.cancelled() and making.exception() is None:
+                await finish_even_if_cancelled(asyncio.to_thread(making.result().remove))
+            raise
         wheels = self.config.wheels_dir.resolve() if self.config.wheels_dir else None
         group = None
         if self.config.use_cgroups and cgroups.available():
@@ -115,10 +124,18 @@ class WasmBackend(Backend):
         )
         try:
             await sandbox.start()
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, dirs.root, True)
+        except BaseException:  # undone whole, even if cancelled again meanwhile
+            await finish_even_if_cancelled(self._undo(sandbox, dirs))
             raise
         return sandbox
+
+    @staticmethod
+    async def _undo(sandbox: WasmSandbox, dirs: SessionDirs) -> None:
+        """What a start that failed (or was cancelled) made: its process, then its files."""
+        try:
+            await sandbox.close()
+        finally:
+            await asyncio.to_thread(shutil.rmtree, dirs.root, True)
 
     async def _snapshot(self, pyodide: Path) -> Path | None:
         if not self.config.memory_snapshot:

@@ -108,7 +108,7 @@ async def test_a_client_without_elicitation_leaves_it_to_the_api(server: Server)
     async with mcp_client(server, KEY_A, None) as client:
         call = asyncio.ensure_future(client.call_tool("code_interpreter", {"code": SEND}))
         async with httpx2.AsyncClient(
-            base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+            base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=120
         ) as admin:
             deadline = time.monotonic() + 60
             while True:

@@ -288,7 +288,7 @@ async def test_mcp_clients_read_the_rule_in_a_refused_tool_output(
     naming the rule, and the connection goes on."""
     name = unique_name("mcp-user")
     key = add_key(name, "--languages", "python", "--no-commands", "--backends", "local")
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
         transport = streamable_http_client(f"{governed_server.url}/mcp", http_client=http)
         async with Client(transport, mode="legacy") as client:
             bash = await client.call_tool("code_interpreter", {"code": "echo", "language": "bash"})

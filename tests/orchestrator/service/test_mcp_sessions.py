@@ -35,7 +35,7 @@ def mcp_server() -> Iterator[Server]:
 
 @asynccontextmanager
 async def connected(server: Server, key: str = KEY_A) -> AsyncIterator[Client]:
-    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}) as http:
+    async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=120) as http:
         transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
         async with Client(transport, mode="legacy") as client:
             yield client

@@ -4,12 +4,13 @@ object it is given, never a subclass; and a lost sandbox is told once, as that o
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from code_interpreter_wire.errors import SandboxLost
+from code_interpreter_wire.errors import BackendUnavailable, SandboxLost
 from orchestrator.config import Settings
 from orchestrator.session_coordinator import LocalCoordinator
 from orchestrator.sessions import (
@@ -144,3 +145,26 @@ async def test_one_machine_tells_a_lost_sandbox_as_it_is(tmp_path: Path, local: 
                 raise SandboxLost("gone")
     finally:
         await manager.close()
+
+
+async def test_a_sandbox_being_made_when_the_manager_closes_is_closed_not_left(
+    tmp_path: Path, local: Backend
+) -> None:
+    """A request still making a session when the service shuts down (its client gone, say):
+    the close waits for it, and the sandbox made is closed by its maker, never served."""
+    manager = _manager(tmp_path, local, Recording())
+    await manager.start()
+    root = Path(local.config.state_dir) / local.name  # type: ignore[attr-defined]
+    before = set(root.iterdir()) if root.is_dir() else set()
+    making = asyncio.ensure_future(manager.create("owner", spec=small_spec()))
+    async with asyncio.timeout(60):
+        while not any(manager._creating.values()):  # noqa: ASYNC110  (the create's own step)
+            await asyncio.sleep(0.01)
+    await manager.close()  # marks it closing at once: the creation in flight cannot be served
+    with pytest.raises(BackendUnavailable, match="shut down while the sandbox was made"):
+        await making
+    assert manager.all() == []
+    after = set(root.iterdir()) if root.is_dir() else set()
+    assert after <= before, after - before
+    with pytest.raises(BackendUnavailable, match="shutting down"):
+        await manager.create("owner", spec=small_spec())

@@ -91,7 +91,9 @@ async def test_a_wasm_session_through_mcp(wasm_server: Server) -> None:
     server = wasm_server
     sid = ""
     try:
-        async with httpx2.AsyncClient(headers={"Authorization": f"Bearer {KEY_A}"}) as http:
+        async with httpx2.AsyncClient(
+            headers={"Authorization": f"Bearer {KEY_A}"}, timeout=120
+        ) as http:
             transport = streamable_http_client(f"{server.url}/mcp", http_client=http)
             async with Client(transport) as client:
                 made = await client.call_tool("code_interpreter", {"code": "import sys\nx = 20"})

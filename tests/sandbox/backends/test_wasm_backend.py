@@ -583,3 +583,28 @@ def _throttled(group: Path) -> int:
         if line.startswith("nr_throttled"):
             return int(line.split()[1])
     raise AssertionError("no nr_throttled in cpu.stat")
+
+
+async def test_a_start_cancelled_again_and_again_leaves_nothing(
+    backend: WasmBackend, state_dir: Path
+) -> None:
+    """A start cancelled while Deno comes up, and cancelled again at each step of its undoing
+    (as a task group shutting down does): its process and its directory still go."""
+    root = state_dir / backend.name
+
+    def made_now() -> set[Path]:
+        return (set(root.iterdir()) if root.is_dir() else set()) - before
+
+    before: set[Path] = set()
+    before = made_now()
+    making = asyncio.ensure_future(backend.create(small_spec()))
+    async with asyncio.timeout(60):  # its socket bound: Deno is being started
+        while not any((d / "s").exists() for d in made_now()):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    (made,) = made_now()
+    async with asyncio.timeout(60):
+        while not making.done():  # cancelled at each of its steps
+            making.cancel()
+            await asyncio.sleep(0)
+    assert making.cancelled()
+    assert not made.exists()

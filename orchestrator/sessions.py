@@ -32,7 +32,7 @@ from sandbox.run_to_end import finish_even_if_cancelled
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _TOMBSTONES = 10_000  # how many ended session ids are remembered, to answer "expired"
-CREATION_WAIT_S = 120.0  # how long a closing service waits for the sandboxes being made
+CREATION_WAIT_S = 45.0  # how long a closing service waits for the sandboxes being made
 
 
 class SessionNotFound(SessionError):

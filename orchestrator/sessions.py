@@ -283,17 +283,16 @@ class SessionManager:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        # Sandboxes being made (a request still running, its client maybe gone) are closed by
-        # their makers once made: waited for, so that none outlives the service.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(CREATION_WAIT_S):
-                await self._none_creating.wait()
         try:
             await self._coordinator.closing()
-            await asyncio.gather(
-                *(self._end(sid, "the service shut down") for sid in list(self._sessions)),
-                return_exceptions=True,
-            )
+            await self._end_all()
+            # Sandboxes still being made (a request running on, its client maybe gone) are
+            # closed by their makers once made; a woken one is held, and ended here. Past the
+            # wait (or if the process ends first), the next start's orphan clean-up finds them.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CREATION_WAIT_S):
+                    await self._none_creating.wait()
+            await self._end_all()
             for pool in self.pools.values():
                 await pool.close()
             for name, backend in self.backends.items():
@@ -301,6 +300,12 @@ class SessionManager:
                     await backend.close()
         finally:
             await self._coordinator.close()
+
+    async def _end_all(self) -> None:
+        await asyncio.gather(
+            *(self._end(sid, "the service shut down") for sid in list(self._sessions)),
+            return_exceptions=True,
+        )
 
     # ----------------------------------------------------------------------------------------
 
@@ -361,6 +366,8 @@ class SessionManager:
         `wake`: the backend's handle of its suspended sandbox, woken instead of a new one;
         `fork`: a whole-sandbox snapshot its sandbox is restored from (`Backend.fork`)."""
         name = self.enabled_backend(backend)
+        if self._closing:
+            raise BackendUnavailable("the service is shutting down: try again once it is back")
         session_id = session_id or f"s-{secrets.token_hex(12)}"
         await self._coordinator.admit(owner, session_id)
         try:
@@ -379,8 +386,6 @@ class SessionManager:
         wake: str | None,
         fork: Path | None,
     ) -> Session:
-        if self._closing:
-            raise BackendUnavailable("the service is shutting down: try again once it is back")
         self._creating[owner] = self._creating.get(owner, 0) + 1
         self._none_creating.clear()
         try:
@@ -399,10 +404,15 @@ class SessionManager:
             try:
                 if env:
                     await sandbox.set_env(env)
-                if self._closing:  # made while the service closed: nobody would end it
+                # Made while the service closed: nobody would end it. (A woken one is held,
+                # and ended by the close: closed here, its engine might not keep it paused.)
+                if self._closing and wake is None:
                     raise BackendUnavailable("the service shut down while the sandbox was made")
             except BaseException:
-                await finish_even_if_cancelled(sandbox.close())
+                try:
+                    await finish_even_if_cancelled(sandbox.close())
+                except Exception:  # what made it fail is what the caller is told
+                    log.exception("closing a sandbox that was not served failed")
                 raise
         finally:
             self._creating[owner] -= 1

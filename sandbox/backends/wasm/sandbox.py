@@ -60,6 +60,7 @@ from sandbox.frames import FrameRefused, read_frame, write_frame
 from sandbox.kernel.collector import OutputCollector
 from sandbox.kernel.stdio_tail import StdioTail
 from sandbox.kernel.wire import Malformed
+from sandbox.run_to_end import finish_even_if_cancelled
 from sandbox.workspace_paths import clean_path
 
 log = logging.getLogger(__name__)
@@ -138,15 +139,23 @@ class WasmSandbox(Sandbox):
             listener.bind(str(path))
             listener.listen(1)
             listener.setblocking(False)
-            self._process = await asyncio.create_subprocess_exec(
-                *self._command(path),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                cwd=self._root,
-                env=self._process_env(),
-                start_new_session=True,
+            spawning = asyncio.ensure_future(
+                asyncio.create_subprocess_exec(
+                    *self._command(path),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    cwd=self._root,
+                    env=self._process_env(),
+                    start_new_session=True,
+                )
             )
+            try:  # known even if cancelled meanwhile, so that the close below ends it
+                self._process = await finish_even_if_cancelled(spawning)
+            except asyncio.CancelledError:
+                if spawning.done() and not spawning.cancelled() and not spawning.exception():
+                    self._process = spawning.result()
+                raise
             assert self._process.stdout is not None
             self._tail = StdioTail(self._process.stdout)
             self._hold_to_memory(self._process.pid)
@@ -161,8 +170,10 @@ class WasmSandbox(Sandbox):
             if self._closed:
                 raise SandboxClosed("the sandbox was closed while it started")
         except BaseException as exc:
-            reason = await self._startup_failure(exc)
-            await self.close()
+            try:
+                reason = await self._startup_failure(exc)
+            finally:  # whole, even if cancelled again (meanwhile, or at any step of it)
+                await finish_even_if_cancelled(self.close())
             if self._group is not None:  # closed meanwhile (a restart's start): its group too
                 await asyncio.to_thread(self._group.remove)
             if isinstance(exc, asyncio.CancelledError):

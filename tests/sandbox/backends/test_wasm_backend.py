@@ -28,7 +28,7 @@ from code_interpreter_wire.spec import ResourceLimits
 from sandbox.backends.wasm import distribution as distribution_module
 from sandbox.backends.wasm.backend import WasmBackend, WasmBackendConfig
 from sandbox.backends.wasm.sandbox import MAX_FILE, WasmSandbox
-from tests.conftest import require_backend, small_spec
+from tests.conftest import host_processes_with, require_backend, small_spec
 from tests.network.upstream import Upstream, upstream
 
 pytestmark = pytest.mark.timeout(180)
@@ -602,9 +602,13 @@ async def test_a_start_cancelled_again_and_again_leaves_nothing(
         while not any((d / "s").exists() for d in made_now()):  # noqa: ASYNC110
             await asyncio.sleep(0.01)
     (made,) = made_now()
+    async with asyncio.timeout(60):  # Deno itself running
+        while not host_processes_with(str(made)):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
     async with asyncio.timeout(60):
         while not making.done():  # cancelled at each of its steps
             making.cancel()
             await asyncio.sleep(0)
     assert making.cancelled()
     assert not made.exists()
+    assert host_processes_with(str(made)) == []

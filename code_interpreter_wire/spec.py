@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Literal, Protocol, TypeVar
 
@@ -119,6 +120,12 @@ def mounts_apart(mounts: list[_P]) -> list[_P]:
         if other == one or other.startswith(one + "/"):
             raise ValueError(f"mounts {one!r} and {other!r} overlap: give each its own place")
     return mounts
+
+
+def mount_places(mounts: Iterable[DirectoryMount]) -> list[tuple[str, bool]]:
+    """Where mounts are, and whether read-only, in order: what a whole saved sandbox keeps of
+    them (the host directories behind them may be others when it is restored)."""
+    return sorted((mount.path, mount.read_only) for mount in mounts)
 
 
 class SandboxSpec(BaseModel):

@@ -7,7 +7,7 @@ import logging
 
 from code_interpreter_wire.errors import SandboxError
 from code_interpreter_wire.rest import CreateSessionRequest, LimitsRequest, ResumeInfo, SessionInfo
-from code_interpreter_wire.spec import DirectoryMount, SandboxSpec
+from code_interpreter_wire.spec import DirectoryMount, SandboxSpec, mount_places
 from orchestrator.cluster.shared import SharedSandbox
 from orchestrator.governance.approvals import Approvals
 from orchestrator.host_tools import HostTool
@@ -442,8 +442,8 @@ class Lifecycle:
 def _same_volume_places(snapshot: SnapshotRecord, mounts: list[DirectoryMount]) -> None:
     """A whole saved sandbox keeps its mount table: started from it, a session mounts volumes
     at the places (and read-only as) it had them, or is refused before a sandbox is made."""
-    saved = sorted((m.path, m.read_only) for m in snapshot.spec.mounts)
-    if sorted((m.path, m.read_only) for m in mounts) == saved:
+    saved = mount_places(snapshot.spec.mounts)
+    if mount_places(mounts) == saved:
         return
     whole = f"snapshot {snapshot.id} is a whole sandbox"
     if not saved:

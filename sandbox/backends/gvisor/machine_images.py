@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from code_interpreter_wire.languages import PYTHON
-from code_interpreter_wire.spec import SandboxSpec
+from code_interpreter_wire.spec import SandboxSpec, mount_places
 from sandbox.backends.gvisor.machine import AGENT_FILES, SUDO_FILE, ImageUnusable
 from sandbox.egress_channel import FORWARDER_FILE
 from sandbox.host_channel import KERNEL_MODULE
@@ -85,7 +85,7 @@ def volume_places(spec: SandboxSpec) -> list[tuple[str, bool]]:
     """Where a machine's volumes are mounted, and whether read-only: what a saved machine's
     manifest keeps, and a sandbox restored from it must mount the same (its mount table is the
     saved one; the host directories may be others, the same volumes made ready again)."""
-    return sorted((mount.path, mount.read_only) for mount in spec.mounts)
+    return mount_places(spec.mounts)
 
 
 @functools.cache
